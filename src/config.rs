@@ -1,0 +1,527 @@
+//! Typed configuration: a raw serde layer that rejects unknown fields and reports the path of
+//! any mistake, then validation into the structs the program uses.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::Uri;
+use serde::Deserialize;
+
+/// A configuration problem, reported with the file and the field it concerns. `fleetgate`
+/// exits with code 64 (EX_USAGE) on one of these.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {field}: {message}")]
+pub struct ConfigError {
+    pub file: String,
+    pub field: String,
+    pub message: String,
+}
+
+/// A string that never prints: upstream API keys and other credentials.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("*****")
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("*****")
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub pools: Vec<PoolConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub max_body_bytes: usize,
+    pub shutdown_grace: Duration,
+    pub tls: Option<TlsConfig>,
+    pub log_format: LogFormat,
+    /// Emit one structured log event per request (target `fleetgate::request`).
+    pub request_log_events: bool,
+    /// How often backends are probed for `/readyz`.
+    pub health_interval: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// The model name clients send.
+    pub model: String,
+    /// The name the backends serve it under, when it differs (the body is rewritten).
+    pub served_model_name: Option<String>,
+    pub backends: Vec<Uri>,
+    /// Sent upstream as `Authorization: Bearer ...` instead of the client's credentials.
+    pub upstream_api_key: Option<Secret>,
+    /// Extra CA certificate(s) (PEM) trusted for https backends, beside the webpki roots.
+    pub ca_file: Option<PathBuf>,
+    pub timeouts: Timeouts,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub connect: Duration,
+    /// From sending the request until the response head (non-streaming) or the first
+    /// token (streaming) arrives.
+    pub first_token: Duration,
+    /// Longest silence between two chunks of a response body.
+    pub idle: Duration,
+    /// Whole request, first byte sent to last byte received.
+    pub total: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(3),
+            first_token: Duration::from_secs(120),
+            idle: Duration::from_secs(60),
+            total: Duration::from_secs(1800),
+        }
+    }
+}
+
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            shutdown_grace: Duration::from_secs(30),
+            tls: None,
+            log_format: LogFormat::Text,
+            request_log_events: true,
+            health_interval: Duration::from_secs(5),
+        }
+    }
+}
+
+impl PoolConfig {
+    /// A pool with default timeouts and no rename or upstream key.
+    pub fn new(model: impl Into<String>, backends: Vec<Uri>) -> Self {
+        Self {
+            model: model.into(),
+            served_model_name: None,
+            backends,
+            upstream_api_key: None,
+            ca_file: None,
+            timeouts: Timeouts::default(),
+        }
+    }
+}
+
+// ---- raw layer -------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    server: RawServer,
+    #[serde(default)]
+    pools: Vec<RawPool>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    #[serde(default = "default_listen")]
+    listen: String,
+    #[serde(default = "default_max_body")]
+    max_body_bytes: u64,
+    #[serde(default = "default_grace")]
+    shutdown_grace_seconds: f64,
+    tls: Option<RawTls>,
+    #[serde(default)]
+    log_format: LogFormat,
+    #[serde(default = "default_true")]
+    request_log_events: bool,
+    #[serde(default = "default_health_interval")]
+    health_interval_ms: u64,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+            max_body_bytes: default_max_body(),
+            shutdown_grace_seconds: default_grace(),
+            tls: None,
+            log_format: LogFormat::Text,
+            request_log_events: true,
+            health_interval_ms: default_health_interval(),
+        }
+    }
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8080".to_owned()
+}
+fn default_max_body() -> u64 {
+    DEFAULT_MAX_BODY_BYTES as u64
+}
+fn default_grace() -> f64 {
+    30.0
+}
+fn default_true() -> bool {
+    true
+}
+fn default_health_interval() -> u64 {
+    5000
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPool {
+    model: String,
+    served_model_name: Option<String>,
+    backends: Vec<String>,
+    upstream_api_key: Option<String>,
+    ca_file: Option<PathBuf>,
+    #[serde(default)]
+    timeouts: RawTimeouts,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawTimeouts {
+    connect_ms: Option<u64>,
+    first_token_ms: Option<u64>,
+    idle_ms: Option<u64>,
+    total_ms: Option<u64>,
+}
+
+/// Replace `${VAR}` and `${VAR:-default}` with the environment's values. A missing variable
+/// without a default is an error, so a typo cannot silently become an empty key. Comment
+/// lines are left alone.
+pub fn interpolate_env(
+    text: &str,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<String, String> {
+    let mut out = String::with_capacity(text.len());
+    for line in text.split_inclusive('\n') {
+        if line.trim_start().starts_with('#') {
+            out.push_str(line);
+            continue;
+        }
+        let mut rest = line;
+        while let Some(start) = rest.find("${") {
+            out.push_str(&rest[..start]);
+            let after = &rest[start + 2..];
+            let Some(end) = after.find('}') else {
+                return Err("unterminated `${` in config".to_owned());
+            };
+            let expr = &after[..end];
+            let (name, default) = match expr.split_once(":-") {
+                Some((n, d)) => (n, Some(d)),
+                None => (expr, None),
+            };
+            match (lookup(name), default) {
+                (Some(v), _) => out.push_str(&v),
+                (None, Some(d)) => out.push_str(d),
+                (None, None) => {
+                    return Err(format!(
+                        "environment variable `{name}` is not set (write `${{{name}:-default}}` to allow a default)"
+                    ));
+                }
+            }
+            rest = &after[end + 1..];
+        }
+        out.push_str(rest);
+    }
+    Ok(out)
+}
+
+impl Config {
+    /// Read, interpolate, parse and validate a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: file.clone(),
+            field: "-".into(),
+            message: format!("cannot read the file: {e}"),
+        })?;
+        Self::parse(&file, &text, |name| std::env::var(name).ok())
+    }
+
+    /// Parse config text (`file` only names it in errors).
+    pub fn parse(
+        file: &str,
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let err = |field: &str, message: String| ConfigError {
+            file: file.to_owned(),
+            field: field.to_owned(),
+            message,
+        };
+        let text = interpolate_env(text, env).map_err(|m| err("-", m))?;
+        let de = toml::Deserializer::parse(&text).map_err(|e| err("-", e.to_string()))?;
+        let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            err(&path, e.into_inner().message().to_owned())
+        })?;
+        raw.validate(file)
+    }
+}
+
+impl RawConfig {
+    fn validate(self, file: &str) -> Result<Config, ConfigError> {
+        let err = |field: String, message: String| ConfigError {
+            file: file.to_owned(),
+            field,
+            message,
+        };
+        let s = self.server;
+        let listen: SocketAddr = s.listen.parse().map_err(|_| {
+            err(
+                "server.listen".into(),
+                format!(
+                    "`{}` is not an address:port (for example \"127.0.0.1:8080\" or \"0.0.0.0:8080\")",
+                    s.listen
+                ),
+            )
+        })?;
+        if s.max_body_bytes < 1024 {
+            return Err(err(
+                "server.max_body_bytes".into(),
+                "must be at least 1024".into(),
+            ));
+        }
+        if !(s.shutdown_grace_seconds.is_finite() && s.shutdown_grace_seconds >= 0.0) {
+            return Err(err(
+                "server.shutdown_grace_seconds".into(),
+                "must be a number of seconds ≥ 0".into(),
+            ));
+        }
+        if s.health_interval_ms == 0 {
+            return Err(err(
+                "server.health_interval_ms".into(),
+                "must be > 0".into(),
+            ));
+        }
+        let tls = s.tls.map(|t| TlsConfig {
+            cert: t.cert,
+            key: t.key,
+        });
+        let server = ServerConfig {
+            listen,
+            max_body_bytes: usize::try_from(s.max_body_bytes).unwrap_or(usize::MAX),
+            shutdown_grace: Duration::from_secs_f64(s.shutdown_grace_seconds),
+            tls,
+            log_format: s.log_format,
+            request_log_events: s.request_log_events,
+            health_interval: Duration::from_millis(s.health_interval_ms),
+        };
+
+        if self.pools.is_empty() {
+            return Err(err(
+                "pools".into(),
+                "no pool is configured: add a [[pools]] table with `model` and `backends`".into(),
+            ));
+        }
+        let mut seen = HashSet::new();
+        let mut pools = Vec::with_capacity(self.pools.len());
+        for (i, p) in self.pools.into_iter().enumerate() {
+            let at = |f: &str| format!("pools[{i}].{f}");
+            if p.model.trim().is_empty() {
+                return Err(err(at("model"), "must not be empty".into()));
+            }
+            if !seen.insert(p.model.clone()) {
+                return Err(err(
+                    at("model"),
+                    format!("model `{}` is configured twice", p.model),
+                ));
+            }
+            if p.backends.is_empty() {
+                return Err(err(
+                    at("backends"),
+                    "needs at least one backend base URL, e.g. \"http://10.0.0.5:8000\"".into(),
+                ));
+            }
+            let mut backends = Vec::with_capacity(p.backends.len());
+            for (j, b) in p.backends.iter().enumerate() {
+                let uri =
+                    parse_backend_url(b).map_err(|m| err(at(&format!("backends[{j}]")), m))?;
+                backends.push(uri);
+            }
+            if let Some(name) = &p.served_model_name
+                && name.trim().is_empty()
+            {
+                return Err(err(
+                    at("served_model_name"),
+                    "must not be empty (leave it out to send the model name unchanged)".into(),
+                ));
+            }
+            if let Some(ca) = &p.ca_file
+                && !ca.exists()
+            {
+                return Err(err(
+                    at("ca_file"),
+                    format!("{} does not exist", ca.display()),
+                ));
+            }
+            let d = Timeouts::default();
+            let ms =
+                |v: Option<u64>, dflt: Duration, name: &str| -> Result<Duration, ConfigError> {
+                    match v {
+                        None => Ok(dflt),
+                        Some(0) => Err(err(at(&format!("timeouts.{name}")), "must be > 0".into())),
+                        Some(v) => Ok(Duration::from_millis(v)),
+                    }
+                };
+            let timeouts = Timeouts {
+                connect: ms(p.timeouts.connect_ms, d.connect, "connect_ms")?,
+                first_token: ms(p.timeouts.first_token_ms, d.first_token, "first_token_ms")?,
+                idle: ms(p.timeouts.idle_ms, d.idle, "idle_ms")?,
+                total: ms(p.timeouts.total_ms, d.total, "total_ms")?,
+            };
+            pools.push(PoolConfig {
+                model: p.model,
+                served_model_name: p.served_model_name,
+                backends,
+                upstream_api_key: p.upstream_api_key.map(Secret::new),
+                ca_file: p.ca_file,
+                timeouts,
+            });
+        }
+        Ok(Config { server, pools })
+    }
+}
+
+/// A backend is a base URL: scheme http or https, a host, an optional path prefix (a trailing
+/// `/v1` is accepted and dropped, since clients' base URLs often carry it).
+pub fn parse_backend_url(text: &str) -> Result<Uri, String> {
+    let uri: Uri = text
+        .parse()
+        .map_err(|e| format!("`{text}` is not a URL: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") | Some("https") => {}
+        _ => {
+            return Err(format!(
+                "`{text}` needs a scheme: http://host:port or https://host:port"
+            ));
+        }
+    }
+    if uri.host().is_none() {
+        return Err(format!("`{text}` has no host"));
+    }
+    if uri.query().is_some() {
+        return Err(format!("`{text}` must not carry a query string"));
+    }
+    let mut path = uri.path().trim_end_matches('/');
+    if let Some(p) = path.strip_suffix("/v1") {
+        path = p;
+    }
+    let authority = uri.authority().map(|a| a.as_str()).unwrap_or_default();
+    let scheme = uri.scheme_str().unwrap_or("http");
+    format!("{scheme}://{authority}{path}")
+        .parse()
+        .map_err(|e| format!("`{text}`: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse("t.toml", text, |n| {
+            (n == "KEY").then(|| "sekrit".to_owned())
+        })
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = parse("[[pools]]\nmodel='m'\nbackends=['http://127.0.0.1:8001/v1/']\n").unwrap();
+        assert_eq!(c.server.listen.port(), 8080);
+        assert_eq!(c.server.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+        assert_eq!(c.pools[0].backends[0].to_string(), "http://127.0.0.1:8001/");
+        assert_eq!(c.pools[0].timeouts.connect, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn unknown_field_names_its_path() {
+        let e = parse("[server]\nlisen='x'\n[[pools]]\nmodel='m'\nbackends=['http://a']\n")
+            .unwrap_err();
+        assert_eq!(e.field, "server.lisen");
+        assert!(e.message.contains("lisen"), "{e}");
+    }
+
+    #[test]
+    fn bad_backend_names_index() {
+        let e =
+            parse("[[pools]]\nmodel='m'\nbackends=['http://a', '10.0.0.1:8000']\n").unwrap_err();
+        assert_eq!(e.field, "pools[0].backends[1]");
+        assert!(e.message.contains("scheme"), "{e}");
+    }
+
+    #[test]
+    fn env_interpolation_and_secret_hidden() {
+        let c = parse("[[pools]]\nmodel='m'\nbackends=['http://a']\nupstream_api_key='${KEY}'\n")
+            .unwrap();
+        let key = c.pools[0].upstream_api_key.as_ref().unwrap();
+        assert_eq!(key.expose(), "sekrit");
+        assert_eq!(format!("{key:?} {key}"), "***** *****");
+        let e = parse("[[pools]]\nmodel='m'\nbackends=['http://a']\nupstream_api_key='${NOPE}'\n")
+            .unwrap_err();
+        assert!(e.message.contains("NOPE"));
+        let c = parse("[server]\nlisten='${NOPE:-127.0.0.1:9}'\n[[pools]]\nmodel='m'\nbackends=['http://a']\n").unwrap();
+        assert_eq!(c.server.listen.port(), 9);
+    }
+
+    #[test]
+    fn duplicate_model_and_empty_pools_rejected() {
+        assert_eq!(parse("").unwrap_err().field, "pools");
+        let e = parse("[[pools]]\nmodel='m'\nbackends=['http://a']\n[[pools]]\nmodel='m'\nbackends=['http://b']\n").unwrap_err();
+        assert_eq!(e.field, "pools[1].model");
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/fleetgate.toml");
+        let c = Config::load(&path).unwrap();
+        assert_eq!(c.server.listen, SocketAddr::from(([127, 0, 0, 1], 8080)));
+        assert_eq!(c.pools[0].backends.len(), 2);
+    }
+}

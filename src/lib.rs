@@ -1,0 +1,8 @@
+//! fleetgate: an authenticating reverse-proxy gateway for fleets of OpenAI-compatible
+//! inference servers. The binary in `main.rs` is a thin CLI over these modules.
+
+pub mod config;
+pub mod pool;
+pub mod proxy;
+pub mod server;
+pub mod telemetry;

@@ -1,0 +1,142 @@
+//! The `fleetgate` command line: serve, sim, demo, check-config.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use fleetgate::config::{Config, LogFormat};
+use fleetgate::server::Server;
+
+#[derive(Parser)]
+#[command(
+    name = "fleetgate",
+    version,
+    about = "Authenticating gateway for fleets of OpenAI-compatible inference servers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway.
+    Serve {
+        #[arg(long, short, default_value = "config/fleetgate.toml")]
+        config: PathBuf,
+    },
+    /// Check a config file and print what it configures.
+    CheckConfig {
+        #[arg(long, short, default_value = "config/fleetgate.toml")]
+        config: PathBuf,
+    },
+}
+
+/// EX_USAGE: a bad config or command line.
+const EXIT_CONFIG: u8 = 64;
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fleetgate: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::Serve { config } => {
+            let config = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("fleetgate: invalid config: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            };
+            init_logging(config.server.log_format);
+            serve(config).await
+        }
+        Command::CheckConfig { config } => match Config::load(&config) {
+            Ok(c) => {
+                println!("{}: ok", config.display());
+                println!(
+                    "listen {} (tls: {})",
+                    c.server.listen,
+                    c.server.tls.is_some()
+                );
+                for p in &c.pools {
+                    let backends: Vec<String> = p.backends.iter().map(|b| b.to_string()).collect();
+                    println!(
+                        "model {} -> {}{}",
+                        p.model,
+                        backends.join(", "),
+                        p.served_model_name
+                            .as_ref()
+                            .map(|n| format!(" (served as {n})"))
+                            .unwrap_or_default()
+                    );
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("fleetgate: invalid config: {e}");
+                ExitCode::from(EXIT_CONFIG)
+            }
+        },
+    }
+}
+
+async fn serve(config: Config) -> ExitCode {
+    let server = match Server::start(&config).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start");
+            return ExitCode::FAILURE;
+        }
+    };
+    tracing::info!(url = %server.base_url(), pools = config.pools.len(), "fleetgate listening");
+    wait_for_signal().await;
+    tracing::info!("shutdown requested");
+    server.shutdown().await;
+    ExitCode::SUCCESS
+}
+
+/// SIGINT (Ctrl-C) or SIGTERM.
+pub async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

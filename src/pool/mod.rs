@@ -1,0 +1,311 @@
+//! Backend pools: which backends serve a model, the upstream HTTP client each pool uses, the
+//! least-in-flight choice among a pool's backends, and a light reachability probe for
+//! `/readyz`. (Weights, warm-up and load-aware balancing come later.)
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{PoolConfig, Timeouts};
+
+pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// Reachability as last observed (probe or real traffic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reachability {
+    Unknown = 0,
+    Up = 1,
+    Down = 2,
+}
+
+#[derive(Debug)]
+pub struct Backend {
+    /// Base URL as configured (log and error text; never a label from a client).
+    pub base: Arc<str>,
+    pub chat_uri: Uri,
+    pub completions_uri: Uri,
+    pub health_uri: Uri,
+    pub in_flight: AtomicU32,
+    reachability: AtomicU8,
+}
+
+impl Backend {
+    fn new(base: &Uri) -> io::Result<Self> {
+        let text = base.to_string();
+        let trimmed = text.trim_end_matches('/');
+        let join = |p: &str| -> io::Result<Uri> {
+            format!("{trimmed}{p}")
+                .parse()
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{e}")))
+        };
+        Ok(Self {
+            base: Arc::from(trimmed),
+            chat_uri: join("/v1/chat/completions")?,
+            completions_uri: join("/v1/completions")?,
+            health_uri: join("/health")?,
+            in_flight: AtomicU32::new(0),
+            reachability: AtomicU8::new(Reachability::Unknown as u8),
+        })
+    }
+
+    pub fn reachability(&self) -> Reachability {
+        match self.reachability.load(Ordering::Relaxed) {
+            1 => Reachability::Up,
+            2 => Reachability::Down,
+            _ => Reachability::Unknown,
+        }
+    }
+
+    pub fn mark(&self, r: Reachability) {
+        self.reachability.store(r as u8, Ordering::Relaxed);
+    }
+}
+
+/// Holds one in-flight slot on a backend; released on drop, whatever ends the request.
+#[derive(Debug)]
+pub struct InFlight {
+    backend: Arc<Backend>,
+}
+
+impl InFlight {
+    pub fn backend(&self) -> &Arc<Backend> {
+        &self.backend
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.backend.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug)]
+pub struct Pool {
+    pub model: Arc<str>,
+    /// Replacement for the `model` value, as a JSON string literal, when the backends serve
+    /// the model under another name.
+    pub rename_json: Option<Bytes>,
+    pub upstream_auth: Option<HeaderValue>,
+    pub timeouts: Timeouts,
+    pub backends: Vec<Arc<Backend>>,
+    pub client: UpstreamClient,
+}
+
+impl Pool {
+    fn new(cfg: &PoolConfig) -> io::Result<Self> {
+        let backends = cfg
+            .backends
+            .iter()
+            .map(|b| Backend::new(b).map(Arc::new))
+            .collect::<io::Result<Vec<_>>>()?;
+        let rename_json = match &cfg.served_model_name {
+            Some(name) if name != &cfg.model => Some(Bytes::from(
+                serde_json::to_vec(name).map_err(io::Error::other)?,
+            )),
+            _ => None,
+        };
+        let upstream_auth = match &cfg.upstream_api_key {
+            Some(k) => {
+                let mut v = HeaderValue::try_from(format!("Bearer {}", k.expose())).map_err(|_| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("pool `{}`: upstream_api_key holds characters not allowed in a header", cfg.model),
+                    )
+                })?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(Self {
+            model: Arc::from(cfg.model.as_str()),
+            rename_json,
+            upstream_auth,
+            timeouts: cfg.timeouts,
+            backends,
+            client: build_client(cfg)?,
+        })
+    }
+
+    /// Least in-flight among backends not known to be down; ties go to the first. Returns
+    /// `None` when every backend failed its last check.
+    pub fn acquire(&self) -> Option<InFlight> {
+        let mut best: Option<(&Arc<Backend>, u32)> = None;
+        for b in &self.backends {
+            if b.reachability() == Reachability::Down {
+                continue;
+            }
+            let n = b.in_flight.load(Ordering::Relaxed);
+            if best.is_none_or(|(_, m)| n < m) {
+                best = Some((b, n));
+            }
+        }
+        let (backend, _) = best?;
+        backend.in_flight.fetch_add(1, Ordering::Relaxed);
+        Some(InFlight {
+            backend: backend.clone(),
+        })
+    }
+}
+
+fn build_client(cfg: &PoolConfig) -> io::Result<UpstreamClient> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = &cfg.ca_file {
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject;
+        let certs = CertificateDer::pem_file_iter(path)
+            .map_err(|e| io::Error::other(format!("{}: {e}", path.display())))?;
+        for cert in certs {
+            let cert = cert.map_err(|e| io::Error::other(format!("{}: {e}", path.display())))?;
+            roots
+                .add(cert)
+                .map_err(|e| io::Error::other(format!("{}: {e}", path.display())))?;
+        }
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(io::Error::other)?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(cfg.timeouts.connect));
+    http.set_keepalive(Some(Duration::from_secs(30)));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .build(https))
+}
+
+/// All pools, by the model name clients send.
+#[derive(Debug)]
+pub struct Pools {
+    pools: Vec<Pool>,
+    by_model: HashMap<Arc<str>, usize>,
+    /// "`a`, `b`" — for the model-not-found message.
+    pub model_list: String,
+    /// The `/v1/models` body, built once.
+    pub models_body: Bytes,
+}
+
+impl Pools {
+    pub fn new(cfgs: &[PoolConfig]) -> io::Result<Self> {
+        let pools = cfgs.iter().map(Pool::new).collect::<io::Result<Vec<_>>>()?;
+        let by_model = pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.model.clone(), i))
+            .collect();
+        let model_list = pools
+            .iter()
+            .map(|p| format!("`{}`", p.model))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let data: Vec<serde_json::Value> = pools
+            .iter()
+            .map(|p| {
+                serde_json::json!({
+                    "id": &*p.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "fleetgate",
+                })
+            })
+            .collect();
+        let models_body = Bytes::from(
+            serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
+                .map_err(io::Error::other)?,
+        );
+        Ok(Self {
+            pools,
+            by_model,
+            model_list,
+            models_body,
+        })
+    }
+
+    pub fn get(&self, model: &str) -> Option<&Pool> {
+        self.by_model.get(model).map(|&i| &self.pools[i])
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Pool> {
+        self.pools.iter()
+    }
+
+    /// At least one backend answered its last probe (or served a request).
+    pub fn any_reachable(&self) -> bool {
+        self.pools
+            .iter()
+            .flat_map(|p| &p.backends)
+            .any(|b| b.reachability() == Reachability::Up)
+    }
+
+    /// Probe every backend's `/health` on an interval until `stop` is cancelled.
+    pub async fn probe_loop(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
+        loop {
+            self.probe_once().await;
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+
+    pub async fn probe_once(&self) {
+        let probes = self
+            .pools
+            .iter()
+            .flat_map(|pool| pool.backends.iter().map(move |b| probe(pool, b)));
+        futures_util::future::join_all(probes).await;
+    }
+}
+
+async fn probe(pool: &Pool, backend: &Backend) {
+    let mut req = Request::get(backend.health_uri.clone());
+    if let Some(auth) = &pool.upstream_auth {
+        req = req.header(http::header::AUTHORIZATION, auth.clone());
+    }
+    let Ok(req) = req.body(Full::new(Bytes::new())) else {
+        return;
+    };
+    let timeout = pool.timeouts.connect + Duration::from_secs(2);
+    let result = tokio::time::timeout(timeout, async {
+        let resp = pool.client.request(req).await?;
+        let ok = resp.status().is_success();
+        // Drain so the connection goes back to the pool.
+        let _ = resp.into_body().collect().await;
+        Ok::<bool, hyper_util::client::legacy::Error>(ok)
+    })
+    .await;
+    let state = match result {
+        Ok(Ok(true)) => Reachability::Up,
+        Ok(Ok(false)) | Ok(Err(_)) | Err(_) => Reachability::Down,
+    };
+    if backend.reachability() != state {
+        match state {
+            Reachability::Up => tracing::info!(backend = %backend.base, "backend reachable"),
+            _ => tracing::warn!(backend = %backend.base, "backend failed its health probe"),
+        }
+    }
+    backend.mark(state);
+}

@@ -1,0 +1,562 @@
+//! Forwarding of completion requests: read and check the body, pick the pool and a backend,
+//! send the original bytes upstream, and relay the answer (see `relay`). `forward` reads top
+//! to bottom as the request path; each step stamps the request's Timeline.
+
+pub mod error;
+pub mod relay;
+pub mod sse;
+pub mod view;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+
+use crate::pool::{InFlight, Pool, Pools, Reachability};
+use crate::telemetry::RequestRecord;
+use error::{ApiError, ConnectCause, ErrorKind, TimeoutKind, error_body};
+use relay::{GatewayBody, RelayBody};
+use view::Endpoint;
+
+/// What the forwarding path needs, shared by all requests.
+#[derive(Debug)]
+pub struct ProxyState {
+    pub pools: Arc<Pools>,
+    pub max_body_bytes: usize,
+    pub emit_request_events: bool,
+}
+
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
+static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
+
+/// Largest error body read from a backend to rewrap it.
+const MAX_UPSTREAM_ERROR_BODY: usize = 64 * 1024;
+
+/// An error response in OpenAI format, with the request id.
+pub fn error_response(err: &ApiError, request_id: &HeaderValue) -> Response<GatewayBody> {
+    let mut resp = Response::new(GatewayBody::full(err.body()));
+    *resp.status_mut() = err.status();
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
+    h.insert(X_REQUEST_ID.clone(), request_id.clone());
+    if let Some((name, value)) = err.extra_header() {
+        h.insert(name, value);
+    }
+    resp
+}
+
+/// The client's `x-request-id` if usable, else a new one: a per-process random prefix and a
+/// counter (unique across replicas without a per-request random draw).
+pub fn request_id(headers: &HeaderMap) -> HeaderValue {
+    if let Some(v) = headers.get(&X_REQUEST_ID)
+        && !v.is_empty()
+        && v.len() <= 128
+    {
+        return v.clone();
+    }
+    static PREFIX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let prefix = *PREFIX.get_or_init(rand::random::<u32>);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut buf = [0u8; 3 + 8 + 1 + 16];
+    buf[..3].copy_from_slice(b"fg-");
+    hex_into(&mut buf[3..11], u64::from(prefix), 8);
+    buf[11] = b'-';
+    hex_into(&mut buf[12..], n, 16);
+    HeaderValue::from_bytes(&buf).unwrap_or_else(|_| HeaderValue::from_static("fg-invalid"))
+}
+
+fn hex_into(out: &mut [u8], mut v: u64, digits: usize) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for i in (0..digits).rev() {
+        out[i] = HEX[(v & 0xf) as usize];
+        v >>= 4;
+    }
+}
+
+/// Headers never passed upstream: hop-by-hop ones, the client's credentials (the pool's own
+/// upstream key is sent instead), and `accept-encoding` (the relay must see plain SSE).
+const STRIP_UPSTREAM: &[HeaderName] = &[
+    header::HOST,
+    header::AUTHORIZATION,
+    header::PROXY_AUTHORIZATION,
+    header::CONNECTION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::CONTENT_LENGTH,
+    header::ACCEPT_ENCODING,
+    header::EXPECT,
+    header::COOKIE,
+];
+
+fn strip_upstream_headers(h: &mut HeaderMap) {
+    for name in STRIP_UPSTREAM {
+        h.remove(name);
+    }
+    h.remove("x-api-key");
+    h.remove("keep-alive");
+    h.remove("proxy-connection");
+}
+
+/// Hop-by-hop headers of the upstream response, not passed to the client.
+fn strip_downstream_headers(h: &mut HeaderMap) {
+    h.remove(header::CONNECTION);
+    h.remove(header::TRANSFER_ENCODING);
+    h.remove(header::TRAILER);
+    h.remove(header::UPGRADE);
+    h.remove("keep-alive");
+}
+
+fn is_json_content_type(v: &HeaderValue) -> bool {
+    let Ok(s) = v.to_str() else { return false };
+    let mime = s.split(';').next().unwrap_or("").trim();
+    mime.eq_ignore_ascii_case("application/json")
+        || mime.len() > 5 && mime[mime.len() - 5..].eq_ignore_ascii_case("+json")
+}
+
+/// Forward one completion request. `record` already carries the request id and `received`.
+pub async fn forward(
+    state: &ProxyState,
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+    mut record: RequestRecord,
+) -> Response<GatewayBody> {
+    record.endpoint = Some(endpoint);
+    match forward_inner(state, endpoint, req, &mut record).await {
+        Ok(Forwarded::Relay(resp, relay_parts)) => {
+            let (head, ()) = resp.into_parts();
+            record.status = head.status.as_u16();
+            record.timeline.client_first_byte = Some(Instant::now());
+            let RelayParts {
+                upstream,
+                sse,
+                timeouts,
+                slot,
+            } = relay_parts;
+            let relay = RelayBody::new(upstream, sse, timeouts, slot, record);
+            Response::from_parts(head, GatewayBody::relay(relay))
+        }
+        Ok(Forwarded::Full(resp)) => {
+            record.status = resp.status().as_u16();
+            let now = Instant::now();
+            record.timeline.client_first_byte = Some(now);
+            record.timeline.done = Some(now);
+            resp
+        }
+        Err(err) => {
+            record.status = err.status().as_u16();
+            record.error = Some(err.kind());
+            if matches!(err, ApiError::Internal) {
+                tracing::error!(request_id = ?record.request_id, "internal error while forwarding");
+            }
+            record.timeline.done = Some(Instant::now());
+            error_response(&err, &record.request_id)
+        }
+    }
+}
+
+struct RelayParts {
+    upstream: Incoming,
+    sse: bool,
+    timeouts: crate::config::Timeouts,
+    slot: InFlight,
+}
+
+enum Forwarded {
+    /// Head ready; the body will be relayed.
+    Relay(Response<()>, RelayParts),
+    /// A complete response (a backend error rewrapped into OpenAI format).
+    Full(Response<GatewayBody>),
+}
+
+async fn forward_inner(
+    state: &ProxyState,
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+    record: &mut RequestRecord,
+) -> Result<Forwarded, ApiError> {
+    let (mut parts, body) = req.into_parts();
+
+    // 1. Body: JSON, within the size limit, read whole (requests are small).
+    if let Some(ct) = parts.headers.get(header::CONTENT_TYPE)
+        && !is_json_content_type(ct)
+    {
+        return Err(ApiError::UnsupportedMediaType {
+            got: String::from_utf8_lossy(ct.as_bytes()).into_owned(),
+        });
+    }
+    let limit = state.max_body_bytes;
+    if let Some(len) = parts.headers.get(header::CONTENT_LENGTH)
+        && let Some(len) = len.to_str().ok().and_then(|s| s.parse::<u64>().ok())
+        && len > limit as u64
+    {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Err(ApiError::BodyTooLarge { limit });
+        }
+        Err(e) => return Err(ApiError::BodyRead(e.to_string())),
+    };
+    let now = Instant::now();
+    record.timeline.body_read = Some(now);
+    record.timeline.admitted = Some(now);
+
+    // 2. The view: parsed once; the bytes stay as they are.
+    let view = view::parse(&body, endpoint)?;
+    record.stream = view.stream;
+
+    // 3. Route: model → pool → backend.
+    let pool = state
+        .pools
+        .get(&view.model)
+        .ok_or_else(|| ApiError::ModelNotFound {
+            model: view.model.clone().into_owned(),
+            available: state.pools.model_list.clone(),
+        })?;
+    record.model = Some(pool.model.clone());
+    let slot = pool.acquire().ok_or_else(|| no_backend(pool))?;
+    let backend = slot.backend().clone();
+    record.backend = Some(backend.base.clone());
+
+    // 4. The upstream request: original bytes, unless the model must be renamed.
+    let upstream_body = match &pool.rename_json {
+        Some(name) => view::splice(&body, view.model_span.clone(), name),
+        None => body.clone(),
+    };
+    drop(view);
+    strip_upstream_headers(&mut parts.headers);
+    let mut headers = parts.headers;
+    if let Some(auth) = &pool.upstream_auth {
+        headers.insert(header::AUTHORIZATION, auth.clone());
+    }
+    headers.insert(X_REQUEST_ID.clone(), record.request_id.clone());
+    headers.insert(
+        header::CONTENT_LENGTH,
+        HeaderValue::from(upstream_body.len() as u64),
+    );
+    let mut upstream_req = Request::new(Full::new(upstream_body));
+    *upstream_req.method_mut() = Method::POST;
+    *upstream_req.uri_mut() = match endpoint {
+        Endpoint::Chat => backend.chat_uri.clone(),
+        Endpoint::Completions => backend.completions_uri.clone(),
+    };
+    *upstream_req.version_mut() = Version::HTTP_11;
+    *upstream_req.headers_mut() = headers;
+
+    // 5. Send; wait for the head within the first-token (and total) limit.
+    let sent = Instant::now();
+    record.timeline.upstream_sent = Some(sent);
+    let t = pool.timeouts;
+    let head_deadline = sent + t.first_token.min(t.total);
+    let resp = match tokio::time::timeout_at(
+        head_deadline.into(),
+        pool.client.request(upstream_req),
+    )
+    .await
+    {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) => {
+            let (cause, detail) = classify_client_error(&e);
+            if matches!(
+                cause,
+                ConnectCause::Refused | ConnectCause::Dns | ConnectCause::ConnectTimeout
+            ) {
+                backend.mark(Reachability::Down);
+            }
+            tracing::warn!(backend = %backend.base, cause = ?cause, %detail, "upstream request failed");
+            return Err(ApiError::BackendUnreachable {
+                backend: backend.base.to_string(),
+                cause,
+                detail,
+            });
+        }
+        Err(_) => {
+            let kind = if t.total <= t.first_token {
+                TimeoutKind::Total
+            } else {
+                TimeoutKind::FirstToken
+            };
+            return Err(ApiError::UpstreamTimeout {
+                backend: backend.base.to_string(),
+                kind,
+                after_ms: t.first_token.min(t.total).as_millis(),
+            });
+        }
+    };
+    let head_at = Instant::now();
+    record.timeline.upstream_first_byte = Some(head_at);
+    backend.mark(Reachability::Up);
+
+    let (mut head, upstream) = resp.into_parts();
+    if head.status.is_client_error() || head.status.is_server_error() {
+        record.error = Some(ErrorKind::UpstreamError);
+        let bytes = read_error_body(upstream, head_deadline.max(head_at + t.idle)).await;
+        let (body, wrapped) = openai_error_body(head.status, &bytes, &backend.base, &pool.model);
+        let mut resp = Response::new(GatewayBody::full(body));
+        *resp.status_mut() = head.status;
+        let h = resp.headers_mut();
+        h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
+        h.insert(X_REQUEST_ID.clone(), record.request_id.clone());
+        if let Some(ra) = head.headers.get(header::RETRY_AFTER) {
+            h.insert(header::RETRY_AFTER, ra.clone());
+        }
+        if wrapped {
+            tracing::debug!(backend = %backend.base, status = head.status.as_u16(), "wrapped a non-OpenAI error body");
+        }
+        record.timeline.upstream_first_token = Some(head_at);
+        record.timeline.client_first_token = Some(Instant::now());
+        return Ok(Forwarded::Full(resp));
+    }
+
+    let sse = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    strip_downstream_headers(&mut head.headers);
+    head.headers
+        .insert(X_REQUEST_ID.clone(), record.request_id.clone());
+    head.version = Version::HTTP_11;
+    if !sse {
+        // The whole answer is in this head's body: the first token is the head.
+        record.timeline.upstream_first_token = Some(head_at);
+        record.timeline.client_first_token = Some(head_at);
+    }
+    if let Some(v) = server_timing(record, head_at, sse) {
+        head.headers.insert(SERVER_TIMING.clone(), v);
+    }
+    Ok(Forwarded::Relay(
+        Response::from_parts(head, ()),
+        RelayParts {
+            upstream,
+            sse,
+            timeouts: t,
+            slot,
+        },
+    ))
+}
+
+fn no_backend(pool: &Pool) -> ApiError {
+    ApiError::NoBackend {
+        model: pool.model.to_string(),
+        detail: format!(
+            "all {} backend(s) failed their last health check ({})",
+            pool.backends.len(),
+            pool.backends
+                .iter()
+                .map(|b| b.base.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// `Server-Timing: gw;dur=<pre-overhead ms>, upstream;dur=<head wait ms>`; streaming
+/// responses carry only `gw` (their upstream time is still running).
+fn server_timing(record: &RequestRecord, head_at: Instant, sse: bool) -> Option<HeaderValue> {
+    let t = &record.timeline;
+    let gw = t.overhead_pre()? + Instant::now().saturating_duration_since(head_at);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let text = if sse {
+        format!("gw;dur={:.3}", ms(gw))
+    } else {
+        let up = head_at.saturating_duration_since(t.upstream_sent?);
+        format!("gw;dur={:.3}, upstream;dur={:.3}", ms(gw), ms(up))
+    };
+    HeaderValue::try_from(text).ok()
+}
+
+/// Name the cause of an upstream client error from its source chain.
+fn classify_client_error(e: &hyper_util::client::legacy::Error) -> (ConnectCause, String) {
+    let mut detail = e.to_string();
+    let mut cause = if e.is_connect() {
+        ConnectCause::Other
+    } else {
+        ConnectCause::Reset
+    };
+    let mut src: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = src {
+        detail = s.to_string();
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            cause = match io.kind() {
+                std::io::ErrorKind::ConnectionRefused => ConnectCause::Refused,
+                std::io::ErrorKind::TimedOut => ConnectCause::ConnectTimeout,
+                std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::ConnectionAborted
+                | std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::UnexpectedEof => ConnectCause::Reset,
+                _ if io
+                    .get_ref()
+                    .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some()) =>
+                {
+                    ConnectCause::Tls
+                }
+                _ => cause,
+            };
+        }
+        if s.downcast_ref::<rustls::Error>().is_some() {
+            cause = ConnectCause::Tls;
+        }
+        let text = s.to_string();
+        if text.contains("dns error") || text.contains("failed to lookup address") {
+            cause = ConnectCause::Dns;
+        }
+        if text.contains("connect timed out") || text.contains("deadline has elapsed") {
+            cause = ConnectCause::ConnectTimeout;
+        }
+        src = s.source();
+    }
+    (cause, detail)
+}
+
+async fn read_error_body(body: Incoming, deadline: Instant) -> Bytes {
+    let limited = Limited::new(body, MAX_UPSTREAM_ERROR_BODY);
+    match tokio::time::timeout_at(deadline.into(), limited.collect()).await {
+        Ok(Ok(c)) => c.to_bytes(),
+        _ => Bytes::new(),
+    }
+}
+
+/// Keep a backend's OpenAI-shaped error body as it is; wrap anything else (vLLM's
+/// `{"error":"Unauthorized"}`, the old flat `{"object":"error",...}`, HTML) into that shape.
+fn openai_error_body(status: StatusCode, body: &[u8], backend: &str, model: &str) -> (Bytes, bool) {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        error: Option<serde_json::Value>,
+        message: Option<String>,
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        code: Option<serde_json::Value>,
+    }
+    let parsed: Option<Probe> = serde_json::from_slice(body).ok();
+    if let Some(Probe {
+        error: Some(serde_json::Value::Object(obj)),
+        ..
+    }) = &parsed
+        && obj.get("message").is_some_and(|m| m.is_string())
+    {
+        return (Bytes::copy_from_slice(body), false);
+    }
+    let reason = status.canonical_reason().unwrap_or("error");
+    let code = status.as_u16().to_string();
+    let inner = match parsed {
+        Some(Probe {
+            error: Some(serde_json::Value::String(s)),
+            ..
+        }) => s,
+        Some(Probe {
+            message: Some(m),
+            kind,
+            code: c,
+            ..
+        }) => {
+            // The old flat vLLM shape: keep its type/code in the message.
+            let extra = [kind, c.map(|c| c.to_string())]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join(", ");
+            if extra.is_empty() {
+                m
+            } else {
+                format!("{m} ({extra})")
+            }
+        }
+        _ => {
+            let text = String::from_utf8_lossy(body);
+            let text: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+            let short: String = text.chars().take(200).collect();
+            if short.is_empty() {
+                reason.to_owned()
+            } else {
+                format!("non-JSON body: {short}")
+            }
+        }
+    };
+    let hint = match status.as_u16() {
+        401 | 403 => format!(
+            " The backend refused the gateway's own credentials: check pools[].upstream_api_key for model `{model}` (this is not about your key)."
+        ),
+        404 => format!(
+            " The backend does not serve this path or model: check the backend's served model name (pools[].served_model_name for `{model}`)."
+        ),
+        _ => String::new(),
+    };
+    let message = format!(
+        "Backend {backend} answered {} {reason}: {inner}.{hint}",
+        status.as_u16()
+    );
+    let kind = if status.is_server_error() {
+        "upstream_error"
+    } else {
+        "invalid_request_error"
+    };
+    (error_body(&message, kind, None, Some(&code)), true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wrap(status: u16, body: &str) -> serde_json::Value {
+        let (b, _) = openai_error_body(
+            StatusCode::from_u16(status).unwrap(),
+            body.as_bytes(),
+            "http://b:1",
+            "m",
+        );
+        serde_json::from_slice(&b).unwrap()
+    }
+
+    #[test]
+    fn wraps_non_openai_bodies() {
+        let v = wrap(401, r#"{"error":"Unauthorized"}"#);
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("Unauthorized") && msg.contains("upstream_api_key"),
+            "{msg}"
+        );
+        assert_eq!(v["error"]["code"], "401");
+        let v = wrap(
+            400,
+            r#"{"object":"error","message":"too long","type":"BadRequestError","param":null,"code":400}"#,
+        );
+        assert!(v["error"]["message"].as_str().unwrap().contains("too long"));
+        let v = wrap(502, "<html><body>Bad Gateway</body></html>");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("Bad Gateway")
+        );
+        assert_eq!(v["error"]["type"], "upstream_error");
+    }
+
+    #[test]
+    fn keeps_openai_bodies() {
+        let body = r#"{"error":{"message":"x","type":"BadRequestError","param":null,"code":400}}"#;
+        let (b, wrapped) = openai_error_body(StatusCode::BAD_REQUEST, body.as_bytes(), "b", "m");
+        assert!(!wrapped);
+        assert_eq!(&b[..], body.as_bytes());
+    }
+
+    #[test]
+    fn request_ids() {
+        let mut h = HeaderMap::new();
+        let a = request_id(&h);
+        let b = request_id(&h);
+        assert_ne!(a, b);
+        assert!(a.to_str().unwrap().starts_with("fg-"));
+        h.insert(&X_REQUEST_ID, HeaderValue::from_static("mine"));
+        assert_eq!(request_id(&h), "mine");
+    }
+}

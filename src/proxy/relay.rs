@@ -1,0 +1,321 @@
+//! The response relay: upstream body frames are handed to the client as they arrive, the same
+//! `Bytes`, never buffered, merged or re-serialised. For SSE it scans each frame just enough to
+//! stamp the first token and count content events, enforces the first-token / idle / total
+//! timeouts, and turns a failure after the stream started into a final
+//! `data: {"error":...}` event and `data: [DONE]` instead of a silently cut stream.
+
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+
+use super::error::{ErrorKind, TimeoutKind, error_body};
+use super::sse::SseScanner;
+use crate::config::Timeouts;
+use crate::pool::InFlight;
+use crate::telemetry::RequestRecord;
+
+pin_project! {
+    /// The body type of every gateway response: a complete body, or a relayed upstream body.
+    #[project = GatewayBodyProj]
+    #[project_ref = GatewayBodyRef]
+    pub enum GatewayBody {
+        Full { data: Option<Bytes> },
+        Relay { #[pin] relay: RelayBody },
+    }
+}
+
+impl GatewayBody {
+    pub fn full(b: impl Into<Bytes>) -> Self {
+        GatewayBody::Full {
+            data: Some(b.into()),
+        }
+    }
+    pub fn empty() -> Self {
+        GatewayBody::Full { data: None }
+    }
+    pub fn relay(relay: RelayBody) -> Self {
+        GatewayBody::Relay { relay }
+    }
+}
+
+impl Body for GatewayBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.project() {
+            GatewayBodyProj::Full { data } => Poll::Ready(data.take().map(|b| Ok(Frame::data(b)))),
+            GatewayBodyProj::Relay { relay } => relay.poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            GatewayBody::Full { data } => data.is_none(),
+            GatewayBody::Relay { relay } => relay.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            GatewayBody::Full { data: Some(b) } => SizeHint::with_exact(b.len() as u64),
+            GatewayBody::Full { data: None } => SizeHint::with_exact(0),
+            GatewayBody::Relay { relay } => relay.size_hint(),
+        }
+    }
+}
+
+enum State {
+    Relaying,
+    /// A failure after the stream started: the error event still to send.
+    Closing(Bytes),
+    Ended,
+}
+
+pin_project! {
+    pub struct RelayBody {
+        #[pin]
+        upstream: Incoming,
+        #[pin]
+        timer: Sleep,
+        sse: bool,
+        scanner: SseScanner,
+        state: State,
+        sent_at: Instant,
+        last_read: Instant,
+        timeouts: Timeouts,
+        // Declared before `record` so the slot is released before the request is recorded.
+        slot: InFlight,
+        record: RequestRecord,
+    }
+}
+
+impl RelayBody {
+    /// `record.timeline.upstream_sent` must be set.
+    pub fn new(
+        upstream: Incoming,
+        sse: bool,
+        timeouts: Timeouts,
+        slot: InFlight,
+        record: RequestRecord,
+    ) -> Self {
+        let now = Instant::now();
+        let sent_at = record.timeline.upstream_sent.unwrap_or(now);
+        let mut this = Self {
+            upstream,
+            timer: tokio::time::sleep_until(now.into()),
+            sse,
+            scanner: SseScanner::new(),
+            state: State::Relaying,
+            sent_at,
+            last_read: now,
+            timeouts,
+            slot,
+            record,
+        };
+        let deadline = this.deadline();
+        this.timer = tokio::time::sleep_until(deadline.into());
+        this
+    }
+
+    /// The instant the current timeout fires: before the first token the first-token limit,
+    /// after it the idle limit since the last read; never later than the total limit.
+    fn deadline(&self) -> Instant {
+        let total = self.sent_at + self.timeouts.total;
+        let waiting_first = self.sse && self.record.timeline.upstream_first_token.is_none();
+        let soft = if waiting_first {
+            self.sent_at + self.timeouts.first_token
+        } else {
+            self.last_read + self.timeouts.idle
+        };
+        soft.min(total)
+    }
+
+    fn timeout_kind(&self, now: Instant) -> TimeoutKind {
+        if now >= self.sent_at + self.timeouts.total {
+            TimeoutKind::Total
+        } else if self.sse && self.record.timeline.upstream_first_token.is_none() {
+            TimeoutKind::FirstToken
+        } else {
+            TimeoutKind::Idle
+        }
+    }
+
+    fn limit_of(&self, kind: TimeoutKind) -> Duration {
+        match kind {
+            TimeoutKind::FirstToken => self.timeouts.first_token,
+            TimeoutKind::Idle => self.timeouts.idle,
+            TimeoutKind::Total => self.timeouts.total,
+        }
+    }
+}
+
+/// The SSE tail sent when a stream fails after it started.
+fn error_tail(partial_line: bool, message: &str, code: &str) -> Bytes {
+    let body = error_body(message, "upstream_error", None, Some(code));
+    let mut out = Vec::with_capacity(body.len() + 40);
+    if partial_line {
+        // Terminate the half-relayed event so the error event parses on its own.
+        out.extend_from_slice(b"\n\n");
+    }
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(&body);
+    out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+    Bytes::from(out)
+}
+
+impl Body for RelayBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        loop {
+            let this = self.as_mut().project();
+            match std::mem::replace(this.state, State::Ended) {
+                State::Ended => return Poll::Ready(None),
+                State::Closing(tail) => {
+                    this.record.timeline.done = Some(Instant::now());
+                    return Poll::Ready(Some(Ok(Frame::data(tail))));
+                }
+                State::Relaying => *this.state = State::Relaying,
+            }
+            match this.upstream.poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let now = Instant::now();
+                    *this.last_read = now;
+                    if *this.sse
+                        && let Some(data) = frame.data_ref()
+                    {
+                        let tl = &mut this.record.timeline;
+                        let at = now.saturating_duration_since(tl.received);
+                        let stream = &mut tl.stream;
+                        let first_before = stream.first_content.is_some();
+                        this.scanner
+                            .feed(data, |line| stream.on_data(line.kind, line.payload, at));
+                        if !first_before && stream.first_content.is_some() {
+                            tl.upstream_first_token = Some(now);
+                            // Handed on right now, in this same frame.
+                            tl.client_first_token = Some(Instant::now());
+                        }
+                        if stream.error && this.record.error.is_none() {
+                            this.record.error = Some(ErrorKind::UpstreamStreamError);
+                        }
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Poll::Ready(None) => {
+                    let now = Instant::now();
+                    if *this.sse {
+                        let tl = &mut this.record.timeline;
+                        let at = now.saturating_duration_since(tl.received);
+                        let stream = &mut tl.stream;
+                        this.scanner
+                            .finish(|line| stream.on_data(line.kind, line.payload, at));
+                        if !stream.done && !stream.error {
+                            this.record.error = Some(ErrorKind::UpstreamStreamError);
+                            let msg = format!(
+                                "Backend {} closed the stream before `data: [DONE]`; the response is incomplete.",
+                                this.slot.backend().base
+                            );
+                            *this.state =
+                                State::Closing(error_tail(false, &msg, "upstream_stream_cut"));
+                            continue;
+                        }
+                    }
+                    this.record.timeline.done = Some(now);
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.record.error = Some(ErrorKind::UpstreamStreamError);
+                    let msg = format!(
+                        "Backend {} failed after the response started: {e}.",
+                        this.slot.backend().base
+                    );
+                    if *this.sse {
+                        let partial = this.scanner.has_partial_line();
+                        *this.state =
+                            State::Closing(error_tail(partial, &msg, "upstream_stream_error"));
+                        continue;
+                    }
+                    this.record.timeline.done = Some(Instant::now());
+                    return Poll::Ready(Some(Err(std::io::Error::other(msg))));
+                }
+                Poll::Pending => {}
+            }
+            // Upstream has nothing now: is a timeout due?
+            ready!(self.as_mut().project().timer.poll(cx));
+            let deadline = self.deadline();
+            let now = Instant::now();
+            if now < deadline {
+                // Data arrived since the timer was armed: re-arm lazily (no reset per chunk).
+                self.as_mut().project().timer.reset(deadline.into());
+                continue;
+            }
+            let kind = self.timeout_kind(now);
+            let limit = self.limit_of(kind);
+            let this = self.as_mut().project();
+            this.record.error = Some(ErrorKind::UpstreamTimeout);
+            let msg = format!(
+                "Backend {} did not answer in time: the {} timeout of {} ms fired (pools[].timeouts.{}_ms).",
+                this.slot.backend().base,
+                kind.as_str().replace('_', "-"),
+                limit.as_millis(),
+                kind.as_str()
+            );
+            if *this.sse {
+                let partial = this.scanner.has_partial_line();
+                *this.state = State::Closing(error_tail(partial, &msg, "upstream_timeout"));
+                continue;
+            }
+            *this.state = State::Ended;
+            this.record.timeline.done = Some(now);
+            return Poll::Ready(Some(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                msg,
+            ))));
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.state, State::Ended)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.state {
+            State::Relaying if !self.sse => self.upstream.size_hint(),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::sse::DataKind;
+
+    #[test]
+    fn error_tail_parses_as_one_error_event() {
+        let tail = error_tail(true, "boom", "upstream_stream_error");
+        let mut scanner = SseScanner::new();
+        scanner.feed(b"data: {\"choi", |_| {});
+        let mut kinds = Vec::new();
+        scanner.feed(&tail, |l| kinds.push(l.kind));
+        // The half line is closed (it is not a valid event), then error, then [DONE].
+        assert_eq!(
+            &kinds[kinds.len() - 2..],
+            &[DataKind::Error, DataKind::Done]
+        );
+    }
+}

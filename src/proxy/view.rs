@@ -1,0 +1,458 @@
+//! The request-body view: the body is parsed exactly once into the few fields the gateway
+//! needs (model, stream, token limits, stream_options, n, approximate prompt size). The
+//! original bytes are forwarded; the only rewrite is a byte splice of the `model` value.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::ops::Range;
+
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+
+use super::error::ApiError;
+
+/// Which OpenAI endpoint a body was sent to: decides the required prompt field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat",
+            Endpoint::Completions => "completions",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct RequestView<'a> {
+    pub model: Cow<'a, str>,
+    /// Byte range of the `model` JSON value (quotes included) in the body.
+    pub model_span: Range<usize>,
+    pub stream: bool,
+    /// `max_completion_tokens` if given, else `max_tokens`.
+    pub max_tokens: Option<u64>,
+    pub n: u32,
+    pub include_usage: Option<bool>,
+    /// Characters of prompt text (messages' content or prompt), a cheap size estimate.
+    pub prompt_chars: usize,
+}
+
+#[derive(Deserialize)]
+struct RawBody<'a> {
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_completion_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    n: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream_options: Option<&'a RawValue>,
+    messages: Option<Messages>,
+    prompt: Option<Prompt>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+    #[serde(default)]
+    continuous_usage_stats: Option<bool>,
+}
+
+fn invalid(param: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError::InvalidRequest {
+        param: Some(Cow::Borrowed(param)),
+        message: message.into(),
+    }
+}
+
+/// Parse a request body into its view. Errors name the field and say what to send instead.
+pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ApiError> {
+    match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        None => {
+            return Err(ApiError::InvalidJson(
+                "the body is empty; send a JSON object such as {\"model\": \"...\", \"messages\": [...]}".into(),
+            ));
+        }
+        Some(b'{') => {}
+        Some(_) => {
+            // Tell "not JSON" apart from "JSON but not an object".
+            return Err(match serde_json::from_slice::<IgnoredAny>(body) {
+                Ok(_) => invalid_body_shape(),
+                Err(e) => ApiError::InvalidJson(e.to_string()),
+            });
+        }
+    }
+    let raw: RawBody<'_> = match serde_json::from_slice(body) {
+        Ok(raw) => raw,
+        Err(e) if e.is_data() => return Err(data_error(body, e)),
+        Err(e) => return Err(ApiError::InvalidJson(e.to_string())),
+    };
+
+    let model_raw = raw.model.ok_or_else(|| {
+        invalid(
+            "model",
+            "`model` is required: name one of the models listed by GET /v1/models.",
+        )
+    })?;
+    let model: Cow<'_, str> = serde_json::from_str(model_raw.get()).map_err(|_| {
+        invalid(
+            "model",
+            format!("`model` must be a string, got `{}`.", model_raw.get()),
+        )
+    })?;
+    if model.is_empty() {
+        return Err(invalid("model", "`model` must not be empty."));
+    }
+    let model_span = span_of(body, model_raw.get().as_bytes()).ok_or(ApiError::Internal)?;
+
+    let stream = match raw.stream.map(RawValue::get) {
+        None | Some("null") | Some("false") => false,
+        Some("true") => true,
+        Some(other) => {
+            return Err(invalid(
+                "stream",
+                format!("`stream` must be a boolean (true or false), got `{other}`."),
+            ));
+        }
+    };
+    let max_tokens = opt_u64(raw.max_tokens, "max_tokens")?;
+    let max_completion_tokens = opt_u64(raw.max_completion_tokens, "max_completion_tokens")?;
+    let n = match opt_u64(raw.n, "n")? {
+        None => 1,
+        Some(0) => return Err(invalid("n", "`n` must be at least 1.")),
+        Some(n) => u32::try_from(n).map_err(|_| invalid("n", "`n` is too large."))?,
+    };
+    let include_usage = match raw.stream_options.map(RawValue::get) {
+        None | Some("null") => None,
+        Some(text) => {
+            let so: StreamOptions = serde_json::from_str(text).map_err(|e| {
+                invalid(
+                    "stream_options",
+                    format!(
+                        "`stream_options` must be an object like {{\"include_usage\": true}}: {e}."
+                    ),
+                )
+            })?;
+            let _ = so.continuous_usage_stats;
+            so.include_usage
+        }
+    };
+    let prompt_chars = match endpoint {
+        Endpoint::Chat => {
+            let Some(Messages(chars)) = raw.messages else {
+                return Err(invalid(
+                    "messages",
+                    "`messages` is required on /v1/chat/completions (an array of {\"role\", \"content\"}); for a plain `prompt` use /v1/completions.",
+                ));
+            };
+            chars
+        }
+        Endpoint::Completions => {
+            let Some(Prompt(chars)) = raw.prompt else {
+                return Err(invalid(
+                    "prompt",
+                    "`prompt` is required on /v1/completions; for chat `messages` use /v1/chat/completions.",
+                ));
+            };
+            chars
+        }
+    };
+    Ok(RequestView {
+        model,
+        model_span,
+        stream,
+        max_tokens: max_completion_tokens.or(max_tokens),
+        n,
+        include_usage,
+        prompt_chars,
+    })
+}
+
+fn invalid_body_shape() -> ApiError {
+    ApiError::InvalidRequest {
+        param: None,
+        message: "The request body must be a JSON object such as {\"model\": \"...\", \"messages\": [...]}.".into(),
+    }
+}
+
+/// A type mismatch deep in the body: find which field (cold path, parses again with paths).
+fn data_error(body: &[u8], e: serde_json::Error) -> ApiError {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let path = match serde_path_to_error::deserialize::<_, RawBody<'_>>(&mut de) {
+        Err(pe) => pe.path().to_string(),
+        Ok(_) => String::new(),
+    };
+    let param = if path.is_empty() || path == "." {
+        None
+    } else {
+        Some(Cow::Owned(path))
+    };
+    let message = match &param {
+        Some(p) => format!("Invalid value for `{p}`: {e}."),
+        None => format!("Invalid request body: {e}."),
+    };
+    ApiError::InvalidRequest { param, message }
+}
+
+fn opt_u64(raw: Option<&RawValue>, name: &'static str) -> Result<Option<u64>, ApiError> {
+    match raw.map(RawValue::get) {
+        None | Some("null") => Ok(None),
+        Some(text) => text.parse::<u64>().map(Some).map_err(|_| {
+            invalid(
+                name,
+                format!("`{name}` must be a non-negative integer, got `{text}`."),
+            )
+        }),
+    }
+}
+
+/// Where `part` (a sub-slice of `body` handed out by the borrowing parser) sits in `body`.
+fn span_of(body: &[u8], part: &[u8]) -> Option<Range<usize>> {
+    let start = (part.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+    let end = start.checked_add(part.len())?;
+    (body.get(start..end)? == part).then_some(start..end)
+}
+
+/// Replace the bytes in `span` with `replacement` (a JSON string literal).
+pub fn splice(body: &Bytes, span: Range<usize>, replacement: &[u8]) -> Bytes {
+    let mut out = BytesMut::with_capacity(body.len() - span.len() + replacement.len());
+    out.extend_from_slice(&body[..span.start]);
+    out.extend_from_slice(replacement);
+    out.extend_from_slice(&body[span.end..]);
+    out.freeze()
+}
+
+// ---- prompt size estimation without building a tree ------------------------------------
+
+/// Sum of the `content` text lengths of chat messages.
+struct Messages(usize);
+/// Length of a completions prompt (string, strings, or token ids ≈ 4 characters each).
+struct Prompt(usize);
+
+impl<'de> Deserialize<'de> for Messages {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Messages;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an array of messages")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Messages, A::Error> {
+                let mut total = 0;
+                while let Some(Message(n)) = seq.next_element()? {
+                    total += n;
+                }
+                Ok(Messages(total))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+struct Message(usize);
+
+impl<'de> Deserialize<'de> for Message {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Message;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a message object with `role` and `content`")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Message, A::Error> {
+                let mut total = 0;
+                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                    if key == "content" {
+                        total += map.next_value::<Content>()?.0;
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(Message(total))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// A message's content: a string, an array of parts (`{"type":"text","text":...}`), or null.
+struct Content(usize);
+
+impl<'de> Deserialize<'de> for Content {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Content;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or an array of content parts")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Content, E> {
+                Ok(Content(s.chars().count()))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Content, E> {
+                Ok(Content(0))
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Content, E> {
+                Ok(Content(0))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Content, A::Error> {
+                let mut total = 0;
+                while let Some(Part(n)) = seq.next_element()? {
+                    total += n;
+                }
+                Ok(Content(total))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+struct Part(usize);
+
+impl<'de> Deserialize<'de> for Part {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Part;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a content part object such as {\"type\":\"text\",\"text\":\"...\"}")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Part, A::Error> {
+                let mut total = 0;
+                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                    if key == "text" {
+                        total += map.next_value::<Content>()?.0;
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(Part(total))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Prompt;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, an array of strings, or an array of token ids")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Prompt, E> {
+                Ok(Prompt(s.chars().count()))
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Prompt, E> {
+                Ok(Prompt(4))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+                let mut total = 0;
+                while let Some(Prompt(n)) = seq.next_element()? {
+                    total += n;
+                }
+                Ok(Prompt(total))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(body: &str, ep: Endpoint) -> (Option<String>, String) {
+        match parse(body.as_bytes(), ep).unwrap_err() {
+            ApiError::InvalidRequest { param, message } => (param.map(|p| p.into_owned()), message),
+            ApiError::InvalidJson(m) => (Some("<json>".into()), m),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn reads_the_fields() {
+        let body = br#"{"model":"qwen32b","stream":true,"max_tokens":64,"stream_options":{"include_usage":false},"messages":[{"role":"user","content":"hello"},{"role":"user","content":[{"type":"text","text":"abc"},{"type":"image_url","image_url":{"url":"data:xyz"}}]}]}"#;
+        let v = parse(body, Endpoint::Chat).unwrap();
+        assert_eq!(v.model, "qwen32b");
+        assert_eq!(&body[v.model_span.clone()], b"\"qwen32b\"");
+        assert!(v.stream);
+        assert_eq!(v.max_tokens, Some(64));
+        assert_eq!(v.include_usage, Some(false));
+        assert_eq!(v.prompt_chars, 8);
+        assert_eq!(v.n, 1);
+    }
+
+    #[test]
+    fn max_completion_tokens_wins_and_prompt_forms() {
+        let v = parse(
+            br#"{"model":"m","max_tokens":5,"max_completion_tokens":7,"prompt":["ab","c"]}"#,
+            Endpoint::Completions,
+        )
+        .unwrap();
+        assert_eq!(v.max_tokens, Some(7));
+        assert_eq!(v.prompt_chars, 3);
+        let v = parse(br#"{"model":"m","prompt":[1,2,3]}"#, Endpoint::Completions).unwrap();
+        assert_eq!(v.prompt_chars, 12);
+    }
+
+    #[test]
+    fn specific_errors() {
+        let (p, m) = err(r#"{"messages":[]}"#, Endpoint::Chat);
+        assert_eq!(p.as_deref(), Some("model"));
+        assert!(m.contains("required"));
+        let (p, _) = err(r#"{"model":5,"messages":[]}"#, Endpoint::Chat);
+        assert_eq!(p.as_deref(), Some("model"));
+        let (p, m) = err(
+            r#"{"model":"m","stream":"yes","messages":[]}"#,
+            Endpoint::Chat,
+        );
+        assert_eq!(p.as_deref(), Some("stream"));
+        assert!(m.contains("boolean"), "{m}");
+        let (p, _) = err(r#"{"model":"m","prompt":"x"}"#, Endpoint::Chat);
+        assert_eq!(p.as_deref(), Some("messages"));
+        let (p, _) = err(r#"{"model":"m","messages":[]"#, Endpoint::Chat);
+        assert_eq!(p.as_deref(), Some("<json>"));
+        let (p, m) = err(r#"[1,2]"#, Endpoint::Chat);
+        assert_eq!(p, None);
+        assert!(m.contains("JSON object"));
+        let (p, _) = err(
+            r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
+            Endpoint::Chat,
+        );
+        assert!(p.unwrap().starts_with("messages"));
+        let (p, _) = err(
+            r#"{"model":"m","max_tokens":-1,"messages":[]}"#,
+            Endpoint::Chat,
+        );
+        assert_eq!(p.as_deref(), Some("max_tokens"));
+    }
+
+    #[test]
+    fn splice_rewrites_only_the_model() {
+        let body = Bytes::from_static(br#"{"model" : "a\u0062", "messages":[]}"#);
+        let v = parse(&body, Endpoint::Chat).unwrap();
+        assert_eq!(v.model, "ab");
+        let out = splice(&body, v.model_span.clone(), br#""served/name""#);
+        assert_eq!(&out[..], br#"{"model" : "served/name", "messages":[]}"#);
+        assert_eq!(parse(&out, Endpoint::Chat).unwrap().model, "served/name");
+    }
+}

@@ -1,0 +1,105 @@
+//! Per-request measurement: the Timeline and the record that is written exactly once per
+//! request — on success, error and client disconnect alike — when the request's
+//! `RequestRecord` is dropped.
+
+pub mod timeline;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::HeaderValue;
+
+pub use timeline::{StreamMetrics, Timeline, Usage, UsageSource};
+
+use crate::proxy::error::ErrorKind;
+use crate::proxy::view::Endpoint;
+
+/// Everything known about one request; its `Drop` records it.
+#[derive(Debug)]
+pub struct RequestRecord {
+    pub timeline: Timeline,
+    pub request_id: HeaderValue,
+    pub endpoint: Option<Endpoint>,
+    /// The pool's configured model name (never the raw client string).
+    pub model: Option<Arc<str>>,
+    pub backend: Option<Arc<str>>,
+    pub stream: bool,
+    pub status: u16,
+    pub error: Option<ErrorKind>,
+    /// Emit the per-request log event (server.request_log_events).
+    pub emit: bool,
+}
+
+impl RequestRecord {
+    pub fn new(received: Instant, request_id: HeaderValue, emit: bool) -> Self {
+        Self {
+            timeline: Timeline::start(received),
+            request_id,
+            endpoint: None,
+            model: None,
+            backend: None,
+            stream: false,
+            status: 0,
+            error: None,
+            emit,
+        }
+    }
+
+    fn record(&mut self) {
+        if self.timeline.done.is_none() {
+            // Dropped before the response ended: the client went away.
+            self.timeline.done = Some(Instant::now());
+            if self.error.is_none() {
+                self.error = Some(ErrorKind::ClientDisconnected);
+            }
+        }
+        if self.emit {
+            emit_event(self);
+        }
+    }
+}
+
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        self.record();
+    }
+}
+
+fn ms(d: Option<Duration>) -> f64 {
+    d.map_or(-1.0, |d| d.as_secs_f64() * 1e3)
+}
+
+fn us(d: Option<Duration>) -> f64 {
+    d.map_or(-1.0, |d| d.as_secs_f64() * 1e6)
+}
+
+/// The structured per-request event. Durations are milliseconds (overheads microseconds);
+/// -1 means "not reached" (e.g. no first token before an error).
+fn emit_event(r: &RequestRecord) {
+    let t = &r.timeline;
+    let (tokens, source) = t.stream.output_tokens();
+    tracing::info!(
+        target: "fleetgate::request",
+        request_id = r.request_id.to_str().unwrap_or("-"),
+        endpoint = r.endpoint.map_or("-", Endpoint::as_str),
+        model = r.model.as_deref().unwrap_or("-"),
+        backend = r.backend.as_deref().unwrap_or("-"),
+        stream = r.stream,
+        status = r.status,
+        error = r.error.map_or("-", ErrorKind::as_str),
+        queue_wait_ms = ms(Some(t.queue_wait())),
+        upstream_ttft_ms = ms(t.upstream_ttft()),
+        client_ttft_ms = ms(t.client_ttft()),
+        overhead_pre_us = us(t.overhead_pre()),
+        overhead_relay_us = us(t.overhead_relay()),
+        e2el_ms = ms(t.e2el()),
+        tpot_ms = ms(t.tpot()),
+        itl_mean_ms = ms(t.stream.itl_mean()),
+        itl_max_ms = ms(t.stream.itl_max()),
+        content_events = t.stream.content_events,
+        prompt_tokens = t.stream.usage.map_or(0, |u| u.prompt_tokens),
+        completion_tokens = tokens.unwrap_or(0),
+        usage_source = source.as_str(),
+        "request"
+    );
+}

@@ -1,0 +1,388 @@
+//! The Timeline: monotonic instants stamped on every request, and the one definition of every
+//! latency figure derived from them (TTFT, ITL, E2EL, TPOT and the gateway's own overhead).
+//! The figures follow `vllm bench serve`; docs/metrics.md states them in words.
+
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+
+use crate::proxy::sse::DataKind;
+
+/// Token counts reported by the backend in its usage chunk (or non-streaming body).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub struct Usage {
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default)]
+    pub completion_tokens: u64,
+}
+
+/// Where the output-token count of a request came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageSource {
+    /// The backend's own `usage` object.
+    Backend,
+    /// No usage was reported: the count of content events stands in for it.
+    ContentEvents,
+    /// Nothing to count (no body, or not a completion).
+    None,
+}
+
+impl UsageSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageSource::Backend => "backend",
+            UsageSource::ContentEvents => "content_events",
+            UsageSource::None => "none",
+        }
+    }
+}
+
+/// Per-event figures of one SSE stream, as offsets from the moment the request started
+/// (for the gateway: `received`; for the bench: the moment the request was sent).
+#[derive(Debug, Clone, Default)]
+pub struct StreamMetrics {
+    pub first_content: Option<Duration>,
+    pub last_content: Option<Duration>,
+    /// Last data event that is not `[DONE]` (the usage event included): the end of E2EL.
+    pub last_data: Option<Duration>,
+    pub content_events: u32,
+    pub itl_sum: Duration,
+    pub itl_max: Duration,
+    pub usage: Option<Usage>,
+    /// An in-stream `{"error": ...}` event was seen.
+    pub error: bool,
+    pub done: bool,
+}
+
+#[derive(Deserialize)]
+struct UsageEnvelope {
+    usage: Option<Usage>,
+}
+
+impl StreamMetrics {
+    /// Account for one `data:` line seen at `at`.
+    pub fn on_data(&mut self, kind: DataKind, payload: &[u8], at: Duration) {
+        match kind {
+            DataKind::Content => {
+                if let Some(prev) = self.last_content {
+                    let gap = at.saturating_sub(prev);
+                    self.itl_sum += gap;
+                    self.itl_max = self.itl_max.max(gap);
+                } else {
+                    self.first_content = Some(at);
+                }
+                self.last_content = Some(at);
+                self.content_events += 1;
+                self.last_data = Some(at);
+                // vLLM's `continuous_usage_stats` puts usage on every chunk; the last one wins.
+                if memchr::memmem::find(payload, b"\"usage\":{").is_some() {
+                    self.take_usage(payload);
+                }
+            }
+            DataKind::NoChoices => {
+                self.last_data = Some(at);
+                if memchr::memmem::find(payload, b"\"usage\"").is_some() {
+                    self.take_usage(payload);
+                }
+            }
+            DataKind::Error => {
+                self.last_data = Some(at);
+                self.error = true;
+            }
+            DataKind::Done => self.done = true,
+        }
+    }
+
+    fn take_usage(&mut self, payload: &[u8]) {
+        if let Ok(UsageEnvelope { usage: Some(u) }) = serde_json::from_slice(payload) {
+            self.usage = Some(u);
+        }
+    }
+
+    /// Time to first token: the first event with non-empty `choices`.
+    pub fn ttft(&self) -> Option<Duration> {
+        self.first_content
+    }
+
+    pub fn e2el(&self) -> Option<Duration> {
+        self.last_data
+    }
+
+    /// Mean gap between consecutive content events.
+    pub fn itl_mean(&self) -> Option<Duration> {
+        let gaps = self.content_events.checked_sub(1).filter(|n| *n > 0)?;
+        Some(self.itl_sum / gaps)
+    }
+
+    pub fn itl_max(&self) -> Option<Duration> {
+        (self.content_events > 1).then_some(self.itl_max)
+    }
+
+    /// Output tokens and where the number came from.
+    pub fn output_tokens(&self) -> (Option<u64>, UsageSource) {
+        match self.usage {
+            Some(u) => (Some(u.completion_tokens), UsageSource::Backend),
+            None if self.content_events > 0 => (
+                Some(u64::from(self.content_events)),
+                UsageSource::ContentEvents,
+            ),
+            None => (None, UsageSource::None),
+        }
+    }
+
+    /// TPOT = (E2EL − TTFT) / (output tokens − 1); undefined for fewer than two tokens.
+    pub fn tpot(&self) -> Option<Duration> {
+        let (tokens, _) = self.output_tokens();
+        tpot(self.ttft()?, self.e2el()?, tokens?)
+    }
+}
+
+pub fn tpot(ttft: Duration, e2el: Duration, output_tokens: u64) -> Option<Duration> {
+    let steps = output_tokens.checked_sub(1).filter(|n| *n > 0)?;
+    let steps = u32::try_from(steps).ok()?;
+    Some(e2el.saturating_sub(ttft) / steps)
+}
+
+/// The instants of one request through the gateway.
+#[derive(Debug, Clone)]
+pub struct Timeline {
+    /// Request head read.
+    pub received: Instant,
+    pub body_read: Option<Instant>,
+    /// Admission granted (queue left); equal to `body_read` while there is no queue.
+    pub admitted: Option<Instant>,
+    /// Request handed to the upstream connection.
+    pub upstream_sent: Option<Instant>,
+    /// Upstream response head received.
+    pub upstream_first_byte: Option<Instant>,
+    /// First SSE data event with non-empty `choices` read from upstream (streaming), or
+    /// the response head (non-streaming).
+    pub upstream_first_token: Option<Instant>,
+    /// Response head handed to the client connection.
+    pub client_first_byte: Option<Instant>,
+    /// The frame holding the first token handed to the client connection.
+    pub client_first_token: Option<Instant>,
+    pub done: Option<Instant>,
+    /// Event figures of the relayed stream, offsets from `received`.
+    pub stream: StreamMetrics,
+}
+
+impl Timeline {
+    pub fn start(received: Instant) -> Self {
+        Self {
+            received,
+            body_read: None,
+            admitted: None,
+            upstream_sent: None,
+            upstream_first_byte: None,
+            upstream_first_token: None,
+            client_first_byte: None,
+            client_first_token: None,
+            done: None,
+            stream: StreamMetrics::default(),
+        }
+    }
+
+    pub fn queue_wait(&self) -> Duration {
+        match (self.body_read, self.admitted) {
+            (Some(b), Some(a)) => a.saturating_duration_since(b),
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// What a direct call would have seen: request written → first token.
+    pub fn upstream_ttft(&self) -> Option<Duration> {
+        Some(
+            self.upstream_first_token?
+                .saturating_duration_since(self.upstream_sent?),
+        )
+    }
+
+    /// What the client saw: request received → first token handed to it.
+    pub fn client_ttft(&self) -> Option<Duration> {
+        Some(
+            self.client_first_token?
+                .saturating_duration_since(self.received),
+        )
+    }
+
+    /// Gateway time before the request left for the backend, queue wait excluded.
+    pub fn overhead_pre(&self) -> Option<Duration> {
+        let sent = self.upstream_sent?;
+        Some(
+            sent.saturating_duration_since(self.received)
+                .saturating_sub(self.queue_wait()),
+        )
+    }
+
+    /// Gateway time between the first token arriving from upstream and reaching the client.
+    pub fn overhead_relay(&self) -> Option<Duration> {
+        Some(
+            self.client_first_token?
+                .saturating_duration_since(self.upstream_first_token?),
+        )
+    }
+
+    /// client TTFT − upstream TTFT − queue wait (= pre + relay).
+    pub fn overhead_total(&self) -> Option<Duration> {
+        Some(self.overhead_pre()? + self.overhead_relay()?)
+    }
+
+    /// End-to-end latency: to the last data event for streams, else to the end of the body.
+    pub fn e2el(&self) -> Option<Duration> {
+        self.stream
+            .e2el()
+            .or_else(|| Some(self.done?.saturating_duration_since(self.received)))
+    }
+
+    /// TPOT measured on the client side of the gateway.
+    pub fn tpot(&self) -> Option<Duration> {
+        let (tokens, _) = self.stream.output_tokens();
+        tpot(self.client_ttft()?, self.e2el()?, tokens?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::sse::SseScanner;
+    use base64::Engine;
+
+    struct Outcome {
+        metrics: StreamMetrics,
+        itls: Vec<Duration>,
+    }
+
+    fn replay(reads: &[serde_json::Value]) -> Outcome {
+        let mut scanner = SseScanner::new();
+        let mut metrics = StreamMetrics::default();
+        let mut itls = Vec::new();
+        for r in reads {
+            let at = Duration::from_millis(r["t_ms"].as_u64().unwrap());
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(r["b64"].as_str().unwrap())
+                .unwrap();
+            scanner.feed(&bytes, |d| {
+                if d.kind == DataKind::Content
+                    && let Some(prev) = metrics.last_content
+                {
+                    itls.push(at - prev);
+                }
+                metrics.on_data(d.kind, d.payload, at);
+            });
+        }
+        Outcome { metrics, itls }
+    }
+
+    #[test]
+    fn reproduces_the_shared_fixture_figures() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/timed-streams.json"
+        );
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let streams = doc["streams"].as_array().unwrap();
+        assert_eq!(streams.len(), 6);
+        for s in streams {
+            let name = s["name"].as_str().unwrap();
+            let expect = &s["expect"];
+            let Outcome { metrics, itls } = replay(s["reads"].as_array().unwrap());
+            let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+            assert_eq!(
+                metrics.error,
+                expect["failed"].as_bool().unwrap(),
+                "{name}: failed"
+            );
+            assert_eq!(
+                ms(metrics.ttft().unwrap()),
+                expect["ttft_ms"].as_f64().unwrap(),
+                "{name}: ttft"
+            );
+            let want_itl: Vec<f64> = expect["itl_ms"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
+            assert_eq!(
+                itls.iter().map(|d| ms(*d)).collect::<Vec<_>>(),
+                want_itl,
+                "{name}: itl"
+            );
+            assert_eq!(
+                metrics.content_events as usize,
+                want_itl.len() + 1,
+                "{name}"
+            );
+            if let Some(max) = want_itl.iter().cloned().reduce(f64::max) {
+                assert_eq!(ms(metrics.itl_max().unwrap()), max, "{name}: itl max");
+                let mean = want_itl.iter().sum::<f64>() / want_itl.len() as f64;
+                assert!(
+                    (ms(metrics.itl_mean().unwrap()) - mean).abs() < 1e-9,
+                    "{name}"
+                );
+            }
+            if metrics.error {
+                continue;
+            }
+            assert_eq!(
+                ms(metrics.e2el().unwrap()),
+                expect["e2el_ms"].as_f64().unwrap(),
+                "{name}: e2el"
+            );
+            let (tokens, source) = metrics.output_tokens();
+            assert_eq!(source, UsageSource::Backend);
+            assert_eq!(tokens, expect["output_tokens"].as_u64(), "{name}: tokens");
+            assert_eq!(
+                metrics.tpot().map(ms),
+                expect["tpot_ms"].as_f64(),
+                "{name}: tpot"
+            );
+            assert!(metrics.done, "{name}: [DONE] seen");
+        }
+    }
+
+    #[test]
+    fn overhead_splits_into_pre_and_relay() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut t = Timeline::start(t0);
+        t.body_read = Some(at(1));
+        t.admitted = Some(at(11)); // 10 ms in a queue
+        t.upstream_sent = Some(at(12));
+        t.upstream_first_byte = Some(at(20));
+        t.upstream_first_token = Some(at(100));
+        t.client_first_token = Some(at(101));
+        assert_eq!(t.queue_wait(), Duration::from_millis(10));
+        assert_eq!(t.upstream_ttft(), Some(Duration::from_millis(88)));
+        assert_eq!(t.client_ttft(), Some(Duration::from_millis(101)));
+        assert_eq!(t.overhead_pre(), Some(Duration::from_millis(2)));
+        assert_eq!(t.overhead_relay(), Some(Duration::from_millis(1)));
+        // client TTFT − upstream TTFT − queue wait
+        assert_eq!(t.overhead_total(), Some(Duration::from_millis(3)));
+    }
+
+    #[test]
+    fn missing_usage_falls_back_to_content_events() {
+        let mut m = StreamMetrics::default();
+        m.on_data(
+            DataKind::Content,
+            b"{\"choices\":[{}]}",
+            Duration::from_millis(10),
+        );
+        m.on_data(
+            DataKind::Content,
+            b"{\"choices\":[{}]}",
+            Duration::from_millis(20),
+        );
+        m.on_data(
+            DataKind::Content,
+            b"{\"choices\":[{}]}",
+            Duration::from_millis(30),
+        );
+        assert_eq!(m.output_tokens(), (Some(3), UsageSource::ContentEvents));
+        assert_eq!(m.tpot(), Some(Duration::from_millis(10)));
+    }
+}
