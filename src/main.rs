@@ -25,6 +25,10 @@ enum Command {
         #[arg(long, short, default_value = "config/fleetgate.toml")]
         config: PathBuf,
     },
+    /// Run a simulated vLLM server (OpenAI-compatible, continuous-batching timing model).
+    Sim(fleetgate::sim::SimArgs),
+    /// Two simulated backends and the gateway in one process; compares TTFT direct vs via.
+    Demo(fleetgate::demo::DemoArgs),
     /// Check a config file and print what it configures.
     CheckConfig {
         #[arg(long, short, default_value = "config/fleetgate.toml")]
@@ -36,8 +40,12 @@ enum Command {
 const EXIT_CONFIG: u8 = 64;
 
 fn init_logging(format: LogFormat) {
+    init_logging_default(format, "info");
+}
+
+fn init_logging_default(format: LogFormat, default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
@@ -72,6 +80,27 @@ async fn run(cli: Cli) -> ExitCode {
             };
             init_logging(config.server.log_format);
             serve(config).await
+        }
+        Command::Sim(args) => {
+            init_logging(LogFormat::Text);
+            match fleetgate::sim::run(args).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("fleetgate sim: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Demo(args) => {
+            // The demo prints its own table; logs only for warnings unless RUST_LOG says more.
+            init_logging_default(LogFormat::Text, "warn");
+            match fleetgate::demo::run(args, wait_for_signal()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("fleetgate demo: {e}");
+                    ExitCode::FAILURE
+                }
+            }
         }
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(c) => {

@@ -28,7 +28,7 @@ use view::Endpoint;
 pub struct ProxyState {
     pub pools: Arc<Pools>,
     pub max_body_bytes: usize,
-    pub emit_request_events: bool,
+    pub recorder: Arc<crate::telemetry::Recorder>,
 }
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -149,7 +149,7 @@ pub async fn forward(
             let now = Instant::now();
             record.timeline.client_first_byte = Some(now);
             record.timeline.done = Some(now);
-            resp
+            resp.map(GatewayBody::full)
         }
         Err(err) => {
             record.status = err.status().as_u16();
@@ -174,7 +174,7 @@ enum Forwarded {
     /// Head ready; the body will be relayed.
     Relay(Response<()>, RelayParts),
     /// A complete response (a backend error rewrapped into OpenAI format).
-    Full(Response<GatewayBody>),
+    Full(Response<Bytes>),
 }
 
 async fn forward_inner(
@@ -302,7 +302,7 @@ async fn forward_inner(
         record.error = Some(ErrorKind::UpstreamError);
         let bytes = read_error_body(upstream, head_deadline.max(head_at + t.idle)).await;
         let (body, wrapped) = openai_error_body(head.status, &bytes, &backend.base, &pool.model);
-        let mut resp = Response::new(GatewayBody::full(body));
+        let mut resp = Response::new(body);
         *resp.status_mut() = head.status;
         let h = resp.headers_mut();
         h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());

@@ -33,7 +33,7 @@ use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
 use crate::proxy::view::Endpoint;
 use crate::proxy::{self, ProxyState};
-use crate::telemetry::RequestRecord;
+use crate::telemetry::{Recorder, RequestRecord};
 
 /// Everything the request path reads, built once at start.
 #[derive(Debug)]
@@ -42,13 +42,13 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: &Config) -> io::Result<Self> {
+    pub fn new(config: &Config, recorder: Recorder) -> io::Result<Self> {
         let pools = Arc::new(Pools::new(&config.pools)?);
         Ok(Self {
             proxy: ProxyState {
                 pools,
                 max_body_bytes: config.server.max_body_bytes,
-                emit_request_events: config.server.request_log_events,
+                recorder: Arc::new(recorder),
             },
         })
     }
@@ -86,7 +86,7 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Gat
         _ => {}
     }
     let request_id = proxy::request_id(req.headers());
-    let mut record = RequestRecord::new(received, request_id, state.proxy.emit_request_events);
+    let mut record = RequestRecord::new(received, request_id, state.proxy.recorder.clone());
     let method = req.method().clone();
     let fail = |err: ApiError, mut record: RequestRecord| {
         record.status = err.status().as_u16();
@@ -174,17 +174,23 @@ pub struct Server {
 impl Server {
     /// Bind, start the health probe and the accept loop. Returns once listening.
     pub async fn start(config: &Config) -> io::Result<Server> {
+        let recorder = Recorder::new(config.server.request_log_events);
         let listener = TcpListener::bind(config.server.listen).await.map_err(|e| {
             io::Error::new(
                 e.kind(),
                 format!("cannot listen on {}: {e}", config.server.listen),
             )
         })?;
-        Self::start_on(listener, config).await
+        Self::start_on(listener, config, recorder).await
     }
 
-    pub async fn start_on(listener: TcpListener, config: &Config) -> io::Result<Server> {
-        let state = Arc::new(AppState::new(config)?);
+    /// Serve on an already bound listener (tests bind 127.0.0.1:0), recording into `recorder`.
+    pub async fn start_on(
+        listener: TcpListener,
+        config: &Config,
+        recorder: Recorder,
+    ) -> io::Result<Server> {
+        let state = Arc::new(AppState::new(config, recorder)?);
         let tls = match &config.server.tls {
             Some(t) => Some(tls::acceptor(&t.cert, &t.key)?),
             None => None,

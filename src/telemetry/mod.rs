@@ -14,6 +14,48 @@ pub use timeline::{StreamMetrics, Timeline, Usage, UsageSource};
 use crate::proxy::error::ErrorKind;
 use crate::proxy::view::Endpoint;
 
+/// Where finished requests go: the per-request log event, and an optional observer (tests,
+/// and later the metrics registry and request-log writer).
+pub struct Recorder {
+    emit_events: bool,
+    observer: Option<Observer>,
+}
+
+type Observer = Box<dyn Fn(&RequestRecord) + Send + Sync>;
+
+impl std::fmt::Debug for Recorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recorder")
+            .field("emit_events", &self.emit_events)
+            .field("observer", &self.observer.is_some())
+            .finish()
+    }
+}
+
+impl Recorder {
+    pub fn new(emit_events: bool) -> Self {
+        Self {
+            emit_events,
+            observer: None,
+        }
+    }
+
+    /// Also hand every finished record to `f` (called on the task that ends the request).
+    pub fn with_observer(mut self, f: impl Fn(&RequestRecord) + Send + Sync + 'static) -> Self {
+        self.observer = Some(Box::new(f));
+        self
+    }
+
+    fn record(&self, r: &RequestRecord) {
+        if self.emit_events {
+            emit_event(r);
+        }
+        if let Some(f) = &self.observer {
+            f(r);
+        }
+    }
+}
+
 /// Everything known about one request; its `Drop` records it.
 #[derive(Debug)]
 pub struct RequestRecord {
@@ -26,12 +68,11 @@ pub struct RequestRecord {
     pub stream: bool,
     pub status: u16,
     pub error: Option<ErrorKind>,
-    /// Emit the per-request log event (server.request_log_events).
-    pub emit: bool,
+    recorder: Arc<Recorder>,
 }
 
 impl RequestRecord {
-    pub fn new(received: Instant, request_id: HeaderValue, emit: bool) -> Self {
+    pub fn new(received: Instant, request_id: HeaderValue, recorder: Arc<Recorder>) -> Self {
         Self {
             timeline: Timeline::start(received),
             request_id,
@@ -41,7 +82,7 @@ impl RequestRecord {
             stream: false,
             status: 0,
             error: None,
-            emit,
+            recorder,
         }
     }
 
@@ -53,9 +94,8 @@ impl RequestRecord {
                 self.error = Some(ErrorKind::ClientDisconnected);
             }
         }
-        if self.emit {
-            emit_event(self);
-        }
+        let recorder = self.recorder.clone();
+        recorder.record(self);
     }
 }
 

@@ -1,0 +1,481 @@
+//! The OpenAI request bodies the sim accepts and the vLLM-shaped JSON it answers with.
+
+use bytes::Bytes;
+use http::StatusCode;
+use serde::{Deserialize, Serialize};
+
+use super::args::SimConfig;
+use super::frames::Endpoint;
+use super::tokens::{fnv1a, mix64};
+
+/// Every error the sim answers with, in the body shape vLLM uses for it.
+#[derive(Debug)]
+pub(crate) enum ApiError {
+    /// `--api-key` set and the request lacks `Authorization: Bearer <key>`.
+    Unauthorized,
+    /// No such route (FastAPI's body).
+    RouteNotFound,
+    /// Known route, wrong method (FastAPI's body).
+    MethodNotAllowed,
+    /// The request names a model this sim does not serve.
+    ModelNotFound(String),
+    /// Malformed JSON, bad parameters, prompt too long.
+    BadRequest(String),
+    /// Request body over the sim's limit.
+    PayloadTooLarge,
+    /// `--fail-rate` picked this request.
+    InjectedFailure,
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorInfo<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorInfo<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: u16,
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::RouteNotFound | ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::InjectedFailure => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    pub fn body(&self) -> Bytes {
+        let openai = |message: &str, kind: &str, param: Option<&str>| {
+            let body = ErrorBody {
+                error: ErrorInfo {
+                    message,
+                    kind,
+                    param,
+                    code: self.status().as_u16(),
+                },
+            };
+            Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+        };
+        match self {
+            // vLLM's auth middleware and FastAPI's defaults answer in these bare shapes, not
+            // the OpenAI error object; clients in the wild parse exactly these.
+            ApiError::Unauthorized => Bytes::from_static(br#"{"error":"Unauthorized"}"#),
+            ApiError::RouteNotFound => Bytes::from_static(br#"{"detail":"Not Found"}"#),
+            ApiError::MethodNotAllowed => Bytes::from_static(br#"{"detail":"Method Not Allowed"}"#),
+            ApiError::ModelNotFound(model) => openai(
+                &format!("The model `{model}` does not exist."),
+                "NotFoundError",
+                Some("model"),
+            ),
+            ApiError::BadRequest(msg) => openai(msg, "BadRequestError", None),
+            ApiError::PayloadTooLarge => openai(
+                "Request body too large for the simulator.",
+                "BadRequestError",
+                None,
+            ),
+            ApiError::InjectedFailure => openai(
+                "Simulated engine failure (--fail-rate)",
+                "InternalServerError",
+                None,
+            ),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct ChatMessage {
+    #[serde(default)]
+    content: Option<MessageContent>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+/// Only text parts count towards the prompt; images and audio are accepted and ignored.
+#[derive(Deserialize)]
+struct ContentPart {
+    #[serde(default)]
+    text: Option<String>,
+}
+
+/// Parameters both endpoints share. Fields not listed (ignore_eos, temperature, stop, ...) are
+/// accepted and ignored: the sim always generates exactly max_tokens, which is what ignore_eos
+/// asks for anyway.
+#[derive(Deserialize)]
+struct SamplingParams {
+    model: Option<String>,
+    max_tokens: Option<i64>,
+    /// Chat's newer name for max_tokens; wins when both are given, as in vLLM.
+    max_completion_tokens: Option<i64>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    n: Option<i64>,
+    seed: Option<i64>,
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    params: SamplingParams,
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    prompt: serde_json::Value,
+    #[serde(flatten)]
+    params: SamplingParams,
+}
+
+/// A validated generation request.
+#[derive(Debug)]
+pub(crate) struct GenRequest {
+    pub prompt_tokens: u32,
+    pub max_tokens: u32,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Seed of the token texts: the sim seed folded with the prompt (and the request seed).
+    pub token_seed: u64,
+}
+
+fn bad(msg: impl Into<String>) -> ApiError {
+    ApiError::BadRequest(msg.into())
+}
+
+/// Roughly four characters per token, as a rule of thumb for English BPE vocabularies.
+fn estimate_tokens(chars: usize) -> u32 {
+    u32::try_from(chars / 4).unwrap_or(u32::MAX).max(1)
+}
+
+/// Parses and validates a body in the order vLLM does: JSON, model, parameters, lengths.
+pub(crate) fn parse_generation(
+    endpoint: Endpoint,
+    body: &[u8],
+    cfg: &SimConfig,
+) -> Result<GenRequest, ApiError> {
+    let json_err = |e: serde_json::Error| bad(format!("JSON decode error: {e}"));
+    let (prompt_tokens, prompt_hash, params) = match endpoint {
+        Endpoint::Chat => {
+            let r: ChatRequest = serde_json::from_slice(body).map_err(json_err)?;
+            let mut chars = 0usize;
+            let mut hash = cfg.seed;
+            for m in &r.messages {
+                let mut add = |t: &str| {
+                    chars += t.chars().count();
+                    hash = fnv1a(hash, t.as_bytes());
+                };
+                match &m.content {
+                    Some(MessageContent::Text(t)) => add(t),
+                    Some(MessageContent::Parts(parts)) => {
+                        parts.iter().filter_map(|p| p.text.as_deref()).for_each(add);
+                    }
+                    None => {}
+                }
+            }
+            (estimate_tokens(chars), hash, r.params)
+        }
+        Endpoint::Completions => {
+            let r: CompletionRequest = serde_json::from_slice(body).map_err(json_err)?;
+            let (tokens, hash) = prompt_size(&r.prompt, cfg.seed)?;
+            (tokens, hash, r.params)
+        }
+    };
+    let SamplingParams {
+        model,
+        max_tokens,
+        max_completion_tokens,
+        stream,
+        stream_options: opts,
+        n,
+        seed,
+    } = params;
+    let max_tokens = max_completion_tokens.or(max_tokens);
+    if let Some(m) = model.as_deref() {
+        if !cfg.serves(m) {
+            return Err(ApiError::ModelNotFound(m.to_owned()));
+        }
+    }
+    if let Some(n) = n {
+        if n != 1 {
+            return Err(bad(format!(
+                "n={n} is not supported by the simulator; only n=1"
+            )));
+        }
+    }
+    let stream = stream.unwrap_or(false);
+    if opts.is_some() && !stream {
+        return Err(bad(
+            "Stream options can only be defined when `stream=True`.",
+        ));
+    }
+    let include_usage = opts.and_then(|o| o.include_usage).unwrap_or(false);
+    let limit = cfg.max_model_len;
+    let max_tokens = match max_tokens {
+        Some(m) if m < 1 => return Err(bad(format!("max_tokens must be at least 1, got {m}."))),
+        Some(m) => u32::try_from(m).unwrap_or(u32::MAX),
+        // Like vLLM, an unset limit shrinks to what the context leaves.
+        None => cfg
+            .default_max_tokens
+            .min(limit.saturating_sub(prompt_tokens))
+            .max(1),
+    };
+    let requested = u64::from(prompt_tokens) + u64::from(max_tokens);
+    if requested > u64::from(limit) {
+        return Err(bad(format!(
+            "This model's maximum context length is {limit} tokens. However, you requested \
+             {requested} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). \
+             Please reduce the length of the messages or completion."
+        )));
+    }
+    let token_seed = match seed {
+        Some(s) => mix64(prompt_hash ^ mix64(s as u64)),
+        None => prompt_hash,
+    };
+    Ok(GenRequest {
+        prompt_tokens,
+        max_tokens,
+        stream,
+        include_usage,
+        token_seed,
+    })
+}
+
+/// A completions prompt: a string, a one-element list of strings, or token ids.
+fn prompt_size(prompt: &serde_json::Value, seed: u64) -> Result<(u32, u64), ApiError> {
+    use serde_json::Value;
+    let text = |s: &str| {
+        (
+            estimate_tokens(s.chars().count()),
+            fnv1a(seed, s.as_bytes()),
+        )
+    };
+    let ids = |v: &[Value]| -> Result<(u32, u64), ApiError> {
+        let mut hash = seed;
+        for t in v {
+            let id = t
+                .as_u64()
+                .ok_or_else(|| bad("prompt token ids must be non-negative integers"))?;
+            hash = fnv1a(hash, &id.to_le_bytes());
+        }
+        Ok((u32::try_from(v.len()).unwrap_or(u32::MAX).max(1), hash))
+    };
+    match prompt {
+        Value::String(s) => Ok(text(s)),
+        Value::Array(items) => match items.as_slice() {
+            [Value::String(s)] => Ok(text(s)),
+            [Value::Array(inner)] => ids(inner),
+            all @ [Value::Number(_), ..] => ids(all),
+            _ => Err(bad(
+                "the simulator accepts a single prompt: a string, [string] or token ids",
+            )),
+        },
+        _ => Err(bad(
+            "prompt must be a string, a list of strings or token ids",
+        )),
+    }
+}
+
+#[derive(Serialize)]
+struct Usage {
+    prompt_tokens: u32,
+    total_tokens: u64,
+    completion_tokens: u32,
+    prompt_tokens_details: Option<()>,
+}
+
+impl Usage {
+    fn new(prompt: u32, completion: u32) -> Self {
+        Self {
+            prompt_tokens: prompt,
+            total_tokens: u64::from(prompt) + u64::from(completion),
+            completion_tokens: completion,
+            prompt_tokens_details: None,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct ChatMessageOut<'a> {
+    role: &'static str,
+    reasoning_content: Option<()>,
+    content: &'a str,
+    tool_calls: [(); 0],
+}
+
+#[derive(Serialize)]
+struct ChatChoice<'a> {
+    index: u32,
+    message: ChatMessageOut<'a>,
+    logprobs: Option<()>,
+    finish_reason: &'a str,
+    stop_reason: Option<()>,
+}
+
+#[derive(Serialize)]
+struct TextChoice<'a> {
+    index: u32,
+    text: &'a str,
+    logprobs: Option<()>,
+    finish_reason: &'a str,
+    stop_reason: Option<()>,
+    prompt_logprobs: Option<()>,
+}
+
+#[derive(Serialize)]
+struct Completion<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [C; 1],
+    usage: Usage,
+    prompt_logprobs: Option<()>,
+    kv_transfer_params: Option<()>,
+}
+
+/// The non-streaming answer: one `chat.completion` or `text_completion` object.
+pub(crate) struct FinalAnswer<'a> {
+    pub endpoint: Endpoint,
+    pub id: &'a str,
+    pub created: u64,
+    pub model: &'a str,
+    pub text: &'a str,
+    pub finish_reason: &'a str,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+impl FinalAnswer<'_> {
+    pub fn to_json(&self) -> Vec<u8> {
+        let usage = Usage::new(self.prompt_tokens, self.completion_tokens);
+        let out = match self.endpoint {
+            Endpoint::Chat => serde_json::to_vec(&Completion {
+                id: self.id,
+                object: "chat.completion",
+                created: self.created,
+                model: self.model,
+                choices: [ChatChoice {
+                    index: 0,
+                    message: ChatMessageOut {
+                        role: "assistant",
+                        reasoning_content: None,
+                        content: self.text,
+                        tool_calls: [],
+                    },
+                    logprobs: None,
+                    finish_reason: self.finish_reason,
+                    stop_reason: None,
+                }],
+                usage,
+                prompt_logprobs: None,
+                kv_transfer_params: None,
+            }),
+            Endpoint::Completions => serde_json::to_vec(&Completion {
+                id: self.id,
+                object: "text_completion",
+                created: self.created,
+                model: self.model,
+                choices: [TextChoice {
+                    index: 0,
+                    text: self.text,
+                    logprobs: None,
+                    finish_reason: self.finish_reason,
+                    stop_reason: None,
+                    prompt_logprobs: None,
+                }],
+                usage,
+                prompt_logprobs: None,
+                kv_transfer_params: None,
+            }),
+        };
+        out.unwrap_or_default()
+    }
+}
+
+#[derive(Serialize)]
+struct ModelPermission {
+    id: String,
+    object: &'static str,
+    created: u64,
+    allow_create_engine: bool,
+    allow_sampling: bool,
+    allow_logprobs: bool,
+    allow_search_indices: bool,
+    allow_view: bool,
+    allow_fine_tuning: bool,
+    organization: &'static str,
+    group: Option<()>,
+    is_blocking: bool,
+}
+
+#[derive(Serialize)]
+struct ModelCard<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    owned_by: &'static str,
+    root: &'a str,
+    parent: Option<()>,
+    max_model_len: u32,
+    permission: [ModelPermission; 1],
+}
+
+#[derive(Serialize)]
+struct ModelList<'a> {
+    object: &'static str,
+    data: Vec<ModelCard<'a>>,
+}
+
+/// `GET /v1/models`: one card per served name, as vLLM lists them.
+pub(crate) fn model_list(cfg: &SimConfig, created: u64) -> Vec<u8> {
+    let data = cfg
+        .served_names
+        .iter()
+        .map(|name| ModelCard {
+            id: name,
+            object: "model",
+            created,
+            owned_by: "vllm",
+            root: name,
+            parent: None,
+            max_model_len: cfg.max_model_len,
+            permission: [ModelPermission {
+                id: format!("modelperm-{:032x}", rand::random::<u128>()),
+                object: "model_permission",
+                created,
+                allow_create_engine: false,
+                allow_sampling: true,
+                allow_logprobs: true,
+                allow_search_indices: false,
+                allow_view: true,
+                allow_fine_tuning: false,
+                organization: "*",
+                group: None,
+                is_blocking: false,
+            }],
+        })
+        .collect();
+    serde_json::to_vec(&ModelList {
+        object: "list",
+        data,
+    })
+    .unwrap_or_default()
+}

@@ -1,0 +1,293 @@
+//! Command-line flags of `fleetgate sim` and their validation into the config the sim runs on.
+
+use std::fmt;
+use std::io;
+use std::time::Duration;
+
+/// Flags of the simulated vLLM server. Names follow `vllm serve` where vLLM has the same knob,
+/// so a command line can be moved between the real server and the sim with few edits.
+#[derive(clap::Args, Clone)]
+pub struct SimArgs {
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to bind (0 picks a free port).
+    #[arg(long, default_value_t = 8001)]
+    pub port: u16,
+
+    /// Model names the sim answers to; repeat the flag or separate with commas.
+    /// The first name is the one reported in responses and metrics.
+    #[arg(long, value_delimiter = ',', default_value = "qwen32b")]
+    pub served_model_name: Vec<String>,
+
+    /// Require `Authorization: Bearer <key>` on every /v1/* request, as `vllm serve --api-key`.
+    #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Longest prompt + completion, in tokens.
+    #[arg(long, default_value_t = 32768)]
+    pub max_model_len: u32,
+
+    /// Most sequences in the running batch; the rest wait in FIFO order.
+    #[arg(long, default_value_t = 32)]
+    pub max_num_seqs: u32,
+
+    /// Token budget of one scheduler step (decode tokens plus prefill chunks).
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: u32,
+
+    /// Simulated GPU time per prompt token, in microseconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub prefill_us_per_token: f64,
+
+    /// Base duration of one decode step, in milliseconds.
+    #[arg(long, default_value_t = 15.0)]
+    pub decode_step_ms: f64,
+
+    /// Extra decode-step time per running sequence, in milliseconds.
+    #[arg(long, default_value_t = 0.5)]
+    pub decode_ms_per_seq: f64,
+
+    /// Completion length when the request names none.
+    #[arg(long, default_value_t = 128)]
+    pub default_max_tokens: u32,
+
+    /// Seed for token texts and fault decisions.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Fraction of generation requests answered with a 500 (0.0..=1.0).
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+
+    /// Abort the connection after this many content chunks of a stream (no [DONE]).
+    #[arg(long)]
+    pub drop_after_chunks: Option<u32>,
+
+    /// Send an in-stream error event and [DONE] after this many content chunks.
+    #[arg(long)]
+    pub error_after_chunks: Option<u32>,
+
+    /// Extra wait before a sequence's first token, in milliseconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub stall_first_token_ms: f64,
+
+    /// Refuse connections (no listen()) for this many seconds after start, like a cold instance.
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup_secs: f64,
+
+    /// Zero all per-token timing: frames are produced as fast as the client reads them.
+    #[arg(long)]
+    pub zero_delay: bool,
+
+    /// Keep the exact bytes of every response body, keyed by x-request-id (for tests).
+    #[arg(long, hide = true)]
+    pub capture_streams: bool,
+}
+
+impl Default for SimArgs {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".to_owned(),
+            port: 0,
+            served_model_name: vec!["qwen32b".to_owned()],
+            api_key: None,
+            max_model_len: 32768,
+            max_num_seqs: 32,
+            max_num_batched_tokens: 8192,
+            prefill_us_per_token: 20.0,
+            decode_step_ms: 15.0,
+            decode_ms_per_seq: 0.5,
+            default_max_tokens: 128,
+            seed: 0,
+            fail_rate: 0.0,
+            drop_after_chunks: None,
+            error_after_chunks: None,
+            stall_first_token_ms: 0.0,
+            warmup_secs: 0.0,
+            zero_delay: false,
+            capture_streams: false,
+        }
+    }
+}
+
+// Written by hand so the API key never reaches a log line through `{:?}`.
+impl fmt::Debug for SimArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimArgs")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("served_model_name", &self.served_model_name)
+            .field("api_key", &self.api_key.as_ref().map(|_| "*****"))
+            .field("max_model_len", &self.max_model_len)
+            .field("max_num_seqs", &self.max_num_seqs)
+            .field("max_num_batched_tokens", &self.max_num_batched_tokens)
+            .field("prefill_us_per_token", &self.prefill_us_per_token)
+            .field("decode_step_ms", &self.decode_step_ms)
+            .field("decode_ms_per_seq", &self.decode_ms_per_seq)
+            .field("default_max_tokens", &self.default_max_tokens)
+            .field("seed", &self.seed)
+            .field("fail_rate", &self.fail_rate)
+            .field("drop_after_chunks", &self.drop_after_chunks)
+            .field("error_after_chunks", &self.error_after_chunks)
+            .field("stall_first_token_ms", &self.stall_first_token_ms)
+            .field("warmup_secs", &self.warmup_secs)
+            .field("zero_delay", &self.zero_delay)
+            .field("capture_streams", &self.capture_streams)
+            .finish()
+    }
+}
+
+/// Per-step costs of the batching model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct StepTiming {
+    pub decode_step: Duration,
+    pub decode_per_seq: Duration,
+    pub prefill_per_token: Duration,
+    pub stall_first_token: Duration,
+}
+
+impl StepTiming {
+    /// All-zero timing means no scheduler task and no timers at all (see `engine::Feed`).
+    pub fn is_zero(&self) -> bool {
+        self.decode_step.is_zero()
+            && self.decode_per_seq.is_zero()
+            && self.prefill_per_token.is_zero()
+            && self.stall_first_token.is_zero()
+    }
+}
+
+/// A content-chunk fault to inject into every stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StreamFault {
+    /// Abort the body (connection reset, no terminating chunk) after K content chunks.
+    DropAfter(u32),
+    /// Send vLLM's in-stream error event and `[DONE]` after K content chunks.
+    ErrorAfter(u32),
+}
+
+/// Validated settings; built once at start and shared read-only by every connection.
+#[derive(Debug)]
+pub(crate) struct SimConfig {
+    pub served_names: Vec<String>,
+    pub api_key: Option<String>,
+    pub max_model_len: u32,
+    pub max_num_seqs: u32,
+    pub max_num_batched_tokens: u32,
+    pub timing: StepTiming,
+    pub default_max_tokens: u32,
+    pub seed: u64,
+    pub fail_rate: f64,
+    pub fault: Option<StreamFault>,
+    pub warmup: Duration,
+    pub capture: bool,
+}
+
+impl SimConfig {
+    /// The name reported in `model` fields and the `model_name` metric label.
+    pub fn model_name(&self) -> &str {
+        self.served_names.first().map_or("", String::as_str)
+    }
+
+    pub fn serves(&self, model: &str) -> bool {
+        self.served_names.iter().any(|n| n == model)
+    }
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+fn duration_flag(name: &str, value: f64, unit: Duration) -> io::Result<Duration> {
+    if !value.is_finite() || value < 0.0 {
+        return Err(invalid(format!(
+            "--{name} must be a finite number >= 0, got {value}"
+        )));
+    }
+    Ok(unit.mul_f64(value))
+}
+
+impl TryFrom<&SimArgs> for SimConfig {
+    type Error = io::Error;
+
+    fn try_from(a: &SimArgs) -> io::Result<Self> {
+        let served_names: Vec<String> = a
+            .served_model_name
+            .iter()
+            .map(|n| n.trim().to_owned())
+            .filter(|n| !n.is_empty())
+            .collect();
+        if served_names.is_empty() {
+            return Err(invalid(
+                "--served-model-name needs at least one name".into(),
+            ));
+        }
+        if a.max_num_seqs == 0 || a.max_model_len == 0 || a.default_max_tokens == 0 {
+            return Err(invalid(
+                "--max-num-seqs, --max-model-len and --default-max-tokens must be >= 1".into(),
+            ));
+        }
+        // vLLM refuses this too: every running sequence needs one token of the step budget.
+        if a.max_num_batched_tokens < a.max_num_seqs {
+            return Err(invalid(format!(
+                "--max-num-batched-tokens ({}) must be >= --max-num-seqs ({})",
+                a.max_num_batched_tokens, a.max_num_seqs
+            )));
+        }
+        if !(0.0..=1.0).contains(&a.fail_rate) {
+            return Err(invalid(format!(
+                "--fail-rate must be within 0.0..=1.0, got {}",
+                a.fail_rate
+            )));
+        }
+        let fault = match (a.drop_after_chunks, a.error_after_chunks) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "give at most one of --drop-after-chunks and --error-after-chunks".into(),
+                ));
+            }
+            (Some(k), None) => Some(StreamFault::DropAfter(k)),
+            (None, Some(k)) => Some(StreamFault::ErrorAfter(k)),
+            (None, None) => None,
+        };
+        let ms = Duration::from_millis(1);
+        let timing = if a.zero_delay {
+            StepTiming {
+                decode_step: Duration::ZERO,
+                decode_per_seq: Duration::ZERO,
+                prefill_per_token: Duration::ZERO,
+                stall_first_token: Duration::ZERO,
+            }
+        } else {
+            StepTiming {
+                decode_step: duration_flag("decode-step-ms", a.decode_step_ms, ms)?,
+                decode_per_seq: duration_flag("decode-ms-per-seq", a.decode_ms_per_seq, ms)?,
+                prefill_per_token: duration_flag(
+                    "prefill-us-per-token",
+                    a.prefill_us_per_token,
+                    Duration::from_micros(1),
+                )?,
+                stall_first_token: duration_flag(
+                    "stall-first-token-ms",
+                    a.stall_first_token_ms,
+                    ms,
+                )?,
+            }
+        };
+        Ok(Self {
+            served_names,
+            api_key: a.api_key.clone(),
+            max_model_len: a.max_model_len,
+            max_num_seqs: a.max_num_seqs,
+            max_num_batched_tokens: a.max_num_batched_tokens,
+            timing,
+            default_max_tokens: a.default_max_tokens,
+            seed: a.seed,
+            fail_rate: a.fail_rate,
+            fault,
+            warmup: duration_flag("warmup-secs", a.warmup_secs, Duration::from_secs(1))?,
+            capture: a.capture_streams,
+        })
+    }
+}

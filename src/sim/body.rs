@@ -1,0 +1,236 @@
+//! Response bodies: whole buffers and the token stream, with optional byte capture for tests.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Bytes, BytesMut};
+use hyper::body::{Body, Frame, SizeHint};
+
+use super::args::StreamFault;
+use super::engine::Generation;
+use super::frames::{self, FrameWriter};
+use super::stats::SimStats;
+
+/// Why a body ended abnormally; hyper turns it into an aborted connection.
+#[derive(Debug, thiserror::Error)]
+pub enum SimBodyError {
+    #[error("injected fault: connection dropped after {0} content chunks")]
+    InjectedDrop(u32),
+}
+
+/// Copies of the bytes sent, stored in `SimStats` under the request's `x-request-id`.
+pub(crate) struct Capture {
+    stats: Arc<SimStats>,
+    key: Option<String>,
+    sent: BytesMut,
+}
+
+impl Capture {
+    /// `None` unless capture is on; a request without an id is stored under its generated id.
+    pub fn new(stats: &Arc<SimStats>, key: String) -> Option<Self> {
+        stats.capturing().then(|| Self {
+            stats: stats.clone(),
+            key: Some(key),
+            sent: BytesMut::new(),
+        })
+    }
+
+    fn record(&mut self, b: &[u8]) {
+        self.sent.extend_from_slice(b);
+    }
+
+    fn store(&mut self) {
+        if let Some(key) = self.key.take() {
+            let sent = std::mem::take(&mut self.sent).freeze();
+            self.stats.store_capture(key, sent);
+        }
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        self.store();
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Role,
+    Tokens,
+    Usage,
+    ErrorEvent,
+    Done,
+    End,
+}
+
+/// The SSE token stream of one request.
+pub(crate) struct TokenStream {
+    generation: Generation,
+    frames: FrameWriter,
+    phase: Phase,
+    include_usage: bool,
+    fault: Option<StreamFault>,
+    /// Set once hyper has had a chance to flush before an injected drop.
+    drop_flushed: bool,
+    capture: Option<Capture>,
+}
+
+impl TokenStream {
+    pub fn new(
+        generation: Generation,
+        frames: FrameWriter,
+        with_role_chunk: bool,
+        include_usage: bool,
+        fault: Option<StreamFault>,
+        capture: Option<Capture>,
+    ) -> Self {
+        Self {
+            generation,
+            frames,
+            phase: if with_role_chunk {
+                Phase::Role
+            } else {
+                Phase::Tokens
+            },
+            include_usage,
+            fault,
+            drop_flushed: false,
+            capture,
+        }
+    }
+
+    fn next_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, SimBodyError>>> {
+        loop {
+            match self.phase {
+                Phase::Role => {
+                    ready!(self.generation.poll_first(cx));
+                    self.phase = Phase::Tokens;
+                    return Poll::Ready(Some(Ok(self.frames.role())));
+                }
+                Phase::Tokens => {
+                    let sent = self.generation.emitted();
+                    match self.fault {
+                        Some(StreamFault::DropAfter(k))
+                            if sent == k && !self.generation.is_last() =>
+                        {
+                            // hyper drops its unflushed write buffer when a body fails, so the
+                            // client would never see the K chunks. Yielding once makes hyper flush
+                            // them first; the abort follows on the next poll.
+                            if !self.drop_flushed {
+                                self.drop_flushed = true;
+                                cx.waker().wake_by_ref();
+                                return Poll::Pending;
+                            }
+                            self.generation.fail_injected();
+                            self.phase = Phase::End;
+                            return Poll::Ready(Some(Err(SimBodyError::InjectedDrop(k))));
+                        }
+                        Some(StreamFault::ErrorAfter(k))
+                            if sent == k && !self.generation.is_last() =>
+                        {
+                            self.generation.fail_injected();
+                            self.phase = Phase::ErrorEvent;
+                            continue;
+                        }
+                        _ => {}
+                    }
+                    let Some(text) = ready!(self.generation.poll_token(cx)) else {
+                        self.phase = Phase::Done;
+                        continue;
+                    };
+                    let finish = if self.generation.is_last() {
+                        self.generation.finish();
+                        self.phase = if self.include_usage {
+                            Phase::Usage
+                        } else {
+                            Phase::Done
+                        };
+                        Some("length")
+                    } else {
+                        None
+                    };
+                    return Poll::Ready(Some(Ok(self.frames.token(text, finish))));
+                }
+                Phase::Usage => {
+                    self.phase = Phase::Done;
+                    let g = &self.generation;
+                    return Poll::Ready(Some(Ok(self.frames.usage(g.prompt_tokens, g.emitted()))));
+                }
+                Phase::ErrorEvent => {
+                    self.phase = Phase::Done;
+                    let msg = "Simulated engine failure (--error-after-chunks)";
+                    return Poll::Ready(Some(Ok(frames::error_event(msg))));
+                }
+                Phase::Done => {
+                    self.phase = Phase::End;
+                    return Poll::Ready(Some(Ok(Bytes::from_static(frames::DONE))));
+                }
+                Phase::End => return Poll::Ready(None),
+            }
+        }
+    }
+}
+
+/// Every response body the sim sends.
+pub(crate) enum SimBody {
+    Full(Option<Bytes>),
+    Stream(Box<TokenStream>),
+}
+
+impl SimBody {
+    pub fn empty() -> Self {
+        SimBody::Full(None)
+    }
+
+    /// A complete body; captured at once since it is already final.
+    pub fn full(b: impl Into<Bytes>, capture: Option<Capture>) -> Self {
+        let b = b.into();
+        if let Some(mut c) = capture {
+            c.record(&b);
+            c.store();
+        }
+        SimBody::Full((!b.is_empty()).then_some(b))
+    }
+}
+
+impl Body for SimBody {
+    type Data = Bytes;
+    type Error = SimBodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, SimBodyError>>> {
+        match self.get_mut() {
+            SimBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            SimBody::Stream(s) => {
+                let next = ready!(s.next_frame(cx));
+                if let Some(c) = &mut s.capture {
+                    if let Some(Ok(b)) = &next {
+                        c.record(b);
+                    }
+                    // Store with the final frame, before the client can have read it.
+                    if s.phase == Phase::End {
+                        c.store();
+                    }
+                }
+                Poll::Ready(next.map(|r| r.map(Frame::data)))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            SimBody::Full(b) => b.is_none(),
+            SimBody::Stream(s) => s.phase == Phase::End,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            SimBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            SimBody::Stream(_) => SizeHint::default(),
+        }
+    }
+}

@@ -1,0 +1,315 @@
+//! HTTP side of the sim: the accept loop and one handler that reads top to bottom as vLLM's
+//! request path (auth → route → parse → validate → fault → generate → respond).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::api::{self, ApiError, FinalAnswer};
+use super::args::SimConfig;
+use super::body::{Capture, SimBody, TokenStream};
+use super::engine::Engine;
+use super::frames::{Endpoint, FrameWriter};
+use super::stats::{SimStats, render_metrics};
+use super::tokens::mix64;
+
+/// Bodies above this are refused; far more than any max-model-len worth of text.
+const MAX_REQUEST_BODY: usize = 64 << 20;
+const X_REQUEST_ID: &str = "x-request-id";
+
+/// What every connection of one sim shares.
+pub(crate) struct SimContext {
+    pub cfg: SimConfig,
+    pub stats: Arc<SimStats>,
+    pub engine: Engine,
+    /// Numbers requests for `--fail-rate`, so the faulty fraction is reproducible per seed.
+    fault_draws: AtomicU64,
+}
+
+impl SimContext {
+    pub fn new(cfg: SimConfig, stats: Arc<SimStats>, engine: Engine) -> Self {
+        Self {
+            cfg,
+            stats,
+            engine,
+            fault_draws: AtomicU64::new(0),
+        }
+    }
+
+    fn draw_failure(&self) -> bool {
+        if self.cfg.fail_rate <= 0.0 {
+            return false;
+        }
+        let n = self.fault_draws.fetch_add(1, Relaxed);
+        let u = (mix64(self.cfg.seed ^ mix64(n)) >> 11) as f64 / (1u64 << 53) as f64;
+        u < self.cfg.fail_rate
+    }
+}
+
+/// The socket before and after `listen()`.
+pub(crate) enum Listener {
+    Listening(TcpListener),
+    /// Bound but not listening: connects get ECONNREFUSED until the warm-up ends.
+    WarmingUp(TcpSocket, Duration),
+}
+
+/// Accepts until cancelled, then aborts every connection task and waits for them.
+pub(crate) async fn serve(listener: Listener, ctx: Arc<SimContext>, cancel: CancellationToken) {
+    let listener = match listener {
+        Listener::Listening(l) => l,
+        Listener::WarmingUp(socket, warmup) => {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(warmup) => {}
+            }
+            match socket.listen(1024) {
+                Ok(l) => {
+                    tracing::info!("sim warm-up over, accepting connections");
+                    l
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "sim could not listen after warm-up");
+                    return;
+                }
+            }
+        }
+    };
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    conns.spawn(serve_connection(stream, ctx.clone()));
+                }
+                Err(e) => {
+                    // Usually EMFILE; back off a little instead of spinning on the error.
+                    tracing::warn!(error = %e, "sim accept failed");
+                    tokio::select! {
+                        () = cancel.cancelled() => break,
+                        () = tokio::time::sleep(Duration::from_millis(10)) => {}
+                    }
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+    drop(listener);
+    conns.shutdown().await;
+}
+
+async fn serve_connection(stream: TcpStream, ctx: Arc<SimContext>) {
+    // Each frame is written as produced; Nagle would hold small frames back and distort ITL.
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "sim could not set TCP_NODELAY");
+    }
+    let svc = service_fn(move |req| {
+        let ctx = ctx.clone();
+        async move { Ok::<_, Infallible>(handle(req, &ctx).await) }
+    });
+    // No header-read timer: hyper only arms it when a timer is configured, and the sim's
+    // zero-delay mode is meant to measure a proxy hop without timer overhead.
+    let conn = http1::Builder::new()
+        .keep_alive(true)
+        .serve_connection(TokioIo::new(stream), svc);
+    if let Err(e) = conn.await {
+        // Client hang-ups land here too; they are routine for a test server.
+        tracing::debug!(error = %e, "sim connection ended");
+    }
+}
+
+async fn handle(req: Request<Incoming>, ctx: &SimContext) -> Response<SimBody> {
+    let request_id = req.headers().get(X_REQUEST_ID).cloned();
+    let capture_key = request_id
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let mut resp = match route(req, ctx, capture_key.as_deref()).await {
+        Ok(r) => r,
+        Err(e) => error_response(&e, ctx, capture_key.as_deref()),
+    };
+    // vLLM echoes the caller's id so logs on both sides line up.
+    if let Some(id) = request_id {
+        resp.headers_mut().insert(X_REQUEST_ID, id);
+    }
+    resp
+}
+
+fn error_response(e: &ApiError, ctx: &SimContext, capture_key: Option<&str>) -> Response<SimBody> {
+    let capture = capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
+    let mut r = Response::new(SimBody::full(e.body(), capture));
+    *r.status_mut() = e.status();
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn json_response(body: Vec<u8>, capture: Option<Capture>) -> Response<SimBody> {
+    let mut r = Response::new(SimBody::full(body, capture));
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn route(
+    req: Request<Incoming>,
+    ctx: &SimContext,
+    capture_key: Option<&str>,
+) -> Result<Response<SimBody>, ApiError> {
+    let path = req.uri().path();
+    let get = req.method() == Method::GET;
+    match path {
+        // vLLM leaves /health and /metrics open even with --api-key.
+        "/health" if get => Ok(Response::new(SimBody::empty())),
+        "/metrics" if get => {
+            let text = render_metrics(&ctx.stats, ctx.cfg.model_name());
+            let mut r = Response::new(SimBody::full(text, None));
+            r.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            Ok(r)
+        }
+        "/health" | "/metrics" => Err(ApiError::MethodNotAllowed),
+        p if p.starts_with("/v1") => {
+            authorize(&req, ctx)?;
+            let capture = || capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
+            match (p, req.method()) {
+                ("/v1/models", &Method::GET) => Ok(json_response(
+                    api::model_list(&ctx.cfg, unix_now()),
+                    capture(),
+                )),
+                ("/v1/chat/completions", &Method::POST) => {
+                    generate(Endpoint::Chat, req, ctx, capture_key).await
+                }
+                ("/v1/completions", &Method::POST) => {
+                    generate(Endpoint::Completions, req, ctx, capture_key).await
+                }
+                ("/v1/models" | "/v1/chat/completions" | "/v1/completions", _) => {
+                    Err(ApiError::MethodNotAllowed)
+                }
+                _ => Err(ApiError::RouteNotFound),
+            }
+        }
+        _ => Err(ApiError::RouteNotFound),
+    }
+}
+
+/// vLLM's check, byte for byte: the header must equal `Bearer <key>`; CORS preflights pass.
+fn authorize(req: &Request<Incoming>, ctx: &SimContext) -> Result<(), ApiError> {
+    let Some(key) = ctx.cfg.api_key.as_deref() else {
+        return Ok(());
+    };
+    if req.method() == Method::OPTIONS {
+        return Ok(());
+    }
+    let ok = req
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .is_some_and(|presented| presented == key.as_bytes());
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::Unauthorized)
+    }
+}
+
+async fn generate(
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+    ctx: &SimContext,
+    capture_key: Option<&str>,
+) -> Result<Response<SimBody>, ApiError> {
+    let arrived = Instant::now();
+    ctx.stats.requests.fetch_add(1, Relaxed);
+    let body = Limited::new(req.into_body(), MAX_REQUEST_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::PayloadTooLarge
+            } else {
+                ApiError::BadRequest(format!("could not read the request body: {e}"))
+            }
+        })?
+        .to_bytes();
+    let parsed = api::parse_generation(endpoint, &body, &ctx.cfg)?;
+    if ctx.draw_failure() {
+        ctx.stats.failed_injected.fetch_add(1, Relaxed);
+        return Err(ApiError::InjectedFailure);
+    }
+
+    let request_id = match capture_key {
+        Some(id) => id.to_owned(),
+        None => format!("{:032x}", rand::random::<u128>()),
+    };
+    let id = format!("{}{request_id}", endpoint.id_prefix());
+    let created = unix_now();
+    let model = ctx.cfg.model_name();
+    ctx.stats
+        .engine
+        .prompt_tokens
+        .fetch_add(u64::from(parsed.prompt_tokens), Relaxed);
+    let mut generation = ctx.engine.start(
+        ctx.stats.clone(),
+        parsed.prompt_tokens,
+        parsed.max_tokens,
+        parsed.token_seed,
+        arrived,
+    );
+    let capture = Capture::new(&ctx.stats, request_id);
+
+    if parsed.stream {
+        let frames = FrameWriter::new(endpoint, &id, created, model);
+        let stream = TokenStream::new(
+            generation,
+            frames,
+            endpoint == Endpoint::Chat,
+            parsed.include_usage,
+            ctx.cfg.fault,
+            capture,
+        );
+        let mut r = Response::new(SimBody::Stream(Box::new(stream)));
+        r.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        return Ok(r);
+    }
+
+    // If the client leaves while we wait here, hyper drops this future and with it the
+    // generation, which is the cancellation signal.
+    let text = generation.collect_text().await;
+    generation.finish();
+    let answer = FinalAnswer {
+        endpoint,
+        id: &id,
+        created,
+        model,
+        text: &text,
+        finish_reason: "length",
+        prompt_tokens: generation.prompt_tokens,
+        completion_tokens: generation.emitted(),
+    };
+    Ok(json_response(answer.to_json(), capture))
+}

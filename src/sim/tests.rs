@@ -1,0 +1,667 @@
+//! End-to-end tests: real sims on 127.0.0.1:0, driven by a hyper client.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use bytes::Bytes;
+use clap::Parser;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+
+use super::*;
+
+type TestClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> TestClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+fn zero_delay() -> SimArgs {
+    SimArgs {
+        zero_delay: true,
+        capture_streams: true,
+        ..SimArgs::default()
+    }
+}
+
+/// Small but non-zero timing, so the scheduler task is exercised.
+fn timed() -> SimArgs {
+    SimArgs {
+        decode_step_ms: 1.0,
+        decode_ms_per_seq: 0.0,
+        prefill_us_per_token: 1.0,
+        capture_streams: true,
+        ..SimArgs::default()
+    }
+}
+
+async fn send(
+    c: &TestClient,
+    sim: &SimServer,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+    headers: &[(&str, &str)],
+) -> Response<Incoming> {
+    let mut b = Request::builder()
+        .method(method)
+        .uri(format!("{}{path}", sim.url()));
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let body = body.map_or_else(Bytes::new, |v| Bytes::from(v.to_string()));
+    let req = b
+        .header("content-type", "application/json")
+        .body(Full::new(body))
+        .unwrap();
+    c.request(req).await.unwrap()
+}
+
+async fn read_all(r: Response<Incoming>) -> Bytes {
+    r.into_body().collect().await.unwrap().to_bytes()
+}
+
+/// Splits an SSE body into its `data:` payloads, checking the framing on the way.
+fn sse_events(body: &[u8]) -> Vec<String> {
+    let text = std::str::from_utf8(body).unwrap();
+    assert!(text.ends_with("\n\n"), "body ends with a blank line");
+    text.split_terminator("\n\n")
+        .map(|ev| ev.strip_prefix("data: ").unwrap().to_owned())
+        .collect()
+}
+
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    // Bounded wait for another task's effect; the bound is generous so a loaded machine does
+    // not flake, and the loop exits as soon as the condition holds.
+    for _ in 0..1000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+async fn streaming_chat_frames(args: SimArgs) {
+    let sim = start(args).await.unwrap();
+    let c = client();
+    let req = json!({
+        "model": "qwen32b",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there, sim"}]}],
+        "max_tokens": 5,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions",
+        Some(req),
+        &[("x-request-id", "req-1")],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(
+        r.headers()["content-type"],
+        "text/event-stream; charset=utf-8"
+    );
+    assert_eq!(r.headers()["x-request-id"], "req-1");
+    let body = read_all(r).await;
+    let events = sse_events(&body);
+    assert_eq!(events.len(), 1 + 5 + 1 + 1, "{events:#?}");
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..7]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    for ch in &chunks {
+        assert_eq!(ch["id"], "chatcmpl-req-1");
+        assert_eq!(ch["object"], "chat.completion.chunk");
+        assert_eq!(ch["model"], "qwen32b");
+        assert!(ch["created"].as_u64().unwrap() > 1_600_000_000);
+    }
+    let role = &chunks[0]["choices"][0];
+    assert_eq!(role["delta"], json!({"role": "assistant", "content": ""}));
+    assert!(role["finish_reason"].is_null());
+    for (i, ch) in chunks[1..6].iter().enumerate() {
+        let choice = &ch["choices"][0];
+        assert!(!choice["delta"]["content"].as_str().unwrap().is_empty());
+        let want = if i == 4 { json!("length") } else { Value::Null };
+        assert_eq!(choice["finish_reason"], want, "chunk {i}");
+    }
+    let usage = &chunks[6];
+    assert_eq!(usage["choices"], json!([]));
+    // "hello there, sim" is 16 characters → 4 prompt tokens.
+    assert_eq!(
+        usage["usage"],
+        json!({"prompt_tokens": 4, "total_tokens": 9, "completion_tokens": 5})
+    );
+    assert_eq!(sim.stats().captured("req-1").unwrap(), body);
+    assert_eq!(sim.stats().completed.load(Relaxed), 1);
+    assert_eq!(sim.stats().requests.load(Relaxed), 1);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn streaming_chat_exact_frames_zero_delay() {
+    streaming_chat_frames(zero_delay()).await;
+}
+
+#[tokio::test]
+async fn streaming_chat_exact_frames_through_scheduler() {
+    streaming_chat_frames(timed()).await;
+}
+
+#[tokio::test]
+async fn streaming_completions_have_no_role_chunk() {
+    let sim = start(timed()).await.unwrap();
+    let c = client();
+    let req = json!({"model": "qwen32b", "prompt": "abcdefgh", "max_tokens": 3, "stream": true});
+    let r = send(&c, &sim, "POST", "/v1/completions", Some(req), &[]).await;
+    let events = sse_events(&read_all(r).await);
+    assert_eq!(events.len(), 4);
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert!(first["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(first["object"], "text_completion");
+    assert!(first["choices"][0]["text"].is_string());
+    let last: Value = serde_json::from_str(&events[2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(events[3], "[DONE]");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn non_streaming_shapes() {
+    let sim = start(timed()).await.unwrap();
+    let c = client();
+    let req = json!({"model": "qwen32b", "messages": [{"role": "user", "content": "12345678"}],
+        "max_completion_tokens": 7});
+    let r = send(&c, &sim, "POST", "/v1/chat/completions", Some(req), &[]).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.headers()["content-type"], "application/json");
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert!(
+        !v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], 2);
+    assert_eq!(v["usage"]["completion_tokens"], 7);
+    assert_eq!(v["usage"]["total_tokens"], 9);
+
+    let req = json!({"model": "qwen32b", "prompt": [1, 2, 3], "max_tokens": 2});
+    let r = send(&c, &sim, "POST", "/v1/completions", Some(req), &[]).await;
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["choices"][0]["text"].is_string());
+    assert_eq!(v["usage"]["prompt_tokens"], 3);
+    assert_eq!(sim.stats().completed.load(Relaxed), 2);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn same_request_same_tokens() {
+    let sim = start(zero_delay()).await.unwrap();
+    let c = client();
+    let req = json!({"messages": [{"role": "user", "content": "determinism"}], "max_tokens": 40});
+    let mut texts = Vec::new();
+    for _ in 0..2 {
+        let r = send(
+            &c,
+            &sim,
+            "POST",
+            "/v1/chat/completions",
+            Some(req.clone()),
+            &[],
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+        texts.push(
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        );
+    }
+    assert_eq!(texts[0], texts[1]);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn api_key_is_enforced_on_v1_only() {
+    let sim = start(SimArgs {
+        api_key: Some("sekret".into()),
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let req = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    for headers in [
+        &[][..],
+        &[("authorization", "Bearersekret")][..],
+        &[("authorization", "Bearer wrong")][..],
+    ] {
+        let r = send(
+            &c,
+            &sim,
+            "POST",
+            "/v1/chat/completions",
+            Some(req.clone()),
+            headers,
+        )
+        .await;
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(&read_all(r).await[..], br#"{"error":"Unauthorized"}"#);
+    }
+    let r = send(&c, &sim, "GET", "/v1/models", None, &[]).await;
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let ok = [("authorization", "Bearer sekret")];
+    let r = send(&c, &sim, "POST", "/v1/chat/completions", Some(req), &ok).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = send(&c, &sim, "GET", "/health", None, &[]).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(read_all(r).await.is_empty());
+    assert!(
+        format!(
+            "{:?}",
+            SimArgs {
+                api_key: Some("sekret".into()),
+                ..SimArgs::default()
+            }
+        )
+        .contains("*****")
+    );
+    sim.shutdown().await;
+}
+
+fn openai_error(body: &[u8]) -> (String, String, Value, u64) {
+    let v: Value = serde_json::from_slice(body).unwrap();
+    let e = &v["error"];
+    (
+        e["message"].as_str().unwrap().to_owned(),
+        e["type"].as_str().unwrap().to_owned(),
+        e["param"].clone(),
+        e["code"].as_u64().unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn client_errors_in_vllm_shape() {
+    let sim = start(SimArgs {
+        max_model_len: 100,
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions",
+        Some(json!({"model": "gpt-4", "messages": []})),
+        &[("x-request-id", "bad-model")],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    let body = read_all(r).await;
+    let (msg, kind, param, code) = openai_error(&body);
+    assert_eq!(msg, "The model `gpt-4` does not exist.");
+    assert_eq!(
+        (kind.as_str(), param, code),
+        ("NotFoundError", json!("model"), 404)
+    );
+    assert_eq!(sim.stats().captured("bad-model").unwrap(), body);
+
+    let bad = Request::builder()
+        .method("POST")
+        .uri(format!("{}/v1/completions", sim.url()))
+        .body(Full::new(Bytes::from_static(b"{not json")))
+        .unwrap();
+    let r = c.request(bad).await.unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let (_, kind, _, code) = openai_error(&read_all(r).await);
+    assert_eq!((kind.as_str(), code), ("BadRequestError", 400));
+
+    let long = json!({"prompt": "x".repeat(400), "max_tokens": 10});
+    let r = send(&c, &sim, "POST", "/v1/completions", Some(long), &[]).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let (msg, ..) = openai_error(&read_all(r).await);
+    assert!(
+        msg.starts_with(
+            "This model's maximum context length is 100 tokens. However, you requested 110 tokens"
+        ),
+        "{msg}"
+    );
+
+    let r = send(&c, &sim, "GET", "/v1/nope", None, &[]).await;
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    let r = send(&c, &sim, "GET", "/v1/chat/completions", None, &[]).await;
+    assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn models_and_metrics() {
+    let sim = start(SimArgs {
+        served_model_name: vec!["a".into(), "b".into()],
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let r = send(&c, &sim, "GET", "/v1/models", None, &[]).await;
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "a");
+    assert_eq!(v["data"][1]["id"], "b");
+    assert_eq!(v["data"][0]["owned_by"], "vllm");
+    assert_eq!(v["data"][0]["max_model_len"], 32768);
+    assert!(v["data"][0]["parent"].is_null());
+
+    let req =
+        json!({"model": "b", "messages": [{"role": "user", "content": "abcd"}], "max_tokens": 3});
+    let r = send(&c, &sim, "POST", "/v1/chat/completions", Some(req), &[]).await;
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["model"], "a", "the first served name is reported");
+
+    let r = send(&c, &sim, "GET", "/metrics", None, &[]).await;
+    let text = String::from_utf8(read_all(r).await.to_vec()).unwrap();
+    for line in [
+        "vllm:num_requests_running{engine=\"0\",model_name=\"a\"} 0",
+        "vllm:num_requests_waiting{engine=\"0\",model_name=\"a\"} 0",
+        "vllm:prompt_tokens_total{engine=\"0\",model_name=\"a\"} 1",
+        "vllm:generation_tokens_total{engine=\"0\",model_name=\"a\"} 3",
+        "vllm:request_success_total{engine=\"0\",model_name=\"a\",finished_reason=\"length\"} 1",
+        "vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"a\"} 1",
+        "vllm:e2e_request_latency_seconds_bucket{engine=\"0\",model_name=\"a\",le=\"+Inf\"} 1",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing {line}\n{text}");
+    }
+    sim.shutdown().await;
+}
+
+/// Reads from a streaming body until `n` content events have arrived.
+async fn read_events(body: &mut Incoming, n: usize) -> String {
+    let mut seen = String::new();
+    while seen.matches("\"content\":").count() < n {
+        let frame = body.frame().await.unwrap().unwrap();
+        if let Ok(data) = frame.into_data() {
+            seen.push_str(std::str::from_utf8(&data).unwrap());
+        }
+    }
+    seen
+}
+
+#[tokio::test]
+async fn dropped_stream_is_cancelled_and_leaves_the_batch() {
+    let sim = start(SimArgs {
+        decode_step_ms: 2.0,
+        ..timed()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let req = json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 30000,
+        "stream": true});
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions",
+        Some(req),
+        &[("x-request-id", "gone")],
+    )
+    .await;
+    let mut body = r.into_body();
+    let seen = read_events(&mut body, 3).await;
+    assert_eq!(sim.stats().running.load(Relaxed), 1);
+    drop(body);
+    let stats = sim.stats().clone();
+    eventually("cancellation", || stats.cancelled.load(Relaxed) == 1).await;
+    eventually("batch to empty", || stats.running.load(Relaxed) == 0).await;
+    assert_eq!(stats.completed.load(Relaxed), 0);
+    // What was captured begins with what the client saw and has no [DONE].
+    eventually("capture", || stats.captured("gone").is_some()).await;
+    let captured = stats.captured("gone").unwrap();
+    assert!(captured.starts_with(seen.as_bytes()));
+    assert!(!captured.ends_with(b"data: [DONE]\n\n"));
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn abandoned_non_streaming_request_is_cancelled() {
+    let sim = start(SimArgs {
+        decode_step_ms: 2.0,
+        ..timed()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let req = json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 30000});
+    let stats = sim.stats().clone();
+    let pending = send(&c, &sim, "POST", "/v1/chat/completions", Some(req), &[]);
+    tokio::select! {
+        _ = pending => panic!("a 30000-token answer cannot be ready yet"),
+        () = eventually("sequence to run", || stats.running.load(Relaxed) == 1) => {}
+    }
+    eventually("cancellation", || stats.cancelled.load(Relaxed) == 1).await;
+    eventually("batch to empty", || stats.running.load(Relaxed) == 0).await;
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn queueing_beyond_max_num_seqs() {
+    let sim = start(SimArgs {
+        max_num_seqs: 1,
+        ..timed()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let req = json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 30000,
+        "stream": true});
+    let a = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions",
+        Some(req.clone()),
+        &[],
+    )
+    .await;
+    let b = send(&c, &sim, "POST", "/v1/chat/completions", Some(req), &[]).await;
+    let stats = sim.stats().clone();
+    eventually("one running, one waiting", || {
+        stats.running.load(Relaxed) == 1 && stats.waiting.load(Relaxed) == 1
+    })
+    .await;
+    drop(a);
+    // The waiting one is admitted once the first leaves.
+    let mut b = b.into_body();
+    read_events(&mut b, 1).await;
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn warmup_refuses_then_accepts() {
+    let sim = start(SimArgs {
+        warmup_secs: 1.0,
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    let err = tokio::net::TcpStream::connect(sim.addr())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused);
+    let mut connected = false;
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(sim.addr()).await.is_ok() {
+            connected = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(connected, "accepting after the warm-up");
+    let r = send(&client(), &sim, "GET", "/health", None, &[]).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn injected_faults() {
+    let c = client();
+    let req = json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 10,
+        "stream": true});
+
+    let sim = start(SimArgs {
+        drop_after_chunks: Some(3),
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions",
+        Some(req.clone()),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let mut body = r.into_body();
+    let mut got = Vec::new();
+    let ended_with_error = loop {
+        match body.frame().await {
+            Some(Ok(f)) => got.extend_from_slice(&f.into_data().unwrap()),
+            Some(Err(_)) => break true,
+            None => break false,
+        }
+    };
+    assert!(ended_with_error, "body error, no [DONE]");
+    let events = sse_events(&got);
+    assert_eq!(
+        events.len(),
+        1 + 3,
+        "role + 3 content chunks reach the client"
+    );
+    assert_eq!(sim.stats().failed_injected.load(Relaxed), 1);
+    assert_eq!(sim.stats().cancelled.load(Relaxed), 0);
+    sim.shutdown().await;
+
+    let sim = start(SimArgs {
+        error_after_chunks: Some(2),
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions",
+        Some(req.clone()),
+        &[],
+    )
+    .await;
+    let events = sse_events(&read_all(r).await);
+    assert_eq!(events.len(), 1 + 2 + 2);
+    let err: Value = serde_json::from_str(&events[3]).unwrap();
+    assert_eq!(err["error"]["type"], "InternalServerError");
+    assert_eq!(err["error"]["code"], 500);
+    assert_eq!(events[4], "[DONE]");
+    sim.shutdown().await;
+
+    let sim = start(SimArgs {
+        fail_rate: 1.0,
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    let r = send(&c, &sim, "POST", "/v1/chat/completions", Some(req), &[]).await;
+    assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let (_, kind, _, code) = openai_error(&read_all(r).await);
+    assert_eq!((kind.as_str(), code), ("InternalServerError", 500));
+    assert_eq!(sim.stats().failed_injected.load(Relaxed), 1);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn zero_delay_long_stream() {
+    let sim = start(zero_delay()).await.unwrap();
+    let c = client();
+    let req = json!({"prompt": "p", "max_tokens": 5000, "stream": true});
+    let r = send(&c, &sim, "POST", "/v1/completions", Some(req), &[]).await;
+    let events = sse_events(&read_all(r).await);
+    assert_eq!(events.len(), 5001);
+    for e in &events[..5000] {
+        let _: Value = serde_json::from_str(e).unwrap();
+    }
+    assert_eq!(sim.stats().running.load(Relaxed), 0);
+    sim.shutdown().await;
+}
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    sim: SimArgs,
+}
+
+#[test]
+fn clap_defaults_match_default() {
+    let parsed = Cli::try_parse_from(["sim"]).unwrap().sim;
+    let d = SimArgs::default();
+    assert_eq!(parsed.port, 8001);
+    assert_eq!(
+        format!("{:?}", SimArgs { port: 0, ..parsed }),
+        format!("{d:?}")
+    );
+    let names = Cli::try_parse_from([
+        "sim",
+        "--served-model-name",
+        "a,b",
+        "--served-model-name",
+        "c",
+    ])
+    .unwrap()
+    .sim
+    .served_model_name;
+    assert_eq!(names, ["a", "b", "c"]);
+}
+
+#[tokio::test]
+async fn invalid_flags_are_rejected() {
+    for bad in [
+        SimArgs {
+            fail_rate: 1.5,
+            ..SimArgs::default()
+        },
+        SimArgs {
+            max_num_seqs: 64,
+            max_num_batched_tokens: 32,
+            ..SimArgs::default()
+        },
+        SimArgs {
+            decode_step_ms: -1.0,
+            ..SimArgs::default()
+        },
+    ] {
+        let err = start(bad).await.err().unwrap();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+    }
+}

@@ -1,0 +1,167 @@
+//! Shared test harness: real sims and a real gateway on 127.0.0.1:0, and a client.
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: each test uses some helpers, and a failure here is a test failure"
+)]
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use fleetgate::client::{self, HttpClient, Measured};
+use fleetgate::config::{Config, PoolConfig, ServerConfig};
+use fleetgate::server::Server;
+use fleetgate::sim::{self, SimArgs, SimServer};
+use fleetgate::telemetry::{Recorder, RequestRecord};
+use http::{HeaderMap, HeaderValue, Uri};
+use tokio::net::TcpListener;
+
+/// A sim on a free port with small, realistic delays unless `f` changes them.
+pub async fn sim(f: impl FnOnce(&mut SimArgs)) -> SimServer {
+    let mut args = SimArgs {
+        decode_step_ms: 2.0,
+        decode_ms_per_seq: 0.0,
+        prefill_us_per_token: 0.0,
+        capture_streams: true,
+        ..SimArgs::default()
+    };
+    f(&mut args);
+    sim::start(args).await.expect("sim starts")
+}
+
+/// What the gateway recorded, one snapshot per finished request.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub request_id: String,
+    pub status: u16,
+    pub error: Option<&'static str>,
+    pub stream: bool,
+    pub model: Option<String>,
+    pub backend: Option<String>,
+    pub timeline: fleetgate::telemetry::Timeline,
+}
+
+pub struct Gateway {
+    pub server: Server,
+    pub records: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Gateway {
+    pub fn url(&self, path: &str) -> Uri {
+        format!("{}{}", self.server.base_url(), path)
+            .parse()
+            .unwrap()
+    }
+
+    /// Wait (bounded) until the record of `request_id` is in.
+    pub async fn record_of(&self, request_id: &str) -> Seen {
+        for _ in 0..500 {
+            if let Some(s) = self
+                .records
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|s| s.request_id == request_id)
+            {
+                return s.clone();
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no record for {request_id}");
+    }
+}
+
+pub fn pool(model: &str, backends: &[String]) -> PoolConfig {
+    PoolConfig::new(model, backends.iter().map(|b| b.parse().unwrap()).collect())
+}
+
+pub async fn gateway(pools: Vec<PoolConfig>) -> Gateway {
+    gateway_with(pools, |_| {}).await
+}
+
+pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -> Gateway {
+    let mut config = Config {
+        server: ServerConfig {
+            health_interval: Duration::from_millis(200),
+            shutdown_grace: Duration::from_secs(10),
+            ..ServerConfig::default()
+        },
+        pools,
+    };
+    f(&mut config);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let records = Arc::new(Mutex::new(Vec::new()));
+    let sink = records.clone();
+    let recorder = Recorder::new(false).with_observer(move |r: &RequestRecord| {
+        sink.lock().unwrap().push(Seen {
+            request_id: r.request_id.to_str().unwrap().to_owned(),
+            status: r.status,
+            error: r.error.map(|e| e.as_str()),
+            stream: r.stream,
+            model: r.model.as_deref().map(str::to_owned),
+            backend: r.backend.as_deref().map(str::to_owned),
+            timeline: r.timeline.clone(),
+        });
+    });
+    let server = Server::start_on(listener, &config, recorder).await.unwrap();
+    Gateway { server, records }
+}
+
+/// A port nothing listens on.
+pub async fn closed_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap()
+}
+
+pub fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (k, v) in pairs {
+        h.insert(
+            http::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            HeaderValue::from_str(v).unwrap(),
+        );
+    }
+    h
+}
+
+pub async fn post(uri: &Uri, hdrs: &[(&str, &str)], body: impl Into<Bytes>) -> Measured {
+    let c: HttpClient = client::http_client();
+    client::send(&c, uri, &headers(hdrs), body.into(), true)
+        .await
+        .expect("request completes")
+}
+
+/// Decode an OpenAI error body as a client would.
+pub fn openai_error(m: &Measured) -> serde_json::Value {
+    let body = m.body.as_ref().expect("body kept");
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_else(|e| {
+        panic!(
+            "error body is JSON ({e}): {}",
+            String::from_utf8_lossy(body)
+        )
+    });
+    let err = v["error"].clone();
+    assert!(err.is_object(), "OpenAI shape: {v}");
+    assert!(err["message"].is_string(), "message: {v}");
+    assert!(err["type"].is_string(), "type: {v}");
+    assert!(
+        err.get("param").is_some() && err.get("code").is_some(),
+        "param/code: {v}"
+    );
+    err
+}
+
+/// Poll `cond` every 10 ms for at most `limit`.
+pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cond()
+}

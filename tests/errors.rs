@@ -1,0 +1,353 @@
+//! Every error the gateway answers with: status and an OpenAI-format body decoded as a client
+//! would, and the backend never called for a request the gateway rejects.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use fleetgate::client::{self, chat_body};
+use http_body_util::BodyExt;
+
+async fn setup() -> (fleetgate::sim::SimServer, Gateway) {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.server.max_body_bytes = 4096;
+    })
+    .await;
+    (sim, gw)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_mistakes_get_specific_4xx() {
+    let (sim, gw) = setup().await;
+    let chat = gw.url("/v1/chat/completions");
+    let json = [("content-type", "application/json")];
+    // (case, headers, body, status, param, code)
+    type Case<'a> = (
+        &'a str,
+        Vec<(&'a str, &'a str)>,
+        Bytes,
+        u16,
+        Option<&'a str>,
+        &'a str,
+    );
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "malformed",
+            json.to_vec(),
+            Bytes::from_static(b"{\"model\": "),
+            400,
+            None,
+            "invalid_json",
+        ),
+        (
+            "not an object",
+            json.to_vec(),
+            Bytes::from_static(b"[1,2,3]"),
+            400,
+            None,
+            "invalid_value",
+        ),
+        (
+            "empty",
+            json.to_vec(),
+            Bytes::new(),
+            400,
+            None,
+            "invalid_json",
+        ),
+        (
+            "missing model",
+            json.to_vec(),
+            Bytes::from_static(b"{\"messages\":[]}"),
+            400,
+            Some("model"),
+            "invalid_value",
+        ),
+        (
+            "stream type",
+            json.to_vec(),
+            Bytes::from_static(b"{\"model\":\"qwen32b\",\"stream\":\"true\",\"messages\":[]}"),
+            400,
+            Some("stream"),
+            "invalid_value",
+        ),
+        (
+            "prompt on chat",
+            json.to_vec(),
+            Bytes::from_static(b"{\"model\":\"qwen32b\",\"prompt\":\"hi\"}"),
+            400,
+            Some("messages"),
+            "invalid_value",
+        ),
+        (
+            "unknown model",
+            json.to_vec(),
+            chat_body("qwen-old", "hi", 5, true),
+            404,
+            Some("model"),
+            "model_not_found",
+        ),
+        (
+            "form content type",
+            vec![("content-type", "application/x-www-form-urlencoded")],
+            chat_body("qwen32b", "hi", 5, true),
+            415,
+            None,
+            "unsupported_media_type",
+        ),
+        (
+            "too large",
+            json.to_vec(),
+            chat_body("qwen32b", &"x".repeat(5000), 5, true),
+            413,
+            None,
+            "request_too_large",
+        ),
+    ];
+    for (name, hdrs, body, status, param, code) in cases {
+        let m = post(&chat, &hdrs, body).await;
+        assert_eq!(m.status, status, "{name}");
+        let err = openai_error(&m);
+        assert_eq!(err["code"], code, "{name}: {err}");
+        assert_eq!(err["param"].as_str(), param, "{name}: {err}");
+        assert_eq!(err["type"], "invalid_request_error", "{name}");
+        assert!(m.headers.contains_key("x-request-id"), "{name}");
+    }
+    let m = post(&chat, &json, chat_body("qwen-old", "hi", 5, true)).await;
+    let msg = openai_error(&m)["message"].as_str().unwrap().to_owned();
+    assert!(
+        msg.contains("qwen-old") && msg.contains("`qwen32b`"),
+        "lists the models: {msg}"
+    );
+    assert_eq!(
+        sim.stats().requests.load(Ordering::SeqCst),
+        0,
+        "rejected requests reached the backend"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_route_and_wrong_method() {
+    let (_sim, gw) = setup().await;
+    let c = client::http_client();
+    for (method, path, status, code) in [
+        ("POST", "/v1/v1/chat/completions", 404, "unknown_url"),
+        ("POST", "/api/chat/completions", 404, "unknown_url"),
+        ("GET", "/", 404, "unknown_url"),
+        ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+        ("DELETE", "/v1/models", 405, "method_not_allowed"),
+    ] {
+        let req = http::Request::builder()
+            .method(method)
+            .uri(gw.url(path))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        let resp = c.request(req).await.unwrap();
+        assert_eq!(resp.status(), status, "{method} {path}");
+        if status == 405 {
+            assert!(resp.headers().contains_key("allow"));
+        }
+        let v: serde_json::Value =
+            serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(v["error"]["code"], code, "{method} {path}: {v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_backend_is_502_then_503() {
+    let dead = closed_port().await;
+    let gw = gateway_with(vec![pool("qwen32b", &[format!("http://{dead}")])], |c| {
+        // No probe during the test: the first failure itself must take the backend out.
+        c.server.health_interval = Duration::from_secs(3600);
+    })
+    .await;
+    let chat = gw.url("/v1/chat/completions");
+    // The probe at start may already have marked it down; either way the answer names it.
+    let m = post(&chat, &[], chat_body("qwen32b", "hi", 5, true)).await;
+    let err = openai_error(&m);
+    match m.status {
+        502 => {
+            assert_eq!(err["code"], "backend_unreachable");
+            let msg = err["message"].as_str().unwrap();
+            assert!(
+                msg.contains(&dead.to_string()) && msg.contains("connection refused"),
+                "{msg}"
+            );
+        }
+        503 => assert_eq!(err["code"], "no_backend_available"),
+        s => panic!("unexpected status {s}"),
+    }
+    let m = post(&chat, &[], chat_body("qwen32b", "hi", 5, true)).await;
+    assert_eq!(m.status, 503);
+    let err = openai_error(&m);
+    assert_eq!(err["code"], "no_backend_available");
+    assert!(err["message"].as_str().unwrap().contains(&dead.to_string()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_failure_is_named() {
+    let gw = gateway_with(
+        vec![pool(
+            "qwen32b",
+            &["http://no-such-host.invalid:8000".to_owned()],
+        )],
+        |c| c.server.health_interval = Duration::from_secs(3600),
+    )
+    .await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        chat_body("qwen32b", "hi", 5, true),
+    )
+    .await;
+    if m.status == 502 {
+        let msg = openai_error(&m)["message"].as_str().unwrap().to_owned();
+        assert!(msg.contains("DNS"), "{msg}");
+    } else {
+        assert_eq!(
+            m.status, 503,
+            "the start-up probe may have taken it out already"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_are_504_or_a_final_error_event() {
+    let sim = sim(|a| a.stall_first_token_ms = 5000.0).await;
+    let mut p = pool("qwen32b", &[sim.url()]);
+    p.timeouts.first_token = Duration::from_millis(300);
+    let gw = gateway(vec![p]).await;
+    let chat = gw.url("/v1/chat/completions");
+    // Non-streaming: no head before the limit → 504 naming the timeout.
+    let m = post(&chat, &[], chat_body("qwen32b", "hi", 5, false)).await;
+    assert_eq!(m.status, 504);
+    let err = openai_error(&m);
+    assert_eq!(err["code"], "upstream_timeout");
+    assert!(
+        err["message"].as_str().unwrap().contains("first-token"),
+        "{err}"
+    );
+    // Streaming: the head came at once, the first token did not → error event + [DONE].
+    let m = post(
+        &chat,
+        &[("x-request-id", "to-1")],
+        chat_body("qwen32b", "hi", 5, true),
+    )
+    .await;
+    if m.status == 200 {
+        assert!(m.metrics.error, "a final error event");
+        assert!(m.metrics.done, "then [DONE]");
+        let body = String::from_utf8_lossy(m.body.as_ref().unwrap()).into_owned();
+        assert!(body.contains("upstream_timeout"), "{body}");
+    } else {
+        assert_eq!(m.status, 504);
+    }
+    let rec = gw.record_of("to-1").await;
+    assert_eq!(rec.error, Some("upstream_timeout"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_after_the_stream_started_end_with_an_error_event() {
+    // Connection dropped mid-stream.
+    let sim_drop = sim(|a| a.drop_after_chunks = Some(3)).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim_drop.url()])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        chat_body("qwen32b", "hi", 20, true),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+    assert!(
+        m.body_error.is_none(),
+        "the client's stream must end cleanly: {:?}",
+        m.body_error
+    );
+    assert!(m.metrics.error && m.metrics.done, "error event then [DONE]");
+    assert!(m.metrics.content_events >= 1);
+
+    // The backend's own in-stream error event is relayed unchanged.
+    let sim_err = sim(|a| a.error_after_chunks = Some(2)).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim_err.url()])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("x-request-id", "err-1")],
+        chat_body("qwen32b", "hi", 20, true),
+    )
+    .await;
+    assert!(m.metrics.error && m.metrics.done);
+    assert_eq!(m.body.unwrap(), sim_err.stats().captured("err-1").unwrap());
+    assert_eq!(
+        gw.record_of("err-1").await.error,
+        Some("upstream_stream_error")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_500_keeps_its_status_in_openai_shape() {
+    let sim = sim(|a| a.fail_rate = 1.0).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        chat_body("qwen32b", "hi", 5, true),
+    )
+    .await;
+    assert_eq!(m.status, 500);
+    openai_error(&m);
+}
+
+/// A backend that answers every request with an HTML 502, as a load balancer does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn html_error_from_a_load_balancer_is_wrapped() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    |req: http::Request<hyper::body::Incoming>| async move {
+                        let status = if req.uri().path() == "/health" {
+                            200
+                        } else {
+                            502
+                        };
+                        Ok::<_, std::convert::Infallible>(
+                        http::Response::builder()
+                            .status(status)
+                            .header("content-type", "text/html")
+                            .body(http_body_util::Full::new(Bytes::from_static(
+                                b"<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1></center></body></html>",
+                            )))
+                            .unwrap(),
+                    )
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    let gw = gateway(vec![pool("qwen32b", &[format!("http://{addr}")])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        chat_body("qwen32b", "hi", 5, true),
+    )
+    .await;
+    assert_eq!(m.status, 502);
+    let err = openai_error(&m);
+    let msg = err["message"].as_str().unwrap();
+    assert!(
+        msg.contains("502 Bad Gateway") && msg.contains(&addr.to_string()),
+        "{msg}"
+    );
+    assert_eq!(err["type"], "upstream_error");
+    server.abort();
+}

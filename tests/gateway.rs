@@ -1,0 +1,420 @@
+//! The gateway against real simulated backends on 127.0.0.1:0: relay fidelity, no buffering,
+//! errors in OpenAI format, cancellation, the Timeline, HTTP/2, TLS and graceful shutdown.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use fleetgate::client::{self, chat_body, stream_text};
+use http_body_util::BodyExt;
+
+fn stream_body(max_tokens: u32) -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "model": "qwen32b",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me a story"}]}],
+            "max_tokens": max_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+        .to_string(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_reaches_the_client_byte_for_byte() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[
+            ("x-request-id", "relay-1"),
+            ("authorization", "Bearer anything"),
+        ],
+        stream_body(24),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+    assert_eq!(m.headers["x-request-id"], "relay-1");
+    assert!(
+        m.headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let got = m.body.clone().unwrap();
+    let sent = sim
+        .stats()
+        .captured("relay-1")
+        .expect("sim captured the stream");
+    assert_eq!(got, sent, "client bytes differ from backend bytes");
+    assert!(got.ends_with(b"data: [DONE]\n\n"));
+    // role chunk + 24 content chunks (the last one with finish_reason)
+    assert_eq!(m.metrics.content_events, 25);
+    assert_eq!(m.metrics.usage.unwrap().completion_tokens, 24);
+    assert!(!stream_text(&got).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_chunk_arrives_while_the_backend_is_still_generating() {
+    let sim = sim(|a| a.decode_step_ms = 25.0).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let c = client::http_client();
+    let req = http::Request::post(gw.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(stream_body(80)))
+        .unwrap();
+    let resp = c.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut content_seen = 0;
+    while content_seen < 3 {
+        let frame = body.frame().await.unwrap().unwrap();
+        let data = frame.into_data().unwrap();
+        content_seen += data.windows(9).filter(|w| w == b"\"choices\"").count();
+    }
+    // Three content events reached us; an 80-token generation at 25 ms per step is far from
+    // done, so nothing can have waited for the end of the stream.
+    assert_eq!(sim.stats().completed.load(Ordering::SeqCst), 0);
+    assert_eq!(sim.stats().running.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_the_upstream_request() {
+    let sim = sim(|a| a.decode_step_ms = 20.0).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let c = client::http_client();
+    let req = http::Request::post(gw.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-request-id", "gone-1")
+        .body(http_body_util::Full::new(stream_body(1000)))
+        .unwrap();
+    let resp = c.request(req).await.unwrap();
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    drop(body);
+    let stats = sim.stats().clone();
+    assert!(
+        eventually(Duration::from_secs(5), || stats
+            .cancelled
+            .load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the sim never saw the cancellation"
+    );
+    assert_eq!(stats.completed.load(Ordering::SeqCst), 0);
+    let rec = gw.record_of("gone-1").await;
+    assert_eq!(rec.error, Some("client_disconnected"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_before_the_first_token_cancels_too() {
+    let sim = sim(|a| a.stall_first_token_ms = 3000.0).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let uri = gw.url("/v1/chat/completions");
+    let task =
+        tokio::spawn(async move { post(&uri, &[], chat_body("qwen32b", "hi", 5, false)).await });
+    let stats = sim.stats().clone();
+    assert!(
+        eventually(Duration::from_secs(5), || stats
+            .requests
+            .load(Ordering::SeqCst)
+            == 1)
+        .await
+    );
+    task.abort();
+    assert!(
+        eventually(Duration::from_secs(5), || stats
+            .cancelled
+            .load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the sim never saw the cancellation"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeline_is_complete_and_ordered() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("x-request-id", "tl-1")],
+        stream_body(8),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+    let rec = gw.record_of("tl-1").await;
+    assert_eq!(rec.status, 200);
+    assert_eq!(rec.error, None);
+    assert!(rec.stream);
+    assert_eq!(rec.model.as_deref(), Some("qwen32b"));
+    assert_eq!(rec.backend.as_deref(), Some(sim.url().as_str()));
+    let t = &rec.timeline;
+    let stamps = [
+        Some(t.received),
+        t.body_read,
+        t.admitted,
+        t.upstream_sent,
+        t.upstream_first_byte,
+        t.upstream_first_token,
+        t.client_first_token,
+        t.done,
+    ];
+    let stamps: Vec<_> = stamps.into_iter().map(|s| s.expect("stamped")).collect();
+    for w in stamps.windows(2) {
+        assert!(w[0] <= w[1], "out of order: {t:?}");
+    }
+    assert!(t.upstream_ttft().unwrap() <= t.client_ttft().unwrap());
+    assert!(t.overhead_pre().is_some() && t.overhead_relay().is_some());
+    assert_eq!(t.stream.content_events, 9);
+    assert_eq!(t.stream.usage.unwrap().completion_tokens, 8);
+    assert!(t.tpot().is_some() && t.stream.itl_mean().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streaming_passes_through_with_server_timing() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        chat_body("qwen32b", "hello", 6, false),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+    let v: serde_json::Value = serde_json::from_slice(m.body.as_ref().unwrap()).unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    let st = m.headers["server-timing"].to_str().unwrap();
+    assert!(
+        st.starts_with("gw;dur=") && st.contains(", upstream;dur="),
+        "{st}"
+    );
+    assert!(m.headers.contains_key("x-request-id"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_endpoint_streams() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let body =
+        serde_json::json!({"model":"qwen32b","prompt":"Once upon","max_tokens":5,"stream":true});
+    let m = post(&gw.url("/v1/completions"), &[], body.to_string()).await;
+    assert_eq!(m.status, 200);
+    assert!(m.metrics.done);
+    assert!(stream_text(m.body.as_ref().unwrap()).len() >= 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_and_readiness() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let c = client::http_client();
+    let get = |path: &str| {
+        let req = http::Request::get(gw.url(path))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        c.request(req)
+    };
+    let resp = get("/v1/models").await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: serde_json::Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "qwen32b");
+    assert_eq!(get("/healthz").await.unwrap().status(), 200);
+    let mut ready = false;
+    for _ in 0..300 {
+        if get("/readyz").await.unwrap().status() == 200 {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(ready, "/readyz never became ready with a live backend");
+
+    let dead = closed_port().await;
+    let gw2 = gateway(vec![pool("qwen32b", &[format!("http://{dead}")])]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let req = http::Request::get(gw2.url("/readyz"))
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    assert_eq!(c.request(req).await.unwrap().status(), 503);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn served_model_name_rename_and_upstream_key() {
+    let sim = sim(|a| {
+        a.served_model_name = vec!["Qwen/Qwen2.5-32B".into()];
+        a.api_key = Some("backend-secret".into());
+    })
+    .await;
+    // Without the upstream key: the backend's bare {"error":"Unauthorized"} comes back wrapped.
+    let mut p = pool("qwen32b", &[sim.url()]);
+    p.served_model_name = Some("Qwen/Qwen2.5-32B".into());
+    let gw = gateway(vec![p.clone()]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("authorization", "Bearer backend-secret")],
+        chat_body("qwen32b", "hi", 3, false),
+    )
+    .await;
+    assert_eq!(
+        m.status, 401,
+        "the client's credentials must never be forwarded"
+    );
+    let err = openai_error(&m);
+    let msg = err["message"].as_str().unwrap();
+    assert!(
+        msg.contains("Unauthorized") && msg.contains("upstream_api_key"),
+        "{msg}"
+    );
+
+    p.upstream_api_key = Some(fleetgate::config::Secret::new("backend-secret"));
+    let gw = gateway(vec![p]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("authorization", "Bearer client-key")],
+        chat_body("qwen32b", "hi", 3, false),
+    )
+    .await;
+    assert_eq!(m.status, 200, "{:?}", m.body);
+    let v: serde_json::Value = serde_json::from_slice(m.body.as_ref().unwrap()).unwrap();
+    assert_eq!(v["model"], "Qwen/Qwen2.5-32B");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_in_flight_spreads_over_backends() {
+    let a = sim(|a| a.decode_step_ms = 10.0).await;
+    let b = sim(|a| a.decode_step_ms = 10.0).await;
+    let gw = gateway(vec![pool("qwen32b", &[a.url(), b.url()])]).await;
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let uri = gw.url("/v1/chat/completions");
+        tasks.push(tokio::spawn(async move {
+            post(&uri, &[], stream_body(20)).await.status
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let na = a.stats().requests.load(Ordering::SeqCst);
+    let nb = b.stats().requests.load(Ordering::SeqCst);
+    assert_eq!(na + nb, 6);
+    assert!(na >= 2 && nb >= 2, "uneven spread: {na} vs {nb}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_prior_knowledge() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.set_nodelay(true);
+    let c: hyper_util::client::legacy::Client<_, http_body_util::Full<Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build(http);
+    let req = http::Request::post(gw.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-request-id", "h2-1")
+        .body(http_body_util::Full::new(stream_body(5)))
+        .unwrap();
+    let resp = c.request(req).await.unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+    let got = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(got, sim.stats().captured("h2-1").unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_listener_with_alpn() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let sim = sim(|_| {}).await;
+    let dir = tempdir();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let cert_path = dir.join("cert.pem");
+    let key_path = dir.join("key.pem");
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.server.tls = Some(fleetgate::config::TlsConfig {
+            cert: cert_path.clone(),
+            key: key_path.clone(),
+        })
+    })
+    .await;
+    assert!(gw.server.base_url().starts_with("https://"));
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.cert.der().clone()).unwrap();
+    let tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    for (h2, version) in [
+        (true, http::Version::HTTP_2),
+        (false, http::Version::HTTP_11),
+    ] {
+        let builder = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls.clone())
+            .https_only();
+        let conn = if h2 {
+            builder.enable_http2().build()
+        } else {
+            builder.enable_http1().build()
+        };
+        let c: hyper_util::client::legacy::Client<_, http_body_util::Full<Bytes>> =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(conn);
+        let uri = format!(
+            "https://localhost:{}/v1/chat/completions",
+            gw.server.local_addr.port()
+        );
+        let req = http::Request::post(uri)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(stream_body(4)))
+            .unwrap();
+        let resp = c.request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.version(), version);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert!(body.ends_with(b"data: [DONE]\n\n"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_lets_streams_finish() {
+    let sim = sim(|a| a.decode_step_ms = 10.0).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let uri = gw.url("/v1/chat/completions");
+    let stream = tokio::spawn(async move { post(&uri, &[], stream_body(60)).await });
+    let stats = sim.stats().clone();
+    assert!(
+        eventually(Duration::from_secs(5), || stats
+            .running
+            .load(Ordering::SeqCst)
+            == 1)
+        .await
+    );
+    let addr = gw.server.local_addr;
+    gw.server.shutdown().await;
+    let m = stream.await.unwrap();
+    assert_eq!(m.status, 200);
+    assert!(m.metrics.done, "the stream was cut by the shutdown");
+    assert_eq!(m.metrics.usage.unwrap().completion_tokens, 60);
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "still accepting"
+    );
+}
+
+fn tempdir() -> std::path::PathBuf {
+    use std::hash::{BuildHasher, RandomState};
+    let suffix = RandomState::new().hash_one(std::time::SystemTime::now());
+    let dir = std::env::temp_dir().join(format!("fleetgate-test-{}-{suffix}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("temp dir: {e}"));
+    dir
+}
