@@ -361,18 +361,42 @@ fn no_backend(pool: &Pool) -> ApiError {
 }
 
 /// `Server-Timing: gw;dur=<pre-overhead ms>, upstream;dur=<head wait ms>`; streaming
-/// responses carry only `gw` (their upstream time is still running).
+/// responses carry only `gw` (their upstream time is still running). Formatted into a stack
+/// buffer: this runs on every request.
 fn server_timing(record: &RequestRecord, head_at: Instant, sse: bool) -> Option<HeaderValue> {
     let t = &record.timeline;
     let gw = t.overhead_pre()? + Instant::now().saturating_duration_since(head_at);
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    let text = if sse {
-        format!("gw;dur={:.3}", ms(gw))
-    } else {
-        let up = head_at.saturating_duration_since(t.upstream_sent?);
-        format!("gw;dur={:.3}, upstream;dur={:.3}", ms(gw), ms(up))
-    };
-    HeaderValue::try_from(text).ok()
+    let mut buf = [0u8; 80];
+    let mut n = put(&mut buf, 0, b"gw;dur=");
+    n = put_ms(&mut buf, n, gw);
+    if !sse {
+        n = put(&mut buf, n, b", upstream;dur=");
+        n = put_ms(
+            &mut buf,
+            n,
+            head_at.saturating_duration_since(t.upstream_sent?),
+        );
+    }
+    HeaderValue::from_bytes(&buf[..n]).ok()
+}
+
+fn put(buf: &mut [u8], at: usize, s: &[u8]) -> usize {
+    buf[at..at + s.len()].copy_from_slice(s);
+    at + s.len()
+}
+
+/// Milliseconds with three decimals (microsecond resolution), e.g. `0.041`.
+fn put_ms(buf: &mut [u8], at: usize, d: Duration) -> usize {
+    let us = d.as_micros().min(u128::from(u64::MAX / 2)) as u64;
+    let mut ib = itoa::Buffer::new();
+    let mut n = put(buf, at, ib.format(us / 1000).as_bytes());
+    let frac = us % 1000;
+    buf[n] = b'.';
+    buf[n + 1] = b'0' + (frac / 100) as u8;
+    buf[n + 2] = b'0' + (frac / 10 % 10) as u8;
+    buf[n + 3] = b'0' + (frac % 10) as u8;
+    n += 4;
+    n
 }
 
 /// Name the cause of an upstream client error from its source chain.
@@ -547,6 +571,15 @@ mod tests {
         let (b, wrapped) = openai_error_body(StatusCode::BAD_REQUEST, body.as_bytes(), "b", "m");
         assert!(!wrapped);
         assert_eq!(&b[..], body.as_bytes());
+    }
+
+    #[test]
+    fn server_timing_millis() {
+        let mut buf = [0u8; 40];
+        let n = put_ms(&mut buf, 0, Duration::from_micros(41));
+        assert_eq!(&buf[..n], b"0.041");
+        let n = put_ms(&mut buf, 0, Duration::from_micros(812_305));
+        assert_eq!(&buf[..n], b"812.305");
     }
 
     #[test]

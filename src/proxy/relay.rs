@@ -110,9 +110,10 @@ impl RelayBody {
     ) -> Self {
         let now = Instant::now();
         let sent_at = record.timeline.upstream_sent.unwrap_or(now);
-        let mut this = Self {
+        let deadline = deadline(sent_at, now, sse, false, &timeouts);
+        Self {
             upstream,
-            timer: tokio::time::sleep_until(now.into()),
+            timer: tokio::time::sleep_until(deadline.into()),
             sse,
             scanner: SseScanner::new(),
             state: State::Relaying,
@@ -121,23 +122,17 @@ impl RelayBody {
             timeouts,
             slot,
             record,
-        };
-        let deadline = this.deadline();
-        this.timer = tokio::time::sleep_until(deadline.into());
-        this
+        }
     }
 
-    /// The instant the current timeout fires: before the first token the first-token limit,
-    /// after it the idle limit since the last read; never later than the total limit.
     fn deadline(&self) -> Instant {
-        let total = self.sent_at + self.timeouts.total;
-        let waiting_first = self.sse && self.record.timeline.upstream_first_token.is_none();
-        let soft = if waiting_first {
-            self.sent_at + self.timeouts.first_token
-        } else {
-            self.last_read + self.timeouts.idle
-        };
-        soft.min(total)
+        deadline(
+            self.sent_at,
+            self.last_read,
+            self.sse,
+            self.record.timeline.upstream_first_token.is_some(),
+            &self.timeouts,
+        )
     }
 
     fn timeout_kind(&self, now: Instant) -> TimeoutKind {
@@ -157,6 +152,24 @@ impl RelayBody {
             TimeoutKind::Total => self.timeouts.total,
         }
     }
+}
+
+/// The instant the current timeout fires: before the first token of a stream the first-token
+/// limit, after it the idle limit since the last read; never later than the total limit.
+fn deadline(
+    sent_at: Instant,
+    last_read: Instant,
+    sse: bool,
+    first_token_seen: bool,
+    t: &Timeouts,
+) -> Instant {
+    let total = sent_at + t.total;
+    let soft = if sse && !first_token_seen {
+        sent_at + t.first_token
+    } else {
+        last_read + t.idle
+    };
+    soft.min(total)
 }
 
 /// The SSE tail sent when a stream fails after it started.

@@ -3,7 +3,17 @@
 //! done). It never copies a line that arrives whole; only a line split across reads is
 //! carried over.
 
+use std::sync::LazyLock;
+
 use memchr::{memchr, memmem};
+
+/// Searchers built once: `memmem::find` would build one per call.
+static CHOICES: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"choices\""));
+static ERROR: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"error\""));
+pub(crate) static USAGE: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"usage\""));
 
 /// What a `data:` payload is, by the vLLM benchmark's reading of a chat/completions stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,7 +108,7 @@ pub fn classify(payload: &[u8]) -> DataKind {
     if p == b"[DONE]" {
         return DataKind::Done;
     }
-    if let Some(at) = memmem::find(p, b"\"choices\"") {
+    if let Some(at) = CHOICES.find(p) {
         let after = skip_ws(&p[at + 9..]);
         let after = match after.split_first() {
             Some((b':', r)) => skip_ws(r),
@@ -110,7 +120,7 @@ pub fn classify(payload: &[u8]) -> DataKind {
             _ => DataKind::NoChoices,
         };
     }
-    if memmem::find(p, b"\"error\"").is_some() {
+    if ERROR.find(p).is_some() {
         return DataKind::Error;
     }
     DataKind::NoChoices

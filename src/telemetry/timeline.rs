@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-use crate::proxy::sse::DataKind;
+use crate::proxy::sse::{DataKind, USAGE};
 
 /// Token counts reported by the backend in its usage chunk (or non-streaming body).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -76,13 +76,18 @@ impl StreamMetrics {
                 self.content_events += 1;
                 self.last_data = Some(at);
                 // vLLM's `continuous_usage_stats` puts usage on every chunk; the last one wins.
-                if memchr::memmem::find(payload, b"\"usage\":{").is_some() {
+                if let Some(at) = USAGE.find(payload)
+                    && payload[at + 7..].trim_ascii_start().starts_with(b":")
+                    && !payload[at + 7..].trim_ascii_start()[1..]
+                        .trim_ascii_start()
+                        .starts_with(b"null")
+                {
                     self.take_usage(payload);
                 }
             }
             DataKind::NoChoices => {
                 self.last_data = Some(at);
-                if memchr::memmem::find(payload, b"\"usage\"").is_some() {
+                if USAGE.find(payload).is_some() {
                     self.take_usage(payload);
                 }
             }

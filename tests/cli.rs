@@ -1,0 +1,197 @@
+//! The `fleetgate` binary as a user runs it: config checking and its exit code, `serve` with
+//! SIGTERM draining, and the demo.
+
+mod common;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fleetgate");
+
+fn temp_config(text: &str) -> tempfile_path::TempPath {
+    tempfile_path::write(text)
+}
+
+/// A tiny self-cleaning temp file (no extra dependency).
+mod tempfile_path {
+    use std::path::PathBuf;
+
+    pub struct TempPath(pub PathBuf);
+
+    impl Drop for TempPath {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    pub fn write(text: &str) -> TempPath {
+        use std::hash::{BuildHasher, RandomState};
+        let n = RandomState::new().hash_one(std::time::SystemTime::now());
+        let p = std::env::temp_dir().join(format!("fleetgate-cli-{}-{n}.toml", std::process::id()));
+        std::fs::write(&p, text).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        TempPath(p)
+    }
+}
+
+#[test]
+fn check_config_accepts_the_example() {
+    let out = Command::new(BIN)
+        .args(["check-config", "--config"])
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/fleetgate.toml"
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("model qwen32b -> http://127.0.0.1:8001/, http://127.0.0.1:8002/"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn bad_config_exits_64_naming_the_field() {
+    let cfg = temp_config("[[pools]]\nmodel = \"m\"\nbackends = [\"10.0.0.1:8000\"]\n");
+    for cmd in ["check-config", "serve"] {
+        let out = Command::new(BIN)
+            .args([cmd, "--config"])
+            .arg(&cfg.0)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(64), "{cmd}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("pools[0].backends[0]") && stderr.contains("scheme"),
+            "{cmd}: {stderr}"
+        );
+    }
+    let out = Command::new(BIN)
+        .args(["check-config", "--config", "/nonexistent/fleetgate.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_drains_a_stream_on_sigterm() {
+    let sim = sim(|a| a.decode_step_ms = 10.0).await;
+    let port = closed_port().await.port();
+    let cfg = temp_config(&format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace_seconds = 10\nlog_format = \"json\"\n\n[[pools]]\nmodel = \"qwen32b\"\nbackends = [\"{}\"]\n",
+        sim.url()
+    ));
+    let child = Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&cfg.0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let base: http::Uri = format!("http://127.0.0.1:{port}/healthz").parse().unwrap();
+    let c = fleetgate::client::http_client();
+    let mut up = false;
+    for _ in 0..500 {
+        let req = http::Request::get(base.clone())
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        if matches!(c.request(req).await, Ok(r) if r.status() == 200) {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(up, "gateway did not come up");
+    let uri: http::Uri = format!("http://127.0.0.1:{port}/v1/chat/completions")
+        .parse()
+        .unwrap();
+    let stream = tokio::spawn(async move {
+        post(
+            &uri,
+            &[("x-request-id", "sigterm-1")],
+            fleetgate::client::chat_body("qwen32b", "hi", 50, true),
+        )
+        .await
+    });
+    let stats = sim.stats().clone();
+    assert!(
+        eventually(Duration::from_secs(5), || stats
+            .running
+            .load(std::sync::atomic::Ordering::SeqCst)
+            == 1)
+        .await
+    );
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let m = stream.await.unwrap();
+    assert_eq!(m.status, 200);
+    assert!(m.metrics.done, "stream cut by SIGTERM");
+    assert_eq!(
+        m.metrics.usage.map(|u| u.completion_tokens),
+        None,
+        "usage was not asked for"
+    );
+    assert_eq!(m.metrics.content_events, 51);
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "exit status {:?}", out.status);
+    // JSON logs: one request event with the Timeline fields.
+    let logs = String::from_utf8_lossy(&out.stdout);
+    let event = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["request_id"] == "sigterm-1")
+        .unwrap_or_else(|| panic!("no request event in:\n{logs}"));
+    assert_eq!(event["status"], 200);
+    assert_eq!(event["content_events"], 51);
+    assert_eq!(event["usage_source"], "content_events");
+    assert!(
+        event["client_ttft_ms"].as_f64().unwrap() >= event["upstream_ttft_ms"].as_f64().unwrap()
+    );
+    assert!(event["overhead_pre_us"].as_f64().unwrap() >= 0.0);
+}
+
+#[test]
+fn demo_prints_the_table_and_how_to_try_it() {
+    let mut child = Command::new(BIN)
+        .args([
+            "demo",
+            "--port",
+            "0",
+            "--requests",
+            "4",
+            "--max-tokens",
+            "8",
+            "--no-wait",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdin.take().map(|mut s| s.write_all(b"")));
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("median TTFT difference"), "{stdout}");
+    assert!(stdout.matches(" ms ").count() >= 4, "{stdout}");
+    assert!(stdout.contains("curl -N http://127.0.0.1:"), "{stdout}");
+    assert!(!stdout.contains("failed"), "{stdout}");
+}
