@@ -10,6 +10,10 @@ use std::time::Duration;
 use http::Uri;
 use serde::Deserialize;
 
+pub use crate::auth::AuthConfig;
+use crate::auth::key::Environment;
+pub use crate::store::DatabaseConfig;
+
 /// A configuration problem, reported with the file and the field it concerns. `fleetgate`
 /// exits with code 64 (EX_USAGE) on one of these.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +61,66 @@ pub enum LogFormat {
 pub struct Config {
     pub server: ServerConfig,
     pub pools: Vec<PoolConfig>,
+    pub database: DatabaseConfig,
+    /// Apply pending migrations when `serve` starts.
+    pub migrate_on_start: bool,
+    pub auth: AuthConfig,
+    pub admin: AdminConfig,
+}
+
+impl Config {
+    /// A config with defaults for everything but the pools (tests, the demo).
+    pub fn with_pools(pools: Vec<PoolConfig>) -> Self {
+        Self {
+            server: ServerConfig::default(),
+            pools,
+            database: DatabaseConfig::default(),
+            migrate_on_start: true,
+            auth: AuthConfig::default(),
+            admin: AdminConfig::default(),
+        }
+    }
+}
+
+/// Signing algorithm accepted for admin JWTs (fixed by config: a token with another `alg` is
+/// rejected).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+pub enum JwtAlgorithm {
+    #[default]
+    HS256,
+    RS256,
+    ES256,
+}
+
+#[derive(Debug, Clone)]
+pub enum JwtKey {
+    /// HS256 shared secret.
+    Secret(Secret),
+    /// RS256/ES256 public key (PEM), for verifying only.
+    PublicKeyPem(Vec<u8>),
+}
+
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    /// The admin API listener (`None`: no admin listener).
+    pub listen: Option<SocketAddr>,
+    pub jwt_algorithm: JwtAlgorithm,
+    /// `None`: the admin API answers 401 explaining that no JWT key is configured.
+    pub jwt_key: Option<JwtKey>,
+    pub jwt_audience: Option<String>,
+    pub jwt_issuer: Option<String>,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self {
+            listen: Some(SocketAddr::from(([127, 0, 0, 1], 8081))),
+            jwt_algorithm: JwtAlgorithm::HS256,
+            jwt_key: None,
+            jwt_audience: None,
+            jwt_issuer: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -90,6 +154,8 @@ pub struct PoolConfig {
     /// Extra CA certificate(s) (PEM) trusted for https backends, beside the webpki roots.
     pub ca_file: Option<PathBuf>,
     pub timeouts: Timeouts,
+    /// Environments whose keys may use this pool (`None`: all).
+    pub environments: Option<Vec<Environment>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -141,6 +207,7 @@ impl PoolConfig {
             upstream_api_key: None,
             ca_file: None,
             timeouts: Timeouts::default(),
+            environments: None,
         }
     }
 }
@@ -154,6 +221,115 @@ struct RawConfig {
     server: RawServer,
     #[serde(default)]
     pools: Vec<RawPool>,
+    #[serde(default)]
+    database: RawDatabase,
+    #[serde(default)]
+    auth: RawAuth,
+    #[serde(default)]
+    admin: RawAdmin,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDatabase {
+    url: Option<String>,
+    #[serde(default = "default_sqlite_path")]
+    sqlite_path: PathBuf,
+    #[serde(default = "default_max_connections")]
+    max_connections: u32,
+    #[serde(default = "default_db_connect_ms")]
+    connect_timeout_ms: u64,
+    #[serde(default = "default_true")]
+    migrate_on_start: bool,
+}
+
+impl Default for RawDatabase {
+    fn default() -> Self {
+        Self {
+            url: None,
+            sqlite_path: default_sqlite_path(),
+            max_connections: default_max_connections(),
+            connect_timeout_ms: default_db_connect_ms(),
+            migrate_on_start: true,
+        }
+    }
+}
+
+fn default_sqlite_path() -> PathBuf {
+    PathBuf::from("fleetgate.db")
+}
+fn default_max_connections() -> u32 {
+    8
+}
+fn default_db_connect_ms() -> u64 {
+    5000
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAuth {
+    #[serde(default = "default_lookups")]
+    lookups_per_second: u32,
+    #[serde(default = "default_negative_cache")]
+    negative_cache_seconds: u64,
+    #[serde(default = "default_failures")]
+    failures_per_minute: u32,
+    #[serde(default = "default_resync")]
+    resync_interval_seconds: u64,
+}
+
+impl Default for RawAuth {
+    fn default() -> Self {
+        Self {
+            lookups_per_second: default_lookups(),
+            negative_cache_seconds: default_negative_cache(),
+            failures_per_minute: default_failures(),
+            resync_interval_seconds: default_resync(),
+        }
+    }
+}
+
+fn default_lookups() -> u32 {
+    20
+}
+fn default_negative_cache() -> u64 {
+    10
+}
+fn default_failures() -> u32 {
+    30
+}
+fn default_resync() -> u64 {
+    30
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    #[serde(default = "default_admin_listen")]
+    listen: String,
+    #[serde(default)]
+    jwt_algorithm: JwtAlgorithm,
+    jwt_secret: Option<String>,
+    jwt_public_key_file: Option<PathBuf>,
+    jwt_audience: Option<String>,
+    jwt_issuer: Option<String>,
+}
+
+impl Default for RawAdmin {
+    fn default() -> Self {
+        Self {
+            listen: default_admin_listen(),
+            jwt_algorithm: JwtAlgorithm::HS256,
+            jwt_secret: None,
+            jwt_public_key_file: None,
+            jwt_audience: None,
+            jwt_issuer: None,
+        }
+    }
+}
+
+fn default_admin_listen() -> String {
+    "127.0.0.1:8081".to_owned()
 }
 
 #[derive(Deserialize)]
@@ -221,6 +397,7 @@ struct RawPool {
     ca_file: Option<PathBuf>,
     #[serde(default)]
     timeouts: RawTimeouts,
+    environments: Option<Vec<Environment>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -417,6 +594,15 @@ impl RawConfig {
                 idle: ms(p.timeouts.idle_ms, d.idle, "idle_ms")?,
                 total: ms(p.timeouts.total_ms, d.total, "total_ms")?,
             };
+            if let Some(envs) = &p.environments
+                && envs.is_empty()
+            {
+                return Err(err(
+                    at("environments"),
+                    "must name at least one of stress, gray, prod (leave it out to allow all)"
+                        .into(),
+                ));
+            }
             pools.push(PoolConfig {
                 model: p.model,
                 served_model_name: p.served_model_name,
@@ -424,9 +610,107 @@ impl RawConfig {
                 upstream_api_key: p.upstream_api_key.map(Secret::new),
                 ca_file: p.ca_file,
                 timeouts,
+                environments: p.environments,
             });
         }
-        Ok(Config { server, pools })
+
+        let d = self.database;
+        let url = d.url.filter(|u| !u.trim().is_empty());
+        if let Some(u) = &url
+            && !(u.starts_with("postgres://") || u.starts_with("postgresql://"))
+        {
+            return Err(err(
+                "database.url".into(),
+                "must be a postgres:// URL (leave it out to use the embedded SQLite file at database.sqlite_path)".into(),
+            ));
+        }
+        if d.max_connections == 0 {
+            return Err(err("database.max_connections".into(), "must be > 0".into()));
+        }
+        let database = DatabaseConfig {
+            url: url.map(Secret::new),
+            sqlite_path: d.sqlite_path,
+            max_connections: d.max_connections,
+            connect_timeout: Duration::from_millis(d.connect_timeout_ms.max(1)),
+        };
+
+        let a = self.auth;
+        if a.resync_interval_seconds == 0 {
+            return Err(err(
+                "auth.resync_interval_seconds".into(),
+                "must be > 0".into(),
+            ));
+        }
+        let auth = AuthConfig {
+            lookups_per_second: a.lookups_per_second,
+            negative_cache: Duration::from_secs(a.negative_cache_seconds),
+            failures_per_minute: a.failures_per_minute,
+            resync_interval: Duration::from_secs(a.resync_interval_seconds),
+        };
+
+        let ad = self.admin;
+        let admin_listen = if ad.listen.trim().is_empty() {
+            None
+        } else {
+            Some(ad.listen.parse::<SocketAddr>().map_err(|_| {
+                err(
+                    "admin.listen".into(),
+                    format!(
+                        "`{}` is not an address:port (\"\" disables the admin listener)",
+                        ad.listen
+                    ),
+                )
+            })?)
+        };
+        let secret = ad.jwt_secret.filter(|s| !s.is_empty());
+        let jwt_key = match (ad.jwt_algorithm, secret, ad.jwt_public_key_file) {
+            (JwtAlgorithm::HS256, Some(s), None) => {
+                if s.len() < 32 {
+                    return Err(err(
+                        "admin.jwt_secret".into(),
+                        "must be at least 32 characters (e.g. `openssl rand -base64 48`)".into(),
+                    ));
+                }
+                Some(JwtKey::Secret(Secret::new(s)))
+            }
+            (JwtAlgorithm::HS256, None, None) => None,
+            (JwtAlgorithm::HS256, _, Some(_)) => {
+                return Err(err(
+                    "admin.jwt_public_key_file".into(),
+                    "HS256 uses admin.jwt_secret; set jwt_algorithm = \"RS256\" or \"ES256\" to use a public key".into(),
+                ));
+            }
+            (_, Some(_), _) => {
+                return Err(err(
+                    "admin.jwt_secret".into(),
+                    "RS256/ES256 verify with admin.jwt_public_key_file, not a shared secret".into(),
+                ));
+            }
+            (_, None, Some(path)) => {
+                Some(JwtKey::PublicKeyPem(std::fs::read(&path).map_err(|e| {
+                    err(
+                        "admin.jwt_public_key_file".into(),
+                        format!("{}: {e}", path.display()),
+                    )
+                })?))
+            }
+            (_, None, None) => None,
+        };
+        let admin = AdminConfig {
+            listen: admin_listen,
+            jwt_algorithm: ad.jwt_algorithm,
+            jwt_key,
+            jwt_audience: ad.jwt_audience,
+            jwt_issuer: ad.jwt_issuer,
+        };
+        Ok(Config {
+            server,
+            pools,
+            database,
+            migrate_on_start: d.migrate_on_start,
+            auth,
+            admin,
+        })
     }
 }
 

@@ -9,10 +9,12 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Uri};
 use tokio::net::TcpListener;
 
+use crate::auth::key::Environment;
 use crate::client::{self, Measured};
 use crate::config::{Config, PoolConfig, ServerConfig};
 use crate::server::Server;
 use crate::sim::{self, SimArgs};
+use crate::store::CreateKey;
 use crate::telemetry::Recorder;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -32,8 +34,6 @@ pub struct DemoArgs {
 }
 
 const MODEL: &str = "qwen32b";
-/// The demo accepts any key until the keys issue lands; this one is shown in the examples.
-const DEMO_KEY: &str = "fg-demo-key";
 
 pub async fn run(
     args: DemoArgs,
@@ -57,25 +57,43 @@ pub async fn run(
         .iter()
         .map(|s| s.url().parse::<Uri>().map_err(std::io::Error::other))
         .collect::<Result<_, _>>()?;
-    let config = Config {
-        server: ServerConfig {
-            listen: listener.local_addr()?,
-            health_interval: Duration::from_millis(500),
-            request_log_events: false,
-            shutdown_grace: Duration::from_secs(5),
-            ..ServerConfig::default()
-        },
-        pools: vec![PoolConfig::new(MODEL, backends)],
+    let data_dir = std::env::temp_dir().join(format!("fleetgate-demo-{}", std::process::id()));
+    let mut config = Config::with_pools(vec![PoolConfig::new(MODEL, backends)]);
+    config.server = ServerConfig {
+        listen: listener.local_addr()?,
+        health_interval: Duration::from_millis(500),
+        request_log_events: false,
+        shutdown_grace: Duration::from_secs(5),
+        ..ServerConfig::default()
     };
-    let server = Server::start_on(listener, &config, Recorder::new(false)).await?;
+    config.database.sqlite_path = data_dir.join("fleetgate.db");
+    config.admin.listen = None;
+    let server = Server::start_on(listener, &config, Recorder::new(false))
+        .await
+        .map_err(std::io::Error::other)?;
     let gateway = server.base_url();
+    // The demo's own stress key, in the embedded SQLite store.
+    let (demo_key, record) = server
+        .auth
+        .store()
+        .create(
+            &CreateKey {
+                name: "demo".into(),
+                environment: Some(Environment::Stress),
+                ..CreateKey::default()
+            },
+            "fleetgate-demo",
+        )
+        .await
+        .map_err(std::io::Error::other)?;
+    server.auth.apply(&record.public_id, Some(record.clone()));
 
     println!("fleetgate demo: 2 simulated vLLM backends + the gateway, one process\n");
     let c = client::http_client();
     let mut headers = HeaderMap::new();
     headers.insert(
         http::header::AUTHORIZATION,
-        HeaderValue::from_static("Bearer fg-demo-key"),
+        HeaderValue::try_from(format!("Bearer {demo_key}")).map_err(std::io::Error::other)?,
     );
     let body = Bytes::from(
         serde_json::json!({
@@ -160,11 +178,17 @@ pub async fn run(
             s.url()
         );
     }
+    let db = config.database.sqlite_path.display();
+    let id = &record.public_id;
+    println!("Key:       {demo_key}   (environment stress, id {id}; shown once)");
+    println!("           export OPENAI_API_KEY={demo_key} OPENAI_BASE_URL={gateway}/v1");
     println!(
-        "Key:       any key is accepted until API keys are configured; e.g. `Authorization: Bearer {DEMO_KEY}`"
+        "Try:\n  curl -N {gateway}/v1/chat/completions \\\n    -H 'Authorization: Bearer {demo_key}' -H 'Content-Type: application/json' \\\n    -d '{{\"model\":\"{MODEL}\",\"stream\":true,\"max_tokens\":16,\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'"
     );
+    println!("Keys (embedded store {db}):");
+    println!("  fleetgate keys create --sqlite {db} --env prod --name 'my service'");
     println!(
-        "Try:\n  curl -N {gateway}/v1/chat/completions \\\n    -H 'Authorization: Bearer {DEMO_KEY}' -H 'Content-Type: application/json' \\\n    -d '{{\"model\":\"{MODEL}\",\"stream\":true,\"max_tokens\":16,\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'"
+        "  fleetgate keys revoke {id} --sqlite {db} --reason 'demo over'   # refused within ~1 s"
     );
 
     if !args.no_wait {
@@ -175,6 +199,7 @@ pub async fn run(
     for s in sims {
         s.shutdown().await;
     }
+    let _ = std::fs::remove_dir_all(&data_dir);
     Ok(())
 }
 

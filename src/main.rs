@@ -29,6 +29,12 @@ enum Command {
     Sim(fleetgate::sim::SimArgs),
     /// Two simulated backends and the gateway in one process; compares TTFT direct vs via.
     Demo(fleetgate::demo::DemoArgs),
+    /// Manage API keys in the key store.
+    Keys(fleetgate::keys_cli::KeysArgs),
+    /// Apply pending database migrations.
+    Migrate(fleetgate::keys_cli::StoreArgs),
+    /// Mint an admin API token from the configured HS256 secret.
+    AdminToken(fleetgate::keys_cli::AdminTokenArgs),
     /// Check a config file and print what it configures.
     CheckConfig {
         #[arg(long, short, default_value = "config/fleetgate.toml")]
@@ -102,6 +108,9 @@ async fn run(cli: Cli) -> ExitCode {
                 }
             }
         }
+        Command::Keys(args) => report(fleetgate::keys_cli::run_keys(args).await),
+        Command::Migrate(args) => report(fleetgate::keys_cli::run_migrate(args).await),
+        Command::AdminToken(args) => report(fleetgate::keys_cli::run_admin_token(args)),
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(c) => {
                 println!("{}: ok", config.display());
@@ -129,6 +138,16 @@ async fn run(cli: Cli) -> ExitCode {
                 ExitCode::from(EXIT_CONFIG)
             }
         },
+    }
+}
+
+fn report(r: Result<(), String>) -> ExitCode {
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fleetgate: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

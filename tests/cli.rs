@@ -85,10 +85,35 @@ fn bad_config_exits_64_naming_the_field() {
 async fn serve_drains_a_stream_on_sigterm() {
     let sim = sim(|a| a.decode_step_ms = 10.0).await;
     let port = closed_port().await.port();
+    let dir = temp_dir("cli");
+    let db = dir.join("keys.db");
     let cfg = temp_config(&format!(
-        "[server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace_seconds = 10\nlog_format = \"json\"\n\n[[pools]]\nmodel = \"qwen32b\"\nbackends = [\"{}\"]\n",
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace_seconds = 10\nlog_format = \"json\"\n\n[database]\nsqlite_path = \"{}\"\n\n[admin]\nlisten = \"\"\n\n[[pools]]\nmodel = \"qwen32b\"\nbackends = [\"{}\"]\n",
+        db.display(),
         sim.url()
     ));
+    // Issue a key with the CLI, as an operator would.
+    let out = Command::new(BIN)
+        .args(["keys", "--config"])
+        .arg(&cfg.0)
+        .args([
+            "create",
+            "--env",
+            "prod",
+            "--name",
+            "sigterm test",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let created: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let key = created["key"].as_str().unwrap().to_owned();
+    assert!(key.starts_with("fg-prod-"));
     let child = Command::new(BIN)
         .args(["serve", "--config"])
         .arg(&cfg.0)
@@ -113,10 +138,11 @@ async fn serve_drains_a_stream_on_sigterm() {
     let uri: http::Uri = format!("http://127.0.0.1:{port}/v1/chat/completions")
         .parse()
         .unwrap();
+    let auth = format!("Bearer {key}");
     let stream = tokio::spawn(async move {
         post(
             &uri,
-            &[("x-request-id", "sigterm-1")],
+            &[("x-request-id", "sigterm-1"), ("authorization", &auth)],
             fleetgate::client::chat_body("qwen32b", "hi", 50, true),
         )
         .await
@@ -162,6 +188,10 @@ async fn serve_drains_a_stream_on_sigterm() {
         event["client_ttft_ms"].as_f64().unwrap() >= event["upstream_ttft_ms"].as_f64().unwrap()
     );
     assert!(event["overhead_pre_us"].as_f64().unwrap() >= 0.0);
+    assert_eq!(event["environment"], "prod");
+    assert_eq!(event["key_id"], created["record"]["public_id"]);
+    assert!(!logs.contains(&key), "the key must never appear in logs");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

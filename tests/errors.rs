@@ -141,9 +141,7 @@ async fn unknown_route_and_wrong_method() {
         ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
         ("DELETE", "/v1/models", 405, "method_not_allowed"),
     ] {
-        let req = http::Request::builder()
-            .method(method)
-            .uri(gw.url(path))
+        let req = authed(&gw, method, path)
             .body(http_body_util::Full::new(Bytes::new()))
             .unwrap();
         let resp = c.request(req).await.unwrap();

@@ -100,6 +100,8 @@ pub struct Pool {
     pub timeouts: Timeouts,
     pub backends: Vec<Arc<Backend>>,
     pub client: UpstreamClient,
+    /// Environments whose keys may use this pool (`None`: all).
+    pub environments: Option<Vec<crate::auth::key::Environment>>,
 }
 
 impl Pool {
@@ -135,6 +137,7 @@ impl Pool {
             timeouts: cfg.timeouts,
             backends,
             client: build_client(cfg)?,
+            environments: cfg.environments.clone(),
         })
     }
 
@@ -242,6 +245,31 @@ impl Pools {
             model_list,
             models_body,
         })
+    }
+
+    /// The `/v1/models` body for one key: only the models it may use.
+    pub fn models_for(&self, key: &crate::auth::KeyRecord) -> Bytes {
+        let usable = |p: &Pool| {
+            key.allows_model(&p.model)
+                && p.environments
+                    .as_ref()
+                    .is_none_or(|e| e.contains(&key.environment))
+        };
+        if self.pools.iter().all(usable) {
+            return self.models_body.clone();
+        }
+        let data: Vec<serde_json::Value> = self
+            .pools
+            .iter()
+            .filter(|p| usable(p))
+            .map(|p| {
+                serde_json::json!({"id": &*p.model, "object": "model", "created": 0, "owned_by": "fleetgate"})
+            })
+            .collect();
+        Bytes::from(
+            serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
+                .unwrap_or_default(),
+        )
     }
 
     pub fn get(&self, model: &str) -> Option<&Pool> {

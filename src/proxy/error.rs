@@ -6,6 +6,8 @@
 use std::borrow::Cow;
 
 use bytes::Bytes;
+
+use crate::auth::AuthFailure;
 use http::{HeaderValue, StatusCode, header};
 use serde::Serialize;
 
@@ -72,6 +74,9 @@ pub enum ErrorKind {
     UpstreamError,
     UpstreamStreamError,
     ClientDisconnected,
+    Unauthenticated,
+    Forbidden,
+    AuthThrottled,
     Internal,
 }
 
@@ -92,6 +97,9 @@ impl ErrorKind {
             ErrorKind::UpstreamError => "upstream_error",
             ErrorKind::UpstreamStreamError => "upstream_stream_error",
             ErrorKind::ClientDisconnected => "client_disconnected",
+            ErrorKind::Unauthenticated => "unauthenticated",
+            ErrorKind::Forbidden => "forbidden",
+            ErrorKind::AuthThrottled => "auth_throttled",
             ErrorKind::Internal => "internal",
         }
     }
@@ -136,6 +144,8 @@ pub enum ApiError {
         kind: TimeoutKind,
         after_ms: u128,
     },
+    #[error("authentication: {}", .0.reason())]
+    Auth(AuthFailure),
     #[error("internal error")]
     Internal,
 }
@@ -182,6 +192,9 @@ impl ApiError {
             ApiError::NoBackend { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BackendUnreachable { .. } => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Auth(f) => {
+                StatusCode::from_u16(f.status()).unwrap_or(StatusCode::UNAUTHORIZED)
+            }
             ApiError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -199,6 +212,9 @@ impl ApiError {
             ApiError::NoBackend { .. } => ErrorKind::NoBackend,
             ApiError::BackendUnreachable { .. } => ErrorKind::BackendUnreachable,
             ApiError::UpstreamTimeout { .. } => ErrorKind::UpstreamTimeout,
+            ApiError::Auth(f) if f.status() == 403 => ErrorKind::Forbidden,
+            ApiError::Auth(f) if f.status() == 429 => ErrorKind::AuthThrottled,
+            ApiError::Auth(_) => ErrorKind::Unauthenticated,
             ApiError::Internal => ErrorKind::Internal,
         }
     }
@@ -299,6 +315,10 @@ impl ApiError {
                 None,
                 "upstream_timeout",
             ),
+            ApiError::Auth(f) => {
+                let (kind, code, message) = f.describe();
+                return error_body(&message, kind, None, Some(code));
+            }
             ApiError::Internal => (
                 "The gateway hit an internal error; the details are in its log.".to_owned(),
                 "server_error",
@@ -309,12 +329,21 @@ impl ApiError {
         error_body(&message, kind, param, Some(code))
     }
 
-    /// Extra response header the error needs (`Allow` on 405).
+    /// Extra response header the error needs (`Allow` on 405, `WWW-Authenticate` on 401,
+    /// `Retry-After` on 429).
     pub fn extra_header(&self) -> Option<(header::HeaderName, HeaderValue)> {
         match self {
             ApiError::MethodNotAllowed { allow, .. } => {
                 Some((header::ALLOW, HeaderValue::from_static(allow)))
             }
+            ApiError::Auth(AuthFailure::TooManyFailures { retry_after }) => Some((
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after.as_secs().max(1)),
+            )),
+            ApiError::Auth(f) if f.status() == 401 => Some((
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"fleetgate\""),
+            )),
             _ => None,
         }
     }

@@ -17,6 +17,7 @@ use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
+use crate::auth::AuthFailure;
 use crate::pool::{InFlight, Pool, Pools, Reachability};
 use crate::telemetry::RequestRecord;
 use error::{ApiError, ConnectCause, ErrorKind, TimeoutKind, error_body};
@@ -29,6 +30,7 @@ pub struct ProxyState {
     pub pools: Arc<Pools>,
     pub max_body_bytes: usize,
     pub recorder: Arc<crate::telemetry::Recorder>,
+    pub auth: Arc<crate::auth::Authenticator>,
 }
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -224,6 +226,28 @@ async fn forward_inner(
             available: state.pools.model_list.clone(),
         })?;
     record.model = Some(pool.model.clone());
+    if let Some(key) = &record.key {
+        let refusal = if !key.allows_model(&pool.model) {
+            Some(AuthFailure::ModelNotAllowed {
+                model: pool.model.to_string(),
+                allowed: key.allowed_models.clone().unwrap_or_default(),
+            })
+        } else if let Some(envs) = &pool.environments
+            && !envs.contains(&key.environment)
+        {
+            Some(AuthFailure::EnvironmentNotAllowed {
+                env: key.environment,
+                model: pool.model.to_string(),
+                allowed: envs.clone(),
+            })
+        } else {
+            None
+        };
+        if let Some(f) = refusal {
+            state.auth.count(&f);
+            return Err(ApiError::Auth(f));
+        }
+    }
     let slot = pool.acquire().ok_or_else(|| no_backend(pool))?;
     let backend = slot.backend().clone();
     record.backend = Some(backend.base.clone());

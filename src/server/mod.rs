@@ -27,12 +27,15 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::admin::AdminState;
+use crate::auth::Authenticator;
 use crate::config::Config;
 use crate::pool::Pools;
 use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
 use crate::proxy::view::Endpoint;
 use crate::proxy::{self, ProxyState};
+use crate::store::{KeyStore, StoreError};
 use crate::telemetry::{Recorder, RequestRecord};
 
 /// Everything the request path reads, built once at start.
@@ -42,20 +45,26 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: &Config, recorder: Recorder) -> io::Result<Self> {
-        let pools = Arc::new(Pools::new(&config.pools)?);
-        Ok(Self {
-            proxy: ProxyState {
-                pools,
-                max_body_bytes: config.server.max_body_bytes,
-                recorder: Arc::new(recorder),
-            },
-        })
-    }
-
     pub fn pools(&self) -> &Arc<Pools> {
         &self.proxy.pools
     }
+
+    pub fn auth(&self) -> &Arc<Authenticator> {
+        &self.proxy.auth
+    }
+}
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("key store ({where_}): {source}")]
+    Store { where_: String, source: StoreError },
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    #[error("admin API: {0}")]
+    Admin(String),
 }
 
 static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
@@ -68,8 +77,12 @@ fn json(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<GatewayBo
     r
 }
 
-/// Route one request.
-pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<GatewayBody> {
+/// Route one request from `peer`.
+pub async fn route(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<GatewayBody> {
     let received = Instant::now();
     let path = req.uri().path();
     let endpoint = match path {
@@ -94,6 +107,12 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Gat
         record.timeline.done = Some(Instant::now());
         proxy::error_response(&err, &record.request_id)
     };
+    // Everything but the open routes above needs a key.
+    match state.auth().authenticate(req.headers(), peer.ip()).await {
+        Ok(key) => record.key = Some(key),
+        Err(failure) => return fail(ApiError::Auth(failure), record),
+    }
+    let path = req.uri().path();
     match (endpoint, path) {
         (Some(ep), _) if method == Method::POST => {
             proxy::forward(&state.proxy, ep, req, record).await
@@ -107,7 +126,11 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Gat
             record,
         ),
         (None, "/v1/models") if method == Method::GET || method == Method::HEAD => {
-            let mut resp = json(StatusCode::OK, state.pools().models_body.clone());
+            let body = match &record.key {
+                Some(k) => state.pools().models_for(k),
+                None => state.pools().models_body.clone(),
+            };
+            let mut resp = json(StatusCode::OK, body);
             resp.headers_mut()
                 .insert(proxy::X_REQUEST_ID.clone(), record.request_id.clone());
             record.status = 200;
@@ -148,10 +171,22 @@ fn readyz(state: &AppState) -> Response<GatewayBody> {
         })
         .collect();
     let ready = pools.any_reachable();
+    let auth = state.auth();
+    let store_up = auth.store_health() == crate::auth::StoreHealth::Up;
     let body = serde_json::json!({
         "ready": ready,
         "detail": if ready { "at least one backend is reachable" } else { "no backend is reachable yet" },
         "backends": backends,
+        "key_store": {
+            "state": if store_up { "up" } else { "degraded" },
+            "detail": if store_up {
+                "keys are current".to_owned()
+            } else {
+                format!("the key store is unreachable: authenticating from the last snapshot ({} keys, {:.0} s old)", auth.key_count(), auth.snapshot_age().as_secs_f64())
+            },
+            "keys": auth.key_count(),
+            "snapshot_age_seconds": auth.snapshot_age().as_secs_f64(),
+        },
     });
     json(
         if ready {
@@ -163,17 +198,20 @@ fn readyz(state: &AppState) -> Response<GatewayBody> {
     )
 }
 
-/// A running gateway listener.
+/// A running gateway: the API listener, the admin listener and their background tasks.
 pub struct Server {
     pub local_addr: SocketAddr,
+    pub admin_addr: Option<SocketAddr>,
     pub tls: bool,
+    pub auth: Arc<Authenticator>,
+    pub registry: prometheus::Registry,
     shutdown: CancellationToken,
     tasks: TaskTracker,
 }
 
 impl Server {
-    /// Bind, start the health probe and the accept loop. Returns once listening.
-    pub async fn start(config: &Config) -> io::Result<Server> {
+    /// Bind, connect the key store, start everything. Returns once listening.
+    pub async fn start(config: &Config) -> Result<Server, StartError> {
         let recorder = Recorder::new(config.server.request_log_events);
         let listener = TcpListener::bind(config.server.listen).await.map_err(|e| {
             io::Error::new(
@@ -189,13 +227,56 @@ impl Server {
         listener: TcpListener,
         config: &Config,
         recorder: Recorder,
-    ) -> io::Result<Server> {
-        let state = Arc::new(AppState::new(config, recorder)?);
+    ) -> Result<Server, StartError> {
+        let where_ = config.database.describe();
+        let store_err = |source| StartError::Store {
+            where_: where_.clone(),
+            source,
+        };
+        let store = KeyStore::connect(&config.database)
+            .await
+            .map_err(store_err)?;
+        if config.migrate_on_start {
+            let applied = store.migrate().await.map_err(store_err)?;
+            if applied > 0 {
+                tracing::info!(applied, store = %where_, "migrations applied");
+            }
+        }
+        let keys = store.load_all().await.map_err(store_err)?;
+        let registry = prometheus::Registry::new();
+        tracing::info!(keys = keys.len(), store = %where_, "key snapshot loaded");
+        let auth = Arc::new(Authenticator::new(
+            store,
+            config.auth.clone(),
+            keys,
+            &registry,
+        )?);
+        let state = Arc::new(AppState {
+            proxy: ProxyState {
+                pools: Arc::new(Pools::new(&config.pools)?),
+                max_body_bytes: config.server.max_body_bytes,
+                recorder: Arc::new(recorder),
+                auth: auth.clone(),
+            },
+        });
         let tls = match &config.server.tls {
             Some(t) => Some(tls::acceptor(&t.cert, &t.key)?),
             None => None,
         };
+        let admin_listener = match config.admin.listen {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot listen on {addr} (admin.listen): {e}"),
+                )
+            })?),
+            None => None,
+        };
         let local_addr = listener.local_addr()?;
+        let admin_addr = match &admin_listener {
+            Some(l) => Some(l.local_addr()?),
+            None => None,
+        };
         let shutdown = CancellationToken::new();
         let tasks = TaskTracker::new();
         tasks.spawn(
@@ -204,18 +285,38 @@ impl Server {
                 .clone()
                 .probe_loop(config.server.health_interval, shutdown.child_token()),
         );
+        tasks.spawn(crate::auth::sync::run(auth.clone(), shutdown.child_token()));
+        let grace = config.server.shutdown_grace;
+        if let Some(admin_listener) = admin_listener {
+            let admin = Arc::new(AdminState {
+                auth: auth.clone(),
+                verifier: crate::admin::jwt::Verifier::new(&config.admin)
+                    .map_err(StartError::Admin)?,
+                registry: registry.clone(),
+            });
+            tasks.spawn(accept_loop(
+                admin_listener,
+                None,
+                shutdown.clone(),
+                grace,
+                move |req, _peer| crate::admin::handle(admin.clone(), req),
+            ));
+        }
         let is_tls = tls.is_some();
         tasks.spawn(accept_loop(
             listener,
-            state,
             tls,
             shutdown.clone(),
-            config.server.shutdown_grace,
+            grace,
+            move |req, peer| route(state.clone(), req, peer),
         ));
         tasks.close();
         Ok(Server {
             local_addr,
+            admin_addr,
             tls: is_tls,
+            auth,
+            registry,
             shutdown,
             tasks,
         })
@@ -238,13 +339,16 @@ impl Server {
     }
 }
 
-async fn accept_loop(
+async fn accept_loop<H, F>(
     listener: TcpListener,
-    state: Arc<AppState>,
     tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
     grace: Duration,
-) {
+    handler: H,
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: std::future::Future<Output = Response<GatewayBody>> + Send + 'static,
+{
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -275,10 +379,10 @@ async fn accept_loop(
             },
         };
         let _ = stream.set_nodelay(true);
-        let state = state.clone();
+        let handler = handler.clone();
         let service = hyper::service::service_fn(move |req| {
-            let state = state.clone();
-            async move { Ok::<_, std::convert::Infallible>(route(state, req).await) }
+            let fut = handler(req, peer);
+            async move { Ok::<_, std::convert::Infallible>(fut.await) }
         });
         match &tls {
             None => {

@@ -11,6 +11,7 @@ use http::HeaderValue;
 
 pub use timeline::{StreamMetrics, Timeline, Usage, UsageSource};
 
+use crate::auth::KeyRecord;
 use crate::proxy::error::ErrorKind;
 use crate::proxy::view::Endpoint;
 
@@ -65,6 +66,8 @@ pub struct RequestRecord {
     /// The pool's configured model name (never the raw client string).
     pub model: Option<Arc<str>>,
     pub backend: Option<Arc<str>>,
+    /// The authenticated key (its public id and environment label the record).
+    pub key: Option<Arc<KeyRecord>>,
     pub stream: bool,
     pub status: u16,
     pub error: Option<ErrorKind>,
@@ -79,6 +82,7 @@ impl RequestRecord {
             endpoint: None,
             model: None,
             backend: None,
+            key: None,
             stream: false,
             status: 0,
             error: None,
@@ -122,6 +126,8 @@ fn emit_event(r: &RequestRecord) {
         target: "fleetgate::request",
         request_id = r.request_id.to_str().unwrap_or("-"),
         endpoint = r.endpoint.map_or("-", Endpoint::as_str),
+        key_id = r.key.as_ref().map_or("-", |k| &*k.public_id),
+        environment = r.key.as_ref().map_or("-", |k| k.environment.as_str()),
         model = r.model.as_deref().unwrap_or("-"),
         backend = r.backend.as_deref().unwrap_or("-"),
         stream = r.stream,

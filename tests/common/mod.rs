@@ -47,6 +47,40 @@ pub struct Seen {
 pub struct Gateway {
     pub server: Server,
     pub records: Arc<Mutex<Vec<Seen>>>,
+    /// A stress key issued on this gateway's store; `post` sends it unless told otherwise.
+    pub key: String,
+    pub db_dir: TempDir,
+}
+
+/// A directory removed when dropped.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Default key of the gateway listening on a port (so `post` can add it).
+static KEYS: Mutex<Vec<(u16, String)>> = Mutex::new(Vec::new());
+
+fn key_for_port(port: Option<u16>) -> Option<String> {
+    let port = port?;
+    KEYS.lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|(p, _)| *p == port)
+        .map(|(_, k)| k.clone())
+}
+
+/// A fresh directory under the system temp dir.
+pub fn temp_dir(tag: &str) -> std::path::PathBuf {
+    use std::hash::{BuildHasher, RandomState};
+    let n = RandomState::new().hash_one(std::time::SystemTime::now());
+    let dir = std::env::temp_dir().join(format!("fleetgate-{tag}-{}-{n:x}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 impl Gateway {
@@ -83,14 +117,15 @@ pub async fn gateway(pools: Vec<PoolConfig>) -> Gateway {
 }
 
 pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -> Gateway {
-    let mut config = Config {
-        server: ServerConfig {
-            health_interval: Duration::from_millis(200),
-            shutdown_grace: Duration::from_secs(10),
-            ..ServerConfig::default()
-        },
-        pools,
+    let db_dir = temp_dir("gw");
+    let mut config = Config::with_pools(pools);
+    config.server = ServerConfig {
+        health_interval: Duration::from_millis(200),
+        shutdown_grace: Duration::from_secs(10),
+        ..ServerConfig::default()
     };
+    config.database.sqlite_path = db_dir.join("keys.db");
+    config.admin.listen = Some("127.0.0.1:0".parse().unwrap());
     f(&mut config);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let records = Arc::new(Mutex::new(Vec::new()));
@@ -107,7 +142,29 @@ pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -
         });
     });
     let server = Server::start_on(listener, &config, recorder).await.unwrap();
-    Gateway { server, records }
+    let (key, record) = server
+        .auth
+        .store()
+        .create(
+            &fleetgate::store::CreateKey {
+                name: "test".into(),
+                environment: Some(fleetgate::auth::key::Environment::Stress),
+                ..Default::default()
+            },
+            "test",
+        )
+        .await
+        .unwrap();
+    server.auth.apply(&record.public_id, Some(record.clone()));
+    KEYS.lock()
+        .unwrap()
+        .push((server.local_addr.port(), key.clone()));
+    Gateway {
+        server,
+        records,
+        key,
+        db_dir: TempDir(db_dir),
+    }
 }
 
 /// A port nothing listens on.
@@ -127,11 +184,33 @@ pub fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
     h
 }
 
+/// POST with `hdrs`; when they carry no credentials and `uri` is a harness gateway, its key is
+/// added as `Authorization: Bearer`.
 pub async fn post(uri: &Uri, hdrs: &[(&str, &str)], body: impl Into<Bytes>) -> Measured {
     let c: HttpClient = client::http_client();
-    client::send(&c, uri, &headers(hdrs), body.into(), true)
+    let mut h = headers(hdrs);
+    if !h.contains_key("authorization")
+        && !h.contains_key("x-api-key")
+        && !h.contains_key("x-no-auth")
+        && let Some(key) = key_for_port(uri.port_u16())
+    {
+        h.insert(
+            http::header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {key}")).unwrap(),
+        );
+    }
+    h.remove("x-no-auth");
+    client::send(&c, uri, &h, body.into(), true)
         .await
         .expect("request completes")
+}
+
+/// A request builder with the gateway's key already set.
+pub fn authed(gw: &Gateway, method: &str, path: &str) -> http::request::Builder {
+    http::Request::builder()
+        .method(method)
+        .uri(gw.url(path))
+        .header("authorization", format!("Bearer {}", gw.key))
 }
 
 /// Decode an OpenAI error body as a client would.

@@ -1,0 +1,270 @@
+//! Admin API tokens: JWTs verified with the algorithm fixed by config (a token with another
+//! `alg` is refused), `exp` required, `role` admin|viewer, audience and issuer checked when
+//! configured. `fleetgate admin-token` mints HS256 tokens for operators.
+
+use std::time::Duration;
+
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation, errors::ErrorKind};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{AdminConfig, JwtAlgorithm, JwtKey};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Admin,
+    Viewer,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Claims {
+    /// Who: recorded in the audit table.
+    #[serde(default)]
+    pub sub: Option<String>,
+    pub role: Role,
+    pub exp: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aud: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iss: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JwtError {
+    NotConfigured,
+    Missing,
+    Malformed,
+    WrongAlgorithm { expected: &'static str },
+    Expired,
+    BadSignature,
+    BadAudience,
+    BadIssuer,
+    BadClaims(String),
+}
+
+impl JwtError {
+    pub fn message(&self) -> String {
+        match self {
+            JwtError::NotConfigured => "The admin API has no JWT key configured: set admin.jwt_secret (HS256) or admin.jwt_public_key_file (RS256/ES256).".into(),
+            JwtError::Missing => "The admin API needs `Authorization: Bearer <JWT>`; mint one with `fleetgate admin-token --role admin --ttl 1h`.".into(),
+            JwtError::Malformed => "The admin token is not a well-formed JWT.".into(),
+            JwtError::WrongAlgorithm { expected } => format!("The admin token is not signed with {expected}, the algorithm this gateway is configured for."),
+            JwtError::Expired => "The admin token has expired: mint a new one.".into(),
+            JwtError::BadSignature => "The admin token's signature does not verify with the configured key.".into(),
+            JwtError::BadAudience => "The admin token's audience (`aud`) is not the configured one.".into(),
+            JwtError::BadIssuer => "The admin token's issuer (`iss`) is not the configured one.".into(),
+            JwtError::BadClaims(m) => format!("The admin token's claims are not usable: {m} (needs `exp` and `role` admin|viewer)."),
+        }
+    }
+}
+
+fn algorithm(a: JwtAlgorithm) -> Algorithm {
+    match a {
+        JwtAlgorithm::HS256 => Algorithm::HS256,
+        JwtAlgorithm::RS256 => Algorithm::RS256,
+        JwtAlgorithm::ES256 => Algorithm::ES256,
+    }
+}
+
+fn name(a: JwtAlgorithm) -> &'static str {
+    match a {
+        JwtAlgorithm::HS256 => "HS256",
+        JwtAlgorithm::RS256 => "RS256",
+        JwtAlgorithm::ES256 => "ES256",
+    }
+}
+
+/// The verifier built once from config.
+pub struct Verifier {
+    key: Option<DecodingKey>,
+    validation: Validation,
+    alg: JwtAlgorithm,
+}
+
+impl Verifier {
+    pub fn new(cfg: &AdminConfig) -> Result<Self, String> {
+        let alg = algorithm(cfg.jwt_algorithm);
+        let key = match &cfg.jwt_key {
+            None => None,
+            Some(JwtKey::Secret(s)) => Some(DecodingKey::from_secret(s.expose().as_bytes())),
+            Some(JwtKey::PublicKeyPem(pem)) => Some(match cfg.jwt_algorithm {
+                JwtAlgorithm::RS256 => DecodingKey::from_rsa_pem(pem).map_err(|e| {
+                    format!("admin.jwt_public_key_file: not an RSA public key: {e}")
+                })?,
+                JwtAlgorithm::ES256 => DecodingKey::from_ec_pem(pem)
+                    .map_err(|e| format!("admin.jwt_public_key_file: not an EC public key: {e}"))?,
+                JwtAlgorithm::HS256 => return Err("HS256 needs admin.jwt_secret".into()),
+            }),
+        };
+        let mut validation = Validation::new(alg);
+        validation.set_required_spec_claims(&["exp"]);
+        validation.leeway = 5;
+        match &cfg.jwt_audience {
+            Some(a) => validation.set_audience(&[a]),
+            None => validation.validate_aud = false,
+        }
+        if let Some(i) = &cfg.jwt_issuer {
+            validation.set_issuer(&[i]);
+        }
+        Ok(Self {
+            key,
+            validation,
+            alg: cfg.jwt_algorithm,
+        })
+    }
+
+    pub fn verify(&self, token: &str) -> Result<Claims, JwtError> {
+        let key = self.key.as_ref().ok_or(JwtError::NotConfigured)?;
+        jsonwebtoken::decode::<Claims>(token, key, &self.validation)
+            .map(|d| d.claims)
+            .map_err(|e| match e.kind() {
+                ErrorKind::InvalidAlgorithm => JwtError::WrongAlgorithm {
+                    expected: name(self.alg),
+                },
+                ErrorKind::ExpiredSignature => JwtError::Expired,
+                ErrorKind::InvalidSignature => JwtError::BadSignature,
+                ErrorKind::InvalidAudience => JwtError::BadAudience,
+                ErrorKind::InvalidIssuer => JwtError::BadIssuer,
+                ErrorKind::MissingRequiredClaim(c) => {
+                    JwtError::BadClaims(format!("`{c}` is missing"))
+                }
+                ErrorKind::Json(e) => JwtError::BadClaims(e.to_string()),
+                ErrorKind::InvalidToken | ErrorKind::Base64(_) | ErrorKind::Utf8(_) => {
+                    JwtError::Malformed
+                }
+                other => JwtError::BadClaims(format!("{other:?}")),
+            })
+    }
+}
+
+/// Mint an HS256 token (operators' `fleetgate admin-token`).
+pub fn mint(cfg: &AdminConfig, role: Role, subject: &str, ttl: Duration) -> Result<String, String> {
+    let Some(JwtKey::Secret(secret)) = &cfg.jwt_key else {
+        return Err("admin-token mints HS256 tokens: set admin.jwt_secret (for RS256/ES256, sign tokens with your own private key)".into());
+    };
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| e.to_string())?
+        .as_secs()
+        + ttl.as_secs();
+    let claims = Claims {
+        sub: Some(subject.to_owned()),
+        role,
+        exp,
+        aud: cfg.jwt_audience.clone(),
+        iss: cfg.jwt_issuer.clone(),
+    };
+    jsonwebtoken::encode(
+        &Header::new(Algorithm::HS256),
+        &claims,
+        &EncodingKey::from_secret(secret.expose().as_bytes()),
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// `90s`, `10m`, `1h`, `7d` (or plain seconds).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let (num, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration (e.g. 90s, 10m, 1h, 7d)"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86_400,
+        _ => {
+            return Err(format!(
+                "`{text}`: unknown unit `{unit}` (use s, m, h or d)"
+            ));
+        }
+    };
+    Ok(Duration::from_secs(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Secret;
+
+    fn cfg(secret: &str) -> AdminConfig {
+        AdminConfig {
+            jwt_key: Some(JwtKey::Secret(Secret::new(secret))),
+            ..AdminConfig::default()
+        }
+    }
+
+    #[test]
+    fn mint_and_verify_round_trip() {
+        let c = cfg("0123456789abcdef0123456789abcdef");
+        let t = mint(&c, Role::Viewer, "alice", Duration::from_secs(60)).unwrap();
+        let claims = Verifier::new(&c).unwrap().verify(&t).unwrap();
+        assert_eq!(claims.role, Role::Viewer);
+        assert_eq!(claims.sub.as_deref(), Some("alice"));
+    }
+
+    #[test]
+    fn rejects_wrong_key_wrong_alg_and_expired() {
+        let c = cfg("0123456789abcdef0123456789abcdef");
+        let other = cfg("ffffffffffffffffffffffffffffffff");
+        let t = mint(&other, Role::Admin, "x", Duration::from_secs(60)).unwrap();
+        assert_eq!(
+            Verifier::new(&c).unwrap().verify(&t).unwrap_err(),
+            JwtError::BadSignature
+        );
+        let hs384 = jsonwebtoken::encode(
+            &Header::new(Algorithm::HS384),
+            &Claims {
+                sub: None,
+                role: Role::Admin,
+                exp: u64::MAX / 2,
+                aud: None,
+                iss: None,
+            },
+            &EncodingKey::from_secret(b"0123456789abcdef0123456789abcdef"),
+        )
+        .unwrap();
+        assert!(matches!(
+            Verifier::new(&c).unwrap().verify(&hs384).unwrap_err(),
+            JwtError::WrongAlgorithm { .. }
+        ));
+        let expired = jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &Claims {
+                sub: None,
+                role: Role::Admin,
+                exp: 1000,
+                aud: None,
+                iss: None,
+            },
+            &EncodingKey::from_secret(b"0123456789abcdef0123456789abcdef"),
+        )
+        .unwrap();
+        assert_eq!(
+            Verifier::new(&c).unwrap().verify(&expired).unwrap_err(),
+            JwtError::Expired
+        );
+        assert_eq!(
+            Verifier::new(&c).unwrap().verify("nope").unwrap_err(),
+            JwtError::Malformed
+        );
+        assert_eq!(
+            Verifier::new(&AdminConfig::default())
+                .unwrap()
+                .verify(&t)
+                .unwrap_err(),
+            JwtError::NotConfigured
+        );
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("10m").unwrap(), Duration::from_secs(600));
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert!(parse_duration("1w").is_err());
+        assert!(parse_duration("h").is_err());
+    }
+}

@@ -1,0 +1,340 @@
+//! The admin API, on its own listener (default 127.0.0.1:8081): key management guarded by
+//! JWTs (role admin for changes, viewer for reading), and `/metrics` in Prometheus text format.
+//!
+//! Routes: `GET /metrics`, `GET /healthz` (open); `GET /admin/keys[?env=E]`,
+//! `POST /admin/keys`, `GET /admin/keys/{id}`, `POST /admin/keys/{id}/revoke`,
+//! `POST /admin/keys/{id}/rotate`, `GET /admin/audit[?key=ID&limit=N]` (JWT).
+
+pub mod jwt;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde::Deserialize;
+
+use crate::auth::key::Environment;
+use crate::auth::{Authenticator, KeyRecord};
+use crate::proxy::error::error_body;
+use crate::proxy::relay::GatewayBody;
+use crate::store::{CreateKey, StoreError};
+use jwt::{JwtError, Role, Verifier};
+
+pub struct AdminState {
+    pub auth: Arc<Authenticator>,
+    pub verifier: Verifier,
+    pub registry: prometheus::Registry,
+}
+
+static JSON: HeaderValue = HeaderValue::from_static("application/json");
+
+fn json(status: StatusCode, body: impl Into<Bytes>) -> Response<GatewayBody> {
+    let mut r = Response::new(GatewayBody::full(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, JSON.clone());
+    r
+}
+
+/// An admin API refusal, turned into an OpenAI-format body at the end.
+#[derive(Debug)]
+struct AdminError {
+    status: StatusCode,
+    kind: &'static str,
+    code: &'static str,
+    message: String,
+}
+
+fn error(status: StatusCode, kind: &'static str, code: &'static str, message: &str) -> AdminError {
+    AdminError {
+        status,
+        kind,
+        code,
+        message: message.to_owned(),
+    }
+}
+
+impl AdminError {
+    fn into_response(self) -> Response<GatewayBody> {
+        let mut r = json(
+            self.status,
+            error_body(&self.message, self.kind, None, Some(self.code)),
+        );
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        r
+    }
+}
+
+fn store_error(e: &StoreError) -> AdminError {
+    match e {
+        StoreError::NotFound(_) => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "key_not_found",
+            &e.to_string(),
+        ),
+        StoreError::AlreadyRevoked(_) => error(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "key_revoked",
+            &e.to_string(),
+        ),
+        StoreError::Invalid(m) => error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_value",
+            m,
+        ),
+        StoreError::Db(_) | StoreError::Migrate(_) => {
+            tracing::error!(error = %e, "admin: key store error");
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "key_store_unavailable",
+                "The key store (database) is unreachable; nothing was changed. Retry when it is back.",
+            )
+        }
+    }
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Bytes {
+    Bytes::from(serde_json::to_vec(v).unwrap_or_default())
+}
+
+fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
+    query?
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v)
+}
+
+async fn read_json<T: for<'de> Deserialize<'de>>(body: Incoming) -> Result<T, AdminError> {
+    let bytes = Limited::new(body, 64 * 1024)
+        .collect()
+        .await
+        .map_err(|e| {
+            error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "body_read_error",
+                &format!("cannot read the body: {e}"),
+            )
+        })?
+        .to_bytes();
+    let bytes = if bytes.is_empty() {
+        Bytes::from_static(b"{}")
+    } else {
+        bytes
+    };
+    serde_json::from_slice(&bytes).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_json",
+            &format!("invalid JSON body: {e}"),
+        )
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RevokeBody {
+    reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RotateBody {
+    #[serde(default)]
+    grace_seconds: Option<u64>,
+}
+
+/// Who is calling: subject and role from a verified token.
+struct Caller {
+    subject: String,
+    role: Role,
+}
+
+fn authorize(state: &AdminState, req: &Request<Incoming>) -> Result<Caller, AdminError> {
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, rest) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(rest.trim())
+        });
+    let claims = match token {
+        None => Err(JwtError::Missing),
+        Some(t) => state.verifier.verify(t),
+    };
+    match claims {
+        Ok(c) => Ok(Caller {
+            subject: c.sub.unwrap_or_else(|| "admin-token".into()),
+            role: c.role,
+        }),
+        Err(e) => Err(error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid_admin_token",
+            &e.message(),
+        )),
+    }
+}
+
+fn need_admin(c: &Caller) -> Result<(), AdminError> {
+    match c.role {
+        Role::Admin => Ok(()),
+        Role::Viewer => Err(error(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "admin_role_required",
+            "This token has role `viewer`, which can only read; changes need role `admin`.",
+        )),
+    }
+}
+
+fn key_json(k: &KeyRecord) -> serde_json::Value {
+    serde_json::to_value(k.view()).unwrap_or_default()
+}
+
+/// Serve one admin request.
+pub async fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<GatewayBody> {
+    let path = req.uri().path().to_owned();
+    match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/metrics") => {
+            state.auth.update_gauges();
+            let mut text = String::new();
+            let encoder = prometheus::TextEncoder::new();
+            if let Err(e) = encoder.encode_utf8(&state.registry.gather(), &mut text) {
+                tracing::error!(error = %e, "metrics encoding failed");
+            }
+            let mut r = Response::new(GatewayBody::full(text));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            return r;
+        }
+        (Method::GET, "/healthz") => return json(StatusCode::OK, r#"{"status":"ok"}"#),
+        _ => {}
+    }
+    match keys_api(&state, req, &path).await {
+        Ok((status, body)) => json(status, body),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The JWT-guarded routes.
+async fn keys_api(
+    state: &AdminState,
+    req: Request<Incoming>,
+    path: &str,
+) -> Result<(StatusCode, Bytes), AdminError> {
+    let method = req.method().clone();
+    let caller = authorize(state, &req)?;
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let store = state.auth.store();
+    match (method, segments.as_slice()) {
+        (Method::GET, ["admin", "keys"]) => {
+            let env = match query_param(req.uri().query(), "env").map(str::parse::<Environment>) {
+                None => None,
+                Some(Ok(e)) => Some(e),
+                Some(Err(m)) => {
+                    return Err(error(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request_error",
+                        "invalid_value",
+                        &m,
+                    ));
+                }
+            };
+            let keys = store.list(env).await.map_err(|e| store_error(&e))?;
+            let data: Vec<_> = keys.iter().map(key_json).collect();
+            Ok((
+                StatusCode::OK,
+                to_json(&serde_json::json!({"object": "list", "data": data})),
+            ))
+        }
+        (Method::POST, ["admin", "keys"]) => {
+            need_admin(&caller)?;
+            let body: CreateKey = read_json(req.into_body()).await?;
+            let (full, record) = store
+                .create(&body, &caller.subject)
+                .await
+                .map_err(|e| store_error(&e))?;
+            state.auth.apply(&record.public_id, Some(record.clone()));
+            Ok((
+                StatusCode::CREATED,
+                to_json(&serde_json::json!({
+                    "key": full,
+                    "note": "This is the only time the full key is shown: store it in a secret manager or an environment variable.",
+                    "record": key_json(&record),
+                })),
+            ))
+        }
+        (Method::GET, ["admin", "keys", id]) => match store.get(id).await {
+            Ok(Some(k)) => Ok((StatusCode::OK, to_json(&key_json(&k)))),
+            Ok(None) => Err(store_error(&StoreError::NotFound((*id).to_owned()))),
+            Err(e) => Err(store_error(&e)),
+        },
+        (Method::POST, ["admin", "keys", id, "revoke"]) => {
+            need_admin(&caller)?;
+            let id = (*id).to_owned();
+            let body: RevokeBody = read_json(req.into_body()).await?;
+            let reason = body.reason.unwrap_or_default();
+            let record = store
+                .revoke(&id, &reason, &caller.subject)
+                .await
+                .map_err(|e| store_error(&e))?;
+            state.auth.apply(&id, Some(record.clone()));
+            Ok((StatusCode::OK, to_json(&key_json(&record))))
+        }
+        (Method::POST, ["admin", "keys", id, "rotate"]) => {
+            need_admin(&caller)?;
+            let id = (*id).to_owned();
+            let body: RotateBody = read_json(req.into_body()).await?;
+            let grace = Duration::from_secs(body.grace_seconds.unwrap_or(600));
+            let (full, record) = store
+                .rotate(&id, grace, &caller.subject)
+                .await
+                .map_err(|e| store_error(&e))?;
+            state.auth.apply(&id, Some(record.clone()));
+            Ok((
+                StatusCode::OK,
+                to_json(&serde_json::json!({
+                    "key": full,
+                    "note": "The old secret keeps working until previous_secret_valid_until.",
+                    "record": key_json(&record),
+                })),
+            ))
+        }
+        (Method::GET, ["admin", "audit"]) => {
+            let key = query_param(req.uri().query(), "key");
+            let limit = query_param(req.uri().query(), "limit")
+                .and_then(|l| l.parse::<i64>().ok())
+                .unwrap_or(100)
+                .clamp(1, 10_000);
+            let entries = store
+                .audit_log(key, limit)
+                .await
+                .map_err(|e| store_error(&e))?;
+            Ok((
+                StatusCode::OK,
+                to_json(&serde_json::json!({"object": "list", "data": entries})),
+            ))
+        }
+        _ => Err(error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "unknown_url",
+            "Unknown admin route. Routes: GET/POST /admin/keys, GET /admin/keys/{id}, POST /admin/keys/{id}/revoke, POST /admin/keys/{id}/rotate, GET /admin/audit, GET /metrics.",
+        )),
+    }
+}

@@ -1,0 +1,162 @@
+//! Keeps the key snapshot current: PostgreSQL LISTEN/NOTIFY applies each change at once;
+//! SQLite's change counter is polled every second; a full resync runs on an interval and after
+//! every reconnect. While the store is unreachable the gateway keeps authenticating from its
+//! last snapshot, reports itself degraded, and recovers on its own.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::PgListener;
+use tokio_util::sync::CancellationToken;
+
+use super::{Authenticator, StoreHealth};
+use crate::store::{DbKind, KEYS_CHANNEL};
+
+const SQLITE_POLL: Duration = Duration::from_secs(1);
+const MAX_BACKOFF: Duration = Duration::from_secs(15);
+
+/// Run until `stop` is cancelled.
+pub async fn run(auth: Arc<Authenticator>, stop: CancellationToken) {
+    match auth.store().kind() {
+        DbKind::Postgres => postgres_loop(auth, stop).await,
+        DbKind::Sqlite => sqlite_loop(auth, stop).await,
+    }
+}
+
+/// Reload everything; returns whether it worked.
+pub async fn resync(auth: &Authenticator) -> bool {
+    match tokio::time::timeout(Duration::from_secs(10), auth.store().load_all()).await {
+        Ok(Ok(keys)) => {
+            let n = keys.len();
+            auth.replace_all(keys);
+            auth.set_store_health(StoreHealth::Up);
+            tracing::debug!(keys = n, "key snapshot reloaded");
+            true
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "key resync failed");
+            auth.set_store_health(StoreHealth::Down);
+            false
+        }
+        Err(_) => {
+            tracing::warn!("key resync timed out");
+            auth.set_store_health(StoreHealth::Down);
+            false
+        }
+    }
+}
+
+async fn postgres_loop(auth: Arc<Authenticator>, stop: CancellationToken) {
+    let url = auth.store().config().connect_url();
+    let mut backoff = Duration::from_millis(250);
+    loop {
+        // (Re)connect the listener, then resync: changes made while we were away are in it.
+        let listener = async {
+            let mut l = PgListener::connect(&url).await?;
+            l.listen(KEYS_CHANNEL).await?;
+            Ok::<_, sqlx::Error>(l)
+        };
+        let mut listener = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = tokio::time::timeout(Duration::from_secs(10), listener) => match r {
+                Ok(Ok(l)) => l,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot LISTEN for key changes");
+                    auth.set_store_health(StoreHealth::Down);
+                    if sleep_or_stop(&stop, backoff).await { return; }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    continue;
+                }
+                Err(_) => {
+                    auth.set_store_health(StoreHealth::Down);
+                    if sleep_or_stop(&stop, backoff).await { return; }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    continue;
+                }
+            },
+        };
+        if !resync(&auth).await {
+            if sleep_or_stop(&stop, backoff).await {
+                return;
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+            continue;
+        }
+        backoff = Duration::from_millis(250);
+        let mut tick = tokio::time::interval(auth.config().resync_interval);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {
+                    auth.prune();
+                    if !resync(&auth).await { break; }
+                }
+                n = listener.try_recv() => match n {
+                    Ok(Some(note)) => {
+                        let id = note.payload().to_owned();
+                        match auth.store().get(&id).await {
+                            Ok(record) => auth.apply(&id, record),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "cannot load a changed key");
+                                auth.set_store_health(StoreHealth::Down);
+                                break;
+                            }
+                        }
+                    }
+                    Ok(None) => {
+                        tracing::warn!("key notification connection lost; reconnecting");
+                        auth.set_store_health(StoreHealth::Down);
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "key notification connection failed");
+                        auth.set_store_health(StoreHealth::Down);
+                        break;
+                    }
+                },
+            }
+        }
+        if sleep_or_stop(&stop, backoff).await {
+            return;
+        }
+    }
+}
+
+async fn sqlite_loop(auth: Arc<Authenticator>, stop: CancellationToken) {
+    let mut seen = auth.store().change_seq().await.ok();
+    let mut poll = tokio::time::interval(SQLITE_POLL);
+    let mut full = tokio::time::interval(auth.config().resync_interval);
+    full.tick().await;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = full.tick() => {
+                auth.prune();
+                resync(&auth).await;
+            }
+            _ = poll.tick() => {
+                match auth.store().change_seq().await {
+                    Ok(seq) if Some(seq) != seen => {
+                        if resync(&auth).await {
+                            seen = Some(seq);
+                        }
+                    }
+                    Ok(_) => auth.set_store_health(StoreHealth::Up),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "key change poll failed");
+                        auth.set_store_health(StoreHealth::Down);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sleep, or return true when asked to stop.
+async fn sleep_or_stop(stop: &CancellationToken, d: Duration) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => true,
+        _ = tokio::time::sleep(d) => false,
+    }
+}

@@ -1,0 +1,377 @@
+//! Operator commands against the key store: `fleetgate keys ...`, `fleetgate migrate` and
+//! `fleetgate admin-token`. They talk to the database directly (the same one the gateways
+//! use); gateways pick the change up through NOTIFY (PostgreSQL) or the change counter (SQLite).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+
+use crate::admin::jwt::{self, Role};
+use crate::auth::key::Environment;
+use crate::auth::{KeyRecord, format_time};
+use crate::config::{Config, DatabaseConfig, Secret};
+use crate::store::{CreateKey, KeyStore, now_ms};
+
+/// Where the key store is: a config file's `[database]`, or given directly.
+#[derive(Args, Debug, Clone)]
+pub struct StoreArgs {
+    /// Config file whose `[database]` section names the store.
+    #[arg(long, short, default_value = "config/fleetgate.toml")]
+    pub config: PathBuf,
+    /// PostgreSQL URL (overrides the config).
+    #[arg(long, env = "FLEETGATE_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// SQLite file (overrides the config).
+    #[arg(long, conflicts_with = "database_url")]
+    pub sqlite: Option<PathBuf>,
+}
+
+impl StoreArgs {
+    pub fn database(&self) -> Result<DatabaseConfig, String> {
+        if let Some(url) = &self.database_url {
+            return Ok(DatabaseConfig {
+                url: Some(Secret::new(url.clone())),
+                ..DatabaseConfig::default()
+            });
+        }
+        if let Some(path) = &self.sqlite {
+            return Ok(DatabaseConfig {
+                sqlite_path: path.clone(),
+                ..DatabaseConfig::default()
+            });
+        }
+        Config::load(&self.config)
+            .map(|c| c.database)
+            .map_err(|e| e.to_string())
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum KeysCommand {
+    /// Issue a key (printed once).
+    Create {
+        #[arg(long)]
+        env: Environment,
+        #[arg(long)]
+        name: String,
+        /// Models the key may use (comma-separated; default all).
+        #[arg(long, value_delimiter = ',')]
+        models: Option<Vec<String>>,
+        /// Requests per minute.
+        #[arg(long)]
+        rpm: Option<i64>,
+        /// Tokens per minute.
+        #[arg(long)]
+        tpm: Option<i64>,
+        /// Concurrent streams.
+        #[arg(long)]
+        max_streams: Option<i64>,
+        /// Lifetime, e.g. 7d, 12h.
+        #[arg(long)]
+        expires: Option<String>,
+        /// Free-form JSON object stored with the key.
+        #[arg(long)]
+        metadata: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List keys (never their secrets).
+    List {
+        #[arg(long)]
+        env: Option<Environment>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one key.
+    Show {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a key at once, on every gateway.
+    Revoke {
+        id: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Give a key a new secret; the old one keeps working for the grace period.
+    Rotate {
+        id: String,
+        #[arg(long, default_value = "10m")]
+        grace: String,
+    },
+    /// The audit trail (of one key, or all).
+    Audit {
+        id: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct KeysArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Recorded in the audit trail as who made the change.
+    #[arg(long, global = true)]
+    pub actor: Option<String>,
+    #[command(subcommand)]
+    pub command: KeysCommand,
+}
+
+fn actor(given: &Option<String>) -> String {
+    given.clone().unwrap_or_else(|| {
+        format!(
+            "{}@cli",
+            std::env::var("USER").unwrap_or_else(|_| "operator".into())
+        )
+    })
+}
+
+async fn open(store: &StoreArgs, migrate: bool) -> Result<KeyStore, String> {
+    let db = store.database()?;
+    let s = KeyStore::connect(&db)
+        .await
+        .map_err(|e| format!("{}: {e}", db.describe()))?;
+    if migrate {
+        s.migrate()
+            .await
+            .map_err(|e| format!("{}: {e}", db.describe()))?;
+    }
+    Ok(s)
+}
+
+fn when(ms: Option<i64>) -> String {
+    ms.map_or_else(|| "-".into(), format_time)
+}
+
+fn print_key(k: &KeyRecord) {
+    let v = k.view();
+    println!("id:           {}", v.public_id);
+    println!("name:         {}", v.name);
+    println!("environment:  {}", v.environment);
+    println!("status:       {}", v.status);
+    println!(
+        "created:      {} by {}",
+        format_time(v.created_at),
+        v.created_by
+    );
+    println!("expires:      {}", when(v.expires_at));
+    if let Some(at) = v.revoked_at {
+        println!(
+            "revoked:      {} by {} ({})",
+            format_time(at),
+            v.revoked_by.unwrap_or("-"),
+            v.revoke_reason.unwrap_or("-")
+        );
+    }
+    if let Some(until) = v.previous_secret_valid_until {
+        println!("old secret:   valid until {}", format_time(until));
+    }
+    println!(
+        "models:       {}",
+        v.allowed_models
+            .map_or_else(|| "all".into(), |m| m.join(", "))
+    );
+    let limit = |v: Option<i64>| v.map_or_else(|| "default".into(), |v| v.to_string());
+    println!(
+        "limits:       {} req/min, {} tokens/min, {} concurrent streams",
+        limit(v.requests_per_minute),
+        limit(v.tokens_per_minute),
+        limit(v.max_concurrent_streams)
+    );
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> Result<(), String> {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(v).map_err(|e| e.to_string())?
+    );
+    Ok(())
+}
+
+pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
+    let store = open(&args.store, true).await?;
+    let who = actor(&args.actor);
+    match args.command {
+        KeysCommand::Create {
+            env,
+            name,
+            models,
+            rpm,
+            tpm,
+            max_streams,
+            expires,
+            metadata,
+            json,
+        } => {
+            let expires_in_seconds = match expires {
+                Some(e) => Some(
+                    i64::try_from(jwt::parse_duration(&e)?.as_secs()).map_err(|e| e.to_string())?,
+                ),
+                None => None,
+            };
+            let metadata = match metadata {
+                Some(m) => Some(
+                    serde_json::from_str::<serde_json::Value>(&m)
+                        .map_err(|e| format!("--metadata is not JSON: {e}"))?,
+                ),
+                None => None,
+            };
+            let req = CreateKey {
+                name,
+                environment: Some(env),
+                allowed_models: models,
+                requests_per_minute: rpm,
+                tokens_per_minute: tpm,
+                max_concurrent_streams: max_streams,
+                expires_in_seconds,
+                metadata,
+            };
+            let (full, record) = store.create(&req, &who).await.map_err(|e| e.to_string())?;
+            if json {
+                return print_json(&serde_json::json!({"key": full, "record": record.view()}));
+            }
+            println!(
+                "Created key {} ({}). It is shown only this once:\n",
+                record.public_id, record.environment
+            );
+            println!("  {full}\n");
+            println!("  export FLEETGATE_API_KEY={full}\n");
+            print_key(&record);
+        }
+        KeysCommand::List { env, json } => {
+            let keys = store.list(env).await.map_err(|e| e.to_string())?;
+            if json {
+                let views: Vec<_> = keys.iter().map(KeyRecord::view).collect();
+                return print_json(&views);
+            }
+            let now = now_ms();
+            println!(
+                "{:<12}  {:<6}  {:<7}  {:<20}  {:<20}  NAME",
+                "ID", "ENV", "STATUS", "CREATED", "EXPIRES"
+            );
+            for k in &keys {
+                println!(
+                    "{:<12}  {:<6}  {:<7}  {:<20}  {:<20}  {}",
+                    k.public_id,
+                    k.environment,
+                    k.status(now),
+                    format_time(k.created_at),
+                    when(k.expires_at),
+                    k.name
+                );
+            }
+            if keys.is_empty() {
+                println!(
+                    "(no keys — create one with `fleetgate keys create --env stress --name ...`)"
+                );
+            }
+        }
+        KeysCommand::Show { id, json } => {
+            let k = store
+                .get(&id)
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| {
+                    format!("key `{id}` not found (list them with `fleetgate keys list`)")
+                })?;
+            if json {
+                return print_json(&k.view());
+            }
+            print_key(&k);
+        }
+        KeysCommand::Revoke { id, reason } => {
+            let k = store
+                .revoke(&id, &reason, &who)
+                .await
+                .map_err(|e| e.to_string())?;
+            println!(
+                "Revoked {} at {}: every gateway refuses it from now on.",
+                k.public_id,
+                when(k.revoked_at)
+            );
+        }
+        KeysCommand::Rotate { id, grace } => {
+            let grace: Duration = jwt::parse_duration(&grace)?;
+            let (full, k) = store
+                .rotate(&id, grace, &who)
+                .await
+                .map_err(|e| e.to_string())?;
+            println!(
+                "New secret for {} (shown only this once):\n\n  {full}\n",
+                k.public_id
+            );
+            println!(
+                "The old secret keeps working until {}.",
+                when(k.previous.map(|(_, until)| until))
+            );
+        }
+        KeysCommand::Audit { id, limit, json } => {
+            let entries = store
+                .audit_log(id.as_deref(), limit.clamp(1, 100_000))
+                .await
+                .map_err(|e| e.to_string())?;
+            if json {
+                return print_json(&entries);
+            }
+            for e in entries {
+                println!(
+                    "{}  {:<8}  {:<12}  {:<20}  {}",
+                    format_time(e.at),
+                    e.action,
+                    e.key_public_id.as_deref().unwrap_or("-"),
+                    e.actor,
+                    e.detail
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `fleetgate migrate`.
+pub async fn run_migrate(store: StoreArgs) -> Result<(), String> {
+    let db = store.database()?;
+    let s = open(&store, false).await?;
+    let n = s
+        .migrate()
+        .await
+        .map_err(|e| format!("{}: {e}", db.describe()))?;
+    println!(
+        "{}: {n} migration(s) applied; schema is current.",
+        db.describe()
+    );
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct AdminTokenArgs {
+    #[arg(long, short, default_value = "config/fleetgate.toml")]
+    pub config: PathBuf,
+    #[arg(long, value_parser = ["admin", "viewer"], default_value = "admin")]
+    pub role: String,
+    /// Lifetime, e.g. 1h.
+    #[arg(long, default_value = "1h")]
+    pub ttl: String,
+    /// Subject recorded in the audit trail.
+    #[arg(long)]
+    pub sub: Option<String>,
+}
+
+/// `fleetgate admin-token`: print a token minted from the configured HS256 secret.
+pub fn run_admin_token(args: AdminTokenArgs) -> Result<(), String> {
+    let cfg = Config::load(&args.config).map_err(|e| e.to_string())?;
+    let role = if args.role == "viewer" {
+        Role::Viewer
+    } else {
+        Role::Admin
+    };
+    let ttl = jwt::parse_duration(&args.ttl)?;
+    let sub = args.sub.unwrap_or_else(|| actor(&None));
+    println!("{}", jwt::mint(&cfg.admin, role, &sub, ttl)?);
+    Ok(())
+}

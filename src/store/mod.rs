@@ -1,0 +1,594 @@
+//! The key store: API keys and their audit trail in PostgreSQL (production) or an embedded
+//! SQLite file (the zero-setup default), through sqlx with migrations. One set of queries runs
+//! on both (sqlx's `Any` driver; times are epoch milliseconds); change notification differs:
+//! PostgreSQL NOTIFY on `fleetgate_keys`, SQLite a change counter that gateways poll.
+//! Nothing here is called on the request path except the bounded lookup of unknown keys.
+
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{AnyPool, Row};
+
+use crate::auth::KeyRecord;
+use crate::auth::key::{self, Environment};
+
+/// Migrations embedded in the binary, one set per engine.
+pub static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+pub static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+
+/// The PostgreSQL channel the key trigger notifies.
+pub const KEYS_CHANNEL: &str = "fleetgate_keys";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbKind {
+    Postgres,
+    Sqlite,
+}
+
+impl DbKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DbKind::Postgres => "postgres",
+            DbKind::Sqlite => "sqlite",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("migrations: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("key `{0}` not found")]
+    NotFound(String),
+    #[error("key `{0}` is already revoked")]
+    AlreadyRevoked(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Where the store lives, from `[database]`.
+#[derive(Debug, Clone)]
+pub struct DatabaseConfig {
+    /// `postgres://...` (TLS via `sslmode=` in the URL), or `None` for SQLite at `sqlite_path`.
+    pub url: Option<crate::config::Secret>,
+    pub sqlite_path: PathBuf,
+    pub max_connections: u32,
+    pub connect_timeout: Duration,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            sqlite_path: PathBuf::from("fleetgate.db"),
+            max_connections: 8,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl DatabaseConfig {
+    pub fn kind(&self) -> DbKind {
+        if self.url.is_some() {
+            DbKind::Postgres
+        } else {
+            DbKind::Sqlite
+        }
+    }
+
+    /// The connection URL (contains credentials: never log it).
+    pub fn connect_url(&self) -> String {
+        match &self.url {
+            Some(u) => u.expose().to_owned(),
+            None => format!("sqlite://{}?mode=rwc", self.sqlite_path.display()),
+        }
+    }
+
+    /// Where the store is, safe to print (no password).
+    pub fn describe(&self) -> String {
+        match &self.url {
+            Some(u) => redact_url(u.expose()),
+            None => format!("sqlite file {}", self.sqlite_path.display()),
+        }
+    }
+}
+
+/// `postgres://user:pass@host/db` → `postgres://user:*****@host/db`.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:*****{}", &url[..s + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// What `keys create` / `POST /admin/keys` ask for.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateKey {
+    pub name: String,
+    pub environment: Option<Environment>,
+    #[serde(default)]
+    pub allowed_models: Option<Vec<String>>,
+    #[serde(default)]
+    pub requests_per_minute: Option<i64>,
+    #[serde(default)]
+    pub tokens_per_minute: Option<i64>,
+    #[serde(default)]
+    pub max_concurrent_streams: Option<i64>,
+    /// Lifetime from now, in seconds.
+    #[serde(default)]
+    pub expires_in_seconds: Option<i64>,
+    #[serde(default)]
+    pub metadata: Option<serde_json::Value>,
+}
+
+/// One audit entry.
+#[derive(Debug, Clone, Serialize)]
+pub struct AuditEntry {
+    pub id: i64,
+    pub at: i64,
+    pub actor: String,
+    pub action: String,
+    pub key_public_id: Option<String>,
+    pub detail: serde_json::Value,
+}
+
+#[derive(Debug, Clone)]
+pub struct KeyStore {
+    pool: AnyPool,
+    kind: DbKind,
+    config: DatabaseConfig,
+}
+
+const KEY_COLUMNS: &str = "id, public_id, name, environment, secret_hash, previous_secret_hash, \
+    previous_valid_until, created_at, created_by, expires_at, revoked_at, revoked_by, revoke_reason, \
+    allowed_models, requests_per_minute, tokens_per_minute, max_concurrent_streams, metadata, updated_at";
+
+fn hash_from(bytes: Vec<u8>) -> Result<[u8; 32], StoreError> {
+    bytes
+        .try_into()
+        .map_err(|_| StoreError::Invalid("secret hash is not 32 bytes".into()))
+}
+
+fn key_from_row(row: &AnyRow) -> Result<KeyRecord, StoreError> {
+    let env: String = row.try_get("environment")?;
+    let environment = Environment::parse(&env)
+        .ok_or_else(|| StoreError::Invalid(format!("unknown environment `{env}` in api_keys")))?;
+    let allowed: Option<String> = row.try_get("allowed_models")?;
+    let allowed_models = match allowed {
+        Some(text) => Some(
+            serde_json::from_str::<Vec<String>>(&text)
+                .map_err(|e| StoreError::Invalid(format!("allowed_models: {e}")))?,
+        ),
+        None => None,
+    };
+    let previous = match (
+        row.try_get::<Option<Vec<u8>>, _>("previous_secret_hash")?,
+        row.try_get::<Option<i64>, _>("previous_valid_until")?,
+    ) {
+        (Some(h), Some(until)) => Some((hash_from(h)?, until)),
+        _ => None,
+    };
+    let metadata: String = row.try_get("metadata")?;
+    Ok(KeyRecord {
+        id: row.try_get("id")?,
+        public_id: row.try_get::<String, _>("public_id")?.into_boxed_str(),
+        name: row.try_get("name")?,
+        environment,
+        secret_hash: hash_from(row.try_get("secret_hash")?)?,
+        previous,
+        created_at: row.try_get("created_at")?,
+        created_by: row.try_get("created_by")?,
+        expires_at: row.try_get("expires_at")?,
+        revoked_at: row.try_get("revoked_at")?,
+        revoked_by: row.try_get("revoked_by")?,
+        revoke_reason: row.try_get("revoke_reason")?,
+        allowed_models,
+        requests_per_minute: row.try_get("requests_per_minute")?,
+        tokens_per_minute: row.try_get("tokens_per_minute")?,
+        max_concurrent_streams: row.try_get("max_concurrent_streams")?,
+        metadata: serde_json::from_str(&metadata).unwrap_or(serde_json::Value::Null),
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+impl KeyStore {
+    /// Connect (creating the SQLite file if needed). Does not migrate.
+    pub async fn connect(config: &DatabaseConfig) -> Result<Self, StoreError> {
+        sqlx::any::install_default_drivers();
+        let kind = config.kind();
+        if kind == DbKind::Sqlite
+            && let Some(dir) = config.sqlite_path.parent()
+            && !dir.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                StoreError::Invalid(format!("cannot create {}: {e}", dir.display()))
+            })?;
+        }
+        let max = match kind {
+            DbKind::Postgres => config.max_connections,
+            // One writer at a time anyway; a few readers.
+            DbKind::Sqlite => config.max_connections.min(4),
+        };
+        let pool = AnyPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(config.connect_timeout)
+            .connect(&config.connect_url())
+            .await?;
+        if kind == DbKind::Sqlite {
+            // WAL lets the gateway read while the CLI writes; wait instead of failing on a lock.
+            sqlx::query("PRAGMA journal_mode=WAL")
+                .execute(&pool)
+                .await?;
+            sqlx::query("PRAGMA busy_timeout=5000")
+                .execute(&pool)
+                .await?;
+        }
+        Ok(Self {
+            pool,
+            kind,
+            config: config.clone(),
+        })
+    }
+
+    pub fn kind(&self) -> DbKind {
+        self.kind
+    }
+
+    pub fn config(&self) -> &DatabaseConfig {
+        &self.config
+    }
+
+    /// Apply pending migrations; returns how many were applied.
+    pub async fn migrate(&self) -> Result<usize, StoreError> {
+        let migrator = match self.kind {
+            DbKind::Postgres => &PG_MIGRATOR,
+            DbKind::Sqlite => &SQLITE_MIGRATOR,
+        };
+        let before = self.applied_migrations().await.unwrap_or(0);
+        migrator.run(&self.pool).await?;
+        let after = self.applied_migrations().await.unwrap_or(before);
+        Ok(after.saturating_sub(before))
+    }
+
+    async fn applied_migrations(&self) -> Result<usize, StoreError> {
+        let n: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM _sqlx_migrations WHERE success = true")
+                .fetch_one(&self.pool)
+                .await
+                .or_else(|e| match e {
+                    sqlx::Error::Database(_) => Ok(0),
+                    e => Err(e),
+                })?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    pub async fn load_all(&self) -> Result<Vec<KeyRecord>, StoreError> {
+        let rows = sqlx::query(&format!("SELECT {KEY_COLUMNS} FROM api_keys ORDER BY id"))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(key_from_row).collect()
+    }
+
+    pub async fn list(&self, env: Option<Environment>) -> Result<Vec<KeyRecord>, StoreError> {
+        let mut keys = self.load_all().await?;
+        if let Some(env) = env {
+            keys.retain(|k| k.environment == env);
+        }
+        Ok(keys)
+    }
+
+    pub async fn get(&self, public_id: &str) -> Result<Option<KeyRecord>, StoreError> {
+        let row = sqlx::query(&format!(
+            "SELECT {KEY_COLUMNS} FROM api_keys WHERE public_id = $1"
+        ))
+        .bind(public_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(key_from_row).transpose()
+    }
+
+    /// SQLite: the change counter bumped by every key change.
+    pub async fn change_seq(&self) -> Result<i64, StoreError> {
+        match self.kind {
+            DbKind::Sqlite => Ok(
+                sqlx::query_scalar("SELECT seq FROM key_changes WHERE id = 1")
+                    .fetch_one(&self.pool)
+                    .await?,
+            ),
+            DbKind::Postgres => Ok(0),
+        }
+    }
+
+    /// Create a key; returns the full key (to show once) and the stored record.
+    pub async fn create(
+        &self,
+        req: &CreateKey,
+        actor: &str,
+    ) -> Result<(String, KeyRecord), StoreError> {
+        let name = req.name.trim();
+        if name.is_empty() {
+            return Err(StoreError::Invalid(
+                "`name` must not be empty: say what the key is for".into(),
+            ));
+        }
+        let env = req.environment.ok_or_else(|| {
+            StoreError::Invalid("`environment` is required: stress, gray or prod".into())
+        })?;
+        for (what, v) in [
+            ("requests_per_minute", req.requests_per_minute),
+            ("tokens_per_minute", req.tokens_per_minute),
+            ("max_concurrent_streams", req.max_concurrent_streams),
+        ] {
+            if v.is_some_and(|v| v <= 0) {
+                return Err(StoreError::Invalid(format!("`{what}` must be > 0")));
+            }
+        }
+        if let Some(models) = &req.allowed_models
+            && (models.is_empty() || models.iter().any(|m| m.trim().is_empty()))
+        {
+            return Err(StoreError::Invalid(
+                "`allowed_models` must name at least one model (leave it out to allow all)".into(),
+            ));
+        }
+        let now = now_ms();
+        let expires_at = match req.expires_in_seconds {
+            Some(s) if s <= 0 => {
+                return Err(StoreError::Invalid(
+                    "`expires_in_seconds` must be > 0".into(),
+                ));
+            }
+            Some(s) => Some(now.saturating_add(s.saturating_mul(1000))),
+            None => None,
+        };
+        let new = key::generate(env, None);
+        let allowed = req
+            .allowed_models
+            .as_ref()
+            .map(|m| serde_json::to_string(m).unwrap_or_else(|_| "[]".into()));
+        let metadata = req
+            .metadata
+            .as_ref()
+            .map_or_else(|| "{}".to_owned(), |m| m.to_string());
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO api_keys (public_id, name, environment, secret_hash, created_at, created_by, \
+             expires_at, allowed_models, requests_per_minute, tokens_per_minute, max_concurrent_streams, \
+             metadata, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+        )
+        .bind(&new.public_id)
+        .bind(name)
+        .bind(env.as_str())
+        .bind(new.secret_hash.to_vec())
+        .bind(now)
+        .bind(actor)
+        .bind(expires_at)
+        .bind(allowed)
+        .bind(req.requests_per_minute)
+        .bind(req.tokens_per_minute)
+        .bind(req.max_concurrent_streams)
+        .bind(metadata)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        audit(
+            &mut tx,
+            actor,
+            "create",
+            Some(&new.public_id),
+            serde_json::json!({"name": name, "environment": env, "expires_at": expires_at}),
+        )
+        .await?;
+        tx.commit().await?;
+        let record = self
+            .get(&new.public_id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound(new.public_id.clone()))?;
+        Ok((new.full, record))
+    }
+
+    /// Revoke a key at once. Revoking twice is an error (the first reason stays).
+    pub async fn revoke(
+        &self,
+        public_id: &str,
+        reason: &str,
+        actor: &str,
+    ) -> Result<KeyRecord, StoreError> {
+        let reason = reason.trim();
+        if reason.is_empty() {
+            return Err(StoreError::Invalid(
+                "a revoke reason is required (it is shown to the key's users)".into(),
+            ));
+        }
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        let done = sqlx::query(
+            "UPDATE api_keys SET revoked_at = $1, revoked_by = $2, revoke_reason = $3, updated_at = $1 \
+             WHERE public_id = $4 AND revoked_at IS NULL",
+        )
+        .bind(now)
+        .bind(actor)
+        .bind(reason)
+        .bind(public_id)
+        .execute(&mut *tx)
+        .await?;
+        if done.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Err(match self.get(public_id).await? {
+                Some(_) => StoreError::AlreadyRevoked(public_id.to_owned()),
+                None => StoreError::NotFound(public_id.to_owned()),
+            });
+        }
+        audit(
+            &mut tx,
+            actor,
+            "revoke",
+            Some(public_id),
+            serde_json::json!({"reason": reason}),
+        )
+        .await?;
+        tx.commit().await?;
+        self.get(public_id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound(public_id.to_owned()))
+    }
+
+    /// Give a key a new secret; the old one keeps working for `grace`.
+    pub async fn rotate(
+        &self,
+        public_id: &str,
+        grace: Duration,
+        actor: &str,
+    ) -> Result<(String, KeyRecord), StoreError> {
+        let current = self
+            .get(public_id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound(public_id.to_owned()))?;
+        if current.revoked_at.is_some() {
+            return Err(StoreError::AlreadyRevoked(public_id.to_owned()));
+        }
+        let now = now_ms();
+        let until = now.saturating_add(i64::try_from(grace.as_millis()).unwrap_or(i64::MAX));
+        let new = key::generate(current.environment, Some(public_id));
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "UPDATE api_keys SET previous_secret_hash = secret_hash, previous_valid_until = $1, \
+             secret_hash = $2, updated_at = $3 WHERE public_id = $4 AND revoked_at IS NULL",
+        )
+        .bind(until)
+        .bind(new.secret_hash.to_vec())
+        .bind(now)
+        .bind(public_id)
+        .execute(&mut *tx)
+        .await?;
+        audit(
+            &mut tx,
+            actor,
+            "rotate",
+            Some(public_id),
+            serde_json::json!({"grace_seconds": grace.as_secs(), "old_secret_valid_until": until}),
+        )
+        .await?;
+        tx.commit().await?;
+        let record = self
+            .get(public_id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound(public_id.to_owned()))?;
+        Ok((new.full, record))
+    }
+
+    /// Audit entries, newest first (of one key, or all).
+    pub async fn audit_log(
+        &self,
+        public_id: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
+        let rows = match public_id {
+            Some(id) => {
+                sqlx::query(
+                    "SELECT id, at, actor, action, key_public_id, detail FROM key_audit \
+                     WHERE key_public_id = $1 ORDER BY id DESC LIMIT $2",
+                )
+                .bind(id)
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await?
+            }
+            None => {
+                sqlx::query(
+                    "SELECT id, at, actor, action, key_public_id, detail FROM key_audit \
+                     ORDER BY id DESC LIMIT $1",
+                )
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await?
+            }
+        };
+        rows.iter()
+            .map(|r| {
+                let detail: String = r.try_get("detail")?;
+                Ok(AuditEntry {
+                    id: r.try_get("id")?,
+                    at: r.try_get("at")?,
+                    actor: r.try_get("actor")?,
+                    action: r.try_get("action")?,
+                    key_public_id: r.try_get("key_public_id")?,
+                    detail: serde_json::from_str(&detail).unwrap_or(serde_json::Value::Null),
+                })
+            })
+            .collect()
+    }
+
+    /// Record an action that is not a key change (e.g. a failed admin attempt).
+    pub async fn audit_event(
+        &self,
+        actor: &str,
+        action: &str,
+        public_id: Option<&str>,
+        detail: serde_json::Value,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        audit(&mut tx, actor, action, public_id, detail).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+}
+
+async fn audit(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    actor: &str,
+    action: &str,
+    public_id: Option<&str>,
+    detail: serde_json::Value,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO key_audit (at, actor, action, key_public_id, detail) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(now_ms())
+    .bind(actor)
+    .bind(action)
+    .bind(public_id)
+    .bind(detail.to_string())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_redacted() {
+        assert_eq!(
+            redact_url("postgres://fg:s3cret@db:5432/fleet"),
+            "postgres://fg:*****@db:5432/fleet"
+        );
+        assert_eq!(redact_url("postgres://db/fleet"), "postgres://db/fleet");
+    }
+}
