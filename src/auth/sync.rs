@@ -12,7 +12,8 @@ use tokio_util::sync::CancellationToken;
 use super::{Authenticator, StoreHealth};
 use crate::store::{DbKind, KEYS_CHANNEL};
 
-const SQLITE_POLL: Duration = Duration::from_secs(1);
+/// A cheap single-row read of a local file; short so revocations land well within 1 s.
+const SQLITE_POLL: Duration = Duration::from_millis(250);
 const MAX_BACKOFF: Duration = Duration::from_secs(15);
 
 /// Run until `stop` is cancelled.

@@ -244,3 +244,112 @@ pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool
     }
     cond()
 }
+
+/// A throwaway PostgreSQL database for one test, dropped at the end.
+pub struct PgTestDb {
+    pub url: String,
+    admin_url: String,
+    name: String,
+}
+
+impl Drop for PgTestDb {
+    fn drop(&mut self) {
+        let admin = self.admin_url.clone();
+        let name = self.name.clone();
+        // Dropped inside a runtime: do the cleanup on a thread of its own.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                use sqlx::Connection;
+                if let Ok(mut c) = sqlx::PgConnection::connect(&admin).await {
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .execute(&mut c)
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// The server used for PostgreSQL tests (`FLEETGATE_TEST_PG`, default the local one).
+pub fn pg_admin_url() -> String {
+    std::env::var("FLEETGATE_TEST_PG")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// A fresh database, or `None` (loudly) when PostgreSQL is not reachable — except under
+/// `CI=true`, where a missing service is a failure.
+pub async fn pg_database(test: &str) -> Option<PgTestDb> {
+    use sqlx::Connection;
+    let admin_url = pg_admin_url();
+    let mut conn = match tokio::time::timeout(
+        Duration::from_secs(5),
+        sqlx::PgConnection::connect(&admin_url),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        other => {
+            let why = match other {
+                Ok(Err(e)) => e.to_string(),
+                _ => "connect timed out".to_owned(),
+            };
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("{test}: PostgreSQL at {admin_url} is required under CI=true: {why}");
+            }
+            eprintln!(
+                "\n*** SKIPPED {test} on PostgreSQL: {admin_url} not reachable ({why}). Start PostgreSQL or set FLEETGATE_TEST_PG. ***\n"
+            );
+            return None;
+        }
+    };
+    use std::hash::{BuildHasher, RandomState};
+    let n = RandomState::new().hash_one(std::time::SystemTime::now());
+    let name = format!("fg_test_{}_{n:x}", std::process::id());
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let base = admin_url
+        .rsplit_once('/')
+        .map_or(admin_url.as_str(), |(b, _)| b);
+    Some(PgTestDb {
+        url: format!("{base}/{name}"),
+        admin_url: admin_url.clone(),
+        name,
+    })
+}
+
+/// The two stores every key test runs against: SQLite always, PostgreSQL when reachable.
+pub async fn stores(
+    test: &str,
+) -> Vec<(
+    fleetgate::store::DatabaseConfig,
+    Box<dyn std::any::Any + Send>,
+)> {
+    let dir = temp_dir("store");
+    let mut out: Vec<(
+        fleetgate::store::DatabaseConfig,
+        Box<dyn std::any::Any + Send>,
+    )> = vec![(
+        fleetgate::store::DatabaseConfig {
+            sqlite_path: dir.join("keys.db"),
+            ..Default::default()
+        },
+        Box::new(TempDir(dir)),
+    )];
+    if let Some(db) = pg_database(test).await {
+        out.push((
+            fleetgate::store::DatabaseConfig {
+                url: Some(fleetgate::config::Secret::new(db.url.clone())),
+                ..Default::default()
+            },
+            Box::new(db),
+        ));
+    }
+    out
+}

@@ -1,0 +1,843 @@
+//! API keys end to end, on the embedded SQLite store and on real PostgreSQL: the store's
+//! lifecycle, every 401/403 message as an OpenAI client decodes it, instant revocation across
+//! gateways, rotation grace, expiry, the admin API's JWT checks, brute-force slowdown, and a
+//! database outage served from the snapshot.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::*;
+use fleetgate::admin::jwt::{self, Role};
+use fleetgate::auth::key::Environment;
+use fleetgate::client::{self, chat_body};
+use fleetgate::config::{AdminConfig, JwtKey, Secret};
+use fleetgate::store::{CreateKey, KeyStore, StoreError};
+use http_body_util::BodyExt;
+
+const JWT_SECRET: &str = "test-secret-0123456789abcdef0123456789";
+
+fn admin_cfg() -> AdminConfig {
+    AdminConfig {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        jwt_key: Some(JwtKey::Secret(Secret::new(JWT_SECRET))),
+        ..AdminConfig::default()
+    }
+}
+
+fn create(env: Environment, name: &str) -> CreateKey {
+    CreateKey {
+        name: name.into(),
+        environment: Some(env),
+        ..CreateKey::default()
+    }
+}
+
+async fn chat(gw: &Gateway, key: &str) -> client::Measured {
+    post(
+        &gw.url("/v1/chat/completions"),
+        &[("authorization", &format!("Bearer {key}"))],
+        chat_body("qwen32b", "hi", 3, true),
+    )
+    .await
+}
+
+/// (status, body) of an admin API call.
+async fn admin(
+    gw: &Gateway,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    let c = client::http_client();
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{}{path}", gw.server.admin_addr.unwrap()))
+        .header("content-type", "application/json");
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let body = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
+    let resp = c
+        .request(req.body(http_body_util::Full::new(body)).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+fn token(role: Role) -> String {
+    jwt::mint(&admin_cfg(), role, "tester", Duration::from_secs(300)).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_lifecycle_on_both_stores() {
+    for (db, _guard) in stores("store_lifecycle").await {
+        let kind = db.kind().as_str();
+        let store = KeyStore::connect(&db).await.unwrap();
+        assert!(
+            store.migrate().await.unwrap() >= 1,
+            "{kind}: migrations ran"
+        );
+        assert_eq!(store.migrate().await.unwrap(), 0, "{kind}: idempotent");
+
+        let (full, rec) = store
+            .create(&create(Environment::Prod, "svc"), "alice")
+            .await
+            .unwrap();
+        assert!(full.starts_with("fg-prod-"), "{kind}");
+        assert!(!full.contains(&hex(&rec.secret_hash)), "{kind}");
+        let (_, stress) = store
+            .create(&create(Environment::Stress, "load"), "alice")
+            .await
+            .unwrap();
+        assert_eq!(
+            store.get(&rec.public_id).await.unwrap().unwrap(),
+            rec,
+            "{kind}"
+        );
+        assert_eq!(
+            store.list(Some(Environment::Stress)).await.unwrap().len(),
+            1,
+            "{kind}"
+        );
+        assert_eq!(store.list(None).await.unwrap().len(), 2, "{kind}");
+
+        let bad = store
+            .create(
+                &CreateKey {
+                    name: " ".into(),
+                    ..create(Environment::Prod, "")
+                },
+                "a",
+            )
+            .await;
+        assert!(
+            matches!(bad, Err(StoreError::Invalid(_))),
+            "{kind}: empty name"
+        );
+        let bad = store
+            .create(
+                &CreateKey {
+                    environment: None,
+                    ..create(Environment::Prod, "x")
+                },
+                "a",
+            )
+            .await;
+        assert!(matches!(bad, Err(StoreError::Invalid(_))), "{kind}: no env");
+
+        let revoked = store
+            .revoke(&stress.public_id, "load test over", "bob")
+            .await
+            .unwrap();
+        assert!(revoked.revoked_at.is_some(), "{kind}");
+        assert_eq!(revoked.revoked_by.as_deref(), Some("bob"));
+        assert!(matches!(
+            store.revoke(&stress.public_id, "again", "bob").await,
+            Err(StoreError::AlreadyRevoked(_))
+        ));
+        assert!(matches!(
+            store.revoke("nope", "x", "bob").await,
+            Err(StoreError::NotFound(_))
+        ));
+        assert!(matches!(
+            store.revoke(&rec.public_id, " ", "bob").await,
+            Err(StoreError::Invalid(_))
+        ));
+
+        let (new_full, rotated) = store
+            .rotate(&rec.public_id, Duration::from_secs(60), "carol")
+            .await
+            .unwrap();
+        assert_ne!(new_full, full);
+        assert_eq!(
+            rotated.previous.unwrap().0,
+            rec.secret_hash,
+            "{kind}: old hash kept"
+        );
+        assert!(matches!(
+            store
+                .rotate(&stress.public_id, Duration::from_secs(1), "c")
+                .await,
+            Err(StoreError::AlreadyRevoked(_))
+        ));
+
+        let audit = store.audit_log(None, 100).await.unwrap();
+        let actions: Vec<&str> = audit.iter().rev().map(|e| e.action.as_str()).collect();
+        assert_eq!(actions, ["create", "create", "revoke", "rotate"], "{kind}");
+        assert_eq!(audit[0].actor, "carol");
+        assert_eq!(
+            store
+                .audit_log(Some(&stress.public_id), 10)
+                .await
+                .unwrap()
+                .len(),
+            2
+        );
+        // Append-only: the database itself refuses to rewrite history.
+        let upd = sqlx::query("UPDATE key_audit SET actor = 'mallory'")
+            .execute(store.pool())
+            .await;
+        assert!(upd.is_err(), "{kind}: audit rows must not be updatable");
+        let del = sqlx::query("DELETE FROM key_audit")
+            .execute(store.pool())
+            .await;
+        assert!(del.is_err(), "{kind}: audit rows must not be deletable");
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_authenticate_revoke_refuse_on_both_stores() {
+    for (db, _guard) in stores("revoke_flow").await {
+        let kind = db.kind().as_str();
+        let sim = sim(|_| {}).await;
+        let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+            c.database = db.clone();
+            c.admin = admin_cfg();
+        })
+        .await;
+        let (status, created) = admin(
+            &gw,
+            "POST",
+            "/admin/keys",
+            Some(&token(Role::Admin)),
+            Some(serde_json::json!({"name": "canary", "environment": "gray"})),
+        )
+        .await;
+        assert_eq!(status, 201, "{kind}: {created}");
+        let key = created["key"].as_str().unwrap().to_owned();
+        let id = created["record"]["public_id"].as_str().unwrap().to_owned();
+        assert_eq!(chat(&gw, &key).await.status, 200, "{kind}");
+        // Also as x-api-key.
+        let m = post(
+            &gw.url("/v1/chat/completions"),
+            &[("x-api-key", &key)],
+            chat_body("qwen32b", "hi", 3, true),
+        )
+        .await;
+        assert_eq!(m.status, 200, "{kind}");
+
+        let (status, _) = admin(
+            &gw,
+            "POST",
+            &format!("/admin/keys/{id}/revoke"),
+            Some(&token(Role::Admin)),
+            Some(serde_json::json!({"reason": "leaked in a screenshot"})),
+        )
+        .await;
+        assert_eq!(status, 200, "{kind}");
+        let before = sim.stats().requests.load(Ordering::SeqCst);
+        let m = chat(&gw, &key).await;
+        assert_eq!(m.status, 401, "{kind}: revoked key refused at once");
+        let err = openai_error(&m);
+        assert_eq!(err["code"], "key_revoked");
+        assert!(
+            err["message"]
+                .as_str()
+                .unwrap()
+                .contains("leaked in a screenshot"),
+            "{err}"
+        );
+        assert_eq!(
+            sim.stats().requests.load(Ordering::SeqCst),
+            before,
+            "no upstream call"
+        );
+
+        let (_, audit) = admin(
+            &gw,
+            "GET",
+            &format!("/admin/audit?key={id}"),
+            Some(&token(Role::Viewer)),
+            None,
+        )
+        .await;
+        let actions: Vec<&str> = audit["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["action"].as_str().unwrap())
+            .collect();
+        assert_eq!(actions, ["revoke", "create"], "{kind}");
+        assert_eq!(
+            audit["data"][0]["actor"], "tester",
+            "the JWT subject is audited"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refusal_has_its_own_message_and_never_reaches_a_backend() {
+    let sim = sim(|_| {}).await;
+    let mut prod_only = pool("prod-model", &[sim.url()]);
+    prod_only.environments = Some(vec![Environment::Prod]);
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()]), prod_only], |c| {
+        c.auth.failures_per_minute = 1000;
+    })
+    .await;
+    let store = gw.server.auth.store().clone();
+    let (revoked, r) = store
+        .create(&create(Environment::Stress, "r"), "t")
+        .await
+        .unwrap();
+    store
+        .revoke(&r.public_id, "rotated out by ops", "t")
+        .await
+        .unwrap();
+    let (expired, _) = store
+        .create(
+            &CreateKey {
+                expires_in_seconds: Some(1),
+                ..create(Environment::Stress, "e")
+            },
+            "t",
+        )
+        .await
+        .unwrap();
+    let (limited, _) = store
+        .create(
+            &CreateKey {
+                allowed_models: Some(vec!["other".into()]),
+                ..create(Environment::Prod, "m")
+            },
+            "t",
+        )
+        .await
+        .unwrap();
+    let mut mistyped = gw.key.clone();
+    mistyped.pop();
+    mistyped.push(if gw.key.ends_with('A') { 'B' } else { 'A' });
+    let unknown = fleetgate::auth::key::generate(Environment::Stress, None).full;
+    // Let the expiry pass and the snapshot pick the changes up.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    gw.server.auth.replace_all(store.load_all().await.unwrap());
+
+    let chat_for = |model: &str| chat_body(model, "hi", 3, true);
+    // (case, headers, body, status, code)
+    type Case<'a> = (&'a str, Vec<(&'a str, String)>, Bytes, u16, &'a str);
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "no credentials",
+            vec![("x-no-auth", "1".into())],
+            chat_for("qwen32b"),
+            401,
+            "missing_api_key",
+        ),
+        (
+            "no space",
+            vec![("authorization", format!("Bearer{}", gw.key))],
+            chat_for("qwen32b"),
+            401,
+            "invalid_authorization_header",
+        ),
+        (
+            "quoted",
+            vec![("authorization", format!("Bearer \"{}\"", gw.key))],
+            chat_for("qwen32b"),
+            401,
+            "invalid_authorization_header",
+        ),
+        (
+            "basic",
+            vec![("authorization", "Basic dXNlcjpwYXNz".into())],
+            chat_for("qwen32b"),
+            401,
+            "invalid_authorization_header",
+        ),
+        (
+            "oauth",
+            vec![(
+                "authorization",
+                "Bearer eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ4In0.c2ln".into(),
+            )],
+            chat_for("qwen32b"),
+            401,
+            "oauth_not_supported",
+        ),
+        (
+            "openai key",
+            vec![("authorization", "Bearer sk-proj-abc123".into())],
+            chat_for("qwen32b"),
+            401,
+            "invalid_api_key",
+        ),
+        (
+            "mistyped",
+            vec![("authorization", format!("Bearer {mistyped}"))],
+            chat_for("qwen32b"),
+            401,
+            "invalid_api_key",
+        ),
+        (
+            "truncated",
+            vec![(
+                "authorization",
+                format!("Bearer {}", &gw.key[..gw.key.len() - 3]),
+            )],
+            chat_for("qwen32b"),
+            401,
+            "invalid_api_key",
+        ),
+        (
+            "unknown",
+            vec![("authorization", format!("Bearer {unknown}"))],
+            chat_for("qwen32b"),
+            401,
+            "invalid_api_key",
+        ),
+        (
+            "revoked",
+            vec![("authorization", format!("Bearer {revoked}"))],
+            chat_for("qwen32b"),
+            401,
+            "key_revoked",
+        ),
+        (
+            "expired",
+            vec![("authorization", format!("Bearer {expired}"))],
+            chat_for("qwen32b"),
+            401,
+            "key_expired",
+        ),
+        (
+            "model not allowed",
+            vec![("authorization", format!("Bearer {limited}"))],
+            chat_for("qwen32b"),
+            403,
+            "model_not_allowed",
+        ),
+        (
+            "environment not allowed",
+            vec![],
+            chat_for("prod-model"),
+            403,
+            "environment_not_allowed",
+        ),
+    ];
+    let mut messages = std::collections::HashSet::new();
+    for (name, hdrs, body, status, code) in cases {
+        let hdrs: Vec<(&str, &str)> = hdrs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let m = post(&gw.url("/v1/chat/completions"), &hdrs, body).await;
+        assert_eq!(m.status, status, "{name}: {:?}", m.body);
+        let err = openai_error(&m);
+        assert_eq!(err["code"], code, "{name}: {err}");
+        assert!(
+            !err["message"].as_str().unwrap().contains(&gw.key),
+            "{name}: key echoed"
+        );
+        if status == 401 {
+            assert!(m.headers.contains_key("www-authenticate"), "{name}");
+        }
+        messages.insert(err["message"].as_str().unwrap().to_owned());
+    }
+    // mistyped and truncated share the checksum message; every other cause has its own.
+    assert_eq!(messages.len(), 12);
+    assert_eq!(
+        sim.stats().requests.load(Ordering::SeqCst),
+        0,
+        "a refused request reached a backend"
+    );
+    assert_eq!(gw.server.auth.failure_count("revoked"), 1);
+    assert_eq!(gw.server.auth.failure_count("environment_not_allowed"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_failures_from_one_address_are_slowed_down() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.auth.failures_per_minute = 5;
+    })
+    .await;
+    let bad = fleetgate::auth::key::generate(Environment::Prod, None).full;
+    let mut statuses = Vec::new();
+    for _ in 0..8 {
+        statuses.push(chat(&gw, &bad).await.status);
+    }
+    assert_eq!(&statuses[..5], &[401; 5]);
+    assert!(statuses[5..].iter().all(|s| *s == 429), "{statuses:?}");
+    let m = chat(&gw, &bad).await;
+    assert_eq!(openai_error(&m)["code"], "too_many_auth_failures");
+    assert!(
+        m.headers["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            >= 1
+    );
+    // A valid key from the same address still works: the limit slows guessing only.
+    assert_eq!(chat(&gw, &gw.key).await.status, 200);
+    // The unknown-key lookups that reached the store stayed within the budget.
+    assert!(gw.server.auth.db_lookups() <= 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotation_grace_and_expiry() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.admin = admin_cfg()
+    })
+    .await;
+    let id = fleetgate::auth::key::parse(&gw.key)
+        .unwrap()
+        .public_id
+        .to_owned();
+    let (status, rotated) = admin(
+        &gw,
+        "POST",
+        &format!("/admin/keys/{id}/rotate"),
+        Some(&token(Role::Admin)),
+        Some(serde_json::json!({"grace_seconds": 1})),
+    )
+    .await;
+    assert_eq!(status, 200, "{rotated}");
+    let new_key = rotated["key"].as_str().unwrap().to_owned();
+    assert_eq!(chat(&gw, &new_key).await.status, 200, "new secret works");
+    assert_eq!(
+        chat(&gw, &gw.key).await.status,
+        200,
+        "old secret works during the grace"
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let m = chat(&gw, &gw.key).await;
+    assert_eq!(m.status, 401, "old secret refused after the grace");
+    assert_eq!(openai_error(&m)["code"], "key_rotated");
+    assert_eq!(chat(&gw, &new_key).await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_checks_its_tokens() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.admin = admin_cfg()
+    })
+    .await;
+    let create_body = || Some(serde_json::json!({"name": "x", "environment": "stress"}));
+    let (s, body) = admin(&gw, "GET", "/admin/keys", None, None).await;
+    assert_eq!(s, 401, "{body}");
+    assert_eq!(body["error"]["code"], "invalid_admin_token");
+
+    let expired = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &jwt::Claims {
+            sub: None,
+            role: Role::Admin,
+            exp: 1_000_000,
+            aud: None,
+            iss: None,
+        },
+        &jsonwebtoken::EncodingKey::from_secret(JWT_SECRET.as_bytes()),
+    )
+    .unwrap();
+    let (s, body) = admin(&gw, "GET", "/admin/keys", Some(&expired), None).await;
+    assert_eq!(s, 401);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("expired"),
+        "{body}"
+    );
+
+    let wrong_alg = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS512),
+        &jwt::Claims {
+            sub: None,
+            role: Role::Admin,
+            exp: u64::MAX / 4,
+            aud: None,
+            iss: None,
+        },
+        &jsonwebtoken::EncodingKey::from_secret(JWT_SECRET.as_bytes()),
+    )
+    .unwrap();
+    let (s, body) = admin(&gw, "POST", "/admin/keys", Some(&wrong_alg), create_body()).await;
+    assert_eq!(s, 401);
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("HS256"),
+        "{body}"
+    );
+
+    let viewer = token(Role::Viewer);
+    let (s, list) = admin(&gw, "GET", "/admin/keys", Some(&viewer), None).await;
+    assert_eq!(s, 200);
+    assert_eq!(list["data"].as_array().unwrap().len(), 1);
+    assert!(
+        list.to_string()
+            .find("secret")
+            .is_none_or(|_| !list.to_string().contains(&gw.key))
+    );
+    let (s, body) = admin(&gw, "POST", "/admin/keys", Some(&viewer), create_body()).await;
+    assert_eq!(s, 403, "{body}");
+    let id = list["data"][0]["public_id"].as_str().unwrap();
+    let (s, _) = admin(
+        &gw,
+        "POST",
+        &format!("/admin/keys/{id}/revoke"),
+        Some(&viewer),
+        Some(serde_json::json!({"reason": "x"})),
+    )
+    .await;
+    assert_eq!(s, 403, "a viewer cannot revoke");
+    assert_eq!(chat(&gw, &gw.key).await.status, 200, "still active");
+
+    let (s, body) = admin(
+        &gw,
+        "POST",
+        "/admin/keys",
+        Some(&token(Role::Admin)),
+        Some(serde_json::json!({"name": "x"})),
+    )
+    .await;
+    assert_eq!(s, 400, "environment is required: {body}");
+    let (s, body) = admin(
+        &gw,
+        "POST",
+        "/admin/keys",
+        Some(&token(Role::Admin)),
+        Some(serde_json::json!({"name": "x", "environment": "dev"})),
+    )
+    .await;
+    assert_eq!(s, 400, "{body}");
+    let (s, _) = admin(&gw, "GET", "/admin/keys/nope", Some(&viewer), None).await;
+    assert_eq!(s, 404);
+
+    // Metrics are open on the admin listener and carry the auth counters.
+    let c = client::http_client();
+    let req = http::Request::get(format!("http://{}/metrics", gw.server.admin_addr.unwrap()))
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let text = String::from_utf8(
+        c.request(req)
+            .await
+            .unwrap()
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
+    .unwrap();
+    assert!(text.contains("fleetgate_key_store_up 1"), "{text}");
+    assert!(text.contains("fleetgate_keys_loaded 1"), "{text}");
+    assert!(
+        text.contains("fleetgate_auth_failures_total{reason=\"missing\"}"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_list_shows_only_what_the_key_may_use() {
+    let sim = sim(|_| {}).await;
+    let mut prod_only = pool("prod-model", &[sim.url()]);
+    prod_only.environments = Some(vec![Environment::Prod]);
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()]), prod_only]).await;
+    let c = client::http_client();
+    let req = authed(&gw, "GET", "/v1/models")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(
+        &c.request(req)
+            .await
+            .unwrap()
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes(),
+    )
+    .unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        ["qwen32b"],
+        "a stress key does not see the prod-only pool"
+    );
+}
+
+/// Two gateways on one store: a key created through one works on the other, and a revocation
+/// through one is refused by the other within the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_share_keys_and_revocations() {
+    for (db, _guard) in stores("two_gateways").await {
+        let kind = db.kind().as_str();
+        let sim = sim(|_| {}).await;
+        let a = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+            c.database = db.clone();
+            c.admin = admin_cfg();
+        })
+        .await;
+        let b = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+            c.database = db.clone();
+        })
+        .await;
+        let (s, created) = admin(
+            &a,
+            "POST",
+            "/admin/keys",
+            Some(&token(Role::Admin)),
+            Some(serde_json::json!({"name": "shared", "environment": "prod"})),
+        )
+        .await;
+        assert_eq!(s, 201);
+        let key = created["key"].as_str().unwrap().to_owned();
+        let id = created["record"]["public_id"].as_str().unwrap().to_owned();
+        assert_eq!(
+            chat(&b, &key).await.status,
+            200,
+            "{kind}: a key created on A works on B at once"
+        );
+
+        let (s, _) = admin(
+            &a,
+            "POST",
+            &format!("/admin/keys/{id}/revoke"),
+            Some(&token(Role::Admin)),
+            Some(serde_json::json!({"reason": "emergency"})),
+        )
+        .await;
+        assert_eq!(s, 200);
+        let start = Instant::now();
+        let mut refused = false;
+        while start.elapsed() < Duration::from_secs(5) {
+            if chat(&b, &key).await.status == 401 {
+                refused = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(refused, "{kind}: B still accepts a key revoked on A");
+        eprintln!(
+            "{kind}: revocation on A refused by B after {:?}",
+            start.elapsed()
+        );
+    }
+}
+
+/// A TCP forwarder standing in front of PostgreSQL that the test can cut and restore.
+struct Cuttable {
+    port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Cuttable {
+    async fn start(port: u16, upstream: std::net::SocketAddr) -> Self {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.set_reuseaddr(true).unwrap();
+        sock.bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+            .unwrap();
+        let listener = sock.listen(64).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                conns.spawn(async move {
+                    if let Ok(mut out) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                    }
+                });
+            }
+        });
+        Self { port, task }
+    }
+
+    /// Close the listener and every open connection (aborting the task drops them all).
+    fn cut(self) -> u16 {
+        self.task.abort();
+        self.port
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_outage_keeps_cached_keys_working_and_recovers() {
+    let Some(db) = pg_database("database_outage").await else {
+        return;
+    };
+    let upstream: std::net::SocketAddr = "127.0.0.1:5432".parse().unwrap();
+    let admin_url: http::Uri = pg_admin_url().parse().unwrap();
+    let upstream = match admin_url.port_u16() {
+        Some(p) => std::net::SocketAddr::from(([127, 0, 0, 1], p)),
+        None => upstream,
+    };
+    let proxy = Cuttable::start(0, upstream).await;
+    let via_proxy = db.url.replacen(
+        &format!(":{}/", upstream.port()),
+        &format!(":{}/", proxy.port),
+        1,
+    );
+    assert_ne!(via_proxy, db.url, "the URL goes through the cuttable proxy");
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.database.url = Some(Secret::new(via_proxy.clone()));
+        c.database.connect_timeout = Duration::from_millis(500);
+        c.auth.resync_interval = Duration::from_millis(300);
+    })
+    .await;
+    assert_eq!(chat(&gw, &gw.key).await.status, 200);
+
+    let port = proxy.cut();
+    let auth = gw.server.auth.clone();
+    assert!(
+        eventually(Duration::from_secs(10), || auth.store_health()
+            == fleetgate::auth::StoreHealth::Down)
+        .await,
+        "the outage was never noticed"
+    );
+    assert_eq!(
+        chat(&gw, &gw.key).await.status,
+        200,
+        "cached key still accepted while the store is down"
+    );
+    let c = client::http_client();
+    let req = http::Request::get(gw.url("/readyz"))
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let ready: serde_json::Value = serde_json::from_slice(
+        &c.request(req)
+            .await
+            .unwrap()
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes(),
+    )
+    .unwrap();
+    assert_eq!(ready["key_store"]["state"], "degraded", "{ready}");
+
+    let _proxy = Cuttable::start(port, upstream).await;
+    assert!(
+        eventually(Duration::from_secs(20), || auth.store_health()
+            == fleetgate::auth::StoreHealth::Up)
+        .await,
+        "never recovered after the store came back"
+    );
+    assert_eq!(chat(&gw, &gw.key).await.status, 200);
+    drop(db);
+}
