@@ -36,6 +36,29 @@ mod tempfile_path {
     }
 }
 
+/// A child process killed if the test fails before it is waited for.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl KillOnDrop {
+    fn id(&self) -> u32 {
+        self.0.as_ref().map_or(0, |c| c.id())
+    }
+    fn take(mut self) -> std::process::Child {
+        self.0
+            .take()
+            .unwrap_or_else(|| panic!("child already taken"))
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 #[test]
 fn check_config_accepts_the_example() {
     let out = Command::new(BIN)
@@ -114,13 +137,15 @@ async fn serve_drains_a_stream_on_sigterm() {
     let created: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let key = created["key"].as_str().unwrap().to_owned();
     assert!(key.starts_with("fg-prod-"));
-    let child = Command::new(BIN)
-        .args(["serve", "--config"])
-        .arg(&cfg.0)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = KillOnDrop(Some(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg.0)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
     let base: http::Uri = format!("http://127.0.0.1:{port}/healthz").parse().unwrap();
     let c = fleetgate::client::http_client();
     let mut up = false;
@@ -169,7 +194,7 @@ async fn serve_drains_a_stream_on_sigterm() {
         "usage was not asked for"
     );
     assert_eq!(m.metrics.content_events, 51);
-    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+    let out = tokio::task::spawn_blocking(move || child.take().wait_with_output())
         .await
         .unwrap()
         .unwrap();

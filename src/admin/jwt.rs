@@ -259,6 +259,50 @@ mod tests {
     }
 
     #[test]
+    fn es256_with_a_public_key() {
+        let kp = rcgen::KeyPair::generate().unwrap();
+        let cfg = AdminConfig {
+            jwt_algorithm: JwtAlgorithm::ES256,
+            jwt_key: Some(JwtKey::PublicKeyPem(kp.public_key_pem().into_bytes())),
+            jwt_audience: Some("fleetgate-admin".into()),
+            ..AdminConfig::default()
+        };
+        let v = Verifier::new(&cfg).unwrap();
+        let sign = |aud: &str| {
+            jsonwebtoken::encode(
+                &Header::new(Algorithm::ES256),
+                &Claims {
+                    sub: Some("sso-user".into()),
+                    role: Role::Admin,
+                    exp: u64::MAX / 4,
+                    aud: Some(aud.into()),
+                    iss: None,
+                },
+                &EncodingKey::from_ec_pem(kp.serialize_pem().as_bytes()).unwrap(),
+            )
+            .unwrap()
+        };
+        assert_eq!(
+            v.verify(&sign("fleetgate-admin")).unwrap().sub.as_deref(),
+            Some("sso-user")
+        );
+        assert_eq!(
+            v.verify(&sign("someone-else")).unwrap_err(),
+            JwtError::BadAudience
+        );
+        // An HS256 token is refused by an ES256 verifier, whatever its signature.
+        let hs = mint(&cfg_hs(), Role::Admin, "x", Duration::from_secs(60)).unwrap();
+        assert!(matches!(
+            v.verify(&hs).unwrap_err(),
+            JwtError::WrongAlgorithm { .. }
+        ));
+    }
+
+    fn cfg_hs() -> AdminConfig {
+        cfg("0123456789abcdef0123456789abcdef")
+    }
+
+    #[test]
     fn durations() {
         assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
         assert_eq!(parse_duration("10m").unwrap(), Duration::from_secs(600));

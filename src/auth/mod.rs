@@ -561,6 +561,11 @@ impl Authenticator {
         &self.config
     }
 
+    /// The snapshot's record of a key (no I/O).
+    pub fn cached(&self, public_id: &str) -> Option<Arc<KeyRecord>> {
+        self.snapshot.load().keys.get(public_id).cloned()
+    }
+
     pub fn key_count(&self) -> usize {
         self.snapshot.load().keys.len()
     }

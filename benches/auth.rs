@@ -1,0 +1,243 @@
+//! Key-check cost on the request path and revocation propagation between two gateways.
+//!
+//!   cargo bench --bench auth [-- --keys 10000 --iterations 1000000 --revocations 200]
+//!
+//! Part 1 times `Authenticator::authenticate` (header parse, checksum, snapshot lookup,
+//! SHA-256 and constant-time compare, revocation/expiry checks) with a snapshot of many keys.
+//! Part 2 starts two gateways on one store (PostgreSQL from FLEETGATE_TEST_PG or the local
+//! server, and the embedded SQLite file), revokes keys through one and measures how long the
+//! other takes to refuse them (its snapshot shows the revocation).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "benchmark binary: fail loudly"
+)]
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
+
+use fleetgate::auth::key::{self, Environment};
+use fleetgate::auth::{AuthConfig, Authenticator, KeyRecord};
+use fleetgate::config::{Config, PoolConfig, Secret};
+use fleetgate::server::Server;
+use fleetgate::store::{CreateKey, DatabaseConfig, KeyStore};
+use fleetgate::telemetry::Recorder;
+use http::{HeaderMap, HeaderValue};
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn record(public_id: &str, hash: [u8; 32]) -> KeyRecord {
+    KeyRecord {
+        id: 0,
+        public_id: public_id.into(),
+        name: "bench".into(),
+        environment: Environment::Prod,
+        secret_hash: hash,
+        previous: None,
+        created_at: 0,
+        created_by: "bench".into(),
+        expires_at: Some(i64::MAX),
+        revoked_at: None,
+        revoked_by: None,
+        revoke_reason: None,
+        allowed_models: None,
+        requests_per_minute: None,
+        tokens_per_minute: None,
+        max_concurrent_streams: None,
+        metadata: serde_json::Value::Null,
+        updated_at: 0,
+    }
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+    v[i]
+}
+
+async fn key_check(n_keys: usize, iterations: usize) {
+    let dir = std::env::temp_dir().join(format!("fleetgate-bench-auth-{}", std::process::id()));
+    let db = DatabaseConfig {
+        sqlite_path: dir.join("keys.db"),
+        ..DatabaseConfig::default()
+    };
+    let store = KeyStore::connect(&db).await.unwrap();
+    store.migrate().await.unwrap();
+    let mut keys = Vec::with_capacity(n_keys);
+    let mut texts = Vec::with_capacity(n_keys);
+    for _ in 0..n_keys {
+        let k = key::generate(Environment::Prod, None);
+        keys.push(record(&k.public_id, k.secret_hash));
+        texts.push(k.full);
+    }
+    let registry = prometheus::Registry::new();
+    let auth = Authenticator::new(store, AuthConfig::default(), keys, &registry).unwrap();
+    let headers: Vec<HeaderMap> = texts
+        .iter()
+        .take(1024)
+        .map(|t| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                http::header::AUTHORIZATION,
+                HeaderValue::from_str(&format!("Bearer {t}")).unwrap(),
+            );
+            h
+        })
+        .collect();
+    let peer = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    // Warm up, then time batches to get a distribution of per-check cost.
+    for h in &headers {
+        auth.authenticate(h, peer).await.unwrap();
+    }
+    let batch = 1000;
+    let mut per_check_ns = Vec::new();
+    let start = Instant::now();
+    let mut done = 0;
+    while done < iterations {
+        let t = Instant::now();
+        for i in 0..batch {
+            let h = &headers[(done + i) % headers.len()];
+            std::hint::black_box(auth.authenticate(h, peer).await.unwrap());
+        }
+        per_check_ns.push(t.elapsed().as_nanos() as f64 / batch as f64);
+        done += batch;
+    }
+    let total = start.elapsed();
+    println!("## Key check on the request path ({n_keys} keys in the snapshot)\n");
+    println!("| measure | value |\n|---|---|");
+    println!("| checks | {done} |");
+    println!(
+        "| mean per check | {:.0} ns |",
+        total.as_nanos() as f64 / done as f64
+    );
+    println!(
+        "| p50 of 1000-check batches | {:.0} ns |",
+        pct(&mut per_check_ns, 50.0)
+    );
+    println!(
+        "| p99 of 1000-check batches | {:.0} ns |",
+        pct(&mut per_check_ns, 99.0)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+async fn start_gateway(db: &DatabaseConfig) -> Server {
+    let mut config = Config::with_pools(vec![PoolConfig::new(
+        "m",
+        vec!["http://127.0.0.1:9".parse().unwrap()],
+    )]);
+    config.database = db.clone();
+    config.admin.listen = None;
+    config.server.request_log_events = false;
+    config.server.health_interval = Duration::from_secs(3600);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    Server::start_on(listener, &config, Recorder::new(false))
+        .await
+        .unwrap()
+}
+
+async fn propagation(name: &str, db: DatabaseConfig, n: usize) {
+    let a = start_gateway(&db).await;
+    let b = start_gateway(&db).await;
+    let mut ms = Vec::with_capacity(n);
+    for i in 0..n {
+        let (_, rec) = a
+            .auth
+            .store()
+            .create(
+                &CreateKey {
+                    name: format!("p{i}"),
+                    environment: Some(Environment::Stress),
+                    ..CreateKey::default()
+                },
+                "bench",
+            )
+            .await
+            .unwrap();
+        let id = rec.public_id.to_string();
+        // B must know the key first, so only the revocation is timed.
+        let wait = Instant::now();
+        while b.auth.cached(&id).is_none() {
+            assert!(
+                wait.elapsed() < Duration::from_secs(10),
+                "B never saw the new key"
+            );
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        let t0 = Instant::now();
+        a.auth.store().revoke(&id, "bench", "bench").await.unwrap();
+        while b.auth.cached(&id).is_none_or(|r| r.revoked_at.is_none()) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "B never saw the revocation"
+            );
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        ms.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    let mean = ms.iter().sum::<f64>() / ms.len() as f64;
+    println!(
+        "| {name} | {n} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms |",
+        pct(&mut ms, 50.0),
+        pct(&mut ms, 99.0),
+        ms.last().copied().unwrap_or(0.0),
+        mean
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let n_keys = arg("--keys", 10_000);
+    let iterations = arg("--iterations", 1_000_000);
+    let revocations = arg("--revocations", 200);
+    key_check(n_keys, iterations).await;
+
+    println!("\n## Revocation propagation: revoked through gateway A, refused by gateway B\n");
+    println!("| store | revocations | p50 | p99 | max | mean |\n|---|---|---|---|---|---|");
+    let admin = std::env::var("FLEETGATE_TEST_PG")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    use sqlx::Connection;
+    match sqlx::PgConnection::connect(&admin).await {
+        Ok(mut c) => {
+            let name = format!("fg_bench_{}", std::process::id());
+            sqlx::query(&format!("CREATE DATABASE {name}"))
+                .execute(&mut c)
+                .await
+                .unwrap();
+            let url = format!("{}/{name}", admin.rsplit_once('/').unwrap().0);
+            propagation(
+                "PostgreSQL (LISTEN/NOTIFY)",
+                DatabaseConfig {
+                    url: Some(Secret::new(url)),
+                    ..DatabaseConfig::default()
+                },
+                revocations,
+            )
+            .await;
+            let _ = sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)"))
+                .execute(&mut c)
+                .await;
+        }
+        Err(e) => println!("| PostgreSQL | skipped: {e} | | | | |"),
+    }
+    let dir = std::env::temp_dir().join(format!("fleetgate-bench-prop-{}", std::process::id()));
+    propagation(
+        "SQLite (change counter, 250 ms poll)",
+        DatabaseConfig {
+            sqlite_path: dir.join("keys.db"),
+            ..DatabaseConfig::default()
+        },
+        (revocations / 4).max(10),
+    )
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
