@@ -1,0 +1,324 @@
+#!/usr/bin/env bash
+# Reproduces the hop-cost benchmark of docs/benchmarks.md in one command:
+#   scripts/bench-hop.sh [driver flags...]      e.g. scripts/bench-hop.sh --rounds 500
+#
+# Installs Debian's nginx if it is missing, builds fleetgate in release mode and starts, on
+# 127.0.0.1 only:
+#   - a zero-delay sim (model qwen32b): the main pass, phases 1-2;
+#   - a slow sim (model slow): phase 3, streams that stay open;
+#   - a paced sim (model paced, one token per ~2 ms step): the second pass, phases 1-2 with
+#     tokens arriving one by one (skip with PACED=0);
+#   - fleetgate in front of all three (one pool per model) and nginx in front of all three
+#     (one port per sim).
+# Then it runs the driver (benches/hop.rs), stops everything it started, and leaves the JSON and
+# markdown under bench-out/hop-<UTC time>/ (bench-out/ is git-ignored), also copied to
+# bench-out/hop-latest.{md,json}. The markdown summary is printed at the end. Flags given to the
+# script go to the main pass of the driver.
+#
+# Environment:
+#   GATEWAY_THREADS      tokio worker threads of the gateway (default: tokio's, one per core)
+#   NGINX_WORKERS        nginx worker_processes (default 1, see docs/benchmarks.md)
+#   SIM_FLAGS            timing flags of the main-pass sim (default --zero-delay)
+#   PACED                1 (default) runs the paced pass, 0 skips it
+#   PACED_ARGS           driver flags of the paced pass (default below)
+#   FLEETGATE_BENCH_KEY  API key the driver sends (default: one created in the run's own store)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+RUN_DIR="$ROOT/bench-out/hop-$STAMP"
+NGINX_WORKERS=${NGINX_WORKERS:-1}
+SIM_FLAGS=${SIM_FLAGS:---zero-delay}
+PACED=${PACED:-1}
+# 150 rounds of ~135 ms streams at concurrency 1 take about a minute per pass.
+PACED_ARGS=${PACED_ARGS:---rounds 150 --warmup-rounds 10 --slice-secs 3}
+BIN="$ROOT/target/release/fleetgate"
+
+log() { echo "bench-hop: $*" >&2; }
+die() {
+    log "$*"
+    exit 1
+}
+
+# 5000 streams need ~10000 sockets in a proxy (client side + upstream side) and 5000 in the
+# driver and the sim; every process started below inherits this limit: 65536 where the hard
+# limit allows it, else the hard limit.
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+NOFILE=$(ulimit -n)
+[ "$NOFILE" -ge 12000 ] || die "open-file limit $NOFILE is too low for 5000 streams (need >= 12000)"
+
+# --- nginx ------------------------------------------------------------------------------------
+find_nginx() { command -v nginx 2>/dev/null || { [ -x /usr/sbin/nginx ] && echo /usr/sbin/nginx; } || true; }
+NGINX_BIN=$(find_nginx)
+if [ -z "$NGINX_BIN" ]; then
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO=sudo
+    log "installing Debian's nginx"
+    $SUDO apt-get update -q
+    # RUNLEVEL=1 keeps the package's init script from starting a system nginx on port 80.
+    $SUDO env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light ||
+        $SUDO env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx
+    NGINX_BIN=$(find_nginx)
+    [ -n "$NGINX_BIN" ] || die "nginx is still missing after apt-get install"
+fi
+
+# --- build ------------------------------------------------------------------------------------
+log "building (release)"
+cargo build --release -q
+cargo bench --bench hop --no-run -q 2>/dev/null || cargo bench --bench hop --no-run
+
+# --- processes --------------------------------------------------------------------------------
+TMP=$(mktemp -d /tmp/bench-hop.XXXXXX)
+mkdir -p "$RUN_DIR" "$TMP/nginx"
+STARTED=()
+
+cleanup() {
+    local pid alive
+    for pid in "${STARTED[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for _ in $(seq 1 50); do
+        alive=0
+        for pid in "${STARTED[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && break
+        sleep 0.1
+    done
+    for pid in "${STARTED[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+    mkdir -p "$RUN_DIR/logs"
+    cp "$TMP"/*.log "$TMP"/*.toml "$TMP"/nginx/*.conf "$TMP"/nginx/*.log "$RUN_DIR/logs/" 2>/dev/null || true
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# The URL a process logs once it listens ("... listening url=http://127.0.0.1:PORT"), waited
+# for at most 10 s.
+wait_url() {
+    local file=$1 pid=$2 name=$3 url
+    for _ in $(seq 1 100); do
+        url=$(grep listening "$file" 2>/dev/null | grep -oE 'http://127\.0\.0\.1:[0-9]+' | head -n1 || true)
+        if [ -n "$url" ]; then
+            echo "$url"
+            return 0
+        fi
+        kill -0 "$pid" 2>/dev/null || { cat "$file" >&2; die "$name exited during start"; }
+        sleep 0.1
+    done
+    cat "$file" >&2
+    die "$name did not report its address within 10 s"
+}
+
+# A free port on 127.0.0.1 for nginx (which cannot bind port 0 and report it), distinct from
+# the ones already handed out.
+TAKEN=" "
+free_port() {
+    local p
+    for _ in $(seq 1 200); do
+        p=$((20000 + RANDOM % 40000))
+        case "$TAKEN" in *" $p "*) continue ;; esac
+        if [ -z "$(ss -Hltn "sport = :$p" 2>/dev/null)" ]; then
+            TAKEN="$TAKEN$p "
+            echo "$p"
+            return 0
+        fi
+    done
+    die "no free port found"
+}
+
+# Bounded readiness check over HTTP.
+wait_http() {
+    local url=$1 name=$2
+    for _ in $(seq 1 100); do
+        curl -sf -o /dev/null "$url" && return 0
+        sleep 0.1
+    done
+    die "$name did not answer $url within 10 s"
+}
+
+# start_sim NAME MODEL FLAGS...: starts a sim on a free port; sets SIM_STARTED_PID/URL.
+start_sim() {
+    local name=$1 model=$2
+    shift 2
+    "$BIN" sim --host 127.0.0.1 --port 0 --served-model-name "$model" "$@" >"$TMP/$name.log" 2>&1 &
+    SIM_STARTED_PID=$!
+    STARTED+=("$SIM_STARTED_PID")
+    SIM_STARTED_URL=$(wait_url "$TMP/$name.log" "$SIM_STARTED_PID" "$name")
+}
+
+export NO_COLOR=1 RUST_LOG=${RUST_LOG:-info}
+
+log "starting the sims"
+# shellcheck disable=SC2086 # SIM_FLAGS is a list of flags
+start_sim sim qwen32b $SIM_FLAGS
+SIM_PID=$SIM_STARTED_PID SIM_URL=$SIM_STARTED_URL
+# Slow tokens so that streams stay open: one step every 200 ms for every running sequence, no
+# per-sequence slowdown, room for all 5000 in the batch.
+start_sim sim-slow slow --decode-step-ms 200 --decode-ms-per-seq 0 --prefill-us-per-token 0 \
+    --max-num-seqs 10000 --max-num-batched-tokens 20000
+SLOW_URL=$SIM_STARTED_URL
+if [ "$PACED" = 1 ]; then
+    # One token per scheduler step of 1 ms (about 2 ms with the timer's granularity): every
+    # SSE frame arrives in its own read, as from a real server. Room for the ~60 streams that
+    # 400 req/s keeps open, so the sim never queues.
+    start_sim sim-paced paced --decode-step-ms 1 --decode-ms-per-seq 0 --prefill-us-per-token 0 \
+        --max-num-seqs 256
+    PACED_PID=$SIM_STARTED_PID PACED_URL=$SIM_STARTED_URL
+else
+    PACED_PID="" PACED_URL=$SIM_URL
+fi
+
+cat >"$TMP/fleetgate.toml" <<EOF
+[server]
+listen = "127.0.0.1:0"
+log_format = "text"
+request_log_events = false
+shutdown_grace_seconds = 1
+health_interval_ms = 5000
+
+# A throw-away key store for this run; no admin listener (its default port is fixed).
+[database]
+sqlite_path = "$TMP/fleetgate.db"
+
+[admin]
+listen = ""
+
+[[pools]]
+model = "qwen32b"
+backends = ["$SIM_URL"]
+
+[[pools]]
+model = "slow"
+backends = ["$SLOW_URL"]
+
+[[pools]]
+model = "paced"
+backends = ["$PACED_URL"]
+EOF
+
+# One key for the driver, sent to every target alike (the sim and nginx ignore it).
+if [ -z "${FLEETGATE_BENCH_KEY:-}" ]; then
+    FLEETGATE_BENCH_KEY=$("$BIN" keys --config "$TMP/fleetgate.toml" create --env prod --name hop-bench --json 2>"$TMP/keys.log" |
+        grep -oE '"key": *"[^"]+"' | head -n1 | sed -E 's/.*"key": *"([^"]+)"/\1/' || true)
+    [ -n "$FLEETGATE_BENCH_KEY" ] || { cat "$TMP/keys.log" >&2; die "could not create an API key"; }
+fi
+export FLEETGATE_BENCH_KEY
+
+log "starting fleetgate"
+if [ -n "${GATEWAY_THREADS:-}" ]; then
+    TOKIO_WORKER_THREADS=$GATEWAY_THREADS "$BIN" serve --config "$TMP/fleetgate.toml" >"$TMP/fleetgate.log" 2>&1 &
+else
+    "$BIN" serve --config "$TMP/fleetgate.toml" >"$TMP/fleetgate.log" 2>&1 &
+fi
+GW_PID=$!
+STARTED+=("$GW_PID")
+GW_URL=$(wait_url "$TMP/fleetgate.log" "$GW_PID" "fleetgate")
+wait_http "$GW_URL/healthz" fleetgate
+
+NGINX_PORT=$(free_port)
+NGINX_SLOW_PORT=$(free_port)
+NGINX_PACED_PORT=$(free_port)
+N="$TMP/nginx"
+nginx_server() { # port upstream
+    cat <<EOF
+    server {
+        listen 127.0.0.1:$1;
+        location / {
+            proxy_pass http://$2;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }
+    }
+EOF
+}
+nginx_upstream() { # name url
+    cat <<EOF
+    upstream $1 {
+        server ${2#http://};
+        keepalive 256;
+        keepalive_requests 1000000;
+    }
+EOF
+}
+cat >"$N/nginx.conf" <<EOF
+# Generated by scripts/bench-hop.sh: nginx as a plain streaming reverse proxy in front of the
+# same sims, the floor for what a hop costs.
+worker_processes $NGINX_WORKERS;
+worker_rlimit_nofile $NOFILE;
+daemon off;
+master_process on;
+pid $N/nginx.pid;
+error_log $N/error.log warn;
+
+events {
+    worker_connections $((NOFILE - 64));
+}
+
+http {
+    access_log off;
+    client_body_temp_path $N/client_body;
+    proxy_temp_path $N/proxy;
+    tcp_nodelay on;
+    keepalive_timeout 75s;
+    # Like hyper, never close a keep-alive connection after a fixed number of requests.
+    keepalive_requests 1000000;
+
+$(nginx_upstream sim "$SIM_URL")
+$(nginx_upstream slow "$SLOW_URL")
+$(nginx_upstream paced "$PACED_URL")
+$(nginx_server "$NGINX_PORT" sim)
+$(nginx_server "$NGINX_SLOW_PORT" slow)
+$(nginx_server "$NGINX_PACED_PORT" paced)
+}
+EOF
+
+log "starting nginx"
+"$NGINX_BIN" -p "$N/" -c "$N/nginx.conf" -e "$N/error.log" >"$TMP/nginx.log" 2>&1 &
+NGINX_PID=$!
+STARTED+=("$NGINX_PID")
+NGINX_WORKER_PIDS=""
+for _ in $(seq 1 100); do
+    NGINX_WORKER_PIDS=$(pgrep -P "$NGINX_PID" | paste -sd, - || true)
+    [ "$(echo "$NGINX_WORKER_PIDS" | tr ',' '\n' | grep -c .)" -ge "$NGINX_WORKERS" ] && break
+    kill -0 "$NGINX_PID" 2>/dev/null || { cat "$TMP/nginx.log" "$N/error.log" >&2 || true; die "nginx exited during start"; }
+    sleep 0.1
+done
+[ -n "$NGINX_WORKER_PIDS" ] || die "nginx started no worker within 10 s"
+NGINX_URL="http://127.0.0.1:$NGINX_PORT"
+NGINX_SLOW_URL="http://127.0.0.1:$NGINX_SLOW_PORT"
+NGINX_PACED_URL="http://127.0.0.1:$NGINX_PACED_PORT"
+for u in "$NGINX_URL" "$NGINX_SLOW_URL" "$NGINX_PACED_URL"; do wait_http "$u/health" nginx; done
+
+# --- run --------------------------------------------------------------------------------------
+CPU_MODEL=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
+{
+    echo "# fleetgate hop benchmark, $STAMP"
+    echo
+    echo "- machine: $(nproc) CPUs, $CPU_MODEL, kernel $(uname -r); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "- fleetgate $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (+ uncommitted changes)'), $(rustc -V)"
+    echo "- $("$NGINX_BIN" -v 2>&1), worker_processes $NGINX_WORKERS; gateway tokio worker threads: ${GATEWAY_THREADS:-default ($(nproc))}"
+    echo "- open-file limit (ulimit -n) of every process: $NOFILE"
+    echo "- command: scripts/bench-hop.sh $*"
+    echo
+} >"$RUN_DIR/summary.md"
+
+COMMON=(--fleetgate "$GW_URL" --gateway-pid "$GW_PID" --nginx-pids "$NGINX_WORKER_PIDS")
+
+log "main pass (sim: $SIM_FLAGS; pids: gateway $GW_PID, nginx workers $NGINX_WORKER_PIDS, sim $SIM_PID)"
+cargo bench -q --bench hop -- "${COMMON[@]}" \
+    --label "sim $SIM_FLAGS" --direct "$SIM_URL" --nginx "$NGINX_URL" --model qwen32b --sim-pid "$SIM_PID" \
+    --mem-fleetgate "$GW_URL" --mem-nginx "$NGINX_SLOW_URL" --mem-model slow \
+    --out "$RUN_DIR/hop.json" "$@" >>"$RUN_DIR/summary.md"
+
+if [ "$PACED" = 1 ]; then
+    log "paced pass (tokens one by one)"
+    # shellcheck disable=SC2086 # PACED_ARGS is a list of flags
+    cargo bench -q --bench hop -- "${COMMON[@]}" \
+        --label "paced sim (one token per ~2 ms step)" --direct "$PACED_URL" --nginx "$NGINX_PACED_URL" \
+        --model paced --sim-pid "$PACED_PID" --phases latency,openloop --no-targets \
+        --out "$RUN_DIR/hop-paced.json" $PACED_ARGS >>"$RUN_DIR/summary.md"
+fi
+
+cp "$RUN_DIR/summary.md" "$ROOT/bench-out/hop-latest.md"
+for f in "$RUN_DIR"/hop*.json; do cp "$f" "$ROOT/bench-out/$(basename "$f" .json)-latest.json"; done
+cat "$RUN_DIR/summary.md"
+log "results in ${RUN_DIR#"$ROOT"/}/ (and bench-out/hop-latest.md, hop-latest.json, hop-paced-latest.json)"
