@@ -134,6 +134,8 @@ pub struct ServerConfig {
     pub request_log_events: bool,
     /// How often backends are probed for `/readyz`.
     pub health_interval: Duration,
+    /// Request-path worker threads, each with its own event loop (0: one per CPU core).
+    pub workers: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -193,6 +195,7 @@ impl Default for ServerConfig {
             log_format: LogFormat::Text,
             request_log_events: true,
             health_interval: Duration::from_secs(5),
+            workers: 0,
         }
     }
 }
@@ -348,6 +351,8 @@ struct RawServer {
     request_log_events: bool,
     #[serde(default = "default_health_interval")]
     health_interval_ms: u64,
+    #[serde(default)]
+    workers: usize,
 }
 
 impl Default for RawServer {
@@ -360,6 +365,7 @@ impl Default for RawServer {
             log_format: LogFormat::Text,
             request_log_events: true,
             health_interval_ms: default_health_interval(),
+            workers: 0,
         }
     }
 }
@@ -530,6 +536,7 @@ impl RawConfig {
             log_format: s.log_format,
             request_log_events: s.request_log_events,
             health_interval: Duration::from_millis(s.health_interval_ms),
+            workers: s.workers,
         };
 
         if self.pools.is_empty() {

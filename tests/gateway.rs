@@ -417,3 +417,35 @@ fn tempdir() -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("temp dir: {e}"));
     dir
 }
+
+/// Frames that arrive apart leave apart: the relay never holds one back for the next. With a
+/// token every 15 ms, each content event reaches the client in its own read, as directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paced_tokens_are_relayed_one_by_one() {
+    let sim = sim(|a| a.decode_step_ms = 15.0).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let c = client::http_client();
+    let req = authed(&gw, "POST", "/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(stream_body(12)))
+        .unwrap();
+    let mut body = c.request(req).await.unwrap().into_body();
+    let mut reads_with_content = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            let n = data.windows(11).filter(|w| *w == b"\"choices\":[").count()
+                - data.windows(12).filter(|w| *w == b"\"choices\":[]").count();
+            if n > 0 {
+                reads_with_content.push(n);
+            }
+        }
+    }
+    // 13 content events (role + 12 tokens). On a loaded machine two may share a read now and
+    // then; merging by the relay would put many together.
+    let total: usize = reads_with_content.iter().sum();
+    assert_eq!(total, 13, "{reads_with_content:?}");
+    assert!(
+        reads_with_content.iter().filter(|n| **n == 1).count() >= 9,
+        "frames were merged: {reads_with_content:?}"
+    );
+}

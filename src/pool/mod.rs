@@ -102,6 +102,7 @@ pub struct Pool {
     pub client: UpstreamClient,
     /// Environments whose keys may use this pool (`None`: all).
     pub environments: Option<Vec<crate::auth::key::Environment>>,
+    config: PoolConfig,
 }
 
 impl Pool {
@@ -138,6 +139,7 @@ impl Pool {
             backends,
             client: build_client(cfg)?,
             environments: cfg.environments.clone(),
+            config: cfg.clone(),
         })
     }
 
@@ -270,6 +272,34 @@ impl Pools {
             serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
                 .unwrap_or_default(),
         )
+    }
+
+    /// The same pools and backends (shared in-flight counts and reachability) with upstream
+    /// clients of their own: each worker thread uses its own, so an upstream connection's task
+    /// always runs on the thread that relays its body.
+    pub fn fork(&self) -> io::Result<Self> {
+        let pools = self
+            .pools
+            .iter()
+            .map(|p| {
+                Ok(Pool {
+                    model: p.model.clone(),
+                    rename_json: p.rename_json.clone(),
+                    upstream_auth: p.upstream_auth.clone(),
+                    timeouts: p.timeouts,
+                    backends: p.backends.clone(),
+                    client: build_client(&p.config)?,
+                    environments: p.environments.clone(),
+                    config: p.config.clone(),
+                })
+            })
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok(Self {
+            pools,
+            by_model: self.by_model.clone(),
+            model_list: self.model_list.clone(),
+            models_body: self.models_body.clone(),
+        })
     }
 
     pub fn get(&self, model: &str) -> Option<&Pool> {

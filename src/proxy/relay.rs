@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use pin_project_lite::pin_project;
@@ -78,6 +78,8 @@ enum State {
     Relaying,
     /// A failure after the stream started: the error event still to send.
     Closing(Bytes),
+    /// Upstream trailers, passed on after the data before them.
+    Trailers(http::HeaderMap),
     Ended,
 }
 
@@ -93,6 +95,8 @@ pin_project! {
         sent_at: Instant,
         last_read: Instant,
         timeouts: Timeouts,
+        ready: Ready,
+        yielded: u8,
         // Declared before `record` so the slot is released before the request is recorded.
         slot: InFlight,
         record: RequestRecord,
@@ -120,6 +124,8 @@ impl RelayBody {
             sent_at,
             last_read: now,
             timeouts,
+            ready: Ready::default(),
+            yielded: 0,
             slot,
             record,
         }
@@ -199,34 +205,63 @@ impl Body for RelayBody {
             match std::mem::replace(this.state, State::Ended) {
                 State::Ended => return Poll::Ready(None),
                 State::Closing(tail) => {
+                    // Frames read before the failure go first, in the same write.
+                    let out = match this.ready.take() {
+                        Some(held) => {
+                            let mut both = BytesMut::with_capacity(held.len() + tail.len());
+                            both.extend_from_slice(&held);
+                            both.extend_from_slice(&tail);
+                            both.freeze()
+                        }
+                        None => tail,
+                    };
                     this.record.timeline.done = Some(Instant::now());
-                    return Poll::Ready(Some(Ok(Frame::data(tail))));
+                    return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
+                State::Trailers(t) => return Poll::Ready(Some(Ok(Frame::trailers(t)))),
                 State::Relaying => *this.state = State::Relaying,
             }
             match this.upstream.poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     let now = Instant::now();
                     *this.last_read = now;
-                    if *this.sse
-                        && let Some(data) = frame.data_ref()
-                    {
+                    let data = match frame.into_data() {
+                        Ok(data) => data,
+                        Err(frame) => {
+                            // Trailers: after whatever was read before them.
+                            if let Ok(t) = frame.into_trailers() {
+                                *this.state = State::Trailers(t);
+                            }
+                            if !this.ready.is_empty() {
+                                return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
+                            }
+                            continue;
+                        }
+                    };
+                    if *this.sse {
                         let tl = &mut this.record.timeline;
                         let at = now.saturating_duration_since(tl.received);
                         let stream = &mut tl.stream;
                         let first_before = stream.first_content.is_some();
                         this.scanner
-                            .feed(data, |line| stream.on_data(line.kind, line.payload, at));
+                            .feed(&data, |line| stream.on_data(line.kind, line.payload, at));
                         if !first_before && stream.first_content.is_some() {
                             tl.upstream_first_token = Some(now);
-                            // Handed on right now, in this same frame.
-                            tl.client_first_token = Some(Instant::now());
                         }
                         if stream.error && this.record.error.is_none() {
                             this.record.error = Some(ErrorKind::UpstreamStreamError);
                         }
                     }
-                    return Poll::Ready(Some(Ok(frame)));
+                    // Something new came in this turn: the upstream connection may have more.
+                    *this.yielded = 0;
+                    let full = !this.ready.push(data);
+                    // Up to the first token every frame leaves at once: TTFT is never traded
+                    // for fewer writes. After it, frames already read are gathered.
+                    let first_token_unsent = this.record.timeline.client_first_token.is_none();
+                    if full || first_token_unsent {
+                        return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
+                    }
+                    continue;
                 }
                 Poll::Ready(None) => {
                     let now = Instant::now();
@@ -242,13 +277,24 @@ impl Body for RelayBody {
                                 "Backend {} closed the stream before `data: [DONE]`; the response is incomplete.",
                                 this.slot.backend().base
                             );
-                            *this.state =
-                                State::Closing(error_tail(false, &msg, "upstream_stream_cut"));
+                            *this.state = State::Closing(error_tail(
+                                this.scanner.has_partial_line(),
+                                &msg,
+                                "upstream_stream_cut",
+                            ));
                             continue;
                         }
                     }
-                    this.record.timeline.done = Some(now);
-                    return Poll::Ready(None);
+                    if this.ready.is_empty() {
+                        this.record.timeline.done = Some(now);
+                        return Poll::Ready(None);
+                    }
+                    // Deliver what was read; the next poll ends the body.
+                    let out = self.as_mut().deliver();
+                    let this = self.as_mut().project();
+                    *this.state = State::Ended;
+                    this.record.timeline.done = Some(Instant::now());
+                    return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
                 Poll::Ready(Some(Err(e))) => {
                     this.record.error = Some(ErrorKind::UpstreamStreamError);
@@ -265,7 +311,21 @@ impl Body for RelayBody {
                     this.record.timeline.done = Some(Instant::now());
                     return Poll::Ready(Some(Err(std::io::Error::other(msg))));
                 }
-                Poll::Pending => {}
+                Poll::Pending => {
+                    if !this.ready.is_empty() {
+                        // Nothing more right now. Give the upstream connection a few scheduler
+                        // turns to hand over frames it has already read (they then leave in
+                        // this same write); if they bring nothing, write what we have. No
+                        // syscall and no timer: nothing is ever held waiting for bytes that
+                        // have not arrived.
+                        if *this.yielded < GATHER_TURNS {
+                            *this.yielded += 1;
+                            cx.waker().wake_by_ref();
+                            return Poll::Pending;
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
+                    }
+                }
             }
             // Upstream has nothing now: is a timeout due?
             ready!(self.as_mut().project().timer.poll(cx));
@@ -302,14 +362,82 @@ impl Body for RelayBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        matches!(self.state, State::Ended)
+        matches!(self.state, State::Ended) && self.ready.is_empty()
     }
 
     fn size_hint(&self) -> SizeHint {
         match self.state {
-            State::Relaying if !self.sse => self.upstream.size_hint(),
+            State::Relaying if !self.sse && self.ready.is_empty() => self.upstream.size_hint(),
             _ => SizeHint::default(),
         }
+    }
+}
+
+impl RelayBody {
+    /// Hand the gathered frames to the client connection, stamping the first token.
+    fn deliver(self: Pin<&mut Self>) -> Bytes {
+        let this = self.project();
+        *this.yielded = 0;
+        let out = this.ready.take().unwrap_or_default();
+        let tl = &mut this.record.timeline;
+        if tl.client_first_token.is_none() && tl.upstream_first_token.is_some() {
+            tl.client_first_token = Some(Instant::now());
+        }
+        out
+    }
+}
+
+/// Frames read from upstream and not yet handed on. One frame is kept as it came (no copy);
+/// frames that arrive while it waits for its write are appended behind it.
+#[derive(Default)]
+struct Ready {
+    first: Option<Bytes>,
+    more: Option<BytesMut>,
+}
+
+/// Scheduler turns given to the upstream connection task to hand over frames it has already
+/// read, before what was gathered is written. hyper's client needs two turns per frame (one
+/// to see the body was taken, one to decode and send the next); one more is margin.
+const GATHER_TURNS: u8 = 3;
+
+/// Most bytes gathered for one write; past it they go at once.
+const MAX_GATHER: usize = 32 * 1024;
+
+impl Ready {
+    fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
+    /// Add a frame; false when enough is gathered to write now.
+    fn push(&mut self, data: Bytes) -> bool {
+        match (&self.first, &mut self.more) {
+            (None, _) => self.first = Some(data),
+            (Some(first), None) => {
+                let mut buf = BytesMut::with_capacity((first.len() + data.len()) * 4);
+                buf.extend_from_slice(first);
+                buf.extend_from_slice(&data);
+                self.more = Some(buf);
+            }
+            (Some(_), Some(buf)) => buf.extend_from_slice(&data),
+        }
+        self.len() < MAX_GATHER
+    }
+
+    fn len(&self) -> usize {
+        match (&self.first, &self.more) {
+            (_, Some(b)) => b.len(),
+            (Some(f), None) => f.len(),
+            (None, None) => 0,
+        }
+    }
+
+    /// Everything gathered, leaving it empty. A single frame is the upstream's own `Bytes`.
+    fn take(&mut self) -> Option<Bytes> {
+        let first = self.first.take()?;
+        Some(match self.more.take() {
+            Some(b) => b.freeze(),
+            None => first,
+        })
     }
 }
 

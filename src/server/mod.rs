@@ -207,6 +207,7 @@ pub struct Server {
     pub registry: prometheus::Registry,
     shutdown: CancellationToken,
     tasks: TaskTracker,
+    workers: Vec<tokio::sync::oneshot::Receiver<()>>,
 }
 
 impl Server {
@@ -251,14 +252,8 @@ impl Server {
             keys,
             &registry,
         )?);
-        let state = Arc::new(AppState {
-            proxy: ProxyState {
-                pools: Arc::new(Pools::new(&config.pools)?),
-                max_body_bytes: config.server.max_body_bytes,
-                recorder: Arc::new(recorder),
-                auth: auth.clone(),
-            },
-        });
+        let pools = Arc::new(Pools::new(&config.pools)?);
+        let recorder = Arc::new(recorder);
         let tls = match &config.server.tls {
             Some(t) => Some(tls::acceptor(&t.cert, &t.key)?),
             None => None,
@@ -280,8 +275,7 @@ impl Server {
         let shutdown = CancellationToken::new();
         let tasks = TaskTracker::new();
         tasks.spawn(
-            state
-                .pools()
+            pools
                 .clone()
                 .probe_loop(config.server.health_interval, shutdown.child_token()),
         );
@@ -303,13 +297,52 @@ impl Server {
             ));
         }
         let is_tls = tls.is_some();
-        tasks.spawn(accept_loop(
-            listener,
-            tls,
-            shutdown.clone(),
-            grace,
-            move |req, peer| route(state.clone(), req, peer),
-        ));
+        // The request path runs on worker threads, each with its own single-threaded event
+        // loop, accepting from the same listening socket: a request, its upstream connection
+        // and its relay stay on one thread, so no frame crosses threads (the way nginx workers
+        // run). Backends' in-flight counts and the key snapshot are shared.
+        let workers = match config.server.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let std_listener = listener.into_std()?;
+        let mut worker_done = Vec::with_capacity(workers);
+        for i in 0..workers {
+            let state = Arc::new(AppState {
+                proxy: ProxyState {
+                    pools: Arc::new(pools.fork()?),
+                    max_body_bytes: config.server.max_body_bytes,
+                    recorder: recorder.clone(),
+                    auth: auth.clone(),
+                },
+            });
+            let sock = std_listener.try_clone()?;
+            let tls = tls.clone();
+            let stop = shutdown.clone();
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            std::thread::Builder::new()
+                .name(format!("fleetgate-worker-{i}"))
+                .spawn(move || {
+                    runtime.block_on(async move {
+                        match TcpListener::from_std(sock) {
+                            Ok(listener) => {
+                                accept_loop(listener, tls, stop, grace, move |req, peer| {
+                                    route(state.clone(), req, peer)
+                                })
+                                .await
+                            }
+                            Err(e) => tracing::error!(error = %e, "worker cannot use the listener"),
+                        }
+                    });
+                    // The runtime (and any connection still open past the grace) ends here.
+                    drop(runtime);
+                    let _ = done_tx.send(());
+                })?;
+            worker_done.push(done_rx);
+        }
         tasks.close();
         Ok(Server {
             local_addr,
@@ -319,6 +352,7 @@ impl Server {
             registry,
             shutdown,
             tasks,
+            workers: worker_done,
         })
     }
 
@@ -328,14 +362,24 @@ impl Server {
     }
 
     /// Stop accepting, let in-flight streams finish within the grace period, then return.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         self.shutdown.cancel();
+        for done in std::mem::take(&mut self.workers) {
+            let _ = done.await;
+        }
         self.tasks.wait().await;
     }
 
     /// Resolves when shutdown has been requested.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
+    }
+}
+
+impl Drop for Server {
+    /// A server dropped without `shutdown` still stops: its worker threads drain and exit.
+    fn drop(&mut self) {
+        self.shutdown.cancel();
     }
 }
 
