@@ -16,7 +16,9 @@
 # script go to the main pass of the driver.
 #
 # Environment:
-#   GATEWAY_THREADS      tokio worker threads of the gateway (default: tokio's, one per core)
+#   GATEWAY_WORKERS      request-path worker threads of the gateway (server.workers; default 0 =
+#                        one per core)
+#   GATEWAY_THREADS      tokio worker threads of the gateway's control plane (default: tokio's)
 #   NGINX_WORKERS        nginx worker_processes (default 1, see docs/benchmarks.md)
 #   SIM_FLAGS            timing flags of the main-pass sim (default --zero-delay)
 #   PACED                1 (default) runs the paced pass, 0 skips it
@@ -173,6 +175,7 @@ log_format = "text"
 request_log_events = false
 shutdown_grace_seconds = 1
 health_interval_ms = 5000
+workers = ${GATEWAY_WORKERS:-0}
 
 # A throw-away key store for this run; no admin listener (its default port is fixed).
 [database]
@@ -295,7 +298,7 @@ CPU_MODEL=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
     echo
     echo "- machine: $(nproc) CPUs, $CPU_MODEL, kernel $(uname -r); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "- fleetgate $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (+ uncommitted changes)'), $(rustc -V)"
-    echo "- $("$NGINX_BIN" -v 2>&1), worker_processes $NGINX_WORKERS; gateway tokio worker threads: ${GATEWAY_THREADS:-default ($(nproc))}"
+    echo "- $("$NGINX_BIN" -v 2>&1), worker_processes $NGINX_WORKERS; gateway workers: ${GATEWAY_WORKERS:-default ($(nproc))}"
     echo "- open-file limit (ulimit -n) of every process: $NOFILE"
     echo "- command: scripts/bench-hop.sh $*"
     echo

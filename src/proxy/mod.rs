@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, Full, Limited};
@@ -138,12 +139,27 @@ pub async fn forward(
             record.status = head.status.as_u16();
             record.timeline.client_first_byte = Some(Instant::now());
             let RelayParts {
-                upstream,
+                mut upstream,
                 sse,
                 timeouts,
                 slot,
             } = relay_parts;
-            let relay = RelayBody::new(upstream, sse, timeouts, slot, record);
+            // When the first frame came in the same read as the head, send them together:
+            // a few scheduler turns for the upstream connection to hand it over, no waiting.
+            let mut first = None;
+            if sse {
+                for _ in 0..relay::GATHER_TURNS {
+                    match upstream.frame().now_or_never() {
+                        Some(Some(Ok(frame))) => {
+                            first = frame.into_data().ok();
+                            break;
+                        }
+                        Some(_) => break,
+                        None => tokio::task::yield_now().await,
+                    }
+                }
+            }
+            let relay = RelayBody::new(upstream, sse, timeouts, slot, record, first);
             Response::from_parts(head, GatewayBody::relay(relay))
         }
         Ok(Forwarded::Full(resp)) => {

@@ -110,21 +110,41 @@ impl RelayBody {
         sse: bool,
         timeouts: Timeouts,
         slot: InFlight,
-        record: RequestRecord,
+        mut record: RequestRecord,
+        first: Option<Bytes>,
     ) -> Self {
         let now = Instant::now();
         let sent_at = record.timeline.upstream_sent.unwrap_or(now);
-        let deadline = deadline(sent_at, now, sse, false, &timeouts);
+        let mut scanner = SseScanner::new();
+        let mut ready = Ready::default();
+        if let Some(data) = first {
+            // A frame read together with the head: account for it as if just relayed.
+            if sse {
+                let tl = &mut record.timeline;
+                let at = now.saturating_duration_since(tl.received);
+                let stream = &mut tl.stream;
+                scanner.feed(&data, |line| stream.on_data(line.kind, line.payload, at));
+                if stream.first_content.is_some() {
+                    tl.upstream_first_token = Some(now);
+                }
+                if stream.error {
+                    record.error = Some(ErrorKind::UpstreamStreamError);
+                }
+            }
+            ready.push(data);
+        }
+        let first_token = record.timeline.upstream_first_token.is_some();
+        let deadline = deadline(sent_at, now, sse, first_token, &timeouts);
         Self {
             upstream,
             timer: tokio::time::sleep_until(deadline.into()),
             sse,
-            scanner: SseScanner::new(),
+            scanner,
             state: State::Relaying,
             sent_at,
             last_read: now,
             timeouts,
-            ready: Ready::default(),
+            ready,
             yielded: 0,
             slot,
             record,
@@ -220,6 +240,10 @@ impl Body for RelayBody {
                 }
                 State::Trailers(t) => return Poll::Ready(Some(Ok(Frame::trailers(t)))),
                 State::Relaying => *this.state = State::Relaying,
+            }
+            if !this.ready.is_empty() && this.record.timeline.client_first_token.is_none() {
+                // A frame read with the head: it goes out with the head.
+                return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
             }
             match this.upstream.poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
@@ -398,7 +422,7 @@ struct Ready {
 /// Scheduler turns given to the upstream connection task to hand over frames it has already
 /// read, before what was gathered is written. hyper's client needs two turns per frame (one
 /// to see the body was taken, one to decode and send the next); one more is margin.
-const GATHER_TURNS: u8 = 3;
+pub const GATHER_TURNS: u8 = 3;
 
 /// Most bytes gathered for one write; past it they go at once.
 const MAX_GATHER: usize = 32 * 1024;
