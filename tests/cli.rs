@@ -250,3 +250,86 @@ fn demo_prints_the_table_and_how_to_try_it() {
     assert!(stdout.contains("curl -N http://127.0.0.1:"), "{stdout}");
     assert!(!stdout.contains("failed"), "{stdout}");
 }
+
+/// The operator's key round trip with the CLI alone, on an embedded store.
+#[test]
+fn keys_cli_round_trip() {
+    let dir = temp_dir("keys-cli");
+    let db = dir.join("keys.db");
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN)
+            .arg("keys")
+            .arg("--sqlite")
+            .arg(&db)
+            .args(["--actor", "ops@test"])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = run(&[
+        "create",
+        "--env",
+        "stress",
+        "--name",
+        "nightly load",
+        "--models",
+        "qwen32b",
+        "--expires",
+        "7d",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("shown only this once") && out.contains("export FLEETGATE_API_KEY=fg-stress-"),
+        "{out}"
+    );
+    let key = out
+        .split_whitespace()
+        .find(|w| w.starts_with("fg-stress-"))
+        .unwrap()
+        .to_owned();
+    let id = fleetgate::auth::key::parse(&key)
+        .unwrap()
+        .public_id
+        .to_owned();
+
+    let (code, out, _) = run(&["list", "--env", "stress"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        out.contains(&id) && out.contains("active") && out.contains("nightly load"),
+        "{out}"
+    );
+    assert!(!out.contains(&key), "a listing never shows the key");
+
+    let (code, _, err) = run(&["revoke", &id, "--reason", "test over"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = run(&["revoke", &id, "--reason", "again"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("already revoked"), "{err}");
+    let (_, out, _) = run(&["show", &id, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["status"], "revoked");
+    assert_eq!(v["revoke_reason"], "test over");
+    assert_eq!(v["revoked_by"], "ops@test");
+
+    let (code, _, err) = run(&["rotate", &id]);
+    assert_ne!(code, Some(0), "a revoked key cannot be rotated");
+    assert!(err.contains("revoked"), "{err}");
+    let (_, out, _) = run(&["audit", &id, "--json"]);
+    let audit: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let actions: Vec<&str> = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(actions, ["revoke", "create"]);
+    let (code, _, err) = run(&["create", "--env", "dev", "--name", "x"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("stress, gray or prod"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
