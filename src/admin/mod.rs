@@ -27,6 +27,8 @@ pub struct AdminState {
     pub auth: Arc<Authenticator>,
     pub verifier: Verifier,
     pub registry: prometheus::Registry,
+    pub pools: Arc<crate::pool::Pools>,
+    pub metrics: Arc<crate::telemetry::metrics::RequestMetrics>,
 }
 
 static JSON: HeaderValue = HeaderValue::from_static("application/json");
@@ -210,6 +212,7 @@ pub async fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/metrics") => {
             state.auth.update_gauges();
+            state.metrics.update_backends(&state.pools);
             let mut text = String::new();
             let encoder = prometheus::TextEncoder::new();
             if let Err(e) = encoder.encode_utf8(&state.registry.gather(), &mut text) {

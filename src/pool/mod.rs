@@ -33,6 +33,8 @@ pub enum Reachability {
 pub struct Backend {
     /// Base URL as configured (log and error text; never a label from a client).
     pub base: Arc<str>,
+    /// Position in its pool.
+    pub index: usize,
     pub chat_uri: Uri,
     pub completions_uri: Uri,
     pub health_uri: Uri,
@@ -41,7 +43,7 @@ pub struct Backend {
 }
 
 impl Backend {
-    fn new(base: &Uri) -> io::Result<Self> {
+    fn new(base: &Uri, index: usize) -> io::Result<Self> {
         let text = base.to_string();
         let trimmed = text.trim_end_matches('/');
         let join = |p: &str| -> io::Result<Uri> {
@@ -51,6 +53,7 @@ impl Backend {
         };
         Ok(Self {
             base: Arc::from(trimmed),
+            index,
             chat_uri: join("/v1/chat/completions")?,
             completions_uri: join("/v1/completions")?,
             health_uri: join("/health")?,
@@ -93,6 +96,8 @@ impl Drop for InFlight {
 #[derive(Debug)]
 pub struct Pool {
     pub model: Arc<str>,
+    /// Position among the pools.
+    pub index: usize,
     /// Replacement for the `model` value, as a JSON string literal, when the backends serve
     /// the model under another name.
     pub rename_json: Option<Bytes>,
@@ -106,11 +111,12 @@ pub struct Pool {
 }
 
 impl Pool {
-    fn new(cfg: &PoolConfig) -> io::Result<Self> {
+    fn new(cfg: &PoolConfig, index: usize) -> io::Result<Self> {
         let backends = cfg
             .backends
             .iter()
-            .map(|b| Backend::new(b).map(Arc::new))
+            .enumerate()
+            .map(|(i, b)| Backend::new(b, i).map(Arc::new))
             .collect::<io::Result<Vec<_>>>()?;
         let rename_json = match &cfg.served_model_name {
             Some(name) if name != &cfg.model => Some(Bytes::from(
@@ -133,6 +139,7 @@ impl Pool {
         };
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
+            index,
             rename_json,
             upstream_auth,
             timeouts: cfg.timeouts,
@@ -215,7 +222,11 @@ pub struct Pools {
 
 impl Pools {
     pub fn new(cfgs: &[PoolConfig]) -> io::Result<Self> {
-        let pools = cfgs.iter().map(Pool::new).collect::<io::Result<Vec<_>>>()?;
+        let pools = cfgs
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Pool::new(c, i))
+            .collect::<io::Result<Vec<_>>>()?;
         let by_model = pools
             .iter()
             .enumerate()
@@ -284,6 +295,7 @@ impl Pools {
             .map(|p| {
                 Ok(Pool {
                     model: p.model.clone(),
+                    index: p.index,
                     rename_json: p.rename_json.clone(),
                     upstream_auth: p.upstream_auth.clone(),
                     timeouts: p.timeouts,

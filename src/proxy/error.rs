@@ -81,6 +81,32 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    pub const ALL: [ErrorKind; 18] = [
+        ErrorKind::RouteNotFound,
+        ErrorKind::MethodNotAllowed,
+        ErrorKind::UnsupportedMediaType,
+        ErrorKind::BodyTooLarge,
+        ErrorKind::BodyRead,
+        ErrorKind::InvalidJson,
+        ErrorKind::InvalidRequest,
+        ErrorKind::ModelNotFound,
+        ErrorKind::NoBackend,
+        ErrorKind::BackendUnreachable,
+        ErrorKind::UpstreamTimeout,
+        ErrorKind::UpstreamError,
+        ErrorKind::UpstreamStreamError,
+        ErrorKind::ClientDisconnected,
+        ErrorKind::Unauthenticated,
+        ErrorKind::Forbidden,
+        ErrorKind::AuthThrottled,
+        ErrorKind::Internal,
+    ];
+
+    /// Position in `ALL` (a metric label index).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorKind::RouteNotFound => "route_not_found",
@@ -352,6 +378,13 @@ impl ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kinds_are_listed_in_order() {
+        for (i, k) in ErrorKind::ALL.iter().enumerate() {
+            assert_eq!(k.index(), i, "{k:?}");
+        }
+    }
 
     #[test]
     fn body_is_openai_shaped() {

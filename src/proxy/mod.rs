@@ -159,7 +159,13 @@ pub async fn forward(
                     }
                 }
             }
-            let relay = RelayBody::new(upstream, sse, timeouts, slot, record, first);
+            let itl = sse.then(|| state.recorder.metrics()).flatten().map(|m| {
+                m.itl(
+                    record.pool_index,
+                    record.key.as_ref().map(|k| k.environment),
+                )
+            });
+            let relay = RelayBody::new(upstream, sse, timeouts, slot, record, first, itl);
             Response::from_parts(head, GatewayBody::relay(relay))
         }
         Ok(Forwarded::Full(resp)) => {
@@ -242,6 +248,7 @@ async fn forward_inner(
             available: state.pools.model_list.clone(),
         })?;
     record.model = Some(pool.model.clone());
+    record.pool_index = Some(pool.index);
     if let Some(key) = &record.key {
         let refusal = if !key.allows_model(&pool.model) {
             Some(AuthFailure::ModelNotAllowed {
@@ -267,6 +274,7 @@ async fn forward_inner(
     let slot = pool.acquire().ok_or_else(|| no_backend(pool))?;
     let backend = slot.backend().clone();
     record.backend = Some(backend.base.clone());
+    record.backend_index = Some(backend.index);
 
     // 4. The upstream request: original bytes, unless the model must be renamed.
     let upstream_body = match &pool.rename_json {

@@ -15,7 +15,7 @@ use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
 use super::error::{ErrorKind, TimeoutKind, error_body};
-use super::sse::SseScanner;
+use super::sse::{DataKind, SseScanner};
 use crate::config::Timeouts;
 use crate::pool::InFlight;
 use crate::telemetry::RequestRecord;
@@ -97,6 +97,7 @@ pin_project! {
         timeouts: Timeouts,
         ready: Ready,
         yielded: u8,
+        itl: Option<prometheus::Histogram>,
         // Declared before `record` so the slot is released before the request is recorded.
         slot: InFlight,
         record: RequestRecord,
@@ -112,6 +113,7 @@ impl RelayBody {
         slot: InFlight,
         mut record: RequestRecord,
         first: Option<Bytes>,
+        itl: Option<prometheus::Histogram>,
     ) -> Self {
         let now = Instant::now();
         let sent_at = record.timeline.upstream_sent.unwrap_or(now);
@@ -146,6 +148,7 @@ impl RelayBody {
             timeouts,
             ready,
             yielded: 0,
+            itl,
             slot,
             record,
         }
@@ -267,8 +270,15 @@ impl Body for RelayBody {
                         let at = now.saturating_duration_since(tl.received);
                         let stream = &mut tl.stream;
                         let first_before = stream.first_content.is_some();
-                        this.scanner
-                            .feed(&data, |line| stream.on_data(line.kind, line.payload, at));
+                        let itl = this.itl.as_ref();
+                        this.scanner.feed(&data, |line| {
+                            stream.on_data(line.kind, line.payload, at);
+                            if line.kind == DataKind::Content
+                                && let (Some(h), Some(gap)) = (itl, stream.last_gap)
+                            {
+                                h.observe(gap.as_secs_f64());
+                            }
+                        });
                         if !first_before && stream.first_content.is_some() {
                             tl.upstream_first_token = Some(now);
                         }
@@ -468,7 +478,6 @@ impl Ready {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::sse::DataKind;
 
     #[test]
     fn error_tail_parses_as_one_error_event() {

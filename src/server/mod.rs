@@ -36,6 +36,7 @@ use crate::proxy::relay::GatewayBody;
 use crate::proxy::view::Endpoint;
 use crate::proxy::{self, ProxyState};
 use crate::store::{KeyStore, StoreError};
+use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::{Recorder, RequestRecord};
 
 /// Everything the request path reads, built once at start.
@@ -227,7 +228,7 @@ impl Server {
     pub async fn start_on(
         listener: TcpListener,
         config: &Config,
-        recorder: Recorder,
+        mut recorder: Recorder,
     ) -> Result<Server, StartError> {
         let where_ = config.database.describe();
         let store_err = |source| StartError::Store {
@@ -253,6 +254,8 @@ impl Server {
             &registry,
         )?);
         let pools = Arc::new(Pools::new(&config.pools)?);
+        let metrics = Arc::new(RequestMetrics::new(&registry, &pools)?);
+        recorder.set_metrics(metrics.clone());
         let recorder = Arc::new(recorder);
         let tls = match &config.server.tls {
             Some(t) => Some(tls::acceptor(&t.cert, &t.key)?),
@@ -287,6 +290,8 @@ impl Server {
                 verifier: crate::admin::jwt::Verifier::new(&config.admin)
                     .map_err(StartError::Admin)?,
                 registry: registry.clone(),
+                pools: pools.clone(),
+                metrics: metrics.clone(),
             });
             tasks.spawn(accept_loop(
                 admin_listener,

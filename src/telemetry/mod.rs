@@ -2,6 +2,7 @@
 //! request — on success, error and client disconnect alike — when the request's
 //! `RequestRecord` is dropped.
 
+pub mod metrics;
 pub mod timeline;
 
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use crate::proxy::view::Endpoint;
 pub struct Recorder {
     emit_events: bool,
     observer: Option<Observer>,
+    metrics: Option<Arc<metrics::RequestMetrics>>,
 }
 
 type Observer = Box<dyn Fn(&RequestRecord) + Send + Sync>;
@@ -38,7 +40,17 @@ impl Recorder {
         Self {
             emit_events,
             observer: None,
+            metrics: None,
         }
+    }
+
+    /// Record every finished request into these Prometheus metrics too.
+    pub fn set_metrics(&mut self, m: Arc<metrics::RequestMetrics>) {
+        self.metrics = Some(m);
+    }
+
+    pub fn metrics(&self) -> Option<&Arc<metrics::RequestMetrics>> {
+        self.metrics.as_ref()
     }
 
     /// Also hand every finished record to `f` (called on the task that ends the request).
@@ -48,6 +60,9 @@ impl Recorder {
     }
 
     fn record(&self, r: &RequestRecord) {
+        if let Some(m) = &self.metrics {
+            m.observe(r);
+        }
         if self.emit_events {
             emit_event(r);
         }
@@ -66,6 +81,9 @@ pub struct RequestRecord {
     /// The pool's configured model name (never the raw client string).
     pub model: Option<Arc<str>>,
     pub backend: Option<Arc<str>>,
+    /// Index of the pool and of the backend within it (metric handles are found by these).
+    pub pool_index: Option<usize>,
+    pub backend_index: Option<usize>,
     /// The authenticated key (its public id and environment label the record).
     pub key: Option<Arc<KeyRecord>>,
     pub stream: bool,
@@ -82,6 +100,8 @@ impl RequestRecord {
             endpoint: None,
             model: None,
             backend: None,
+            pool_index: None,
+            backend_index: None,
             key: None,
             stream: false,
             status: 0,

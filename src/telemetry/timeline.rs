@@ -47,6 +47,8 @@ pub struct StreamMetrics {
     /// Last data event that is not `[DONE]` (the usage event included): the end of E2EL.
     pub last_data: Option<Duration>,
     pub content_events: u32,
+    /// The gap before the latest content event (none for the first).
+    pub last_gap: Option<Duration>,
     pub itl_sum: Duration,
     pub itl_max: Duration,
     pub usage: Option<Usage>,
@@ -69,6 +71,7 @@ impl StreamMetrics {
                     let gap = at.saturating_sub(prev);
                     self.itl_sum += gap;
                     self.itl_max = self.itl_max.max(gap);
+                    self.last_gap = Some(gap);
                 } else {
                     self.first_content = Some(at);
                 }

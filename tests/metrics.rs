@@ -1,0 +1,220 @@
+//! Prometheus exposition after real requests through the sim: successes, errors, refusals and
+//! client disconnects each counted exactly once, histograms filled, labels from config only.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use fleetgate::client::{self, chat_body};
+use http_body_util::BodyExt;
+
+/// `name{labels} value` lines → map (labels kept as written).
+async fn scrape(gw: &Gateway) -> HashMap<String, f64> {
+    let c = client::http_client();
+    let req = http::Request::get(format!("http://{}/metrics", gw.server.admin_addr.unwrap()))
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let resp = c.request(req).await.unwrap();
+    assert!(
+        resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    let text = String::from_utf8(
+        resp.into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
+    .unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+fn get(m: &HashMap<String, f64>, key: &str) -> f64 {
+    m.get(key).copied().unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_is_counted_once_with_config_labels() {
+    let sim = sim(|a| a.decode_step_ms = 5.0).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let chat = gw.url("/v1/chat/completions");
+    let body = |n| {
+        Bytes::from(
+            serde_json::json!({"model": "qwen32b", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": n, "stream": true, "stream_options": {"include_usage": true}})
+            .to_string(),
+        )
+    };
+    for _ in 0..3 {
+        assert_eq!(post(&chat, &[], body(10)).await.status, 200);
+    }
+    assert_eq!(
+        post(&chat, &[], chat_body("no-such-model", "hi", 3, true))
+            .await
+            .status,
+        404
+    );
+    assert_eq!(
+        post(&chat, &[("x-no-auth", "1")], body(3)).await.status,
+        401
+    );
+    // A client that goes away mid-stream.
+    let c = client::http_client();
+    let req = authed(&gw, "POST", "/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(body(500)))
+        .unwrap();
+    let mut stream = c.request(req).await.unwrap().into_body();
+    stream.frame().await.unwrap().unwrap();
+    drop(stream);
+    let stats = sim.stats().clone();
+    assert!(
+        eventually(Duration::from_secs(5), || stats
+            .cancelled
+            .load(Ordering::SeqCst)
+            == 1)
+        .await
+    );
+
+    let mut m = HashMap::new();
+    for _ in 0..200 {
+        m = scrape(&gw).await;
+        if get(
+            &m,
+            r#"fleetgate_requests_total{environment="stress",error="client_disconnected",model="qwen32b",status_class="2xx"}"#,
+        ) == 1.0
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let ok = r#"fleetgate_requests_total{environment="stress",error="none",model="qwen32b",status_class="2xx"}"#;
+    assert_eq!(get(&m, ok), 3.0, "{m:#?}");
+    assert_eq!(
+        get(
+            &m,
+            r#"fleetgate_requests_total{environment="stress",error="model_not_found",model="none",status_class="4xx"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            r#"fleetgate_requests_total{environment="none",error="unauthenticated",model="none",status_class="4xx"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            r#"fleetgate_requests_total{environment="stress",error="client_disconnected",model="qwen32b",status_class="2xx"}"#
+        ),
+        1.0
+    );
+    let total: f64 = m
+        .iter()
+        .filter(|(k, _)| k.starts_with("fleetgate_requests_total{"))
+        .map(|(_, v)| v)
+        .sum();
+    assert_eq!(total, 6.0, "each request exactly once");
+
+    // Histograms: the three complete streams and the cut one have a client TTFT.
+    assert_eq!(
+        get(
+            &m,
+            r#"fleetgate_ttft_seconds_count{backend="-",environment="stress",model="qwen32b",side="client"}"#
+        ),
+        4.0
+    );
+    let upstream = format!(
+        r#"fleetgate_ttft_seconds_count{{backend="{}",environment="stress",model="qwen32b",side="upstream"}}"#,
+        sim.url()
+    );
+    assert_eq!(get(&m, &upstream), 4.0, "{m:#?}");
+    assert_eq!(
+        get(
+            &m,
+            r#"fleetgate_overhead_seconds_count{environment="stress",model="qwen32b",phase="pre"}"#
+        ),
+        4.0
+    );
+    assert!(
+        get(
+            &m,
+            r#"fleetgate_overhead_seconds_sum{environment="stress",model="qwen32b",phase="total"}"#
+        ) > 0.0
+    );
+    // 3 streams × (11 content events − 1) gaps, plus the cut stream's gaps.
+    assert!(
+        get(
+            &m,
+            r#"fleetgate_itl_seconds_count{environment="stress",model="qwen32b"}"#
+        ) >= 30.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            r#"fleetgate_tpot_seconds_count{environment="stress",model="qwen32b"}"#
+        ),
+        3.0
+    );
+    assert!(
+        get(
+            &m,
+            r#"fleetgate_tokens_total{environment="stress",kind="completion",model="qwen32b"}"#
+        ) >= 30.0
+    );
+    assert!(
+        get(
+            &m,
+            r#"fleetgate_tokens_total{environment="stress",kind="prompt",model="qwen32b"}"#
+        ) >= 3.0
+    );
+    // Backend gauges and auth failures.
+    assert_eq!(
+        get(
+            &m,
+            &format!(
+                r#"fleetgate_backend_up{{backend="{}",model="qwen32b"}}"#,
+                sim.url()
+            )
+        ),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            &format!(
+                r#"fleetgate_backend_in_flight{{backend="{}",model="qwen32b"}}"#,
+                sim.url()
+            )
+        ),
+        0.0
+    );
+    assert_eq!(
+        get(&m, r#"fleetgate_auth_failures_total{reason="missing"}"#),
+        1.0
+    );
+    // No label value comes from the client: the unknown model name appears nowhere.
+    assert!(m.keys().all(|k| !k.contains("no-such-model")));
+    assert!(m.keys().all(|k| !k.contains(&gw.key)));
+}
