@@ -449,3 +449,63 @@ async fn paced_tokens_are_relayed_one_by_one() {
         "frames were merged: {reads_with_content:?}"
     );
 }
+
+/// A stream that did not ask for usage: the gateway asks upstream, learns the real counts, and
+/// the client receives exactly the backend's stream minus that one usage event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_is_learned_on_every_stream_and_hidden_from_the_client() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    for (id, body) in [
+        (
+            "u-absent",
+            serde_json::json!({"model":"qwen32b","stream":true,"max_tokens":7,"messages":[{"role":"user","content":"hi there"}]}),
+        ),
+        (
+            "u-false",
+            serde_json::json!({"model":"qwen32b","stream":true,"max_tokens":7,"stream_options":{"include_usage":false},"messages":[{"role":"user","content":"hi there"}]}),
+        ),
+    ] {
+        let m = post(
+            &gw.url("/v1/chat/completions"),
+            &[("x-request-id", id)],
+            body.to_string(),
+        )
+        .await;
+        assert_eq!(m.status, 200);
+        let got = m.body.clone().unwrap();
+        let sent = sim.stats().captured(id).unwrap();
+        let sent_text = String::from_utf8(sent.to_vec()).unwrap();
+        let usage_event = sent_text
+            .split_inclusive("\n\n")
+            .find(|e| e.contains("\"usage\""))
+            .expect("the backend sent usage: the gateway asked for it");
+        let expected = sent_text.replacen(usage_event, "", 1);
+        assert_eq!(
+            String::from_utf8(got.to_vec()).unwrap(),
+            expected,
+            "{id}: client bytes"
+        );
+        assert!(
+            m.metrics.usage.is_none(),
+            "{id}: the client sees no usage it did not ask for"
+        );
+        let rec = gw.record_of(id).await;
+        let usage = rec
+            .timeline
+            .stream
+            .usage
+            .expect("the gateway knows the real counts");
+        assert_eq!(usage.completion_tokens, 7);
+        assert!(usage.prompt_tokens > 0);
+    }
+    // A client that asked for usage gets it, unchanged.
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("x-request-id", "u-true")],
+        stream_body(5),
+    )
+    .await;
+    assert_eq!(m.body.unwrap(), sim.stats().captured("u-true").unwrap());
+    assert_eq!(m.metrics.usage.unwrap().completion_tokens, 5);
+}

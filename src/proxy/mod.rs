@@ -143,6 +143,7 @@ pub async fn forward(
                 sse,
                 timeouts,
                 slot,
+                strip_usage,
             } = relay_parts;
             // When the first frame came in the same read as the head, send them together:
             // a few scheduler turns for the upstream connection to hand it over, no waiting.
@@ -165,7 +166,13 @@ pub async fn forward(
                     record.key.as_ref().map(|k| k.environment),
                 )
             });
-            let relay = RelayBody::new(upstream, sse, timeouts, slot, record, first, itl);
+            let options = relay::RelayOptions {
+                sse,
+                timeouts,
+                strip_usage: sse && strip_usage,
+                itl,
+            };
+            let relay = RelayBody::new(upstream, options, slot, record, first);
             Response::from_parts(head, GatewayBody::relay(relay))
         }
         Ok(Forwarded::Full(resp)) => {
@@ -192,6 +199,8 @@ struct RelayParts {
     sse: bool,
     timeouts: crate::config::Timeouts,
     slot: InFlight,
+    /// The gateway injected `include_usage`: hide the usage event from the client.
+    strip_usage: bool,
 }
 
 enum Forwarded {
@@ -277,10 +286,11 @@ async fn forward_inner(
     record.backend_index = Some(backend.index);
 
     // 4. The upstream request: original bytes, unless the model must be renamed.
-    let upstream_body = match &pool.rename_json {
-        Some(name) => view::splice(&body, view.model_span.clone(), name),
-        None => body.clone(),
-    };
+    // A stream that did not ask for usage gets it anyway upstream (the relay hides it from
+    // the client), so every stream's token counts are real.
+    let inject_usage = view.stream && view.include_usage != Some(true);
+    let upstream_body =
+        view::upstream_body(&body, &view, pool.rename_json.as_deref(), inject_usage);
     drop(view);
     strip_upstream_headers(&mut parts.headers);
     let mut headers = parts.headers;
@@ -389,6 +399,7 @@ async fn forward_inner(
             sse,
             timeouts: t,
             slot,
+            strip_usage: inject_usage,
         },
     ))
 }

@@ -97,6 +97,7 @@ pin_project! {
         timeouts: Timeouts,
         ready: Ready,
         yielded: u8,
+        strip_usage: bool,
         itl: Option<prometheus::Histogram>,
         // Declared before `record` so the slot is released before the request is recorded.
         slot: InFlight,
@@ -108,24 +109,37 @@ impl RelayBody {
     /// `record.timeline.upstream_sent` must be set.
     pub fn new(
         upstream: Incoming,
-        sse: bool,
-        timeouts: Timeouts,
+        options: RelayOptions,
         slot: InFlight,
         mut record: RequestRecord,
         first: Option<Bytes>,
-        itl: Option<prometheus::Histogram>,
     ) -> Self {
+        let RelayOptions {
+            sse,
+            timeouts,
+            strip_usage,
+            itl,
+        } = options;
         let now = Instant::now();
         let sent_at = record.timeline.upstream_sent.unwrap_or(now);
         let mut scanner = SseScanner::new();
         let mut ready = Ready::default();
-        if let Some(data) = first {
+        if let Some(mut data) = first {
             // A frame read together with the head: account for it as if just relayed.
             if sse {
                 let tl = &mut record.timeline;
                 let at = now.saturating_duration_since(tl.received);
                 let stream = &mut tl.stream;
-                scanner.feed(&data, |line| stream.on_data(line.kind, line.payload, at));
+                let mut cut = None;
+                scanner.feed(&data, |line| {
+                    if strip_usage && is_usage(&line) {
+                        cut = line.event_span.clone();
+                    }
+                    stream.on_data(line.kind, line.payload, at);
+                });
+                if let Some(r) = cut {
+                    data = without(data, r).unwrap_or_default();
+                }
                 if stream.first_content.is_some() {
                     tl.upstream_first_token = Some(now);
                 }
@@ -133,7 +147,9 @@ impl RelayBody {
                     record.error = Some(ErrorKind::UpstreamStreamError);
                 }
             }
-            ready.push(data);
+            if !data.is_empty() {
+                ready.push(data);
+            }
         }
         let first_token = record.timeline.upstream_first_token.is_some();
         let deadline = deadline(sent_at, now, sse, first_token, &timeouts);
@@ -148,6 +164,7 @@ impl RelayBody {
             timeouts,
             ready,
             yielded: 0,
+            strip_usage,
             itl,
             slot,
             record,
@@ -201,6 +218,40 @@ fn deadline(
     soft.min(total)
 }
 
+/// What the relay does besides passing bytes on.
+pub struct RelayOptions {
+    /// The body is an SSE stream (scanned for timing).
+    pub sse: bool,
+    pub timeouts: Timeouts,
+    /// The gateway added `include_usage` upstream: remove the usage event from the client's
+    /// stream (the Timeline keeps its counts).
+    pub strip_usage: bool,
+    /// Every gap between content events is observed here.
+    pub itl: Option<prometheus::Histogram>,
+}
+
+/// The usage chunk: `choices: []` with a `usage` object.
+fn is_usage(line: &super::sse::DataLine<'_>) -> bool {
+    line.kind == DataKind::NoChoices && crate::proxy::sse::USAGE.find(line.payload).is_some()
+}
+
+/// `data` without the bytes in `cut`; `None` when nothing is left.
+fn without(data: Bytes, cut: std::ops::Range<usize>) -> Option<Bytes> {
+    if cut.start == 0 && cut.end >= data.len() {
+        return None;
+    }
+    if cut.start == 0 {
+        return Some(data.slice(cut.end..));
+    }
+    if cut.end >= data.len() {
+        return Some(data.slice(..cut.start));
+    }
+    let mut out = BytesMut::with_capacity(data.len() - cut.len());
+    out.extend_from_slice(&data[..cut.start]);
+    out.extend_from_slice(&data[cut.end..]);
+    Some(out.freeze())
+}
+
 /// The SSE tail sent when a stream fails after it started.
 fn error_tail(partial_line: bool, message: &str, code: &str) -> Bytes {
     let body = error_body(message, "upstream_error", None, Some(code));
@@ -252,7 +303,7 @@ impl Body for RelayBody {
                 Poll::Ready(Some(Ok(frame))) => {
                     let now = Instant::now();
                     *this.last_read = now;
-                    let data = match frame.into_data() {
+                    let mut data = match frame.into_data() {
                         Ok(data) => data,
                         Err(frame) => {
                             // Trailers: after whatever was read before them.
@@ -271,7 +322,12 @@ impl Body for RelayBody {
                         let stream = &mut tl.stream;
                         let first_before = stream.first_content.is_some();
                         let itl = this.itl.as_ref();
+                        let strip = *this.strip_usage;
+                        let mut cut = None;
                         this.scanner.feed(&data, |line| {
+                            if strip && is_usage(&line) {
+                                cut = line.event_span.clone();
+                            }
                             stream.on_data(line.kind, line.payload, at);
                             if line.kind == DataKind::Content
                                 && let (Some(h), Some(gap)) = (itl, stream.last_gap)
@@ -279,6 +335,13 @@ impl Body for RelayBody {
                                 h.observe(gap.as_secs_f64());
                             }
                         });
+                        if let Some(r) = cut {
+                            // The usage event the gateway asked for, not the client: hidden.
+                            match without(data, r) {
+                                Some(rest) => data = rest,
+                                None => continue,
+                            }
+                        }
                         if !first_before && stream.first_content.is_some() {
                             tl.upstream_first_token = Some(now);
                         }
@@ -478,6 +541,24 @@ impl Ready {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cutting_an_event_out_of_a_frame() {
+        let d = Bytes::from_static(b"aaXXbb");
+        assert_eq!(
+            without(d.clone(), 2..4).unwrap(),
+            Bytes::from_static(b"aabb")
+        );
+        assert_eq!(
+            without(d.clone(), 0..2).unwrap(),
+            Bytes::from_static(b"XXbb")
+        );
+        assert_eq!(
+            without(d.clone(), 4..6).unwrap(),
+            Bytes::from_static(b"aaXX")
+        );
+        assert!(without(d, 0..6).is_none());
+    }
 
     #[test]
     fn error_tail_parses_as_one_error_event() {

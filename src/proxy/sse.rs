@@ -29,10 +29,13 @@ pub enum DataKind {
 }
 
 /// One `data:` line as the scanner saw it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct DataLine<'a> {
     pub kind: DataKind,
     pub payload: &'a [u8],
+    /// Where the event (this line, its newline and a blank line right after it) sits in the
+    /// chunk just fed — `None` when the line began in an earlier chunk.
+    pub event_span: Option<std::ops::Range<usize>>,
 }
 
 /// Line splitter and classifier; one per stream, reused across reads.
@@ -48,7 +51,8 @@ impl SseScanner {
     }
 
     /// Feed one read's bytes; `on_data` is called for every `data:` line completed in it.
-    pub fn feed(&mut self, mut chunk: &[u8], mut on_data: impl FnMut(DataLine<'_>)) {
+    pub fn feed(&mut self, chunk: &[u8], mut on_data: impl FnMut(DataLine<'_>)) {
+        let mut pos = 0;
         if !self.carry.is_empty() {
             match memchr(b'\n', chunk) {
                 None => {
@@ -58,26 +62,23 @@ impl SseScanner {
                 Some(i) => {
                     self.carry.extend_from_slice(&chunk[..i]);
                     let line = std::mem::take(&mut self.carry);
-                    handle_line(&line, &mut on_data);
+                    handle_line(&line, None, &mut on_data);
                     // Keep the allocation for the next split line.
                     self.carry = line;
                     self.carry.clear();
-                    chunk = &chunk[i + 1..];
+                    pos = i + 1;
                 }
             }
         }
-        while let Some(i) = memchr(b'\n', chunk) {
-            handle_line(&chunk[..i], &mut on_data);
-            chunk = &chunk[i + 1..];
+        while let Some(i) = memchr(b'\n', &chunk[pos..]) {
+            let end = pos + i + 1;
+            let span = pos..end + blank_line_at(&chunk[end..]);
+            handle_line(&chunk[pos..pos + i], Some(span), &mut on_data);
+            pos = end;
         }
-        if !chunk.is_empty() {
-            self.carry.extend_from_slice(chunk);
+        if pos < chunk.len() {
+            self.carry.extend_from_slice(&chunk[pos..]);
         }
-    }
-
-    /// A line has started but its end has not arrived yet.
-    pub fn has_partial_line(&self) -> bool {
-        !self.carry.is_empty()
     }
 
     /// The stream ended: a final line without a newline still counts.
@@ -85,12 +86,30 @@ impl SseScanner {
         if !self.carry.is_empty() {
             let line = std::mem::take(&mut self.carry);
             let mut on_data = on_data;
-            handle_line(&line, &mut on_data);
+            handle_line(&line, None, &mut on_data);
         }
+    }
+
+    /// A line has started but its end has not arrived yet.
+    pub fn has_partial_line(&self) -> bool {
+        !self.carry.is_empty()
     }
 }
 
-fn handle_line(line: &[u8], on_data: &mut impl FnMut(DataLine<'_>)) {
+/// Length of a blank line (`\n` or `\r\n`) at the start of `rest`, else 0.
+fn blank_line_at(rest: &[u8]) -> usize {
+    match rest {
+        [b'\n', ..] => 1,
+        [b'\r', b'\n', ..] => 2,
+        _ => 0,
+    }
+}
+
+fn handle_line(
+    line: &[u8],
+    event_span: Option<std::ops::Range<usize>>,
+    on_data: &mut impl FnMut(DataLine<'_>),
+) {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let Some(rest) = line.strip_prefix(b"data:") else {
         return; // comments (`: queued`), `event:`, `id:`, blank separators
@@ -99,6 +118,7 @@ fn handle_line(line: &[u8], on_data: &mut impl FnMut(DataLine<'_>)) {
     on_data(DataLine {
         kind: classify(payload),
         payload,
+        event_span,
     });
 }
 
@@ -173,6 +193,24 @@ mod tests {
         }
         let bytes: Vec<&[u8]> = stream.chunks(1).collect();
         assert_eq!(kinds(&bytes), whole);
+    }
+
+    #[test]
+    fn event_spans_cover_line_and_blank_line() {
+        let chunk: &[u8] = b"data: {\"choices\":[{}]}\n\ndata: {\"choices\":[],\"usage\":{}}\r\n\r\ndata: [DONE]\n\n";
+        let mut spans = Vec::new();
+        SseScanner::new().feed(chunk, |l| spans.push((l.kind, l.event_span)));
+        assert_eq!(
+            spans[0].1.clone().map(|r| &chunk[r]),
+            Some(&b"data: {\"choices\":[{}]}\n\n"[..])
+        );
+        assert_eq!(
+            spans[1].1.clone().map(|r| &chunk[r]),
+            Some(&b"data: {\"choices\":[],\"usage\":{}}\r\n\r\n"[..])
+        );
+        let mut s = SseScanner::new();
+        s.feed(b"data: {\"cho", |_| {});
+        s.feed(b"ices\":[]}\n\n", |l| assert!(l.event_span.is_none()));
     }
 
     #[test]

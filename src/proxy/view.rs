@@ -45,6 +45,8 @@ pub struct RequestView<'a> {
     pub max_tokens: Option<u64>,
     pub n: u32,
     pub include_usage: Option<bool>,
+    /// Byte range of the `stream_options` value, when present and not null.
+    pub stream_options_span: Option<Range<usize>>,
     /// Characters of prompt text (messages' content or prompt), a cheap size estimate.
     pub prompt_chars: usize,
 }
@@ -139,6 +141,12 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ApiErro
         Some(0) => return Err(invalid("n", "`n` must be at least 1.")),
         Some(n) => u32::try_from(n).map_err(|_| invalid("n", "`n` is too large."))?,
     };
+    let stream_options_span = match raw.stream_options {
+        Some(r) if r.get() != "null" => {
+            Some(span_of(body, r.get().as_bytes()).ok_or(ApiError::Internal)?)
+        }
+        _ => None,
+    };
     let include_usage = match raw.stream_options.map(RawValue::get) {
         None | Some("null") => None,
         Some(text) => {
@@ -181,8 +189,57 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ApiErro
         max_tokens: max_completion_tokens.or(max_tokens),
         n,
         include_usage,
+        stream_options_span,
         prompt_chars,
     })
+}
+
+/// The body to send upstream: the original bytes, with the `model` value replaced when the
+/// pool renames it, and `stream_options.include_usage: true` added when a stream did not ask
+/// for usage (the relay then removes that extra usage event from what the client receives).
+/// Splices only; re-serialises nothing but an existing `stream_options` object.
+pub fn upstream_body(
+    body: &Bytes,
+    view: &RequestView<'_>,
+    rename: Option<&[u8]>,
+    inject_usage: bool,
+) -> Bytes {
+    // Edits from the end of the body backwards, so earlier offsets stay valid.
+    let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::with_capacity(2);
+    if let Some(name) = rename {
+        edits.push((view.model_span.clone(), name.to_vec()));
+    }
+    if inject_usage {
+        match &view.stream_options_span {
+            Some(span) => {
+                let mut obj: serde_json::Map<String, serde_json::Value> =
+                    serde_json::from_slice(&body[span.clone()]).unwrap_or_default();
+                obj.insert("include_usage".into(), serde_json::Value::Bool(true));
+                let text = serde_json::to_vec(&obj)
+                    .unwrap_or_else(|_| b"{\"include_usage\":true}".to_vec());
+                edits.push((span.clone(), text));
+            }
+            None => {
+                // Right after the opening brace of the body.
+                let at = body.iter().position(|b| *b == b'{').map_or(0, |i| i + 1);
+                edits.push((
+                    at..at,
+                    b"\"stream_options\":{\"include_usage\":true},".to_vec(),
+                ));
+            }
+        }
+    }
+    if edits.is_empty() {
+        return body.clone();
+    }
+    edits.sort_by_key(|(r, _)| std::cmp::Reverse(r.start));
+    let extra: usize = edits.iter().map(|(_, v)| v.len()).sum();
+    let mut out = body.to_vec();
+    out.reserve(extra);
+    for (range, with) in edits {
+        out.splice(range, with);
+    }
+    Bytes::from(out)
 }
 
 fn invalid_body_shape() -> ApiError {
@@ -444,6 +501,37 @@ mod tests {
             Endpoint::Chat,
         );
         assert_eq!(p.as_deref(), Some("max_tokens"));
+    }
+
+    #[test]
+    fn usage_is_added_to_streams_that_did_not_ask() {
+        let body = Bytes::from_static(br#" {"model":"m","stream":true,"messages":[]}"#);
+        let v = parse(&body, Endpoint::Chat).unwrap();
+        let out = upstream_body(&body, &v, Some(br#""served""#), true);
+        assert_eq!(
+            &out[..],
+            br#" {"stream_options":{"include_usage":true},"model":"served","stream":true,"messages":[]}"#
+        );
+        let v2 = parse(&out, Endpoint::Chat).unwrap();
+        assert_eq!(v2.include_usage, Some(true));
+        assert_eq!(v2.model, "served");
+
+        let body = Bytes::from_static(br#"{"model":"m","stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":false},"messages":[]}"#);
+        let v = parse(&body, Endpoint::Chat).unwrap();
+        let out = upstream_body(&body, &v, None, true);
+        let v2 = parse(&out, Endpoint::Chat).unwrap();
+        assert_eq!(v2.include_usage, Some(true));
+        assert!(
+            std::str::from_utf8(&out)
+                .unwrap()
+                .contains("continuous_usage_stats")
+        );
+        // Nothing to change: the very same bytes.
+        let v = parse(&body, Endpoint::Chat).unwrap();
+        assert_eq!(
+            upstream_body(&body, &v, None, false).as_ptr(),
+            body.as_ptr()
+        );
     }
 
     #[test]
