@@ -218,3 +218,48 @@ async fn every_request_is_counted_once_with_config_labels() {
     assert!(m.keys().all(|k| !k.contains("no-such-model")));
     assert!(m.keys().all(|k| !k.contains(&gw.key)));
 }
+
+/// The Grafana dashboard only queries metrics the gateway exports (a renamed metric fails here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_queries_exported_metrics() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/grafana/fleetgate-dashboard.json"
+    );
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    assert_eq!(
+        post(
+            &gw.url("/v1/chat/completions"),
+            &[],
+            chat_body("qwen32b", "hi", 3, true)
+        )
+        .await
+        .status,
+        200
+    );
+    let exported = scrape(&gw).await;
+    let names: std::collections::HashSet<String> = exported
+        .keys()
+        .map(|k| k.split('{').next().unwrap().to_owned())
+        .collect();
+    let mut checked = 0;
+    for panel in dash["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if word.starts_with("fleetgate_") {
+                    assert!(
+                        names.contains(word),
+                        "panel {:?} queries {word}, which is not exported",
+                        panel["title"]
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 15, "{checked}");
+}
