@@ -13,6 +13,7 @@ use serde::Deserialize;
 pub use crate::auth::AuthConfig;
 use crate::auth::key::Environment;
 pub use crate::store::DatabaseConfig;
+pub use crate::telemetry::request_log::RequestLogConfig;
 
 /// A configuration problem, reported with the file and the field it concerns. `fleetgate`
 /// exits with code 64 (EX_USAGE) on one of these.
@@ -66,6 +67,7 @@ pub struct Config {
     pub migrate_on_start: bool,
     pub auth: AuthConfig,
     pub admin: AdminConfig,
+    pub request_log: RequestLogConfig,
 }
 
 impl Config {
@@ -78,6 +80,7 @@ impl Config {
             migrate_on_start: true,
             auth: AuthConfig::default(),
             admin: AdminConfig::default(),
+            request_log: RequestLogConfig::default(),
         }
     }
 }
@@ -230,6 +233,54 @@ struct RawConfig {
     auth: RawAuth,
     #[serde(default)]
     admin: RawAdmin,
+    #[serde(default)]
+    request_log: RawRequestLog,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRequestLog {
+    #[serde(default = "default_true")]
+    enabled: bool,
+    #[serde(default = "default_log_capacity")]
+    channel_capacity: usize,
+    #[serde(default = "default_batch_rows")]
+    batch_rows: usize,
+    #[serde(default = "default_flush_ms")]
+    flush_interval_ms: u64,
+    #[serde(default = "default_spill_path")]
+    spill_path: PathBuf,
+    #[serde(default = "default_retention")]
+    retention_days: u32,
+}
+
+impl Default for RawRequestLog {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            channel_capacity: default_log_capacity(),
+            batch_rows: default_batch_rows(),
+            flush_interval_ms: default_flush_ms(),
+            spill_path: default_spill_path(),
+            retention_days: default_retention(),
+        }
+    }
+}
+
+fn default_log_capacity() -> usize {
+    65_536
+}
+fn default_batch_rows() -> usize {
+    1000
+}
+fn default_flush_ms() -> u64 {
+    200
+}
+fn default_spill_path() -> PathBuf {
+    PathBuf::from("fleetgate-request-log.spill")
+}
+fn default_retention() -> u32 {
+    30
 }
 
 #[derive(Deserialize)]
@@ -710,6 +761,27 @@ impl RawConfig {
             jwt_audience: ad.jwt_audience,
             jwt_issuer: ad.jwt_issuer,
         };
+        let rl = self.request_log;
+        if rl.batch_rows == 0 || rl.batch_rows > 1000 {
+            return Err(err(
+                "request_log.batch_rows".into(),
+                "must be between 1 and 1000 (one INSERT carries 25 values per row)".into(),
+            ));
+        }
+        if rl.retention_days == 0 {
+            return Err(err(
+                "request_log.retention_days".into(),
+                "must be ≥ 1".into(),
+            ));
+        }
+        let request_log = RequestLogConfig {
+            enabled: rl.enabled,
+            channel_capacity: rl.channel_capacity.max(1),
+            batch_rows: rl.batch_rows,
+            flush_interval: Duration::from_millis(rl.flush_interval_ms),
+            spill_path: rl.spill_path,
+            retention_days: rl.retention_days,
+        };
         Ok(Config {
             server,
             pools,
@@ -717,6 +789,7 @@ impl RawConfig {
             migrate_on_start: d.migrate_on_start,
             auth,
             admin,
+            request_log,
         })
     }
 }

@@ -67,6 +67,7 @@ pub async fn run(
         ..ServerConfig::default()
     };
     config.database.sqlite_path = data_dir.join("fleetgate.db");
+    config.request_log.spill_path = data_dir.join("request-log.spill");
     config.admin.listen = None;
     let server = Server::start_on(listener, &config, Recorder::new(false))
         .await

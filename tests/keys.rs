@@ -737,43 +737,6 @@ async fn two_gateways_share_keys_and_revocations() {
     }
 }
 
-/// A TCP forwarder standing in front of PostgreSQL that the test can cut and restore.
-struct Cuttable {
-    port: u16,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Cuttable {
-    async fn start(port: u16, upstream: std::net::SocketAddr) -> Self {
-        let sock = tokio::net::TcpSocket::new_v4().unwrap();
-        sock.set_reuseaddr(true).unwrap();
-        sock.bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
-            .unwrap();
-        let listener = sock.listen(64).unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let task = tokio::spawn(async move {
-            let mut conns = tokio::task::JoinSet::new();
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
-                    return;
-                };
-                conns.spawn(async move {
-                    if let Ok(mut out) = tokio::net::TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
-                    }
-                });
-            }
-        });
-        Self { port, task }
-    }
-
-    /// Close the listener and every open connection (aborting the task drops them all).
-    fn cut(self) -> u16 {
-        self.task.abort();
-        self.port
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_outage_keeps_cached_keys_working_and_recovers() {
     let Some(db) = pg_database("database_outage").await else {

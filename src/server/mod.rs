@@ -101,6 +101,7 @@ pub async fn route(
     }
     let request_id = proxy::request_id(req.headers());
     let mut record = RequestRecord::new(received, request_id, state.proxy.recorder.clone());
+    record.client_addr = Some(peer);
     let method = req.method().clone();
     let fail = |err: ApiError, mut record: RequestRecord| {
         record.status = err.status().as_u16();
@@ -207,6 +208,8 @@ pub struct Server {
     pub auth: Arc<Authenticator>,
     pub registry: prometheus::Registry,
     shutdown: CancellationToken,
+    /// Stops the request-log writer, after the workers are done (their last rows included).
+    log_stop: CancellationToken,
     tasks: TaskTracker,
     workers: Vec<tokio::sync::oneshot::Receiver<()>>,
 }
@@ -256,6 +259,19 @@ impl Server {
         let pools = Arc::new(Pools::new(&config.pools)?);
         let metrics = Arc::new(RequestMetrics::new(&registry, &pools)?);
         recorder.set_metrics(metrics.clone());
+        let shutdown = CancellationToken::new();
+        let log_stop = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        if config.request_log.enabled {
+            let log = crate::telemetry::request_log::start(
+                auth.store().clone(),
+                config.request_log.clone(),
+                &registry,
+                log_stop.clone(),
+                &tasks,
+            )?;
+            recorder.set_request_log(log);
+        }
         let recorder = Arc::new(recorder);
         let tls = match &config.server.tls {
             Some(t) => Some(tls::acceptor(&t.cert, &t.key)?),
@@ -275,8 +291,6 @@ impl Server {
             Some(l) => Some(l.local_addr()?),
             None => None,
         };
-        let shutdown = CancellationToken::new();
-        let tasks = TaskTracker::new();
         tasks.spawn(
             pools
                 .clone()
@@ -356,6 +370,7 @@ impl Server {
             auth,
             registry,
             shutdown,
+            log_stop,
             tasks,
             workers: worker_done,
         })
@@ -372,6 +387,7 @@ impl Server {
         for done in std::mem::take(&mut self.workers) {
             let _ = done.await;
         }
+        self.log_stop.cancel();
         self.tasks.wait().await;
     }
 
@@ -385,6 +401,7 @@ impl Drop for Server {
     /// A server dropped without `shutdown` still stops: its worker threads drain and exit.
     fn drop(&mut self) {
         self.shutdown.cancel();
+        self.log_stop.cancel();
     }
 }
 

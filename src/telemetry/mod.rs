@@ -3,6 +3,7 @@
 //! `RequestRecord` is dropped.
 
 pub mod metrics;
+pub mod request_log;
 pub mod timeline;
 
 use std::sync::Arc;
@@ -22,6 +23,7 @@ pub struct Recorder {
     emit_events: bool,
     observer: Option<Observer>,
     metrics: Option<Arc<metrics::RequestMetrics>>,
+    log: Option<Arc<request_log::RequestLog>>,
 }
 
 type Observer = Box<dyn Fn(&RequestRecord) + Send + Sync>;
@@ -41,12 +43,22 @@ impl Recorder {
             emit_events,
             observer: None,
             metrics: None,
+            log: None,
         }
     }
 
     /// Record every finished request into these Prometheus metrics too.
     pub fn set_metrics(&mut self, m: Arc<metrics::RequestMetrics>) {
         self.metrics = Some(m);
+    }
+
+    /// Write every finished request to the request log too.
+    pub fn set_request_log(&mut self, log: Arc<request_log::RequestLog>) {
+        self.log = Some(log);
+    }
+
+    pub fn request_log(&self) -> Option<&Arc<request_log::RequestLog>> {
+        self.log.as_ref()
     }
 
     pub fn metrics(&self) -> Option<&Arc<metrics::RequestMetrics>> {
@@ -62,6 +74,9 @@ impl Recorder {
     fn record(&self, r: &RequestRecord) {
         if let Some(m) = &self.metrics {
             m.observe(r);
+        }
+        if let Some(log) = &self.log {
+            log.record(r);
         }
         if self.emit_events {
             emit_event(r);
@@ -84,6 +99,8 @@ pub struct RequestRecord {
     /// Index of the pool and of the backend within it (metric handles are found by these).
     pub pool_index: Option<usize>,
     pub backend_index: Option<usize>,
+    /// The client's address (TCP peer).
+    pub client_addr: Option<std::net::SocketAddr>,
     /// The authenticated key (its public id and environment label the record).
     pub key: Option<Arc<KeyRecord>>,
     pub stream: bool,
@@ -102,6 +119,7 @@ impl RequestRecord {
             backend: None,
             pool_index: None,
             backend_index: None,
+            client_addr: None,
             key: None,
             stream: false,
             status: 0,

@@ -51,11 +51,16 @@ pub struct StreamMetrics {
     pub last_gap: Option<Duration>,
     pub itl_sum: Duration,
     pub itl_max: Duration,
+    /// Gaps by power-of-two microseconds (bucket i: [2^i, 2^(i+1)) µs), for a per-request p99
+    /// without keeping every gap.
+    pub itl_buckets: [u16; ITL_BUCKETS],
     pub usage: Option<Usage>,
     /// An in-stream `{"error": ...}` event was seen.
     pub error: bool,
     pub done: bool,
 }
+
+pub const ITL_BUCKETS: usize = 24;
 
 #[derive(Deserialize)]
 struct UsageEnvelope {
@@ -72,6 +77,9 @@ impl StreamMetrics {
                     self.itl_sum += gap;
                     self.itl_max = self.itl_max.max(gap);
                     self.last_gap = Some(gap);
+                    let us = u64::try_from(gap.as_micros()).unwrap_or(u64::MAX).max(1);
+                    let b = (63 - us.leading_zeros() as usize).min(ITL_BUCKETS - 1);
+                    self.itl_buckets[b] = self.itl_buckets[b].saturating_add(1);
                 } else {
                     self.first_content = Some(at);
                 }
@@ -121,6 +129,21 @@ impl StreamMetrics {
     pub fn itl_mean(&self) -> Option<Duration> {
         let gaps = self.content_events.checked_sub(1).filter(|n| *n > 0)?;
         Some(self.itl_sum / gaps)
+    }
+
+    /// p99 of the gaps, to the power-of-two bucket (never above the largest gap).
+    pub fn itl_p99(&self) -> Option<Duration> {
+        let gaps = u64::from(self.content_events.checked_sub(1).filter(|n| *n > 0)?);
+        let rank = (gaps * 99).div_ceil(100);
+        let mut seen = 0u64;
+        for (i, n) in self.itl_buckets.iter().enumerate() {
+            seen += u64::from(*n);
+            if seen >= rank {
+                let upper = Duration::from_micros(1u64 << (i + 1));
+                return Some(upper.min(self.itl_max));
+            }
+        }
+        Some(self.itl_max)
     }
 
     pub fn itl_max(&self) -> Option<Duration> {
@@ -370,6 +393,28 @@ mod tests {
         assert_eq!(t.overhead_relay(), Some(Duration::from_millis(1)));
         // client TTFT − upstream TTFT − queue wait
         assert_eq!(t.overhead_total(), Some(Duration::from_millis(3)));
+    }
+
+    #[test]
+    fn itl_p99_from_buckets() {
+        let mut m = StreamMetrics::default();
+        let mut t = Duration::ZERO;
+        m.on_data(DataKind::Content, b"", t);
+        for i in 0..100 {
+            t += if i == 99 {
+                Duration::from_millis(300)
+            } else {
+                Duration::from_millis(10)
+            };
+            m.on_data(DataKind::Content, b"", t);
+        }
+        // 99 gaps of 10 ms and one of 300 ms: p99 is in the 10 ms bucket (8.192–16.384 ms).
+        let p99 = m.itl_p99().unwrap();
+        assert!(
+            p99 >= Duration::from_millis(10) && p99 <= Duration::from_micros(16_384),
+            "{p99:?}"
+        );
+        assert_eq!(m.itl_max(), Some(Duration::from_millis(300)));
     }
 
     #[test]

@@ -125,6 +125,8 @@ pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -
         ..ServerConfig::default()
     };
     config.database.sqlite_path = db_dir.join("keys.db");
+    config.request_log.spill_path = db_dir.join("request-log.spill");
+    config.request_log.flush_interval = Duration::from_millis(20);
     config.admin.listen = Some("127.0.0.1:0".parse().unwrap());
     f(&mut config);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -352,4 +354,41 @@ pub async fn stores(
         ));
     }
     out
+}
+
+/// A TCP forwarder standing in front of PostgreSQL that the test can cut and restore.
+pub struct Cuttable {
+    pub port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Cuttable {
+    pub async fn start(port: u16, upstream: std::net::SocketAddr) -> Self {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.set_reuseaddr(true).unwrap();
+        sock.bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+            .unwrap();
+        let listener = sock.listen(64).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                conns.spawn(async move {
+                    if let Ok(mut out) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                    }
+                });
+            }
+        });
+        Self { port, task }
+    }
+
+    /// Close the listener and every open connection (aborting the task drops them all).
+    pub fn cut(self) -> u16 {
+        self.task.abort();
+        self.port
+    }
 }

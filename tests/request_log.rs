@@ -1,0 +1,228 @@
+//! The request log: one row per request in the store, written in the background; spilled to
+//! disk while PostgreSQL is away and replayed when it is back, every row exactly once.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use fleetgate::client::chat_body;
+use fleetgate::config::Secret;
+use sqlx::Row;
+
+async fn rows(store: &fleetgate::store::KeyStore) -> Vec<sqlx::any::AnyRow> {
+    sqlx::query("SELECT * FROM request_log ORDER BY at, row_id")
+        .fetch_all(store.pool())
+        .await
+        .unwrap()
+}
+
+async fn wait_rows(store: &fleetgate::store::KeyStore, n: usize) -> Vec<sqlx::any::AnyRow> {
+    for _ in 0..500 {
+        let r = rows(store).await;
+        if r.len() >= n {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    rows(store).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_gets_one_consistent_row_on_both_stores() {
+    for (db, _guard) in stores("request_log_rows").await {
+        let kind = db.kind().as_str();
+        let sim = sim(|_| {}).await;
+        let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+            c.database = db.clone()
+        })
+        .await;
+        let chat = gw.url("/v1/chat/completions");
+        let streamed = Bytes::from(
+            serde_json::json!({"model":"qwen32b","stream":true,"max_tokens":6,"messages":[{"role":"user","content":"hello"}]})
+                .to_string(),
+        );
+        assert_eq!(
+            post(&chat, &[("x-request-id", "log-stream")], streamed)
+                .await
+                .status,
+            200
+        );
+        assert_eq!(
+            post(
+                &chat,
+                &[("x-request-id", "log-plain")],
+                chat_body("qwen32b", "hi", 4, false)
+            )
+            .await
+            .status,
+            200
+        );
+        assert_eq!(
+            post(
+                &chat,
+                &[("x-request-id", "log-404")],
+                chat_body("nope", "hi", 4, true)
+            )
+            .await
+            .status,
+            404
+        );
+        let store = gw.server.auth.store().clone();
+        let all = wait_rows(&store, 3).await;
+        assert_eq!(all.len(), 3, "{kind}: one row per request");
+        let by_id = |id: &str| {
+            all.iter()
+                .find(|r| r.get::<String, _>("request_id") == id)
+                .unwrap()
+        };
+
+        let s = by_id("log-stream");
+        assert_eq!(s.get::<i32, _>("status"), 200, "{kind}");
+        assert_eq!(s.get::<i32, _>("stream"), 1);
+        assert_eq!(
+            s.get::<Option<i64>, _>("completion_tokens"),
+            Some(6),
+            "{kind}: usage learned"
+        );
+        assert_eq!(s.get::<String, _>("usage_source"), "backend");
+        assert!(s.get::<Option<i64>, _>("prompt_tokens").unwrap() > 0);
+        assert_eq!(
+            s.get::<Option<String>, _>("environment").as_deref(),
+            Some("stress")
+        );
+        assert_eq!(
+            s.get::<Option<String>, _>("model").as_deref(),
+            Some("qwen32b")
+        );
+        assert_eq!(s.get::<Option<String>, _>("backend"), Some(sim.url()));
+        assert_eq!(
+            s.get::<Option<String>, _>("client_addr").as_deref(),
+            Some("127.0.0.1")
+        );
+        let key_id = fleetgate::auth::key::parse(&gw.key)
+            .unwrap()
+            .public_id
+            .to_owned();
+        assert_eq!(s.get::<Option<String>, _>("key_id"), Some(key_id));
+        let up = s.get::<Option<i64>, _>("upstream_ttft_us").unwrap();
+        let client = s.get::<Option<i64>, _>("client_ttft_us").unwrap();
+        let pre = s.get::<Option<i64>, _>("overhead_pre_us").unwrap();
+        let e2el = s.get::<Option<i64>, _>("e2el_us").unwrap();
+        assert!(
+            up <= client && client <= e2el && pre >= 0,
+            "{kind}: {up} {client} {e2el} {pre}"
+        );
+        assert_eq!(s.get::<i32, _>("content_events"), 7);
+        assert!(
+            s.get::<Option<i64>, _>("itl_p99_us").unwrap()
+                <= s.get::<Option<i64>, _>("itl_max_us").unwrap()
+        );
+
+        let p = by_id("log-plain");
+        assert_eq!(p.get::<i32, _>("stream"), 0);
+        let e = by_id("log-404");
+        assert_eq!(e.get::<i32, _>("status"), 404);
+        assert_eq!(
+            e.get::<Option<String>, _>("error").as_deref(),
+            Some("model_not_found")
+        );
+        assert_eq!(e.get::<Option<String>, _>("model"), None);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_during_an_outage_are_spilled_and_replayed_exactly_once() {
+    let Some(db) = pg_database("request_log_outage").await else {
+        return;
+    };
+    let admin_url: http::Uri = pg_admin_url().parse().unwrap();
+    let upstream =
+        std::net::SocketAddr::from(([127, 0, 0, 1], admin_url.port_u16().unwrap_or(5432)));
+    let proxy = Cuttable::start(0, upstream).await;
+    let via_proxy = db.url.replacen(
+        &format!(":{}/", upstream.port()),
+        &format!(":{}/", proxy.port),
+        1,
+    );
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.database.url = Some(Secret::new(via_proxy.clone()));
+        c.database.connect_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let spill = gw.db_dir.0.join("request-log.spill");
+    // A direct view of the same database, not through the proxy.
+    let direct = fleetgate::store::KeyStore::connect(&fleetgate::store::DatabaseConfig {
+        url: Some(Secret::new(db.url.clone())),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let chat = gw.url("/v1/chat/completions");
+    for i in 0..5 {
+        let id = format!("before-{i}");
+        assert_eq!(
+            post(
+                &chat,
+                &[("x-request-id", &id)],
+                chat_body("qwen32b", "hi", 2, true)
+            )
+            .await
+            .status,
+            200
+        );
+    }
+    assert_eq!(wait_rows(&direct, 5).await.len(), 5);
+
+    let port = proxy.cut();
+    for i in 0..10 {
+        let id = format!("during-{i}");
+        assert_eq!(
+            post(
+                &chat,
+                &[("x-request-id", &id)],
+                chat_body("qwen32b", "hi", 2, true)
+            )
+            .await
+            .status,
+            200,
+            "requests go on while the log's database is away"
+        );
+    }
+    let spill_check = spill.clone();
+    assert!(
+        eventually(Duration::from_secs(15), || std::fs::read_to_string(
+            &spill_check
+        )
+        .map_or(0, |t| t.lines().count())
+            == 10)
+        .await,
+        "the rows were not spilled"
+    );
+    let _proxy = Cuttable::start(port, upstream).await;
+    let all = wait_rows(&direct, 15).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let all_again = rows(&direct).await;
+    assert_eq!(all.len(), 15);
+    assert_eq!(all_again.len(), 15, "no row twice");
+    let mut ids: Vec<String> = all_again
+        .iter()
+        .map(|r| r.get::<String, _>("request_id"))
+        .collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 15);
+    assert!(
+        eventually(Duration::from_secs(5), || !spill.exists()).await,
+        "the spill file is removed once replayed"
+    );
+    drop(gw);
+    drop(db);
+}
