@@ -466,9 +466,27 @@ fn count_lines(path: &std::path::Path) -> usize {
 /// Columns per row.
 const WIDTH: usize = 25;
 
+/// Insert a batch in one transaction. PostgreSQL takes it as one multi-row statement; SQLite's
+/// statement preparation grows badly with thousands of placeholders, so it gets statements of
+/// 50 rows (still one commit, one fsync).
+async fn insert(store: &KeyStore, rows: &[LogRow]) -> Result<(), sqlx::Error> {
+    let per_statement = match store.kind() {
+        DbKind::Postgres => 1000,
+        DbKind::Sqlite => 50,
+    };
+    let mut tx = store.pool().begin().await?;
+    for chunk in rows.chunks(per_statement) {
+        insert_rows(&mut tx, chunk).await?;
+    }
+    tx.commit().await
+}
+
 /// One multi-row INSERT with numbered placeholders (`$1`, `$2`, ... — what both PostgreSQL and
 /// SQLite accept); rows already stored (same row id) are skipped.
-async fn insert(store: &KeyStore, rows: &[LogRow]) -> Result<(), sqlx::Error> {
+async fn insert_rows(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    rows: &[LogRow],
+) -> Result<(), sqlx::Error> {
     let mut sql = String::with_capacity(120 + rows.len() * WIDTH * 6);
     sql.push_str("INSERT INTO request_log (");
     sql.push_str(COLUMNS);
@@ -516,6 +534,6 @@ async fn insert(store: &KeyStore, rows: &[LogRow]) -> Result<(), sqlx::Error> {
             .bind(r.content_events)
             .bind(r.client_addr.clone());
     }
-    q.execute(store.pool()).await?;
+    q.execute(&mut **tx).await?;
     Ok(())
 }

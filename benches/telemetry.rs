@@ -1,0 +1,190 @@
+//! Request-log cost on the request path and the writer's throughput into the store.
+//!
+//!   cargo bench --bench telemetry [-- --rows 200000]
+//!
+//! The request side is one `RequestLog::record` (cheap clones into a bounded channel); the
+//! writer side inserts batches of 1000 rows into a throwaway PostgreSQL database (from
+//! FLEETGATE_TEST_PG or the local server) and into an SQLite file.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "benchmark binary: fail loudly"
+)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fleetgate::auth::KeyRecord;
+use fleetgate::auth::key::Environment;
+use fleetgate::config::Secret;
+use fleetgate::store::{DatabaseConfig, KeyStore};
+use fleetgate::telemetry::request_log::{self, RequestLogConfig};
+use fleetgate::telemetry::{Recorder, RequestRecord, Usage};
+use http::HeaderValue;
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn key() -> Arc<KeyRecord> {
+    Arc::new(KeyRecord {
+        id: 1,
+        public_id: "AbCdEfGhIjKl".into(),
+        name: "bench".into(),
+        environment: Environment::Prod,
+        secret_hash: [0; 32],
+        previous: None,
+        created_at: 0,
+        created_by: "bench".into(),
+        expires_at: None,
+        revoked_at: None,
+        revoked_by: None,
+        revoke_reason: None,
+        allowed_models: None,
+        requests_per_minute: None,
+        tokens_per_minute: None,
+        max_concurrent_streams: None,
+        metadata: serde_json::Value::Null,
+        updated_at: 0,
+    })
+}
+
+fn fill(r: &mut RequestRecord, key: &Arc<KeyRecord>, model: &Arc<str>, backend: &Arc<str>) {
+    let t0 = r.timeline.received;
+    let ms = Duration::from_millis;
+    r.key = Some(key.clone());
+    r.model = Some(model.clone());
+    r.backend = Some(backend.clone());
+    r.pool_index = Some(0);
+    r.backend_index = Some(0);
+    r.status = 200;
+    r.stream = true;
+    r.client_addr = Some("10.1.2.3:40000".parse().unwrap());
+    let tl = &mut r.timeline;
+    tl.body_read = Some(t0 + Duration::from_micros(5));
+    tl.admitted = tl.body_read;
+    tl.upstream_sent = Some(t0 + Duration::from_micros(10));
+    tl.upstream_first_byte = Some(t0 + ms(1));
+    tl.upstream_first_token = Some(t0 + ms(20));
+    tl.client_first_token = Some(t0 + ms(20));
+    tl.done = Some(t0 + ms(700));
+    tl.stream.first_content = Some(ms(20));
+    tl.stream.last_content = Some(ms(690));
+    tl.stream.last_data = Some(ms(691));
+    tl.stream.content_events = 65;
+    tl.stream.usage = Some(Usage {
+        prompt_tokens: 100,
+        completion_tokens: 64,
+    });
+}
+
+async fn run(name: &str, db: DatabaseConfig, rows: usize) {
+    let store = KeyStore::connect(&db).await.unwrap();
+    store.migrate().await.unwrap();
+    let dir = std::env::temp_dir().join(format!("fleetgate-bench-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let registry = prometheus::Registry::new();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let tasks = tokio_util::task::TaskTracker::new();
+    let config = RequestLogConfig {
+        channel_capacity: rows + 1,
+        spill_path: dir.join("spill"),
+        ..RequestLogConfig::default()
+    };
+    let log = request_log::start(store.clone(), config, &registry, stop.clone(), &tasks).unwrap();
+    let mut recorder = Recorder::new(false);
+    recorder.set_request_log(log.clone());
+    let recorder = Arc::new(recorder);
+    let (key, model, backend): (_, Arc<str>, Arc<str>) =
+        (key(), "qwen32b".into(), "http://10.0.0.5:8000".into());
+
+    // Request side: build, fill and drop a record (which hands its row over).
+    let start = Instant::now();
+    for _ in 0..rows {
+        let mut r = RequestRecord::new(
+            Instant::now(),
+            HeaderValue::from_static("req-0123456789"),
+            recorder.clone(),
+        );
+        fill(&mut r, &key, &model, &backend);
+        drop(r);
+    }
+    let per_record = start.elapsed().as_nanos() as f64 / rows as f64;
+    // Writer side: until every row is stored.
+    let stored = || {
+        registry
+            .gather()
+            .iter()
+            .find(|f| f.name() == "fleetgate_request_log_rows_total")
+            .map_or(0.0, |f| f.get_metric()[0].get_counter().get_value())
+    };
+    while (stored() as usize) < rows {
+        assert!(start.elapsed() < Duration::from_secs(300), "writer stalled");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let total = start.elapsed();
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM request_log")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    println!(
+        "| {name} | {rows} | {per_record:.0} ns | {:.0} rows/s | {n} | {} |",
+        rows as f64 / total.as_secs_f64(),
+        log.dropped()
+    );
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let rows = arg("--rows", 200_000);
+    println!(
+        "| store | rows | request side per row | writer throughput | rows in table | dropped |\n|---|---|---|---|---|---|"
+    );
+    let admin = std::env::var("FLEETGATE_TEST_PG")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    use sqlx::Connection;
+    match sqlx::PgConnection::connect(&admin).await {
+        Ok(mut c) => {
+            let name = format!("fg_bench_log_{}", std::process::id());
+            sqlx::query(&format!("CREATE DATABASE {name}"))
+                .execute(&mut c)
+                .await
+                .unwrap();
+            let url = format!("{}/{name}", admin.rsplit_once('/').unwrap().0);
+            run(
+                "PostgreSQL",
+                DatabaseConfig {
+                    url: Some(Secret::new(url)),
+                    ..DatabaseConfig::default()
+                },
+                rows,
+            )
+            .await;
+            let _ = sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)"))
+                .execute(&mut c)
+                .await;
+        }
+        Err(e) => println!("| PostgreSQL | skipped: {e} | | | | |"),
+    }
+    let dir =
+        std::env::temp_dir().join(format!("fleetgate-bench-log-sqlite-{}", std::process::id()));
+    run(
+        "SQLite",
+        DatabaseConfig {
+            sqlite_path: dir.join("log.db"),
+            ..DatabaseConfig::default()
+        },
+        rows,
+    )
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
