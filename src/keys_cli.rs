@@ -375,3 +375,89 @@ pub fn run_admin_token(args: AdminTokenArgs) -> Result<(), String> {
     println!("{}", jwt::mint(&cfg.admin, role, &sub, ttl)?);
     Ok(())
 }
+
+#[derive(Args, Debug)]
+pub struct UsageArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Only this environment (stress, gray, prod).
+    #[arg(long)]
+    pub env: Option<Environment>,
+    /// Window ending now, e.g. 1h, 7d.
+    #[arg(long, default_value = "1h", conflicts_with = "month")]
+    pub since: String,
+    /// A calendar month instead (UTC), e.g. 2026-11: the monthly totals per key.
+    #[arg(long)]
+    pub month: Option<String>,
+    /// Group by key, env, model or backend.
+    #[arg(long, default_value = "key")]
+    pub by: crate::telemetry::usage::GroupBy,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `fleetgate usage`: the request log summarised.
+pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
+    use crate::telemetry::usage::{UsageQuery, month_window, usage};
+    let store = open(&args.store, true).await?;
+    let (from, to) = match &args.month {
+        Some(m) => month_window(m)?,
+        None => {
+            let since = jwt::parse_duration(&args.since)?;
+            let now = now_ms();
+            (
+                now - i64::try_from(since.as_millis()).unwrap_or(i64::MAX),
+                now + 1,
+            )
+        }
+    };
+    let q = UsageQuery {
+        from,
+        to,
+        environment: args.env.map(|e| e.as_str().to_owned()),
+        by: args.by,
+    };
+    let rows = usage(&store, &q).await.map_err(|e| e.to_string())?;
+    if args.json {
+        return print_json(&serde_json::json!({"from": from, "to": to, "groups": rows}));
+    }
+    println!("{} .. {}", format_time(from), format_time(to));
+    println!(
+        "{:<24} {:>9} {:>7} {:>12} {:>12}  {:>24}  {:>24}",
+        "GROUP",
+        "REQUESTS",
+        "ERRORS",
+        "PROMPT TOK",
+        "COMPL TOK",
+        "TTFT ms p50/p95/p99",
+        "OVERHEAD ms p50/p95/p99"
+    );
+    let p = |v: &Option<crate::telemetry::usage::Percentiles>| {
+        v.as_ref().map_or_else(
+            || "-".into(),
+            |p| format!("{:.1}/{:.1}/{:.1}", p.p50, p.p95, p.p99),
+        )
+    };
+    let op = |v: &Option<crate::telemetry::usage::Percentiles>| {
+        v.as_ref().map_or_else(
+            || "-".into(),
+            |p| format!("{:.3}/{:.3}/{:.3}", p.p50, p.p95, p.p99),
+        )
+    };
+    for r in &rows {
+        println!(
+            "{:<24} {:>9} {:>7} {:>12} {:>12}  {:>24}  {:>24}",
+            r.group,
+            r.requests,
+            r.errors,
+            r.prompt_tokens,
+            r.completion_tokens,
+            p(&r.client_ttft_ms),
+            op(&r.overhead_ms)
+        );
+    }
+    if rows.is_empty() {
+        println!("(no requests in this window)");
+    }
+    Ok(())
+}

@@ -31,6 +31,8 @@ enum Command {
     Demo(fleetgate::demo::DemoArgs),
     /// Manage API keys in the key store.
     Keys(fleetgate::keys_cli::KeysArgs),
+    /// Requests, errors, tokens and TTFT/overhead percentiles from the request log.
+    Usage(fleetgate::keys_cli::UsageArgs),
     /// Apply pending database migrations.
     Migrate(fleetgate::keys_cli::StoreArgs),
     /// Mint an admin API token from the configured HS256 secret.
@@ -109,6 +111,7 @@ async fn run(cli: Cli) -> ExitCode {
             }
         }
         Command::Keys(args) => report(fleetgate::keys_cli::run_keys(args).await),
+        Command::Usage(args) => report(fleetgate::keys_cli::run_usage(args).await),
         Command::Migrate(args) => report(fleetgate::keys_cli::run_migrate(args).await),
         Command::AdminToken(args) => report(fleetgate::keys_cli::run_admin_token(args)),
         Command::CheckConfig { config } => match Config::load(&config) {

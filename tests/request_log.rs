@@ -226,3 +226,95 @@ async fn rows_written_during_an_outage_are_spilled_and_replayed_exactly_once() {
     drop(gw);
     drop(db);
 }
+
+/// Reading the log back, through the CLI and the admin API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_reads_the_log_back() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.admin.jwt_key = Some(fleetgate::config::JwtKey::Secret(Secret::new(
+            "usage-test-secret-0123456789abcdef",
+        )));
+    })
+    .await;
+    let chat = gw.url("/v1/chat/completions");
+    for _ in 0..3 {
+        assert_eq!(
+            post(&chat, &[], chat_body("qwen32b", "hi", 5, true))
+                .await
+                .status,
+            200
+        );
+    }
+    assert_eq!(
+        post(&chat, &[], chat_body("nope", "hi", 5, true))
+            .await
+            .status,
+        404
+    );
+    let store = gw.server.auth.store().clone();
+    assert_eq!(wait_rows(&store, 4).await.len(), 4);
+
+    let db = gw.db_dir.0.join("keys.db");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fleetgate"))
+        .args(["usage", "--sqlite"])
+        .arg(&db)
+        .args(["--by", "model", "--since", "1h", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let groups = v["groups"].as_array().unwrap();
+    let model = groups.iter().find(|g| g["group"] == "qwen32b").unwrap();
+    assert_eq!(model["requests"], 3);
+    assert_eq!(model["errors"], 0);
+    assert_eq!(model["completion_tokens"], 15);
+    assert!(
+        model["client_ttft_ms"]["p99"].as_f64().unwrap()
+            >= model["client_ttft_ms"]["p50"].as_f64().unwrap()
+    );
+    assert!(model["overhead_ms"]["p50"].as_f64().is_some());
+    let none = groups.iter().find(|g| g["group"] == "-").unwrap();
+    assert_eq!(
+        (none["requests"].as_u64(), none["errors"].as_u64()),
+        (Some(1), Some(1))
+    );
+
+    let token = fleetgate::admin::jwt::mint(
+        &fleetgate::config::AdminConfig {
+            jwt_key: Some(fleetgate::config::JwtKey::Secret(Secret::new(
+                "usage-test-secret-0123456789abcdef",
+            ))),
+            ..Default::default()
+        },
+        fleetgate::admin::jwt::Role::Viewer,
+        "t",
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let c = fleetgate::client::http_client();
+    let req = http::Request::get(format!(
+        "http://{}/admin/usage?by=env&since=1h",
+        gw.server.admin_addr.unwrap()
+    ))
+    .header("authorization", format!("Bearer {token}"))
+    .body(http_body_util::Full::new(Bytes::new()))
+    .unwrap();
+    let resp = c.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    use http_body_util::BodyExt;
+    let v: serde_json::Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let stress = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["group"] == "stress")
+        .unwrap();
+    assert_eq!(stress["requests"], 4);
+    assert_eq!(stress["errors"], 1);
+}

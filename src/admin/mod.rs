@@ -318,6 +318,57 @@ async fn keys_api(
                 })),
             ))
         }
+        (Method::GET, ["admin", "usage"]) => {
+            use crate::telemetry::usage::{GroupBy, UsageQuery, month_window, usage};
+            let query = req.uri().query();
+            let bad = |m: String| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    "invalid_value",
+                    &m,
+                )
+            };
+            let by = match query_param(query, "by") {
+                Some(b) => b.parse::<GroupBy>().map_err(bad)?,
+                None => GroupBy::Key,
+            };
+            let (from, to) = match query_param(query, "month") {
+                Some(m) => month_window(m).map_err(bad)?,
+                None => {
+                    let since = crate::admin::jwt::parse_duration(
+                        query_param(query, "since").unwrap_or("1h"),
+                    )
+                    .map_err(bad)?;
+                    let now = crate::store::now_ms();
+                    (
+                        now - i64::try_from(since.as_millis()).unwrap_or(i64::MAX),
+                        now + 1,
+                    )
+                }
+            };
+            let environment = match query_param(query, "env") {
+                Some(e) => Some(e.parse::<Environment>().map_err(bad)?.as_str().to_owned()),
+                None => None,
+            };
+            let rows = usage(
+                store,
+                &UsageQuery {
+                    from,
+                    to,
+                    environment,
+                    by,
+                },
+            )
+            .await
+            .map_err(|e| store_error(&e))?;
+            Ok((
+                StatusCode::OK,
+                to_json(
+                    &serde_json::json!({"object": "list", "from": from, "to": to, "data": rows}),
+                ),
+            ))
+        }
         (Method::GET, ["admin", "audit"]) => {
             let key = query_param(req.uri().query(), "key");
             let limit = query_param(req.uri().query(), "limit")
@@ -337,7 +388,7 @@ async fn keys_api(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "unknown_url",
-            "Unknown admin route. Routes: GET/POST /admin/keys, GET /admin/keys/{id}, POST /admin/keys/{id}/revoke, POST /admin/keys/{id}/rotate, GET /admin/audit, GET /metrics.",
+            "Unknown admin route. Routes: GET/POST /admin/keys, GET /admin/keys/{id}, POST /admin/keys/{id}/revoke, POST /admin/keys/{id}/rotate, GET /admin/audit, GET /admin/usage, GET /metrics.",
         )),
     }
 }

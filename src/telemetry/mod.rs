@@ -5,6 +5,7 @@
 pub mod metrics;
 pub mod request_log;
 pub mod timeline;
+pub mod usage;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
