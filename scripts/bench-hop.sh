@@ -177,6 +177,11 @@ shutdown_grace_seconds = 1
 health_interval_ms = 5000
 workers = ${GATEWAY_WORKERS:-0}
 
+# Like nginx (access_log off): no request log here (its cost per request and its writer's
+# throughput are measured on their own by cargo bench --bench telemetry).
+[request_log]
+enabled = false
+
 # A throw-away key store for this run; no admin listener (its default port is fixed).
 [database]
 sqlite_path = "$TMP/fleetgate.db"
