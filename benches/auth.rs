@@ -13,48 +13,20 @@
     reason = "benchmark binary: fail loudly"
 )]
 
+mod common;
+
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use fleetgate::auth::key::{self, Environment};
-use fleetgate::auth::{AuthConfig, Authenticator, KeyRecord};
-use fleetgate::config::{Config, PoolConfig, Secret};
+use fleetgate::auth::{AuthConfig, Authenticator};
+use fleetgate::config::{Config, PoolConfig};
 use fleetgate::server::Server;
 use fleetgate::store::{CreateKey, DatabaseConfig, KeyStore};
 use fleetgate::telemetry::Recorder;
 use http::{HeaderMap, HeaderValue};
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn record(public_id: &str, hash: [u8; 32]) -> KeyRecord {
-    KeyRecord {
-        id: 0,
-        public_id: public_id.into(),
-        name: "bench".into(),
-        environment: Environment::Prod,
-        secret_hash: hash,
-        previous: None,
-        created_at: 0,
-        created_by: "bench".into(),
-        expires_at: Some(i64::MAX),
-        revoked_at: None,
-        revoked_by: None,
-        revoke_reason: None,
-        allowed_models: None,
-        requests_per_minute: None,
-        tokens_per_minute: None,
-        max_concurrent_streams: None,
-        metadata: serde_json::Value::Null,
-        updated_at: 0,
-    }
-}
+use common::{ThrowawayPg, arg, key_record as record};
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -263,29 +235,10 @@ async fn main() {
 
     println!("\n## Revocation propagation: revoked through gateway A, refused by gateway B\n");
     println!("| store | revocations | p50 | p99 | max | mean |\n|---|---|---|---|---|---|");
-    let admin = std::env::var("FLEETGATE_TEST_PG")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    use sqlx::Connection;
-    match sqlx::PgConnection::connect(&admin).await {
-        Ok(mut c) => {
-            let name = format!("fg_bench_{}", std::process::id());
-            sqlx::query(&format!("CREATE DATABASE {name}"))
-                .execute(&mut c)
-                .await
-                .unwrap();
-            let url = format!("{}/{name}", admin.rsplit_once('/').unwrap().0);
-            propagation(
-                "PostgreSQL (LISTEN/NOTIFY)",
-                DatabaseConfig {
-                    url: Some(Secret::new(url)),
-                    ..DatabaseConfig::default()
-                },
-                revocations,
-            )
-            .await;
-            let _ = sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)"))
-                .execute(&mut c)
-                .await;
+    match ThrowawayPg::create("auth").await {
+        Ok(pg) => {
+            propagation("PostgreSQL (LISTEN/NOTIFY)", pg.config.clone(), revocations).await;
+            pg.drop_database().await;
         }
         Err(e) => println!("| PostgreSQL | skipped: {e} | | | | |"),
     }

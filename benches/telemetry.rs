@@ -11,47 +11,21 @@
     reason = "benchmark binary: fail loudly"
 )]
 
+mod common;
+
+use common::{ThrowawayPg, arg};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fleetgate::auth::KeyRecord;
-use fleetgate::auth::key::Environment;
-use fleetgate::config::Secret;
 use fleetgate::store::{DatabaseConfig, KeyStore};
 use fleetgate::telemetry::request_log::{self, RequestLogConfig};
 use fleetgate::telemetry::{Recorder, RequestRecord, Usage};
 use http::HeaderValue;
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 fn key() -> Arc<KeyRecord> {
-    Arc::new(KeyRecord {
-        id: 1,
-        public_id: "AbCdEfGhIjKl".into(),
-        name: "bench".into(),
-        environment: Environment::Prod,
-        secret_hash: [0; 32],
-        previous: None,
-        created_at: 0,
-        created_by: "bench".into(),
-        expires_at: None,
-        revoked_at: None,
-        revoked_by: None,
-        revoke_reason: None,
-        allowed_models: None,
-        requests_per_minute: None,
-        tokens_per_minute: None,
-        max_concurrent_streams: None,
-        metadata: serde_json::Value::Null,
-        updated_at: 0,
-    })
+    Arc::new(common::key_record("AbCdEfGhIjKl", [0; 32]))
 }
 
 fn fill(r: &mut RequestRecord, key: &Arc<KeyRecord>, model: &Arc<str>, backend: &Arc<str>) {
@@ -149,29 +123,10 @@ async fn main() {
     println!(
         "| store | rows | request side per row | writer throughput | rows in table | dropped |\n|---|---|---|---|---|---|"
     );
-    let admin = std::env::var("FLEETGATE_TEST_PG")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    use sqlx::Connection;
-    match sqlx::PgConnection::connect(&admin).await {
-        Ok(mut c) => {
-            let name = format!("fg_bench_log_{}", std::process::id());
-            sqlx::query(&format!("CREATE DATABASE {name}"))
-                .execute(&mut c)
-                .await
-                .unwrap();
-            let url = format!("{}/{name}", admin.rsplit_once('/').unwrap().0);
-            run(
-                "PostgreSQL",
-                DatabaseConfig {
-                    url: Some(Secret::new(url)),
-                    ..DatabaseConfig::default()
-                },
-                rows,
-            )
-            .await;
-            let _ = sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)"))
-                .execute(&mut c)
-                .await;
+    match ThrowawayPg::create("log").await {
+        Ok(pg) => {
+            run("PostgreSQL", pg.config.clone(), rows).await;
+            pg.drop_database().await;
         }
         Err(e) => println!("| PostgreSQL | skipped: {e} | | | | |"),
     }
