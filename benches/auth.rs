@@ -116,32 +116,8 @@ fn record_cost(iterations: usize) {
         RequestMetrics::new(&registry, &pools).unwrap(),
     ));
     let recorder = std::sync::Arc::new(recorder);
-    let key = std::sync::Arc::new(record("pid", [0; 32]));
     let t0 = Instant::now();
-    let mut template = RequestRecord::new(t0, HeaderValue::from_static("req-1"), recorder.clone());
-    let ms = Duration::from_millis;
-    template.key = Some(key);
-    template.pool_index = Some(0);
-    template.backend_index = Some(0);
-    template.status = 200;
-    let tl = &mut template.timeline;
-    tl.body_read = Some(t0 + Duration::from_micros(5));
-    tl.admitted = tl.body_read;
-    tl.upstream_sent = Some(t0 + Duration::from_micros(10));
-    tl.upstream_first_byte = Some(t0 + ms(1));
-    tl.upstream_first_token = Some(t0 + ms(20));
-    tl.client_first_token = Some(t0 + ms(20));
-    tl.done = Some(t0 + ms(700));
-    tl.stream.first_content = Some(ms(20));
-    tl.stream.last_content = Some(ms(690));
-    tl.stream.last_data = Some(ms(691));
-    tl.stream.content_events = 65;
-    tl.stream.usage = Some(fleetgate::telemetry::Usage {
-        prompt_tokens: 100,
-        completion_tokens: 64,
-    });
-    let timeline = template.timeline.clone();
-    drop(template);
+    let timeline = common::streamed_timeline(t0);
     let start = Instant::now();
     for _ in 0..iterations {
         let mut r = RequestRecord::new(t0, HeaderValue::from_static("req-1"), recorder.clone());

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use fleetgate::auth::KeyRecord;
 use fleetgate::store::{DatabaseConfig, KeyStore};
 use fleetgate::telemetry::request_log::{self, RequestLogConfig};
-use fleetgate::telemetry::{Recorder, RequestRecord, Usage};
+use fleetgate::telemetry::{Recorder, RequestRecord};
 use http::HeaderValue;
 
 fn key() -> Arc<KeyRecord> {
@@ -30,7 +30,6 @@ fn key() -> Arc<KeyRecord> {
 
 fn fill(r: &mut RequestRecord, key: &Arc<KeyRecord>, model: &Arc<str>, backend: &Arc<str>) {
     let t0 = r.timeline.received;
-    let ms = Duration::from_millis;
     r.key = Some(key.clone());
     r.model = Some(model.clone());
     r.backend = Some(backend.clone());
@@ -39,22 +38,7 @@ fn fill(r: &mut RequestRecord, key: &Arc<KeyRecord>, model: &Arc<str>, backend: 
     r.status = 200;
     r.stream = true;
     r.client_addr = Some("10.1.2.3:40000".parse().unwrap());
-    let tl = &mut r.timeline;
-    tl.body_read = Some(t0 + Duration::from_micros(5));
-    tl.admitted = tl.body_read;
-    tl.upstream_sent = Some(t0 + Duration::from_micros(10));
-    tl.upstream_first_byte = Some(t0 + ms(1));
-    tl.upstream_first_token = Some(t0 + ms(20));
-    tl.client_first_token = Some(t0 + ms(20));
-    tl.done = Some(t0 + ms(700));
-    tl.stream.first_content = Some(ms(20));
-    tl.stream.last_content = Some(ms(690));
-    tl.stream.last_data = Some(ms(691));
-    tl.stream.content_events = 65;
-    tl.stream.usage = Some(Usage {
-        prompt_tokens: 100,
-        completion_tokens: 64,
-    });
+    r.timeline = common::streamed_timeline(t0);
 }
 
 async fn run(name: &str, db: DatabaseConfig, rows: usize) {

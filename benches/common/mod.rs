@@ -81,3 +81,26 @@ impl ThrowawayPg {
             .await;
     }
 }
+
+/// The Timeline of a typical finished stream (64 tokens, 20 ms TTFT, 0.7 s), starting at `t0`.
+pub fn streamed_timeline(t0: std::time::Instant) -> fleetgate::telemetry::Timeline {
+    use std::time::Duration;
+    let ms = Duration::from_millis;
+    let mut tl = fleetgate::telemetry::Timeline::start(t0);
+    tl.body_read = Some(t0 + Duration::from_micros(5));
+    tl.admitted = tl.body_read;
+    tl.upstream_sent = Some(t0 + Duration::from_micros(10));
+    tl.upstream_first_byte = Some(t0 + ms(1));
+    tl.upstream_first_token = Some(t0 + ms(20));
+    tl.client_first_token = Some(t0 + ms(20));
+    tl.done = Some(t0 + ms(700));
+    tl.stream.first_content = Some(ms(20));
+    tl.stream.last_content = Some(ms(690));
+    tl.stream.last_data = Some(ms(691));
+    tl.stream.content_events = 65;
+    tl.stream.usage = Some(fleetgate::telemetry::Usage {
+        prompt_tokens: 100,
+        completion_tokens: 64,
+    });
+    tl
+}

@@ -209,6 +209,19 @@ fn build_client(cfg: &PoolConfig) -> io::Result<UpstreamClient> {
         .build(https))
 }
 
+/// A `/v1/models` body (OpenAI list shape) naming these pools' models.
+fn models_list_body<'a>(pools: impl Iterator<Item = &'a Pool>) -> Bytes {
+    let data: Vec<serde_json::Value> = pools
+        .map(|p| {
+            serde_json::json!({"id": &*p.model, "object": "model", "created": 0, "owned_by": "fleetgate"})
+        })
+        .collect();
+    Bytes::from(
+        serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
+            .unwrap_or_default(),
+    )
+}
+
 /// All pools, by the model name clients send.
 #[derive(Debug)]
 pub struct Pools {
@@ -237,21 +250,7 @@ impl Pools {
             .map(|p| format!("`{}`", p.model))
             .collect::<Vec<_>>()
             .join(", ");
-        let data: Vec<serde_json::Value> = pools
-            .iter()
-            .map(|p| {
-                serde_json::json!({
-                    "id": &*p.model,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "fleetgate",
-                })
-            })
-            .collect();
-        let models_body = Bytes::from(
-            serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
-                .map_err(io::Error::other)?,
-        );
+        let models_body = models_list_body(pools.iter());
         Ok(Self {
             pools,
             by_model,
@@ -271,18 +270,7 @@ impl Pools {
         if self.pools.iter().all(usable) {
             return self.models_body.clone();
         }
-        let data: Vec<serde_json::Value> = self
-            .pools
-            .iter()
-            .filter(|p| usable(p))
-            .map(|p| {
-                serde_json::json!({"id": &*p.model, "object": "model", "created": 0, "owned_by": "fleetgate"})
-            })
-            .collect();
-        Bytes::from(
-            serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
-                .unwrap_or_default(),
-        )
+        models_list_body(self.pools.iter().filter(|p| usable(p)))
     }
 
     /// The same pools and backends (shared in-flight counts and reachability) with upstream

@@ -124,30 +124,21 @@ impl RelayBody {
         let sent_at = record.timeline.upstream_sent.unwrap_or(now);
         let mut scanner = SseScanner::new();
         let mut ready = Ready::default();
-        if let Some(mut data) = first {
+        if let Some(data) = first {
             // A frame read together with the head: account for it as if just relayed.
-            if sse {
-                let tl = &mut record.timeline;
-                let at = now.saturating_duration_since(tl.received);
-                let stream = &mut tl.stream;
-                let mut cut = None;
-                scanner.feed(&data, |line| {
-                    if strip_usage && is_usage(&line) {
-                        cut = line.event_span.clone();
-                    }
-                    stream.on_data(line.kind, line.payload, at);
-                });
-                if let Some(r) = cut {
-                    data = without(data, r).unwrap_or_default();
-                }
-                if stream.first_content.is_some() {
-                    tl.upstream_first_token = Some(now);
-                }
-                if stream.error {
-                    record.error = Some(ErrorKind::UpstreamStreamError);
-                }
-            }
-            if !data.is_empty() {
+            let data = if sse {
+                scan_frame(
+                    &mut scanner,
+                    &mut record,
+                    data,
+                    now,
+                    strip_usage,
+                    itl.as_ref(),
+                )
+            } else {
+                Some(data)
+            };
+            if let Some(data) = data {
                 ready.push(data);
             }
         }
@@ -228,6 +219,45 @@ pub struct RelayOptions {
     pub strip_usage: bool,
     /// Every gap between content events is observed here.
     pub itl: Option<prometheus::Histogram>,
+}
+
+/// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
+/// ITL histogram, stamp the upstream first token, flag an in-stream error, and cut out the
+/// usage event the gateway asked for (`strip_usage`). Returns what to hand on (`None`: nothing).
+fn scan_frame(
+    scanner: &mut SseScanner,
+    record: &mut RequestRecord,
+    data: Bytes,
+    now: Instant,
+    strip_usage: bool,
+    itl: Option<&prometheus::Histogram>,
+) -> Option<Bytes> {
+    let tl = &mut record.timeline;
+    let at = now.saturating_duration_since(tl.received);
+    let stream = &mut tl.stream;
+    let first_before = stream.first_content.is_some();
+    let mut cut = None;
+    scanner.feed(&data, |line| {
+        if strip_usage && is_usage(&line) {
+            cut = line.event_span.clone();
+        }
+        stream.on_data(line.kind, line.payload, at);
+        if line.kind == DataKind::Content
+            && let (Some(h), Some(gap)) = (itl, stream.last_gap)
+        {
+            h.observe(gap.as_secs_f64());
+        }
+    });
+    if !first_before && stream.first_content.is_some() {
+        tl.upstream_first_token = Some(now);
+    }
+    if stream.error && record.error.is_none() {
+        record.error = Some(ErrorKind::UpstreamStreamError);
+    }
+    match cut {
+        Some(r) => without(data, r),
+        None => Some(data),
+    }
 }
 
 /// The usage chunk: `choices: []` with a `usage` object.
@@ -317,36 +347,16 @@ impl Body for RelayBody {
                         }
                     };
                     if *this.sse {
-                        let tl = &mut this.record.timeline;
-                        let at = now.saturating_duration_since(tl.received);
-                        let stream = &mut tl.stream;
-                        let first_before = stream.first_content.is_some();
-                        let itl = this.itl.as_ref();
-                        let strip = *this.strip_usage;
-                        let mut cut = None;
-                        this.scanner.feed(&data, |line| {
-                            if strip && is_usage(&line) {
-                                cut = line.event_span.clone();
-                            }
-                            stream.on_data(line.kind, line.payload, at);
-                            if line.kind == DataKind::Content
-                                && let (Some(h), Some(gap)) = (itl, stream.last_gap)
-                            {
-                                h.observe(gap.as_secs_f64());
-                            }
-                        });
-                        if let Some(r) = cut {
-                            // The usage event the gateway asked for, not the client: hidden.
-                            match without(data, r) {
-                                Some(rest) => data = rest,
-                                None => continue,
-                            }
-                        }
-                        if !first_before && stream.first_content.is_some() {
-                            tl.upstream_first_token = Some(now);
-                        }
-                        if stream.error && this.record.error.is_none() {
-                            this.record.error = Some(ErrorKind::UpstreamStreamError);
+                        match scan_frame(
+                            this.scanner,
+                            this.record,
+                            data,
+                            now,
+                            *this.strip_usage,
+                            this.itl.as_ref(),
+                        ) {
+                            Some(rest) => data = rest,
+                            None => continue, // only the hidden usage event: nothing to send
                         }
                     }
                     // Something new came in this turn: the upstream connection may have more.

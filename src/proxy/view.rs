@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::ops::Range;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
@@ -287,15 +287,6 @@ fn span_of(body: &[u8], part: &[u8]) -> Option<Range<usize>> {
     (body.get(start..end)? == part).then_some(start..end)
 }
 
-/// Replace the bytes in `span` with `replacement` (a JSON string literal).
-pub fn splice(body: &Bytes, span: Range<usize>, replacement: &[u8]) -> Bytes {
-    let mut out = BytesMut::with_capacity(body.len() - span.len() + replacement.len());
-    out.extend_from_slice(&body[..span.start]);
-    out.extend_from_slice(replacement);
-    out.extend_from_slice(&body[span.end..]);
-    out.freeze()
-}
-
 // ---- prompt size estimation without building a tree ------------------------------------
 
 /// Sum of the `content` text lengths of chat messages.
@@ -539,7 +530,7 @@ mod tests {
         let body = Bytes::from_static(br#"{"model" : "a\u0062", "messages":[]}"#);
         let v = parse(&body, Endpoint::Chat).unwrap();
         assert_eq!(v.model, "ab");
-        let out = splice(&body, v.model_span.clone(), br#""served/name""#);
+        let out = upstream_body(&body, &v, Some(br#""served/name""#), false);
         assert_eq!(&out[..], br#"{"model" : "served/name", "messages":[]}"#);
         assert_eq!(parse(&out, Endpoint::Chat).unwrap().model, "served/name");
     }
