@@ -105,10 +105,13 @@ async fn key_check(n_keys: usize, iterations: usize) {
 fn record_cost(iterations: usize) {
     use fleetgate::telemetry::metrics::RequestMetrics;
     use fleetgate::telemetry::{Recorder, RequestRecord};
-    let pools = fleetgate::pool::Pools::new(&[PoolConfig::new(
-        "m",
-        vec!["http://127.0.0.1:9".parse().unwrap()],
-    )])
+    let pools = fleetgate::pool::Pools::new(
+        &[PoolConfig::new(
+            "m",
+            vec!["http://127.0.0.1:9".parse().unwrap()],
+        )],
+        &fleetgate::config::QueueConfig::default(),
+    )
     .unwrap();
     let registry = prometheus::Registry::new();
     let mut recorder = Recorder::new(false);

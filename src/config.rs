@@ -68,6 +68,8 @@ pub struct Config {
     pub auth: AuthConfig,
     pub admin: AdminConfig,
     pub request_log: RequestLogConfig,
+    pub limits: LimitsConfig,
+    pub queue: QueueConfig,
 }
 
 impl Config {
@@ -81,6 +83,101 @@ impl Config {
             auth: AuthConfig::default(),
             admin: AdminConfig::default(),
             request_log: RequestLogConfig::default(),
+            limits: LimitsConfig::default(),
+            queue: QueueConfig::default(),
+        }
+    }
+}
+
+/// Limits of one environment: defaults for its keys (a key's own value wins) and caps on all
+/// of its keys together. `None`: no limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EnvLimits {
+    pub requests_per_minute: Option<u32>,
+    /// Requests a key may send at once before the per-minute rate applies (default: the
+    /// per-minute value, i.e. a minute's allowance).
+    pub request_burst: Option<u32>,
+    pub tokens_per_minute: Option<u64>,
+    pub max_concurrent_streams: Option<u32>,
+    /// All keys of the environment together.
+    pub aggregate_requests_per_second: Option<u32>,
+    pub aggregate_burst: Option<u32>,
+    pub aggregate_max_concurrent: Option<u32>,
+}
+
+/// Where rate-limit counters live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum SharedLimits {
+    /// In this process: each replica enforces the whole limit.
+    #[default]
+    Local,
+    /// In Redis: all replicas enforce one limit.
+    Redis,
+}
+
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    pub url: Secret,
+    /// Longest wait for Redis on the request path before falling back to local limits.
+    pub timeout: Duration,
+    /// Replicas sharing the limits: while Redis is unreachable each enforces limit/replicas.
+    pub replicas: u32,
+    /// Prefix of every Redis key fleetgate writes.
+    pub key_prefix: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct LimitsConfig {
+    pub shared: SharedLimits,
+    pub redis: Option<RedisConfig>,
+    /// Completion tokens reserved for a request that names no `max_tokens`.
+    pub default_max_tokens: u32,
+    /// Prompt characters per token for the admission estimate.
+    pub chars_per_token: u32,
+    /// Limiter state of a key unused for this long is dropped.
+    pub prune_idle: Duration,
+    /// By `Environment::index()`.
+    pub environments: [EnvLimits; 3],
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            shared: SharedLimits::Local,
+            redis: None,
+            default_max_tokens: 1024,
+            chars_per_token: 4,
+            prune_idle: Duration::from_secs(600),
+            environments: [EnvLimits::default(); 3],
+        }
+    }
+}
+
+/// The admission queue in front of each pool's backends.
+#[derive(Debug, Clone)]
+pub struct QueueConfig {
+    /// Requests waiting per pool; beyond it a request is refused at once.
+    pub max_size: usize,
+    /// Queue slots one key may hold.
+    pub max_per_key: usize,
+    /// Longest wait by `Environment::index()`.
+    pub max_wait: [Duration; 3],
+    /// SSE comment (`: queued`) interval for waiting streams; `None`: off.
+    pub keepalive_interval: Option<Duration>,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self {
+            max_size: 1024,
+            max_per_key: 128,
+            max_wait: [
+                Duration::from_secs(5),
+                Duration::from_secs(15),
+                Duration::from_secs(30),
+            ],
+            keepalive_interval: None,
         }
     }
 }
@@ -161,7 +258,12 @@ pub struct PoolConfig {
     pub timeouts: Timeouts,
     /// Environments whose keys may use this pool (`None`: all).
     pub environments: Option<Vec<Environment>>,
+    /// Requests one backend serves at once (vLLM's `max_num_seqs`); more wait in the
+    /// admission queue. 0: no cap (and no queue).
+    pub max_in_flight_per_backend: u32,
 }
+
+pub const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
 
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
@@ -214,6 +316,7 @@ impl PoolConfig {
             ca_file: None,
             timeouts: Timeouts::default(),
             environments: None,
+            max_in_flight_per_backend: DEFAULT_MAX_IN_FLIGHT,
         }
     }
 }
@@ -235,6 +338,151 @@ struct RawConfig {
     admin: RawAdmin,
     #[serde(default)]
     request_log: RawRequestLog,
+    #[serde(default)]
+    limits: RawLimits,
+    #[serde(default)]
+    queue: RawQueue,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    #[serde(default)]
+    shared: SharedLimits,
+    redis: Option<RawRedis>,
+    #[serde(default = "default_max_tokens")]
+    default_max_tokens: u32,
+    #[serde(default = "default_chars_per_token")]
+    chars_per_token: u32,
+    #[serde(default = "default_prune_idle")]
+    prune_idle_seconds: u64,
+    #[serde(default)]
+    stress: RawEnvLimits,
+    #[serde(default)]
+    gray: RawEnvLimits,
+    #[serde(default)]
+    prod: RawEnvLimits,
+}
+
+impl Default for RawLimits {
+    fn default() -> Self {
+        Self {
+            shared: SharedLimits::Local,
+            redis: None,
+            default_max_tokens: default_max_tokens(),
+            chars_per_token: default_chars_per_token(),
+            prune_idle_seconds: default_prune_idle(),
+            stress: RawEnvLimits::default(),
+            gray: RawEnvLimits::default(),
+            prod: RawEnvLimits::default(),
+        }
+    }
+}
+
+fn default_max_tokens() -> u32 {
+    1024
+}
+fn default_chars_per_token() -> u32 {
+    4
+}
+fn default_prune_idle() -> u64 {
+    600
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawEnvLimits {
+    requests_per_minute: Option<u32>,
+    request_burst: Option<u32>,
+    tokens_per_minute: Option<u64>,
+    max_concurrent_streams: Option<u32>,
+    aggregate_requests_per_second: Option<u32>,
+    aggregate_burst: Option<u32>,
+    aggregate_max_concurrent: Option<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRedis {
+    url: String,
+    #[serde(default = "default_redis_timeout")]
+    timeout_ms: u64,
+    #[serde(default = "default_replicas")]
+    replicas: u32,
+    #[serde(default = "default_key_prefix")]
+    key_prefix: String,
+}
+
+fn default_redis_timeout() -> u64 {
+    50
+}
+fn default_replicas() -> u32 {
+    1
+}
+fn default_key_prefix() -> String {
+    "fleetgate".into()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQueue {
+    #[serde(default = "default_queue_size")]
+    max_size: usize,
+    #[serde(default = "default_queue_per_key")]
+    max_per_key: usize,
+    #[serde(default)]
+    max_wait_seconds: RawQueueWait,
+    #[serde(default)]
+    keepalive_interval_ms: u64,
+}
+
+impl Default for RawQueue {
+    fn default() -> Self {
+        Self {
+            max_size: default_queue_size(),
+            max_per_key: default_queue_per_key(),
+            max_wait_seconds: RawQueueWait::default(),
+            keepalive_interval_ms: 0,
+        }
+    }
+}
+
+fn default_queue_size() -> usize {
+    1024
+}
+fn default_queue_per_key() -> usize {
+    128
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQueueWait {
+    #[serde(default = "default_wait_stress")]
+    stress: f64,
+    #[serde(default = "default_wait_gray")]
+    gray: f64,
+    #[serde(default = "default_wait_prod")]
+    prod: f64,
+}
+
+impl Default for RawQueueWait {
+    fn default() -> Self {
+        Self {
+            stress: default_wait_stress(),
+            gray: default_wait_gray(),
+            prod: default_wait_prod(),
+        }
+    }
+}
+
+fn default_wait_stress() -> f64 {
+    5.0
+}
+fn default_wait_gray() -> f64 {
+    15.0
+}
+fn default_wait_prod() -> f64 {
+    30.0
 }
 
 #[derive(Deserialize)]
@@ -455,6 +703,7 @@ struct RawPool {
     #[serde(default)]
     timeouts: RawTimeouts,
     environments: Option<Vec<Environment>>,
+    max_in_flight_per_backend: Option<u32>,
 }
 
 #[derive(Deserialize, Default)]
@@ -669,6 +918,9 @@ impl RawConfig {
                 ca_file: p.ca_file,
                 timeouts,
                 environments: p.environments,
+                max_in_flight_per_backend: p
+                    .max_in_flight_per_backend
+                    .unwrap_or(DEFAULT_MAX_IN_FLIGHT),
             });
         }
 
@@ -782,6 +1034,8 @@ impl RawConfig {
             spill_path: rl.spill_path,
             retention_days: rl.retention_days,
         };
+        let limits = self.limits.validate(&err)?;
+        let queue = self.queue.validate(&err)?;
         Ok(Config {
             server,
             pools,
@@ -790,6 +1044,156 @@ impl RawConfig {
             auth,
             admin,
             request_log,
+            limits,
+            queue,
+        })
+    }
+}
+
+type ErrFn<'a> = &'a dyn Fn(String, String) -> ConfigError;
+
+impl RawLimits {
+    fn validate(self, err: ErrFn<'_>) -> Result<LimitsConfig, ConfigError> {
+        let redis = match (self.shared, self.redis) {
+            (SharedLimits::Redis, None) => {
+                return Err(err(
+                    "limits.redis".into(),
+                    "limits.shared = \"redis\" needs a [limits.redis] table with `url` (e.g. \"redis://127.0.0.1:6379\")".into(),
+                ));
+            }
+            (_, Some(r)) => {
+                if !(r.url.starts_with("redis://")
+                    || r.url.starts_with("rediss://")
+                    || r.url.starts_with("unix://")
+                    || r.url.starts_with("redis+unix://"))
+                {
+                    return Err(err(
+                        "limits.redis.url".into(),
+                        "must be a redis://, rediss:// or unix:// URL".into(),
+                    ));
+                }
+                if r.replicas == 0 {
+                    return Err(err(
+                        "limits.redis.replicas".into(),
+                        "must be ≥ 1 (the number of gateway replicas sharing these limits)".into(),
+                    ));
+                }
+                if r.timeout_ms == 0 {
+                    return Err(err("limits.redis.timeout_ms".into(), "must be > 0".into()));
+                }
+                Some(RedisConfig {
+                    url: Secret::new(r.url),
+                    timeout: Duration::from_millis(r.timeout_ms),
+                    replicas: r.replicas,
+                    key_prefix: r.key_prefix,
+                })
+            }
+            (SharedLimits::Local, None) => None,
+        };
+        if self.default_max_tokens == 0 {
+            return Err(err(
+                "limits.default_max_tokens".into(),
+                "must be > 0".into(),
+            ));
+        }
+        if self.chars_per_token == 0 {
+            return Err(err("limits.chars_per_token".into(), "must be > 0".into()));
+        }
+        let mut environments = [EnvLimits::default(); 3];
+        for (env, raw) in [
+            (Environment::Stress, self.stress),
+            (Environment::Gray, self.gray),
+            (Environment::Prod, self.prod),
+        ] {
+            let at = |f: &str| format!("limits.{env}.{f}");
+            let nonzero32 = [
+                ("requests_per_minute", raw.requests_per_minute),
+                ("request_burst", raw.request_burst),
+                ("max_concurrent_streams", raw.max_concurrent_streams),
+                (
+                    "aggregate_requests_per_second",
+                    raw.aggregate_requests_per_second,
+                ),
+                ("aggregate_burst", raw.aggregate_burst),
+                ("aggregate_max_concurrent", raw.aggregate_max_concurrent),
+            ];
+            for (f, v) in nonzero32 {
+                if v == Some(0) {
+                    return Err(err(at(f), "must be > 0 (leave it out for no limit)".into()));
+                }
+            }
+            if raw.tokens_per_minute == Some(0) {
+                return Err(err(
+                    at("tokens_per_minute"),
+                    "must be > 0 (leave it out for no limit)".into(),
+                ));
+            }
+            if raw.request_burst.is_some() && raw.requests_per_minute.is_none() {
+                return Err(err(
+                    at("request_burst"),
+                    "is the burst of requests_per_minute: set that too".into(),
+                ));
+            }
+            if raw.aggregate_burst.is_some() && raw.aggregate_requests_per_second.is_none() {
+                return Err(err(
+                    at("aggregate_burst"),
+                    "is the burst of aggregate_requests_per_second: set that too".into(),
+                ));
+            }
+            environments[env.index()] = EnvLimits {
+                requests_per_minute: raw.requests_per_minute,
+                request_burst: raw.request_burst,
+                tokens_per_minute: raw.tokens_per_minute,
+                max_concurrent_streams: raw.max_concurrent_streams,
+                aggregate_requests_per_second: raw.aggregate_requests_per_second,
+                aggregate_burst: raw.aggregate_burst,
+                aggregate_max_concurrent: raw.aggregate_max_concurrent,
+            };
+        }
+        Ok(LimitsConfig {
+            shared: self.shared,
+            redis,
+            default_max_tokens: self.default_max_tokens,
+            chars_per_token: self.chars_per_token,
+            prune_idle: Duration::from_secs(self.prune_idle_seconds.max(1)),
+            environments,
+        })
+    }
+}
+
+impl RawQueue {
+    fn validate(self, err: ErrFn<'_>) -> Result<QueueConfig, ConfigError> {
+        if self.max_size == 0 {
+            return Err(err(
+                "queue.max_size".into(),
+                "must be > 0 (set pools[].max_in_flight_per_backend = 0 to turn queueing off)"
+                    .into(),
+            ));
+        }
+        if self.max_per_key == 0 {
+            return Err(err("queue.max_per_key".into(), "must be > 0".into()));
+        }
+        let w = self.max_wait_seconds;
+        let mut max_wait = [Duration::ZERO; 3];
+        for (env, secs) in [
+            (Environment::Stress, w.stress),
+            (Environment::Gray, w.gray),
+            (Environment::Prod, w.prod),
+        ] {
+            if !(secs.is_finite() && (0.0..=3600.0).contains(&secs)) {
+                return Err(err(
+                    format!("queue.max_wait_seconds.{env}"),
+                    "must be a number of seconds between 0 and 3600".into(),
+                ));
+            }
+            max_wait[env.index()] = Duration::from_secs_f64(secs);
+        }
+        Ok(QueueConfig {
+            max_size: self.max_size,
+            max_per_key: self.max_per_key.min(self.max_size),
+            max_wait,
+            keepalive_interval: (self.keepalive_interval_ms > 0)
+                .then(|| Duration::from_millis(self.keepalive_interval_ms)),
         })
     }
 }

@@ -34,6 +34,11 @@ pub enum Environment {
 impl Environment {
     pub const ALL: [Environment; 3] = [Environment::Stress, Environment::Gray, Environment::Prod];
 
+    /// Position in `ALL` (arrays indexed by environment).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Environment::Stress => "stress",

@@ -1,6 +1,7 @@
 //! Backend pools: which backends serve a model, the upstream HTTP client each pool uses, the
-//! least-in-flight choice among a pool's backends, and a light reachability probe for
-//! `/readyz`. (Weights, warm-up and load-aware balancing come later.)
+//! least-in-flight choice among a pool's backends with a per-backend capacity (beyond it
+//! requests wait in the pool's admission queue, see `crate::queue`), and a light reachability
+//! probe for `/readyz`. (Weights, warm-up and load-aware balancing come later.)
 
 use std::collections::HashMap;
 use std::io;
@@ -17,7 +18,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{PoolConfig, Timeouts};
+use crate::config::{PoolConfig, QueueConfig, Timeouts};
+use crate::queue::AdmissionQueue;
 
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
@@ -75,21 +77,84 @@ impl Backend {
     }
 }
 
-/// Holds one in-flight slot on a backend; released on drop, whatever ends the request.
+/// What all workers' copies of a pool share: the backends (in-flight counts, reachability),
+/// the per-backend capacity and the admission queue in front of them.
+#[derive(Debug)]
+pub struct PoolShared {
+    pub backends: Vec<Arc<Backend>>,
+    /// Requests one backend serves at once (0: no cap).
+    pub capacity: u32,
+    pub queue: AdmissionQueue<InFlight>,
+}
+
+impl PoolShared {
+    /// A free slot on the least loaded backend not known to be down, if any has one.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<InFlight> {
+        for _ in 0..8 {
+            let mut best: Option<(usize, u32)> = None;
+            for (i, b) in self.backends.iter().enumerate() {
+                if b.reachability() == Reachability::Down {
+                    continue;
+                }
+                let n = b.in_flight.load(Ordering::SeqCst);
+                if self.capacity > 0 && n >= self.capacity {
+                    continue;
+                }
+                if best.is_none_or(|(_, m)| n < m) {
+                    best = Some((i, n));
+                }
+            }
+            let (i, n) = best?;
+            // Another thread may have taken that slot since: then look again.
+            if self.backends[i]
+                .in_flight
+                .compare_exchange(n, n + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                return Some(InFlight {
+                    pool: self.clone(),
+                    index: i,
+                });
+            }
+        }
+        None
+    }
+
+    /// Some backend is not known to be down (a waiter could ever be served).
+    pub fn any_usable(&self) -> bool {
+        self.backends
+            .iter()
+            .any(|b| b.reachability() != Reachability::Down)
+    }
+
+    /// Give free slots to waiting requests (after a slot was freed or a backend came back).
+    pub fn dispatch(self: &Arc<Self>) {
+        if self.queue.has_waiters() {
+            self.queue.dispatch(|| self.try_acquire());
+        }
+    }
+}
+
+/// Holds one in-flight slot on a backend; released on drop, whatever ends the request, and
+/// handed straight to the next waiting request if there is one.
 #[derive(Debug)]
 pub struct InFlight {
-    backend: Arc<Backend>,
+    pool: Arc<PoolShared>,
+    index: usize,
 }
 
 impl InFlight {
     pub fn backend(&self) -> &Arc<Backend> {
-        &self.backend
+        &self.pool.backends[self.index]
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.backend.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.pool.backends[self.index]
+            .in_flight
+            .fetch_sub(1, Ordering::SeqCst);
+        self.pool.dispatch();
     }
 }
 
@@ -104,6 +169,7 @@ pub struct Pool {
     pub upstream_auth: Option<HeaderValue>,
     pub timeouts: Timeouts,
     pub backends: Vec<Arc<Backend>>,
+    pub shared: Arc<PoolShared>,
     pub client: UpstreamClient,
     /// Environments whose keys may use this pool (`None`: all).
     pub environments: Option<Vec<crate::auth::key::Environment>>,
@@ -111,7 +177,7 @@ pub struct Pool {
 }
 
 impl Pool {
-    fn new(cfg: &PoolConfig, index: usize) -> io::Result<Self> {
+    fn new(cfg: &PoolConfig, index: usize, queue: &QueueConfig) -> io::Result<Self> {
         let backends = cfg
             .backends
             .iter()
@@ -137,6 +203,11 @@ impl Pool {
             }
             None => None,
         };
+        let shared = Arc::new(PoolShared {
+            backends: backends.clone(),
+            capacity: cfg.max_in_flight_per_backend,
+            queue: AdmissionQueue::new(queue.max_size, queue.max_per_key),
+        });
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
             index,
@@ -144,30 +215,17 @@ impl Pool {
             upstream_auth,
             timeouts: cfg.timeouts,
             backends,
+            shared,
             client: build_client(cfg)?,
             environments: cfg.environments.clone(),
             config: cfg.clone(),
         })
     }
 
-    /// Least in-flight among backends not known to be down; ties go to the first. Returns
-    /// `None` when every backend failed its last check.
+    /// A slot on the least loaded backend with room, without queueing. `None` when every
+    /// backend is down or full.
     pub fn acquire(&self) -> Option<InFlight> {
-        let mut best: Option<(&Arc<Backend>, u32)> = None;
-        for b in &self.backends {
-            if b.reachability() == Reachability::Down {
-                continue;
-            }
-            let n = b.in_flight.load(Ordering::Relaxed);
-            if best.is_none_or(|(_, m)| n < m) {
-                best = Some((b, n));
-            }
-        }
-        let (backend, _) = best?;
-        backend.in_flight.fetch_add(1, Ordering::Relaxed);
-        Some(InFlight {
-            backend: backend.clone(),
-        })
+        self.shared.try_acquire()
     }
 }
 
@@ -234,11 +292,11 @@ pub struct Pools {
 }
 
 impl Pools {
-    pub fn new(cfgs: &[PoolConfig]) -> io::Result<Self> {
+    pub fn new(cfgs: &[PoolConfig], queue: &QueueConfig) -> io::Result<Self> {
         let pools = cfgs
             .iter()
             .enumerate()
-            .map(|(i, c)| Pool::new(c, i))
+            .map(|(i, c)| Pool::new(c, i, queue))
             .collect::<io::Result<Vec<_>>>()?;
         let by_model = pools
             .iter()
@@ -288,6 +346,7 @@ impl Pools {
                     upstream_auth: p.upstream_auth.clone(),
                     timeouts: p.timeouts,
                     backends: p.backends.clone(),
+                    shared: p.shared.clone(),
                     client: build_client(&p.config)?,
                     environments: p.environments.clone(),
                     config: p.config.clone(),
@@ -366,4 +425,8 @@ async fn probe(pool: &Pool, backend: &Backend) {
         }
     }
     backend.mark(state);
+    if state == Reachability::Up {
+        // Waiting requests may be served by a backend that came back.
+        pool.shared.dispatch();
+    }
 }

@@ -77,11 +77,14 @@ pub enum ErrorKind {
     Unauthenticated,
     Forbidden,
     AuthThrottled,
+    RateLimited,
+    QueueFull,
+    QueueTimeout,
     Internal,
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 18] = [
+    pub const ALL: [ErrorKind; 21] = [
         ErrorKind::RouteNotFound,
         ErrorKind::MethodNotAllowed,
         ErrorKind::UnsupportedMediaType,
@@ -99,6 +102,9 @@ impl ErrorKind {
         ErrorKind::Unauthenticated,
         ErrorKind::Forbidden,
         ErrorKind::AuthThrottled,
+        ErrorKind::RateLimited,
+        ErrorKind::QueueFull,
+        ErrorKind::QueueTimeout,
         ErrorKind::Internal,
     ];
 
@@ -126,6 +132,9 @@ impl ErrorKind {
             ErrorKind::Unauthenticated => "unauthenticated",
             ErrorKind::Forbidden => "forbidden",
             ErrorKind::AuthThrottled => "auth_throttled",
+            ErrorKind::RateLimited => "rate_limited",
+            ErrorKind::QueueFull => "queue_full",
+            ErrorKind::QueueTimeout => "queue_timeout",
             ErrorKind::Internal => "internal",
         }
     }
@@ -172,8 +181,17 @@ pub enum ApiError {
     },
     #[error("authentication: {}", .0.reason())]
     Auth(AuthFailure),
+    #[error("limit: {}", .0.refusal.code())]
+    Limited(Box<Limited>),
     #[error("internal error")]
     Internal,
+}
+
+/// A request refused by a rate limit or by the admission queue, for the model it asked for.
+#[derive(Debug, Clone)]
+pub struct Limited {
+    pub refusal: crate::limits::Refusal,
+    pub model: std::sync::Arc<str>,
 }
 
 #[derive(Serialize)]
@@ -205,6 +223,13 @@ pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&
 }
 
 impl ApiError {
+    pub fn limited(refusal: crate::limits::Refusal, model: &std::sync::Arc<str>) -> Self {
+        ApiError::Limited(Box::new(Limited {
+            refusal,
+            model: model.clone(),
+        }))
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
@@ -220,6 +245,9 @@ impl ApiError {
             ApiError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Auth(f) => {
                 StatusCode::from_u16(f.status()).unwrap_or(StatusCode::UNAUTHORIZED)
+            }
+            ApiError::Limited(l) => {
+                StatusCode::from_u16(l.refusal.status()).unwrap_or(StatusCode::TOO_MANY_REQUESTS)
             }
             ApiError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -241,6 +269,11 @@ impl ApiError {
             ApiError::Auth(f) if f.status() == 403 => ErrorKind::Forbidden,
             ApiError::Auth(f) if f.status() == 429 => ErrorKind::AuthThrottled,
             ApiError::Auth(_) => ErrorKind::Unauthenticated,
+            ApiError::Limited(l) => match l.refusal.kind {
+                crate::limits::LimitKind::QueueFull => ErrorKind::QueueFull,
+                crate::limits::LimitKind::QueueTimeout => ErrorKind::QueueTimeout,
+                _ => ErrorKind::RateLimited,
+            },
             ApiError::Internal => ErrorKind::Internal,
         }
     }
@@ -345,6 +378,21 @@ impl ApiError {
                 let (kind, code, message) = f.describe();
                 return error_body(&message, kind, None, Some(code));
             }
+            ApiError::Limited(l) => {
+                let r = &l.refusal;
+                let kind = if r.status() == 429 {
+                    "rate_limit_error"
+                } else {
+                    "server_error"
+                };
+                let param = matches!(
+                    r.kind,
+                    crate::limits::LimitKind::KeyTokens
+                        | crate::limits::LimitKind::KeyTokensTooLarge
+                )
+                .then_some("max_tokens");
+                return error_body(&r.message(Some(&l.model)), kind, param, Some(r.code()));
+            }
             ApiError::Internal => (
                 "The gateway hit an internal error; the details are in its log.".to_owned(),
                 "server_error",
@@ -366,6 +414,11 @@ impl ApiError {
                 header::RETRY_AFTER,
                 HeaderValue::from(retry_after.as_secs().max(1)),
             )),
+            ApiError::Limited(l) => l.refusal.retry_after.map(|d| {
+                // Whole seconds, rounded up: a client that waits this long will pass.
+                let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+                (header::RETRY_AFTER, HeaderValue::from(secs.max(1)))
+            }),
             ApiError::Auth(f) if f.status() == 401 => Some((
                 header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer realm=\"fleetgate\""),

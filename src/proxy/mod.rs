@@ -19,7 +19,10 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
 use crate::auth::AuthFailure;
+use crate::auth::key::Environment;
+use crate::limits::{LimitKind, Refusal};
 use crate::pool::{InFlight, Pool, Pools, Reachability};
+use crate::queue::{JoinRefused, TimedOut};
 use crate::telemetry::RequestRecord;
 use error::{ApiError, ConnectCause, ErrorKind, TimeoutKind, error_body};
 use relay::{GatewayBody, RelayBody};
@@ -32,6 +35,8 @@ pub struct ProxyState {
     pub max_body_bytes: usize,
     pub recorder: Arc<crate::telemetry::Recorder>,
     pub auth: Arc<crate::auth::Authenticator>,
+    pub limits: Arc<crate::limits::Limits>,
+    pub queue: crate::config::QueueConfig,
 }
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -189,7 +194,11 @@ pub async fn forward(
                 tracing::error!(request_id = ?record.request_id, "internal error while forwarding");
             }
             record.timeline.done = Some(Instant::now());
-            error_response(&err, &record.request_id)
+            let mut resp = error_response(&err, &record.request_id);
+            if let ApiError::Limited(r) = &err {
+                r.refusal.headers.write(resp.headers_mut());
+            }
+            resp
         }
     }
 }
@@ -240,9 +249,8 @@ async fn forward_inner(
         }
         Err(e) => return Err(ApiError::BodyRead(e.to_string())),
     };
-    let now = Instant::now();
-    record.timeline.body_read = Some(now);
-    record.timeline.admitted = Some(now);
+    let body_read = Instant::now();
+    record.timeline.body_read = Some(body_read);
 
     // 2. The view: parsed once; the bytes stay as they are.
     let view = view::parse(&body, endpoint)?;
@@ -280,12 +288,25 @@ async fn forward_inner(
             return Err(ApiError::Auth(f));
         }
     }
-    let slot = pool.acquire().ok_or_else(|| no_backend(pool))?;
+
+    // 4. Limits: the key's rate, token budget and concurrency, its environment's caps.
+    if let Some(key) = record.key.clone() {
+        let demand = state
+            .limits
+            .demand(view.prompt_chars, view.max_tokens, view.n);
+        match state.limits.admit(&key, demand).await {
+            Ok(adm) => record.admission = Some(adm),
+            Err(refusal) => return Err(ApiError::limited(refusal, &pool.model)),
+        }
+    }
+
+    // 5. A backend slot: at once when one has room, else in the admission queue.
+    let slot = acquire_slot(state, pool, record, body_read).await?;
     let backend = slot.backend().clone();
     record.backend = Some(backend.base.clone());
     record.backend_index = Some(backend.index);
 
-    // 4. The upstream request: original bytes, unless the model must be renamed.
+    // 6. The upstream request: original bytes, unless the model must be renamed.
     // A stream that did not ask for usage gets it anyway upstream (the relay hides it from
     // the client), so every stream's token counts are real.
     let inject_usage = view.stream && view.include_usage != Some(true);
@@ -311,7 +332,7 @@ async fn forward_inner(
     *upstream_req.version_mut() = Version::HTTP_11;
     *upstream_req.headers_mut() = headers;
 
-    // 5. Send; wait for the head within the first-token (and total) limit.
+    // 7. Send; wait for the head within the first-token (and total) limit.
     let sent = Instant::now();
     record.timeline.upstream_sent = Some(sent);
     let t = pool.timeouts;
@@ -368,6 +389,9 @@ async fn forward_inner(
         if let Some(ra) = head.headers.get(header::RETRY_AFTER) {
             h.insert(header::RETRY_AFTER, ra.clone());
         }
+        if let Some(a) = &record.admission {
+            a.headers.write(h);
+        }
         if wrapped {
             tracing::debug!(backend = %backend.base, status = head.status.as_u16(), "wrapped a non-OpenAI error body");
         }
@@ -383,6 +407,11 @@ async fn forward_inner(
     strip_downstream_headers(&mut head.headers);
     head.headers
         .insert(X_REQUEST_ID.clone(), record.request_id.clone());
+    if let Some(a) = &record.admission
+        && !a.headers.is_empty()
+    {
+        a.headers.write(&mut head.headers);
+    }
     head.version = Version::HTTP_11;
     if !sse {
         // The whole answer is in this head's body: the first token is the head.
@@ -402,6 +431,75 @@ async fn forward_inner(
             strip_usage: inject_usage,
         },
     ))
+}
+
+/// A slot on one of the pool's backends. When all are at capacity the request waits in the
+/// pool's admission queue (prod before gray before stress, keys taking turns) up to its
+/// environment's maximum wait; the wait becomes the Timeline's queue wait.
+async fn acquire_slot(
+    state: &ProxyState,
+    pool: &Pool,
+    record: &mut RequestRecord,
+    body_read: Instant,
+) -> Result<InFlight, ApiError> {
+    let shared = &pool.shared;
+    if !shared.queue.has_waiters()
+        && let Some(slot) = shared.try_acquire()
+    {
+        record.timeline.admitted = Some(body_read);
+        return Ok(slot);
+    }
+    if !shared.any_usable() {
+        return Err(no_backend(pool));
+    }
+    let (key_id, env, public_id) = match &record.key {
+        Some(k) => (k.id, k.environment, k.public_id.clone()),
+        None => (-1, Environment::Stress, Box::from("-")),
+    };
+    let max_wait = state.queue.max_wait[env.index()];
+    let queued_at = Instant::now();
+    let refusal = |kind, limit: u64, retry: Duration| Refusal {
+        kind,
+        key_id: public_id.clone(),
+        environment: env,
+        limit,
+        requested: 0,
+        retry_after: Some(retry),
+        headers: crate::limits::RateHeaders::default(),
+    };
+    let ticket = match shared.queue.join(key_id, env, || shared.try_acquire()) {
+        Ok(t) => t,
+        Err(JoinRefused::Full { max_size }) => {
+            state.limits.count(LimitKind::QueueFull);
+            let r = refusal(
+                LimitKind::QueueFull,
+                max_size as u64,
+                Duration::from_secs(1),
+            );
+            return Err(ApiError::limited(r, &pool.model));
+        }
+        Err(JoinRefused::KeyShare { max_per_key }) => {
+            state.limits.count(LimitKind::QueueKeyShare);
+            let r = refusal(
+                LimitKind::QueueKeyShare,
+                max_per_key as u64,
+                Duration::from_secs(1),
+            );
+            return Err(ApiError::limited(r, &pool.model));
+        }
+    };
+    let result = ticket.wait(max_wait).await;
+    record.timeline.admitted = Some(body_read + queued_at.elapsed());
+    match result {
+        Ok(slot) => Ok(slot),
+        Err(TimedOut) if !shared.any_usable() => Err(no_backend(pool)),
+        Err(TimedOut) => {
+            state.limits.count(LimitKind::QueueTimeout);
+            let limit = u64::try_from(max_wait.as_millis()).unwrap_or(u64::MAX);
+            let r = refusal(LimitKind::QueueTimeout, limit, Duration::from_secs(2));
+            Err(ApiError::limited(r, &pool.model))
+        }
+    }
 }
 
 fn no_backend(pool: &Pool) -> ApiError {

@@ -96,6 +96,8 @@ pin_project! {
         last_read: Instant,
         timeouts: Timeouts,
         ready: Ready,
+        // Non-streaming bodies: the last two frames, where the `usage` object is.
+        tail: [Option<Bytes>; 2],
         yielded: u8,
         strip_usage: bool,
         itl: Option<prometheus::Histogram>,
@@ -154,6 +156,7 @@ impl RelayBody {
             last_read: now,
             timeouts,
             ready,
+            tail: [None, None],
             yielded: 0,
             strip_usage,
             itl,
@@ -361,6 +364,9 @@ impl Body for RelayBody {
                     }
                     // Something new came in this turn: the upstream connection may have more.
                     *this.yielded = 0;
+                    if !*this.sse {
+                        this.tail[0] = this.tail[1].replace(data.clone());
+                    }
                     let full = !this.ready.push(data);
                     // Up to the first token every frame leaves at once: TTFT is never traded
                     // for fewer writes. After it, frames already read are gathered.
@@ -391,6 +397,9 @@ impl Body for RelayBody {
                             ));
                             continue;
                         }
+                    } else {
+                        this.record.timeline.stream.usage =
+                            crate::telemetry::timeline::usage_in_tail(this.tail);
                     }
                     if this.ready.is_empty() {
                         this.record.timeline.done = Some(now);

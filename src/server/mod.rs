@@ -256,10 +256,17 @@ impl Server {
             keys,
             &registry,
         )?);
-        let pools = Arc::new(Pools::new(&config.pools)?);
+        let pools = Arc::new(Pools::new(&config.pools, &config.queue)?);
         let metrics = Arc::new(RequestMetrics::new(&registry, &pools)?);
         recorder.set_metrics(metrics.clone());
         let shutdown = CancellationToken::new();
+        let limits = crate::limits::Limits::start(
+            config.limits.clone(),
+            Some(crate::limits::LimitMetrics::new(&metrics.rejections)),
+            Some(&registry),
+            shutdown.child_token(),
+        )
+        .await?;
         let log_stop = CancellationToken::new();
         let tasks = TaskTracker::new();
         if config.request_log.enabled {
@@ -297,6 +304,7 @@ impl Server {
                 .probe_loop(config.server.health_interval, shutdown.child_token()),
         );
         tasks.spawn(crate::auth::sync::run(auth.clone(), shutdown.child_token()));
+        tasks.spawn(limits.clone().prune_loop(shutdown.child_token()));
         let grace = config.server.shutdown_grace;
         if let Some(admin_listener) = admin_listener {
             let admin = Arc::new(AdminState {
@@ -333,6 +341,8 @@ impl Server {
                     max_body_bytes: config.server.max_body_bytes,
                     recorder: recorder.clone(),
                     auth: auth.clone(),
+                    limits: limits.clone(),
+                    queue: config.queue.clone(),
                 },
             });
             let sock = std_listener.try_clone()?;

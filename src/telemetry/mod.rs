@@ -107,6 +107,8 @@ pub struct RequestRecord {
     pub stream: bool,
     pub status: u16,
     pub error: Option<ErrorKind>,
+    /// The request's hold on its limits; settled with the real usage when recorded.
+    pub admission: Option<crate::limits::Admission>,
     recorder: Arc<Recorder>,
 }
 
@@ -125,6 +127,7 @@ impl RequestRecord {
             stream: false,
             status: 0,
             error: None,
+            admission: None,
             recorder,
         }
     }
@@ -137,9 +140,38 @@ impl RequestRecord {
                 self.error = Some(ErrorKind::ClientDisconnected);
             }
         }
+        if let Some(adm) = self.admission.as_mut() {
+            adm.set_used(used_tokens(
+                &self.timeline,
+                self.error,
+                adm.prompt_estimate(),
+            ));
+        }
+        // Slots released and the token reservation settled before the record is written.
+        self.admission = None;
         let recorder = self.recorder.clone();
         recorder.record(self);
     }
+}
+
+/// Tokens a request used, for settling its reservation: the backend's usage when it reported
+/// one; nothing when the request never reached a backend or the backend refused it; else the
+/// prompt estimate plus one token per content event (a stream is never counted as zero).
+fn used_tokens(t: &Timeline, error: Option<ErrorKind>, prompt_estimate: u64) -> u64 {
+    if t.upstream_sent.is_none() {
+        return 0;
+    }
+    if let Some(u) = t.stream.usage {
+        return u.prompt_tokens.saturating_add(u.completion_tokens);
+    }
+    let refused = matches!(
+        error,
+        Some(ErrorKind::UpstreamError | ErrorKind::BackendUnreachable)
+    );
+    if refused && t.stream.content_events == 0 {
+        return 0;
+    }
+    prompt_estimate.saturating_add(u64::from(t.stream.content_events))
 }
 
 impl Drop for RequestRecord {

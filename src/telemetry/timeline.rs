@@ -169,6 +169,30 @@ impl StreamMetrics {
     }
 }
 
+/// The last `"usage": {...}` object of a non-streaming body, from its last two frames (the
+/// object closes the body, so it lies there).
+pub fn usage_in_tail(tail: &[Option<bytes::Bytes>; 2]) -> Option<Usage> {
+    let last = tail[1].as_ref()?;
+    if let Some(u) = usage_in(last) {
+        return Some(u);
+    }
+    let prev = tail[0].as_ref()?;
+    let mut both = Vec::with_capacity(prev.len() + last.len());
+    both.extend_from_slice(prev);
+    both.extend_from_slice(last);
+    usage_in(&both)
+}
+
+/// The last `"usage": {...}` object in `body`.
+pub fn usage_in(body: &[u8]) -> Option<Usage> {
+    let at = memchr::memmem::rfind(body, b"\"usage\"")?;
+    let rest = body[at + 7..].trim_ascii_start().strip_prefix(b":")?;
+    serde_json::Deserializer::from_slice(rest)
+        .into_iter::<Usage>()
+        .next()?
+        .ok()
+}
+
 pub fn tpot(ttft: Duration, e2el: Duration, output_tokens: u64) -> Option<Duration> {
     let steps = output_tokens.checked_sub(1).filter(|n| *n > 0)?;
     let steps = u32::try_from(steps).ok()?;
@@ -277,6 +301,20 @@ impl Timeline {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_of_a_non_streaming_body() {
+        let body = br#"{"id":"x","choices":[{"message":{"content":"the usage field"}}],"usage":{"prompt_tokens":12,"total_tokens":17,"completion_tokens":5},"prompt_logprobs":null}"#;
+        let u = usage_in(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (12, 5));
+        let (a, b) = body.split_at(body.len() - 40);
+        let tail = [
+            Some(bytes::Bytes::copy_from_slice(a)),
+            Some(bytes::Bytes::copy_from_slice(b)),
+        ];
+        assert_eq!(usage_in_tail(&tail), Some(u));
+        assert_eq!(usage_in(br#"{"usage":null}"#), None);
+    }
     use crate::proxy::sse::SseScanner;
     use base64::Engine;
 

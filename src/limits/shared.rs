@@ -1,0 +1,486 @@
+//! Limits shared by several replicas, in Redis: one script round trip per request checks and
+//! updates the key's request rate (GCRA, the algorithm governor runs locally), the
+//! environment's aggregate rate and the key's token bucket, atomically, on Redis's clock.
+//! Token settlements go back in batches from a background task, never from the request path.
+//!
+//! When Redis does not answer within `limits.redis.timeout_ms`, the gateway falls back to
+//! local limits of limit/replicas (so N replicas together still enforce about the limit), logs
+//! the switch once, counts it (`fleetgate_limits_fallback_total`) and shows it
+//! (`fleetgate_limits_redis_up` 0), and probes Redis every second until it answers again.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use prometheus::{IntCounter, IntGauge, Opts, Registry};
+use redis::aio::ConnectionManager;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::KeyQuota;
+use crate::auth::KeyRecord;
+use crate::config::RedisConfig;
+
+/// KEYS: key request TAT, key token bucket, environment request TAT.
+/// ARGV: key emission interval µs, key tolerance µs (0 0: no limit), token capacity, tokens to
+/// reserve (0 0: no budget), environment emission interval µs, environment tolerance µs.
+/// Returns {0, req_remaining, req_reset_us, tok_remaining, tok_reset_us} (-1: no such limit)
+/// or {which, retry_us} with which = 1 key requests, 2 key tokens, 3 environment requests,
+/// 4 more tokens than the whole budget. Times are Redis's own (`TIME`), so replicas' clocks
+/// do not matter. A missing key means a full bucket: every key expires when it would be full.
+const ADMIT: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local kt, ktau = tonumber(ARGV[1]), tonumber(ARGV[2])
+local cap, need = tonumber(ARGV[3]), tonumber(ARGV[4])
+local et, etau = tonumber(ARGV[5]), tonumber(ARGV[6])
+local ktat = now
+if kt > 0 then
+  ktat = tonumber(redis.call('GET', KEYS[1])) or now
+  if now < ktat - ktau then return {1, ktat - ktau - now} end
+end
+local etat = now
+if et > 0 then
+  etat = tonumber(redis.call('GET', KEYS[3])) or now
+  if now < etat - etau then return {3, etat - etau - now} end
+end
+local level = 0
+if cap > 0 then
+  if need > cap then return {4, 0} end
+  local b = redis.call('HMGET', KEYS[2], 'l', 'a')
+  level = tonumber(b[1]) or cap
+  local at = tonumber(b[2]) or now
+  if now > at then level = math.min(cap, level + (now - at) * cap / 60000000) end
+  if level < need then return {2, math.ceil((need - level) * 60000000 / cap)} end
+end
+local out = {0, -1, 0, -1, 0}
+if kt > 0 then
+  local nxt = math.max(ktat, now) + kt
+  redis.call('SET', KEYS[1], string.format('%.0f', nxt), 'PX', math.ceil((nxt - now) / 1000) + 1000)
+  out[2] = math.floor(math.min(now + ktau + kt - nxt, ktau + kt) / kt)
+  out[3] = nxt - now
+end
+if et > 0 then
+  local nxt = math.max(etat, now) + et
+  redis.call('SET', KEYS[3], string.format('%.0f', nxt), 'PX', math.ceil((nxt - now) / 1000) + 1000)
+end
+if cap > 0 then
+  level = level - need
+  local refill = (cap - level) * 60000000 / cap
+  redis.call('HSET', KEYS[2], 'l', string.format('%.3f', level), 'a', string.format('%.0f', now))
+  redis.call('PEXPIRE', KEYS[2], math.ceil(refill / 1000) + 1000)
+  out[4] = math.floor(math.max(level, 0))
+  out[5] = math.ceil(refill)
+end
+return out
+";
+
+/// KEYS: key token bucket. ARGV: capacity, delta (> 0 gives back, < 0 takes more).
+const SETTLE: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local cap, delta = tonumber(ARGV[1]), tonumber(ARGV[2])
+local b = redis.call('HMGET', KEYS[1], 'l', 'a')
+local level = tonumber(b[1]) or cap
+local at = tonumber(b[2]) or now
+if now > at then level = math.min(cap, level + (now - at) * cap / 60000000) end
+level = math.min(cap, level + delta)
+if level >= cap then
+  redis.call('DEL', KEYS[1])
+  return 0
+end
+local refill = (cap - level) * 60000000 / cap
+redis.call('HSET', KEYS[1], 'l', string.format('%.3f', level), 'a', string.format('%.0f', now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(refill / 1000) + 1000)
+return 0
+";
+
+/// One request's check.
+#[derive(Debug, Clone)]
+pub struct Check {
+    key_id: i64,
+    environment: &'static str,
+    key_t_us: u64,
+    key_tau_us: u64,
+    token_capacity: u64,
+    reserve: u64,
+    env_t_us: u64,
+    env_tau_us: u64,
+}
+
+impl Check {
+    pub fn new(
+        key: &KeyRecord,
+        quota: &KeyQuota,
+        env_per_second: Option<(u32, u32)>,
+        reserve: u64,
+    ) -> Self {
+        let (key_t_us, key_tau_us) = match quota.requests_per_minute {
+            Some(r) => {
+                let t = 60_000_000 / u64::from(r.max(1));
+                (t.max(1), t.max(1) * u64::from(quota.burst.max(1) - 1))
+            }
+            None => (0, 0),
+        };
+        let (env_t_us, env_tau_us) = match env_per_second {
+            Some((r, b)) => {
+                let t = (1_000_000 / u64::from(r.max(1))).max(1);
+                (t, t * u64::from(b.max(1) - 1))
+            }
+            None => (0, 0),
+        };
+        let (token_capacity, reserve) = match quota.tokens_per_minute {
+            Some(c) => (c, reserve),
+            None => (0, 0),
+        };
+        Self {
+            key_id: key.id,
+            environment: key.environment.as_str(),
+            key_t_us,
+            key_tau_us,
+            token_capacity,
+            reserve,
+            env_t_us,
+            env_tau_us,
+        }
+    }
+}
+
+/// Which shared limit refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    KeyRequests,
+    KeyTokens,
+    KeyTokensTooLarge,
+    EnvRequests,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// (remaining, reset) of the request and token windows that apply.
+    Admitted {
+        requests: Option<(u64, Duration)>,
+        tokens: Option<(u64, Duration)>,
+    },
+    Refused {
+        which: Which,
+        retry_after: Duration,
+    },
+}
+
+#[derive(Debug)]
+struct Settle {
+    key_id: i64,
+    capacity: u64,
+    delta: i64,
+}
+
+#[derive(Debug)]
+struct SharedMetrics {
+    up: IntGauge,
+    fallback: IntCounter,
+    dropped_settlements: IntCounter,
+}
+
+/// The Redis side of the limits.
+pub struct Shared {
+    conn: Arc<ArcSwapOption<ConnectionManager>>,
+    up: Arc<AtomicBool>,
+    admit: redis::Script,
+    timeout: Duration,
+    prefix: Arc<str>,
+    settle_tx: mpsc::Sender<Settle>,
+    metrics: Arc<SharedMetrics>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").field("up", &self.is_up()).finish()
+    }
+}
+
+fn redacted(url: &str) -> String {
+    // redis://user:password@host → redis://***@host
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***{}", &url[..s + 3], &url[at..]),
+        _ => url.to_owned(),
+    }
+}
+
+impl Shared {
+    /// Connect to Redis. An unreachable Redis is not fatal: the gateway starts on local
+    /// limits (limit/replicas) and keeps trying.
+    pub async fn start(
+        cfg: &RedisConfig,
+        registry: Option<&Registry>,
+        stop: CancellationToken,
+    ) -> std::io::Result<Self> {
+        let client = redis::Client::open(cfg.url.expose()).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("limits.redis.url: {e}"),
+            )
+        })?;
+        let metrics = Arc::new(SharedMetrics {
+            up: IntGauge::with_opts(Opts::new(
+                "fleetgate_limits_redis_up",
+                "1 while the shared limit store (Redis) answers; 0 while limits fall back to local limit/replicas",
+            ))
+            .map_err(std::io::Error::other)?,
+            fallback: IntCounter::with_opts(Opts::new(
+                "fleetgate_limits_fallback_total",
+                "Switches from shared (Redis) limits to local limit/replicas",
+            ))
+            .map_err(std::io::Error::other)?,
+            dropped_settlements: IntCounter::with_opts(Opts::new(
+                "fleetgate_limits_settlements_dropped_total",
+                "Token settlements not sent to Redis (queue full or Redis unreachable)",
+            ))
+            .map_err(std::io::Error::other)?,
+        });
+        if let Some(r) = registry {
+            r.register(Box::new(metrics.up.clone()))
+                .map_err(std::io::Error::other)?;
+            r.register(Box::new(metrics.fallback.clone()))
+                .map_err(std::io::Error::other)?;
+            r.register(Box::new(metrics.dropped_settlements.clone()))
+                .map_err(std::io::Error::other)?;
+        }
+        let conn = Arc::new(ArcSwapOption::empty());
+        let up = Arc::new(AtomicBool::new(false));
+        let where_ = redacted(cfg.url.expose());
+        match connect(&client, cfg.timeout.max(Duration::from_secs(1))).await {
+            Ok(c) => {
+                conn.store(Some(Arc::new(c)));
+                up.store(true, Ordering::Release);
+                metrics.up.set(1);
+                tracing::info!(redis = %where_, "rate limits shared through Redis");
+            }
+            Err(e) => {
+                metrics.fallback.inc();
+                tracing::warn!(redis = %where_, error = %e, replicas = cfg.replicas,
+                    "Redis unreachable at start: enforcing local limits of limit/replicas until it answers");
+            }
+        }
+        let (settle_tx, settle_rx) = mpsc::channel(65_536);
+        let prefix: Arc<str> = Arc::from(format!("{{{}}}", cfg.key_prefix));
+        tokio::spawn(health_loop(
+            client,
+            conn.clone(),
+            up.clone(),
+            metrics.clone(),
+            where_,
+            stop.clone(),
+        ));
+        tokio::spawn(settle_loop(
+            settle_rx,
+            conn.clone(),
+            up.clone(),
+            prefix.clone(),
+            metrics.clone(),
+            cfg.timeout.max(Duration::from_millis(500)),
+            stop,
+        ));
+        Ok(Self {
+            conn,
+            up,
+            admit: redis::Script::new(ADMIT),
+            timeout: cfg.timeout,
+            prefix,
+            settle_tx,
+            metrics,
+        })
+    }
+
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    fn mark_down(&self, why: &str) {
+        if self.up.swap(false, Ordering::AcqRel) {
+            self.metrics.up.set(0);
+            self.metrics.fallback.inc();
+            tracing::warn!(error = %why, "Redis did not answer: enforcing local limits of limit/replicas until it does");
+        }
+    }
+
+    /// One round trip: check and update every shared counter that applies. `Err(())` when
+    /// Redis failed or was too slow (already logged and counted; use local limits).
+    pub async fn admit(&self, c: &Check) -> Result<Outcome, ()> {
+        let Some(conn) = self.conn.load_full() else {
+            self.mark_down("not connected");
+            return Err(());
+        };
+        let mut conn = (*conn).clone();
+        let p = &self.prefix;
+        let mut inv = self.admit.prepare_invoke();
+        inv.key(format!("{p}:k:{}:r", c.key_id))
+            .key(format!("{p}:k:{}:t", c.key_id))
+            .key(format!("{p}:e:{}:r", c.environment))
+            .arg(c.key_t_us)
+            .arg(c.key_tau_us)
+            .arg(c.token_capacity)
+            .arg(c.reserve)
+            .arg(c.env_t_us)
+            .arg(c.env_tau_us);
+        let reply: Vec<i64> =
+            match tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn)).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    self.mark_down(&e.to_string());
+                    return Err(());
+                }
+                Err(_) => {
+                    self.mark_down(&format!("no answer within {} ms", self.timeout.as_millis()));
+                    return Err(());
+                }
+            };
+        let us = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
+        let get = |i: usize| reply.get(i).copied().unwrap_or(-1);
+        Ok(match get(0) {
+            0 => Outcome::Admitted {
+                requests: (get(1) >= 0).then(|| (get(1) as u64, us(get(2)))),
+                tokens: (get(3) >= 0).then(|| (get(3) as u64, us(get(4)))),
+            },
+            which => Outcome::Refused {
+                which: match which {
+                    1 => Which::KeyRequests,
+                    2 => Which::KeyTokens,
+                    3 => Which::EnvRequests,
+                    _ => Which::KeyTokensTooLarge,
+                },
+                retry_after: us(get(1)),
+            },
+        })
+    }
+
+    /// Give back (or take) tokens after a request ended; sent in the background.
+    pub fn settle(&self, key_id: i64, capacity: u64, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        if self
+            .settle_tx
+            .try_send(Settle {
+                key_id,
+                capacity,
+                delta,
+            })
+            .is_err()
+        {
+            self.metrics.dropped_settlements.inc();
+        }
+    }
+}
+
+async fn connect(
+    client: &redis::Client,
+    timeout: Duration,
+) -> Result<ConnectionManager, redis::RedisError> {
+    let cfg = redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(timeout)
+        .set_response_timeout(timeout)
+        .set_number_of_retries(1);
+    let mut conn = ConnectionManager::new_with_config(client.clone(), cfg).await?;
+    let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+    Ok(conn)
+}
+
+/// While Redis is marked down, try it every second; mark it up when it answers.
+async fn health_loop(
+    client: redis::Client,
+    conn: Arc<ArcSwapOption<ConnectionManager>>,
+    up: Arc<AtomicBool>,
+    metrics: Arc<SharedMetrics>,
+    where_: String,
+    stop: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        if up.load(Ordering::Acquire) {
+            continue;
+        }
+        let ok = match conn.load_full() {
+            Some(c) => {
+                let mut c = (*c).clone();
+                matches!(
+                    tokio::time::timeout(
+                        Duration::from_secs(1),
+                        redis::cmd("PING").query_async::<String>(&mut c)
+                    )
+                    .await,
+                    Ok(Ok(_))
+                )
+            }
+            None => match connect(&client, Duration::from_secs(1)).await {
+                Ok(c) => {
+                    conn.store(Some(Arc::new(c)));
+                    true
+                }
+                Err(_) => false,
+            },
+        };
+        if ok {
+            up.store(true, Ordering::Release);
+            metrics.up.set(1);
+            tracing::info!(redis = %where_, "Redis answers again: rate limits are shared again");
+        }
+    }
+}
+
+/// Send settlements in pipelined batches.
+async fn settle_loop(
+    mut rx: mpsc::Receiver<Settle>,
+    conn: Arc<ArcSwapOption<ConnectionManager>>,
+    up: Arc<AtomicBool>,
+    prefix: Arc<str>,
+    metrics: Arc<SharedMetrics>,
+    timeout: Duration,
+    stop: CancellationToken,
+) {
+    let script = redis::Script::new(SETTLE);
+    let mut batch = Vec::with_capacity(256);
+    loop {
+        let n = tokio::select! {
+            _ = stop.cancelled() => return,
+            n = rx.recv_many(&mut batch, 256) => n,
+        };
+        if n == 0 {
+            return;
+        }
+        let Some(c) = conn.load_full().filter(|_| up.load(Ordering::Acquire)) else {
+            metrics.dropped_settlements.inc_by(batch.len() as u64);
+            batch.clear();
+            continue;
+        };
+        let mut c = (*c).clone();
+        let mut pipe = redis::pipe();
+        for s in &batch {
+            pipe.cmd("EVALSHA")
+                .arg(script.get_hash())
+                .arg(1)
+                .arg(format!("{prefix}:k:{}:t", s.key_id))
+                .arg(s.capacity)
+                .arg(s.delta)
+                .ignore();
+        }
+        let mut result = tokio::time::timeout(timeout, pipe.query_async::<()>(&mut c)).await;
+        if let Ok(Err(e)) = &result
+            && e.kind() == redis::ErrorKind::NoScriptError
+        {
+            // Redis restarted or flushed its scripts: load it and send the batch again.
+            let loaded = script.prepare_invoke().load_async(&mut c).await;
+            if loaded.is_ok() {
+                result = tokio::time::timeout(timeout, pipe.query_async::<()>(&mut c)).await;
+            }
+        }
+        if !matches!(result, Ok(Ok(()))) {
+            metrics.dropped_settlements.inc_by(batch.len() as u64);
+        }
+        batch.clear();
+    }
+}
