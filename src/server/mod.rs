@@ -207,6 +207,9 @@ pub struct Server {
     pub tls: bool,
     pub auth: Arc<Authenticator>,
     pub registry: prometheus::Registry,
+    /// The pools (backends' in-flight counts, admission queues).
+    pub pools: Arc<Pools>,
+    pub limits: Arc<crate::limits::Limits>,
     shutdown: CancellationToken,
     /// Stops the request-log writer, after the workers are done (their last rows included).
     log_stop: CancellationToken,
@@ -379,6 +382,8 @@ impl Server {
             tls: is_tls,
             auth,
             registry,
+            pools,
+            limits,
             shutdown,
             log_stop,
             tasks,

@@ -184,6 +184,19 @@ impl RequestMetrics {
             &["model", "backend"],
         )?;
         registry.register(Box::new(backend_up.clone()))?;
+        let queue_depth = IntGaugeVec::new(
+            Opts::new(
+                "fleetgate_queue_depth",
+                "Requests waiting in a pool's admission queue (every backend at capacity)",
+            ),
+            &["model"],
+        )?;
+        registry.register(Box::new(queue_depth.clone()))?;
+        for p in pools.iter() {
+            p.shared
+                .queue
+                .set_depth_gauge(queue_depth.with_label_values(&[&*p.model]));
+        }
 
         let mut labels: Vec<(String, Vec<String>)> = pools
             .iter()

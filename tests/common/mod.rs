@@ -392,3 +392,73 @@ impl Cuttable {
         self.port
     }
 }
+
+/// Issue a key of `env` on this gateway's store, with `f` setting its limits; it is in the
+/// gateway's snapshot when this returns. Returns the secret and the record.
+pub async fn issue_key(
+    gw: &Gateway,
+    env: fleetgate::auth::key::Environment,
+    f: impl FnOnce(&mut fleetgate::store::CreateKey),
+) -> (String, fleetgate::auth::KeyRecord) {
+    let mut req = fleetgate::store::CreateKey {
+        name: format!("{env} test key"),
+        environment: Some(env),
+        ..Default::default()
+    };
+    f(&mut req);
+    let (secret, record) = gw.server.auth.store().create(&req, "test").await.unwrap();
+    gw.server
+        .auth
+        .apply(&record.public_id, Some(record.clone()));
+    (secret, record)
+}
+
+/// The Redis the tests share (FLEETGATE_TEST_REDIS, default redis://127.0.0.1:6379), or
+/// `None` with a loud skip notice; under CI=true a missing Redis fails the test.
+pub async fn redis_url(test: &str) -> Option<String> {
+    let url = std::env::var("FLEETGATE_TEST_REDIS")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    let reachable = async {
+        let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
+        let mut c = client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| e.to_string())?;
+        redis::cmd("PING")
+            .query_async::<String>(&mut c)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    match tokio::time::timeout(Duration::from_secs(3), reachable).await {
+        Ok(Ok(_)) => Some(url),
+        other => {
+            let why = match other {
+                Ok(Err(e)) => e,
+                _ => "connect timed out".to_owned(),
+            };
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("{test}: Redis at {url} is required under CI=true: {why}");
+            }
+            eprintln!(
+                "\n*** SKIPPED {test}: Redis at {url} not reachable ({why}). Start Redis or set FLEETGATE_TEST_REDIS. ***\n"
+            );
+            None
+        }
+    }
+}
+
+/// Send a request and return as soon as the response head is in (the body unread), so the
+/// request stays in flight until the response is dropped or drained.
+pub async fn open(
+    uri: &Uri,
+    key: &str,
+    body: impl Into<Bytes>,
+) -> http::Response<hyper::body::Incoming> {
+    let c: HttpClient = client::http_client();
+    let req = http::Request::post(uri.clone())
+        .header("authorization", format!("Bearer {key}"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(body.into()))
+        .unwrap();
+    c.request(req).await.expect("response head")
+}
