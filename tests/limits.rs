@@ -2,7 +2,10 @@
 //! gateway in front of real sims, each limit exceeded and its 429/503 read as a client reads
 //! it; two gateways sharing one limit through the real Redis.
 
-#![allow(clippy::unwrap_used, reason = "test helpers: a failure here is a test failure")]
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
 
 mod common;
 
@@ -219,7 +222,13 @@ async fn one_slot_gateway(
 }
 
 fn waiting(gw: &Gateway) -> usize {
-    gw.server.pools.get("qwen32b").unwrap().shared.queue.waiting()
+    gw.server
+        .pools
+        .get("qwen32b")
+        .unwrap()
+        .shared
+        .queue
+        .waiting()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
