@@ -15,6 +15,7 @@
 //!   4. prod + the same flood without the cap: the queue alone orders prod before stress, but
 //!      stress holds the slots prod would need;
 //!   5. prod alone again (noise check: phases 1 and 5 should agree).
+//!
 //! The goal compares 3 with 2: the flood's excess must cost prod nothing beyond what stress's
 //! permitted load costs it. The gateway's records split prod's TTFT into the backend's own
 //! (upstream TTFT), queue wait and the gateway's overhead.

@@ -383,11 +383,13 @@ async fn two_replicas_sharing_redis_enforce_one_limit() {
         shared_limits(c, &redis, &prefix, 2)
     })
     .await;
+    // Both replicas on one key store (as with one shared PostgreSQL).
+    let store = a.db_dir.0.join("keys.db");
     let b = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-        shared_limits(c, &redis, &prefix, 2)
+        shared_limits(c, &redis, &prefix, 2);
+        c.database.sqlite_path = store;
     })
     .await;
-    // The same key on both replicas (as with one shared Postgres store).
     let (key, record) = issue_key(&a, Environment::Prod, |k| {
         k.requests_per_minute = Some(4);
         k.tokens_per_minute = Some(100_000);
@@ -456,4 +458,80 @@ async fn unreachable_redis_falls_back_to_limit_over_replicas_and_says_so() {
         metrics.contains("fleetgate_limits_fallback_total 1"),
         "{metrics}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_stream_gets_queued_comments_then_its_tokens() {
+    let sim = sim(|a| a.decode_step_ms = 10.0).await;
+    let gw = one_slot_gateway(&sim, |c| {
+        c.queue.keepalive_interval = Some(Duration::from_millis(40));
+        c.queue.max_wait[Environment::Stress.index()] = Duration::from_secs(20);
+    })
+    .await;
+    let url = gw.url("/v1/chat/completions");
+    let (prod, _) = issue_key(&gw, Environment::Prod, |_| {}).await;
+    let holder = open(&url, &prod, chat(30, true)).await;
+
+    // The waiting stream's head comes at once, then `: queued` lines while it waits.
+    let waiting_stream = open(&url, &gw.key, chat(5, true)).await;
+    assert_eq!(waiting_stream.status(), 200);
+    assert_eq!(
+        waiting_stream.headers()["content-type"],
+        "text/event-stream"
+    );
+    let mut body = waiting_stream.into_body();
+    let mut got = Vec::new();
+    while got.windows(9).filter(|w| w == b": queued\n").count() < 3 {
+        let frame = body.frame().await.unwrap().unwrap();
+        got.extend_from_slice(frame.data_ref().unwrap());
+    }
+    assert_eq!(waiting(&gw), 1);
+    // A non-streaming request waits without comments.
+    let u = url.clone();
+    let plain = tokio::spawn(async move { post(&u, &[], chat(2, false)).await });
+    assert!(eventually(Duration::from_secs(10), || waiting(&gw) == 2).await);
+
+    drop(holder);
+    while let Some(frame) = body.frame().await {
+        got.extend_from_slice(frame.unwrap().data_ref().map_or(&[][..], |d| d));
+    }
+    assert!(
+        got.ends_with(b"data: [DONE]\n\n"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    let mut metrics = fleetgate::telemetry::StreamMetrics::default();
+    let mut scanner = fleetgate::proxy::sse::SseScanner::new();
+    scanner.feed(&got, |l| metrics.on_data(l.kind, l.payload, Duration::ZERO));
+    assert_eq!(
+        metrics.content_events, 6,
+        "role chunk + 5 tokens after the comments"
+    );
+    let plain = plain.await.unwrap();
+    assert_eq!(plain.status, 200);
+    assert!(!plain.body.unwrap().starts_with(b":"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_stream_that_times_out_ends_with_an_error_event() {
+    let sim = sim(|a| a.decode_step_ms = 10.0).await;
+    let gw = one_slot_gateway(&sim, |c| {
+        c.queue.keepalive_interval = Some(Duration::from_millis(30));
+        c.queue.max_wait[Environment::Stress.index()] = Duration::from_millis(200);
+    })
+    .await;
+    let url = gw.url("/v1/chat/completions");
+    let (prod, _) = issue_key(&gw, Environment::Prod, |_| {}).await;
+    let _holder = open(&url, &prod, chat(200, true)).await;
+    let m = post(&url, &[("x-request-id", "q-timeout")], chat(5, true)).await;
+    assert_eq!(m.status, 200);
+    let body = m.body.unwrap();
+    assert!(body.starts_with(b": queued\n\n"));
+    assert!(body.ends_with(b"data: [DONE]\n\n"));
+    assert!(m.metrics.error, "the stream ends with an error event");
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("\"code\":\"queue_timeout\""), "{text}");
+    let seen = gw.record_of("q-timeout").await;
+    assert_eq!(seen.error, Some("queue_timeout"));
+    assert_eq!(waiting(&gw), 0);
 }

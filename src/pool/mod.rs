@@ -19,7 +19,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{PoolConfig, QueueConfig, Timeouts};
-use crate::queue::AdmissionQueue;
+use crate::queue::{AdmissionQueue, Place, Ticket, TimedOut};
 
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
@@ -131,6 +131,45 @@ impl PoolShared {
     pub fn dispatch(self: &Arc<Self>) {
         if self.queue.has_waiters() {
             self.queue.dispatch(|| self.try_acquire());
+        }
+    }
+}
+
+/// A request's place in a pool's admission queue, owning its pool (so it can outlive the
+/// request handler: a streaming request that waits while `: queued` comments go out). Dropping
+/// it leaves the queue.
+pub struct Waiting {
+    pool: Arc<PoolShared>,
+    place: Option<Place<InFlight>>,
+}
+
+impl std::fmt::Debug for Waiting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Waiting")
+    }
+}
+
+impl Waiting {
+    pub fn new(pool: Arc<PoolShared>, ticket: Ticket<'_, InFlight>) -> Self {
+        Self {
+            place: ticket.detach(),
+            pool,
+        }
+    }
+
+    /// Wait for a slot, at most `max_wait`.
+    pub async fn wait(mut self, max_wait: std::time::Duration) -> Result<InFlight, TimedOut> {
+        match self.place.as_mut() {
+            Some(p) => p.recv(max_wait).await,
+            None => Err(TimedOut),
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if let Some(p) = &self.place {
+            self.pool.queue.leave(p);
         }
     }
 }
@@ -359,6 +398,11 @@ impl Pools {
             model_list: self.model_list.clone(),
             models_body: self.models_body.clone(),
         })
+    }
+
+    /// The pool at `index` (a `Pool::index`).
+    pub fn at(&self, index: usize) -> Option<&Pool> {
+        self.pools.get(index)
     }
 
     pub fn get(&self, model: &str) -> Option<&Pool> {

@@ -21,7 +21,7 @@ use hyper::body::Incoming;
 use crate::auth::AuthFailure;
 use crate::auth::key::Environment;
 use crate::limits::{LimitKind, Refusal};
-use crate::pool::{InFlight, Pool, Pools, Reachability};
+use crate::pool::{InFlight, Pool, Pools, Reachability, Waiting};
 use crate::queue::{JoinRefused, TimedOut};
 use crate::telemetry::RequestRecord;
 use error::{ApiError, ConnectCause, ErrorKind, TimeoutKind, error_body};
@@ -42,6 +42,8 @@ pub struct ProxyState {
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
 static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
+static TEXT_EVENT_STREAM: HeaderValue = HeaderValue::from_static("text/event-stream");
+static NO_CACHE: HeaderValue = HeaderValue::from_static("no-cache");
 
 /// Largest error body read from a backend to rewrap it.
 const MAX_UPSTREAM_ERROR_BODY: usize = 64 * 1024;
@@ -132,30 +134,23 @@ fn is_json_content_type(v: &HeaderValue) -> bool {
 
 /// Forward one completion request. `record` already carries the request id and `received`.
 pub async fn forward(
-    state: &ProxyState,
+    state: &Arc<ProxyState>,
     endpoint: Endpoint,
     req: Request<Incoming>,
     mut record: RequestRecord,
 ) -> Response<GatewayBody> {
     record.endpoint = Some(endpoint);
     match forward_inner(state, endpoint, req, &mut record).await {
-        Ok(Forwarded::Relay(resp, relay_parts)) => {
+        Ok(Forwarded::Sent(Sent::Relay(resp, mut relay_parts))) => {
             let (head, ()) = resp.into_parts();
             record.status = head.status.as_u16();
             record.timeline.client_first_byte = Some(Instant::now());
-            let RelayParts {
-                mut upstream,
-                sse,
-                timeouts,
-                slot,
-                strip_usage,
-            } = relay_parts;
             // When the first frame came in the same read as the head, send them together:
             // a few scheduler turns for the upstream connection to hand it over, no waiting.
             let mut first = None;
-            if sse {
+            if relay_parts.sse {
                 for _ in 0..relay::GATHER_TURNS {
-                    match upstream.frame().now_or_never() {
+                    match relay_parts.upstream.frame().now_or_never() {
                         Some(Some(Ok(frame))) => {
                             first = frame.into_data().ok();
                             break;
@@ -165,27 +160,41 @@ pub async fn forward(
                     }
                 }
             }
-            let itl = sse.then(|| state.recorder.metrics()).flatten().map(|m| {
-                m.itl(
-                    record.pool_index,
-                    record.key.as_ref().map(|k| k.environment),
-                )
-            });
-            let options = relay::RelayOptions {
-                sse,
-                timeouts,
-                strip_usage: sse && strip_usage,
-                itl,
-            };
-            let relay = RelayBody::new(upstream, options, slot, record, first);
+            let relay = relay_body(state, relay_parts, record, first);
             Response::from_parts(head, GatewayBody::relay(relay))
         }
-        Ok(Forwarded::Full(resp)) => {
+        Ok(Forwarded::Sent(Sent::Full(resp))) => {
             record.status = resp.status().as_u16();
             let now = Instant::now();
             record.timeline.client_first_byte = Some(now);
             record.timeline.done = Some(now);
             resp.map(GatewayBody::full)
+        }
+        Ok(Forwarded::Queued(prepared, waiting, max_wait)) => {
+            // A stream that must wait, with keep-alive comments on: the head goes out now and
+            // `: queued` lines follow until the backend's stream takes over.
+            record.status = 200;
+            record.timeline.client_first_byte = Some(Instant::now());
+            let mut resp = Response::new(());
+            let h = resp.headers_mut();
+            h.insert(header::CONTENT_TYPE, TEXT_EVENT_STREAM.clone());
+            h.insert(header::CACHE_CONTROL, NO_CACHE.clone());
+            h.insert(X_REQUEST_ID.clone(), record.request_id.clone());
+            if let Some(a) = &record.admission {
+                a.headers.write(h);
+            }
+            let interval = state
+                .queue
+                .keepalive_interval
+                .unwrap_or(Duration::from_secs(10));
+            let rest = Box::pin(continue_queued(
+                state.clone(),
+                prepared,
+                waiting,
+                max_wait,
+                record,
+            ));
+            resp.map(|()| GatewayBody::queued(relay::QueuedBody::new(rest, interval)))
         }
         Err(err) => {
             record.status = err.status().as_u16();
@@ -203,6 +212,83 @@ pub async fn forward(
     }
 }
 
+/// The relay of an upstream body, with the request's record travelling in it.
+fn relay_body(
+    state: &ProxyState,
+    parts: RelayParts,
+    record: RequestRecord,
+    first: Option<Bytes>,
+) -> RelayBody {
+    let RelayParts {
+        upstream,
+        sse,
+        timeouts,
+        slot,
+        strip_usage,
+    } = parts;
+    let itl = sse.then(|| state.recorder.metrics()).flatten().map(|m| {
+        m.itl(
+            record.pool_index,
+            record.key.as_ref().map(|k| k.environment),
+        )
+    });
+    let options = relay::RelayOptions {
+        sse,
+        timeouts,
+        strip_usage: sse && strip_usage,
+        itl,
+    };
+    RelayBody::new(upstream, options, slot, record, first)
+}
+
+/// The rest of a queued stream's forwarding, run as its body is polled: wait for a slot, send,
+/// and hand over to the relay — or end with an error event.
+async fn continue_queued(
+    state: Arc<ProxyState>,
+    prepared: Prepared,
+    waiting: Waiting,
+    max_wait: Duration,
+    mut record: RequestRecord,
+) -> relay::Continued {
+    let result = async {
+        let pool = state.pools.at(prepared.pool).ok_or(ApiError::Internal)?;
+        let slot = wait_for_slot(
+            &state,
+            pool,
+            waiting,
+            max_wait,
+            &mut record,
+            prepared.body_read,
+        )
+        .await?;
+        send(pool, slot, prepared, &mut record).await
+    }
+    .await;
+    match result {
+        // The head already went out: the backend's own head is dropped, its body relayed.
+        Ok(Sent::Relay(_, parts)) => {
+            relay::Continued::Relay(Box::pin(relay_body(&state, parts, record, None)))
+        }
+        Ok(Sent::Full(resp)) => {
+            let body = resp.into_body();
+            relay::Continued::Tail(queued_error(&mut record, &body, ErrorKind::UpstreamError))
+        }
+        Err(err) => relay::Continued::Tail(queued_error(&mut record, &err.body(), err.kind())),
+    }
+}
+
+/// End a queued stream with `data: <error>` and `data: [DONE]`; the record is written as the
+/// tail is handed over.
+fn queued_error(record: &mut RequestRecord, body: &[u8], kind: ErrorKind) -> Bytes {
+    record.error = Some(kind);
+    record.timeline.done = Some(Instant::now());
+    let mut out = Vec::with_capacity(body.len() + 32);
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(body);
+    out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+    Bytes::from(out)
+}
+
 struct RelayParts {
     upstream: Incoming,
     sse: bool,
@@ -212,15 +298,39 @@ struct RelayParts {
     strip_usage: bool,
 }
 
-enum Forwarded {
+/// What sending upstream gave.
+enum Sent {
     /// Head ready; the body will be relayed.
     Relay(Response<()>, RelayParts),
     /// A complete response (a backend error rewrapped into OpenAI format).
     Full(Response<Bytes>),
 }
 
+enum Forwarded {
+    Sent(Sent),
+    /// A stream waiting in the admission queue, to be answered with `: queued` comments.
+    Queued(Prepared, Waiting, Duration),
+}
+
+/// The request as it goes upstream, owned: it may wait in the queue past the handler.
+struct Prepared {
+    headers: HeaderMap,
+    body: Bytes,
+    endpoint: Endpoint,
+    pool: usize,
+    /// The gateway injected `include_usage`: hide the usage event from the client.
+    strip_usage: bool,
+    body_read: Instant,
+}
+
+/// A backend slot now, or a place in the queue.
+enum SlotOrWait {
+    Slot(InFlight),
+    Wait(Waiting, Duration),
+}
+
 async fn forward_inner(
-    state: &ProxyState,
+    state: &Arc<ProxyState>,
     endpoint: Endpoint,
     req: Request<Incoming>,
     record: &mut RequestRecord,
@@ -300,13 +410,7 @@ async fn forward_inner(
         }
     }
 
-    // 5. A backend slot: at once when one has room, else in the admission queue.
-    let slot = acquire_slot(state, pool, record, body_read).await?;
-    let backend = slot.backend().clone();
-    record.backend = Some(backend.base.clone());
-    record.backend_index = Some(backend.index);
-
-    // 6. The upstream request: original bytes, unless the model must be renamed.
+    // 5. The upstream request: original bytes, unless the model must be renamed.
     // A stream that did not ask for usage gets it anyway upstream (the relay hides it from
     // the client), so every stream's token counts are real.
     let inject_usage = view.stream && view.include_usage != Some(true);
@@ -323,7 +427,48 @@ async fn forward_inner(
         header::CONTENT_LENGTH,
         HeaderValue::from(upstream_body.len() as u64),
     );
-    let mut upstream_req = Request::new(Full::new(upstream_body));
+    let prepared = Prepared {
+        headers,
+        body: upstream_body,
+        endpoint,
+        pool: pool.index,
+        strip_usage: inject_usage,
+        body_read,
+    };
+
+    // 6. A backend slot: at once when one has room, else in the admission queue.
+    let slot = match acquire_slot(state, pool, record, body_read)? {
+        SlotOrWait::Slot(slot) => slot,
+        SlotOrWait::Wait(waiting, max_wait) => {
+            if record.stream && state.queue.keepalive_interval.is_some() {
+                return Ok(Forwarded::Queued(prepared, waiting, max_wait));
+            }
+            wait_for_slot(state, pool, waiting, max_wait, record, body_read).await?
+        }
+    };
+    send(pool, slot, prepared, record)
+        .await
+        .map(Forwarded::Sent)
+}
+
+/// Send the prepared request to the slot's backend and read the response head.
+async fn send(
+    pool: &Pool,
+    slot: InFlight,
+    prepared: Prepared,
+    record: &mut RequestRecord,
+) -> Result<Sent, ApiError> {
+    let backend = slot.backend().clone();
+    record.backend = Some(backend.base.clone());
+    record.backend_index = Some(backend.index);
+    let Prepared {
+        headers,
+        body,
+        endpoint,
+        strip_usage,
+        ..
+    } = prepared;
+    let mut upstream_req = Request::new(Full::new(body));
     *upstream_req.method_mut() = Method::POST;
     *upstream_req.uri_mut() = match endpoint {
         Endpoint::Chat => backend.chat_uri.clone(),
@@ -397,7 +542,7 @@ async fn forward_inner(
         }
         record.timeline.upstream_first_token = Some(head_at);
         record.timeline.client_first_token = Some(Instant::now());
-        return Ok(Forwarded::Full(resp));
+        return Ok(Sent::Full(resp));
     }
 
     let sse = head
@@ -421,84 +566,110 @@ async fn forward_inner(
     if let Some(v) = server_timing(record, head_at, sse) {
         head.headers.insert(SERVER_TIMING.clone(), v);
     }
-    Ok(Forwarded::Relay(
+    Ok(Sent::Relay(
         Response::from_parts(head, ()),
         RelayParts {
             upstream,
             sse,
             timeouts: t,
             slot,
-            strip_usage: inject_usage,
+            strip_usage,
         },
     ))
 }
 
-/// A slot on one of the pool's backends. When all are at capacity the request waits in the
-/// pool's admission queue (prod before gray before stress, keys taking turns) up to its
-/// environment's maximum wait; the wait becomes the Timeline's queue wait.
-async fn acquire_slot(
+/// A slot on one of the pool's backends, or — when all are at capacity — a place in the
+/// pool's admission queue (prod before gray before stress, keys taking turns). A full queue,
+/// or a key holding its share of it, is refused at once.
+fn acquire_slot(
     state: &ProxyState,
     pool: &Pool,
     record: &mut RequestRecord,
     body_read: Instant,
-) -> Result<InFlight, ApiError> {
+) -> Result<SlotOrWait, ApiError> {
     let shared = &pool.shared;
     if !shared.queue.has_waiters()
         && let Some(slot) = shared.try_acquire()
     {
         record.timeline.admitted = Some(body_read);
-        return Ok(slot);
+        return Ok(SlotOrWait::Slot(slot));
     }
     if !shared.any_usable() {
         return Err(no_backend(pool));
     }
-    let (key_id, env, public_id) = match &record.key {
-        Some(k) => (k.id, k.environment, k.public_id.clone()),
-        None => (-1, Environment::Stress, Box::from("-")),
+    let (key_id, env) = match &record.key {
+        Some(k) => (k.id, k.environment),
+        None => (-1, Environment::Stress),
     };
+    let refuse = |kind, limit: usize| {
+        state.limits.count(kind);
+        ApiError::limited(
+            queue_refusal(record, kind, limit as u64, Duration::from_secs(1)),
+            &pool.model,
+        )
+    };
+    let mut ticket = match shared.queue.join(key_id, env, || shared.try_acquire()) {
+        Ok(t) => t,
+        Err(JoinRefused::Full { max_size }) => return Err(refuse(LimitKind::QueueFull, max_size)),
+        Err(JoinRefused::KeyShare { max_per_key }) => {
+            return Err(refuse(LimitKind::QueueKeyShare, max_per_key));
+        }
+    };
+    // A slot freed while joining was handed over at once.
+    if let Some(slot) = ticket.try_now() {
+        record.timeline.admitted = Some(body_read);
+        return Ok(SlotOrWait::Slot(slot));
+    }
     let max_wait = state.queue.max_wait[env.index()];
+    Ok(SlotOrWait::Wait(
+        Waiting::new(shared.clone(), ticket),
+        max_wait,
+    ))
+}
+
+/// Wait in the queue up to the environment's maximum; the wait becomes the Timeline's queue
+/// wait (`admitted − body_read`).
+async fn wait_for_slot(
+    state: &ProxyState,
+    pool: &Pool,
+    waiting: Waiting,
+    max_wait: Duration,
+    record: &mut RequestRecord,
+    body_read: Instant,
+) -> Result<InFlight, ApiError> {
     let queued_at = Instant::now();
-    let refusal = |kind, limit: u64, retry: Duration| Refusal {
+    let result = waiting.wait(max_wait).await;
+    record.timeline.admitted = Some(body_read + queued_at.elapsed());
+    match result {
+        Ok(slot) => Ok(slot),
+        Err(TimedOut) if !pool.shared.any_usable() => Err(no_backend(pool)),
+        Err(TimedOut) => {
+            state.limits.count(LimitKind::QueueTimeout);
+            let limit = u64::try_from(max_wait.as_millis()).unwrap_or(u64::MAX);
+            let r = queue_refusal(
+                record,
+                LimitKind::QueueTimeout,
+                limit,
+                Duration::from_secs(2),
+            );
+            Err(ApiError::limited(r, &pool.model))
+        }
+    }
+}
+
+fn queue_refusal(record: &RequestRecord, kind: LimitKind, limit: u64, retry: Duration) -> Refusal {
+    let (public_id, env) = match &record.key {
+        Some(k) => (k.public_id.clone(), k.environment),
+        None => (Box::from("-"), Environment::Stress),
+    };
+    Refusal {
         kind,
-        key_id: public_id.clone(),
+        key_id: public_id,
         environment: env,
         limit,
         requested: 0,
         retry_after: Some(retry),
         headers: crate::limits::RateHeaders::default(),
-    };
-    let ticket = match shared.queue.join(key_id, env, || shared.try_acquire()) {
-        Ok(t) => t,
-        Err(JoinRefused::Full { max_size }) => {
-            state.limits.count(LimitKind::QueueFull);
-            let r = refusal(
-                LimitKind::QueueFull,
-                max_size as u64,
-                Duration::from_secs(1),
-            );
-            return Err(ApiError::limited(r, &pool.model));
-        }
-        Err(JoinRefused::KeyShare { max_per_key }) => {
-            state.limits.count(LimitKind::QueueKeyShare);
-            let r = refusal(
-                LimitKind::QueueKeyShare,
-                max_per_key as u64,
-                Duration::from_secs(1),
-            );
-            return Err(ApiError::limited(r, &pool.model));
-        }
-    };
-    let result = ticket.wait(max_wait).await;
-    record.timeline.admitted = Some(body_read + queued_at.elapsed());
-    match result {
-        Ok(slot) => Ok(slot),
-        Err(TimedOut) if !shared.any_usable() => Err(no_backend(pool)),
-        Err(TimedOut) => {
-            state.limits.count(LimitKind::QueueTimeout);
-            let limit = u64::try_from(max_wait.as_millis()).unwrap_or(u64::MAX);
-            let r = refusal(LimitKind::QueueTimeout, limit, Duration::from_secs(2));
-            Err(ApiError::limited(r, &pool.model))
-        }
     }
 }
 

@@ -27,6 +27,7 @@ pin_project! {
     pub enum GatewayBody {
         Full { data: Option<Bytes> },
         Relay { #[pin] relay: RelayBody },
+        Queued { #[pin] queued: QueuedBody },
     }
 }
 
@@ -39,6 +40,10 @@ impl GatewayBody {
     pub fn empty() -> Self {
         GatewayBody::Full { data: None }
     }
+    pub fn queued(queued: QueuedBody) -> Self {
+        GatewayBody::Queued { queued }
+    }
+
     pub fn relay(relay: RelayBody) -> Self {
         GatewayBody::Relay { relay }
     }
@@ -55,6 +60,7 @@ impl Body for GatewayBody {
         match self.project() {
             GatewayBodyProj::Full { data } => Poll::Ready(data.take().map(|b| Ok(Frame::data(b)))),
             GatewayBodyProj::Relay { relay } => relay.poll_frame(cx),
+            GatewayBodyProj::Queued { queued } => queued.poll_frame(cx),
         }
     }
 
@@ -62,6 +68,7 @@ impl Body for GatewayBody {
         match self {
             GatewayBody::Full { data } => data.is_none(),
             GatewayBody::Relay { relay } => relay.is_end_stream(),
+            GatewayBody::Queued { .. } => false,
         }
     }
 
@@ -70,6 +77,93 @@ impl Body for GatewayBody {
             GatewayBody::Full { data: Some(b) } => SizeHint::with_exact(b.len() as u64),
             GatewayBody::Full { data: None } => SizeHint::with_exact(0),
             GatewayBody::Relay { relay } => relay.size_hint(),
+            GatewayBody::Queued { .. } => SizeHint::default(),
+        }
+    }
+}
+
+/// How a queued stream continues once its wait is over.
+pub enum Continued {
+    /// The backend's stream, relayed.
+    Relay(Pin<Box<RelayBody>>),
+    /// A final error event and `[DONE]`.
+    Tail(Bytes),
+}
+
+type Rest = Pin<Box<dyn Future<Output = Continued> + Send>>;
+
+static QUEUED_COMMENT: &[u8] = b": queued\n\n";
+
+pin_project! {
+    /// The body of a stream that waits in the admission queue: `: queued` comment lines (the
+    /// first at once, then every `interval`) while `rest` waits for a backend slot and sends
+    /// the request; then the backend's stream, or an error event.
+    pub struct QueuedBody {
+        rest: Option<Rest>,
+        #[pin]
+        tick: Sleep,
+        interval: Duration,
+        first_sent: bool,
+        relay: Option<Pin<Box<RelayBody>>>,
+        tail: Option<Bytes>,
+    }
+}
+
+impl QueuedBody {
+    pub fn new(rest: Rest, interval: Duration) -> Self {
+        Self {
+            rest: Some(rest),
+            tick: tokio::time::sleep(interval),
+            interval,
+            first_sent: false,
+            relay: None,
+            tail: None,
+        }
+    }
+}
+
+impl Body for QueuedBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let mut this = self.project();
+        if let Some(relay) = this.relay.as_mut() {
+            return relay.as_mut().poll_frame(cx);
+        }
+        if let Some(tail) = this.tail.take() {
+            return Poll::Ready(Some(Ok(Frame::data(tail))));
+        }
+        let Some(rest) = this.rest.as_mut() else {
+            return Poll::Ready(None);
+        };
+        if let Poll::Ready(next) = rest.as_mut().poll(cx) {
+            *this.rest = None;
+            match next {
+                Continued::Relay(mut relay) => {
+                    let frame = relay.as_mut().poll_frame(cx);
+                    *this.relay = Some(relay);
+                    return frame;
+                }
+                Continued::Tail(tail) => return Poll::Ready(Some(Ok(Frame::data(tail)))),
+            }
+        }
+        if !*this.first_sent {
+            *this.first_sent = true;
+            let at = Instant::now() + *this.interval;
+            this.tick.as_mut().reset(at.into());
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(QUEUED_COMMENT)))));
+        }
+        match this.tick.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                let at = Instant::now() + *this.interval;
+                this.tick.as_mut().reset(at.into());
+                Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(QUEUED_COMMENT)))))
+            }
+            Poll::Pending => Poll::Pending,
         }
     }
 }

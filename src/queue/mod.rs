@@ -141,10 +141,7 @@ impl<T> AdmissionQueue<T> {
             self.show_depth(&s);
             ticket = Ticket {
                 queue: self,
-                rx,
-                id,
-                key,
-                class,
+                place: Some(Place { rx, id, key, class }),
             };
         }
         drop(leftover);
@@ -188,7 +185,12 @@ impl<T> AdmissionQueue<T> {
         pending
     }
 
-    fn leave(&self, key: i64, class: Environment, id: u64) {
+    /// Leave the queue (a place detached from its ticket is left this way by its owner).
+    pub fn leave(&self, place: &Place<T>) {
+        self.leave_by(place.key, place.class, place.id);
+    }
+
+    fn leave_by(&self, key: i64, class: Environment, id: u64) {
         let mut s = self.lock();
         let lines = &mut s.classes[class.index()];
         let Some(i) = lines.iter().position(|l| l.key == key) else {
@@ -235,6 +237,12 @@ fn pop_next<T>(s: &mut State<T>) -> Option<Waiter<T>> {
 /// A place in the queue. Dropping it leaves the queue at once.
 pub struct Ticket<'a, T> {
     queue: &'a AdmissionQueue<T>,
+    place: Option<Place<T>>,
+}
+
+/// A place without the borrow of its queue: whoever holds it must call
+/// `AdmissionQueue::leave` when dropping it (see `pool::Waiting`).
+pub struct Place<T> {
     rx: oneshot::Receiver<T>,
     id: u64,
     key: i64,
@@ -245,9 +253,9 @@ pub struct Ticket<'a, T> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TimedOut;
 
-impl<T> Ticket<'_, T> {
+impl<T> Place<T> {
     /// Wait for a slot, at most `max_wait`.
-    pub async fn wait(mut self, max_wait: Duration) -> Result<T, TimedOut> {
+    pub async fn recv(&mut self, max_wait: Duration) -> Result<T, TimedOut> {
         match tokio::time::timeout(max_wait, &mut self.rx).await {
             Ok(Ok(slot)) => Ok(slot),
             _ => Err(TimedOut),
@@ -260,11 +268,33 @@ impl<T> Ticket<'_, T> {
     }
 }
 
+impl<T> Ticket<'_, T> {
+    /// Wait for a slot, at most `max_wait`.
+    pub async fn wait(mut self, max_wait: Duration) -> Result<T, TimedOut> {
+        match self.place.as_mut() {
+            Some(p) => p.recv(max_wait).await,
+            None => Err(TimedOut),
+        }
+    }
+
+    /// The slot if it was handed over already (no waiting).
+    pub fn try_now(&mut self) -> Option<T> {
+        self.place.as_mut().and_then(Place::try_now)
+    }
+
+    /// The place, for an owner that outlives this borrow; it must leave the queue itself.
+    pub fn detach(mut self) -> Option<Place<T>> {
+        self.place.take()
+    }
+}
+
 impl<T> Drop for Ticket<'_, T> {
     fn drop(&mut self) {
-        // Leave first; a slot that raced into `rx` is dropped with it afterwards (outside
-        // the lock), which passes it on.
-        self.queue.leave(self.key, self.class, self.id);
+        // Leave first; a slot that raced into the place is dropped with it afterwards
+        // (outside the lock), which passes it on.
+        if let Some(p) = &self.place {
+            self.queue.leave(p);
+        }
     }
 }
 

@@ -42,7 +42,7 @@ use crate::telemetry::{Recorder, RequestRecord};
 /// Everything the request path reads, built once at start.
 #[derive(Debug)]
 pub struct AppState {
-    pub proxy: ProxyState,
+    pub proxy: Arc<ProxyState>,
 }
 
 impl AppState {
@@ -339,14 +339,14 @@ impl Server {
         let mut worker_done = Vec::with_capacity(workers);
         for i in 0..workers {
             let state = Arc::new(AppState {
-                proxy: ProxyState {
+                proxy: Arc::new(ProxyState {
                     pools: Arc::new(pools.fork()?),
                     max_body_bytes: config.server.max_body_bytes,
                     recorder: recorder.clone(),
                     auth: auth.clone(),
                     limits: limits.clone(),
                     queue: config.queue.clone(),
-                },
+                }),
             });
             let sock = std_listener.try_clone()?;
             let tls = tls.clone();
