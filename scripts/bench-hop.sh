@@ -189,17 +189,22 @@ sqlite_path = "$TMP/fleetgate.db"
 [admin]
 listen = ""
 
+# No backend capacity cap (max_in_flight_per_backend = 0): nginx has no admission control, and
+# the memory phase holds 5000 streams on one sim. The admission path still runs (fast path).
 [[pools]]
 model = "qwen32b"
 backends = ["$SIM_URL"]
+max_in_flight_per_backend = 0
 
 [[pools]]
 model = "slow"
 backends = ["$SLOW_URL"]
+max_in_flight_per_backend = 0
 
 [[pools]]
 model = "paced"
 backends = ["$PACED_URL"]
+max_in_flight_per_backend = 0
 EOF
 
 # One key for the driver, sent to every target alike (the sim and nginx ignore it).

@@ -100,7 +100,7 @@ async fn token_budget_settles_against_the_backends_usage() {
     let big = post(&url, &[("authorization", &auth)], chat(5000, true)).await;
     assert_eq!(big.status, 429);
     let err = openai_error(&big);
-    assert_eq!(err["code"], "request_too_large");
+    assert_eq!(err["code"], "request_exceeds_token_budget");
     assert_eq!(err["param"], "max_tokens");
     assert!(big.headers.get("retry-after").is_none());
 
@@ -534,4 +534,66 @@ async fn a_waiting_stream_that_times_out_ends_with_an_error_event() {
     let seen = gw.record_of("q-timeout").await;
     assert_eq!(seen.error, Some("queue_timeout"));
     assert_eq!(waiting(&gw), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_redis_mid_run_falls_back_and_recovers() {
+    let Some(redis) = redis_url("losing_redis_mid_run_falls_back_and_recovers").await else {
+        return;
+    };
+    let upstream: std::net::SocketAddr = redis
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap_or_else(|_| "127.0.0.1:6379".parse().unwrap());
+    let proxy = Cuttable::start(0, upstream).await;
+    let port = proxy.port;
+    let sim = sim(|_| {}).await;
+    let prefix = unique_prefix("recover");
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        shared_limits(c, &format!("redis://127.0.0.1:{port}"), &prefix, 2)
+    })
+    .await;
+    let (key, _) = issue_key(&gw, Environment::Prod, |k| {
+        k.requests_per_minute = Some(100)
+    })
+    .await;
+    let url = gw.url("/v1/chat/completions");
+    let auth = bearer(&key);
+    let metric = |name: &str| {
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&gw.server.registry.gather())
+            .unwrap();
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let m = post(&url, &[("authorization", &auth)], chat(2, false)).await;
+    assert_eq!(
+        header(&m, "x-ratelimit-limit-requests"),
+        "100",
+        "shared: the whole limit"
+    );
+    assert_eq!(metric("fleetgate_limits_redis_up"), Some(1.0));
+
+    // Redis goes away: the next request falls back to limit/replicas, and it shows.
+    let port = proxy.cut();
+    let m = post(&url, &[("authorization", &auth)], chat(2, false)).await;
+    assert_eq!(m.status, 200, "requests go on while Redis is away");
+    assert_eq!(header(&m, "x-ratelimit-limit-requests"), "50");
+    assert_eq!(metric("fleetgate_limits_redis_up"), Some(0.0));
+    assert_eq!(metric("fleetgate_limits_fallback_total"), Some(1.0));
+
+    // It comes back: within a few probes the limits are shared again.
+    let _proxy = Cuttable::start(port, upstream).await;
+    assert!(
+        eventually(Duration::from_secs(10), || metric(
+            "fleetgate_limits_redis_up"
+        ) == Some(1.0))
+        .await,
+        "Redis was not found again"
+    );
+    let m = post(&url, &[("authorization", &auth)], chat(2, false)).await;
+    assert_eq!(header(&m, "x-ratelimit-limit-requests"), "100");
 }

@@ -236,7 +236,7 @@ impl Refusal {
         match self.kind {
             LimitKind::KeyRequests => "requests_per_minute_exceeded",
             LimitKind::KeyTokens => "tokens_per_minute_exceeded",
-            LimitKind::KeyTokensTooLarge => "request_too_large",
+            LimitKind::KeyTokensTooLarge => "request_exceeds_token_budget",
             LimitKind::KeyConcurrency => "concurrency_limit_exceeded",
             LimitKind::EnvRequests => "environment_rate_limit_exceeded",
             LimitKind::EnvConcurrency => "environment_concurrency_exceeded",
