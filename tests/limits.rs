@@ -76,9 +76,7 @@ async fn requests_per_minute_refuses_with_openai_headers() {
         .await;
     assert_eq!(seen.error, Some("rate_limited"));
     assert_eq!(seen.backend, None);
-    let metrics = prometheus::TextEncoder::new()
-        .encode_to_string(&gw.server.registry.gather())
-        .unwrap();
+    let metrics = metrics_text(&gw);
     assert!(
         metrics.contains("fleetgate_rejections_total{limit=\"key_requests\"} 1"),
         "{metrics}"
@@ -262,9 +260,7 @@ async fn queue_serves_prod_before_stress() {
         .await
     });
     assert!(eventually(Duration::from_secs(10), || waiting(&gw) == 2).await);
-    let metrics = prometheus::TextEncoder::new()
-        .encode_to_string(&gw.server.registry.gather())
-        .unwrap();
+    let metrics = metrics_text(&gw);
     assert!(
         metrics.contains("fleetgate_queue_depth{model=\"qwen32b\"} 2"),
         "{metrics}"
@@ -417,9 +413,7 @@ async fn two_replicas_sharing_redis_enforce_one_limit() {
     // One limit of 4 across both replicas (alone, each would have allowed 4).
     assert_eq!(statuses, [200, 200, 200, 200, 429, 429]);
     assert_eq!(remaining, ["3", "2", "1", "0"]);
-    let metrics = prometheus::TextEncoder::new()
-        .encode_to_string(&a.server.registry.gather())
-        .unwrap();
+    let metrics = metrics_text(&a);
     assert!(metrics.contains("fleetgate_limits_redis_up 1"), "{metrics}");
 }
 
@@ -450,9 +444,7 @@ async fn unreachable_redis_falls_back_to_limit_over_replicas_and_says_so() {
             .status,
         429
     );
-    let metrics = prometheus::TextEncoder::new()
-        .encode_to_string(&gw.server.registry.gather())
-        .unwrap();
+    let metrics = metrics_text(&gw);
     assert!(metrics.contains("fleetgate_limits_redis_up 0"), "{metrics}");
     assert!(
         metrics.contains("fleetgate_limits_fallback_total 1"),
@@ -561,9 +553,7 @@ async fn losing_redis_mid_run_falls_back_and_recovers() {
     let url = gw.url("/v1/chat/completions");
     let auth = bearer(&key);
     let metric = |name: &str| {
-        let text = prometheus::TextEncoder::new()
-            .encode_to_string(&gw.server.registry.gather())
-            .unwrap();
+        let text = metrics_text(&gw);
         text.lines()
             .find(|l| l.starts_with(name))
             .and_then(|l| l.rsplit(' ').next())

@@ -462,3 +462,10 @@ pub async fn open(
         .unwrap();
     c.request(req).await.expect("response head")
 }
+
+/// The gateway's Prometheus registry in text format, as `GET /metrics` serves it.
+pub fn metrics_text(gw: &Gateway) -> String {
+    prometheus::TextEncoder::new()
+        .encode_to_string(&gw.server.registry.gather())
+        .unwrap()
+}
