@@ -250,7 +250,9 @@ pub struct PoolConfig {
     pub model: String,
     /// The name the backends serve it under, when it differs (the body is rewritten).
     pub served_model_name: Option<String>,
-    pub backends: Vec<Uri>,
+    /// Other names clients may send for this model (listed by `/v1/models` too).
+    pub aliases: Vec<String>,
+    pub backends: Vec<BackendConfig>,
     /// Sent upstream as `Authorization: Bearer ...` instead of the client's credentials.
     pub upstream_api_key: Option<Secret>,
     /// Extra CA certificate(s) (PEM) trusted for https backends, beside the webpki roots.
@@ -259,8 +261,75 @@ pub struct PoolConfig {
     /// Environments whose keys may use this pool (`None`: all).
     pub environments: Option<Vec<Environment>>,
     /// Requests one backend serves at once (vLLM's `max_num_seqs`); more wait in the
-    /// admission queue. 0: no cap (and no queue).
+    /// admission queue. 0: no cap (and no queue). A backend's own `capacity` wins.
     pub max_in_flight_per_backend: u32,
+    pub retries: RetryConfig,
+    pub ejection: EjectionConfig,
+}
+
+/// One backend of a pool.
+#[derive(Debug, Clone)]
+pub struct BackendConfig {
+    pub url: Uri,
+    /// Share of new requests relative to the pool's other backends (≥ 1).
+    pub weight: u32,
+    /// Requests this backend serves at once (`None`: the pool's `max_in_flight_per_backend`).
+    pub capacity: Option<u32>,
+    /// Free-form labels (e.g. `canary`), shown by the admin API.
+    pub labels: Vec<String>,
+    /// Sent to this backend instead of the pool's `upstream_api_key`.
+    pub upstream_api_key: Option<Secret>,
+}
+
+impl BackendConfig {
+    pub fn new(url: Uri) -> Self {
+        Self {
+            url,
+            weight: 1,
+            capacity: None,
+            labels: Vec::new(),
+            upstream_api_key: None,
+        }
+    }
+}
+
+/// Retries on another backend, before any byte of the answer reached the client.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryConfig {
+    /// Extra attempts per request (0: no retries).
+    pub max_retries: u32,
+    /// Retries allowed as a share of the pool's requests (0.2: at most one retry per five
+    /// requests over time), so a failing fleet is not hit twice as hard.
+    pub budget_ratio: f64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            max_retries: 2,
+            budget_ratio: 0.2,
+        }
+    }
+}
+
+/// Passive ejection of a backend that keeps failing.
+#[derive(Debug, Clone, Copy)]
+pub struct EjectionConfig {
+    /// Consecutive connect errors or 5xx answers that eject a backend (0: never).
+    pub consecutive_failures: u32,
+    /// First ejection; each further one doubles it (with ±20 % jitter), up to `max`.
+    pub base: Duration,
+    pub max: Duration,
+}
+
+impl Default for EjectionConfig {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 3,
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+        }
+    }
 }
 
 pub const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
@@ -311,12 +380,15 @@ impl PoolConfig {
         Self {
             model: model.into(),
             served_model_name: None,
-            backends,
+            aliases: Vec::new(),
+            backends: backends.into_iter().map(BackendConfig::new).collect(),
             upstream_api_key: None,
             ca_file: None,
             timeouts: Timeouts::default(),
             environments: None,
             max_in_flight_per_backend: DEFAULT_MAX_IN_FLIGHT,
+            retries: RetryConfig::default(),
+            ejection: EjectionConfig::default(),
         }
     }
 }
@@ -697,13 +769,99 @@ struct RawTls {
 struct RawPool {
     model: String,
     served_model_name: Option<String>,
-    backends: Vec<String>,
+    #[serde(default)]
+    aliases: Vec<String>,
+    backends: Vec<RawBackend>,
     upstream_api_key: Option<String>,
     ca_file: Option<PathBuf>,
     #[serde(default)]
     timeouts: RawTimeouts,
     environments: Option<Vec<Environment>>,
     max_in_flight_per_backend: Option<u32>,
+    #[serde(default)]
+    retries: RawRetries,
+    #[serde(default)]
+    ejection: RawEjection,
+}
+
+/// A backend: its base URL, or a table with the URL and its weight, capacity, labels, key.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawBackend {
+    Url(String),
+    Table(RawBackendTable),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBackendTable {
+    url: String,
+    #[serde(default = "default_weight")]
+    weight: u32,
+    capacity: Option<u32>,
+    #[serde(default)]
+    labels: Vec<String>,
+    upstream_api_key: Option<String>,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRetries {
+    #[serde(default = "default_max_retries")]
+    max_retries: u32,
+    #[serde(default = "default_budget_percent")]
+    budget_percent: f64,
+}
+
+impl Default for RawRetries {
+    fn default() -> Self {
+        Self {
+            max_retries: default_max_retries(),
+            budget_percent: default_budget_percent(),
+        }
+    }
+}
+
+fn default_max_retries() -> u32 {
+    2
+}
+fn default_budget_percent() -> f64 {
+    20.0
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEjection {
+    #[serde(default = "default_consecutive_failures")]
+    consecutive_failures: u32,
+    #[serde(default = "default_eject_base")]
+    base_ms: u64,
+    #[serde(default = "default_eject_max")]
+    max_ms: u64,
+}
+
+impl Default for RawEjection {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: default_consecutive_failures(),
+            base_ms: default_eject_base(),
+            max_ms: default_eject_max(),
+        }
+    }
+}
+
+fn default_consecutive_failures() -> u32 {
+    3
+}
+fn default_eject_base() -> u64 {
+    1000
+}
+fn default_eject_max() -> u64 {
+    60_000
 }
 
 #[derive(Deserialize, Default)]
@@ -865,10 +1023,66 @@ impl RawConfig {
                 ));
             }
             let mut backends = Vec::with_capacity(p.backends.len());
-            for (j, b) in p.backends.iter().enumerate() {
-                let uri =
-                    parse_backend_url(b).map_err(|m| err(at(&format!("backends[{j}]")), m))?;
-                backends.push(uri);
+            for (j, b) in p.backends.into_iter().enumerate() {
+                let bat = |f: &str| at(&format!("backends[{j}]{f}"));
+                let backend = match b {
+                    RawBackend::Url(u) => {
+                        BackendConfig::new(parse_backend_url(&u).map_err(|m| err(bat(""), m))?)
+                    }
+                    RawBackend::Table(t) => {
+                        if t.weight == 0 {
+                            return Err(err(
+                                bat(".weight"),
+                                "must be ≥ 1 (remove the backend, or drain it through the admin API, to stop its traffic)".into(),
+                            ));
+                        }
+                        BackendConfig {
+                            url: parse_backend_url(&t.url).map_err(|m| err(bat(".url"), m))?,
+                            weight: t.weight,
+                            capacity: t.capacity,
+                            labels: t.labels,
+                            upstream_api_key: t.upstream_api_key.map(Secret::new),
+                        }
+                    }
+                };
+                if backends
+                    .iter()
+                    .any(|o: &BackendConfig| o.url == backend.url)
+                {
+                    return Err(err(
+                        bat(""),
+                        format!("backend {} is listed twice", backend.url),
+                    ));
+                }
+                backends.push(backend);
+            }
+            for (k, a) in p.aliases.iter().enumerate() {
+                if a.trim().is_empty() {
+                    return Err(err(
+                        at(&format!("aliases[{k}]")),
+                        "must not be empty".into(),
+                    ));
+                }
+                if !seen.insert(a.clone()) {
+                    return Err(err(
+                        at(&format!("aliases[{k}]")),
+                        format!("`{a}` already names another pool or alias"),
+                    ));
+                }
+            }
+            if !(p.retries.budget_percent.is_finite()
+                && (0.0..=100.0).contains(&p.retries.budget_percent))
+            {
+                return Err(err(
+                    at("retries.budget_percent"),
+                    "must be between 0 and 100".into(),
+                ));
+            }
+            if p.ejection.base_ms == 0 || p.ejection.max_ms < p.ejection.base_ms {
+                return Err(err(
+                    at("ejection"),
+                    "base_ms must be > 0 and max_ms ≥ base_ms".into(),
+                ));
             }
             if let Some(name) = &p.served_model_name
                 && name.trim().is_empty()
@@ -913,6 +1127,7 @@ impl RawConfig {
             pools.push(PoolConfig {
                 model: p.model,
                 served_model_name: p.served_model_name,
+                aliases: p.aliases,
                 backends,
                 upstream_api_key: p.upstream_api_key.map(Secret::new),
                 ca_file: p.ca_file,
@@ -921,6 +1136,15 @@ impl RawConfig {
                 max_in_flight_per_backend: p
                     .max_in_flight_per_backend
                     .unwrap_or(DEFAULT_MAX_IN_FLIGHT),
+                retries: RetryConfig {
+                    max_retries: p.retries.max_retries,
+                    budget_ratio: p.retries.budget_percent / 100.0,
+                },
+                ejection: EjectionConfig {
+                    consecutive_failures: p.ejection.consecutive_failures,
+                    base: Duration::from_millis(p.ejection.base_ms),
+                    max: Duration::from_millis(p.ejection.max_ms),
+                },
             });
         }
 
@@ -1244,7 +1468,10 @@ mod tests {
         let c = parse("[[pools]]\nmodel='m'\nbackends=['http://127.0.0.1:8001/v1/']\n").unwrap();
         assert_eq!(c.server.listen.port(), 8080);
         assert_eq!(c.server.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
-        assert_eq!(c.pools[0].backends[0].to_string(), "http://127.0.0.1:8001/");
+        assert_eq!(
+            c.pools[0].backends[0].url.to_string(),
+            "http://127.0.0.1:8001/"
+        );
         assert_eq!(c.pools[0].timeouts.connect, Duration::from_secs(3));
     }
 

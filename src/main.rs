@@ -123,7 +123,8 @@ async fn run(cli: Cli) -> ExitCode {
                     c.server.tls.is_some()
                 );
                 for p in &c.pools {
-                    let backends: Vec<String> = p.backends.iter().map(|b| b.to_string()).collect();
+                    let backends: Vec<String> =
+                        p.backends.iter().map(|b| b.url.to_string()).collect();
                     println!(
                         "model {} -> {}{}",
                         p.model,

@@ -18,19 +18,9 @@ use common::*;
 use fleetgate::admin::jwt::{self, Role};
 use fleetgate::auth::key::Environment;
 use fleetgate::client::{self, chat_body};
-use fleetgate::config::{AdminConfig, JwtKey, Secret};
+use fleetgate::config::Secret;
 use fleetgate::store::{CreateKey, KeyStore, StoreError};
 use http_body_util::BodyExt;
-
-const JWT_SECRET: &str = "test-secret-0123456789abcdef0123456789";
-
-fn admin_cfg() -> AdminConfig {
-    AdminConfig {
-        listen: Some("127.0.0.1:0".parse().unwrap()),
-        jwt_key: Some(JwtKey::Secret(Secret::new(JWT_SECRET))),
-        ..AdminConfig::default()
-    }
-}
 
 fn create(env: Environment, name: &str) -> CreateKey {
     CreateKey {
@@ -47,39 +37,6 @@ async fn chat(gw: &Gateway, key: &str) -> client::Measured {
         chat_body("qwen32b", "hi", 3, true),
     )
     .await
-}
-
-/// (status, body) of an admin API call.
-async fn admin(
-    gw: &Gateway,
-    method: &str,
-    path: &str,
-    token: Option<&str>,
-    body: Option<serde_json::Value>,
-) -> (u16, serde_json::Value) {
-    let c = client::http_client();
-    let mut req = http::Request::builder()
-        .method(method)
-        .uri(format!("http://{}{path}", gw.server.admin_addr.unwrap()))
-        .header("content-type", "application/json");
-    if let Some(t) = token {
-        req = req.header("authorization", format!("Bearer {t}"));
-    }
-    let body = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
-    let resp = c
-        .request(req.body(http_body_util::Full::new(body)).unwrap())
-        .await
-        .unwrap();
-    let status = resp.status().as_u16();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
-    )
-}
-
-fn token(role: Role) -> String {
-    jwt::mint(&admin_cfg(), role, "tester", Duration::from_secs(300)).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

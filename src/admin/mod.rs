@@ -234,6 +234,13 @@ pub async fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<
     }
 }
 
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DrainBody {
+    model: String,
+    backend: String,
+}
+
 /// The JWT-guarded routes.
 async fn keys_api(
     state: &AdminState,
@@ -369,6 +376,36 @@ async fn keys_api(
                 ),
             ))
         }
+        (Method::GET, ["admin", "backends"]) => Ok((
+            StatusCode::OK,
+            to_json(&serde_json::json!({"object": "list", "data": state.pools.backends_json()})),
+        )),
+        (Method::POST, ["admin", "backends", action @ ("drain" | "undrain")]) => {
+            need_admin(&caller)?;
+            let drain = *action == "drain";
+            let body: DrainBody = read_json(req.into_body()).await?;
+            let Some(b) = state.pools.find_backend(&body.model, &body.backend) else {
+                return Err(error(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    "backend_not_found",
+                    &format!(
+                        "No backend {} in the pool of `{}`; GET /admin/backends lists them.",
+                        body.backend, body.model
+                    ),
+                ));
+            };
+            b.set_draining(drain);
+            tracing::info!(backend = %b.base, by = %caller.subject, drain, "backend drain changed");
+            Ok((
+                StatusCode::OK,
+                to_json(&serde_json::json!({
+                    "backend": &*b.base,
+                    "state": b.state().as_str(),
+                    "in_flight": b.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+                })),
+            ))
+        }
         (Method::GET, ["admin", "audit"]) => {
             let key = query_param(req.uri().query(), "key");
             let limit = query_param(req.uri().query(), "limit")
@@ -388,7 +425,7 @@ async fn keys_api(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "unknown_url",
-            "Unknown admin route. Routes: GET/POST /admin/keys, GET /admin/keys/{id}, POST /admin/keys/{id}/revoke, POST /admin/keys/{id}/rotate, GET /admin/audit, GET /admin/usage, GET /metrics.",
+            "Unknown admin route. Routes: GET/POST /admin/keys, GET /admin/keys/{id}, POST /admin/keys/{id}/revoke, POST /admin/keys/{id}/rotate, GET /admin/audit, GET /admin/usage, GET /admin/backends, POST /admin/backends/drain, POST /admin/backends/undrain, GET /metrics.",
         )),
     }
 }

@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU32, AtomicU64, Ordering};
+
+use arc_swap::ArcSwapOption;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -18,7 +20,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{PoolConfig, QueueConfig, Timeouts};
+use crate::config::{
+    BackendConfig, EjectionConfig, PoolConfig, QueueConfig, RetryConfig, Timeouts,
+};
 use crate::queue::{AdmissionQueue, Place, Ticket, TimedOut};
 
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
@@ -31,6 +35,20 @@ pub enum Reachability {
     Down = 2,
 }
 
+/// Milliseconds on the process's monotonic clock (tokio's, so paused-time tests drive it).
+pub fn now_ms() -> u64 {
+    static BASE: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+    let base = *BASE.get_or_init(tokio::time::Instant::now);
+    u64::try_from(
+        tokio::time::Instant::now()
+            .saturating_duration_since(base)
+            .as_millis(),
+    )
+    .unwrap_or(u64::MAX)
+    // 0 means "never ejected".
+    .saturating_add(1)
+}
+
 #[derive(Debug)]
 pub struct Backend {
     /// Base URL as configured (log and error text; never a label from a client).
@@ -41,17 +59,66 @@ pub struct Backend {
     pub completions_uri: Uri,
     pub health_uri: Uri,
     pub in_flight: AtomicU32,
+    /// Share of new requests relative to the pool's other backends.
+    pub weight: u32,
+    /// Requests served at once (0: no cap).
+    pub capacity: u32,
+    pub labels: Vec<String>,
+    /// `Authorization` sent to this backend (its own key, else the pool's).
+    pub upstream_auth: Option<HeaderValue>,
     reachability: AtomicU8,
+    /// Consecutive connect errors / 5xx answers.
+    failures: AtomicU32,
+    /// Ejections in a row (the backoff exponent); reset by a success.
+    ejections: AtomicU32,
+    /// `now_ms()` until which the backend gets no new requests (0: not ejected).
+    ejected_until: AtomicU64,
+    draining: AtomicBool,
+    /// Exponentially weighted mean upstream TTFT in µs (f64 bits; 0: none yet).
+    ewma_ttft_us: AtomicU64,
+    last_error: ArcSwapOption<String>,
+}
+
+/// A backend's state as the admin API and `/readyz` show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendState {
+    Healthy,
+    Unknown,
+    Down,
+    Ejected,
+    Draining,
+}
+
+impl BackendState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendState::Healthy => "healthy",
+            BackendState::Unknown => "unknown",
+            BackendState::Down => "down",
+            BackendState::Ejected => "ejected",
+            BackendState::Draining => "draining",
+        }
+    }
 }
 
 impl Backend {
-    fn new(base: &Uri, index: usize) -> io::Result<Self> {
-        let text = base.to_string();
+    fn new(
+        cfg: &BackendConfig,
+        index: usize,
+        capacity: u32,
+        pool_auth: Option<&HeaderValue>,
+        model: &str,
+    ) -> io::Result<Self> {
+        let text = cfg.url.to_string();
         let trimmed = text.trim_end_matches('/');
         let join = |p: &str| -> io::Result<Uri> {
             format!("{trimmed}{p}")
                 .parse()
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{e}")))
+        };
+        let upstream_auth = match &cfg.upstream_api_key {
+            Some(k) => Some(bearer(k.expose(), model)?),
+            None => pool_auth.cloned(),
         };
         Ok(Self {
             base: Arc::from(trimmed),
@@ -60,7 +127,17 @@ impl Backend {
             completions_uri: join("/v1/completions")?,
             health_uri: join("/health")?,
             in_flight: AtomicU32::new(0),
+            weight: cfg.weight.max(1),
+            capacity: cfg.capacity.unwrap_or(capacity),
+            labels: cfg.labels.clone(),
+            upstream_auth,
             reachability: AtomicU8::new(Reachability::Unknown as u8),
+            failures: AtomicU32::new(0),
+            ejections: AtomicU32::new(0),
+            ejected_until: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            ewma_ttft_us: AtomicU64::new(0),
+            last_error: ArcSwapOption::empty(),
         })
     }
 
@@ -75,40 +152,228 @@ impl Backend {
     pub fn mark(&self, r: Reachability) {
         self.reachability.store(r as u8, Ordering::Relaxed);
     }
+
+    /// May take new requests now: not down, not ejected, not draining.
+    pub fn eligible(&self, now: u64) -> bool {
+        self.reachability() != Reachability::Down
+            && self.ejected_until.load(Ordering::Relaxed) <= now
+            && !self.draining.load(Ordering::Relaxed)
+    }
+
+    pub fn state(&self) -> BackendState {
+        if self.draining.load(Ordering::Relaxed) {
+            BackendState::Draining
+        } else if self.ejected_until.load(Ordering::Relaxed) > now_ms() {
+            BackendState::Ejected
+        } else {
+            match self.reachability() {
+                Reachability::Up => BackendState::Healthy,
+                Reachability::Down => BackendState::Down,
+                Reachability::Unknown => BackendState::Unknown,
+            }
+        }
+    }
+
+    /// Stop (or resume) giving this backend new requests; requests in flight finish.
+    pub fn set_draining(&self, on: bool) {
+        self.draining.store(on, Ordering::Relaxed);
+    }
+
+    /// A request got a good answer: the failure streak and the backoff start over.
+    pub fn record_success(&self) {
+        if self.failures.load(Ordering::Relaxed) != 0 {
+            self.failures.store(0, Ordering::Relaxed);
+        }
+        if self.ejections.load(Ordering::Relaxed) != 0
+            && self.ejected_until.load(Ordering::Relaxed) <= now_ms()
+        {
+            self.ejections.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// A connect error or a 5xx answer. After `consecutive_failures` in a row the backend is
+    /// ejected for base × 2^(ejections − 1) (± 20 % jitter, at most `max`). Returns whether
+    /// this failure ejected it.
+    pub fn record_failure(&self, cfg: &EjectionConfig, why: &str) -> bool {
+        self.last_error.store(Some(Arc::new(why.to_owned())));
+        if cfg.consecutive_failures == 0 {
+            return false;
+        }
+        let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if n < cfg.consecutive_failures {
+            return false;
+        }
+        self.failures.store(0, Ordering::Relaxed);
+        let k = self.ejections.fetch_add(1, Ordering::Relaxed).min(16);
+        let backoff = cfg.base.saturating_mul(1 << k).min(cfg.max);
+        let jitter = rand::random_range(0.8..1.2);
+        let ms = (backoff.as_secs_f64() * 1e3 * jitter) as u64;
+        self.ejected_until
+            .store(now_ms() + ms.max(1), Ordering::Relaxed);
+        tracing::warn!(backend = %self.base, failures = n, ejected_ms = ms, error = %why,
+            "backend ejected after consecutive failures");
+        true
+    }
+
+    /// Fold one upstream TTFT into the mean (α = 0.2).
+    pub fn observe_ttft(&self, d: std::time::Duration) {
+        let x = d.as_secs_f64() * 1e6;
+        let old = f64::from_bits(self.ewma_ttft_us.load(Ordering::Relaxed));
+        let new = if old == 0.0 { x } else { old + 0.2 * (x - old) };
+        self.ewma_ttft_us.store(new.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The mean upstream TTFT (None before the first).
+    pub fn ewma_ttft(&self) -> Option<std::time::Duration> {
+        let v = f64::from_bits(self.ewma_ttft_us.load(Ordering::Relaxed));
+        (v > 0.0).then(|| std::time::Duration::from_secs_f64(v / 1e6))
+    }
+
+    pub fn last_error(&self) -> Option<Arc<String>> {
+        self.last_error.load_full()
+    }
+
+    pub fn set_last_error(&self, why: &str) {
+        self.last_error.store(Some(Arc::new(why.to_owned())));
+    }
+
+    fn has_room(&self) -> Option<u32> {
+        let n = self.in_flight.load(Ordering::SeqCst);
+        (self.capacity == 0 || n < self.capacity).then_some(n)
+    }
 }
 
-/// What all workers' copies of a pool share: the backends (in-flight counts, reachability),
-/// the per-backend capacity and the admission queue in front of them.
+fn bearer(key: &str, model: &str) -> io::Result<HeaderValue> {
+    let mut v = HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("pool `{model}`: upstream_api_key holds characters not allowed in a header"),
+        )
+    })?;
+    v.set_sensitive(true);
+    Ok(v)
+}
+
+/// Retries allowed as a share of requests: each request deposits `ratio` of a retry, a retry
+/// spends one; at most ten are saved up.
+#[derive(Debug)]
+pub struct RetryBudget {
+    /// Thousandths of a retry.
+    milli: AtomicI64,
+    deposit: i64,
+}
+
+impl RetryBudget {
+    const CAP: i64 = 10_000;
+
+    fn new(ratio: f64) -> Self {
+        Self {
+            milli: AtomicI64::new(Self::CAP / 2),
+            deposit: (ratio * 1000.0).round() as i64,
+        }
+    }
+
+    pub fn deposit(&self) {
+        if self.deposit > 0 && self.milli.load(Ordering::Relaxed) < Self::CAP {
+            self.milli.fetch_add(self.deposit, Ordering::Relaxed);
+        }
+    }
+
+    pub fn try_spend(&self) -> bool {
+        self.milli
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+                (m >= 1000).then_some(m - 1000)
+            })
+            .is_ok()
+    }
+}
+
+/// What all workers' copies of a pool share: the backends (in-flight counts, reachability,
+/// ejection), the admission queue in front of them and the retry budget.
 #[derive(Debug)]
 pub struct PoolShared {
     pub backends: Vec<Arc<Backend>>,
-    /// Requests one backend serves at once (0: no cap).
-    pub capacity: u32,
     pub queue: AdmissionQueue<InFlight>,
+    pub retry_budget: RetryBudget,
+    pub retries: RetryConfig,
+    pub ejection: EjectionConfig,
+    /// Running sums of the backends' weights, for weighted sampling.
+    cumulative: Vec<u32>,
+}
+
+/// Bit of backend `i` in an exclusion mask (backends past 64 are never excluded).
+pub fn bit(i: usize) -> u64 {
+    if i < 64 { 1 << i } else { 0 }
 }
 
 impl PoolShared {
-    /// A free slot on the least loaded backend not known to be down, if any has one.
+    fn new(
+        backends: Vec<Arc<Backend>>,
+        queue: AdmissionQueue<InFlight>,
+        retries: RetryConfig,
+        ejection: EjectionConfig,
+    ) -> Self {
+        let mut sum = 0u32;
+        let cumulative = backends
+            .iter()
+            .map(|b| {
+                sum = sum.saturating_add(b.weight);
+                sum
+            })
+            .collect();
+        Self {
+            backends,
+            queue,
+            retry_budget: RetryBudget::new(retries.budget_ratio),
+            retries,
+            ejection,
+            cumulative,
+        }
+    }
+
+    /// A free slot, chosen by weighted power of two choices: two backends drawn with
+    /// probability proportional to their weight, the one with fewer requests in flight per
+    /// unit of weight wins (the first drawn on a tie, so idle traffic follows the weights). Backends that are down, ejected,
+    /// draining, full or in `exclude` are skipped; when neither drawn one can take the request,
+    /// the least loaded of all that can does. `None` when none can.
     pub fn try_acquire(self: &Arc<Self>) -> Option<InFlight> {
-        for _ in 0..8 {
-            let mut best: Option<(usize, u32)> = None;
-            for (i, b) in self.backends.iter().enumerate() {
-                if b.reachability() == Reachability::Down {
-                    continue;
-                }
-                let n = b.in_flight.load(Ordering::SeqCst);
-                if self.capacity > 0 && n >= self.capacity {
-                    continue;
-                }
-                if best.is_none_or(|(_, m)| n < m) {
-                    best = Some((i, n));
-                }
+        self.try_acquire_excluding(0)
+    }
+
+    pub fn try_acquire_excluding(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
+        let now = now_ms();
+        let n = self.backends.len();
+        let usable = |i: usize| -> Option<u32> {
+            let b = &self.backends[i];
+            if exclude & bit(i) != 0 || !b.eligible(now) {
+                return None;
             }
-            let (i, n) = best?;
+            b.has_room()
+        };
+        // Fewer in flight per unit of weight: n_a / w_a < n_b / w_b. Idle backends tie, and
+        // the first drawn wins a tie: idle traffic follows the weighted draw.
+        let better = |a: (usize, u32), b: (usize, u32)| -> bool {
+            u64::from(a.1) * u64::from(self.backends[b.0].weight)
+                < u64::from(b.1) * u64::from(self.backends[a.0].weight)
+        };
+        for round in 0..8 {
+            let pick = if n == 1 {
+                usable(0).map(|f| (0, f))
+            } else if round == 0 {
+                let (a, b) = self.draw_two();
+                match (usable(a).map(|f| (a, f)), usable(b).map(|f| (b, f))) {
+                    (Some(x), Some(y)) => Some(if better(y, x) { y } else { x }),
+                    (Some(x), None) | (None, Some(x)) => Some(x),
+                    (None, None) => self.scan(&usable, &better),
+                }
+            } else {
+                self.scan(&usable, &better)
+            };
+            let (i, f) = pick?;
             // Another thread may have taken that slot since: then look again.
             if self.backends[i]
                 .in_flight
-                .compare_exchange(n, n + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
             {
                 return Some(InFlight {
@@ -120,11 +385,45 @@ impl PoolShared {
         None
     }
 
-    /// Some backend is not known to be down (a waiter could ever be served).
+    fn scan(
+        &self,
+        usable: &impl Fn(usize) -> Option<u32>,
+        better: &impl Fn((usize, u32), (usize, u32)) -> bool,
+    ) -> Option<(usize, u32)> {
+        let mut best: Option<(usize, u32)> = None;
+        for i in 0..self.backends.len() {
+            if let Some(f) = usable(i)
+                && best.is_none_or(|b| better((i, f), b))
+            {
+                best = Some((i, f));
+            }
+        }
+        best
+    }
+
+    /// Two distinct backends, each drawn with probability proportional to its weight.
+    fn draw_two(&self) -> (usize, usize) {
+        let total = self.cumulative.last().copied().unwrap_or(1).max(1);
+        let draw = || {
+            let r = rand::random_range(0..total);
+            self.cumulative.partition_point(|&c| c <= r)
+        };
+        let a = draw();
+        let mut b = draw();
+        if b == a {
+            b = draw();
+        }
+        if b == a {
+            b = (a + 1) % self.backends.len();
+        }
+        (a, b)
+    }
+
+    /// Some backend may take requests now or later (not down, not draining).
     pub fn any_usable(&self) -> bool {
         self.backends
             .iter()
-            .any(|b| b.reachability() != Reachability::Down)
+            .any(|b| b.reachability() != Reachability::Down && !b.draining.load(Ordering::Relaxed))
     }
 
     /// Give free slots to waiting requests (after a slot was freed or a backend came back).
@@ -202,9 +501,10 @@ pub struct Pool {
     pub model: Arc<str>,
     /// Position among the pools.
     pub index: usize,
-    /// Replacement for the `model` value, as a JSON string literal, when the backends serve
-    /// the model under another name.
-    pub rename_json: Option<Bytes>,
+    /// The name the backends serve the model under, and the same as a JSON string literal
+    /// (a request naming an alias gets it spliced in).
+    pub served_name: Arc<str>,
+    pub served_json: Bytes,
     pub upstream_auth: Option<HeaderValue>,
     pub timeouts: Timeouts,
     pub backends: Vec<Arc<Backend>>,
@@ -217,40 +517,38 @@ pub struct Pool {
 
 impl Pool {
     fn new(cfg: &PoolConfig, index: usize, queue: &QueueConfig) -> io::Result<Self> {
+        let upstream_auth = match &cfg.upstream_api_key {
+            Some(k) => Some(bearer(k.expose(), &cfg.model)?),
+            None => None,
+        };
         let backends = cfg
             .backends
             .iter()
             .enumerate()
-            .map(|(i, b)| Backend::new(b, i).map(Arc::new))
+            .map(|(i, b)| {
+                Backend::new(
+                    b,
+                    i,
+                    cfg.max_in_flight_per_backend,
+                    upstream_auth.as_ref(),
+                    &cfg.model,
+                )
+                .map(Arc::new)
+            })
             .collect::<io::Result<Vec<_>>>()?;
-        let rename_json = match &cfg.served_model_name {
-            Some(name) if name != &cfg.model => Some(Bytes::from(
-                serde_json::to_vec(name).map_err(io::Error::other)?,
-            )),
-            _ => None,
-        };
-        let upstream_auth = match &cfg.upstream_api_key {
-            Some(k) => {
-                let mut v = HeaderValue::try_from(format!("Bearer {}", k.expose())).map_err(|_| {
-                    io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        format!("pool `{}`: upstream_api_key holds characters not allowed in a header", cfg.model),
-                    )
-                })?;
-                v.set_sensitive(true);
-                Some(v)
-            }
-            None => None,
-        };
-        let shared = Arc::new(PoolShared {
-            backends: backends.clone(),
-            capacity: cfg.max_in_flight_per_backend,
-            queue: AdmissionQueue::new(queue.max_size, queue.max_per_key),
-        });
+        let served = cfg.served_model_name.as_deref().unwrap_or(&cfg.model);
+        let served_json = Bytes::from(serde_json::to_vec(served).map_err(io::Error::other)?);
+        let shared = Arc::new(PoolShared::new(
+            backends.clone(),
+            AdmissionQueue::new(queue.max_size, queue.max_per_key),
+            cfg.retries,
+            cfg.ejection,
+        ));
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
             index,
-            rename_json,
+            served_name: Arc::from(served),
+            served_json,
             upstream_auth,
             timeouts: cfg.timeouts,
             backends,
@@ -309,8 +607,12 @@ fn build_client(cfg: &PoolConfig) -> io::Result<UpstreamClient> {
 /// A `/v1/models` body (OpenAI list shape) naming these pools' models.
 fn models_list_body<'a>(pools: impl Iterator<Item = &'a Pool>) -> Bytes {
     let data: Vec<serde_json::Value> = pools
-        .map(|p| {
-            serde_json::json!({"id": &*p.model, "object": "model", "created": 0, "owned_by": "fleetgate"})
+        .flat_map(|p| {
+            std::iter::once(&*p.model)
+                .chain(p.config.aliases.iter().map(String::as_str))
+                .map(|id| {
+                    serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "fleetgate"})
+                })
         })
         .collect();
     Bytes::from(
@@ -340,7 +642,11 @@ impl Pools {
         let by_model = pools
             .iter()
             .enumerate()
-            .map(|(i, p)| (p.model.clone(), i))
+            .flat_map(|(i, p)| {
+                std::iter::once(p.model.clone())
+                    .chain(p.config.aliases.iter().map(|a| Arc::from(a.as_str())))
+                    .map(move |name| (name, i))
+            })
             .collect();
         let model_list = pools
             .iter()
@@ -381,7 +687,8 @@ impl Pools {
                 Ok(Pool {
                     model: p.model.clone(),
                     index: p.index,
-                    rename_json: p.rename_json.clone(),
+                    served_name: p.served_name.clone(),
+                    served_json: p.served_json.clone(),
                     upstream_auth: p.upstream_auth.clone(),
                     timeouts: p.timeouts,
                     backends: p.backends.clone(),
@@ -398,6 +705,35 @@ impl Pools {
             model_list: self.model_list.clone(),
             models_body: self.models_body.clone(),
         })
+    }
+
+    /// Every backend with its state, as `/readyz` and `GET /admin/backends` show them.
+    pub fn backends_json(&self) -> Vec<serde_json::Value> {
+        self.pools
+            .iter()
+            .flat_map(|p| {
+                p.backends.iter().map(move |b| {
+                    serde_json::json!({
+                        "model": &*p.model,
+                        "backend": &*b.base,
+                        "state": b.state().as_str(),
+                        "in_flight": b.in_flight.load(Ordering::Relaxed),
+                        "capacity": b.capacity,
+                        "weight": b.weight,
+                        "labels": &b.labels,
+                        "ewma_ttft_ms": b.ewma_ttft().map(|d| d.as_secs_f64() * 1e3),
+                        "last_error": b.last_error().as_deref().cloned(),
+                    })
+                })
+            })
+            .collect()
+    }
+
+    /// Find a backend by model (or alias) and base URL (a trailing `/` or `/v1` ignored).
+    pub fn find_backend(&self, model: &str, url: &str) -> Option<&Arc<Backend>> {
+        let url = url.trim_end_matches('/');
+        let url = url.strip_suffix("/v1").unwrap_or(url);
+        self.get(model)?.backends.iter().find(|b| &*b.base == url)
     }
 
     /// The pool at `index` (a `Pool::index`).
@@ -443,7 +779,7 @@ impl Pools {
 
 async fn probe(pool: &Pool, backend: &Backend) {
     let mut req = Request::get(backend.health_uri.clone());
-    if let Some(auth) = &pool.upstream_auth {
+    if let Some(auth) = &backend.upstream_auth {
         req = req.header(http::header::AUTHORIZATION, auth.clone());
     }
     let Ok(req) = req.body(Full::new(Bytes::new())) else {

@@ -261,7 +261,7 @@ async fn continue_queued(
             prepared.body_read,
         )
         .await?;
-        send(pool, slot, prepared, &mut record).await
+        send_with_retries(pool, slot, prepared, &mut record).await
     }
     .await;
     match result {
@@ -414,14 +414,13 @@ async fn forward_inner(
     // A stream that did not ask for usage gets it anyway upstream (the relay hides it from
     // the client), so every stream's token counts are real.
     let inject_usage = view.stream && view.include_usage != Some(true);
-    let upstream_body =
-        view::upstream_body(&body, &view, pool.rename_json.as_deref(), inject_usage);
+    // The backends' name for the model: spliced in when the client named another (an alias
+    // or the pool's name when `served_model_name` differs).
+    let rename = (*view.model != *pool.served_name).then_some(&*pool.served_json);
+    let upstream_body = view::upstream_body(&body, &view, rename, inject_usage);
     drop(view);
     strip_upstream_headers(&mut parts.headers);
     let mut headers = parts.headers;
-    if let Some(auth) = &pool.upstream_auth {
-        headers.insert(header::AUTHORIZATION, auth.clone());
-    }
     headers.insert(X_REQUEST_ID.clone(), record.request_id.clone());
     headers.insert(
         header::CONTENT_LENGTH,
@@ -446,9 +445,63 @@ async fn forward_inner(
             wait_for_slot(state, pool, waiting, max_wait, record, body_read).await?
         }
     };
-    send(pool, slot, prepared, record)
+    send_with_retries(pool, slot, prepared, record)
         .await
         .map(Forwarded::Sent)
+}
+
+/// Send, and when the backend could not be reached or answered 502/503 before any byte went
+/// to the client, send again to another backend — at most `retries.max_retries` times and
+/// within the pool's retry budget. Nothing is retried once the client has a byte.
+async fn send_with_retries(
+    pool: &Pool,
+    mut slot: InFlight,
+    prepared: Prepared,
+    record: &mut RequestRecord,
+) -> Result<Sent, ApiError> {
+    let shared = &pool.shared;
+    let can_retry = shared.retries.max_retries > 0 && shared.backends.len() > 1;
+    if !can_retry {
+        return send(pool, slot, prepared, record).await;
+    }
+    shared.retry_budget.deposit();
+    let mut tried = 0u64;
+    let mut attempt = 0;
+    loop {
+        tried |= crate::pool::bit(slot.backend().index);
+        if attempt >= shared.retries.max_retries {
+            return send(pool, slot, prepared, record).await;
+        }
+        let this = Prepared {
+            headers: prepared.headers.clone(),
+            body: prepared.body.clone(),
+            ..prepared
+        };
+        let result = send(pool, slot, this, record).await;
+        let retryable = match &result {
+            Err(ApiError::BackendUnreachable { .. }) => true,
+            Ok(Sent::Full(resp)) => matches!(resp.status().as_u16(), 502 | 503),
+            _ => false,
+        };
+        if !retryable {
+            return result;
+        }
+        let Some(next) = shared.try_acquire_excluding(tried) else {
+            return result;
+        };
+        if !shared.retry_budget.try_spend() {
+            return result;
+        }
+        tracing::debug!(request_id = ?record.request_id, from = ?record.backend, to = %next.backend().base, "retrying on another backend");
+        // The failed attempt's stamps are forgotten: the Timeline describes the one that
+        // answers.
+        record.error = None;
+        record.timeline.upstream_first_token = None;
+        record.timeline.client_first_token = None;
+        record.retries = record.retries.saturating_add(1);
+        slot = next;
+        attempt += 1;
+    }
 }
 
 /// Send the prepared request to the slot's backend and read the response head.
@@ -468,6 +521,10 @@ async fn send(
         strip_usage,
         ..
     } = prepared;
+    let mut headers = headers;
+    if let Some(auth) = &backend.upstream_auth {
+        headers.insert(header::AUTHORIZATION, auth.clone());
+    }
     let mut upstream_req = Request::new(Full::new(body));
     *upstream_req.method_mut() = Method::POST;
     *upstream_req.uri_mut() = match endpoint {
@@ -497,6 +554,10 @@ async fn send(
             ) {
                 backend.mark(Reachability::Down);
             }
+            backend.record_failure(
+                &pool.shared.ejection,
+                &format!("{}: {detail}", cause.describe()),
+            );
             tracing::warn!(backend = %backend.base, cause = ?cause, %detail, "upstream request failed");
             return Err(ApiError::BackendUnreachable {
                 backend: backend.base.to_string(),
@@ -510,6 +571,13 @@ async fn send(
             } else {
                 TimeoutKind::FirstToken
             };
+            backend.record_failure(
+                &pool.shared.ejection,
+                &format!(
+                    "no response head within {} ms",
+                    t.first_token.min(t.total).as_millis()
+                ),
+            );
             return Err(ApiError::UpstreamTimeout {
                 backend: backend.base.to_string(),
                 kind,
@@ -520,6 +588,14 @@ async fn send(
     let head_at = Instant::now();
     record.timeline.upstream_first_byte = Some(head_at);
     backend.mark(Reachability::Up);
+    if resp.status().is_server_error() {
+        backend.record_failure(
+            &pool.shared.ejection,
+            &format!("answered {}", resp.status()),
+        );
+    } else {
+        backend.record_success();
+    }
 
     let (mut head, upstream) = resp.into_parts();
     if head.status.is_client_error() || head.status.is_server_error() {
@@ -561,6 +637,7 @@ async fn send(
     if !sse {
         // The whole answer is in this head's body: the first token is the head.
         record.timeline.upstream_first_token = Some(head_at);
+        backend.observe_ttft(head_at.saturating_duration_since(sent));
         record.timeline.client_first_token = Some(head_at);
     }
     if let Some(v) = server_timing(record, head_at, sse) {

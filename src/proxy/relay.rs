@@ -239,6 +239,9 @@ impl RelayBody {
             }
         }
         let first_token = record.timeline.upstream_first_token.is_some();
+        if first_token && sse {
+            observe_first_token(&slot, &record);
+        }
         let deadline = deadline(sent_at, now, sse, first_token, &timeouts);
         Self {
             upstream,
@@ -379,6 +382,15 @@ fn without(data: Bytes, cut: std::ops::Range<usize>) -> Option<Bytes> {
     Some(out.freeze())
 }
 
+/// Feed the backend's mean TTFT once the first token has been seen.
+fn observe_first_token(slot: &InFlight, record: &RequestRecord) {
+    let t = &record.timeline;
+    if let (Some(first), Some(sent)) = (t.upstream_first_token, t.upstream_sent) {
+        slot.backend()
+            .observe_ttft(first.saturating_duration_since(sent));
+    }
+}
+
 /// The SSE tail sent when a stream fails after it started.
 fn error_tail(partial_line: bool, message: &str, code: &str) -> Bytes {
     let body = error_body(message, "upstream_error", None, Some(code));
@@ -444,14 +456,19 @@ impl Body for RelayBody {
                         }
                     };
                     if *this.sse {
-                        match scan_frame(
+                        let had_first = this.record.timeline.upstream_first_token.is_some();
+                        let scanned = scan_frame(
                             this.scanner,
                             this.record,
                             data,
                             now,
                             *this.strip_usage,
                             this.itl.as_ref(),
-                        ) {
+                        );
+                        if !had_first {
+                            observe_first_token(this.slot, this.record);
+                        }
+                        match scanned {
                             Some(rest) => data = rest,
                             None => continue, // only the hidden usage event: nothing to send
                         }

@@ -159,19 +159,7 @@ pub async fn route(
 
 fn readyz(state: &AppState) -> Response<GatewayBody> {
     let pools = state.pools();
-    let backends: Vec<serde_json::Value> = pools
-        .iter()
-        .flat_map(|p| {
-            p.backends.iter().map(move |b| {
-                serde_json::json!({
-                    "model": &*p.model,
-                    "backend": &*b.base,
-                    "state": format!("{:?}", b.reachability()).to_lowercase(),
-                    "in_flight": b.in_flight.load(std::sync::atomic::Ordering::Relaxed),
-                })
-            })
-        })
-        .collect();
+    let backends = pools.backends_json();
     let ready = pools.any_reachable();
     let auth = state.auth();
     let store_up = auth.store_health() == crate::auth::StoreHealth::Up;

@@ -107,6 +107,8 @@ pub struct RequestRecord {
     pub stream: bool,
     pub status: u16,
     pub error: Option<ErrorKind>,
+    /// Attempts on other backends before the one that answered.
+    pub retries: u8,
     /// The request's hold on its limits; settled with the real usage when recorded.
     pub admission: Option<crate::limits::Admission>,
     recorder: Arc<Recorder>,
@@ -127,6 +129,7 @@ impl RequestRecord {
             stream: false,
             status: 0,
             error: None,
+            retries: 0,
             admission: None,
             recorder,
         }
@@ -204,6 +207,7 @@ fn emit_event(r: &RequestRecord) {
         stream = r.stream,
         status = r.status,
         error = r.error.map_or("-", ErrorKind::as_str),
+        retries = r.retries,
         queue_wait_ms = ms(Some(t.queue_wait())),
         upstream_ttft_ms = ms(t.upstream_ttft()),
         client_ttft_ms = ms(t.client_ttft()),

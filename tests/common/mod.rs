@@ -41,6 +41,7 @@ pub struct Seen {
     pub stream: bool,
     pub model: Option<String>,
     pub backend: Option<String>,
+    pub retries: u8,
     pub timeline: fleetgate::telemetry::Timeline,
 }
 
@@ -140,6 +141,7 @@ pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -
             stream: r.stream,
             model: r.model.as_deref().map(str::to_owned),
             backend: r.backend.as_deref().map(str::to_owned),
+            retries: r.retries,
             timeline: r.timeline.clone(),
         });
     });
@@ -468,4 +470,53 @@ pub fn metrics_text(gw: &Gateway) -> String {
     prometheus::TextEncoder::new()
         .encode_to_string(&gw.server.registry.gather())
         .unwrap()
+}
+
+/// The admin JWT secret of `admin_cfg()`.
+pub const JWT_SECRET: &str = "test-secret-0123456789abcdef0123456789";
+
+/// An admin listener on a free port that accepts HS256 tokens signed with `JWT_SECRET`.
+pub fn admin_cfg() -> fleetgate::config::AdminConfig {
+    fleetgate::config::AdminConfig {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        jwt_key: Some(fleetgate::config::JwtKey::Secret(
+            fleetgate::config::Secret::new(JWT_SECRET),
+        )),
+        ..fleetgate::config::AdminConfig::default()
+    }
+}
+
+/// A token for `admin_cfg()` with this role, valid five minutes.
+pub fn token(role: fleetgate::admin::jwt::Role) -> String {
+    fleetgate::admin::jwt::mint(&admin_cfg(), role, "tester", Duration::from_secs(300)).unwrap()
+}
+
+/// (status, body) of an admin API call.
+pub async fn admin(
+    gw: &Gateway,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    use http_body_util::BodyExt;
+    let c = client::http_client();
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{}{path}", gw.server.admin_addr.unwrap()))
+        .header("content-type", "application/json");
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let body = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
+    let resp = c
+        .request(req.body(http_body_util::Full::new(body)).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
 }

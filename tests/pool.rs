@@ -1,0 +1,300 @@
+//! Backend pools end to end with real sims: model aliases, weighted balancing, retries on
+//! another backend before the first byte, passive ejection, a backend killed under load, and
+//! draining through the admin API.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use fleetgate::admin::jwt::Role;
+use fleetgate::config::{BackendConfig, PoolConfig};
+
+fn chat(model: &str, max_tokens: u32, stream: bool) -> Bytes {
+    fleetgate::client::chat_body(model, "Say something", max_tokens, stream)
+}
+
+fn backend(url: String, weight: u32) -> BackendConfig {
+    BackendConfig {
+        weight,
+        ..BackendConfig::new(url.parse().unwrap())
+    }
+}
+
+/// Requests per backend among the gateway's records so far.
+fn per_backend(gw: &Gateway) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for r in gw.records.lock().unwrap().iter() {
+        if let Some(b) = &r.backend {
+            *counts.entry(b.clone()).or_default() += 1;
+        }
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aliases_reach_the_pool_and_are_listed() {
+    let sim = sim(|_| {}).await;
+    let mut p = pool("qwen32b", &[sim.url()]);
+    p.aliases = vec!["gpt-4o".into(), "qwen".into()];
+    let gw = gateway(vec![p]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        chat("gpt-4o", 3, true),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+    let seen = gw
+        .record_of(m.headers["x-request-id"].to_str().unwrap())
+        .await;
+    assert_eq!(
+        seen.model.as_deref(),
+        Some("qwen32b"),
+        "recorded under the pool's name"
+    );
+    let c = fleetgate::client::http_client();
+    let resp = c
+        .request(
+            authed(&gw, "GET", "/v1/models")
+                .body(http_body_util::Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    use http_body_util::BodyExt;
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["qwen32b", "gpt-4o", "qwen"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_share_traffic() {
+    let light = sim(|a| a.zero_delay = true).await;
+    let heavy = sim(|a| a.zero_delay = true).await;
+    let mut p = PoolConfig::new("qwen32b", vec![]);
+    p.backends = vec![backend(light.url(), 1), backend(heavy.url(), 3)];
+    let gw = gateway(vec![p]).await;
+    let url = gw.url("/v1/chat/completions");
+    for _ in 0..400 {
+        assert_eq!(post(&url, &[], chat("qwen32b", 2, false)).await.status, 200);
+    }
+    let counts = per_backend(&gw);
+    let heavy_n = counts[heavy.url().trim_end_matches('/')];
+    // Expected 300 of 400 (σ ≈ 8.7): a wide band that still rules out an even split.
+    assert!(
+        (250..=350).contains(&heavy_n),
+        "weight 3 of 4 got {heavy_n} of 400: {counts:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_retried_on_another_backend() {
+    let sim = sim(|_| {}).await;
+    let dead = closed_port().await;
+    let mut p = PoolConfig::new("qwen32b", vec![]);
+    // The dead backend is drawn first half of the time; it must never cost a request.
+    p.backends = vec![backend(format!("http://{dead}"), 1), backend(sim.url(), 1)];
+    let gw = gateway(vec![p]).await;
+    let url = gw.url("/v1/chat/completions");
+    for i in 0..20 {
+        let m = post(
+            &url,
+            &[("x-request-id", &format!("r-{i}"))],
+            chat("qwen32b", 2, true),
+        )
+        .await;
+        assert_eq!(m.status, 200, "request {i}");
+    }
+    let records = gw.records.lock().unwrap().clone();
+    assert!(
+        records.iter().all(|r| r.error.is_none()),
+        "{:?}",
+        records.iter().map(|r| r.error).collect::<Vec<_>>()
+    );
+    assert!(
+        records.iter().map(|r| u32::from(r.retries)).sum::<u32>() >= 1 || {
+            // The probe may have marked the dead backend down before the first request.
+            gw.server.pools.get("qwen32b").unwrap().backends[0]
+                .state()
+                .as_str()
+                == "down"
+        }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_backend_is_ejected() {
+    let good = sim(|_| {}).await;
+    let bad = sim(|a| a.fail_rate = 1.0).await;
+    let mut p = PoolConfig::new("qwen32b", vec![]);
+    p.backends = vec![backend(good.url(), 1), backend(bad.url(), 1)];
+    p.ejection.consecutive_failures = 2;
+    p.ejection.base = Duration::from_secs(30);
+    p.ejection.max = Duration::from_secs(60);
+    let gw = gateway(vec![p]).await;
+    let url = gw.url("/v1/chat/completions");
+    let mut statuses = Vec::new();
+    for _ in 0..30 {
+        statuses.push(post(&url, &[], chat("qwen32b", 2, false)).await.status);
+    }
+    let failures = statuses.iter().filter(|s| **s == 500).count();
+    assert!(
+        failures <= 2,
+        "at most the two failures that eject it: {statuses:?}"
+    );
+    assert!(statuses[10..].iter().all(|s| *s == 200), "{statuses:?}");
+    let bad_state = gw
+        .server
+        .pools
+        .find_backend("qwen32b", &bad.url())
+        .unwrap()
+        .state();
+    assert_eq!(bad_state.as_str(), "ejected");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_one_of_three_backends_under_load_fails_no_unstarted_request() {
+    let sims = [
+        sim(|a| a.decode_step_ms = 5.0).await,
+        sim(|a| a.decode_step_ms = 5.0).await,
+        sim(|a| a.decode_step_ms = 5.0).await,
+    ];
+    let urls: Vec<String> = sims.iter().map(|s| s.url()).collect();
+    let gw = gateway(vec![pool("qwen32b", &urls)]).await;
+    let url = gw.url("/v1/chat/completions");
+    let [a, victim, c] = sims;
+    let mut load = Vec::new();
+    for w in 0..12 {
+        let url = url.clone();
+        load.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for i in 0..25 {
+                let m = post(
+                    &url,
+                    &[("x-request-id", &format!("k-{w}-{i}"))],
+                    chat("qwen32b", 8, true),
+                )
+                .await;
+                out.push((m.status, m.metrics.error || m.body_error.is_some()));
+            }
+            out
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    victim.shutdown().await;
+    let mut results = Vec::new();
+    for l in load {
+        results.extend(l.await.unwrap());
+    }
+    // A request that had not started streaming never fails: every status is 200. Only
+    // streams cut mid-way on the killed backend may end with an error event.
+    assert!(
+        results.iter().all(|(s, _)| *s == 200),
+        "{:?}",
+        results
+            .iter()
+            .filter(|(s, _)| *s != 200)
+            .collect::<Vec<_>>()
+    );
+    let cut = results.iter().filter(|(_, e)| *e).count();
+    assert!(
+        cut <= 12,
+        "at most the streams open on the killed backend: {cut}"
+    );
+    drop((a, c));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_a_backend_through_the_admin_api() {
+    let one = sim(|a| a.zero_delay = true).await;
+    let two = sim(|a| a.zero_delay = true).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[one.url(), two.url()])], |c| {
+        c.admin = admin_cfg();
+    })
+    .await;
+    let admin_token = token(Role::Admin);
+    let body = serde_json::json!({"model": "qwen32b", "backend": one.url()});
+    let (s, v) = admin(
+        &gw,
+        "POST",
+        "/admin/backends/drain",
+        Some(&admin_token),
+        Some(body.clone()),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["state"], "draining");
+    let url = gw.url("/v1/chat/completions");
+    for _ in 0..20 {
+        assert_eq!(post(&url, &[], chat("qwen32b", 2, false)).await.status, 200);
+    }
+    let counts = per_backend(&gw);
+    assert_eq!(
+        counts.get(one.url().trim_end_matches('/')),
+        None,
+        "{counts:?}"
+    );
+    let (s, v) = admin(
+        &gw,
+        "GET",
+        "/admin/backends",
+        Some(&token(Role::Viewer)),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200);
+    let states: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states[0], "draining");
+    // A viewer may look but not drain; an unknown backend is named.
+    let (s, _) = admin(
+        &gw,
+        "POST",
+        "/admin/backends/undrain",
+        Some(&token(Role::Viewer)),
+        Some(body.clone()),
+    )
+    .await;
+    assert_eq!(s, 403);
+    let (s, v) = admin(
+        &gw,
+        "POST",
+        "/admin/backends/drain",
+        Some(&admin_token),
+        Some(serde_json::json!({"model": "qwen32b", "backend": "http://10.9.9.9:1"})),
+    )
+    .await;
+    assert_eq!(s, 404);
+    assert_eq!(v["error"]["code"], "backend_not_found");
+    let (s, _) = admin(
+        &gw,
+        "POST",
+        "/admin/backends/undrain",
+        Some(&admin_token),
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 200);
+    for _ in 0..40 {
+        post(&url, &[], chat("qwen32b", 2, false)).await;
+    }
+    assert!(per_backend(&gw).contains_key(one.url().trim_end_matches('/')));
+}
