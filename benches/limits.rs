@@ -1,4 +1,5 @@
-//! Cost of admission on the request path when nothing is contended: the limits check (a key
+//! Cost of admission and of the balancing decision on the request path when nothing is
+//! contended: the limits check (a key
 //! with a request rate, a token budget and a concurrency cap, in an environment with an
 //! aggregate rate and concurrency cap) plus the backend slot (the admission queue's fast path),
 //! and releasing both with the token settlement — beside the same for a key without limits.
@@ -18,7 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use fleetgate::auth::key::Environment;
-use fleetgate::config::{EnvLimits, LimitsConfig, PoolConfig, QueueConfig};
+use fleetgate::config::{BackendConfig, EnvLimits, LimitsConfig, PoolConfig, QueueConfig};
 use fleetgate::limits::{Demand, Limits};
 use fleetgate::pool::Pools;
 
@@ -112,6 +113,34 @@ fn main() {
         }
         println!(
             "| backend slot only (queue fast path) | {:.0} ns | {:.0} ns |",
+            pct(&mut per, 50.0),
+            pct(&mut per, 99.0)
+        );
+
+        // The balancing decision on a larger pool: weighted power of two choices over 8
+        // backends of weights 1..8, with 0..7 requests already in flight on them.
+        let mut cfg = PoolConfig::new("big", vec![]);
+        cfg.backends = (0..8u32)
+            .map(|i| BackendConfig {
+                weight: i + 1,
+                ..BackendConfig::new(format!("http://127.0.0.1:{}", 20 + i).parse().unwrap())
+            })
+            .collect();
+        let big = Pools::new(&[cfg], &QueueConfig::default()).unwrap();
+        let big = big.get("big").unwrap();
+        let held: Vec<_> = (0..28).filter_map(|_| big.shared.try_acquire()).collect();
+        let mut per = Vec::with_capacity(iterations / BATCH);
+        for _ in 0..iterations / BATCH {
+            let t = Instant::now();
+            for _ in 0..BATCH {
+                let slot = big.shared.try_acquire().expect("a slot");
+                std::hint::black_box(&slot);
+            }
+            per.push(t.elapsed().as_secs_f64() * 1e9 / BATCH as f64);
+        }
+        drop(held);
+        println!(
+            "| balancing decision, 8 weighted backends under load (P2C) + release | {:.0} ns | {:.0} ns |",
             pct(&mut per, 50.0),
             pct(&mut per, 99.0)
         );

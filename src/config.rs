@@ -785,11 +785,30 @@ struct RawPool {
 }
 
 /// A backend: its base URL, or a table with the URL and its weight, capacity, labels, key.
-#[derive(Deserialize)]
-#[serde(untagged)]
 enum RawBackend {
     Url(String),
     Table(RawBackendTable),
+}
+
+impl<'de> Deserialize<'de> for RawBackend {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RawBackend;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a backend base URL, or a table { url = \"...\", weight, capacity, labels, upstream_api_key }")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawBackend, E> {
+                Ok(RawBackend::Url(v.to_owned()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<RawBackend, A::Error> {
+                // Through the table's own Deserialize: unknown keys are named.
+                RawBackendTable::deserialize(serde::de::value::MapAccessDeserializer::new(m))
+                    .map(RawBackend::Table)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 #[derive(Deserialize)]
@@ -1510,6 +1529,37 @@ mod tests {
         assert_eq!(parse("").unwrap_err().field, "pools");
         let e = parse("[[pools]]\nmodel='m'\nbackends=['http://a']\n[[pools]]\nmodel='m'\nbackends=['http://b']\n").unwrap_err();
         assert_eq!(e.field, "pools[1].model");
+    }
+
+    #[test]
+    fn backend_tables_aliases_retries_and_ejection() {
+        let c = parse(
+            "[[pools]]\nmodel='m'\naliases=['old-m']\nbackends=['http://a:1', {url='http://b:2/v1', weight=3, capacity=8, labels=['canary'], upstream_api_key='k'}]\n[pools.retries]\nmax_retries=1\nbudget_percent=10\n[pools.ejection]\nconsecutive_failures=5\nbase_ms=200\nmax_ms=400\n",
+        )
+        .unwrap();
+        let p = &c.pools[0];
+        assert_eq!(p.aliases, ["old-m"]);
+        assert_eq!(p.backends[0].weight, 1);
+        let b = &p.backends[1];
+        assert_eq!(b.url.to_string(), "http://b:2/");
+        assert_eq!((b.weight, b.capacity), (3, Some(8)));
+        assert_eq!(b.labels, ["canary"]);
+        assert_eq!(b.upstream_api_key.as_ref().map(Secret::expose), Some("k"));
+        assert_eq!(p.retries.max_retries, 1);
+        assert!((p.retries.budget_ratio - 0.1).abs() < 1e-9);
+        assert_eq!(p.ejection.consecutive_failures, 5);
+        let e = parse("[[pools]]\nmodel='m'\nbackends=[{url='http://a', weight=0}]\n").unwrap_err();
+        assert_eq!(e.field, "pools[0].backends[0].weight");
+        let e = parse("[[pools]]\nmodel='m'\nbackends=['http://a', 'http://a/']\n").unwrap_err();
+        assert!(e.message.contains("listed twice"), "{e}");
+        let e = parse(
+            "[[pools]]\nmodel='m'\nbackends=['http://a']\n[[pools]]\nmodel='n'\naliases=['m']\nbackends=['http://b']\n",
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "pools[1].aliases[0]");
+        let e = parse("[[pools]]\nmodel='m'\nbackends=[{url='http://a', wieght=2}]\n").unwrap_err();
+        assert!(e.field.starts_with("pools[0].backends"), "{e}");
+        assert!(e.message.contains("wieght"), "the typo is named: {e}");
     }
 
     #[test]

@@ -153,11 +153,24 @@ impl Backend {
         self.reachability.store(r as u8, Ordering::Relaxed);
     }
 
-    /// May take new requests now: not down, not ejected, not draining.
-    pub fn eligible(&self, now: u64) -> bool {
-        self.reachability() != Reachability::Down
-            && self.ejected_until.load(Ordering::Relaxed) <= now
-            && !self.draining.load(Ordering::Relaxed)
+    /// May take new requests now: not down, not ejected, not draining. (The clock is read
+    /// only for a backend that was ejected.)
+    pub fn eligible(&self) -> bool {
+        if self.reachability() == Reachability::Down || self.draining.load(Ordering::Relaxed) {
+            return false;
+        }
+        let until = self.ejected_until.load(Ordering::Relaxed);
+        if until == 0 {
+            return true;
+        }
+        if until > now_ms() {
+            return false;
+        }
+        // The ejection is over: forget it, so the clock is not read again.
+        let _ = self
+            .ejected_until
+            .compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed);
+        true
     }
 
     pub fn state(&self) -> BackendState {
@@ -341,11 +354,10 @@ impl PoolShared {
     }
 
     pub fn try_acquire_excluding(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
-        let now = now_ms();
         let n = self.backends.len();
         let usable = |i: usize| -> Option<u32> {
             let b = &self.backends[i];
-            if exclude & bit(i) != 0 || !b.eligible(now) {
+            if exclude & bit(i) != 0 || !b.eligible() {
                 return None;
             }
             b.has_room()
@@ -401,7 +413,8 @@ impl PoolShared {
         best
     }
 
-    /// Two distinct backends, each drawn with probability proportional to its weight.
+    /// Two distinct backends, each drawn with probability proportional to its weight (with
+    /// two backends, one draw decides which comes first).
     fn draw_two(&self) -> (usize, usize) {
         let total = self.cumulative.last().copied().unwrap_or(1).max(1);
         let draw = || {
@@ -409,6 +422,9 @@ impl PoolShared {
             self.cumulative.partition_point(|&c| c <= r)
         };
         let a = draw();
+        if self.backends.len() == 2 {
+            return (a, 1 - a);
+        }
         let mut b = draw();
         if b == a {
             b = draw();

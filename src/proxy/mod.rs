@@ -754,11 +754,21 @@ fn no_backend(pool: &Pool) -> ApiError {
     ApiError::NoBackend {
         model: pool.model.to_string(),
         detail: format!(
-            "all {} backend(s) failed their last health check ({})",
+            "none of its {} backend(s) can take requests: {}",
             pool.backends.len(),
             pool.backends
                 .iter()
-                .map(|b| b.base.to_string())
+                .map(|b| {
+                    let why = match b.state() {
+                        crate::pool::BackendState::Down => {
+                            "failed its last health check or connection"
+                        }
+                        crate::pool::BackendState::Draining => "draining",
+                        crate::pool::BackendState::Ejected => "ejected after consecutive failures",
+                        _ => "at capacity",
+                    };
+                    format!("{} ({why})", b.base)
+                })
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
