@@ -265,6 +265,18 @@ pub struct PoolConfig {
     pub max_in_flight_per_backend: u32,
     pub retries: RetryConfig,
     pub ejection: EjectionConfig,
+    /// Requests with at least this many estimated prompt tokens go to another pool.
+    pub long_prompt: Option<LongPromptConfig>,
+    /// Gray keys' requests go to this pool's backends with this label (a canary) while one
+    /// of them can take requests.
+    pub gray_pin_label: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct LongPromptConfig {
+    pub min_prompt_tokens: u64,
+    /// The model name of the pool that takes them.
+    pub pool: String,
 }
 
 /// One backend of a pool.
@@ -389,6 +401,8 @@ impl PoolConfig {
             max_in_flight_per_backend: DEFAULT_MAX_IN_FLIGHT,
             retries: RetryConfig::default(),
             ejection: EjectionConfig::default(),
+            long_prompt: None,
+            gray_pin_label: None,
         }
     }
 }
@@ -782,6 +796,15 @@ struct RawPool {
     retries: RawRetries,
     #[serde(default)]
     ejection: RawEjection,
+    long_prompt: Option<RawLongPrompt>,
+    gray_pin_label: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLongPrompt {
+    min_prompt_tokens: u64,
+    pool: String,
 }
 
 /// A backend: its base URL, or a table with the URL and its weight, capacity, labels, key.
@@ -1164,7 +1187,43 @@ impl RawConfig {
                     base: Duration::from_millis(p.ejection.base_ms),
                     max: Duration::from_millis(p.ejection.max_ms),
                 },
+                long_prompt: p.long_prompt.map(|l| LongPromptConfig {
+                    min_prompt_tokens: l.min_prompt_tokens,
+                    pool: l.pool,
+                }),
+                gray_pin_label: p.gray_pin_label,
             });
+        }
+
+        for (i, p) in pools.iter().enumerate() {
+            if let Some(lp) = &p.long_prompt {
+                if lp.pool == p.model || p.aliases.contains(&lp.pool) {
+                    return Err(err(
+                        format!("pools[{i}].long_prompt.pool"),
+                        "must name another pool (the one that takes long prompts)".into(),
+                    ));
+                }
+                if !pools.iter().any(|o| o.model == lp.pool) {
+                    return Err(err(
+                        format!("pools[{i}].long_prompt.pool"),
+                        format!("no pool has model `{}`", lp.pool),
+                    ));
+                }
+                if lp.min_prompt_tokens == 0 {
+                    return Err(err(
+                        format!("pools[{i}].long_prompt.min_prompt_tokens"),
+                        "must be > 0".into(),
+                    ));
+                }
+            }
+            if let Some(label) = &p.gray_pin_label
+                && !p.backends.iter().any(|b| b.labels.contains(label))
+            {
+                return Err(err(
+                    format!("pools[{i}].gray_pin_label"),
+                    format!("no backend of this pool has the label `{label}`"),
+                ));
+            }
         }
 
         let d = self.database;

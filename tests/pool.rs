@@ -298,3 +298,100 @@ async fn draining_a_backend_through_the_admin_api() {
     }
     assert!(per_backend(&gw).contains_key(one.url().trim_end_matches('/')));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_go_to_their_pool_when_the_environment_may_use_it() {
+    let short = sim(|a| a.zero_delay = true).await;
+    let long = sim(|a| a.zero_delay = true).await;
+    let mut main = pool("qwen32b", &[short.url()]);
+    main.long_prompt = Some(fleetgate::config::LongPromptConfig {
+        min_prompt_tokens: 100,
+        pool: "qwen32b-long".into(),
+    });
+    let mut long_pool = pool("qwen32b-long", &[long.url()]);
+    long_pool.served_model_name = Some("qwen32b".into());
+    long_pool.environments = Some(vec![fleetgate::auth::key::Environment::Prod]);
+    let gw = gateway(vec![main, long_pool]).await;
+    let (prod, _) = issue_key(&gw, fleetgate::auth::key::Environment::Prod, |_| {}).await;
+    let url = gw.url("/v1/chat/completions");
+    let long_prompt = "word ".repeat(120); // 600 characters ≈ 150 tokens
+    let body = |prompt: &str| fleetgate::client::chat_body("qwen32b", prompt, 2, true);
+    let auth = format!("Bearer {prod}");
+    for (id, prompt, key) in [
+        ("short-prod", "hi", auth.as_str()),
+        ("long-prod", long_prompt.as_str(), auth.as_str()),
+    ] {
+        let m = post(
+            &url,
+            &[("authorization", key), ("x-request-id", id)],
+            body(prompt),
+        )
+        .await;
+        assert_eq!(m.status, 200, "{id}");
+    }
+    // The harness key is a stress key: the long pool is prod-only, so it stays.
+    let m = post(&url, &[("x-request-id", "long-stress")], body(&long_prompt)).await;
+    assert_eq!(m.status, 200);
+    let at = |id: &str| {
+        let r = gw
+            .records
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|r| r.request_id == id)
+            .cloned()
+            .unwrap();
+        (r.model.unwrap(), r.backend.unwrap())
+    };
+    let short_url = short.url().trim_end_matches('/').to_owned();
+    let long_url = long.url().trim_end_matches('/').to_owned();
+    assert_eq!(at("short-prod"), ("qwen32b".to_owned(), short_url.clone()));
+    assert_eq!(at("long-prod"), ("qwen32b-long".to_owned(), long_url));
+    assert_eq!(at("long-stress"), ("qwen32b".to_owned(), short_url));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gray_keys_are_pinned_to_the_canary() {
+    let stable = sim(|a| a.zero_delay = true).await;
+    let canary = sim(|a| a.zero_delay = true).await;
+    let mut p = PoolConfig::new("qwen32b", vec![]);
+    p.backends = vec![
+        backend(stable.url(), 19),
+        BackendConfig {
+            labels: vec!["canary".into()],
+            ..backend(canary.url(), 1)
+        },
+    ];
+    p.gray_pin_label = Some("canary".into());
+    let gw = gateway(vec![p]).await;
+    let (gray, _) = issue_key(&gw, fleetgate::auth::key::Environment::Gray, |_| {}).await;
+    let url = gw.url("/v1/chat/completions");
+    let auth = format!("Bearer {gray}");
+    for _ in 0..20 {
+        let m = post(&url, &[("authorization", &auth)], chat("qwen32b", 2, false)).await;
+        assert_eq!(m.status, 200);
+    }
+    let canary_url = canary.url().trim_end_matches('/').to_owned();
+    assert_eq!(
+        per_backend(&gw).get(&canary_url),
+        Some(&20),
+        "every gray request on the canary"
+    );
+    // The canary drained: gray traffic goes on, to the stable backend.
+    gw.server
+        .pools
+        .find_backend("qwen32b", &canary.url())
+        .unwrap()
+        .set_draining(true);
+    let m = post(&url, &[("authorization", &auth)], chat("qwen32b", 2, false)).await;
+    assert_eq!(m.status, 200);
+    assert_eq!(per_backend(&gw).get(&canary_url), Some(&20));
+    // The canary's labels are on the info metric, to compare it with the stable backend.
+    let text = metrics_text(&gw);
+    assert!(
+        text.contains(&format!(
+            "fleetgate_backend_info{{backend=\"{canary_url}\",labels=\"canary\",model=\"qwen32b\",weight=\"1\"}} 1"
+        )),
+        "{text}"
+    );
+}

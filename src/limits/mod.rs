@@ -424,6 +424,11 @@ impl Limits {
         &self.cfg
     }
 
+    /// Estimated prompt tokens of `prompt_chars` characters.
+    pub fn prompt_tokens(&self, prompt_chars: usize) -> u64 {
+        (prompt_chars as u64).div_ceil(u64::from(self.cfg.chars_per_token.max(1)))
+    }
+
     /// The request's demand on the token budget.
     pub fn demand(&self, prompt_chars: usize, max_tokens: Option<u64>, n: u32) -> Demand {
         let per = u64::from(self.cfg.chars_per_token.max(1));

@@ -310,6 +310,8 @@ pub struct PoolShared {
     pub retry_budget: RetryBudget,
     pub retries: RetryConfig,
     pub ejection: EjectionConfig,
+    /// Backends gray keys avoid while one outside this mask can serve (0: no pinning).
+    pub gray_exclude: u64,
     /// Running sums of the backends' weights, for weighted sampling.
     cumulative: Vec<u32>,
 }
@@ -325,7 +327,15 @@ impl PoolShared {
         queue: AdmissionQueue<InFlight>,
         retries: RetryConfig,
         ejection: EjectionConfig,
+        gray_pin_label: Option<&str>,
     ) -> Self {
+        let pinned = gray_pin_label.map_or(0, |label| {
+            backends
+                .iter()
+                .filter(|b| b.labels.iter().any(|l| l == label))
+                .fold(0u64, |m, b| m | bit(b.index))
+        });
+        let gray_exclude = if pinned == 0 { 0 } else { !pinned };
         let mut sum = 0u32;
         let cumulative = backends
             .iter()
@@ -340,6 +350,7 @@ impl PoolShared {
             retry_budget: RetryBudget::new(retries.budget_ratio),
             retries,
             ejection,
+            gray_exclude,
             cumulative,
         }
     }
@@ -528,6 +539,8 @@ pub struct Pool {
     pub client: UpstreamClient,
     /// Environments whose keys may use this pool (`None`: all).
     pub environments: Option<Vec<crate::auth::key::Environment>>,
+    /// (minimum estimated prompt tokens, index of the pool that takes them).
+    pub long_prompt: Option<(u64, usize)>,
     config: PoolConfig,
 }
 
@@ -559,6 +572,7 @@ impl Pool {
             AdmissionQueue::new(queue.max_size, queue.max_per_key),
             cfg.retries,
             cfg.ejection,
+            cfg.gray_pin_label.as_deref(),
         ));
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
@@ -571,6 +585,7 @@ impl Pool {
             shared,
             client: build_client(cfg)?,
             environments: cfg.environments.clone(),
+            long_prompt: None,
             config: cfg.clone(),
         })
     }
@@ -650,11 +665,28 @@ pub struct Pools {
 
 impl Pools {
     pub fn new(cfgs: &[PoolConfig], queue: &QueueConfig) -> io::Result<Self> {
-        let pools = cfgs
+        let mut pools = cfgs
             .iter()
             .enumerate()
             .map(|(i, c)| Pool::new(c, i, queue))
             .collect::<io::Result<Vec<_>>>()?;
+        for i in 0..pools.len() {
+            if let Some(lp) = &cfgs[i].long_prompt {
+                let target = cfgs
+                    .iter()
+                    .position(|c| c.model == lp.pool)
+                    .ok_or_else(|| {
+                        io::Error::new(
+                            io::ErrorKind::InvalidInput,
+                            format!(
+                                "pool `{}`: long_prompt.pool `{}` is not a pool",
+                                cfgs[i].model, lp.pool
+                            ),
+                        )
+                    })?;
+                pools[i].long_prompt = Some((lp.min_prompt_tokens, target));
+            }
+        }
         let by_model = pools
             .iter()
             .enumerate()
@@ -711,6 +743,7 @@ impl Pools {
                     shared: p.shared.clone(),
                     client: build_client(&p.config)?,
                     environments: p.environments.clone(),
+                    long_prompt: p.long_prompt,
                     config: p.config.clone(),
                 })
             })

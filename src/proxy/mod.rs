@@ -399,6 +399,23 @@ async fn forward_inner(
         }
     }
 
+    // Long prompts go to their own pool (if the key's environment may use it), so they do
+    // not hold up short ones.
+    let mut pool = pool;
+    if let Some((min_tokens, target)) = pool.long_prompt
+        && state.limits.prompt_tokens(view.prompt_chars) >= min_tokens
+        && let Some(t) = state.pools.at(target)
+        && record.key.as_ref().is_none_or(|k| {
+            t.environments
+                .as_ref()
+                .is_none_or(|e| e.contains(&k.environment))
+        })
+    {
+        pool = t;
+        record.model = Some(t.model.clone());
+        record.pool_index = Some(t.index);
+    }
+
     // 4. Limits: the key's rate, token budget and concurrency, its environment's caps.
     if let Some(key) = record.key.clone() {
         let demand = state
@@ -665,8 +682,15 @@ fn acquire_slot(
     body_read: Instant,
 ) -> Result<SlotOrWait, ApiError> {
     let shared = &pool.shared;
+    // Gray keys go to the pinned (canary) backends while one of them can take the request.
+    let pinned = match &record.key {
+        Some(k) if k.environment == Environment::Gray => shared.gray_exclude,
+        _ => 0,
+    };
     if !shared.queue.has_waiters()
-        && let Some(slot) = shared.try_acquire()
+        && let Some(slot) = shared
+            .try_acquire_excluding(pinned)
+            .or_else(|| (pinned != 0).then(|| shared.try_acquire()).flatten())
     {
         record.timeline.admitted = Some(body_read);
         return Ok(SlotOrWait::Slot(slot));

@@ -184,6 +184,24 @@ impl RequestMetrics {
             &["model", "backend"],
         )?;
         registry.register(Box::new(backend_up.clone()))?;
+        // Static facts about each backend, to join on `backend` (e.g. compare a canary's TTFT
+        // with the stable backends': `... * on(backend) group_left(labels) fleetgate_backend_info`).
+        let info = IntGaugeVec::new(
+            Opts::new(
+                "fleetgate_backend_info",
+                "1 per configured backend, with its labels (comma-separated) and weight",
+            ),
+            &["model", "backend", "labels", "weight"],
+        )?;
+        registry.register(Box::new(info.clone()))?;
+        for p in pools.iter() {
+            for b in &p.backends {
+                let weight = b.weight.to_string();
+                let labels = b.labels.join(",");
+                info.with_label_values(&[&*p.model, &*b.base, labels.as_str(), weight.as_str()])
+                    .set(1);
+            }
+        }
         let queue_depth = IntGaugeVec::new(
             Opts::new(
                 "fleetgate_queue_depth",
