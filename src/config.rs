@@ -270,6 +270,49 @@ pub struct PoolConfig {
     /// Gray keys' requests go to this pool's backends with this label (a canary) while one
     /// of them can take requests.
     pub gray_pin_label: Option<String>,
+    pub health: HealthConfig,
+    pub warmup: WarmupConfig,
+}
+
+/// Active health probes of a pool's backends (the interval is `server.health_interval_ms`).
+#[derive(Debug, Clone)]
+pub struct HealthConfig {
+    pub path: String,
+    pub timeout: Duration,
+    /// Consecutive good probes that bring a down backend back.
+    pub healthy_threshold: u32,
+    /// Consecutive failed probes that take a backend down.
+    pub unhealthy_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            path: "/health".into(),
+            timeout: Duration::from_secs(2),
+            healthy_threshold: 1,
+            unhealthy_threshold: 1,
+        }
+    }
+}
+
+/// Warm-up of a backend that is new or comes back from down: `requests` small completions
+/// that must all succeed before it takes traffic, then its share ramps up over `slow_start`.
+#[derive(Debug, Clone)]
+pub struct WarmupConfig {
+    pub requests: u32,
+    pub prompt: String,
+    pub slow_start: Duration,
+}
+
+impl Default for WarmupConfig {
+    fn default() -> Self {
+        Self {
+            requests: 0,
+            prompt: "Hello".into(),
+            slow_start: Duration::ZERO,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -403,6 +446,8 @@ impl PoolConfig {
             ejection: EjectionConfig::default(),
             long_prompt: None,
             gray_pin_label: None,
+            health: HealthConfig::default(),
+            warmup: WarmupConfig::default(),
         }
     }
 }
@@ -798,6 +843,54 @@ struct RawPool {
     ejection: RawEjection,
     long_prompt: Option<RawLongPrompt>,
     gray_pin_label: Option<String>,
+    #[serde(default)]
+    health: RawHealth,
+    #[serde(default)]
+    warmup: RawWarmup,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHealth {
+    #[serde(default = "default_health_path")]
+    path: String,
+    #[serde(default = "default_health_timeout")]
+    timeout_ms: u64,
+    #[serde(default = "default_one")]
+    healthy_threshold: u32,
+    #[serde(default = "default_one")]
+    unhealthy_threshold: u32,
+}
+
+impl Default for RawHealth {
+    fn default() -> Self {
+        Self {
+            path: default_health_path(),
+            timeout_ms: default_health_timeout(),
+            healthy_threshold: 1,
+            unhealthy_threshold: 1,
+        }
+    }
+}
+
+fn default_health_path() -> String {
+    "/health".into()
+}
+fn default_health_timeout() -> u64 {
+    2000
+}
+fn default_one() -> u32 {
+    1
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawWarmup {
+    #[serde(default)]
+    requests: u32,
+    prompt: Option<String>,
+    #[serde(default)]
+    slow_start_seconds: f64,
 }
 
 #[derive(Deserialize)]
@@ -1120,6 +1213,26 @@ impl RawConfig {
                     "must be between 0 and 100".into(),
                 ));
             }
+            if !p.health.path.starts_with('/') {
+                return Err(err(at("health.path"), "must start with `/`".into()));
+            }
+            if p.health.timeout_ms == 0
+                || p.health.healthy_threshold == 0
+                || p.health.unhealthy_threshold == 0
+            {
+                return Err(err(
+                    at("health"),
+                    "timeout_ms, healthy_threshold and unhealthy_threshold must be > 0".into(),
+                ));
+            }
+            if !(p.warmup.slow_start_seconds.is_finite()
+                && (0.0..=3600.0).contains(&p.warmup.slow_start_seconds))
+            {
+                return Err(err(
+                    at("warmup.slow_start_seconds"),
+                    "must be between 0 and 3600".into(),
+                ));
+            }
             if p.ejection.base_ms == 0 || p.ejection.max_ms < p.ejection.base_ms {
                 return Err(err(
                     at("ejection"),
@@ -1192,6 +1305,17 @@ impl RawConfig {
                     pool: l.pool,
                 }),
                 gray_pin_label: p.gray_pin_label,
+                health: HealthConfig {
+                    path: p.health.path,
+                    timeout: Duration::from_millis(p.health.timeout_ms),
+                    healthy_threshold: p.health.healthy_threshold,
+                    unhealthy_threshold: p.health.unhealthy_threshold,
+                },
+                warmup: WarmupConfig {
+                    requests: p.warmup.requests,
+                    prompt: p.warmup.prompt.unwrap_or_else(|| "Hello".into()),
+                    slow_start: Duration::from_secs_f64(p.warmup.slow_start_seconds),
+                },
             });
         }
 

@@ -395,3 +395,52 @@ async fn gray_keys_are_pinned_to_the_canary() {
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_gets_traffic_only_after_its_warm_up() {
+    let ready = sim(|a| a.zero_delay = true).await;
+    // Refuses connections for its first second, like a vLLM loading its weights.
+    let cold = sim(|a| {
+        a.zero_delay = true;
+        a.warmup_secs = 1.0;
+    })
+    .await;
+    let mut p = pool("qwen32b", &[ready.url(), cold.url()]);
+    p.warmup.requests = 2;
+    let gw = gateway(vec![p]).await;
+    let cold_backend = gw
+        .server
+        .pools
+        .find_backend("qwen32b", &cold.url())
+        .unwrap()
+        .clone();
+    assert_eq!(cold_backend.state().as_str(), "warming");
+    let url = gw.url("/v1/chat/completions");
+    let cold_url = cold.url().trim_end_matches('/').to_owned();
+    // While the cold backend refuses connections, every request goes to the warm one, never
+    // to the cold one (which would show as a retry).
+    let started = std::time::Instant::now();
+    while cold_backend.state().as_str() != "healthy" {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "never warmed: {:?}",
+            cold_backend.last_error()
+        );
+        let m = post(&url, &[], chat("qwen32b", 2, false)).await;
+        assert_eq!(m.status, 200);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = per_backend(&gw).get(&cold_url).copied().unwrap_or(0);
+    assert_eq!(
+        before, 0,
+        "no client request reached the cold backend before its warm-up"
+    );
+    assert!(gw.records.lock().unwrap().iter().all(|r| r.retries == 0));
+    for _ in 0..30 {
+        assert_eq!(post(&url, &[], chat("qwen32b", 2, false)).await.status, 200);
+    }
+    assert!(
+        per_backend(&gw).get(&cold_url).copied().unwrap_or(0) > 0,
+        "it takes traffic once warm"
+    );
+}

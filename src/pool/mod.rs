@@ -74,6 +74,15 @@ pub struct Backend {
     /// `now_ms()` until which the backend gets no new requests (0: not ejected).
     ejected_until: AtomicU64,
     draining: AtomicBool,
+    /// Consecutive good and failed health probes.
+    probes_ok: AtomicU32,
+    probes_bad: AtomicU32,
+    /// Must pass warm-up requests before it takes traffic (new, or back from down).
+    warming: AtomicBool,
+    warmup_required: bool,
+    /// `now_ms()` when it last became healthy, while its slow start lasts (0: full share).
+    up_since: AtomicU64,
+    slow_start_ms: u64,
     /// Exponentially weighted mean upstream TTFT in µs (f64 bits; 0: none yet).
     ewma_ttft_us: AtomicU64,
     last_error: ArcSwapOption<String>,
@@ -85,6 +94,7 @@ pub enum BackendState {
     Healthy,
     Unknown,
     Down,
+    Warming,
     Ejected,
     Draining,
 }
@@ -95,6 +105,7 @@ impl BackendState {
             BackendState::Healthy => "healthy",
             BackendState::Unknown => "unknown",
             BackendState::Down => "down",
+            BackendState::Warming => "warming",
             BackendState::Ejected => "ejected",
             BackendState::Draining => "draining",
         }
@@ -105,10 +116,12 @@ impl Backend {
     fn new(
         cfg: &BackendConfig,
         index: usize,
-        capacity: u32,
+        pool: &PoolConfig,
         pool_auth: Option<&HeaderValue>,
-        model: &str,
     ) -> io::Result<Self> {
+        let model = pool.model.as_str();
+        let capacity = pool.max_in_flight_per_backend;
+        let warmup_required = pool.warmup.requests > 0;
         let text = cfg.url.to_string();
         let trimmed = text.trim_end_matches('/');
         let join = |p: &str| -> io::Result<Uri> {
@@ -125,7 +138,7 @@ impl Backend {
             index,
             chat_uri: join("/v1/chat/completions")?,
             completions_uri: join("/v1/completions")?,
-            health_uri: join("/health")?,
+            health_uri: join(&pool.health.path)?,
             in_flight: AtomicU32::new(0),
             weight: cfg.weight.max(1),
             capacity: cfg.capacity.unwrap_or(capacity),
@@ -136,6 +149,12 @@ impl Backend {
             ejections: AtomicU32::new(0),
             ejected_until: AtomicU64::new(0),
             draining: AtomicBool::new(false),
+            probes_ok: AtomicU32::new(0),
+            probes_bad: AtomicU32::new(0),
+            warming: AtomicBool::new(warmup_required),
+            warmup_required,
+            up_since: AtomicU64::new(0),
+            slow_start_ms: u64::try_from(pool.warmup.slow_start.as_millis()).unwrap_or(u64::MAX),
             ewma_ttft_us: AtomicU64::new(0),
             last_error: ArcSwapOption::empty(),
         })
@@ -150,13 +169,37 @@ impl Backend {
     }
 
     pub fn mark(&self, r: Reachability) {
-        self.reachability.store(r as u8, Ordering::Relaxed);
+        let was = self.reachability.swap(r as u8, Ordering::Relaxed);
+        if r == Reachability::Down && self.warmup_required {
+            // Back from down means warm-up again.
+            self.warming.store(true, Ordering::Relaxed);
+        }
+        if r == Reachability::Up && was != Reachability::Up as u8 && self.slow_start_ms > 0 {
+            self.up_since.store(now_ms(), Ordering::Relaxed);
+        }
+    }
+
+    /// The share of draws a backend in slow start accepts (1: full).
+    fn ramp(&self) -> f64 {
+        let since = self.up_since.load(Ordering::Relaxed);
+        if since == 0 {
+            return 1.0;
+        }
+        let elapsed = now_ms().saturating_sub(since);
+        if elapsed >= self.slow_start_ms {
+            self.up_since.store(0, Ordering::Relaxed);
+            return 1.0;
+        }
+        (elapsed as f64 / self.slow_start_ms as f64).max(0.05)
     }
 
     /// May take new requests now: not down, not ejected, not draining. (The clock is read
     /// only for a backend that was ejected.)
     pub fn eligible(&self) -> bool {
-        if self.reachability() == Reachability::Down || self.draining.load(Ordering::Relaxed) {
+        if self.reachability() == Reachability::Down
+            || self.draining.load(Ordering::Relaxed)
+            || self.warming.load(Ordering::Relaxed)
+        {
             return false;
         }
         let until = self.ejected_until.load(Ordering::Relaxed);
@@ -176,6 +219,8 @@ impl Backend {
     pub fn state(&self) -> BackendState {
         if self.draining.load(Ordering::Relaxed) {
             BackendState::Draining
+        } else if self.warming.load(Ordering::Relaxed) {
+            BackendState::Warming
         } else if self.ejected_until.load(Ordering::Relaxed) > now_ms() {
             BackendState::Ejected
         } else {
@@ -371,6 +416,13 @@ impl PoolShared {
             if exclude & bit(i) != 0 || !b.eligible() {
                 return None;
             }
+            // In slow start a backend takes only its ramp's share of the draws.
+            if b.up_since.load(Ordering::Relaxed) != 0 {
+                let ramp = b.ramp();
+                if ramp < 1.0 && rand::random::<f64>() >= ramp {
+                    return None;
+                }
+            }
             b.has_room()
         };
         // Fewer in flight per unit of weight: n_a / w_a < n_b / w_b. Idle backends tie, and
@@ -554,16 +606,7 @@ impl Pool {
             .backends
             .iter()
             .enumerate()
-            .map(|(i, b)| {
-                Backend::new(
-                    b,
-                    i,
-                    cfg.max_in_flight_per_backend,
-                    upstream_auth.as_ref(),
-                    &cfg.model,
-                )
-                .map(Arc::new)
-            })
+            .map(|(i, b)| Backend::new(b, i, cfg, upstream_auth.as_ref()).map(Arc::new))
             .collect::<io::Result<Vec<_>>>()?;
         let served = cfg.served_model_name.as_deref().unwrap_or(&cfg.model);
         let served_json = Bytes::from(serde_json::to_vec(served).map_err(io::Error::other)?);
@@ -826,6 +869,9 @@ impl Pools {
     }
 }
 
+/// One health probe: `GET <base><health.path>`. `unhealthy_threshold` failures in a row take
+/// the backend down; `healthy_threshold` successes in a row bring it back — through warm-up
+/// when the pool has one.
 async fn probe(pool: &Pool, backend: &Backend) {
     let mut req = Request::get(backend.health_uri.clone());
     if let Some(auth) = &backend.upstream_auth {
@@ -834,8 +880,8 @@ async fn probe(pool: &Pool, backend: &Backend) {
     let Ok(req) = req.body(Full::new(Bytes::new())) else {
         return;
     };
-    let timeout = pool.timeouts.connect + Duration::from_secs(2);
-    let result = tokio::time::timeout(timeout, async {
+    let health = &pool.config.health;
+    let result = tokio::time::timeout(health.timeout, async {
         let resp = pool.client.request(req).await?;
         let ok = resp.status().is_success();
         // Drain so the connection goes back to the pool.
@@ -843,19 +889,181 @@ async fn probe(pool: &Pool, backend: &Backend) {
         Ok::<bool, hyper_util::client::legacy::Error>(ok)
     })
     .await;
-    let state = match result {
-        Ok(Ok(true)) => Reachability::Up,
-        Ok(Ok(false)) | Ok(Err(_)) | Err(_) => Reachability::Down,
-    };
-    if backend.reachability() != state {
-        match state {
-            Reachability::Up => tracing::info!(backend = %backend.base, "backend reachable"),
-            _ => tracing::warn!(backend = %backend.base, "backend failed its health probe"),
+    let ok = matches!(result, Ok(Ok(true)));
+    let state = backend.reachability();
+    if !ok {
+        backend.probes_ok.store(0, Ordering::Relaxed);
+        let bad = backend.probes_bad.fetch_add(1, Ordering::Relaxed) + 1;
+        let why = match &result {
+            Ok(Ok(_)) => format!("{} answered an error", health.path),
+            Ok(Err(e)) => format!("{} failed: {e}", health.path),
+            Err(_) => format!(
+                "{} did not answer within {} ms",
+                health.path,
+                health.timeout.as_millis()
+            ),
+        };
+        backend.set_last_error(&why);
+        if bad >= health.unhealthy_threshold && state != Reachability::Down {
+            tracing::warn!(backend = %backend.base, error = %why, "backend failed its health probe");
+            backend.mark(Reachability::Down);
+        }
+        return;
+    }
+    backend.probes_bad.store(0, Ordering::Relaxed);
+    let good = backend.probes_ok.fetch_add(1, Ordering::Relaxed) + 1;
+    let warming = backend.warming.load(Ordering::Relaxed);
+    if state == Reachability::Up && !warming {
+        return;
+    }
+    if good < health.healthy_threshold && state == Reachability::Down {
+        return;
+    }
+    if warming {
+        if let Err(why) = warm_up(pool, backend).await {
+            backend.set_last_error(&why);
+            tracing::warn!(backend = %backend.base, error = %why, "backend warm-up failed; trying again at the next probe");
+            return;
+        }
+        backend.warming.store(false, Ordering::Relaxed);
+        tracing::info!(backend = %backend.base, requests = pool.config.warmup.requests, "backend warmed up");
+    }
+    if state != Reachability::Up {
+        tracing::info!(backend = %backend.base, "backend reachable");
+    }
+    backend.mark(Reachability::Up);
+    // Waiting requests may be served by a backend that came back.
+    pool.shared.dispatch();
+}
+
+/// Send the pool's warm-up requests (a small non-streaming completion each) to `backend`;
+/// all must succeed.
+async fn warm_up(pool: &Pool, backend: &Backend) -> Result<(), String> {
+    let w = &pool.config.warmup;
+    let body = Bytes::from(
+        serde_json::json!({
+            "model": &*pool.served_name,
+            "messages": [{"role": "user", "content": &w.prompt}],
+            "max_tokens": 1,
+            "stream": false,
+        })
+        .to_string(),
+    );
+    let limit = pool.timeouts.first_token.min(Duration::from_secs(60));
+    for i in 0..w.requests {
+        let mut req = Request::post(backend.chat_uri.clone())
+            .header(http::header::CONTENT_TYPE, "application/json");
+        if let Some(auth) = &backend.upstream_auth {
+            req = req.header(http::header::AUTHORIZATION, auth.clone());
+        }
+        let req = req
+            .body(Full::new(body.clone()))
+            .map_err(|e| e.to_string())?;
+        let status = tokio::time::timeout(limit, async {
+            let resp = pool.client.request(req).await.map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let _ = resp.into_body().collect().await;
+            Ok::<_, String>(status)
+        })
+        .await
+        .map_err(|_| {
+            format!(
+                "warm-up request {} timed out after {} ms",
+                i + 1,
+                limit.as_millis()
+            )
+        })??;
+        if !status.is_success() {
+            return Err(format!("warm-up request {} answered {status}", i + 1));
         }
     }
-    backend.mark(state);
-    if state == Reachability::Up {
-        // Waiting requests may be served by a backend that came back.
-        pool.shared.dispatch();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool_cfg(n: usize) -> PoolConfig {
+        PoolConfig::new(
+            "m",
+            (0..n)
+                .map(|i| format!("http://127.0.0.1:{}", 10 + i).parse().unwrap())
+                .collect(),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_start_ramps_the_share_up() {
+        let mut cfg = pool_cfg(1);
+        cfg.warmup.slow_start = Duration::from_secs(10);
+        let b = Backend::new(&cfg.backends[0], 0, &cfg, None).unwrap();
+        b.mark(Reachability::Up);
+        assert!((b.ramp() - 0.05).abs() < 1e-9, "a floor at once");
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert!((b.ramp() - 0.5).abs() < 0.01);
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert_eq!(b.ramp(), 1.0);
+        assert_eq!(
+            b.up_since.load(Ordering::Relaxed),
+            0,
+            "no clock reads after the ramp"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ejection_backs_off_exponentially_and_success_resets_it() {
+        let cfg = pool_cfg(1);
+        let b = Backend::new(&cfg.backends[0], 0, &cfg, None).unwrap();
+        let e = EjectionConfig {
+            consecutive_failures: 2,
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(4),
+        };
+        assert!(!b.record_failure(&e, "x"));
+        assert!(b.record_failure(&e, "x"));
+        assert!(!b.eligible());
+        assert_eq!(b.state(), BackendState::Ejected);
+        tokio::time::advance(Duration::from_millis(1200)).await;
+        assert!(b.eligible(), "first ejection ≤ 1.2 s");
+        // Second ejection in a row: about 2 s.
+        b.record_failure(&e, "x");
+        b.record_failure(&e, "x");
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert!(!b.eligible());
+        tokio::time::advance(Duration::from_millis(1000)).await;
+        assert!(b.eligible());
+        // Capped at max (4 s ± 20 %) however many follow.
+        for _ in 0..10 {
+            b.record_failure(&e, "x");
+            b.record_failure(&e, "x");
+        }
+        tokio::time::advance(Duration::from_millis(4900)).await;
+        assert!(b.eligible());
+        b.record_success();
+        b.record_failure(&e, "x");
+        assert!(b.record_failure(&e, "x"));
+        tokio::time::advance(Duration::from_millis(1200)).await;
+        assert!(b.eligible(), "a success resets the backoff");
+    }
+
+    #[test]
+    fn weighted_draws_follow_the_weights() {
+        let mut cfg = pool_cfg(3);
+        for (b, w) in cfg.backends.iter_mut().zip([1, 2, 7]) {
+            b.weight = w;
+        }
+        let pools = Pools::new(&[cfg], &QueueConfig::default()).unwrap();
+        let shared = &pools.get("m").unwrap().shared;
+        let mut firsts = [0u32; 3];
+        for _ in 0..10_000 {
+            let (a, b) = shared.draw_two();
+            assert_ne!(a, b);
+            firsts[a] += 1;
+        }
+        // Expected 1000 / 2000 / 7000.
+        assert!((800..1200).contains(&firsts[0]), "{firsts:?}");
+        assert!((1750..2250).contains(&firsts[1]), "{firsts:?}");
+        assert!((6700..7300).contains(&firsts[2]), "{firsts:?}");
     }
 }

@@ -789,6 +789,7 @@ fn no_backend(pool: &Pool) -> ApiError {
                         }
                         crate::pool::BackendState::Draining => "draining",
                         crate::pool::BackendState::Ejected => "ejected after consecutive failures",
+                        crate::pool::BackendState::Warming => "warming up",
                         _ => "at capacity",
                     };
                     format!("{} ({why})", b.base)
