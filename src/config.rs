@@ -272,6 +272,15 @@ pub struct PoolConfig {
     pub gray_pin_label: Option<String>,
     pub health: HealthConfig,
     pub warmup: WarmupConfig,
+    /// Read each backend's own load from its Prometheus `/metrics` (vLLM's
+    /// `num_requests_running` + `num_requests_waiting`) and balance on it too.
+    pub load_aware: Option<LoadAwareConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct LoadAwareConfig {
+    pub metrics_path: String,
+    pub interval: Duration,
 }
 
 /// Active health probes of a pool's backends (the interval is `server.health_interval_ms`).
@@ -448,6 +457,7 @@ impl PoolConfig {
             gray_pin_label: None,
             health: HealthConfig::default(),
             warmup: WarmupConfig::default(),
+            load_aware: None,
         }
     }
 }
@@ -847,6 +857,23 @@ struct RawPool {
     health: RawHealth,
     #[serde(default)]
     warmup: RawWarmup,
+    load_aware: Option<RawLoadAware>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLoadAware {
+    #[serde(default = "default_metrics_path")]
+    metrics_path: String,
+    #[serde(default = "default_scrape_ms")]
+    interval_ms: u64,
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".into()
+}
+fn default_scrape_ms() -> u64 {
+    1000
 }
 
 #[derive(Deserialize)]
@@ -1315,6 +1342,19 @@ impl RawConfig {
                     requests: p.warmup.requests,
                     prompt: p.warmup.prompt.unwrap_or_else(|| "Hello".into()),
                     slow_start: Duration::from_secs_f64(p.warmup.slow_start_seconds),
+                },
+                load_aware: match p.load_aware {
+                    Some(l) if !l.metrics_path.starts_with('/') || l.interval_ms == 0 => {
+                        return Err(err(
+                            at("load_aware"),
+                            "metrics_path must start with `/` and interval_ms must be > 0".into(),
+                        ));
+                    }
+                    Some(l) => Some(LoadAwareConfig {
+                        metrics_path: l.metrics_path,
+                        interval: Duration::from_millis(l.interval_ms),
+                    }),
+                    None => None,
                 },
             });
         }

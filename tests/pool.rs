@@ -444,3 +444,48 @@ async fn a_backend_gets_traffic_only_after_its_warm_up() {
         "it takes traffic once warm"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_aware_balancing_sees_load_from_outside_the_gateway() {
+    let busy = sim(|a| a.decode_step_ms = 20.0).await;
+    let idle = sim(|a| a.decode_step_ms = 20.0).await;
+    let mut p = pool("qwen32b", &[busy.url(), idle.url()]);
+    p.load_aware = Some(fleetgate::config::LoadAwareConfig {
+        metrics_path: "/metrics".into(),
+        interval: Duration::from_millis(50),
+    });
+    let gw = gateway(vec![p]).await;
+    // Another gateway (or a direct client) keeps 8 long streams on one backend.
+    let direct: http::Uri = format!("{}/v1/chat/completions", busy.url().trim_end_matches('/'))
+        .parse()
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(open(&direct, "unused", chat("qwen32b", 500, true)).await);
+    }
+    let busy_backend = gw
+        .server
+        .pools
+        .find_backend("qwen32b", &busy.url())
+        .unwrap()
+        .clone();
+    assert!(
+        eventually(Duration::from_secs(10), || busy_backend
+            .remote_load
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 8)
+        .await,
+        "the scrape never saw the load"
+    );
+    let url = gw.url("/v1/chat/completions");
+    for _ in 0..10 {
+        assert_eq!(post(&url, &[], chat("qwen32b", 1, false)).await.status, 200);
+    }
+    let counts = per_backend(&gw);
+    assert_eq!(
+        counts.get(idle.url().trim_end_matches('/')),
+        Some(&10),
+        "every request went to the idle backend: {counts:?}"
+    );
+    drop(held);
+}

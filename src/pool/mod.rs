@@ -58,7 +58,13 @@ pub struct Backend {
     pub chat_uri: Uri,
     pub completions_uri: Uri,
     pub health_uri: Uri,
+    pub metrics_uri: Uri,
     pub in_flight: AtomicU32,
+    /// Requests running + waiting on the backend by its own `/metrics` (all gateways' and
+    /// anyone else's), when the pool is load-aware; 0 otherwise or when unread.
+    pub remote_load: AtomicU32,
+    /// Its KV-cache usage in thousandths, from the same scrape.
+    kv_usage_permille: AtomicU32,
     /// Share of new requests relative to the pool's other backends.
     pub weight: u32,
     /// Requests served at once (0: no cap).
@@ -139,7 +145,14 @@ impl Backend {
             chat_uri: join("/v1/chat/completions")?,
             completions_uri: join("/v1/completions")?,
             health_uri: join(&pool.health.path)?,
+            metrics_uri: join(
+                pool.load_aware
+                    .as_ref()
+                    .map_or("/metrics", |l| l.metrics_path.as_str()),
+            )?,
             in_flight: AtomicU32::new(0),
+            remote_load: AtomicU32::new(0),
+            kv_usage_permille: AtomicU32::new(0),
             weight: cfg.weight.max(1),
             capacity: cfg.capacity.unwrap_or(capacity),
             labels: cfg.labels.clone(),
@@ -295,6 +308,11 @@ impl Backend {
         self.last_error.store(Some(Arc::new(why.to_owned())));
     }
 
+    /// KV-cache usage (0..1) from the last scrape, if the pool is load-aware.
+    pub fn kv_usage(&self) -> f64 {
+        f64::from(self.kv_usage_permille.load(Ordering::Relaxed)) / 1000.0
+    }
+
     fn has_room(&self) -> Option<u32> {
         let n = self.in_flight.load(Ordering::SeqCst);
         (self.capacity == 0 || n < self.capacity).then_some(n)
@@ -427,9 +445,13 @@ impl PoolShared {
         };
         // Fewer in flight per unit of weight: n_a / w_a < n_b / w_b. Idle backends tie, and
         // the first drawn wins a tie: idle traffic follows the weighted draw.
+        // With load-aware pools the backend's own count (all gateways') counts when larger.
+        let load = |(i, f): (usize, u32)| -> u64 {
+            u64::from(f.max(self.backends[i].remote_load.load(Ordering::Relaxed)))
+        };
         let better = |a: (usize, u32), b: (usize, u32)| -> bool {
-            u64::from(a.1) * u64::from(self.backends[b.0].weight)
-                < u64::from(b.1) * u64::from(self.backends[a.0].weight)
+            load(a) * u64::from(self.backends[b.0].weight)
+                < load(b) * u64::from(self.backends[a.0].weight)
         };
         for round in 0..8 {
             let pick = if n == 1 {
@@ -814,6 +836,8 @@ impl Pools {
                         "weight": b.weight,
                         "labels": &b.labels,
                         "ewma_ttft_ms": b.ewma_ttft().map(|d| d.as_secs_f64() * 1e3),
+                        "remote_load": p.config.load_aware.as_ref().map(|_| b.remote_load.load(Ordering::Relaxed)),
+                        "kv_cache_usage": p.config.load_aware.as_ref().map(|_| b.kv_usage()),
                         "last_error": b.last_error().as_deref().cloned(),
                     })
                 })
@@ -858,6 +882,31 @@ impl Pools {
                 _ = tokio::time::sleep(interval) => {}
             }
         }
+    }
+
+    /// Scrape every load-aware pool's backends' `/metrics` on the pool's interval until
+    /// `stop`.
+    pub async fn load_loop(self: Arc<Self>, stop: CancellationToken) {
+        let mut loops = Vec::new();
+        for i in 0..self.pools.len() {
+            let Some(la) = self.pools[i].config.load_aware.clone() else {
+                continue;
+            };
+            let pools = self.clone();
+            let stop = stop.clone();
+            loops.push(async move {
+                let pool = &pools.pools[i];
+                loop {
+                    futures_util::future::join_all(pool.backends.iter().map(|b| scrape(pool, b)))
+                        .await;
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(la.interval) => {}
+                    }
+                }
+            });
+        }
+        futures_util::future::join_all(loops).await;
     }
 
     pub async fn probe_once(&self) {
@@ -934,6 +983,67 @@ async fn probe(pool: &Pool, backend: &Backend) {
     backend.mark(Reachability::Up);
     // Waiting requests may be served by a backend that came back.
     pool.shared.dispatch();
+}
+
+/// Read a backend's own load from its Prometheus text: vLLM's running + waiting requests and
+/// KV-cache usage. An unreadable answer counts as no information (load 0: local counts only).
+async fn scrape(pool: &Pool, backend: &Backend) {
+    let mut req = Request::get(backend.metrics_uri.clone());
+    if let Some(auth) = &backend.upstream_auth {
+        req = req.header(http::header::AUTHORIZATION, auth.clone());
+    }
+    let Ok(req) = req.body(Full::new(Bytes::new())) else {
+        return;
+    };
+    let text = tokio::time::timeout(pool.config.health.timeout, async {
+        let resp = pool.client.request(req).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        http_body_util::Limited::new(resp.into_body(), 4 << 20)
+            .collect()
+            .await
+            .ok()
+            .map(|c| c.to_bytes())
+    })
+    .await
+    .ok()
+    .flatten();
+    let (load, kv) = text.as_deref().map_or((0.0, 0.0), vllm_load);
+    backend.remote_load.store(
+        load.clamp(0.0, f64::from(u32::MAX)) as u32,
+        Ordering::Relaxed,
+    );
+    backend
+        .kv_usage_permille
+        .store((kv.clamp(0.0, 1.0) * 1000.0) as u32, Ordering::Relaxed);
+}
+
+/// (running + waiting, KV-cache usage) summed over a vLLM `/metrics` text's series.
+pub fn vllm_load(text: &[u8]) -> (f64, f64) {
+    let text = String::from_utf8_lossy(text);
+    let mut load = 0.0;
+    let mut kv: f64 = 0.0;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let name = line.split(['{', ' ']).next().unwrap_or("");
+        let Some(value) = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite())
+        else {
+            continue;
+        };
+        match name {
+            "vllm:num_requests_running" | "vllm:num_requests_waiting" => load += value,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => kv = kv.max(value),
+            _ => {}
+        }
+    }
+    (load, kv)
 }
 
 /// Send the pool's warm-up requests (a small non-streaming completion each) to `backend`;
@@ -1045,6 +1155,15 @@ mod tests {
         assert!(b.record_failure(&e, "x"));
         tokio::time::advance(Duration::from_millis(1200)).await;
         assert!(b.eligible(), "a success resets the backoff");
+    }
+
+    #[test]
+    fn reads_vllm_load() {
+        let text = b"# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\",model_name=\"a\"} 7.0\nvllm:num_requests_waiting{engine=\"0\",model_name=\"a\"} 3\nvllm:num_requests_waiting_by_reason{r=\"x\"} 99\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.42\n";
+        let (load, kv) = vllm_load(text);
+        assert_eq!(load, 10.0);
+        assert!((kv - 0.42).abs() < 1e-9);
+        assert_eq!(vllm_load(b"<html>not metrics</html>"), (0.0, 0.0));
     }
 
     #[test]

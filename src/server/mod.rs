@@ -295,6 +295,7 @@ impl Server {
                 .probe_loop(config.server.health_interval, shutdown.child_token()),
         );
         tasks.spawn(crate::auth::sync::run(auth.clone(), shutdown.child_token()));
+        tasks.spawn(pools.clone().load_loop(shutdown.child_token()));
         tasks.spawn(limits.clone().prune_loop(shutdown.child_token()));
         let grace = config.server.shutdown_grace;
         if let Some(admin_listener) = admin_listener {
