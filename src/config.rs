@@ -275,6 +275,27 @@ pub struct PoolConfig {
     /// Read each backend's own load from its Prometheus `/metrics` (vLLM's
     /// `num_requests_running` + `num_requests_waiting`) and balance on it too.
     pub load_aware: Option<LoadAwareConfig>,
+    /// Requests with the same `user` or prompt prefix prefer the same backend.
+    pub affinity: Option<AffinityConfig>,
+}
+
+/// What makes two requests "the same" for backend affinity (prefix-cache reuse).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AffinityBy {
+    /// The OpenAI `user` field.
+    User,
+    /// The first `prefix_bytes` of the prompt (`messages` or `prompt`).
+    Prefix,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct AffinityConfig {
+    pub by: AffinityBy,
+    pub prefix_bytes: usize,
+    /// The preferred backend is used while its load is at most twice the least loaded one's,
+    /// or at most this many requests more.
+    pub slack: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -458,6 +479,7 @@ impl PoolConfig {
             health: HealthConfig::default(),
             warmup: WarmupConfig::default(),
             load_aware: None,
+            affinity: None,
         }
     }
 }
@@ -858,6 +880,24 @@ struct RawPool {
     #[serde(default)]
     warmup: RawWarmup,
     load_aware: Option<RawLoadAware>,
+    affinity: Option<RawAffinity>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAffinity {
+    by: AffinityBy,
+    #[serde(default = "default_prefix_bytes")]
+    prefix_bytes: usize,
+    #[serde(default = "default_slack")]
+    slack: u32,
+}
+
+fn default_prefix_bytes() -> usize {
+    512
+}
+fn default_slack() -> u32 {
+    4
 }
 
 #[derive(Deserialize)]
@@ -1356,6 +1396,11 @@ impl RawConfig {
                     }),
                     None => None,
                 },
+                affinity: p.affinity.map(|a| AffinityConfig {
+                    by: a.by,
+                    prefix_bytes: a.prefix_bytes.max(1),
+                    slack: a.slack,
+                }),
             });
         }
 

@@ -489,3 +489,54 @@ async fn load_aware_balancing_sees_load_from_outside_the_gateway() {
     );
     drop(held);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_of_one_user_stay_on_one_backend() {
+    let sims = [
+        sim(|a| a.zero_delay = true).await,
+        sim(|a| a.zero_delay = true).await,
+        sim(|a| a.zero_delay = true).await,
+    ];
+    let urls: Vec<String> = sims.iter().map(|s| s.url()).collect();
+    let mut p = pool("qwen32b", &urls);
+    p.affinity = Some(fleetgate::config::AffinityConfig {
+        by: fleetgate::config::AffinityBy::User,
+        prefix_bytes: 512,
+        slack: 4,
+    });
+    let gw = gateway(vec![p]).await;
+    let url = gw.url("/v1/chat/completions");
+    let body = |user: &str| {
+        Bytes::from(
+            serde_json::json!({
+                "model": "qwen32b", "user": user, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hi"}],
+            })
+            .to_string(),
+        )
+    };
+    for i in 0..20 {
+        let m = post(
+            &url,
+            &[("x-request-id", &format!("alice-{i}"))],
+            body("alice"),
+        )
+        .await;
+        assert_eq!(m.status, 200);
+    }
+    let backends: std::collections::HashSet<String> = gw
+        .records
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.backend.clone())
+        .collect();
+    assert_eq!(backends.len(), 1, "one user, one backend: {backends:?}");
+    for u in 0..30 {
+        post(&url, &[], body(&format!("user-{u}"))).await;
+    }
+    assert!(
+        per_backend(&gw).len() >= 2,
+        "users spread over the backends"
+    );
+}

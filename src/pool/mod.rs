@@ -379,6 +379,20 @@ pub struct PoolShared {
     cumulative: Vec<u32>,
 }
 
+/// splitmix64's finaliser: a well-mixed 64-bit hash of `x`.
+pub fn mix64(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// FNV-1a over `bytes`: the same value in every replica (affinity keys).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// Bit of backend `i` in an exclusion mask (backends past 64 are never excluded).
 pub fn bit(i: usize) -> u64 {
     if i < 64 { 1 << i } else { 0 }
@@ -480,6 +494,53 @@ impl PoolShared {
             }
         }
         None
+    }
+
+    /// A slot on the backend preferred for `key` (rendezvous hashing over the usable
+    /// backends, so every replica prefers the same one and only a removed backend's keys move),
+    /// unless it is overloaded — more than twice the least loaded backend's requests and more
+    /// than `slack` above them — or full: then the usual choice.
+    pub fn try_acquire_affine(
+        self: &Arc<Self>,
+        key: u64,
+        exclude: u64,
+        slack: u32,
+    ) -> Option<InFlight> {
+        let mut best: Option<(usize, u32, u64)> = None;
+        let mut min_load = u64::MAX;
+        for (i, b) in self.backends.iter().enumerate() {
+            if exclude & bit(i) != 0 || !b.eligible() {
+                continue;
+            }
+            let f = b.in_flight.load(Ordering::SeqCst);
+            let load = u64::from(f.max(b.remote_load.load(Ordering::Relaxed)));
+            min_load = min_load.min(load);
+            if b.capacity != 0 && f >= b.capacity {
+                continue;
+            }
+            let score = mix64(key ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            if best.is_none_or(|(_, _, s)| score > s) {
+                best = Some((i, f, score));
+            }
+        }
+        if let Some((i, f, _)) = best {
+            let b = &self.backends[i];
+            let load = u64::from(f.max(b.remote_load.load(Ordering::Relaxed)));
+            let fair = min_load
+                .saturating_mul(2)
+                .max(min_load.saturating_add(u64::from(slack)));
+            if load <= fair
+                && b.in_flight
+                    .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            {
+                return Some(InFlight {
+                    pool: self.clone(),
+                    index: i,
+                });
+            }
+        }
+        self.try_acquire_excluding(exclude)
     }
 
     fn scan(
@@ -615,6 +676,7 @@ pub struct Pool {
     pub environments: Option<Vec<crate::auth::key::Environment>>,
     /// (minimum estimated prompt tokens, index of the pool that takes them).
     pub long_prompt: Option<(u64, usize)>,
+    pub affinity: Option<crate::config::AffinityConfig>,
     config: PoolConfig,
 }
 
@@ -651,6 +713,7 @@ impl Pool {
             client: build_client(cfg)?,
             environments: cfg.environments.clone(),
             long_prompt: None,
+            affinity: cfg.affinity,
             config: cfg.clone(),
         })
     }
@@ -809,6 +872,7 @@ impl Pools {
                     client: build_client(&p.config)?,
                     environments: p.environments.clone(),
                     long_prompt: p.long_prompt,
+                    affinity: p.affinity,
                     config: p.config.clone(),
                 })
             })
@@ -1155,6 +1219,36 @@ mod tests {
         assert!(b.record_failure(&e, "x"));
         tokio::time::advance(Duration::from_millis(1200)).await;
         assert!(b.eligible(), "a success resets the backoff");
+    }
+
+    #[test]
+    fn affinity_prefers_one_backend_until_it_is_overloaded() {
+        let pools = Pools::new(&[pool_cfg(3)], &QueueConfig::default()).unwrap();
+        let shared = &pools.get("m").unwrap().shared;
+        let key = fnv1a(b"\"alice\"");
+        let first = shared.try_acquire_affine(key, 0, 2).unwrap();
+        let preferred = first.backend().index;
+        let second = shared.try_acquire_affine(key, 0, 2).unwrap();
+        assert_eq!(second.backend().index, preferred, "same key, same backend");
+        // Two in flight there, none elsewhere: 2 ≤ max(2 × 0, 0 + 2) still; a third is too many.
+        let third = shared.try_acquire_affine(key, 0, 2).unwrap();
+        assert_eq!(third.backend().index, preferred);
+        let fourth = shared.try_acquire_affine(key, 0, 2).unwrap();
+        assert_ne!(
+            fourth.backend().index,
+            preferred,
+            "an overloaded preference is skipped"
+        );
+        // Other keys spread over the backends.
+        drop((first, second, third, fourth));
+        let mut used = std::collections::HashSet::new();
+        for u in 0..64u32 {
+            let s = shared
+                .try_acquire_affine(fnv1a(&u.to_le_bytes()), 0, 2)
+                .unwrap();
+            used.insert(s.backend().index);
+        }
+        assert_eq!(used.len(), 3);
     }
 
     #[test]

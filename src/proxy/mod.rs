@@ -20,6 +20,7 @@ use hyper::body::Incoming;
 
 use crate::auth::AuthFailure;
 use crate::auth::key::Environment;
+use crate::config::AffinityBy;
 use crate::limits::{LimitKind, Refusal};
 use crate::pool::{InFlight, Pool, Pools, Reachability, Waiting};
 use crate::queue::{JoinRefused, TimedOut};
@@ -434,6 +435,21 @@ async fn forward_inner(
     // The backends' name for the model: spliced in when the client named another (an alias
     // or the pool's name when `served_model_name` differs).
     let rename = (*view.model != *pool.served_name).then_some(&*pool.served_json);
+    // Backend affinity: requests of the same user, or with the same prompt prefix, prefer the
+    // same backend (its prefix cache). The key is computed only for pools that ask for it.
+    let affinity = pool.affinity.and_then(|a| match a.by {
+        AffinityBy::User => view.user.map(|u| crate::pool::fnv1a(u.as_bytes())),
+        AffinityBy::Prefix => {
+            let key: &[u8] = match endpoint {
+                Endpoint::Chat => b"\"messages\"",
+                Endpoint::Completions => b"\"prompt\"",
+            };
+            memchr::memmem::find(&body, key).map(|at| {
+                let end = (at + key.len() + a.prefix_bytes).min(body.len());
+                crate::pool::fnv1a(&body[at..end])
+            })
+        }
+    });
     let upstream_body = view::upstream_body(&body, &view, rename, inject_usage);
     drop(view);
     strip_upstream_headers(&mut parts.headers);
@@ -453,7 +469,7 @@ async fn forward_inner(
     };
 
     // 6. A backend slot: at once when one has room, else in the admission queue.
-    let slot = match acquire_slot(state, pool, record, body_read)? {
+    let slot = match acquire_slot(state, pool, record, body_read, affinity)? {
         SlotOrWait::Slot(slot) => slot,
         SlotOrWait::Wait(waiting, max_wait) => {
             if record.stream && state.queue.keepalive_interval.is_some() {
@@ -680,6 +696,7 @@ fn acquire_slot(
     pool: &Pool,
     record: &mut RequestRecord,
     body_read: Instant,
+    affinity: Option<u64>,
 ) -> Result<SlotOrWait, ApiError> {
     let shared = &pool.shared;
     // Gray keys go to the pinned (canary) backends while one of them can take the request.
@@ -687,10 +704,13 @@ fn acquire_slot(
         Some(k) if k.environment == Environment::Gray => shared.gray_exclude,
         _ => 0,
     };
+    let first = |exclude| match (affinity, pool.affinity) {
+        (Some(key), Some(a)) => shared.try_acquire_affine(key, exclude, a.slack),
+        _ => shared.try_acquire_excluding(exclude),
+    };
     if !shared.queue.has_waiters()
-        && let Some(slot) = shared
-            .try_acquire_excluding(pinned)
-            .or_else(|| (pinned != 0).then(|| shared.try_acquire()).flatten())
+        && let Some(slot) =
+            first(pinned).or_else(|| (pinned != 0).then(|| shared.try_acquire()).flatten())
     {
         record.timeline.admitted = Some(body_read);
         return Ok(SlotOrWait::Slot(slot));

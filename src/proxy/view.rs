@@ -49,6 +49,8 @@ pub struct RequestView<'a> {
     pub stream_options_span: Option<Range<usize>>,
     /// Characters of prompt text (messages' content or prompt), a cheap size estimate.
     pub prompt_chars: usize,
+    /// The `user` field's raw JSON text, when given (backend affinity).
+    pub user: Option<&'a str>,
 }
 
 #[derive(Deserialize)]
@@ -67,6 +69,8 @@ struct RawBody<'a> {
     stream_options: Option<&'a RawValue>,
     messages: Option<Messages>,
     prompt: Option<Prompt>,
+    #[serde(borrow)]
+    user: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -191,6 +195,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ApiErro
         include_usage,
         stream_options_span,
         prompt_chars,
+        user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
     })
 }
 
