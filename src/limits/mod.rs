@@ -525,7 +525,7 @@ impl Limits {
         let env = key.environment;
         let e = &self.envs[env.index()];
         if quota.is_unlimited() && e.requests.is_none() && e.max_concurrent.is_none() {
-            return Ok(Admission::unlimited(self.clone(), env));
+            return Ok(Admission::unlimited(env));
         }
         let refusal = |kind, limit, retry_after, headers| Refusal {
             kind,
@@ -539,7 +539,7 @@ impl Limits {
         let limiter = self.key_limiter(key, quota);
         limiter.last_used.store(self.now_ms(), Ordering::Relaxed);
         let mut adm = Admission {
-            limits: self.clone(),
+            limits: Some(self.clone()),
             key: Some(limiter.clone()),
             env,
             key_slot: false,
@@ -804,7 +804,9 @@ enum Reserved {
 /// request used (the whole reservation when nothing was said).
 #[must_use]
 pub struct Admission {
-    limits: Arc<Limits>,
+    /// `None` for a key and environment without limits: nothing to release (and no shared
+    /// reference count touched on the request path).
+    limits: Option<Arc<Limits>>,
     key: Option<Arc<KeyLimiter>>,
     env: Environment,
     key_slot: bool,
@@ -828,9 +830,9 @@ impl std::fmt::Debug for Admission {
 }
 
 impl Admission {
-    fn unlimited(limits: Arc<Limits>, env: Environment) -> Self {
+    fn unlimited(env: Environment) -> Self {
         Self {
-            limits,
+            limits: None,
             key: None,
             env,
             key_slot: false,
@@ -866,8 +868,10 @@ impl Drop for Admission {
         {
             k.in_flight.fetch_sub(1, Ordering::AcqRel);
         }
-        if self.env_slot {
-            self.limits.envs[self.env.index()]
+        if self.env_slot
+            && let Some(l) = &self.limits
+        {
+            l.envs[self.env.index()]
                 .in_flight
                 .fetch_sub(1, Ordering::AcqRel);
         }
@@ -883,8 +887,10 @@ impl Drop for Admission {
                 }
             }
             Reserved::Shared(id) => {
-                if let (Some(s), Some(k)) = (&self.limits.shared, &self.key)
-                    && let Some(tpm) = k.quota.tokens_per_minute
+                if let (Some(s), Some(k)) = (
+                    self.limits.as_ref().and_then(|l| l.shared.as_ref()),
+                    &self.key,
+                ) && let Some(tpm) = k.quota.tokens_per_minute
                 {
                     s.settle(id, tpm, delta);
                 }

@@ -418,11 +418,11 @@ async fn forward_inner(
     }
 
     // 4. Limits: the key's rate, token budget and concurrency, its environment's caps.
-    if let Some(key) = record.key.clone() {
+    if let Some(key) = &record.key {
         let demand = state
             .limits
             .demand(view.prompt_chars, view.max_tokens, view.n);
-        match state.limits.admit(&key, demand).await {
+        match state.limits.admit(key, demand).await {
             Ok(adm) => record.admission = Some(adm),
             Err(refusal) => return Err(ApiError::limited(refusal, &pool.model)),
         }
