@@ -33,8 +33,8 @@ fn fill(r: &mut RequestRecord, key: &Arc<KeyRecord>, model: &Arc<str>, backend: 
     r.key = Some(key.clone());
     r.model = Some(model.clone());
     r.backend = Some(backend.clone());
-    r.pool_index = Some(0);
-    r.backend_index = Some(0);
+    r.pool_slot = Some(0);
+    r.backend_slot = Some(0);
     r.status = 200;
     r.stream = true;
     r.client_addr = Some("10.1.2.3:40000".parse().unwrap());

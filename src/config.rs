@@ -236,6 +236,9 @@ pub struct ServerConfig {
     pub health_interval: Duration,
     /// Request-path worker threads, each with its own event loop (0: one per CPU core).
     pub workers: usize,
+    /// Re-read the config file when its content changes (checked every 2 s) and apply its
+    /// `[[pools]]`, as SIGHUP does.
+    pub watch_config: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -364,7 +367,20 @@ pub struct BackendConfig {
     pub labels: Vec<String>,
     /// Sent to this backend instead of the pool's `upstream_api_key`.
     pub upstream_api_key: Option<Secret>,
+    pub discover: Discover,
 }
+
+/// How a backend entry becomes backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Discover {
+    /// The URL is one backend.
+    Static,
+    /// The URL's host is re-resolved every `interval`; each address is one backend (a
+    /// Kubernetes headless Service).
+    Dns { interval: Duration },
+}
+
+pub const DEFAULT_DNS_INTERVAL: Duration = Duration::from_secs(5);
 
 impl BackendConfig {
     pub fn new(url: Uri) -> Self {
@@ -374,6 +390,7 @@ impl BackendConfig {
             capacity: None,
             labels: Vec::new(),
             upstream_api_key: None,
+            discover: Discover::Static,
         }
     }
 }
@@ -455,6 +472,7 @@ impl Default for ServerConfig {
             request_log_events: true,
             health_interval: Duration::from_secs(5),
             workers: 0,
+            watch_config: false,
         }
     }
 }
@@ -815,6 +833,8 @@ struct RawServer {
     health_interval_ms: u64,
     #[serde(default)]
     workers: usize,
+    #[serde(default)]
+    watch_config: bool,
 }
 
 impl Default for RawServer {
@@ -828,6 +848,7 @@ impl Default for RawServer {
             request_log_events: true,
             health_interval_ms: default_health_interval(),
             workers: 0,
+            watch_config: false,
         }
     }
 }
@@ -1004,6 +1025,8 @@ struct RawBackendTable {
     #[serde(default)]
     labels: Vec<String>,
     upstream_api_key: Option<String>,
+    discover: Option<String>,
+    refresh_interval_ms: Option<u64>,
 }
 
 fn default_weight() -> u32 {
@@ -1197,6 +1220,7 @@ impl RawConfig {
             request_log_events: s.request_log_events,
             health_interval: Duration::from_millis(s.health_interval_ms),
             workers: s.workers,
+            watch_config: s.watch_config,
         };
 
         if self.pools.is_empty() {
@@ -1238,12 +1262,46 @@ impl RawConfig {
                                 "must be ≥ 1 (remove the backend, or drain it through the admin API, to stop its traffic)".into(),
                             ));
                         }
+                        let url = parse_backend_url(&t.url).map_err(|m| err(bat(".url"), m))?;
+                        let discover = match t.discover.as_deref() {
+                            None | Some("static") => {
+                                if t.refresh_interval_ms.is_some() {
+                                    return Err(err(
+                                        bat(".refresh_interval_ms"),
+                                        "applies only with discover = \"dns\"".into(),
+                                    ));
+                                }
+                                Discover::Static
+                            }
+                            Some("dns") => {
+                                check_dns_entry(&url).map_err(|m| err(bat(".url"), m))?;
+                                let ms = t
+                                    .refresh_interval_ms
+                                    .unwrap_or(DEFAULT_DNS_INTERVAL.as_millis() as u64);
+                                if ms < 100 {
+                                    return Err(err(
+                                        bat(".refresh_interval_ms"),
+                                        "must be at least 100 (milliseconds)".into(),
+                                    ));
+                                }
+                                Discover::Dns {
+                                    interval: Duration::from_millis(ms),
+                                }
+                            }
+                            Some(other) => {
+                                return Err(err(
+                                    bat(".discover"),
+                                    format!("`{other}` is not a discovery mode: use \"dns\" (re-resolve the host, one backend per address) or leave it out"),
+                                ));
+                            }
+                        };
                         BackendConfig {
-                            url: parse_backend_url(&t.url).map_err(|m| err(bat(".url"), m))?,
+                            url,
                             weight: t.weight,
                             capacity: t.capacity,
                             labels: t.labels,
                             upstream_api_key: t.upstream_api_key.map(Secret::new),
+                            discover,
                         }
                     }
                 };
@@ -1711,6 +1769,22 @@ impl RawQueue {
 
 /// A backend is a base URL: scheme http or https, a host, an optional path prefix (a trailing
 /// `/v1` is accepted and dropped, since clients' base URLs often carry it).
+/// A `discover = "dns"` entry names a host to resolve, reached over plain HTTP.
+fn check_dns_entry(url: &Uri) -> Result<(), String> {
+    if url.scheme_str() != Some("http") {
+        return Err(format!(
+            "`{url}`: discover = \"dns\" dials each address directly, so it needs http:// (a TLS certificate names the Service, not the pods' addresses)"
+        ));
+    }
+    let host = url.host().unwrap_or_default();
+    if host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().is_ok() {
+        return Err(format!(
+            "`{url}`: discover = \"dns\" needs a host name to resolve (e.g. a headless Service, vllm.default.svc.cluster.local), not an address"
+        ));
+    }
+    Ok(())
+}
+
 pub fn parse_backend_url(text: &str) -> Result<Uri, String> {
     let uri: Uri = text
         .parse()

@@ -221,7 +221,7 @@ async fn one_slot_gateway(
 
 fn waiting(gw: &Gateway) -> usize {
     gw.server
-        .pools
+        .pools()
         .get("qwen32b")
         .unwrap()
         .shared

@@ -128,7 +128,7 @@ async fn a_refused_connection_is_retried_on_another_backend() {
     assert!(
         records.iter().map(|r| u32::from(r.retries)).sum::<u32>() >= 1 || {
             // The probe may have marked the dead backend down before the first request.
-            gw.server.pools.get("qwen32b").unwrap().backends[0]
+            gw.server.pools().get("qwen32b").unwrap().backends[0]
                 .state()
                 .as_str()
                 == "down"
@@ -159,7 +159,7 @@ async fn a_failing_backend_is_ejected() {
     assert!(statuses[10..].iter().all(|s| *s == 200), "{statuses:?}");
     let bad_state = gw
         .server
-        .pools
+        .pools()
         .find_backend("qwen32b", &bad.url())
         .unwrap()
         .state();
@@ -379,7 +379,7 @@ async fn gray_keys_are_pinned_to_the_canary() {
     );
     // The canary drained: gray traffic goes on, to the stable backend.
     gw.server
-        .pools
+        .pools()
         .find_backend("qwen32b", &canary.url())
         .unwrap()
         .set_draining(true);
@@ -410,7 +410,7 @@ async fn a_backend_gets_traffic_only_after_its_warm_up() {
     let gw = gateway(vec![p]).await;
     let cold_backend = gw
         .server
-        .pools
+        .pools()
         .find_backend("qwen32b", &cold.url())
         .unwrap()
         .clone();
@@ -465,7 +465,7 @@ async fn load_aware_balancing_sees_load_from_outside_the_gateway() {
     }
     let busy_backend = gw
         .server
-        .pools
+        .pools()
         .find_backend("qwen32b", &busy.url())
         .unwrap()
         .clone();

@@ -27,7 +27,7 @@ pub struct AdminState {
     pub auth: Arc<Authenticator>,
     pub verifier: Verifier,
     pub registry: prometheus::Registry,
-    pub pools: Arc<crate::pool::Pools>,
+    pub fleet: Arc<crate::pool::fleet::Fleet>,
     pub metrics: Arc<crate::telemetry::metrics::RequestMetrics>,
 }
 
@@ -212,7 +212,7 @@ pub async fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/metrics") => {
             state.auth.update_gauges();
-            state.metrics.update_backends(&state.pools);
+            state.metrics.update_backends(&state.fleet.current());
             let mut text = String::new();
             let encoder = prometheus::TextEncoder::new();
             if let Err(e) = encoder.encode_utf8(&state.registry.gather(), &mut text) {
@@ -378,13 +378,14 @@ async fn keys_api(
         }
         (Method::GET, ["admin", "backends"]) => Ok((
             StatusCode::OK,
-            to_json(&serde_json::json!({"object": "list", "data": state.pools.backends_json()})),
+            to_json(&serde_json::json!({"object": "list", "data": state.fleet.current().backends_json()})),
         )),
         (Method::POST, ["admin", "backends", action @ ("drain" | "undrain")]) => {
             need_admin(&caller)?;
             let drain = *action == "drain";
             let body: DrainBody = read_json(req.into_body()).await?;
-            let Some(b) = state.pools.find_backend(&body.model, &body.backend) else {
+            let pools = state.fleet.current();
+            let Some(b) = pools.find_backend(&body.model, &body.backend) else {
                 return Err(error(
                     StatusCode::NOT_FOUND,
                     "invalid_request_error",

@@ -1,14 +1,17 @@
 //! Backend pools: which backends serve a model, the upstream HTTP client each pool uses, the
 //! least-in-flight choice among a pool's backends with a per-backend capacity (beyond it
 //! requests wait in the pool's admission queue, see `crate::queue`), and a light reachability
-//! probe for `/readyz`. (Weights, warm-up and load-aware balancing come later.)
+//! probe for `/readyz`, weights, warm-up, ejection, load-aware balancing and affinity. Live
+//! membership (reloads, DNS discovery) is in `fleet`.
+
+pub mod fleet;
 
 use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU32, AtomicU64, Ordering};
 
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -53,8 +56,9 @@ pub fn now_ms() -> u64 {
 pub struct Backend {
     /// Base URL as configured (log and error text; never a label from a client).
     pub base: Arc<str>,
-    /// Position in its pool.
-    pub index: usize,
+    /// Its metrics slot in the pool: stable across reloads (a request recorded after a reload
+    /// still lands on its backend's series), never reused for another backend.
+    pub slot: usize,
     pub chat_uri: Uri,
     pub completions_uri: Uri,
     pub health_uri: Uri,
@@ -65,11 +69,14 @@ pub struct Backend {
     pub remote_load: AtomicU32,
     /// Its KV-cache usage in thousandths, from the same scrape.
     kv_usage_permille: AtomicU32,
-    /// Share of new requests relative to the pool's other backends.
-    pub weight: u32,
-    /// Requests served at once (0: no cap).
-    pub capacity: u32,
-    pub labels: Vec<String>,
+    /// Share of new requests relative to the pool's other backends (a reload may change it).
+    weight: AtomicU32,
+    /// Requests served at once (0: no cap; a reload may change it).
+    capacity: AtomicU32,
+    labels: ArcSwap<Vec<String>>,
+    /// No longer configured (a reload or DNS removed it): takes no new requests; the ones in
+    /// flight finish.
+    removed: AtomicBool,
     /// `Authorization` sent to this backend (its own key, else the pool's).
     pub upstream_auth: Option<HeaderValue>,
     reachability: AtomicU8,
@@ -103,6 +110,7 @@ pub enum BackendState {
     Warming,
     Ejected,
     Draining,
+    Removed,
 }
 
 impl BackendState {
@@ -114,6 +122,7 @@ impl BackendState {
             BackendState::Warming => "warming",
             BackendState::Ejected => "ejected",
             BackendState::Draining => "draining",
+            BackendState::Removed => "removed",
         }
     }
 }
@@ -121,7 +130,7 @@ impl BackendState {
 impl Backend {
     fn new(
         cfg: &BackendConfig,
-        index: usize,
+        slot: usize,
         pool: &PoolConfig,
         pool_auth: Option<&HeaderValue>,
     ) -> io::Result<Self> {
@@ -141,7 +150,7 @@ impl Backend {
         };
         Ok(Self {
             base: Arc::from(trimmed),
-            index,
+            slot,
             chat_uri: join("/v1/chat/completions")?,
             completions_uri: join("/v1/completions")?,
             health_uri: join(&pool.health.path)?,
@@ -153,9 +162,10 @@ impl Backend {
             in_flight: AtomicU32::new(0),
             remote_load: AtomicU32::new(0),
             kv_usage_permille: AtomicU32::new(0),
-            weight: cfg.weight.max(1),
-            capacity: cfg.capacity.unwrap_or(capacity),
-            labels: cfg.labels.clone(),
+            weight: AtomicU32::new(cfg.weight.max(1)),
+            capacity: AtomicU32::new(cfg.capacity.unwrap_or(capacity)),
+            labels: ArcSwap::from_pointee(cfg.labels.clone()),
+            removed: AtomicBool::new(false),
             upstream_auth,
             reachability: AtomicU8::new(Reachability::Unknown as u8),
             failures: AtomicU32::new(0),
@@ -171,6 +181,48 @@ impl Backend {
             ewma_ttft_us: AtomicU64::new(0),
             last_error: ArcSwapOption::empty(),
         })
+    }
+
+    pub fn weight(&self) -> u32 {
+        self.weight.load(Ordering::Relaxed)
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity.load(Ordering::Relaxed)
+    }
+
+    pub fn labels(&self) -> Arc<Vec<String>> {
+        self.labels.load_full()
+    }
+
+    /// The same backend as `fresh` (built from a reloaded config): same address, credentials,
+    /// probe and warm-up settings. Such a backend is kept across a reload, with its state and
+    /// in-flight count; only its weight, capacity and labels are taken from `fresh`.
+    fn same_as(&self, fresh: &Backend) -> bool {
+        self.base == fresh.base
+            && self.upstream_auth == fresh.upstream_auth
+            && self.health_uri == fresh.health_uri
+            && self.metrics_uri == fresh.metrics_uri
+            && self.warmup_required == fresh.warmup_required
+            && self.slow_start_ms == fresh.slow_start_ms
+    }
+
+    /// Take the weight, capacity and labels of `cfg` (a reload), and count as configured.
+    fn configure(&self, cfg: &BackendConfig, pool: &PoolConfig) {
+        self.weight.store(cfg.weight.max(1), Ordering::Relaxed);
+        self.capacity.store(
+            cfg.capacity.unwrap_or(pool.max_in_flight_per_backend),
+            Ordering::Relaxed,
+        );
+        if **self.labels.load() != cfg.labels {
+            self.labels.store(Arc::new(cfg.labels.clone()));
+        }
+        self.removed.store(false, Ordering::Relaxed);
+    }
+
+    /// Removed from the configuration: no new requests.
+    pub fn retire(&self) {
+        self.removed.store(true, Ordering::Relaxed);
     }
 
     pub fn reachability(&self) -> Reachability {
@@ -212,6 +264,7 @@ impl Backend {
         if self.reachability() == Reachability::Down
             || self.draining.load(Ordering::Relaxed)
             || self.warming.load(Ordering::Relaxed)
+            || self.removed.load(Ordering::Relaxed)
         {
             return false;
         }
@@ -230,7 +283,9 @@ impl Backend {
     }
 
     pub fn state(&self) -> BackendState {
-        if self.draining.load(Ordering::Relaxed) {
+        if self.removed.load(Ordering::Relaxed) {
+            BackendState::Removed
+        } else if self.draining.load(Ordering::Relaxed) {
             BackendState::Draining
         } else if self.warming.load(Ordering::Relaxed) {
             BackendState::Warming
@@ -315,7 +370,8 @@ impl Backend {
 
     fn has_room(&self) -> Option<u32> {
         let n = self.in_flight.load(Ordering::SeqCst);
-        (self.capacity == 0 || n < self.capacity).then_some(n)
+        let cap = self.capacity();
+        (cap == 0 || n < cap).then_some(n)
     }
 }
 
@@ -369,7 +425,8 @@ impl RetryBudget {
 #[derive(Debug)]
 pub struct PoolShared {
     pub backends: Vec<Arc<Backend>>,
-    pub queue: AdmissionQueue<InFlight>,
+    /// Shared by every generation of the pool (a reload keeps the waiters).
+    pub queue: Arc<AdmissionQueue<InFlight>>,
     pub retry_budget: RetryBudget,
     pub retries: RetryConfig,
     pub ejection: EjectionConfig,
@@ -399,34 +456,36 @@ pub fn bit(i: usize) -> u64 {
 }
 
 impl PoolShared {
+    /// Weights and labels are read from `cfg` (a backend kept by a reload takes them over only
+    /// once the whole new configuration is built).
     fn new(
         backends: Vec<Arc<Backend>>,
-        queue: AdmissionQueue<InFlight>,
-        retries: RetryConfig,
-        ejection: EjectionConfig,
-        gray_pin_label: Option<&str>,
+        queue: Arc<AdmissionQueue<InFlight>>,
+        cfg: &PoolConfig,
     ) -> Self {
-        let pinned = gray_pin_label.map_or(0, |label| {
-            backends
+        let pinned = cfg.gray_pin_label.as_deref().map_or(0, |label| {
+            cfg.backends
                 .iter()
-                .filter(|b| b.labels.iter().any(|l| l == label))
-                .fold(0u64, |m, b| m | bit(b.index))
+                .enumerate()
+                .filter(|(_, b)| b.labels.iter().any(|l| l == label))
+                .fold(0u64, |m, (i, _)| m | bit(i))
         });
         let gray_exclude = if pinned == 0 { 0 } else { !pinned };
         let mut sum = 0u32;
-        let cumulative = backends
+        let cumulative = cfg
+            .backends
             .iter()
             .map(|b| {
-                sum = sum.saturating_add(b.weight);
+                sum = sum.saturating_add(b.weight.max(1));
                 sum
             })
             .collect();
         Self {
             backends,
             queue,
-            retry_budget: RetryBudget::new(retries.budget_ratio),
-            retries,
-            ejection,
+            retry_budget: RetryBudget::new(cfg.retries.budget_ratio),
+            retries: cfg.retries,
+            ejection: cfg.ejection,
             gray_exclude,
             cumulative,
         }
@@ -443,6 +502,9 @@ impl PoolShared {
 
     pub fn try_acquire_excluding(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
         let n = self.backends.len();
+        if n == 0 {
+            return None;
+        }
         let usable = |i: usize| -> Option<u32> {
             let b = &self.backends[i];
             if exclude & bit(i) != 0 || !b.eligible() {
@@ -464,8 +526,8 @@ impl PoolShared {
             u64::from(f.max(self.backends[i].remote_load.load(Ordering::Relaxed)))
         };
         let better = |a: (usize, u32), b: (usize, u32)| -> bool {
-            load(a) * u64::from(self.backends[b.0].weight)
-                < load(b) * u64::from(self.backends[a.0].weight)
+            load(a) * u64::from(self.backends[b.0].weight())
+                < load(b) * u64::from(self.backends[a.0].weight())
         };
         for round in 0..8 {
             let pick = if n == 1 {
@@ -515,7 +577,8 @@ impl PoolShared {
             let f = b.in_flight.load(Ordering::SeqCst);
             let load = u64::from(f.max(b.remote_load.load(Ordering::Relaxed)));
             min_load = min_load.min(load);
-            if b.capacity != 0 && f >= b.capacity {
+            let cap = b.capacity();
+            if cap != 0 && f >= cap {
                 continue;
             }
             let score = mix64(key ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
@@ -583,9 +646,11 @@ impl PoolShared {
 
     /// Some backend may take requests now or later (not down, not draining).
     pub fn any_usable(&self) -> bool {
-        self.backends
-            .iter()
-            .any(|b| b.reachability() != Reachability::Down && !b.draining.load(Ordering::Relaxed))
+        self.backends.iter().any(|b| {
+            b.reachability() != Reachability::Down
+                && !b.draining.load(Ordering::Relaxed)
+                && !b.removed.load(Ordering::Relaxed)
+        })
     }
 
     /// Give free slots to waiting requests (after a slot was freed or a backend came back).
@@ -647,6 +712,17 @@ impl InFlight {
     pub fn backend(&self) -> &Arc<Backend> {
         &self.pool.backends[self.index]
     }
+
+    /// The pool generation the slot was taken from.
+    pub fn shared(&self) -> &Arc<PoolShared> {
+        &self.pool
+    }
+
+    /// The backend's position in the pool generation the slot was taken from (the bit a retry
+    /// excludes).
+    pub fn position(&self) -> usize {
+        self.index
+    }
 }
 
 impl Drop for InFlight {
@@ -661,8 +737,12 @@ impl Drop for InFlight {
 #[derive(Debug)]
 pub struct Pool {
     pub model: Arc<str>,
-    /// Position among the pools.
+    /// Position among the pools (of this generation).
     pub index: usize,
+    /// Its metrics slot: stable across reloads, never reused for another pool.
+    pub slot: usize,
+    /// The next backend metrics slot to hand out.
+    next_backend_slot: usize,
     /// The name the backends serve the model under, and the same as a JSON string literal
     /// (a request naming an alias gets it spliced in).
     pub served_name: Arc<str>,
@@ -681,41 +761,69 @@ pub struct Pool {
 }
 
 impl Pool {
-    fn new(cfg: &PoolConfig, index: usize, queue: &QueueConfig) -> io::Result<Self> {
+    /// Build a pool from its config. With `prev` (the same model's pool before a reload), its
+    /// backends that are still configured unchanged are kept with their state, its admission
+    /// queue (with its waiters) and its upstream client are kept, and its metrics slots.
+    fn new(
+        cfg: &PoolConfig,
+        index: usize,
+        slot: usize,
+        queue: &QueueConfig,
+        prev: Option<&Pool>,
+    ) -> io::Result<Self> {
         let upstream_auth = match &cfg.upstream_api_key {
             Some(k) => Some(bearer(k.expose(), &cfg.model)?),
             None => None,
         };
-        let backends = cfg
-            .backends
-            .iter()
-            .enumerate()
-            .map(|(i, b)| Backend::new(b, i, cfg, upstream_auth.as_ref()).map(Arc::new))
-            .collect::<io::Result<Vec<_>>>()?;
+        let mut next_backend_slot = prev.map_or(0, |p| p.next_backend_slot);
+        let mut backends = Vec::with_capacity(cfg.backends.len());
+        for b in &cfg.backends {
+            let fresh = Backend::new(b, next_backend_slot, cfg, upstream_auth.as_ref())?;
+            let kept = prev.and_then(|p| p.backends.iter().find(|o| o.same_as(&fresh)));
+            match kept {
+                Some(old) => backends.push(old.clone()),
+                None => {
+                    next_backend_slot += 1;
+                    backends.push(Arc::new(fresh));
+                }
+            }
+        }
         let served = cfg.served_model_name.as_deref().unwrap_or(&cfg.model);
         let served_json = Bytes::from(serde_json::to_vec(served).map_err(io::Error::other)?);
-        let shared = Arc::new(PoolShared::new(
-            backends.clone(),
-            AdmissionQueue::new(queue.max_size, queue.max_per_key),
-            cfg.retries,
-            cfg.ejection,
-            cfg.gray_pin_label.as_deref(),
-        ));
+        let queue = match prev {
+            Some(p) => p.shared.queue.clone(),
+            None => Arc::new(AdmissionQueue::new(queue.max_size, queue.max_per_key)),
+        };
+        let shared = Arc::new(PoolShared::new(backends.clone(), queue, cfg));
+        let client = match prev {
+            Some(p) if p.config.ca_file == cfg.ca_file
+                && p.config.timeouts.connect == cfg.timeouts.connect =>
+            {
+                p.client.clone()
+            }
+            _ => build_client(cfg)?,
+        };
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
             index,
+            slot,
+            next_backend_slot,
             served_name: Arc::from(served),
             served_json,
             upstream_auth,
             timeouts: cfg.timeouts,
             backends,
             shared,
-            client: build_client(cfg)?,
+            client,
             environments: cfg.environments.clone(),
             long_prompt: None,
             affinity: cfg.affinity,
             config: cfg.clone(),
         })
+    }
+
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
     }
 
     /// A slot on the least loaded backend with room, without queueing. `None` when every
@@ -784,6 +892,8 @@ fn models_list_body<'a>(pools: impl Iterator<Item = &'a Pool>) -> Bytes {
 #[derive(Debug)]
 pub struct Pools {
     pools: Vec<Pool>,
+    /// The next pool metrics slot to hand out.
+    next_slot: usize,
     by_model: HashMap<Arc<str>, usize>,
     /// "`a`, `b`" — for the model-not-found message.
     pub model_list: String,
@@ -793,11 +903,31 @@ pub struct Pools {
 
 impl Pools {
     pub fn new(cfgs: &[PoolConfig], queue: &QueueConfig) -> io::Result<Self> {
-        let mut pools = cfgs
-            .iter()
-            .enumerate()
-            .map(|(i, c)| Pool::new(c, i, queue))
-            .collect::<io::Result<Vec<_>>>()?;
+        Self::build(cfgs, queue, None)
+    }
+
+    /// The pools of `cfgs`, continuing `prev` when given (a reload): a pool whose model was
+    /// served before keeps its queue, client, metrics slot and the backends still configured
+    /// unchanged (with their state and in-flight counts). Backends of `prev` not kept are
+    /// not touched here: see `retired_since`.
+    pub fn build(
+        cfgs: &[PoolConfig],
+        queue: &QueueConfig,
+        prev: Option<&Pools>,
+    ) -> io::Result<Self> {
+        let mut next_slot = prev.map_or(0, |p| p.next_slot);
+        let mut pools = Vec::with_capacity(cfgs.len());
+        for (i, c) in cfgs.iter().enumerate() {
+            let old = prev.and_then(|p| p.iter().find(|o| *o.model == *c.model));
+            let slot = match old {
+                Some(o) => o.slot,
+                None => {
+                    next_slot += 1;
+                    next_slot - 1
+                }
+            };
+            pools.push(Pool::new(c, i, slot, queue, old)?);
+        }
         for i in 0..pools.len() {
             if let Some(lp) = &cfgs[i].long_prompt {
                 let target = cfgs
@@ -830,8 +960,15 @@ impl Pools {
             .collect::<Vec<_>>()
             .join(", ");
         let models_body = models_list_body(pools.iter());
+        // Everything is built: kept backends take their new weights, capacities and labels.
+        for p in &pools {
+            for (b, c) in p.backends.iter().zip(&p.config.backends) {
+                b.configure(c, &p.config);
+            }
+        }
         Ok(Self {
             pools,
+            next_slot,
             by_model,
             model_list,
             models_body,
@@ -854,22 +991,35 @@ impl Pools {
 
     /// The same pools and backends (shared in-flight counts and reachability) with upstream
     /// clients of their own: each worker thread uses its own, so an upstream connection's task
-    /// always runs on the thread that relays its body.
-    pub fn fork(&self) -> io::Result<Self> {
+    /// always runs on the thread that relays its body. With `prev` (the worker's pools before a
+    /// reload), a pool's client is kept while its TLS and connect settings are unchanged, so
+    /// open keep-alive connections stay in use.
+    pub fn fork(&self, prev: Option<&Pools>) -> io::Result<Self> {
         let pools = self
             .pools
             .iter()
             .map(|p| {
+                let client = match prev.and_then(|v| v.get_exact(&p.model)) {
+                    Some(o)
+                        if o.config.ca_file == p.config.ca_file
+                            && o.config.timeouts.connect == p.config.timeouts.connect =>
+                    {
+                        o.client.clone()
+                    }
+                    _ => build_client(&p.config)?,
+                };
                 Ok(Pool {
                     model: p.model.clone(),
                     index: p.index,
+                    slot: p.slot,
+                    next_backend_slot: p.next_backend_slot,
                     served_name: p.served_name.clone(),
                     served_json: p.served_json.clone(),
                     upstream_auth: p.upstream_auth.clone(),
                     timeouts: p.timeouts,
                     backends: p.backends.clone(),
                     shared: p.shared.clone(),
-                    client: build_client(&p.config)?,
+                    client,
                     environments: p.environments.clone(),
                     long_prompt: p.long_prompt,
                     affinity: p.affinity,
@@ -879,10 +1029,29 @@ impl Pools {
             .collect::<io::Result<Vec<_>>>()?;
         Ok(Self {
             pools,
+            next_slot: self.next_slot,
             by_model: self.by_model.clone(),
             model_list: self.model_list.clone(),
             models_body: self.models_body.clone(),
         })
+    }
+
+    /// Backends of `prev` that these pools no longer hold.
+    pub fn retired_since<'a>(&self, prev: &'a Pools) -> Vec<(&'a Pool, &'a Arc<Backend>)> {
+        prev.iter()
+            .flat_map(|p| p.backends.iter().map(move |b| (p, b)))
+            .filter(|(_, b)| {
+                !self
+                    .iter()
+                    .flat_map(|q| &q.backends)
+                    .any(|n| Arc::ptr_eq(n, b))
+            })
+            .collect()
+    }
+
+    /// The pool named `model` itself (not an alias).
+    fn get_exact(&self, model: &str) -> Option<&Pool> {
+        self.pools.iter().find(|p| *p.model == *model)
     }
 
     /// Every backend with its state, as `/readyz` and `GET /admin/backends` show them.
@@ -896,9 +1065,9 @@ impl Pools {
                         "backend": &*b.base,
                         "state": b.state().as_str(),
                         "in_flight": b.in_flight.load(Ordering::Relaxed),
-                        "capacity": b.capacity,
-                        "weight": b.weight,
-                        "labels": &b.labels,
+                        "capacity": b.capacity(),
+                        "weight": b.weight(),
+                        "labels": &*b.labels(),
                         "ewma_ttft_ms": b.ewma_ttft().map(|d| d.as_secs_f64() * 1e3),
                         "remote_load": p.config.load_aware.as_ref().map(|_| b.remote_load.load(Ordering::Relaxed)),
                         "kv_cache_usage": p.config.load_aware.as_ref().map(|_| b.kv_usage()),
@@ -937,29 +1106,16 @@ impl Pools {
             .any(|b| b.reachability() == Reachability::Up)
     }
 
-    /// Probe every backend's `/health` on an interval until `stop` is cancelled.
-    pub async fn probe_loop(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
-        loop {
-            self.probe_once().await;
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(interval) => {}
-            }
-        }
-    }
-
     /// Scrape every load-aware pool's backends' `/metrics` on the pool's interval until
     /// `stop`.
-    pub async fn load_loop(self: Arc<Self>, stop: CancellationToken) {
+    pub async fn load_loop(&self, stop: CancellationToken) {
         let mut loops = Vec::new();
-        for i in 0..self.pools.len() {
-            let Some(la) = self.pools[i].config.load_aware.clone() else {
+        for pool in &self.pools {
+            let Some(la) = pool.config.load_aware.clone() else {
                 continue;
             };
-            let pools = self.clone();
             let stop = stop.clone();
             loops.push(async move {
-                let pool = &pools.pools[i];
                 loop {
                     futures_util::future::join_all(pool.backends.iter().map(|b| scrape(pool, b)))
                         .await;
@@ -1227,15 +1383,15 @@ mod tests {
         let shared = &pools.get("m").unwrap().shared;
         let key = fnv1a(b"\"alice\"");
         let first = shared.try_acquire_affine(key, 0, 2).unwrap();
-        let preferred = first.backend().index;
+        let preferred = first.position();
         let second = shared.try_acquire_affine(key, 0, 2).unwrap();
-        assert_eq!(second.backend().index, preferred, "same key, same backend");
+        assert_eq!(second.position(), preferred, "same key, same backend");
         // Two in flight there, none elsewhere: 2 ≤ max(2 × 0, 0 + 2) still; a third is too many.
         let third = shared.try_acquire_affine(key, 0, 2).unwrap();
-        assert_eq!(third.backend().index, preferred);
+        assert_eq!(third.position(), preferred);
         let fourth = shared.try_acquire_affine(key, 0, 2).unwrap();
         assert_ne!(
-            fourth.backend().index,
+            fourth.position(),
             preferred,
             "an overloaded preference is skipped"
         );
@@ -1246,7 +1402,7 @@ mod tests {
             let s = shared
                 .try_acquire_affine(fnv1a(&u.to_le_bytes()), 0, 2)
                 .unwrap();
-            used.insert(s.backend().index);
+            used.insert(s.position());
         }
         assert_eq!(used.len(), 3);
     }

@@ -32,7 +32,8 @@ use view::Endpoint;
 /// What the forwarding path needs, shared by all requests.
 #[derive(Debug)]
 pub struct ProxyState {
-    pub pools: Arc<Pools>,
+    /// This worker's pools, swapped by a reload (`pool::fleet`).
+    pub pools: crate::pool::fleet::PoolsView,
     pub max_body_bytes: usize,
     pub recorder: Arc<crate::telemetry::Recorder>,
     pub auth: Arc<crate::auth::Authenticator>,
@@ -171,7 +172,7 @@ pub async fn forward(
             record.timeline.done = Some(now);
             resp.map(GatewayBody::full)
         }
-        Ok(Forwarded::Queued(prepared, waiting, max_wait)) => {
+        Ok(Forwarded::Queued(prepared, waiting, max_wait, pools)) => {
             // A stream that must wait, with keep-alive comments on: the head goes out now and
             // `: queued` lines follow until the backend's stream takes over.
             record.status = 200;
@@ -190,6 +191,7 @@ pub async fn forward(
                 .unwrap_or(Duration::from_secs(10));
             let rest = Box::pin(continue_queued(
                 state.clone(),
+                pools,
                 prepared,
                 waiting,
                 max_wait,
@@ -229,7 +231,7 @@ fn relay_body(
     } = parts;
     let itl = sse.then(|| state.recorder.metrics()).flatten().map(|m| {
         m.itl(
-            record.pool_index,
+            record.pool_slot,
             record.key.as_ref().map(|k| k.environment),
         )
     });
@@ -246,13 +248,14 @@ fn relay_body(
 /// and hand over to the relay — or end with an error event.
 async fn continue_queued(
     state: Arc<ProxyState>,
+    pools: Arc<Pools>,
     prepared: Prepared,
     waiting: Waiting,
     max_wait: Duration,
     mut record: RequestRecord,
 ) -> relay::Continued {
     let result = async {
-        let pool = state.pools.at(prepared.pool).ok_or(ApiError::Internal)?;
+        let pool = pools.at(prepared.pool).ok_or(ApiError::Internal)?;
         let slot = wait_for_slot(
             &state,
             pool,
@@ -309,8 +312,9 @@ enum Sent {
 
 enum Forwarded {
     Sent(Sent),
-    /// A stream waiting in the admission queue, to be answered with `: queued` comments.
-    Queued(Prepared, Waiting, Duration),
+    /// A stream waiting in the admission queue, to be answered with `: queued` comments
+    /// (with the pools it was routed in).
+    Queued(Prepared, Waiting, Duration, Arc<Pools>),
 }
 
 /// The request as it goes upstream, owned: it may wait in the queue past the handler.
@@ -367,16 +371,17 @@ async fn forward_inner(
     let view = view::parse(&body, endpoint)?;
     record.stream = view.stream;
 
-    // 3. Route: model → pool → backend.
-    let pool = state
-        .pools
+    // 3. Route: model → pool → backend, in the pools as they are now (a reload swaps them
+    // for the requests that follow; this one keeps these).
+    let pools = state.pools.load_full();
+    let pool = pools
         .get(&view.model)
         .ok_or_else(|| ApiError::ModelNotFound {
             model: view.model.clone().into_owned(),
-            available: state.pools.model_list.clone(),
+            available: pools.model_list.clone(),
         })?;
     record.model = Some(pool.model.clone());
-    record.pool_index = Some(pool.index);
+    record.pool_slot = Some(pool.slot);
     if let Some(key) = &record.key {
         let refusal = if !key.allows_model(&pool.model) {
             Some(AuthFailure::ModelNotAllowed {
@@ -405,7 +410,7 @@ async fn forward_inner(
     let mut pool = pool;
     if let Some((min_tokens, target)) = pool.long_prompt
         && state.limits.prompt_tokens(view.prompt_chars) >= min_tokens
-        && let Some(t) = state.pools.at(target)
+        && let Some(t) = pools.at(target)
         && record.key.as_ref().is_none_or(|k| {
             t.environments
                 .as_ref()
@@ -414,7 +419,7 @@ async fn forward_inner(
     {
         pool = t;
         record.model = Some(t.model.clone());
-        record.pool_index = Some(t.index);
+        record.pool_slot = Some(t.slot);
     }
 
     // 4. Limits: the key's rate, token budget and concurrency, its environment's caps.
@@ -473,7 +478,12 @@ async fn forward_inner(
         SlotOrWait::Slot(slot) => slot,
         SlotOrWait::Wait(waiting, max_wait) => {
             if record.stream && state.queue.keepalive_interval.is_some() {
-                return Ok(Forwarded::Queued(prepared, waiting, max_wait));
+                return Ok(Forwarded::Queued(
+                    prepared,
+                    waiting,
+                    max_wait,
+                    pools.clone(),
+                ));
             }
             wait_for_slot(state, pool, waiting, max_wait, record, body_read).await?
         }
@@ -492,16 +502,28 @@ async fn send_with_retries(
     prepared: Prepared,
     record: &mut RequestRecord,
 ) -> Result<Sent, ApiError> {
-    let shared = &pool.shared;
-    let can_retry = shared.retries.max_retries > 0 && shared.backends.len() > 1;
+    // Retries draw from the generation the slot came from (a queued request may have been
+    // handed a slot by a newer one), so the exclusion bits name the same backends.
+    let can_retry = {
+        let shared = slot.shared();
+        shared.retries.max_retries > 0 && shared.backends.len() > 1
+    };
     if !can_retry {
         return send(pool, slot, prepared, record).await;
     }
+    // (Cloned only in that rare case: the count is shared by every worker.)
+    let newer;
+    let shared = if Arc::ptr_eq(slot.shared(), &pool.shared) {
+        &pool.shared
+    } else {
+        newer = slot.shared().clone();
+        &newer
+    };
     shared.retry_budget.deposit();
     let mut tried = 0u64;
     let mut attempt = 0;
     loop {
-        tried |= crate::pool::bit(slot.backend().index);
+        tried |= crate::pool::bit(slot.position());
         if attempt >= shared.retries.max_retries {
             return send(pool, slot, prepared, record).await;
         }
@@ -546,7 +568,7 @@ async fn send(
 ) -> Result<Sent, ApiError> {
     let backend = slot.backend().clone();
     record.backend = Some(backend.base.clone());
-    record.backend_index = Some(backend.index);
+    record.backend_slot = Some(backend.slot);
     let Prepared {
         headers,
         body,
@@ -795,6 +817,12 @@ fn queue_refusal(record: &RequestRecord, kind: LimitKind, limit: u64, retry: Dur
 }
 
 fn no_backend(pool: &Pool) -> ApiError {
+    if pool.backends.is_empty() {
+        return ApiError::NoBackend {
+            model: pool.model.to_string(),
+            detail: "it has no backends right now: its DNS-discovered entries have found no address yet (see GET /admin/backends and the gateway's log)".to_owned(),
+        };
+    }
     ApiError::NoBackend {
         model: pool.model.to_string(),
         detail: format!(
@@ -810,6 +838,7 @@ fn no_backend(pool: &Pool) -> ApiError {
                         crate::pool::BackendState::Draining => "draining",
                         crate::pool::BackendState::Ejected => "ejected after consecutive failures",
                         crate::pool::BackendState::Warming => "warming up",
+                        crate::pool::BackendState::Removed => "removed by a reload",
                         _ => "at capacity",
                     };
                     format!("{} ({why})", b.base)

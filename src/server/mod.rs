@@ -31,6 +31,7 @@ use crate::admin::AdminState;
 use crate::auth::Authenticator;
 use crate::config::Config;
 use crate::pool::Pools;
+use crate::pool::fleet::{Fleet, ReloadSummary};
 use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
 use crate::proxy::view::Endpoint;
@@ -46,8 +47,9 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn pools(&self) -> &Arc<Pools> {
-        &self.proxy.pools
+    /// This worker's pools as they are now.
+    pub fn pools(&self) -> Arc<Pools> {
+        self.proxy.pools.load_full()
     }
 
     pub fn auth(&self) -> &Arc<Authenticator> {
@@ -195,8 +197,8 @@ pub struct Server {
     pub tls: bool,
     pub auth: Arc<Authenticator>,
     pub registry: prometheus::Registry,
-    /// The pools (backends' in-flight counts, admission queues).
-    pub pools: Arc<Pools>,
+    /// The pools (backends' in-flight counts, admission queues), live: see `reload`.
+    pub fleet: Arc<Fleet>,
     pub limits: Arc<crate::limits::Limits>,
     shutdown: CancellationToken,
     /// Stops the request-log writer, after the workers are done (their last rows included).
@@ -247,8 +249,11 @@ impl Server {
             keys,
             &registry,
         )?);
-        let pools = Arc::new(Pools::new(&config.pools, &config.queue)?);
-        let metrics = Arc::new(RequestMetrics::new(&registry, &pools)?);
+        let fleet = Arc::new(
+            Fleet::start(config.pools.clone(), config.queue.clone(), Some(&registry)).await?,
+        );
+        let metrics = Arc::new(RequestMetrics::new(&registry, &fleet.current())?);
+        fleet.set_metrics(metrics.clone());
         recorder.set_metrics(metrics.clone());
         let shutdown = CancellationToken::new();
         let limits = crate::limits::Limits::start(
@@ -290,12 +295,13 @@ impl Server {
             None => None,
         };
         tasks.spawn(
-            pools
+            fleet
                 .clone()
                 .probe_loop(config.server.health_interval, shutdown.child_token()),
         );
         tasks.spawn(crate::auth::sync::run(auth.clone(), shutdown.child_token()));
-        tasks.spawn(pools.clone().load_loop(shutdown.child_token()));
+        tasks.spawn(fleet.clone().load_loop(shutdown.child_token()));
+        tasks.spawn(fleet.clone().discovery_loop(shutdown.child_token()));
         tasks.spawn(limits.clone().prune_loop(shutdown.child_token()));
         let grace = config.server.shutdown_grace;
         if let Some(admin_listener) = admin_listener {
@@ -304,7 +310,7 @@ impl Server {
                 verifier: crate::admin::jwt::Verifier::new(&config.admin)
                     .map_err(StartError::Admin)?,
                 registry: registry.clone(),
-                pools: pools.clone(),
+                fleet: fleet.clone(),
                 metrics: metrics.clone(),
             });
             tasks.spawn(accept_loop(
@@ -329,7 +335,7 @@ impl Server {
         for i in 0..workers {
             let state = Arc::new(AppState {
                 proxy: Arc::new(ProxyState {
-                    pools: Arc::new(pools.fork()?),
+                    pools: fleet.view()?,
                     max_body_bytes: config.server.max_body_bytes,
                     recorder: recorder.clone(),
                     auth: auth.clone(),
@@ -371,7 +377,7 @@ impl Server {
             tls: is_tls,
             auth,
             registry,
-            pools,
+            fleet,
             limits,
             shutdown,
             log_stop,
@@ -393,6 +399,18 @@ impl Server {
         }
         self.log_stop.cancel();
         self.tasks.wait().await;
+    }
+
+    /// The pools as they are now.
+    pub fn pools(&self) -> Arc<Pools> {
+        self.fleet.current()
+    }
+
+    /// Apply `config`'s `[[pools]]` without a restart: streams in flight continue on the
+    /// backends they started on. Other sections need a restart; the caller is told which
+    /// differ (`Config::restart_needed_for`).
+    pub fn reload(&self, config: &Config) -> Result<ReloadSummary, String> {
+        self.fleet.reload(config.pools.clone())
     }
 
     /// Resolves when shutdown has been requested.

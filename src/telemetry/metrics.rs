@@ -1,9 +1,14 @@
 //! Prometheus metrics of the request path, registered on the gateway's own registry. Every
 //! label value comes from config or a fixed enum (environment, configured model name, backend
 //! URL as configured, status class, error kind) — never from a client. Histogram handles are
-//! resolved once at start per (pool, environment); a request's record looks them up by index.
+//! resolved once per (pool, environment) — at start and at each reload, off the request path —
+//! and a request's record looks them up by the pool's and backend's metrics slots, which a
+//! reload never reassigns.
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use arc_swap::ArcSwap;
 use std::time::Duration;
 
 use prometheus::{
@@ -54,11 +59,12 @@ const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 const KIND_COUNT: usize = ErrorKind::ALL.len() + 1;
 
 /// Handles of one (pool, environment) pair.
+#[derive(Clone)]
 struct Series {
     overhead: [Histogram; 3],
     ttft_client: Histogram,
-    /// Upstream TTFT by backend index.
-    ttft_upstream: Vec<Histogram>,
+    /// Upstream TTFT by backend slot.
+    ttft_upstream: Vec<Option<Histogram>>,
     tpot: Histogram,
     itl: Histogram,
     e2e: Histogram,
@@ -68,14 +74,40 @@ struct Series {
     requests: Vec<OnceLock<IntCounter>>,
 }
 
+/// One pool's handles, by environment.
+struct PoolSeries {
+    model: String,
+    envs: [Series; 4],
+}
+
+/// The handles by pool slot (`None`: a slot not handed out).
+struct Layout {
+    pools: Vec<Option<Arc<PoolSeries>>>,
+}
+
+/// The metric families whose children are resolved per pool and backend.
+struct Families {
+    overhead: HistogramVec,
+    ttft: HistogramVec,
+    tpot: HistogramVec,
+    itl: HistogramVec,
+    e2e: HistogramVec,
+    queue: HistogramVec,
+    tokens: IntCounterVec,
+    info: IntGaugeVec,
+    queue_depth: IntGaugeVec,
+}
+
 pub struct RequestMetrics {
-    /// Index: pool index (the last entry: no pool, e.g. refused before routing), then env.
-    series: Vec<[Series; 4]>,
+    layout: ArcSwap<Layout>,
+    /// Requests that never reached a pool (e.g. refused before routing).
+    none: PoolSeries,
+    families: Families,
+    /// `fleetgate_backend_info` label values set per (model, backend), to replace on change.
+    info_set: Mutex<HashMap<(String, String), (String, String)>>,
     requests: IntCounterVec,
     in_flight: IntGaugeVec,
     backend_up: IntGaugeVec,
-    /// Label values per pool: (model, backends).
-    labels: Vec<(String, Vec<String>)>,
     pub rejections: IntCounterVec,
 }
 
@@ -98,6 +130,27 @@ fn hist(
     )?;
     registry.register(Box::new(h.clone()))?;
     Ok(h)
+}
+
+impl Families {
+    /// One environment's handles for `model` (no backends yet).
+    fn series(&self, env: &str, model: &str) -> Series {
+        let l2 = [env, model];
+        Series {
+            overhead: ["pre", "relay", "total"]
+                .map(|ph| self.overhead.with_label_values(&[ph, env, model])),
+            ttft_client: self.ttft.with_label_values(&["client", env, model, "-"]),
+            ttft_upstream: Vec::new(),
+            tpot: self.tpot.with_label_values(&l2),
+            itl: self.itl.with_label_values(&l2),
+            e2e: self.e2e.with_label_values(&l2),
+            queue_wait: self.queue.with_label_values(&l2),
+            tokens: ["prompt", "completion"].map(|k| self.tokens.with_label_values(&[k, env, model])),
+            requests: (0..STATUS_CLASSES.len() * KIND_COUNT)
+                .map(|_| OnceLock::new())
+                .collect(),
+        }
+    }
 }
 
 impl RequestMetrics {
@@ -194,14 +247,6 @@ impl RequestMetrics {
             &["model", "backend", "labels", "weight"],
         )?;
         registry.register(Box::new(info.clone()))?;
-        for p in pools.iter() {
-            for b in &p.backends {
-                let weight = b.weight.to_string();
-                let labels = b.labels.join(",");
-                info.with_label_values(&[&*p.model, &*b.base, labels.as_str(), weight.as_str()])
-                    .set(1);
-            }
-        }
         let queue_depth = IntGaugeVec::new(
             Opts::new(
                 "fleetgate_queue_depth",
@@ -210,72 +255,128 @@ impl RequestMetrics {
             &["model"],
         )?;
         registry.register(Box::new(queue_depth.clone()))?;
-        for p in pools.iter() {
-            p.shared
-                .queue
-                .set_depth_gauge(queue_depth.with_label_values(&[&*p.model]));
-        }
-
-        let mut labels: Vec<(String, Vec<String>)> = pools
-            .iter()
-            .map(|p| {
-                (
-                    p.model.to_string(),
-                    p.backends.iter().map(|b| b.base.to_string()).collect(),
-                )
-            })
-            .collect();
-        labels.push(("none".to_owned(), Vec::new()));
-        let mut series = Vec::with_capacity(labels.len());
-        for (model, backends) in &labels {
-            let one = |env: &str| -> Series {
-                let l2 = [env, model.as_str()];
-                Series {
-                    overhead: ["pre", "relay", "total"]
-                        .map(|ph| overhead.with_label_values(&[ph, env, model])),
-                    ttft_client: ttft.with_label_values(&["client", env, model, "-"]),
-                    ttft_upstream: backends
-                        .iter()
-                        .map(|b| ttft.with_label_values(&["upstream", env, model, b]))
-                        .collect(),
-                    tpot: tpot.with_label_values(&l2),
-                    itl: itl.with_label_values(&l2),
-                    e2e: e2e.with_label_values(&l2),
-                    queue_wait: queue.with_label_values(&l2),
-                    tokens: ["prompt", "completion"]
-                        .map(|k| tokens.with_label_values(&[k, env, model])),
-                    requests: (0..STATUS_CLASSES.len() * KIND_COUNT)
-                        .map(|_| OnceLock::new())
-                        .collect(),
-                }
-            };
-            series.push(ENV_LABELS.map(one));
-        }
-        Ok(Self {
-            series,
+        let families = Families {
+            overhead,
+            ttft,
+            tpot,
+            itl,
+            e2e,
+            queue,
+            tokens,
+            info,
+            queue_depth,
+        };
+        let none = PoolSeries {
+            envs: ENV_LABELS.map(|env| families.series(env, "none")),
+            model: "none".to_owned(),
+        };
+        let metrics = Self {
+            layout: ArcSwap::from_pointee(Layout { pools: Vec::new() }),
+            none,
+            families,
+            info_set: Mutex::new(HashMap::new()),
             requests,
             in_flight,
             backend_up,
-            labels,
             rejections,
-        })
+        };
+        metrics.relayout(pools, &[]);
+        Ok(metrics)
     }
 
-    fn series(&self, pool: Option<usize>, env: Option<Environment>) -> &Series {
-        let last = self.series.len() - 1;
-        let p = pool.filter(|&p| p < last).unwrap_or(last);
-        &self.series[p][env_index(env)]
+    /// Resolve the handles of `pools` (at start and after each reload). Slots already laid
+    /// out keep their handles, so records of requests that began before a reload still find
+    /// theirs; `removed` backends' gauges are dropped from the exposition.
+    pub fn relayout(&self, pools: &Pools, removed: &[(Arc<str>, Arc<str>)]) {
+        let old = self.layout.load_full();
+        let mut slots = old.pools.clone();
+        for p in pools.iter() {
+            if slots.len() <= p.slot {
+                slots.resize(p.slot + 1, None);
+            }
+            let mut envs = match &slots[p.slot] {
+                Some(s) => s.envs.clone(),
+                None => ENV_LABELS.map(|env| self.families.series(env, &p.model)),
+            };
+            for (e, series) in envs.iter_mut().enumerate() {
+                for b in &p.backends {
+                    if series.ttft_upstream.len() <= b.slot {
+                        series.ttft_upstream.resize(b.slot + 1, None);
+                    }
+                    if series.ttft_upstream[b.slot].is_none() {
+                        series.ttft_upstream[b.slot] = Some(self.families.ttft.with_label_values(
+                            &["upstream", ENV_LABELS[e], &p.model, &b.base],
+                        ));
+                    }
+                }
+            }
+            slots[p.slot] = Some(Arc::new(PoolSeries {
+                model: p.model.to_string(),
+                envs,
+            }));
+            p.shared
+                .queue
+                .set_depth_gauge(self.families.queue_depth.with_label_values(&[&*p.model]));
+        }
+        self.layout.store(Arc::new(Layout { pools: slots }));
+
+        let mut info = self.info_set.lock().unwrap_or_else(|e| e.into_inner());
+        for (model, base) in removed {
+            let labels = [&**model, &**base];
+            let _ = self.in_flight.remove_label_values(&labels);
+            let _ = self.backend_up.remove_label_values(&labels);
+            if let Some((l, w)) = info.remove(&(model.to_string(), base.to_string())) {
+                let _ = self
+                    .families
+                    .info
+                    .remove_label_values(&[model, base, l.as_str(), w.as_str()]);
+            }
+        }
+        for p in pools.iter() {
+            for b in &p.backends {
+                let now = (b.labels().join(","), b.weight().to_string());
+                let key = (p.model.to_string(), b.base.to_string());
+                if info.get(&key) == Some(&now) {
+                    continue;
+                }
+                if let Some((l, w)) = info.remove(&key) {
+                    let _ = self.families.info.remove_label_values(&[
+                        &p.model,
+                        &b.base,
+                        l.as_str(),
+                        w.as_str(),
+                    ]);
+                }
+                self.families
+                    .info
+                    .with_label_values(&[&p.model, &b.base, now.0.as_str(), now.1.as_str()])
+                    .set(1);
+                info.insert(key, now);
+            }
+        }
+    }
+
+    /// The handles for a record's pool slot, read under `layout`.
+    fn pool_series<'a>(&'a self, layout: &'a Layout, pool: Option<usize>) -> &'a PoolSeries {
+        pool.and_then(|p| layout.pools.get(p))
+            .and_then(Option::as_ref)
+            .map_or(&self.none, |p| &**p)
     }
 
     /// The ITL histogram a relay observes each gap into.
     pub fn itl(&self, pool: Option<usize>, env: Option<Environment>) -> Histogram {
-        self.series(pool, env).itl.clone()
+        let layout = self.layout.load();
+        self.pool_series(&layout, pool).envs[env_index(env)]
+            .itl
+            .clone()
     }
 
     /// Record one finished request (called once, from the record's drop).
     pub fn observe(&self, r: &RequestRecord) {
         let env = r.key.as_ref().map(|k| k.environment);
-        let s = self.series(r.pool_index, env);
+        let layout = self.layout.load();
+        let ps = self.pool_series(&layout, r.pool_slot);
+        let s = &ps.envs[env_index(env)];
         let t = &r.timeline;
         let secs = |d: Duration| d.as_secs_f64();
         if let Some(d) = t.overhead_pre() {
@@ -292,14 +393,16 @@ impl RequestMetrics {
         }
         if let (Some(d), Some(b)) = (
             t.upstream_ttft(),
-            r.backend_index.and_then(|i| s.ttft_upstream.get(i)),
+            r.backend_slot
+                .and_then(|i| s.ttft_upstream.get(i))
+                .and_then(Option::as_ref),
         ) {
             b.observe(secs(d));
         }
         if t.admitted.is_some() {
             s.queue_wait.observe(secs(t.queue_wait()));
         }
-        if r.pool_index.is_some() {
+        if r.pool_slot.is_some() {
             // Latency of completed requests only (as vLLM's benchmark reads them); tokens of
             // every request that produced some, cut streams included.
             if r.error.is_none() {
@@ -322,10 +425,7 @@ impl RequestMetrics {
         let kind = r.error.map_or(KIND_COUNT - 1, |k| k.index());
         let slot = &s.requests[class * KIND_COUNT + kind];
         let env_label = ENV_LABELS[env_index(env)];
-        let model = self
-            .labels
-            .get(r.pool_index.unwrap_or(usize::MAX))
-            .map_or("none", |l| l.0.as_str());
+        let model = ps.model.as_str();
         slot.get_or_init(|| {
             self.requests.with_label_values(&[
                 STATUS_CLASSES[class],

@@ -97,9 +97,10 @@ pub struct RequestRecord {
     /// The pool's configured model name (never the raw client string).
     pub model: Option<Arc<str>>,
     pub backend: Option<Arc<str>>,
-    /// Index of the pool and of the backend within it (metric handles are found by these).
-    pub pool_index: Option<usize>,
-    pub backend_index: Option<usize>,
+    /// Metrics slots of the pool and of the backend (metric handles are found by these; a
+    /// reload never reassigns them).
+    pub pool_slot: Option<usize>,
+    pub backend_slot: Option<usize>,
     /// The client's address (TCP peer).
     pub client_addr: Option<std::net::SocketAddr>,
     /// The authenticated key (its public id and environment label the record).
@@ -122,8 +123,8 @@ impl RequestRecord {
             endpoint: None,
             model: None,
             backend: None,
-            pool_index: None,
-            backend_index: None,
+            pool_slot: None,
+            backend_slot: None,
             client_addr: None,
             key: None,
             stream: false,
