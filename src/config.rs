@@ -73,6 +73,59 @@ pub struct Config {
 }
 
 impl Config {
+    /// The sections other than `[[pools]]` that differ in `next` (a reload applies only the
+    /// pools; these need a restart). Secrets print redacted, so a changed secret alone is not
+    /// noticed here.
+    pub fn restart_needed_for(&self, next: &Config) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        let mut diff = |name: &'static str, a: String, b: String| {
+            if a != b {
+                out.push(name);
+            }
+        };
+        diff(
+            "[server]",
+            format!("{:?}", self.server),
+            format!("{:?}", next.server),
+        );
+        diff(
+            "[database]",
+            format!("{:?}", self.database),
+            format!("{:?}", next.database),
+        );
+        diff(
+            "migrate_on_start",
+            self.migrate_on_start.to_string(),
+            next.migrate_on_start.to_string(),
+        );
+        diff(
+            "[auth]",
+            format!("{:?}", self.auth),
+            format!("{:?}", next.auth),
+        );
+        diff(
+            "[admin]",
+            format!("{:?}", self.admin),
+            format!("{:?}", next.admin),
+        );
+        diff(
+            "[request_log]",
+            format!("{:?}", self.request_log),
+            format!("{:?}", next.request_log),
+        );
+        diff(
+            "[limits]",
+            format!("{:?}", self.limits),
+            format!("{:?}", next.limits),
+        );
+        diff(
+            "[queue]",
+            format!("{:?}", self.queue),
+            format!("{:?}", next.queue),
+        );
+        out
+    }
+
     /// A config with defaults for everything but the pools (tests, the demo).
     pub fn with_pools(pools: Vec<PoolConfig>) -> Self {
         Self {
@@ -1291,7 +1344,9 @@ impl RawConfig {
                             Some(other) => {
                                 return Err(err(
                                     bat(".discover"),
-                                    format!("`{other}` is not a discovery mode: use \"dns\" (re-resolve the host, one backend per address) or leave it out"),
+                                    format!(
+                                        "`{other}` is not a discovery mode: use \"dns\" (re-resolve the host, one backend per address) or leave it out"
+                                    ),
                                 ));
                             }
                         };
@@ -1777,7 +1832,12 @@ fn check_dns_entry(url: &Uri) -> Result<(), String> {
         ));
     }
     let host = url.host().unwrap_or_default();
-    if host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().is_ok() {
+    if host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<std::net::IpAddr>()
+        .is_ok()
+    {
         return Err(format!(
             "`{url}`: discover = \"dns\" needs a host name to resolve (e.g. a headless Service, vllm.default.svc.cluster.local), not an address"
         ));
@@ -1834,6 +1894,69 @@ mod tests {
             "http://127.0.0.1:8001/"
         );
         assert_eq!(c.pools[0].timeouts.connect, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn dns_discovery_entries_and_their_mistakes() {
+        let c = parse(
+            "[[pools]]\nmodel='m'\nbackends=[{url='http://vllm.ns.svc:8000', discover='dns', refresh_interval_ms=2000, labels=['a']}]\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.pools[0].backends[0].discover,
+            Discover::Dns {
+                interval: Duration::from_secs(2)
+            }
+        );
+        let d =
+            parse("[[pools]]\nmodel='m'\nbackends=[{url='http://vllm:8000', discover='dns'}]\n")
+                .unwrap();
+        assert_eq!(
+            d.pools[0].backends[0].discover,
+            Discover::Dns {
+                interval: DEFAULT_DNS_INTERVAL
+            }
+        );
+        for (backend, field, says) in [
+            (
+                "{url='https://vllm:8000', discover='dns'}",
+                ".url",
+                "needs http://",
+            ),
+            (
+                "{url='http://10.0.0.5:8000', discover='dns'}",
+                ".url",
+                "host name",
+            ),
+            (
+                "{url='http://vllm:8000', discover='srv'}",
+                ".discover",
+                "not a discovery mode",
+            ),
+            (
+                "{url='http://vllm:8000', refresh_interval_ms=100}",
+                ".refresh_interval_ms",
+                "only with discover",
+            ),
+            (
+                "{url='http://vllm:8000', discover='dns', refresh_interval_ms=5}",
+                ".refresh_interval_ms",
+                "at least 100",
+            ),
+        ] {
+            let e = parse(&format!("[[pools]]\nmodel='m'\nbackends=[{backend}]\n")).unwrap_err();
+            assert_eq!(e.field, format!("pools[0].backends[0]{field}"), "{backend}");
+            assert!(e.message.contains(says), "{backend}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn a_reload_names_the_sections_that_need_a_restart() {
+        let a = parse("[[pools]]\nmodel='m'\nbackends=['http://a:1']\n").unwrap();
+        let b =
+            parse("[queue]\nmax_size=9\n[[pools]]\nmodel='n'\nbackends=['http://b:1']\n").unwrap();
+        assert_eq!(a.restart_needed_for(&b), ["[queue]"]);
+        assert!(a.restart_needed_for(&a).is_empty());
     }
 
     #[test]

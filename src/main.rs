@@ -78,8 +78,8 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> ExitCode {
     match cli.command {
-        Command::Serve { config } => {
-            let config = match Config::load(&config) {
+        Command::Serve { config: path } => {
+            let config = match Config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("fleetgate: invalid config: {e}");
@@ -87,7 +87,7 @@ async fn run(cli: Cli) -> ExitCode {
                 }
             };
             init_logging(config.server.log_format);
-            serve(config).await
+            serve(config, path).await
         }
         Command::Sim(args) => {
             init_logging(LogFormat::Text);
@@ -116,16 +116,31 @@ async fn run(cli: Cli) -> ExitCode {
         Command::AdminToken(args) => report(fleetgate::keys_cli::run_admin_token(args)),
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(c) => {
-                println!("{}: ok", config.display());
-                println!(
+                // Written with errors ignored: `check-config | head -1` must not panic.
+                use std::io::Write;
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "{}: ok", config.display());
+                let _ = writeln!(
+                    out,
                     "listen {} (tls: {})",
                     c.server.listen,
                     c.server.tls.is_some()
                 );
                 for p in &c.pools {
-                    let backends: Vec<String> =
-                        p.backends.iter().map(|b| b.url.to_string()).collect();
-                    println!(
+                    let backends: Vec<String> = p
+                        .backends
+                        .iter()
+                        .map(|b| match b.discover {
+                            fleetgate::config::Discover::Static => b.url.to_string(),
+                            fleetgate::config::Discover::Dns { interval } => format!(
+                                "{} (every address, re-resolved every {:.1} s)",
+                                b.url,
+                                interval.as_secs_f64()
+                            ),
+                        })
+                        .collect();
+                    let _ = writeln!(
+                        out,
                         "model {} -> {}{}",
                         p.model,
                         backends.join(", "),
@@ -155,7 +170,7 @@ fn report(r: Result<(), String>) -> ExitCode {
     }
 }
 
-async fn serve(config: Config) -> ExitCode {
+async fn serve(config: Config, path: std::path::PathBuf) -> ExitCode {
     let server = match Server::start(&config).await {
         Ok(s) => s,
         Err(e) => {
@@ -164,7 +179,14 @@ async fn serve(config: Config) -> ExitCode {
         }
     };
     tracing::info!(url = %server.base_url(), pools = config.pools.len(), "fleetgate listening");
-    wait_for_signal().await;
+    // SIGHUP (and, with server.watch_config, a changed file) reloads [[pools]].
+    let stop_reloads = tokio_util::sync::CancellationToken::new();
+    let reloads = fleetgate::server::reload::run(&server, path, config, stop_reloads.clone());
+    tokio::select! {
+        () = wait_for_signal() => {}
+        () = reloads => {}
+    }
+    stop_reloads.cancel();
     tracing::info!("shutdown requested");
     server.shutdown().await;
     ExitCode::SUCCESS

@@ -335,3 +335,142 @@ fn keys_cli_round_trip() {
     assert!(err.contains("stress, gray or prod"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Until `served` counts a new request: send one every 50 ms for up to `limit`.
+async fn until_served_by(
+    uri: &http::Uri,
+    key: &str,
+    served: &std::sync::atomic::AtomicU64,
+    limit: Duration,
+) -> bool {
+    let auth = format!("Bearer {key}");
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        let before = served.load(std::sync::atomic::Ordering::SeqCst);
+        let m = post(
+            uri,
+            &[("authorization", &auth)],
+            fleetgate::client::chat_body("qwen32b", "hi", 2, true),
+        )
+        .await;
+        assert_eq!(m.status, 200);
+        if served.load(std::sync::atomic::Ordering::SeqCst) > before {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reloads_pools_on_sighup_and_when_the_file_changes() {
+    let a = sim(|s| s.zero_delay = true).await;
+    let b = sim(|s| s.zero_delay = true).await;
+    let port = closed_port().await.port();
+    let dir = temp_dir("cli-reload");
+    let db = dir.join("keys.db");
+    let config_with = |backend: &str, extra: &str| {
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nwatch_config = true\n\n[database]\nsqlite_path = \"{}\"\n\n[admin]\nlisten = \"\"\n\n[[pools]]\nmodel = \"qwen32b\"\nbackends = [\"{backend}\"]\n{extra}",
+            db.display()
+        )
+    };
+    let cfg = temp_config(&config_with(&a.url(), ""));
+    let out = Command::new(BIN)
+        .args(["keys", "--config"])
+        .arg(&cfg.0)
+        .args(["create", "--env", "prod", "--name", "reload", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let created: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let key = created["key"].as_str().unwrap().to_owned();
+    let child = KillOnDrop(Some(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg.0)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let uri: http::Uri = format!("http://127.0.0.1:{port}/v1/chat/completions")
+        .parse()
+        .unwrap();
+    let c = fleetgate::client::http_client();
+    let healthz: http::Uri = format!("http://127.0.0.1:{port}/healthz").parse().unwrap();
+    let mut up = false;
+    for _ in 0..500 {
+        let req = http::Request::get(healthz.clone())
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        if matches!(c.request(req).await, Ok(r) if r.status() == 200) {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(up, "gateway did not come up");
+    let (sa, sb) = (a.stats().clone(), b.stats().clone());
+    assert!(until_served_by(&uri, &key, &sa.requests, Duration::from_secs(2)).await);
+
+    let hup = || {
+        let status = Command::new("kill")
+            .args(["-HUP", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    // SIGHUP: the pool moves to b. (The watcher would see the change as well; the signal
+    // applies it first.)
+    std::fs::write(&cfg.0, config_with(&b.url(), "")).unwrap();
+    hup();
+    assert!(
+        until_served_by(&uri, &key, &sb.requests, Duration::from_secs(5)).await,
+        "SIGHUP did not move the pool to b"
+    );
+    let on_a = sa.requests.load(std::sync::atomic::Ordering::SeqCst);
+
+    // An invalid file is refused; the gateway keeps serving b.
+    std::fs::write(
+        &cfg.0,
+        config_with(&b.url(), "max_in_flight_per_backend = \"many\"\n"),
+    )
+    .unwrap();
+    hup();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(until_served_by(&uri, &key, &sb.requests, Duration::from_secs(1)).await);
+    assert_eq!(sa.requests.load(std::sync::atomic::Ordering::SeqCst), on_a);
+
+    // The watcher: a changed file is applied without a signal (ConfigMap updates).
+    std::fs::write(&cfg.0, config_with(&a.url(), "")).unwrap();
+    assert!(
+        until_served_by(&uri, &key, &sa.requests, Duration::from_secs(10)).await,
+        "the watcher did not apply the changed file"
+    );
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = tokio::task::spawn_blocking(move || child.take().wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success());
+    let logs = String::from_utf8_lossy(&out.stdout);
+    let reloaded_by = |trigger: &str| {
+        logs.lines()
+            .any(|l| l.contains("config reloaded") && l.contains(trigger))
+    };
+    assert!(reloaded_by("SIGHUP"), "{logs}");
+    assert!(reloaded_by("the config file changed"), "{logs}");
+    assert!(
+        logs.contains("reload refused: the config file is invalid"),
+        "{logs}"
+    );
+    assert!(logs.contains("max_in_flight_per_backend"), "{logs}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

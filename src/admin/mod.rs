@@ -378,7 +378,9 @@ async fn keys_api(
         }
         (Method::GET, ["admin", "backends"]) => Ok((
             StatusCode::OK,
-            to_json(&serde_json::json!({"object": "list", "data": state.fleet.current().backends_json()})),
+            to_json(
+                &serde_json::json!({"object": "list", "data": state.fleet.current().backends_json()}),
+            ),
         )),
         (Method::POST, ["admin", "backends", action @ ("drain" | "undrain")]) => {
             need_admin(&caller)?;

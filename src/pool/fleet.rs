@@ -123,10 +123,7 @@ fn with_host(entry: &BackendConfig, ip: IpAddr) -> Result<BackendConfig, String>
         IpAddr::V4(v4) => v4.to_string(),
         IpAddr::V6(v6) => format!("[{v6}]"),
     };
-    let port = url
-        .port_u16()
-        .map(|p| format!(":{p}"))
-        .unwrap_or_default();
+    let port = url.port_u16().map(|p| format!(":{p}")).unwrap_or_default();
     let text = format!(
         "{}://{host}{port}{}",
         url.scheme_str().unwrap_or("http"),
@@ -172,7 +169,11 @@ fn lookup_target(b: &BackendConfig) -> Option<(String, u16)> {
     let port = b
         .url
         .port_u16()
-        .unwrap_or(if b.url.scheme_str() == Some("https") { 443 } else { 80 });
+        .unwrap_or(if b.url.scheme_str() == Some("https") {
+            443
+        } else {
+            80
+        });
     Some((host.to_owned(), port))
 }
 
@@ -294,6 +295,11 @@ impl Fleet {
         result
     }
 
+    /// A reload that never got here (its file did not parse).
+    pub fn count_failed(&self) {
+        self.count("error");
+    }
+
     fn count(&self, result: &str) {
         if let Some(c) = &self.counters {
             c.reloads.with_label_values(&[result]).inc();
@@ -326,7 +332,9 @@ impl Fleet {
             }
             for b in &p.backends {
                 if before.is_none_or(|o| !o.backends.iter().any(|x| Arc::ptr_eq(x, b))) {
-                    summary.backends_added.push(format!("{} {}", p.model, b.base));
+                    summary
+                        .backends_added
+                        .push(format!("{} {}", p.model, b.base));
                 }
             }
         }
@@ -385,7 +393,12 @@ impl Fleet {
                     .iter()
                     .map(|d| {
                         let p = &inner.configured[d.pool];
-                        (d.pool, d.entry, p.model.clone(), p.backends[d.entry].clone())
+                        (
+                            d.pool,
+                            d.entry,
+                            p.model.clone(),
+                            p.backends[d.entry].clone(),
+                        )
                     })
                     .collect()
             };
@@ -427,12 +440,9 @@ impl Fleet {
                 };
                 self.discovered(*pool, *entry, &b.url, addrs, model, &host);
             }
-            let wait = next_due
-                .iter()
-                .min()
-                .map_or(Duration::from_secs(5), |t| {
-                    t.saturating_duration_since(tokio::time::Instant::now())
-                });
+            let wait = next_due.iter().min().map_or(Duration::from_secs(5), |t| {
+                t.saturating_duration_since(tokio::time::Instant::now())
+            });
             let mut changed = self.subscribe();
             changed.mark_unchanged();
             tokio::select! {
@@ -480,7 +490,12 @@ impl Fleet {
         if let Some(c) = &self.counters {
             c.dns_failures.with_label_values(&[model]).inc();
         }
-        tracing::warn!(model, host, error = why, "DNS discovery failed; keeping the last known backends");
+        tracing::warn!(
+            model,
+            host,
+            error = why,
+            "DNS discovery failed; keeping the last known backends"
+        );
     }
 
     /// Apply one entry's answer if it differs from what it had.
@@ -498,7 +513,10 @@ impl Fleet {
         let Some(k) = inner.discovered.iter().position(|d| {
             d.pool == pool
                 && d.entry == entry
-                && inner.configured[pool].backends.get(entry).is_some_and(|b| b.url == *url)
+                && inner.configured[pool]
+                    .backends
+                    .get(entry)
+                    .is_some_and(|b| b.url == *url)
         }) else {
             return;
         };

@@ -796,8 +796,9 @@ impl Pool {
         };
         let shared = Arc::new(PoolShared::new(backends.clone(), queue, cfg));
         let client = match prev {
-            Some(p) if p.config.ca_file == cfg.ca_file
-                && p.config.timeouts.connect == cfg.timeouts.connect =>
+            Some(p)
+                if p.config.ca_file == cfg.ca_file
+                    && p.config.timeouts.connect == cfg.timeouts.connect =>
             {
                 p.client.clone()
             }

@@ -229,12 +229,10 @@ fn relay_body(
         slot,
         strip_usage,
     } = parts;
-    let itl = sse.then(|| state.recorder.metrics()).flatten().map(|m| {
-        m.itl(
-            record.pool_slot,
-            record.key.as_ref().map(|k| k.environment),
-        )
-    });
+    let itl = sse
+        .then(|| state.recorder.metrics())
+        .flatten()
+        .map(|m| m.itl(record.pool_slot, record.key.as_ref().map(|k| k.environment)));
     let options = relay::RelayOptions {
         sse,
         timeouts,

@@ -8,6 +8,7 @@
 //! 3. the `RequestRecord` created here travels with the response body and records the
 //!    request when dropped, whatever ended it.
 
+pub mod reload;
 pub mod tls;
 
 use std::io;

@@ -145,7 +145,8 @@ impl Families {
             itl: self.itl.with_label_values(&l2),
             e2e: self.e2e.with_label_values(&l2),
             queue_wait: self.queue.with_label_values(&l2),
-            tokens: ["prompt", "completion"].map(|k| self.tokens.with_label_values(&[k, env, model])),
+            tokens: ["prompt", "completion"]
+                .map(|k| self.tokens.with_label_values(&[k, env, model])),
             requests: (0..STATUS_CLASSES.len() * KIND_COUNT)
                 .map(|_| OnceLock::new())
                 .collect(),
@@ -304,9 +305,13 @@ impl RequestMetrics {
                         series.ttft_upstream.resize(b.slot + 1, None);
                     }
                     if series.ttft_upstream[b.slot].is_none() {
-                        series.ttft_upstream[b.slot] = Some(self.families.ttft.with_label_values(
-                            &["upstream", ENV_LABELS[e], &p.model, &b.base],
-                        ));
+                        series.ttft_upstream[b.slot] =
+                            Some(self.families.ttft.with_label_values(&[
+                                "upstream",
+                                ENV_LABELS[e],
+                                &p.model,
+                                &b.base,
+                            ]));
                     }
                 }
             }
@@ -326,10 +331,10 @@ impl RequestMetrics {
             let _ = self.in_flight.remove_label_values(&labels);
             let _ = self.backend_up.remove_label_values(&labels);
             if let Some((l, w)) = info.remove(&(model.to_string(), base.to_string())) {
-                let _ = self
-                    .families
-                    .info
-                    .remove_label_values(&[model, base, l.as_str(), w.as_str()]);
+                let _ =
+                    self.families
+                        .info
+                        .remove_label_values(&[model, base, l.as_str(), w.as_str()]);
             }
         }
         for p in pools.iter() {
