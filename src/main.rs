@@ -37,6 +37,9 @@ enum Command {
     Migrate(fleetgate::keys_cli::StoreArgs),
     /// Mint an admin API token from the configured HS256 secret.
     AdminToken(fleetgate::keys_cli::AdminTokenArgs),
+    /// Load generator compatible with `vllm bench serve`; `--compare direct=URL gateway=URL`
+    /// measures the gateway's cost against direct calls in one interleaved run.
+    Bench(Box<fleetgate::bench::BenchArgs>),
     /// Check a config file and print what it configures.
     CheckConfig {
         #[arg(long, short, default_value = "config/fleetgate.toml")]
@@ -109,6 +112,17 @@ async fn run(cli: Cli) -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+        Command::Bench(args) => {
+            init_logging_default(LogFormat::Text, "warn");
+            // Ctrl-C stops sending and prints what was measured so far.
+            let stop = tokio_util::sync::CancellationToken::new();
+            let on_signal = stop.clone();
+            tokio::spawn(async move {
+                wait_for_signal().await;
+                on_signal.cancel();
+            });
+            ExitCode::from(fleetgate::bench::run(*args, stop).await)
         }
         Command::Keys(args) => report(fleetgate::keys_cli::run_keys(args).await),
         Command::Usage(args) => report(fleetgate::keys_cli::run_usage(args).await),

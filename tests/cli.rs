@@ -474,3 +474,76 @@ async fn serve_reloads_pools_on_sighup_and_when_the_file_changes() {
     assert!(logs.contains("max_in_flight_per_backend"), "{logs}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_reads_the_key_from_the_environment() {
+    let s = sim(|a| a.zero_delay = true).await;
+    let gw = gateway(vec![pool("qwen32b", &[s.url()])]).await;
+    let base = format!("http://{}", gw.server.local_addr);
+    let bench = move |env: Option<&str>| {
+        let mut c = Command::new(BIN);
+        c.args([
+            "bench",
+            "--base-url",
+            &base,
+            "--api-key-env",
+            "FLEETGATE_TEST_BENCH_KEY",
+            "--model",
+            "qwen32b",
+            "--num-prompts",
+            "5",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "3",
+        ])
+        .env_remove("FLEETGATE_TEST_BENCH_KEY");
+        if let Some(k) = env {
+            c.env("FLEETGATE_TEST_BENCH_KEY", k);
+        }
+        c.output().unwrap()
+    };
+    let key = gw.key.clone();
+    let out = tokio::task::spawn_blocking(move || bench(Some(&key)))
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("Serving Benchmark Result"), "{stdout}");
+    assert!(
+        stdout.contains("Successful requests:                     5"),
+        "{stdout}"
+    );
+    // Without the key every request is refused, and the report says why.
+    let base2 = format!("http://{}", gw.server.local_addr);
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(BIN)
+            .args([
+                "bench",
+                "--base-url",
+                &base2,
+                "--api-key-env",
+                "FLEETGATE_TEST_BENCH_KEY",
+                "--model",
+                "qwen32b",
+                "--num-prompts",
+                "2",
+                "--random-input-len",
+                "8",
+                "--random-output-len",
+                "3",
+            ])
+            .env_remove("FLEETGATE_TEST_BENCH_KEY")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("HTTP 401"), "{stdout}");
+}

@@ -1,0 +1,323 @@
+//! Prompts for the load generator: random prompts of a given length, weighted request classes
+//! (the seed's `request_distribution`), or ShareGPT conversations sampled and filtered the way
+//! `vllm bench serve` does.
+//!
+//! Token counts: without a tokenizer, a prompt's length in tokens is estimated as characters / 4
+//! (OpenAI's rule of thumb for English text), and random prompts are made of common short English
+//! words, each one token in the GPT, Llama and Qwen BPE vocabularies, so a random prompt of N
+//! tokens is N words. The server's own `usage.prompt_tokens` replaces the estimate in the results
+//! whenever the server reports it (vLLM does, for every streamed request the bench sends).
+
+use std::path::Path;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::Deserialize;
+
+/// One request to send.
+#[derive(Debug, Clone)]
+pub struct Prompt {
+    pub text: String,
+    /// Estimated prompt tokens (the server's usage replaces it in the results).
+    pub input_tokens: u64,
+    /// `max_tokens` to ask for.
+    pub output_tokens: u64,
+    /// The request class it came from (settings.json), for the report.
+    pub class: Option<String>,
+}
+
+/// The approximation used when no tokenizer is given, for the report.
+pub const APPROXIMATION: &str = "token counts estimated as characters / 4 (random prompts: one common English word per token); the server's usage.prompt_tokens replaces the estimate when reported";
+
+/// Estimated tokens of `text`: characters / 4, at least 1.
+pub fn estimate_tokens(text: &str) -> u64 {
+    (text.chars().count() as u64).div_ceil(4).max(1)
+}
+
+/// Words that are one token each in common BPE vocabularies (with their leading space).
+const WORDS: &[&str] = &[
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+    "been", "if", "more", "when", "will", "would", "who", "so", "no", "time", "out", "up", "into",
+    "them", "some", "could", "then", "other", "these", "two", "may", "first", "any", "new", "now",
+    "like", "our", "over", "also", "man", "made", "only", "after", "did", "many", "before", "must",
+    "through", "back", "years", "where", "much", "your", "way", "well", "down", "should",
+    "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very",
+    "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between",
+    "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last",
+    "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came",
+    "right", "used", "take", "three",
+];
+
+/// A random prompt of `tokens` words.
+pub fn random_text(rng: &mut SmallRng, tokens: u64) -> String {
+    let mut s = String::with_capacity(tokens as usize * 6);
+    for i in 0..tokens {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(WORDS[rng.random_range(0..WORDS.len())]);
+    }
+    s
+}
+
+/// A length drawn uniformly from [len × (1 − r), len × (1 + r)] (vLLM's `--random-range-ratio`).
+fn around(rng: &mut SmallRng, len: u64, ratio: f64) -> u64 {
+    if ratio <= 0.0 {
+        return len.max(1);
+    }
+    let lo = ((len as f64) * (1.0 - ratio)).floor().max(1.0) as u64;
+    let hi = ((len as f64) * (1.0 + ratio)).ceil().max(lo as f64) as u64;
+    rng.random_range(lo..=hi)
+}
+
+/// `n` random prompts (vLLM's random dataset).
+pub fn random(n: usize, input: u64, output: u64, range_ratio: f64, seed: u64) -> Vec<Prompt> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let i = around(&mut rng, input, range_ratio);
+            let o = around(&mut rng, output, range_ratio);
+            Prompt {
+                text: random_text(&mut rng, i),
+                input_tokens: i,
+                output_tokens: o,
+                class: None,
+            }
+        })
+        .collect()
+}
+
+/// One weighted request class of settings.json.
+#[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RequestClass {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub weight: f64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// `n` prompts drawn from weighted classes.
+pub fn classes(n: usize, classes: &[RequestClass], seed: u64) -> Result<Vec<Prompt>, String> {
+    let total: f64 = classes.iter().map(|c| c.weight).sum();
+    if classes.is_empty() || !(total.is_finite() && total > 0.0) {
+        return Err("request_distribution needs at least one class with a weight > 0".into());
+    }
+    if let Some(c) = classes
+        .iter()
+        .find(|c| c.weight < 0.0 || !c.weight.is_finite())
+    {
+        return Err(format!(
+            "request_distribution: class {:?} has weight {} (must be ≥ 0)",
+            c.name, c.weight
+        ));
+    }
+    let mut rng = SmallRng::seed_from_u64(seed);
+    Ok((0..n)
+        .map(|_| {
+            let mut r = rng.random_range(0.0..total);
+            let c = classes
+                .iter()
+                .find(|c| {
+                    r -= c.weight;
+                    r < 0.0
+                })
+                .unwrap_or(&classes[classes.len() - 1]);
+            Prompt {
+                text: random_text(&mut rng, c.input_tokens.max(1)),
+                input_tokens: c.input_tokens.max(1),
+                output_tokens: c.output_tokens.max(1),
+                class: c.name.clone(),
+            }
+        })
+        .collect())
+}
+
+#[derive(Deserialize)]
+struct Conversation {
+    #[serde(default)]
+    conversations: Vec<Turn>,
+}
+
+#[derive(Deserialize)]
+struct Turn {
+    #[serde(default)]
+    value: String,
+}
+
+/// What ShareGPT sampling kept and skipped.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ShareGptStats {
+    pub conversations: usize,
+    pub fewer_than_two_turns: usize,
+    pub prompt_too_short: usize,
+    pub output_too_short: usize,
+    pub prompt_too_long: usize,
+    pub total_too_long: usize,
+    pub kept: usize,
+}
+
+impl std::fmt::Display for ShareGptStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} conversations read; skipped: {} with fewer than two turns, {} prompts under 4 tokens, {} completions under 4 tokens, {} prompts over 1024 tokens, {} prompt + output over 2048 tokens; {} kept",
+            self.conversations,
+            self.fewer_than_two_turns,
+            self.prompt_too_short,
+            self.output_too_short,
+            self.prompt_too_long,
+            self.total_too_long,
+            self.kept
+        )
+    }
+}
+
+/// `n` prompts from a ShareGPT file, as vLLM samples them: conversations with at least two
+/// turns, shuffled with `seed`; the first turn is the prompt, the second's length the output
+/// length (unless `fixed_output` is given); pairs with a prompt or output under 4 tokens, a
+/// prompt over 1024 or a total over 2048 are skipped.
+pub fn sharegpt(
+    path: &Path,
+    n: usize,
+    fixed_output: Option<u64>,
+    seed: u64,
+) -> Result<(Vec<Prompt>, ShareGptStats), String> {
+    let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let data: Vec<Conversation> = serde_json::from_slice(&text).map_err(|e| {
+        format!(
+            "{}: not a ShareGPT file (a JSON array of {{\"conversations\": [{{\"from\", \"value\"}}, ...]}}): {e}",
+            path.display()
+        )
+    })?;
+    let mut stats = ShareGptStats {
+        conversations: data.len(),
+        ..ShareGptStats::default()
+    };
+    let mut pairs: Vec<(String, String)> = Vec::with_capacity(data.len());
+    for mut c in data {
+        if c.conversations.len() < 2 {
+            stats.fewer_than_two_turns += 1;
+            continue;
+        }
+        let completion = std::mem::take(&mut c.conversations[1].value);
+        let prompt = std::mem::take(&mut c.conversations[0].value);
+        pairs.push((prompt, completion));
+    }
+    // Fisher-Yates with the seed (the order differs from Python's `random.shuffle`, the
+    // filtering does not).
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for i in (1..pairs.len()).rev() {
+        let j = rng.random_range(0..=i);
+        pairs.swap(i, j);
+    }
+    let mut out = Vec::with_capacity(n);
+    for (prompt, completion) in pairs {
+        if out.len() == n {
+            break;
+        }
+        let prompt_len = estimate_tokens(&prompt);
+        let output_len = fixed_output.unwrap_or_else(|| estimate_tokens(&completion));
+        if prompt_len < 4 {
+            stats.prompt_too_short += 1;
+        } else if fixed_output.is_none() && output_len < 4 {
+            stats.output_too_short += 1;
+        } else if prompt_len > 1024 {
+            stats.prompt_too_long += 1;
+        } else if prompt_len + output_len > 2048 {
+            stats.total_too_long += 1;
+        } else {
+            out.push(Prompt {
+                text: prompt,
+                input_tokens: prompt_len,
+                output_tokens: output_len,
+                class: None,
+            });
+        }
+    }
+    stats.kept = out.len();
+    if out.is_empty() {
+        return Err(format!(
+            "{}: no usable conversation: {stats}",
+            path.display()
+        ));
+    }
+    Ok((out, stats))
+}
+
+/// A request body for `prompt`, as `vllm bench serve` sends it: streamed, usage included,
+/// temperature 0.
+pub fn body(prompt: &Prompt, model: &str, chat: bool, ignore_eos: bool) -> bytes::Bytes {
+    let mut v = if chat {
+        serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": prompt.text}],
+        })
+    } else {
+        serde_json::json!({"model": model, "prompt": prompt.text})
+    };
+    v["max_tokens"] = prompt.output_tokens.into();
+    v["temperature"] = 0.0.into();
+    v["stream"] = true.into();
+    v["stream_options"] = serde_json::json!({"include_usage": true});
+    if ignore_eos {
+        v["ignore_eos"] = true.into();
+    }
+    bytes::Bytes::from(v.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_prompts_have_the_asked_lengths_and_repeat_with_the_seed() {
+        let a = random(20, 100, 50, 0.0, 7);
+        assert!(a.iter().all(|p| p.text.split(' ').count() == 100));
+        assert!(a.iter().all(|p| p.output_tokens == 50));
+        let b = random(20, 100, 50, 0.0, 7);
+        assert_eq!(a[3].text, b[3].text);
+        let c = random(200, 100, 50, 0.5, 7);
+        assert!(c.iter().all(|p| (50..=150).contains(&p.input_tokens)));
+        assert!(c.iter().any(|p| p.input_tokens < 80) && c.iter().any(|p| p.input_tokens > 120));
+    }
+
+    #[test]
+    fn classes_follow_their_weights() {
+        let cls = [
+            RequestClass {
+                name: Some("short".into()),
+                weight: 0.6,
+                input_tokens: 256,
+                output_tokens: 128,
+            },
+            RequestClass {
+                name: Some("long".into()),
+                weight: 0.3,
+                input_tokens: 2048,
+                output_tokens: 512,
+            },
+            RequestClass {
+                name: Some("tail".into()),
+                weight: 0.1,
+                input_tokens: 8192,
+                output_tokens: 2048,
+            },
+        ];
+        let p = classes(2000, &cls, 1).unwrap();
+        let short = p
+            .iter()
+            .filter(|p| p.class.as_deref() == Some("short"))
+            .count();
+        let tail = p
+            .iter()
+            .filter(|p| p.class.as_deref() == Some("tail"))
+            .count();
+        assert!((1100..1300).contains(&short), "{short}");
+        assert!((140..260).contains(&tail), "{tail}");
+        assert!(classes(3, &[], 1).is_err());
+    }
+}

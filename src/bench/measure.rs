@@ -1,0 +1,356 @@
+//! One request of the load generator, timed by `vllm bench serve`'s definitions: TTFT at the
+//! first data event with non-empty `choices`, one ITL per later such event (the gap to the one
+//! before), E2EL at the last data event that is not `[DONE]` (the usage event included), output
+//! tokens from `usage.completion_tokens`, TPOT = (E2EL − TTFT) / (output tokens − 1). An
+//! in-stream `{"error": ...}` event, a non-2xx status, a cut body or a stream without a token
+//! makes the request failed, with the reason kept.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Uri, header};
+use http_body_util::{BodyExt, Full};
+
+use crate::client::HttpClient;
+use crate::proxy::sse::{DataKind, SseScanner};
+use crate::telemetry::StreamMetrics;
+
+/// What one request gave.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// Which target (0 unless comparing).
+    pub target: u8,
+    /// Index of the prompt sent.
+    pub prompt: usize,
+    /// When it was sent, from the start of the run.
+    pub sent_at: Duration,
+    /// From sending to the end of the answer (or the failure).
+    pub took: Duration,
+    /// The error, when it failed.
+    pub error: Option<String>,
+    pub ttft: Option<Duration>,
+    pub e2el: Option<Duration>,
+    /// One per content event after the first.
+    pub itls_ms: Vec<f32>,
+    /// Offsets (from `sent_at`, ms) of every content event: peak throughput.
+    pub token_at_ms: Vec<f32>,
+    /// Prompt tokens: the server's usage, else the dataset's count.
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// The output count came from the server's usage (else: content events).
+    pub usage_reported: bool,
+    /// The gateway's own time for this request, from its `Server-Timing: gw;dur=` header.
+    pub gateway_ms: Option<f64>,
+}
+
+impl Outcome {
+    pub fn ok(&self) -> bool {
+        self.error.is_none()
+    }
+
+    /// TPOT, defined for two or more output tokens.
+    pub fn tpot(&self) -> Option<Duration> {
+        let (ttft, e2el) = (self.ttft?, self.e2el?);
+        (self.output_tokens > 1).then(|| {
+            Duration::from_secs_f64(
+                e2el.saturating_sub(ttft).as_secs_f64() / (self.output_tokens - 1) as f64,
+            )
+        })
+    }
+}
+
+/// Times one stream from its reads: feed each read with its offset from the moment the
+/// request was sent, then `finish`.
+#[derive(Debug, Default)]
+pub struct StreamTimer {
+    scanner: SseScanner,
+    metrics: StreamMetrics,
+    itls_ms: Vec<f32>,
+    token_at_ms: Vec<f32>,
+    error_text: Option<String>,
+}
+
+fn ms(d: Duration) -> f32 {
+    (d.as_secs_f64() * 1e3) as f32
+}
+
+impl StreamTimer {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn feed(&mut self, bytes: &[u8], at: Duration) {
+        let Self {
+            scanner,
+            metrics,
+            itls_ms,
+            token_at_ms,
+            error_text,
+        } = self;
+        scanner.feed(bytes, |d| {
+            match d.kind {
+                DataKind::Content => {
+                    if let Some(prev) = metrics.last_content {
+                        itls_ms.push(ms(at.saturating_sub(prev)));
+                    }
+                    token_at_ms.push(ms(at));
+                }
+                DataKind::Error if error_text.is_none() => {
+                    *error_text = Some(error_message(d.payload));
+                }
+                _ => {}
+            }
+            metrics.on_data(d.kind, d.payload, at);
+        });
+    }
+
+    /// The outcome once the body ended at `end` (`cut`: it ended with a transport error).
+    pub fn finish(mut self, end: Duration, cut: Option<String>, expected_input: u64) -> Outcome {
+        let Self {
+            scanner,
+            metrics,
+            itls_ms,
+            token_at_ms,
+            error_text,
+        } = &mut self;
+        scanner.finish(|d| metrics.on_data(d.kind, d.payload, end));
+        let m = &*metrics;
+        let error = if let Some(e) = error_text.take() {
+            Some(format!("error event in the stream: {e}"))
+        } else if let Some(c) = cut {
+            Some(format!("the stream was cut: {c}"))
+        } else if m.first_content.is_none() {
+            Some("the stream ended without a token".to_owned())
+        } else {
+            None
+        };
+        let (output_tokens, usage_reported) = match m.usage {
+            Some(u) => (u.completion_tokens, true),
+            None => (u64::from(m.content_events), false),
+        };
+        Outcome {
+            error,
+            ttft: m.ttft(),
+            e2el: m.e2el(),
+            itls_ms: std::mem::take(itls_ms),
+            token_at_ms: std::mem::take(token_at_ms),
+            input_tokens: m.usage.map_or(expected_input, |u| u.prompt_tokens),
+            output_tokens,
+            usage_reported,
+            took: end,
+            ..Outcome::default()
+        }
+    }
+}
+
+/// The `message` of an OpenAI error payload, else the payload itself (shortened).
+fn error_message(payload: &[u8]) -> String {
+    let v: Option<serde_json::Value> = serde_json::from_slice(payload).ok();
+    let msg = v.as_ref().and_then(|v| {
+        v["error"]["message"]
+            .as_str()
+            .map(str::to_owned)
+            .or_else(|| v["error"].as_str().map(str::to_owned))
+            .or_else(|| v["message"].as_str().map(str::to_owned))
+    });
+    let text = msg.unwrap_or_else(|| String::from_utf8_lossy(payload).into_owned());
+    text.chars().take(300).collect()
+}
+
+/// The `gw;dur=<ms>` entry of a `Server-Timing` header.
+pub fn gateway_ms(headers: &HeaderMap) -> Option<f64> {
+    let v = headers.get("server-timing")?.to_str().ok()?;
+    v.split(',').find_map(|entry| {
+        let mut parts = entry.trim().split(';');
+        (parts.next()? == "gw")
+            .then(|| parts.find_map(|p| p.trim().strip_prefix("dur=").and_then(|d| d.parse().ok())))
+            .flatten()
+    })
+}
+
+/// Send one request and time it. `started` is the run's start (for `sent_at`).
+pub async fn send(
+    client: &HttpClient,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: Bytes,
+    expected_input: u64,
+    started: Instant,
+    timeout: Duration,
+) -> Outcome {
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = Method::POST;
+    *req.uri_mut() = uri.clone();
+    *req.headers_mut() = headers.clone();
+    req.headers_mut()
+        .entry(header::CONTENT_TYPE)
+        .or_insert(HeaderValue::from_static("application/json"));
+    let start = Instant::now();
+    let sent_at = start.saturating_duration_since(started);
+    let failed = |error: String| Outcome {
+        sent_at,
+        took: start.elapsed(),
+        error: Some(error),
+        input_tokens: expected_input,
+        ..Outcome::default()
+    };
+    let deadline = tokio::time::Instant::from_std(start + timeout);
+    let resp = match tokio::time::timeout_at(deadline, client.request(req)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return failed(format!("request failed: {}", error_chain(&e))),
+        Err(_) => return failed(format!("no response head within {timeout:?}")),
+    };
+    let status = resp.status();
+    let (parts, mut body) = resp.into_parts();
+    let gateway = gateway_ms(&parts.headers);
+    if !status.is_success() {
+        let bytes = tokio::time::timeout_at(deadline, body.collect())
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        let mut o = failed(format!(
+            "HTTP {}: {}",
+            status.as_u16(),
+            error_message(&bytes)
+        ));
+        o.gateway_ms = gateway;
+        return o;
+    }
+    let mut timer = StreamTimer::new();
+    let mut cut = None;
+    loop {
+        match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    timer.feed(data, start.elapsed());
+                }
+            }
+            Ok(Some(Err(e))) => {
+                cut = Some(e.to_string());
+                break;
+            }
+            Ok(None) => break,
+            Err(_) => {
+                cut = Some(format!("not finished within {timeout:?}"));
+                break;
+            }
+        }
+    }
+    let mut o = timer.finish(start.elapsed(), cut, expected_input);
+    o.sent_at = sent_at;
+    o.gateway_ms = gateway;
+    o
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use base64::Engine;
+
+    /// The shared fixture streams give the figures they state, through the bench's timer.
+    #[test]
+    fn reproduces_the_shared_fixture_figures() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/timed-streams.json"
+        );
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let streams = doc["streams"].as_array().unwrap();
+        assert!(streams.len() >= 6);
+        for s in streams {
+            let name = s["name"].as_str().unwrap();
+            let expect = &s["expect"];
+            let mut timer = StreamTimer::new();
+            let mut end = Duration::ZERO;
+            for r in s["reads"].as_array().unwrap() {
+                end = Duration::from_millis(r["t_ms"].as_u64().unwrap());
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(r["b64"].as_str().unwrap())
+                    .unwrap();
+                timer.feed(&bytes, end);
+            }
+            let o = timer.finish(end, None, 0);
+            let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+            assert_eq!(
+                !o.ok(),
+                expect["failed"].as_bool().unwrap(),
+                "{name}: {o:?}"
+            );
+            if o.ok() {
+                assert_eq!(
+                    ms(o.ttft.unwrap()),
+                    expect["ttft_ms"].as_f64().unwrap(),
+                    "{name}"
+                );
+            }
+            let want: Vec<f32> = expect["itl_ms"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            assert_eq!(o.itls_ms, want, "{name}: itl");
+            if !o.ok() {
+                assert!(
+                    o.error.as_deref().unwrap().contains("error event"),
+                    "{name}"
+                );
+                continue;
+            }
+            assert_eq!(
+                ms(o.e2el.unwrap()),
+                expect["e2el_ms"].as_f64().unwrap(),
+                "{name}"
+            );
+            assert_eq!(
+                o.output_tokens,
+                expect["output_tokens"].as_u64().unwrap(),
+                "{name}"
+            );
+            assert!(o.usage_reported);
+            assert_eq!(o.tpot().map(ms), expect["tpot_ms"].as_f64(), "{name}: tpot");
+        }
+    }
+
+    #[test]
+    fn reads_the_gateway_time_from_server_timing() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "server-timing",
+            HeaderValue::from_static("gw;dur=0.041, upstream;dur=812.3"),
+        );
+        assert_eq!(gateway_ms(&h), Some(0.041));
+        h.insert("server-timing", HeaderValue::from_static("upstream;dur=3"));
+        assert_eq!(gateway_ms(&h), None);
+    }
+
+    #[test]
+    fn a_stream_without_tokens_or_cut_is_failed() {
+        let mut t = StreamTimer::new();
+        t.feed(b"data: [DONE]\n\n", Duration::from_millis(3));
+        let o = t.finish(Duration::from_millis(3), None, 5);
+        assert!(o.error.unwrap().contains("without a token"));
+        let mut t = StreamTimer::new();
+        t.feed(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+            Duration::from_millis(3),
+        );
+        let o = t.finish(Duration::from_millis(9), Some("reset".into()), 5);
+        assert!(o.error.unwrap().contains("cut"));
+        assert_eq!(o.input_tokens, 5, "the dataset's count without usage");
+    }
+}

@@ -1,0 +1,443 @@
+//! `fleetgate bench` end to end: against the sim with known timing, vLLM's result keys, the
+//! comparison through a real gateway, SLA exit codes, ShareGPT sampling, settings.json, and
+//! in-stream errors counted as failures.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
+
+mod common;
+
+use std::sync::Arc;
+
+use clap::Parser;
+use common::*;
+use fleetgate::bench::{self, BenchArgs};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: BenchArgs,
+}
+
+fn args(flags: &[&str]) -> BenchArgs {
+    let mut all = vec!["bench", "--no-progress"];
+    all.extend_from_slice(flags);
+    Cli::try_parse_from(all).unwrap().args
+}
+
+async fn run(flags: &[&str]) -> (bench::Plan, bench::Report) {
+    let plan = bench::plan(args(flags)).await.unwrap();
+    let result = bench::execute(Arc::new(plan.clone()), CancellationToken::new())
+        .await
+        .unwrap();
+    let report = bench::build_report(&plan, &result);
+    (plan, report)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn measures_what_the_sim_was_configured_to_produce() {
+    // One token every 10 ms, no prefill cost, one request at a time: TTFT ≈ one step,
+    // ITL ≈ TPOT ≈ 10 ms, E2EL ≈ TTFT + 19 × 10 ms for 20 tokens.
+    let s = sim(|a| {
+        a.decode_step_ms = 10.0;
+        a.decode_ms_per_seq = 0.0;
+        a.prefill_us_per_token = 0.0;
+    })
+    .await;
+    let (_, report) = run(&[
+        "--base-url",
+        &s.url(),
+        "--num-prompts",
+        "12",
+        "--random-input-len",
+        "50",
+        "--random-output-len",
+        "20",
+        "--max-concurrency",
+        "1",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,95,99",
+    ])
+    .await;
+    let r = &report.summaries[0];
+    assert_eq!((r.completed, r.failed), (12, 0), "{}", report.text);
+    assert_eq!(r.total_output, 12 * 20, "output tokens from usage");
+    assert_eq!(r.outputs_without_usage, 0);
+    let m = |k: &str| r.metrics[k].mean;
+    assert!((5.0..30.0).contains(&m("ttft")), "TTFT {}", m("ttft"));
+    assert!((8.0..14.0).contains(&m("tpot")), "TPOT {}", m("tpot"));
+    assert!((8.0..14.0).contains(&m("itl")), "ITL {}", m("itl"));
+    // Like vLLM, the sim opens each stream with a role chunk (non-empty `choices`, empty
+    // content): it is the first token event, and each of the 20 tokens after it has an ITL.
+    assert_eq!(
+        r.metrics["itl"].count,
+        12 * 20,
+        "one ITL per event after the first"
+    );
+    // 20 tokens one decode step apart.
+    assert!(
+        (190.0..260.0).contains(&m("e2el")),
+        "E2EL {} for 20 steps of 10 ms",
+        m("e2el")
+    );
+    assert_eq!(r.peak_concurrency, 1);
+    // vLLM's keys and the seed's shape.
+    let j = &report.json;
+    for k in [
+        "completed",
+        "failed",
+        "duration",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_output_tokens_per_s",
+        "max_concurrent_requests",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "std_ttft_ms",
+        "p50_ttft_ms",
+        "p95_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+        "p99_itl_ms",
+        "mean_e2el_ms",
+        "p99_e2el_ms",
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+        "errors",
+        "throughput_tokens_per_sec",
+        "error_rate",
+        "labels",
+        "settings",
+        "client",
+    ] {
+        assert!(j.get(k).is_some(), "result JSON lacks `{k}`");
+    }
+    assert_eq!(j["completed"], 12);
+    assert!(j["ttft_ms"]["p95"].as_f64().unwrap() > 0.0);
+    assert_eq!(j["labels"]["model"], "qwen32b", "the model from /v1/models");
+    assert_eq!(j["itls"].as_array().unwrap().len(), 12);
+    assert!(report.text.contains("Successful requests:"));
+    assert!(report.text.contains("P95 ITL (ms):"));
+    assert_eq!(report.exit, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_mode_reports_the_gateway_delta_and_its_own_time() {
+    let s = sim(|a| a.zero_delay = true).await;
+    let gw = gateway(vec![pool("qwen32b", &[s.url()])]).await;
+    let auth = format!("Authorization: Bearer {}", gw.key);
+    let gw_base = format!("http://{}", gw.server.local_addr);
+    let direct = format!("direct={}", s.url());
+    let via = format!("gateway={gw_base}");
+    let (plan, report) = run(&[
+        "--compare",
+        &direct,
+        &via,
+        "--header",
+        &auth,
+        "--model",
+        "qwen32b",
+        "--num-prompts",
+        "150",
+        "--random-input-len",
+        "20",
+        "--random-output-len",
+        "4",
+        "--max-concurrency",
+        "1",
+        "--metric-percentiles",
+        "95,99",
+    ])
+    .await;
+    assert_eq!(plan.targets.len(), 2);
+    let (d, g) = (&report.summaries[0], &report.summaries[1]);
+    assert_eq!((d.completed, g.completed), (150, 150), "{}", report.text);
+    assert_eq!((d.failed, g.failed), (0, 0));
+    // The same prompts went to both.
+    assert_eq!(d.total_input, g.total_input);
+    // The gateway reports its own time on every request; the backend does not.
+    let own = g
+        .gateway_ms
+        .as_ref()
+        .expect("Server-Timing gw on the gateway");
+    assert_eq!(own.count, 150);
+    assert!(
+        own.mean > 0.0 && own.mean < 5.0,
+        "gateway time {} ms",
+        own.mean
+    );
+    assert!(d.gateway_ms.is_none());
+    // Against a zero-delay backend the extra hop shows: a small positive TTFT delta.
+    let deltas = report.json["comparison"]["deltas"].as_array().unwrap();
+    let ttft_mean = deltas
+        .iter()
+        .find(|x| x["metric"] == "ttft" && x["stat"] == "mean")
+        .unwrap();
+    let delta_ms = ttft_mean["delta_ms"].as_f64().unwrap();
+    assert!(
+        delta_ms > 0.0 && delta_ms < 5.0,
+        "TTFT mean delta {delta_ms} ms\n{}",
+        report.text
+    );
+    assert!(
+        report.text.contains("gateway's own time"),
+        "{}",
+        report.text
+    );
+    // Microseconds on top of microseconds are many percent: the verdict says so (exit 3).
+    assert_eq!(report.json["comparison"]["pass"], false);
+    assert_eq!(report.exit, bench::EXIT_COMPARE);
+    // Both targets' vLLM keys are kept.
+    assert!(report.json["targets"]["direct"]["mean_ttft_ms"].is_number());
+    assert!(report.json["targets"]["gateway"]["p99_ttft_ms"].is_number());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sla_violations_exit_2_with_a_table() {
+    let s = sim(|a| a.zero_delay = true).await;
+    let base = s.url();
+    let common = [
+        "--base-url",
+        base.as_str(),
+        "--num-prompts",
+        "10",
+        "--random-input-len",
+        "10",
+        "--random-output-len",
+        "3",
+        "--metric-percentiles",
+        "95,99",
+    ];
+    let mut met = common.to_vec();
+    met.extend(["--sla", "ttft_p99_ms=60000,error_rate=0.01"]);
+    let (_, report) = run(&met).await;
+    assert_eq!(report.exit, 0, "{}", report.text);
+    assert!(report.text.contains("every objective met"));
+    let mut missed = common.to_vec();
+    missed.extend([
+        "--sla",
+        "ttft_p99_ms=0.0001,e2el_mean_ms=0.0001,error_rate=0.5",
+    ]);
+    let (_, report) = run(&missed).await;
+    assert_eq!(report.exit, bench::EXIT_SLA);
+    assert!(report.text.contains("SLA violated"));
+    assert!(report.text.contains("ttft_p99_ms"));
+    assert!(report.text.contains("e2el_mean_ms"));
+    assert!(
+        !report.text.contains("error_rate     "),
+        "met objectives are not listed"
+    );
+    let violated = report.json["sla"]["violated"].as_array().unwrap();
+    assert_eq!(violated.len(), 2);
+    // A misspelt objective is refused before anything is sent.
+    let mut bad = common.to_vec();
+    bad.extend(["--sla", "ttft_p90_ms=5"]);
+    let err = bench::plan(args(&bad)).await.unwrap_err();
+    assert!(err.contains("not measured"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharegpt_is_sampled_and_filtered_as_vllm_does() {
+    let dir = temp_dir("bench-sharegpt");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sharegpt.json");
+    let long = "word ".repeat(1200); // 6000 characters ≈ 1500 tokens: a prompt too long
+    let data = serde_json::json!([
+        {"id": "a", "conversations": [
+            {"from": "human", "value": "Explain the difference between TCP and UDP in two sentences."},
+            {"from": "gpt", "value": "TCP is connection oriented and reliable; UDP is connectionless and best effort."}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "Only one turn here, nothing to answer."}]},
+        {"id": "c", "conversations": [
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello! How can I help you today, friend?"}]},
+        {"id": "d", "conversations": [
+            {"from": "human", "value": long},
+            {"from": "gpt", "value": "A reply to a very long prompt that is long enough."}]},
+        {"id": "e", "conversations": [
+            {"from": "human", "value": "Write a haiku about inference servers at night."},
+            {"from": "gpt", "value": "Ok"}]},
+        {"id": "f", "conversations": [
+            {"from": "human", "value": "What does TTFT stand for in LLM serving benchmarks?"},
+            {"from": "gpt", "value": "Time to first token: the wait before the first output token arrives."},
+            {"from": "human", "value": "A third turn is ignored."}]}
+    ]);
+    std::fs::write(&path, data.to_string()).unwrap();
+    let (prompts, stats) = fleetgate::bench::dataset::sharegpt(&path, 100, None, 0).unwrap();
+    assert_eq!(stats.conversations, 6);
+    assert_eq!(stats.fewer_than_two_turns, 1);
+    assert_eq!(stats.prompt_too_short, 1, "`Hi`");
+    assert_eq!(stats.output_too_short, 1, "`Ok`");
+    assert_eq!(stats.prompt_too_long, 1);
+    assert_eq!(stats.kept, 2);
+    assert_eq!(prompts.len(), 2);
+    assert!(prompts.iter().all(|p| p.output_tokens >= 4));
+    // A fixed output length lifts the output check (as --sharegpt-output-len does).
+    let (fixed, stats) = fleetgate::bench::dataset::sharegpt(&path, 100, Some(64), 0).unwrap();
+    assert_eq!(stats.output_too_short, 0);
+    assert_eq!(fixed.len(), 3);
+    assert!(fixed.iter().all(|p| p.output_tokens == 64));
+    // Through the CLI against the sim, the skipped counts are in the dataset note.
+    let s = sim(|a| a.zero_delay = true).await;
+    let p = path.display().to_string();
+    let (plan, report) = run(&[
+        "--base-url",
+        &s.url(),
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        &p,
+        "--num-prompts",
+        "5",
+        "--sharegpt-output-len",
+        "8",
+    ])
+    .await;
+    assert!(
+        plan.dataset_note.contains("1 prompts over 1024 tokens"),
+        "{}",
+        plan.dataset_note
+    );
+    assert!(
+        plan.dataset_note.contains("only 3 of the 5"),
+        "{}",
+        plan.dataset_note
+    );
+    assert_eq!(report.summaries[0].completed, 3);
+    // Not a ShareGPT file: a clear error.
+    std::fs::write(&path, b"{\"not\": \"a list\"}").unwrap();
+    let e = fleetgate::bench::dataset::sharegpt(&path, 5, None, 0).unwrap_err();
+    assert!(e.contains("not a ShareGPT file"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_stream_errors_and_http_errors_count_as_failures() {
+    let s = sim(|a| {
+        a.zero_delay = true;
+        a.error_after_chunks = Some(2);
+    })
+    .await;
+    let (_, report) = run(&[
+        "--base-url",
+        &s.url(),
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "10",
+        "--random-output-len",
+        "8",
+    ])
+    .await;
+    let r = &report.summaries[0];
+    assert_eq!((r.completed, r.failed), (0, 6), "{}", report.text);
+    assert!(
+        r.errors
+            .keys()
+            .all(|e| e.starts_with("error event in the stream")),
+        "{:?}",
+        r.errors
+    );
+    assert!(report.text.contains("Failures by cause"));
+    assert_eq!(report.exit, 1, "nothing succeeded");
+    // A wrong model name: HTTP 404 with the server's message, per request.
+    let s = sim(|a| a.zero_delay = true).await;
+    let (_, report) = run(&[
+        "--base-url",
+        &s.url(),
+        "--model",
+        "no-such-model",
+        "--num-prompts",
+        "2",
+        "--random-input-len",
+        "10",
+        "--random-output-len",
+        "3",
+    ])
+    .await;
+    let r = &report.summaries[0];
+    assert_eq!(r.failed, 2);
+    assert!(
+        r.errors.keys().all(|e| e.starts_with("HTTP 404")),
+        "{:?}",
+        r.errors
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_json_drives_a_timed_closed_loop_run() {
+    let s = sim(|a| a.zero_delay = true).await;
+    let dir = temp_dir("bench-settings");
+    std::fs::create_dir_all(&dir).unwrap();
+    let settings = dir.join("settings.json");
+    std::fs::write(
+        &settings,
+        serde_json::json!({
+            "endpoint": format!("{}/v1/chat/completions", s.url().trim_end_matches('/')),
+            "api_key_env": "FLEETGATE_BENCH_TEST_UNSET_KEY",
+            "model": "qwen32b",
+            "concurrency": 4,
+            "duration_seconds": 0.5,
+            "request_distribution": [
+                {"name": "short", "weight": 0.6, "input_tokens": 16, "output_tokens": 4},
+                {"name": "long", "weight": 0.4, "input_tokens": 64, "output_tokens": 8}
+            ],
+            "metrics": {"record_ttft": true, "record_tpot": true, "percentiles": [50, 95, 99]},
+            "warmup_requests": 2
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let out = dir.join("result.json");
+    let p = settings.display().to_string();
+    let o = out.display().to_string();
+    let code = bench::run(
+        args(&["--config", &p, "--output", &o]),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert!(v["completed"].as_u64().unwrap() > 10, "{v}");
+    assert_eq!(v["failed"], 0);
+    assert_eq!(v["max_concurrency"], 4);
+    assert!(v["max_concurrent_requests"].as_u64().unwrap() <= 4);
+    for k in ["p50", "p95", "p99"] {
+        assert!(v["ttft_ms"][k].is_number(), "ttft_ms.{k}");
+        assert!(v["tpot_ms"][k].is_number(), "tpot_ms.{k}");
+    }
+    assert_eq!(v["error_rate"], 0.0);
+    assert!(v["throughput_tokens_per_sec"].as_f64().unwrap() > 0.0);
+    assert_eq!(
+        v["settings"]["concurrency"], 4,
+        "the settings used are archived"
+    );
+    assert!(
+        v["p95_e2el_ms"].is_number(),
+        "metrics percentiles from the settings"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn diff_lines_up_two_results() {
+    let a = serde_json::json!({"mean_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "request_throughput": 8.0, "input_lens": [1]});
+    let b =
+        serde_json::json!({"mean_ttft_ms": 103.0, "p99_ttft_ms": 190.0, "request_throughput": 8.0});
+    let t = fleetgate::bench::report::diff(&a, &b).unwrap();
+    assert!(t.contains("mean_ttft_ms") && t.contains("+3.00%"), "{t}");
+    assert!(t.contains("-5.00%"), "{t}");
+    assert!(!t.contains("input_lens"));
+    assert!(fleetgate::bench::report::diff(&serde_json::json!({}), &b).is_err());
+}
