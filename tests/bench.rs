@@ -441,3 +441,69 @@ fn diff_lines_up_two_results() {
     assert!(!t.contains("input_lens"));
     assert!(fleetgate::bench::report::diff(&serde_json::json!({}), &b).is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_finds_the_knee_draws_it_and_plans_capacity() {
+    // Sixteen sequences at a time, ten steps of ~6 ms each: about 200 requests/s at most.
+    let s = sim(|a| {
+        a.max_num_seqs = 16;
+        a.decode_step_ms = 5.0;
+        a.decode_ms_per_seq = 0.0;
+        a.prefill_us_per_token = 0.0;
+    })
+    .await;
+    let dir = temp_dir("bench-sweep");
+    std::fs::create_dir_all(&dir).unwrap();
+    let chart = dir.join("sweep.svg");
+    let out = dir.join("sweep.json");
+    let (c, o) = (chart.display().to_string(), out.display().to_string());
+    let code = bench::run(
+        args(&[
+            "--base-url",
+            &s.url(),
+            "--num-prompts",
+            "40",
+            "--random-input-len",
+            "10",
+            "--random-output-len",
+            "10",
+            // Nearly even gaps: short runs still offer the rate they name.
+            "--burstiness",
+            "1000",
+            "--sweep",
+            "rate=20,40,2000",
+            "--sweep-chart",
+            &c,
+            "--sla",
+            "ttft_p99_ms=60000",
+            "--target-qps",
+            "100",
+            "--redundancy",
+            "1.25",
+            "--output",
+            &o,
+        ]),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let runs = v["sweep"]["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 3);
+    assert!(runs.iter().all(|r| r["completed"] == 40));
+    let thr: Vec<f64> = runs
+        .iter()
+        .map(|r| r["request_throughput"].as_f64().unwrap())
+        .collect();
+    // 2000/s offered against ~200/s of capacity: the last point is past the knee.
+    assert_eq!(v["sweep"]["knee"], 2000.0, "throughputs {thr:?}");
+    let best = runs
+        .iter()
+        .map(|r| r["request_throughput"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    let need = v["capacity"]["instances_needed"].as_u64().unwrap();
+    assert_eq!(need, (100.0 * 1.25 / best).ceil() as u64);
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("knee"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

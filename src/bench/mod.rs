@@ -10,6 +10,7 @@
 pub mod dataset;
 pub mod measure;
 pub mod report;
+pub mod sweep;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -156,6 +157,22 @@ pub struct BenchArgs {
     /// with a table when one is violated.
     #[arg(long)]
     pub sla: Option<String>,
+    /// A series of runs, e.g. `rate=2,4,8,16,32` or `concurrency=1,4,16`: a table, an SVG chart
+    /// of TTFT P99 and throughput with the knee marked (`--sweep-chart`).
+    #[arg(long)]
+    pub sweep: Option<String>,
+    /// Where the sweep's SVG chart goes.
+    #[arg(long, default_value = "fleetgate-sweep.svg")]
+    pub sweep_chart: PathBuf,
+    /// Capacity planning: the QPS the fleet must serve.
+    #[arg(long)]
+    pub target_qps: Option<f64>,
+    /// Capacity planning: headroom factor (the seed uses 1.2–1.3).
+    #[arg(long, default_value_t = 1.25)]
+    pub redundancy: f64,
+    /// Capacity planning: how many instances served the measured endpoint.
+    #[arg(long, default_value_t = 1)]
+    pub instances: u32,
     /// Give up on a request after this long.
     #[arg(long, default_value_t = 600.0)]
     pub request_timeout_seconds: f64,
@@ -239,6 +256,10 @@ pub struct Plan {
     pub dataset_note: String,
     pub settings: Value,
     pub progress: bool,
+    pub sweep: Option<(sweep::Axis, Vec<f64>)>,
+    pub sweep_chart: PathBuf,
+    /// (target QPS, redundancy, instances measured).
+    pub capacity: Option<(f64, f64, u32)>,
 }
 
 /// What the engine gives back.
@@ -585,6 +606,32 @@ async fn plan_with(
             .map_err(|_| format!("--goodput `{g}`: `{v}` is not milliseconds"))?;
         goodput.push((m.to_owned(), v));
     }
+    let sweep = match &args.sweep {
+        Some(s) => {
+            if args.compare.len() == 2 {
+                return Err(
+                    "--sweep measures one target; run the comparison at the rate you care about"
+                        .into(),
+                );
+            }
+            // The table and the chart read P99.
+            if !percentiles.iter().any(|p| (*p - 99.0).abs() < 1e-9) {
+                percentiles.push(99.0);
+            }
+            Some(sweep::parse(s)?)
+        }
+        None => None,
+    };
+    let capacity = match args.target_qps {
+        Some(q) if q > 0.0 && q.is_finite() => {
+            if !(args.redundancy.is_finite() && args.redundancy >= 1.0) {
+                return Err("--redundancy must be ≥ 1 (the seed uses 1.2–1.3)".into());
+            }
+            Some((q, args.redundancy, args.instances.max(1)))
+        }
+        Some(_) => return Err("--target-qps must be > 0".into()),
+        None => None,
+    };
     // For SLA names, every percentile counts as measured.
     let sla = match &args.sla {
         Some(s) => report::parse_sla(s, &percentiles)?,
@@ -708,6 +755,9 @@ async fn plan_with(
         dataset_note,
         settings,
         progress: !args.no_progress,
+        sweep,
+        sweep_chart: args.sweep_chart.clone(),
+        capacity,
     })
 }
 
@@ -1090,6 +1140,13 @@ pub fn build_report(plan: &Plan, run: &RunResult) -> Report {
             exit = EXIT_SLA;
         }
     }
+    if let Some((q, red, inst)) = plan.capacity {
+        let measured = &summaries[summaries.len() - 1];
+        let at_sla = report::violations(measured, &plan.sla).is_empty() && measured.completed > 0;
+        let thr = at_sla.then_some(measured.request_throughput);
+        text.push_str(&capacity_text(q, red, inst, thr, "this run"));
+        json.insert("capacity".into(), sweep::capacity_json(q, red, thr, inst));
+    }
     if summaries.iter().all(|s| s.completed == 0) {
         exit = 1;
     }
@@ -1103,6 +1160,119 @@ pub fn build_report(plan: &Plan, run: &RunResult) -> Report {
         exit,
         summaries,
     }
+}
+
+fn capacity_text(q: f64, red: f64, inst: u32, thr: Option<f64>, source: &str) -> String {
+    match thr.and_then(|t| sweep::capacity(q, red, t, inst).map(|n| (t, n))) {
+        Some((t, n)) => format!(
+            "capacity: {t:.2} req/s measured on {inst} instance(s) at the SLA ({source}) → {:.2} per instance; {q} QPS × {red} redundancy needs {n} instance(s)\n",
+            t / f64::from(inst)
+        ),
+        None => format!(
+            "capacity: unknown — {source} does not meet the SLA (or completed nothing); lower the load or sweep (--sweep rate=...)\n"
+        ),
+    }
+}
+
+/// Run every point of the sweep; the report holds the table, the chart's path and capacity.
+async fn run_sweep(plan: Arc<Plan>, stop: CancellationToken) -> Result<(Report, String), String> {
+    let Some((axis, values)) = plan.sweep.clone() else {
+        return Err("no sweep".into());
+    };
+    let mut points = Vec::new();
+    let mut runs = Vec::new();
+    let mut interrupted = false;
+    for (i, x) in values.iter().enumerate() {
+        let mut p = (*plan).clone();
+        match axis {
+            sweep::Axis::Rate => p.request_rate = *x,
+            sweep::Axis::Concurrency => p.max_concurrency = Some(*x as usize),
+        }
+        if i > 0 {
+            p.warmups = 0;
+        }
+        eprintln!(
+            "fleetgate bench: sweep point {} of {}: {} = {x}",
+            i + 1,
+            values.len(),
+            axis.name()
+        );
+        let result = execute(Arc::new(p.clone()), stop.clone()).await?;
+        let r = build_report(&p, &result);
+        interrupted |= result.interrupted;
+        points.push(sweep::Point {
+            x: *x,
+            summary: r.summaries[0].clone(),
+            meets_sla: false,
+        });
+        let mut j = r.json;
+        if let Value::Object(m) = &mut j {
+            m.insert("sweep_value".into(), json!(x));
+        }
+        runs.push(j);
+        if result.interrupted {
+            break;
+        }
+    }
+    sweep::mark_sla(&mut points, &plan.sla);
+    let knee = sweep::knee(axis, &points);
+    let mut text = sweep::table(axis, &points, knee, !plan.sla.is_empty());
+    let chart = sweep::svg(axis, &points, knee);
+    let mut exit = 0;
+    let best = points
+        .iter()
+        .filter(|p| p.meets_sla)
+        .map(|p| p.summary.request_throughput)
+        .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.max(t))));
+    if !plan.sla.is_empty() && best.is_none() {
+        text.push_str("SLA: no point of the sweep meets it\n");
+        exit = EXIT_SLA;
+    }
+    let mut json = serde_json::Map::new();
+    json.insert("model_id".into(), json!(plan.model));
+    json.insert("labels".into(), Value::Object(plan.labels.clone()));
+    json.insert("settings".into(), plan.settings.clone());
+    json.insert(
+        "sweep".into(),
+        json!({
+            "axis": match axis { sweep::Axis::Rate => "rate", sweep::Axis::Concurrency => "concurrency" },
+            "values": values,
+            "knee": knee.map(|k| points[k].x),
+            "meets_sla": points.iter().map(|p| p.meets_sla).collect::<Vec<_>>(),
+            "runs": runs,
+        }),
+    );
+    if let Some((q, red, inst)) = plan.capacity {
+        let source = if plan.sla.is_empty() {
+            "the sweep's best throughput; give --sla to plan at an objective"
+        } else {
+            "the best sweep point meeting the SLA"
+        };
+        let thr = if plan.sla.is_empty() {
+            points
+                .iter()
+                .map(|p| p.summary.request_throughput)
+                .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.max(t))))
+        } else {
+            best
+        };
+        text.push_str(&capacity_text(q, red, inst, thr, source));
+        json.insert("capacity".into(), sweep::capacity_json(q, red, thr, inst));
+    }
+    if interrupted {
+        text.push_str("interrupted: the sweep stopped at Ctrl-C\n");
+        exit = EXIT_INTERRUPTED;
+    }
+    json.insert("interrupted".into(), json!(interrupted));
+    Ok((
+        Report {
+            text,
+            json: Value::Object(json),
+            exit,
+            summaries: points.into_iter().map(|p| p.summary).collect(),
+        },
+        chart,
+    ))
 }
 
 /// Where `--save-result` / `--output` writes.
@@ -1178,14 +1348,35 @@ pub async fn run(args: BenchArgs, stop: CancellationToken) -> u8 {
             .join(" & "),
         plan.dataset_note
     );
-    let result = match execute(plan.clone(), stop).await {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("fleetgate bench: {e}");
-            return 1;
+    let report = if plan.sweep.is_some() {
+        match run_sweep(plan.clone(), stop).await {
+            Ok((report, chart)) => {
+                match std::fs::write(&plan.sweep_chart, chart) {
+                    Ok(()) => eprintln!(
+                        "fleetgate bench: chart written to {}",
+                        plan.sweep_chart.display()
+                    ),
+                    Err(e) => eprintln!(
+                        "fleetgate bench: cannot write {}: {e}",
+                        plan.sweep_chart.display()
+                    ),
+                }
+                report
+            }
+            Err(e) => {
+                eprintln!("fleetgate bench: {e}");
+                return 1;
+            }
+        }
+    } else {
+        match execute(plan.clone(), stop).await {
+            Ok(r) => build_report(&plan, &r),
+            Err(e) => {
+                eprintln!("fleetgate bench: {e}");
+                return 1;
+            }
         }
     };
-    let report = build_report(&plan, &result);
     print!("{}", report.text);
     if let Some(path) = result_path(&args, &plan) {
         let text = serde_json::to_vec_pretty(&report.json).unwrap_or_default();
