@@ -97,7 +97,7 @@ pub fn table(axis: Axis, points: &[Point], knee: Option<usize>, sla: bool) -> St
     let _ = writeln!(o, "{:=^96}", format!(" Sweep over {} ", axis.name()));
     let _ = writeln!(
         o,
-        "{:>10} {:>9} {:>7} {:>10} {:>12} {:>12} {:>12} {:>12}  {}",
+        "{:>10} {:>9} {:>7} {:>10} {:>12} {:>12} {:>12} {:>12}  note",
         match axis {
             Axis::Rate => "rate",
             Axis::Concurrency => "conc.",
@@ -109,7 +109,6 @@ pub fn table(axis: Axis, points: &[Point], knee: Option<usize>, sla: bool) -> St
         "TTFT p99",
         "TPOT p99",
         "E2EL p99",
-        "note"
     );
     let get = |s: &Summary, m: &str| {
         s.metrics
