@@ -40,6 +40,13 @@ enum Command {
     /// Load generator compatible with `vllm bench serve`; `--compare direct=URL gateway=URL`
     /// measures the gateway's cost against direct calls in one interleaved run.
     Bench(Box<fleetgate::bench::BenchArgs>),
+    /// GET a URL and exit 0 on a 2xx answer, 1 otherwise: a container health check without
+    /// curl (e.g. `fleetgate probe http://127.0.0.1:8080/readyz`).
+    Probe {
+        url: String,
+        #[arg(long, default_value_t = 2.0)]
+        timeout_seconds: f64,
+    },
     /// Check a config file and print what it configures.
     CheckConfig {
         #[arg(long, short, default_value = "config/fleetgate.toml")]
@@ -124,6 +131,10 @@ async fn run(cli: Cli) -> ExitCode {
             });
             ExitCode::from(fleetgate::bench::run(*args, stop).await)
         }
+        Command::Probe {
+            url,
+            timeout_seconds,
+        } => report(probe(&url, timeout_seconds).await),
         Command::Keys(args) => report(fleetgate::keys_cli::run_keys(args).await),
         Command::Usage(args) => report(fleetgate::keys_cli::run_usage(args).await),
         Command::Migrate(args) => report(fleetgate::keys_cli::run_migrate(args).await),
@@ -171,6 +182,23 @@ async fn run(cli: Cli) -> ExitCode {
                 ExitCode::from(EXIT_CONFIG)
             }
         },
+    }
+}
+
+async fn probe(url: &str, timeout_seconds: f64) -> Result<(), String> {
+    let uri: http::Uri = url.parse().map_err(|e| format!("probe: `{url}`: {e}"))?;
+    let req = http::Request::get(uri)
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .map_err(|e| format!("probe: {e}"))?;
+    let client = fleetgate::client::http_client();
+    let limit = std::time::Duration::from_secs_f64(timeout_seconds.max(0.001));
+    match tokio::time::timeout(limit, client.request(req)).await {
+        Ok(Ok(r)) if r.status().is_success() => Ok(()),
+        Ok(Ok(r)) => Err(format!("probe: {url} answered {}", r.status())),
+        Ok(Err(e)) => Err(format!("probe: {url}: {e}")),
+        Err(_) => Err(format!(
+            "probe: {url}: no answer within {timeout_seconds} s"
+        )),
     }
 }
 
