@@ -1,0 +1,209 @@
+//! The documentation stays true to the code: every key the config parser accepts is documented
+//! in its section of docs/configuration.md (the keys are read from the parser itself — serde
+//! lists a table's fields when it refuses an unknown one — so a new key without documentation
+//! fails here), and the messages docs/operations.md quotes are the ones the gateway sends.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+const POOL: &str = "model = 'm'\nbackends = ['http://a:1']\n";
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(format!("{ROOT}/{rel}")).unwrap()
+}
+
+/// The fields serde expected where it met `zzz_unknown` in `toml`.
+fn fields_of(toml: &str) -> Vec<String> {
+    let err = fleetgate::config::Config::parse("t.toml", toml, |_| Some("x".into()))
+        .err()
+        .unwrap_or_else(|| panic!("no error for:\n{toml}"));
+    let msg = err.message;
+    assert!(
+        msg.contains("unknown field `zzz_unknown`"),
+        "{toml}\n→ {msg}"
+    );
+    let after = &msg[msg.find("expected").unwrap_or(msg.len())..];
+    after
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The text of a section of configuration.md: from its heading to the next heading of the same
+/// or a higher level.
+fn section<'a>(doc: &'a str, heading: &str) -> &'a str {
+    let start = doc
+        .find(heading)
+        .unwrap_or_else(|| panic!("configuration.md has no heading `{heading}`"));
+    let level = doc[..start].rsplit('\n').next().unwrap_or_default().len()
+        + heading.chars().take_while(|c| *c == '#').count();
+    let rest = &doc[start + heading.len()..];
+    let end = rest
+        .match_indices("\n#")
+        .find(|(i, _)| {
+            let hashes = rest[i + 1..].chars().take_while(|c| *c == '#').count();
+            hashes <= level.max(2)
+        })
+        .map_or(rest.len(), |(i, _)| i);
+    &rest[..end]
+}
+
+#[test]
+fn every_config_key_is_documented_in_its_section() {
+    let doc = read("docs/configuration.md");
+    // (where the parser is asked, which section documents it)
+    let cases: Vec<(String, &str)> = vec![
+        (
+            format!("[server]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "## `[server]`",
+        ),
+        (
+            format!("[server.tls]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "### `[server.tls]`",
+        ),
+        (
+            format!("[database]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "## `[database]`",
+        ),
+        (
+            format!("[auth]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "## `[auth]`",
+        ),
+        (
+            format!("[admin]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "## `[admin]`",
+        ),
+        (
+            format!("[request_log]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "## `[request_log]`",
+        ),
+        (
+            format!("[limits]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "## `[limits]`",
+        ),
+        (
+            format!("[limits.stress]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "### `[limits.stress]`",
+        ),
+        (
+            format!("[limits.redis]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "### `[limits.redis]`",
+        ),
+        (
+            format!("[queue]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "## `[queue]`",
+        ),
+        (
+            format!("[queue.max_wait_seconds]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "## `[queue]`",
+        ),
+        (
+            format!("[[pools]]\nzzz_unknown = 1\n{POOL}"),
+            "## `[[pools]]`",
+        ),
+        (
+            "[[pools]]\nmodel = 'm'\nbackends = [{ zzz_unknown = 1, url = 'http://a:1' }]\n".into(),
+            "## `[[pools]]`",
+        ),
+        (
+            format!("[[pools]]\n{POOL}long_prompt = {{ zzz_unknown = 1 }}\n"),
+            "## `[[pools]]`",
+        ),
+    ];
+    let mut cases = cases;
+    for sub in [
+        "retries",
+        "ejection",
+        "health",
+        "load_aware",
+        "affinity",
+        "warmup",
+        "timeouts",
+    ] {
+        cases.push((
+            format!("[[pools]]\n{POOL}[pools.{sub}]\nzzz_unknown = 1\n"),
+            Box::leak(format!("### `[pools.{sub}]`").into_boxed_str()),
+        ));
+    }
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for (toml, heading) in &cases {
+        let fields = fields_of(toml);
+        assert!(!fields.is_empty(), "no fields listed for {heading}");
+        let text = section(&doc, heading);
+        for f in fields {
+            checked += 1;
+            // A key in a table row or inline example, a dotted key (`max_wait_seconds.prod`),
+            // or a sub-table with a heading of its own (`[pools.timeouts]`).
+            let documented = [
+                format!("`{f}`"),
+                format!("`{f} "),
+                format!("`{f}."),
+                format!(".{f}`"),
+                format!("{{ {f} ="),
+                format!(", {f} ="),
+            ]
+            .iter()
+            .any(|p| text.contains(p.as_str()))
+                || doc.contains(&format!(".{f}]`"));
+            if !documented {
+                missing.push(format!("{f} (in {heading})"));
+            }
+        }
+    }
+    assert!(
+        checked > 80,
+        "only {checked} keys found: is the parser still listing them?"
+    );
+    assert!(
+        missing.is_empty(),
+        "config keys the parser accepts but docs/configuration.md does not document in their section: {missing:?}"
+    );
+}
+
+#[test]
+fn the_messages_operations_md_quotes_are_the_gateways() {
+    let ops = read("docs/operations.md");
+    let sources: String = [
+        "src/auth/mod.rs",
+        "src/proxy/error.rs",
+        "src/proxy/mod.rs",
+        "src/server/reload.rs",
+    ]
+    .iter()
+    .map(|p| read(p))
+    .collect();
+    // Quoted texts in the troubleshooting table: "..." between double quotes, the variable
+    // parts written as "...".
+    let table = &ops[ops.find("## Troubleshooting").unwrap()..];
+    // The third column: what the client (or the log) receives.
+    let received: String = table
+        .lines()
+        .filter(|l| l.starts_with('|'))
+        .filter_map(|l| l.split('|').nth(3))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut checked = 0;
+    for quoted in received.split('"').skip(1).step_by(2) {
+        for piece in quoted.split("...").map(str::trim).filter(|p| p.len() >= 12) {
+            // Parts that are the server's own formatting of a value (e.g. `model `...``).
+            let piece = piece
+                .trim_end_matches(['(', '`', ' '])
+                .trim_start_matches([')', '.', ' ', '`']);
+            if piece.len() < 12 {
+                continue;
+            }
+            checked += 1;
+            assert!(
+                sources.contains(piece),
+                "docs/operations.md quotes a message the gateway does not send: {piece:?}"
+            );
+        }
+    }
+    assert!(checked >= 10, "only {checked} quoted messages checked");
+}
