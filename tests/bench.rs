@@ -274,7 +274,8 @@ async fn sharegpt_is_sampled_and_filtered_as_vllm_does() {
             {"from": "human", "value": "A third turn is ignored."}]}
     ]);
     std::fs::write(&path, data.to_string()).unwrap();
-    let (prompts, stats) = fleetgate::bench::dataset::sharegpt(&path, 100, None, 0).unwrap();
+    let (prompts, stats) =
+        fleetgate::bench::dataset::sharegpt(&path, 100, None, 0, &Default::default()).unwrap();
     assert_eq!(stats.conversations, 6);
     assert_eq!(stats.fewer_than_two_turns, 1);
     assert_eq!(stats.prompt_too_short, 1, "`Hi`");
@@ -284,7 +285,8 @@ async fn sharegpt_is_sampled_and_filtered_as_vllm_does() {
     assert_eq!(prompts.len(), 2);
     assert!(prompts.iter().all(|p| p.output_tokens >= 4));
     // A fixed output length lifts the output check (as --sharegpt-output-len does).
-    let (fixed, stats) = fleetgate::bench::dataset::sharegpt(&path, 100, Some(64), 0).unwrap();
+    let (fixed, stats) =
+        fleetgate::bench::dataset::sharegpt(&path, 100, Some(64), 0, &Default::default()).unwrap();
     assert_eq!(stats.output_too_short, 0);
     assert_eq!(fixed.len(), 3);
     assert!(fixed.iter().all(|p| p.output_tokens == 64));
@@ -315,9 +317,64 @@ async fn sharegpt_is_sampled_and_filtered_as_vllm_does() {
         plan.dataset_note
     );
     assert_eq!(report.summaries[0].completed, 3);
+    // With the model's tokenizer the counts are its own: 1100 one-letter words are ~550 tokens
+    // by characters / 4 (kept) but 1100 by a word-level tokenizer (a prompt over 1024: skipped).
+    let long_words = "a ".repeat(1100);
+    let data = serde_json::json!([
+        {"conversations": [
+            {"from": "human", "value": long_words},
+            {"from": "gpt", "value": "A reply that is long enough to keep."}]},
+        {"conversations": [
+            {"from": "human", "value": "Explain the difference between TCP and UDP in two sentences."},
+            {"from": "gpt", "value": "TCP is reliable and ordered; UDP is neither."}]}
+    ]);
+    std::fs::write(&path, data.to_string()).unwrap();
+    let approx = fleetgate::bench::dataset::sharegpt(&path, 10, None, 0, &Default::default())
+        .unwrap()
+        .1;
+    assert_eq!((approx.kept, approx.prompt_too_long), (2, 0));
+    let tok_path = dir.join("tokenizer.json");
+    std::fs::write(
+        &tok_path,
+        serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1}, "unk_token": "[UNK]"}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let t = tok_path.display().to_string();
+    let (plan, _) = run(&[
+        "--base-url",
+        &s.url(),
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        &p,
+        "--num-prompts",
+        "10",
+        "--tokenizer",
+        &t,
+    ])
+    .await;
+    assert_eq!(plan.prompts.len(), 1, "{}", plan.dataset_note);
+    assert_eq!(plan.prompts[0].input_tokens, 11, "the tokenizer's count");
+    assert!(
+        plan.dataset_note.contains("1 prompts over 1024 tokens"),
+        "{}",
+        plan.dataset_note
+    );
+    assert!(
+        plan.dataset_note.contains("by the tokenizer"),
+        "{}",
+        plan.dataset_note
+    );
     // Not a ShareGPT file: a clear error.
     std::fs::write(&path, b"{\"not\": \"a list\"}").unwrap();
-    let e = fleetgate::bench::dataset::sharegpt(&path, 5, None, 0).unwrap_err();
+    let e =
+        fleetgate::bench::dataset::sharegpt(&path, 5, None, 0, &Default::default()).unwrap_err();
     assert!(e.contains("not a ShareGPT file"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -2,11 +2,13 @@
 //! (the seed's `request_distribution`), or ShareGPT conversations sampled and filtered the way
 //! `vllm bench serve` does.
 //!
-//! Token counts: without a tokenizer, a prompt's length in tokens is estimated as characters / 4
-//! (OpenAI's rule of thumb for English text), and random prompts are made of common short English
-//! words, each one token in the GPT, Llama and Qwen BPE vocabularies, so a random prompt of N
-//! tokens is N words. The server's own `usage.prompt_tokens` replaces the estimate in the results
-//! whenever the server reports it (vLLM does, for every streamed request the bench sends).
+//! Token counts: with `--tokenizer tokenizer.json` (the model's own, as Hugging Face ships it),
+//! texts are counted by that tokenizer and random prompts are made to its exact length. Without
+//! one, a prompt's length in tokens is estimated as characters / 4 (OpenAI's rule of thumb for
+//! English text), and random prompts are made of common short English words, each one token in
+//! the GPT, Llama and Qwen BPE vocabularies, so a random prompt of N tokens is N words. The
+//! server's own `usage.prompt_tokens` replaces either in the results whenever the server reports
+//! it (vLLM does, for every streamed request the bench sends).
 
 use std::path::Path;
 
@@ -27,11 +29,54 @@ pub struct Prompt {
 }
 
 /// The approximation used when no tokenizer is given, for the report.
-pub const APPROXIMATION: &str = "token counts estimated as characters / 4 (random prompts: one common English word per token); the server's usage.prompt_tokens replaces the estimate when reported";
+pub const APPROXIMATION: &str = "token counts estimated as characters / 4 (random prompts: one common English word per token; give --tokenizer tokenizer.json for exact counts); the server's usage.prompt_tokens replaces the estimate when reported";
 
 /// Estimated tokens of `text`: characters / 4, at least 1.
 pub fn estimate_tokens(text: &str) -> u64 {
     (text.chars().count() as u64).div_ceil(4).max(1)
+}
+
+/// How texts are counted in tokens.
+#[derive(Clone, Default)]
+pub enum Counter {
+    /// Characters / 4.
+    #[default]
+    Approximate,
+    /// A real tokenizer (tokenizer.json).
+    Tokenizer(std::sync::Arc<tokenizers::Tokenizer>),
+}
+
+impl std::fmt::Debug for Counter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Counter::Approximate => f.write_str("Approximate"),
+            Counter::Tokenizer(_) => f.write_str("Tokenizer"),
+        }
+    }
+}
+
+impl Counter {
+    /// Load a Hugging Face `tokenizer.json`.
+    pub fn load(path: &Path) -> Result<Counter, String> {
+        tokenizers::Tokenizer::from_file(path)
+            .map(|t| Counter::Tokenizer(std::sync::Arc::new(t)))
+            .map_err(|e| {
+                format!(
+                    "{}: not a tokenizer.json the tokenizers library can read: {e}",
+                    path.display()
+                )
+            })
+    }
+
+    /// Tokens of `text` (without special tokens).
+    pub fn count(&self, text: &str) -> u64 {
+        match self {
+            Counter::Approximate => estimate_tokens(text),
+            Counter::Tokenizer(t) => t
+                .encode_fast(text, false)
+                .map_or_else(|_| estimate_tokens(text), |e| e.len() as u64),
+        }
+    }
 }
 
 /// Words that are one token each in common BPE vocabularies (with their leading space).
@@ -62,6 +107,45 @@ pub fn random_text(rng: &mut SmallRng, tokens: u64) -> String {
     s
 }
 
+/// A random prompt of `tokens` tokens by `counter` (words added or taken off until the count is
+/// right, or as close as single words allow), with its count.
+pub fn random_prompt(rng: &mut SmallRng, tokens: u64, counter: &Counter) -> (String, u64) {
+    let mut words: Vec<&str> = (0..tokens)
+        .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+        .collect();
+    if let Counter::Approximate = counter {
+        return (words.join(" "), tokens);
+    }
+    let mut text = words.join(" ");
+    let mut n = counter.count(&text);
+    for _ in 0..64 {
+        if n == tokens {
+            break;
+        }
+        if n > tokens {
+            if words.len() <= 1 {
+                break;
+            }
+            words.pop();
+        } else {
+            words.push(WORDS[rng.random_range(0..WORDS.len())]);
+        }
+        let next = words.join(" ");
+        let m = counter.count(&next);
+        // Past the target in the other direction: keep the closer of the two.
+        if (n < tokens && m > tokens) || (n > tokens && m < tokens) {
+            if m.abs_diff(tokens) < n.abs_diff(tokens) {
+                text = next;
+                n = m;
+            }
+            break;
+        }
+        text = next;
+        n = m;
+    }
+    (text, n)
+}
+
 /// A length drawn uniformly from [len × (1 − r), len × (1 + r)] (vLLM's `--random-range-ratio`).
 fn around(rng: &mut SmallRng, len: u64, ratio: f64) -> u64 {
     if ratio <= 0.0 {
@@ -73,15 +157,23 @@ fn around(rng: &mut SmallRng, len: u64, ratio: f64) -> u64 {
 }
 
 /// `n` random prompts (vLLM's random dataset).
-pub fn random(n: usize, input: u64, output: u64, range_ratio: f64, seed: u64) -> Vec<Prompt> {
+pub fn random(
+    n: usize,
+    input: u64,
+    output: u64,
+    range_ratio: f64,
+    seed: u64,
+    counter: &Counter,
+) -> Vec<Prompt> {
     let mut rng = SmallRng::seed_from_u64(seed);
     (0..n)
         .map(|_| {
             let i = around(&mut rng, input, range_ratio);
             let o = around(&mut rng, output, range_ratio);
+            let (text, input_tokens) = random_prompt(&mut rng, i, counter);
             Prompt {
-                text: random_text(&mut rng, i),
-                input_tokens: i,
+                text,
+                input_tokens,
                 output_tokens: o,
                 class: None,
             }
@@ -101,7 +193,12 @@ pub struct RequestClass {
 }
 
 /// `n` prompts drawn from weighted classes.
-pub fn classes(n: usize, classes: &[RequestClass], seed: u64) -> Result<Vec<Prompt>, String> {
+pub fn classes(
+    n: usize,
+    classes: &[RequestClass],
+    seed: u64,
+    counter: &Counter,
+) -> Result<Vec<Prompt>, String> {
     let total: f64 = classes.iter().map(|c| c.weight).sum();
     if classes.is_empty() || !(total.is_finite() && total > 0.0) {
         return Err("request_distribution needs at least one class with a weight > 0".into());
@@ -126,9 +223,10 @@ pub fn classes(n: usize, classes: &[RequestClass], seed: u64) -> Result<Vec<Prom
                     r < 0.0
                 })
                 .unwrap_or(&classes[classes.len() - 1]);
+            let (text, input_tokens) = random_prompt(&mut rng, c.input_tokens.max(1), counter);
             Prompt {
-                text: random_text(&mut rng, c.input_tokens.max(1)),
-                input_tokens: c.input_tokens.max(1),
+                text,
+                input_tokens,
                 output_tokens: c.output_tokens.max(1),
                 class: c.name.clone(),
             }
@@ -185,6 +283,7 @@ pub fn sharegpt(
     n: usize,
     fixed_output: Option<u64>,
     seed: u64,
+    counter: &Counter,
 ) -> Result<(Vec<Prompt>, ShareGptStats), String> {
     let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let data: Vec<Conversation> = serde_json::from_slice(&text).map_err(|e| {
@@ -219,8 +318,8 @@ pub fn sharegpt(
         if out.len() == n {
             break;
         }
-        let prompt_len = estimate_tokens(&prompt);
-        let output_len = fixed_output.unwrap_or_else(|| estimate_tokens(&completion));
+        let prompt_len = counter.count(&prompt);
+        let output_len = fixed_output.unwrap_or_else(|| counter.count(&completion));
         if prompt_len < 4 {
             stats.prompt_too_short += 1;
         } else if fixed_output.is_none() && output_len < 4 {
@@ -275,12 +374,13 @@ mod tests {
 
     #[test]
     fn random_prompts_have_the_asked_lengths_and_repeat_with_the_seed() {
-        let a = random(20, 100, 50, 0.0, 7);
+        let approx = Counter::Approximate;
+        let a = random(20, 100, 50, 0.0, 7, &approx);
         assert!(a.iter().all(|p| p.text.split(' ').count() == 100));
         assert!(a.iter().all(|p| p.output_tokens == 50));
-        let b = random(20, 100, 50, 0.0, 7);
+        let b = random(20, 100, 50, 0.0, 7, &approx);
         assert_eq!(a[3].text, b[3].text);
-        let c = random(200, 100, 50, 0.5, 7);
+        let c = random(200, 100, 50, 0.5, 7, &approx);
         assert!(c.iter().all(|p| (50..=150).contains(&p.input_tokens)));
         assert!(c.iter().any(|p| p.input_tokens < 80) && c.iter().any(|p| p.input_tokens > 120));
     }
@@ -307,7 +407,7 @@ mod tests {
                 output_tokens: 2048,
             },
         ];
-        let p = classes(2000, &cls, 1).unwrap();
+        let p = classes(2000, &cls, 1, &Counter::Approximate).unwrap();
         let short = p
             .iter()
             .filter(|p| p.class.as_deref() == Some("short"))
@@ -318,6 +418,45 @@ mod tests {
             .count();
         assert!((1100..1300).contains(&short), "{short}");
         assert!((140..260).contains(&tail), "{tail}");
-        assert!(classes(3, &[], 1).is_err());
+        assert!(classes(3, &[], 1, &Counter::Approximate).is_err());
+    }
+
+    /// A word-level tokenizer.json that splits on whitespace and punctuation: one token per
+    /// word or punctuation run, whatever its length.
+    pub fn word_tokenizer(dir: &Path) -> std::path::PathBuf {
+        let vocab: serde_json::Map<String, serde_json::Value> = ["[UNK]", "the", "of", "and"]
+            .iter()
+            .enumerate()
+            .map(|(i, w)| ((*w).to_owned(), serde_json::json!(i)))
+            .collect();
+        let t = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+        });
+        std::fs::create_dir_all(dir).unwrap();
+        let p = dir.join("tokenizer.json");
+        std::fs::write(&p, t.to_string()).unwrap();
+        p
+    }
+
+    #[test]
+    fn a_tokenizer_counts_and_random_prompts_match_it() {
+        let dir = std::env::temp_dir().join(format!("fg-tok-{}", std::process::id()));
+        let counter = Counter::load(&word_tokenizer(&dir)).unwrap();
+        // 11 tokens by the tokenizer (10 words and a full stop), 15 by characters / 4.
+        let text = "Explain the difference between TCP and UDP in two sentences.";
+        assert_eq!(counter.count(text), 11);
+        assert_eq!(estimate_tokens(text), 15);
+        let mut rng = SmallRng::seed_from_u64(3);
+        for n in [1, 7, 100] {
+            let (t, got) = random_prompt(&mut rng, n, &counter);
+            assert_eq!(got, n);
+            assert_eq!(counter.count(&t), n);
+        }
+        let e = Counter::load(&dir.join("missing.json")).unwrap_err();
+        assert!(e.contains("missing.json"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -104,6 +104,10 @@ pub struct BenchArgs {
     /// Lengths drawn from [len × (1 − r), len × (1 + r)].
     #[arg(long, default_value_t = 0.0)]
     pub random_range_ratio: f64,
+    /// The model's tokenizer.json (Hugging Face format): exact token counts for ShareGPT
+    /// filtering and random prompts (without it: characters / 4).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Output length of every ShareGPT request (default: the conversation's own reply length).
     #[arg(long)]
     pub sharegpt_output_len: Option<u64>,
@@ -637,13 +641,22 @@ async fn plan_with(
         Some(s) => report::parse_sla(s, &percentiles)?,
         None => Vec::new(),
     };
+    let (counter, counting) = match &args.tokenizer {
+        Some(p) => (
+            dataset::Counter::load(p)?,
+            format!("token counts by the tokenizer {}", p.display()),
+        ),
+        None => (
+            dataset::Counter::Approximate,
+            dataset::APPROXIMATION.to_owned(),
+        ),
+    };
     let (prompts, dataset_note) = match (classes, args.dataset_name) {
         (Some(c), _) if !c.is_empty() => (
-            dataset::classes(args.num_prompts, &c, args.seed)?,
+            dataset::classes(args.num_prompts, &c, args.seed, &counter)?,
             format!(
-                "settings.json request_distribution ({} classes); {}",
-                c.len(),
-                dataset::APPROXIMATION
+                "settings.json request_distribution ({} classes); {counting}",
+                c.len()
             ),
         ),
         (_, DatasetName::Random) => (
@@ -653,13 +666,11 @@ async fn plan_with(
                 args.random_output_len,
                 args.random_range_ratio,
                 args.seed,
+                &counter,
             ),
             format!(
-                "random: {} in / {} out tokens (range ratio {}); {}",
-                args.random_input_len,
-                args.random_output_len,
-                args.random_range_ratio,
-                dataset::APPROXIMATION
+                "random: {} in / {} out tokens (range ratio {}); {counting}",
+                args.random_input_len, args.random_output_len, args.random_range_ratio
             ),
         ),
         (_, DatasetName::Sharegpt) => {
@@ -667,8 +678,13 @@ async fn plan_with(
                 .dataset_path
                 .as_ref()
                 .ok_or("--dataset-name sharegpt needs --dataset-path (e.g. ShareGPT_V3_unfiltered_cleaned_split.json)")?;
-            let (p, stats) =
-                dataset::sharegpt(path, args.num_prompts, args.sharegpt_output_len, args.seed)?;
+            let (p, stats) = dataset::sharegpt(
+                path,
+                args.num_prompts,
+                args.sharegpt_output_len,
+                args.seed,
+                &counter,
+            )?;
             let short = if p.len() < args.num_prompts {
                 format!(" (only {} of the {} asked for)", p.len(), args.num_prompts)
             } else {
@@ -676,11 +692,7 @@ async fn plan_with(
             };
             (
                 p,
-                format!(
-                    "sharegpt {}: {stats}{short}; {}",
-                    path.display(),
-                    dataset::APPROXIMATION
-                ),
+                format!("sharegpt {}: {stats}{short}; {counting}", path.display()),
             )
         }
     };
@@ -713,6 +725,7 @@ async fn plan_with(
             "random_output_len": args.random_output_len,
             "random_range_ratio": args.random_range_ratio,
             "sharegpt_output_len": args.sharegpt_output_len,
+            "tokenizer": args.tokenizer,
             "request_rate": args.request_rate,
             "burstiness": args.burstiness,
             "max_concurrency": args.max_concurrency,
