@@ -547,3 +547,66 @@ async fn bench_reads_the_key_from_the_environment() {
     assert_eq!(out.status.code(), Some(1), "{stdout}");
     assert!(stdout.contains("HTTP 401"), "{stdout}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_ctrl_c_prints_what_was_measured() {
+    // Two at a time, 100 tokens 10 ms apart: 40 prompts would take about 20 s.
+    let s = sim(|a| {
+        a.decode_step_ms = 10.0;
+        a.decode_ms_per_seq = 0.0;
+    })
+    .await;
+    let base = s.url();
+    let child = KillOnDrop(Some(
+        Command::new(BIN)
+            .args([
+                "bench",
+                "--base-url",
+                &base,
+                "--model",
+                "qwen32b",
+                "--num-prompts",
+                "40",
+                "--random-input-len",
+                "8",
+                "--random-output-len",
+                "100",
+                "--max-concurrency",
+                "2",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let stats = s.stats().clone();
+    // Wait until a few requests have finished.
+    assert!(
+        eventually(Duration::from_secs(10), || stats
+            .completed
+            .load(std::sync::atomic::Ordering::SeqCst)
+            >= 4)
+        .await
+    );
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = tokio::task::spawn_blocking(move || child.take().wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(130), "{stdout}");
+    assert!(stdout.contains("Serving Benchmark Result"), "{stdout}");
+    assert!(stdout.contains("interrupted"), "{stdout}");
+    let done: u32 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("Successful requests:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!((4..40).contains(&done), "{stdout}");
+}
