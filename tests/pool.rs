@@ -741,3 +741,107 @@ async fn dns_discovery_makes_each_address_a_backend() {
         "{e}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_answers_that_change_move_traffic_and_streams_finish() {
+    use std::collections::BTreeSet;
+    use std::net::IpAddr;
+    use std::sync::{Arc, Mutex};
+    // Two backends on one port, at 127.0.0.1 and 127.0.0.2 (both loopback on Linux): what a
+    // headless Service answers as its pods come and go.
+    let a = sim(|s| s.decode_step_ms = 20.0).await;
+    let port = a.addr().port();
+    let b = sim(|s| {
+        s.host = "127.0.0.2".into();
+        s.port = port;
+        s.zero_delay = true;
+    })
+    .await;
+    let mut p = PoolConfig::new("qwen32b", vec![]);
+    let mut entry = BackendConfig::new(
+        format!("http://vllm.fleetgate-test.invalid:{port}")
+            .parse()
+            .unwrap(),
+    );
+    entry.discover = fleetgate::config::Discover::Dns {
+        interval: Duration::from_millis(100),
+    };
+    p.backends = vec![entry];
+    let gw = gateway(vec![p]).await;
+    let url = gw.url("/v1/chat/completions");
+    // The name does not resolve yet: no backend.
+    assert_eq!(post(&url, &[], chat("qwen32b", 2, true)).await.status, 503);
+
+    let answer: Arc<Mutex<BTreeSet<IpAddr>>> = Arc::new(Mutex::new(BTreeSet::new()));
+    let answer2 = answer.clone();
+    gw.server.fleet.set_resolver(Arc::new(move |_host, _port| {
+        let a = answer2.lock().unwrap().clone();
+        Box::pin(async move { Ok(a) })
+    }));
+    let set = |ips: &[&str]| {
+        *answer.lock().unwrap() = ips.iter().map(|i| i.parse().unwrap()).collect();
+    };
+    let backends = |gw: &Gateway| -> Vec<String> {
+        gw.server
+            .pools()
+            .get("qwen32b")
+            .unwrap()
+            .backends
+            .iter()
+            .map(|b| b.base.to_string())
+            .collect()
+    };
+    let (at_a, at_b) = (
+        format!("http://127.0.0.1:{port}"),
+        format!("http://127.0.0.2:{port}"),
+    );
+
+    set(&["127.0.0.1"]);
+    assert!(eventually(Duration::from_secs(5), || backends(&gw) == [at_a.clone()]).await);
+    assert_eq!(post(&url, &[], chat("qwen32b", 2, true)).await.status, 200);
+
+    // A long stream on a; then the answer moves to b.
+    let long = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, &[], chat("qwen32b", 40, true)).await })
+    };
+    let stats = a.stats().clone();
+    assert!(
+        eventually(Duration::from_secs(5), || stats
+            .running
+            .load(std::sync::atomic::Ordering::SeqCst)
+            == 1)
+        .await
+    );
+    set(&["127.0.0.2"]);
+    assert!(eventually(Duration::from_secs(5), || backends(&gw) == [at_b.clone()]).await);
+    for _ in 0..5 {
+        assert_eq!(post(&url, &[], chat("qwen32b", 2, true)).await.status, 200);
+    }
+    let m = long.await.unwrap();
+    assert_eq!(m.status, 200);
+    assert!(
+        m.metrics.done,
+        "the stream on the address that left was cut"
+    );
+    assert_eq!(m.metrics.content_events, 41);
+    let counts = per_backend(&gw);
+    assert_eq!(counts.get(&at_b), Some(&5), "{counts:?}");
+    assert_eq!(counts.get(&at_a), Some(&2), "{counts:?}");
+
+    // An empty answer is not taken at its word: the last addresses stay, the failure counts.
+    set(&[]);
+    let text = || metrics_text(&gw);
+    assert!(
+        eventually(Duration::from_secs(5), || text().contains(
+            "fleetgate_dns_discovery_failures_total{model=\"qwen32b\"}"
+        ))
+        .await
+    );
+    assert_eq!(backends(&gw), [at_b.clone()]);
+    assert!(
+        text().contains("fleetgate_config_generation 3"),
+        "{}",
+        text()
+    );
+}

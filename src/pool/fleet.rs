@@ -35,6 +35,17 @@ use super::Pools;
 /// One worker's view: the pools its requests use.
 pub type PoolsView = Arc<ArcSwap<Pools>>;
 
+/// Answers a DNS discovery lookup: the addresses of `host` (`port` for resolvers that want it).
+pub type Resolver = Arc<
+    dyn Fn(
+            String,
+            u16,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<BTreeSet<IpAddr>>> + Send>,
+        > + Send
+        + Sync,
+>;
+
 /// What a reload changed, for the log and the caller.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ReloadSummary {
@@ -108,6 +119,8 @@ pub struct Fleet {
     counters: Option<FleetMetrics>,
     /// Bumped after each applied change: the load scrapes restart on the new generation.
     changed: tokio::sync::watch::Sender<u64>,
+    /// Replaces the system resolver for the discovery rounds (tests; a custom service registry).
+    resolver: Mutex<Option<Resolver>>,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -235,6 +248,7 @@ impl Fleet {
             metrics: Mutex::new(None),
             counters,
             changed: tokio::sync::watch::Sender::new(1),
+            resolver: Mutex::new(None),
         })
     }
 
@@ -248,6 +262,11 @@ impl Fleet {
         let view = Arc::new(ArcSwap::from_pointee(self.current.load().fork(None)?));
         lock(&self.views).push(view.clone());
         Ok(view)
+    }
+
+    /// Answer the following discovery rounds with `resolver` instead of the system's.
+    pub fn set_resolver(&self, resolver: Resolver) {
+        *lock(&self.resolver) = Some(resolver);
     }
 
     /// Request metrics to re-resolve on each reload.
@@ -423,9 +442,16 @@ impl Fleet {
                 let Some((host, port)) = lookup_target(b) else {
                     continue;
                 };
+                let custom = lock(&self.resolver).clone();
+                let lookup = async {
+                    match custom {
+                        Some(r) => r(host.clone(), port).await,
+                        None => resolve(&host, port).await,
+                    }
+                };
                 let answer = tokio::select! {
                     _ = stop.cancelled() => return,
-                    a = tokio::time::timeout(interval.max(Duration::from_secs(1)), resolve(&host, port)) => a,
+                    a = tokio::time::timeout(interval.max(Duration::from_secs(1)), lookup) => a,
                 };
                 let addrs = match answer {
                     Ok(Ok(a)) => a,
