@@ -146,20 +146,7 @@ async fn serve_drains_a_stream_on_sigterm() {
             .spawn()
             .unwrap(),
     ));
-    let base: http::Uri = format!("http://127.0.0.1:{port}/healthz").parse().unwrap();
-    let c = fleetgate::client::http_client();
-    let mut up = false;
-    for _ in 0..500 {
-        let req = http::Request::get(base.clone())
-            .body(http_body_util::Full::new(bytes::Bytes::new()))
-            .unwrap();
-        if matches!(c.request(req).await, Ok(r) if r.status() == 200) {
-            up = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(up, "gateway did not come up");
+    wait_for_200(&format!("http://127.0.0.1:{port}/healthz")).await;
     let uri: http::Uri = format!("http://127.0.0.1:{port}/v1/chat/completions")
         .parse()
         .unwrap();
@@ -398,20 +385,7 @@ async fn serve_reloads_pools_on_sighup_and_when_the_file_changes() {
     let uri: http::Uri = format!("http://127.0.0.1:{port}/v1/chat/completions")
         .parse()
         .unwrap();
-    let c = fleetgate::client::http_client();
-    let healthz: http::Uri = format!("http://127.0.0.1:{port}/healthz").parse().unwrap();
-    let mut up = false;
-    for _ in 0..500 {
-        let req = http::Request::get(healthz.clone())
-            .body(http_body_util::Full::new(bytes::Bytes::new()))
-            .unwrap();
-        if matches!(c.request(req).await, Ok(r) if r.status() == 200) {
-            up = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(up, "gateway did not come up");
+    wait_for_200(&format!("http://127.0.0.1:{port}/healthz")).await;
     let (sa, sb) = (a.stats().clone(), b.stats().clone());
     assert!(until_served_by(&uri, &key, &sa.requests, Duration::from_secs(2)).await);
 

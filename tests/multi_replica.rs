@@ -45,18 +45,7 @@ impl Replica {
 }
 
 async fn wait_ready(port: u16) {
-    let c = fleetgate::client::http_client();
-    let uri: http::Uri = format!("http://127.0.0.1:{port}/readyz").parse().unwrap();
-    for _ in 0..500 {
-        let req = http::Request::get(uri.clone())
-            .body(http_body_util::Full::new(bytes::Bytes::new()))
-            .unwrap();
-        if matches!(c.request(req).await, Ok(r) if r.status() == 200) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("replica on port {port} did not become ready");
+    wait_for_200(&format!("http://127.0.0.1:{port}/readyz")).await;
 }
 
 /// `(status, body)` of an admin call on one replica.

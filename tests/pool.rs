@@ -248,22 +248,7 @@ async fn draining_a_backend_through_the_admin_api() {
         None,
         "{counts:?}"
     );
-    let (s, v) = admin(
-        &gw,
-        "GET",
-        "/admin/backends",
-        Some(&token(Role::Viewer)),
-        None,
-    )
-    .await;
-    assert_eq!(s, 200);
-    let states: Vec<&str> = v["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["state"].as_str().unwrap())
-        .collect();
-    assert_eq!(states[0], "draining");
+    assert_eq!(admin_backends(&gw, "state").await[0], "draining");
     // A viewer may look but not drain; an unknown backend is named.
     let (s, _) = admin(
         &gw,
@@ -609,22 +594,7 @@ async fn reload_adds_and_removes_backends_while_streams_continue() {
     }
     // The admin API lists the new membership; the metrics say a reload happened and drop the
     // removed backend's gauges.
-    let (s, v) = admin(
-        &gw,
-        "GET",
-        "/admin/backends",
-        Some(&token(Role::Viewer)),
-        None,
-    )
-    .await;
-    assert_eq!(s, 200);
-    let listed: Vec<&str> = v["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["backend"].as_str().unwrap())
-        .collect();
-    assert_eq!(listed, [base(&new.url())]);
+    assert_eq!(admin_backends(&gw, "backend").await, [base(&new.url())]);
     let text = metrics_text(&gw);
     assert!(text.contains("fleetgate_config_generation 2"), "{text}");
     assert!(

@@ -520,3 +520,38 @@ pub async fn admin(
         serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
     )
 }
+
+/// Wait until `GET url` answers 200 (a process just started); panics after 5 s.
+pub async fn wait_for_200(url: &str) {
+    let c = client::http_client();
+    let uri: Uri = url.parse().unwrap();
+    for _ in 0..500 {
+        let req = http::Request::get(uri.clone())
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        if matches!(c.request(req).await, Ok(r) if r.status() == 200) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{url} did not answer 200 within 5 s");
+}
+
+/// One field of every backend `GET /admin/backends` lists (a viewer's view).
+pub async fn admin_backends(gw: &Gateway, field: &str) -> Vec<String> {
+    let (s, v) = admin(
+        gw,
+        "GET",
+        "/admin/backends",
+        Some(&token(fleetgate::admin::jwt::Role::Viewer)),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b[field].as_str().unwrap().to_owned())
+        .collect()
+}
