@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The comparison the product exists for, with realistic token gaps: `fleetgate bench --compare`
+# sends the same prompts on the same arrival schedule, interleaved, to a simulated vLLM backend
+# directly and through fleetgate — and, as the floor, directly and through Debian's nginx (same
+# seed, so the same prompts and schedule). Prints both verdicts and leaves the result JSON under
+# bench-out/compare-<UTC time>/.
+#   scripts/bench-compare.sh [extra fleetgate bench flags]
+# Environment: PROMPTS (default 300), RATE (default 16 req/s over both targets), INPUT (256),
+# OUTPUT (64), SIM_FLAGS (default: the sim's realistic defaults: 15 ms decode steps + 0.5 ms per
+# running sequence, 20 µs of prefill per prompt token).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PROMPTS=${PROMPTS:-300}
+RATE=${RATE:-16}
+INPUT=${INPUT:-256}
+OUTPUT=${OUTPUT:-64}
+SIM_FLAGS=${SIM_FLAGS:-}
+BIN="$ROOT/target/release/fleetgate"
+OUT="$ROOT/bench-out/compare-$(date -u +%Y%m%dT%H%M%SZ)"
+TMP=$(mktemp -d)
+mkdir -p "$OUT" "$TMP/nginx"
+log() { echo "bench-compare: $*" >&2; }
+die() { log "$*"; exit 1; }
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+
+NGINX_BIN=$(command -v nginx 2>/dev/null || { [ -x /usr/sbin/nginx ] && echo /usr/sbin/nginx; } || true)
+if [ -z "$NGINX_BIN" ]; then
+    log "installing Debian's nginx"
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -q
+    $SUDO env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light ||
+        $SUDO env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx
+    NGINX_BIN=$(command -v nginx 2>/dev/null || echo /usr/sbin/nginx)
+fi
+log "building (release)"
+cargo build --release -q
+
+wait_url() { # logfile pid name
+    for _ in $(seq 1 100); do
+        url=$(grep listening "$1" 2>/dev/null | grep -oE 'http://127\.0\.0\.1:[0-9]+' | head -n1 || true)
+        [ -n "$url" ] && { echo "$url"; return 0; }
+        kill -0 "$2" 2>/dev/null || { cat "$1" >&2; die "$3 exited during start"; }
+        sleep 0.1
+    done
+    die "$3 did not report its address"
+}
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+export NO_COLOR=1 RUST_LOG=info
+# shellcheck disable=SC2086 # SIM_FLAGS is a list of flags
+"$BIN" sim --host 127.0.0.1 --port 0 --max-num-seqs 256 $SIM_FLAGS >"$TMP/sim.log" 2>&1 &
+PIDS+=($!)
+SIM_URL=$(wait_url "$TMP/sim.log" "${PIDS[-1]}" sim)
+
+cat >"$TMP/fleetgate.toml" <<EOF
+[server]
+listen = "127.0.0.1:0"
+request_log_events = false
+shutdown_grace_seconds = 1
+[request_log]
+enabled = false
+[database]
+sqlite_path = "$TMP/fleetgate.db"
+[admin]
+listen = ""
+[[pools]]
+model = "qwen32b"
+backends = ["$SIM_URL"]
+max_in_flight_per_backend = 0
+EOF
+FLEETGATE_BENCH_KEY=$("$BIN" keys --config "$TMP/fleetgate.toml" create --env prod --name compare --json |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+export FLEETGATE_BENCH_KEY
+"$BIN" serve --config "$TMP/fleetgate.toml" >"$TMP/fleetgate.log" 2>&1 &
+PIDS+=($!)
+GW_URL=$(wait_url "$TMP/fleetgate.log" "${PIDS[-1]}" fleetgate)
+
+NGINX_PORT=$(free_port)
+cat >"$TMP/nginx/nginx.conf" <<EOF
+worker_processes 1;
+daemon off;
+pid $TMP/nginx/nginx.pid;
+error_log $TMP/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $TMP/nginx/client_body;
+    proxy_temp_path $TMP/nginx/proxy;
+    tcp_nodelay on;
+    upstream sim { server ${SIM_URL#http://}; keepalive 256; }
+    server {
+        listen 127.0.0.1:$NGINX_PORT;
+        location / {
+            proxy_pass http://sim;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }
+    }
+}
+EOF
+"$NGINX_BIN" -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf" 2>"$TMP/nginx/stderr.log" &
+PIDS+=($!)
+for _ in $(seq 1 50); do
+    curl -sf -o /dev/null "http://127.0.0.1:$NGINX_PORT/health" && break
+    sleep 0.1
+done
+
+COMMON=(--model qwen32b --api-key-env FLEETGATE_BENCH_KEY --no-progress --seed 1
+    --num-prompts "$PROMPTS" --random-input-len "$INPUT" --random-output-len "$OUTPUT"
+    --request-rate "$RATE" --num-warmups 10
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,95,99 "$@")
+status=0
+for via in gateway:"$GW_URL" nginx:"http://127.0.0.1:$NGINX_PORT"; do
+    name=${via%%:*}
+    url=${via#*:}
+    log "direct vs $name ($PROMPTS prompts each, $RATE req/s over both)"
+    "$BIN" bench --compare "direct=$SIM_URL" "$name=$url" "${COMMON[@]}" \
+        --label "run=$(basename "$OUT")" --output "$OUT/direct-vs-$name.json" \
+        >"$OUT/direct-vs-$name.txt" || status=$?
+    sed -n '/ vs direct /,$p' "$OUT/direct-vs-$name.txt"
+done
+echo "results in $OUT"
+exit "$status"
