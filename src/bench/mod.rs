@@ -427,21 +427,18 @@ async fn discover_model(target: &Target) -> Result<String, String> {
 
 /// Resolve flags (and settings.json) into a plan; the model may need a request.
 pub async fn plan(mut args: BenchArgs) -> Result<Plan, String> {
-    let mut settings_json = Value::Null;
-    if let Some(path) = &args.config {
-        let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let s: Settings =
-            serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        apply_settings(&mut args, &s)?;
-        settings_json = serde_json::to_value(&s).unwrap_or(Value::Null);
-        if !s.request_distribution.is_empty() {
-            args.dataset_name = DatasetName::Random;
-        }
-        let classes = s.request_distribution.clone();
-        return plan_with(args, Some(classes), settings_json).await;
+    let Some(path) = args.config.clone() else {
+        return plan_with(args, None, Value::Null).await;
+    };
+    let text = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let s: Settings =
+        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    apply_settings(&mut args, &s)?;
+    if !s.request_distribution.is_empty() {
+        args.dataset_name = DatasetName::Random;
     }
-    let _ = &mut settings_json;
-    plan_with(args, None, Value::Null).await
+    let settings = serde_json::to_value(&s).unwrap_or(Value::Null);
+    plan_with(args, Some(s.request_distribution), settings).await
 }
 
 async fn plan_with(
