@@ -48,14 +48,9 @@ impl Outcome {
         self.error.is_none()
     }
 
-    /// TPOT, defined for two or more output tokens.
+    /// TPOT, defined for two or more output tokens (the Timeline's own definition).
     pub fn tpot(&self) -> Option<Duration> {
-        let (ttft, e2el) = (self.ttft?, self.e2el?);
-        (self.output_tokens > 1).then(|| {
-            Duration::from_secs_f64(
-                e2el.saturating_sub(ttft).as_secs_f64() / (self.output_tokens - 1) as f64,
-            )
-        })
+        crate::telemetry::timeline::tpot(self.ttft?, self.e2el?, self.output_tokens)
     }
 }
 
