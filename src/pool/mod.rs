@@ -135,7 +135,6 @@ impl Backend {
         pool_auth: Option<&HeaderValue>,
     ) -> io::Result<Self> {
         let model = pool.model.as_str();
-        let capacity = pool.max_in_flight_per_backend;
         let warmup_required = pool.warmup.requests > 0;
         let text = cfg.url.to_string();
         let trimmed = text.trim_end_matches('/');
@@ -162,8 +161,8 @@ impl Backend {
             in_flight: AtomicU32::new(0),
             remote_load: AtomicU32::new(0),
             kv_usage_permille: AtomicU32::new(0),
-            weight: AtomicU32::new(cfg.weight.max(1)),
-            capacity: AtomicU32::new(cfg.capacity.unwrap_or(capacity)),
+            weight: AtomicU32::new(weight_of(cfg)),
+            capacity: AtomicU32::new(capacity_of(cfg, pool)),
             labels: ArcSwap::from_pointee(cfg.labels.clone()),
             removed: AtomicBool::new(false),
             upstream_auth,
@@ -209,11 +208,9 @@ impl Backend {
 
     /// Take the weight, capacity and labels of `cfg` (a reload), and count as configured.
     fn configure(&self, cfg: &BackendConfig, pool: &PoolConfig) {
-        self.weight.store(cfg.weight.max(1), Ordering::Relaxed);
-        self.capacity.store(
-            cfg.capacity.unwrap_or(pool.max_in_flight_per_backend),
-            Ordering::Relaxed,
-        );
+        self.weight.store(weight_of(cfg), Ordering::Relaxed);
+        self.capacity
+            .store(capacity_of(cfg, pool), Ordering::Relaxed);
         if **self.labels.load() != cfg.labels {
             self.labels.store(Arc::new(cfg.labels.clone()));
         }
@@ -375,6 +372,16 @@ impl Backend {
     }
 }
 
+/// A backend's share of new requests (≥ 1).
+fn weight_of(cfg: &BackendConfig) -> u32 {
+    cfg.weight.max(1)
+}
+
+/// A backend's own capacity, else its pool's (0: no cap).
+fn capacity_of(cfg: &BackendConfig, pool: &PoolConfig) -> u32 {
+    cfg.capacity.unwrap_or(pool.max_in_flight_per_backend)
+}
+
 fn bearer(key: &str, model: &str) -> io::Result<HeaderValue> {
     let mut v = HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| {
         io::Error::new(
@@ -476,7 +483,7 @@ impl PoolShared {
             .backends
             .iter()
             .map(|b| {
-                sum = sum.saturating_add(b.weight.max(1));
+                sum = sum.saturating_add(weight_of(b));
                 sum
             })
             .collect();
@@ -795,15 +802,7 @@ impl Pool {
             None => Arc::new(AdmissionQueue::new(queue.max_size, queue.max_per_key)),
         };
         let shared = Arc::new(PoolShared::new(backends.clone(), queue, cfg));
-        let client = match prev {
-            Some(p)
-                if p.config.ca_file == cfg.ca_file
-                    && p.config.timeouts.connect == cfg.timeouts.connect =>
-            {
-                p.client.clone()
-            }
-            _ => build_client(cfg)?,
-        };
+        let client = client_for(cfg, prev)?;
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
             index,
@@ -831,6 +830,20 @@ impl Pool {
     /// backend is down or full.
     pub fn acquire(&self) -> Option<InFlight> {
         self.shared.try_acquire()
+    }
+}
+
+/// `prev`'s client (its open keep-alive connections) while the settings a client is built
+/// from — extra CA, connect timeout — are unchanged; else a new one.
+fn client_for(cfg: &PoolConfig, prev: Option<&Pool>) -> io::Result<UpstreamClient> {
+    match prev {
+        Some(p)
+            if p.config.ca_file == cfg.ca_file
+                && p.config.timeouts.connect == cfg.timeouts.connect =>
+        {
+            Ok(p.client.clone())
+        }
+        _ => build_client(cfg),
     }
 }
 
@@ -1000,15 +1013,7 @@ impl Pools {
             .pools
             .iter()
             .map(|p| {
-                let client = match prev.and_then(|v| v.get_exact(&p.model)) {
-                    Some(o)
-                        if o.config.ca_file == p.config.ca_file
-                            && o.config.timeouts.connect == p.config.timeouts.connect =>
-                    {
-                        o.client.clone()
-                    }
-                    _ => build_client(&p.config)?,
-                };
+                let client = client_for(&p.config, prev.and_then(|v| v.get_exact(&p.model)))?;
                 Ok(Pool {
                     model: p.model.clone(),
                     index: p.index,
