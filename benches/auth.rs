@@ -18,9 +18,9 @@ mod common;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
-use fleetgate::auth::key::{self, Environment};
 use fleetgate::auth::{AuthConfig, Authenticator};
 use fleetgate::config::{Config, PoolConfig};
+use fleetgate::key::{self, Environment};
 use fleetgate::server::Server;
 use fleetgate::store::{CreateKey, DatabaseConfig, KeyStore};
 use fleetgate::telemetry::Recorder;

@@ -34,9 +34,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use fleetgate::auth::key::Environment;
 use fleetgate::client::{self, HttpClient};
 use fleetgate::config::{Config, EnvLimits, PoolConfig, ServerConfig};
+use fleetgate::key::Environment;
 use fleetgate::server::Server;
 use fleetgate::sim::{self, SimArgs};
 use fleetgate::store::CreateKey;

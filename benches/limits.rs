@@ -18,8 +18,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Instant;
 
-use fleetgate::auth::key::Environment;
 use fleetgate::config::{BackendConfig, EnvLimits, LimitsConfig, PoolConfig, QueueConfig};
+use fleetgate::key::Environment;
 use fleetgate::limits::{Demand, Limits};
 use fleetgate::pool::Pools;
 

@@ -18,7 +18,7 @@ use common::{ThrowawayPg, arg};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fleetgate::auth::KeyRecord;
+use fleetgate::key::KeyRecord;
 use fleetgate::store::{DatabaseConfig, KeyStore};
 use fleetgate::telemetry::request_log::{self, RequestLogConfig};
 use fleetgate::telemetry::{Recorder, RequestRecord};

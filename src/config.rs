@@ -11,7 +11,7 @@ use http::Uri;
 use serde::Deserialize;
 
 pub use crate::auth::AuthConfig;
-use crate::auth::key::Environment;
+use crate::key::Environment;
 pub use crate::store::DatabaseConfig;
 pub use crate::telemetry::request_log::RequestLogConfig;
 

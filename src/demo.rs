@@ -9,9 +9,9 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Uri};
 use tokio::net::TcpListener;
 
-use crate::auth::key::Environment;
 use crate::client::{self, Measured};
 use crate::config::{Config, PoolConfig, ServerConfig};
+use crate::key::Environment;
 use crate::server::Server;
 use crate::sim::{self, SimArgs};
 use crate::store::CreateKey;

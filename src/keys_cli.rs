@@ -8,10 +8,11 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 
 use crate::admin::jwt::{self, Role};
-use crate::auth::key::Environment;
-use crate::auth::{KeyRecord, format_time};
+use crate::clock::{format_wall_ms, wall_ms};
 use crate::config::{Config, DatabaseConfig, Secret};
-use crate::store::{CreateKey, KeyStore, now_ms};
+use crate::key::Environment;
+use crate::key::KeyRecord;
+use crate::store::{CreateKey, KeyStore};
 
 /// Where the key store is: a config file's `[database]`, or given directly.
 #[derive(Args, Debug, Clone)]
@@ -145,7 +146,7 @@ async fn open(store: &StoreArgs, migrate: bool) -> Result<KeyStore, String> {
 }
 
 fn when(ms: Option<i64>) -> String {
-    ms.map_or_else(|| "-".into(), format_time)
+    ms.map_or_else(|| "-".into(), format_wall_ms)
 }
 
 fn print_key(k: &KeyRecord) {
@@ -156,20 +157,20 @@ fn print_key(k: &KeyRecord) {
     println!("status:       {}", v.status);
     println!(
         "created:      {} by {}",
-        format_time(v.created_at),
+        format_wall_ms(v.created_at),
         v.created_by
     );
     println!("expires:      {}", when(v.expires_at));
     if let Some(at) = v.revoked_at {
         println!(
             "revoked:      {} by {} ({})",
-            format_time(at),
+            format_wall_ms(at),
             v.revoked_by.unwrap_or("-"),
             v.revoke_reason.unwrap_or("-")
         );
     }
     if let Some(until) = v.previous_secret_valid_until {
-        println!("old secret:   valid until {}", format_time(until));
+        println!("old secret:   valid until {}", format_wall_ms(until));
     }
     println!(
         "models:       {}",
@@ -249,7 +250,7 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
                 let views: Vec<_> = keys.iter().map(KeyRecord::view).collect();
                 return print_json(&views);
             }
-            let now = now_ms();
+            let now = wall_ms();
             println!(
                 "{:<12}  {:<6}  {:<7}  {:<20}  {:<20}  NAME",
                 "ID", "ENV", "STATUS", "CREATED", "EXPIRES"
@@ -260,7 +261,7 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
                     k.public_id,
                     k.environment,
                     k.status(now),
-                    format_time(k.created_at),
+                    format_wall_ms(k.created_at),
                     when(k.expires_at),
                     k.name
                 );
@@ -321,7 +322,7 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
             for e in entries {
                 println!(
                     "{}  {:<8}  {:<12}  {:<20}  {}",
-                    format_time(e.at),
+                    format_wall_ms(e.at),
                     e.action,
                     e.key_public_id.as_deref().unwrap_or("-"),
                     e.actor,
@@ -404,7 +405,7 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
         Some(m) => month_window(m)?,
         None => {
             let since = jwt::parse_duration(&args.since)?;
-            let now = now_ms();
+            let now = wall_ms();
             (
                 now - i64::try_from(since.as_millis()).unwrap_or(i64::MAX),
                 now + 1,
@@ -421,7 +422,7 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
     if args.json {
         return print_json(&serde_json::json!({"from": from, "to": to, "groups": rows}));
     }
-    println!("{} .. {}", format_time(from), format_time(to));
+    println!("{} .. {}", format_wall_ms(from), format_wall_ms(to));
     println!(
         "{:<24} {:>9} {:>7} {:>12} {:>12}  {:>24}  {:>24}",
         "GROUP",

@@ -281,10 +281,7 @@ fn keys_cli_round_trip() {
         .find(|w| w.starts_with("fg-stress-"))
         .unwrap()
         .to_owned();
-    let id = fleetgate::auth::key::parse(&key)
-        .unwrap()
-        .public_id
-        .to_owned();
+    let id = fleetgate::key::parse(&key).unwrap().public_id.to_owned();
 
     let (code, out, _) = run(&["list", "--env", "stress"]);
     assert_eq!(code, Some(0));

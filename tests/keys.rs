@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::*;
 use fleetgate::admin::jwt::{self, Role};
-use fleetgate::auth::key::Environment;
 use fleetgate::client::{self, chat_body};
 use fleetgate::config::Secret;
+use fleetgate::key::Environment;
 use fleetgate::store::{CreateKey, KeyStore, StoreError};
 use http_body_util::BodyExt;
 
@@ -281,7 +281,7 @@ async fn every_refusal_has_its_own_message_and_never_reaches_a_backend() {
     let mut mistyped = gw.key.clone();
     mistyped.pop();
     mistyped.push(if gw.key.ends_with('A') { 'B' } else { 'A' });
-    let unknown = fleetgate::auth::key::generate(Environment::Stress, None).full;
+    let unknown = fleetgate::key::generate(Environment::Stress, None).full;
     // Let the expiry pass and the snapshot pick the changes up.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     gw.server.auth.replace_all(store.load_all().await.unwrap());
@@ -422,7 +422,7 @@ async fn repeated_failures_from_one_address_are_slowed_down() {
         c.auth.failures_per_minute = 5;
     })
     .await;
-    let bad = fleetgate::auth::key::generate(Environment::Prod, None).full;
+    let bad = fleetgate::key::generate(Environment::Prod, None).full;
     let mut statuses = Vec::new();
     for _ in 0..8 {
         statuses.push(chat(&gw, &bad).await.status);
@@ -452,10 +452,7 @@ async fn rotation_grace_and_expiry() {
         c.admin = admin_cfg()
     })
     .await;
-    let id = fleetgate::auth::key::parse(&gw.key)
-        .unwrap()
-        .public_id
-        .to_owned();
+    let id = fleetgate::key::parse(&gw.key).unwrap().public_id.to_owned();
     let (status, rotated) = admin(
         &gw,
         "POST",

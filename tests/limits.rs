@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::auth::key::Environment;
 use fleetgate::config::{EnvLimits, SharedLimits};
+use fleetgate::key::Environment;
 use http_body_util::BodyExt;
 
 fn chat(max_tokens: u32, stream: bool) -> Bytes {
@@ -493,7 +493,7 @@ async fn a_waiting_stream_gets_queued_comments_then_its_tokens() {
         String::from_utf8_lossy(&got)
     );
     let mut metrics = fleetgate::telemetry::StreamMetrics::default();
-    let mut scanner = fleetgate::proxy::sse::SseScanner::new();
+    let mut scanner = fleetgate::openai::sse::SseScanner::new();
     scanner.feed(&got, |l| metrics.on_data(l.kind, l.payload, Duration::ZERO));
     assert_eq!(
         metrics.content_events, 6,

@@ -295,9 +295,9 @@ async fn long_prompts_go_to_their_pool_when_the_environment_may_use_it() {
     });
     let mut long_pool = pool("qwen32b-long", &[long.url()]);
     long_pool.served_model_name = Some("qwen32b".into());
-    long_pool.environments = Some(vec![fleetgate::auth::key::Environment::Prod]);
+    long_pool.environments = Some(vec![fleetgate::key::Environment::Prod]);
     let gw = gateway(vec![main, long_pool]).await;
-    let (prod, _) = issue_key(&gw, fleetgate::auth::key::Environment::Prod, |_| {}).await;
+    let (prod, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
     let url = gw.url("/v1/chat/completions");
     let long_prompt = "word ".repeat(120); // 600 characters ≈ 150 tokens
     let body = |prompt: &str| fleetgate::client::chat_body("qwen32b", prompt, 2, true);
@@ -349,7 +349,7 @@ async fn gray_keys_are_pinned_to_the_canary() {
     ];
     p.gray_pin_label = Some("canary".into());
     let gw = gateway(vec![p]).await;
-    let (gray, _) = issue_key(&gw, fleetgate::auth::key::Environment::Gray, |_| {}).await;
+    let (gray, _) = issue_key(&gw, fleetgate::key::Environment::Gray, |_| {}).await;
     let url = gw.url("/v1/chat/completions");
     let auth = format!("Bearer {gray}");
     for _ in 0..20 {

@@ -106,10 +106,7 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
             s.get::<Option<String>, _>("client_addr").as_deref(),
             Some("127.0.0.1")
         );
-        let key_id = fleetgate::auth::key::parse(&gw.key)
-            .unwrap()
-            .public_id
-            .to_owned();
+        let key_id = fleetgate::key::parse(&gw.key).unwrap().public_id.to_owned();
         assert_eq!(s.get::<Option<String>, _>("key_id"), Some(key_id));
         let up = s.get::<Option<i64>, _>("upstream_ttft_us").unwrap();
         let client = s.get::<Option<i64>, _>("client_ttft_us").unwrap();

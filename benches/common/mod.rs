@@ -5,9 +5,9 @@
     reason = "benchmark helpers: each binary uses some, and fails loudly"
 )]
 
-use fleetgate::auth::KeyRecord;
-use fleetgate::auth::key::Environment;
 use fleetgate::config::Secret;
+use fleetgate::key::Environment;
+use fleetgate::key::KeyRecord;
 use fleetgate::store::DatabaseConfig;
 use sqlx::Connection;
 

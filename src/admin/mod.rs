@@ -16,9 +16,10 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde::Deserialize;
 
-use crate::auth::key::Environment;
-use crate::auth::{Authenticator, KeyRecord};
-use crate::proxy::error::error_body;
+use crate::auth::Authenticator;
+use crate::key::Environment;
+use crate::key::KeyRecord;
+use crate::openai::error::error_body;
 use crate::proxy::relay::GatewayBody;
 use crate::store::{CreateKey, StoreError};
 use jwt::{JwtError, Role, Verifier};
@@ -347,7 +348,7 @@ async fn keys_api(
                         query_param(query, "since").unwrap_or("1h"),
                     )
                     .map_err(bad)?;
-                    let now = crate::store::now_ms();
+                    let now = crate::clock::wall_ms();
                     (
                         now - i64::try_from(since.as_millis()).unwrap_or(i64::MAX),
                         now + 1,

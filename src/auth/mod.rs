@@ -3,7 +3,6 @@
 //! database is never touched for a known key; an unknown key may be looked up, within a
 //! per-second budget and behind a short negative cache. Every failure has its own message.
 
-pub mod key;
 pub mod sync;
 
 use std::collections::HashMap;
@@ -15,98 +14,14 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use governor::{DefaultDirectRateLimiter, DefaultKeyedRateLimiter, Quota, RateLimiter};
-use http::HeaderMap;
+use http::{HeaderMap, StatusCode};
 use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
-use serde::Serialize;
 
-use crate::store::{KeyStore, now_ms};
-use key::{Environment, KeyFormatError};
-
-/// One key as the gateway knows it. The secret itself is never held, only its hash.
-#[derive(Debug, Clone, PartialEq)]
-pub struct KeyRecord {
-    pub id: i64,
-    pub public_id: Box<str>,
-    pub name: String,
-    pub environment: Environment,
-    pub secret_hash: [u8; 32],
-    /// The previous secret's hash and until when it is accepted (rotation grace).
-    pub previous: Option<([u8; 32], i64)>,
-    pub created_at: i64,
-    pub created_by: String,
-    pub expires_at: Option<i64>,
-    pub revoked_at: Option<i64>,
-    pub revoked_by: Option<String>,
-    pub revoke_reason: Option<String>,
-    /// `None`: every model.
-    pub allowed_models: Option<Vec<String>>,
-    pub requests_per_minute: Option<i64>,
-    pub tokens_per_minute: Option<i64>,
-    pub max_concurrent_streams: Option<i64>,
-    pub metadata: serde_json::Value,
-    pub updated_at: i64,
-}
-
-/// The listing view of a key: everything but the hashes.
-#[derive(Debug, Serialize)]
-pub struct KeyView<'a> {
-    pub public_id: &'a str,
-    pub name: &'a str,
-    pub environment: Environment,
-    pub status: &'static str,
-    pub created_at: i64,
-    pub created_by: &'a str,
-    pub expires_at: Option<i64>,
-    pub revoked_at: Option<i64>,
-    pub revoked_by: Option<&'a str>,
-    pub revoke_reason: Option<&'a str>,
-    pub previous_secret_valid_until: Option<i64>,
-    pub allowed_models: Option<&'a [String]>,
-    pub requests_per_minute: Option<i64>,
-    pub tokens_per_minute: Option<i64>,
-    pub max_concurrent_streams: Option<i64>,
-    pub metadata: &'a serde_json::Value,
-}
-
-impl KeyRecord {
-    pub fn status(&self, now: i64) -> &'static str {
-        if self.revoked_at.is_some() {
-            "revoked"
-        } else if self.expires_at.is_some_and(|e| e <= now) {
-            "expired"
-        } else {
-            "active"
-        }
-    }
-
-    pub fn view(&self) -> KeyView<'_> {
-        KeyView {
-            public_id: &self.public_id,
-            name: &self.name,
-            environment: self.environment,
-            status: self.status(now_ms()),
-            created_at: self.created_at,
-            created_by: &self.created_by,
-            expires_at: self.expires_at,
-            revoked_at: self.revoked_at,
-            revoked_by: self.revoked_by.as_deref(),
-            revoke_reason: self.revoke_reason.as_deref(),
-            previous_secret_valid_until: self.previous.map(|(_, until)| until),
-            allowed_models: self.allowed_models.as_deref(),
-            requests_per_minute: self.requests_per_minute,
-            tokens_per_minute: self.tokens_per_minute,
-            max_concurrent_streams: self.max_concurrent_streams,
-            metadata: &self.metadata,
-        }
-    }
-
-    /// May this key use the model clients know as `model`?
-    pub fn allows_model(&self, model: &str) -> bool {
-        self.allowed_models
-            .as_ref()
-            .is_none_or(|m| m.iter().any(|a| a == model))
-    }
-}
+use crate::clock::{format_wall_ms, wall_ms};
+use crate::key::KeyRecord;
+use crate::key::{self, Environment, KeyFormatError};
+use crate::openai::error::ErrorKind;
+use crate::store::KeyStore;
 
 /// Why a request was not let in. Each cause has its own message and code.
 #[derive(Debug, Clone, PartialEq)]
@@ -169,65 +84,44 @@ pub const FAILURE_REASONS: [&str; 17] = [
     "too_many_failures",
 ];
 
-fn iso(ms: i64) -> String {
-    // RFC 3339 in UTC without a date crate: days from the epoch to a civil date.
-    let secs = ms.div_euclid(1000);
-    let days = secs.div_euclid(86_400);
-    let tod = secs.rem_euclid(86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        tod / 3600,
-        tod % 3600 / 60,
-        tod % 60
-    )
-}
-
-/// RFC 3339 (UTC) for an epoch-millisecond time.
-pub fn format_time(ms: i64) -> String {
-    iso(ms)
-}
-
 impl AuthFailure {
     pub fn reason(&self) -> &'static str {
+        FAILURE_REASONS[self.index()]
+    }
+
+    /// Position in `FAILURE_REASONS`: the failure counter's index, no search.
+    fn index(&self) -> usize {
         match self {
-            AuthFailure::Missing => FAILURE_REASONS[0],
-            AuthFailure::NoSpaceAfterBearer => FAILURE_REASONS[1],
-            AuthFailure::Quoted => FAILURE_REASONS[2],
-            AuthFailure::Whitespace => FAILURE_REASONS[3],
-            AuthFailure::BasicScheme => FAILURE_REASONS[4],
-            AuthFailure::OAuthToken => FAILURE_REASONS[5],
-            AuthFailure::OtherScheme(_) => FAILURE_REASONS[6],
-            AuthFailure::NotFleetgate { .. } => FAILURE_REASONS[7],
-            AuthFailure::UnknownEnvironment => FAILURE_REASONS[8],
-            AuthFailure::Mistyped => FAILURE_REASONS[9],
-            AuthFailure::UnknownKey => FAILURE_REASONS[10],
-            AuthFailure::Revoked { .. } => FAILURE_REASONS[11],
-            AuthFailure::Expired { .. } => FAILURE_REASONS[12],
-            AuthFailure::RotatedOut { .. } => FAILURE_REASONS[13],
-            AuthFailure::ModelNotAllowed { .. } => FAILURE_REASONS[14],
-            AuthFailure::EnvironmentNotAllowed { .. } => FAILURE_REASONS[15],
-            AuthFailure::TooManyFailures { .. } => FAILURE_REASONS[16],
+            AuthFailure::Missing => 0,
+            AuthFailure::NoSpaceAfterBearer => 1,
+            AuthFailure::Quoted => 2,
+            AuthFailure::Whitespace => 3,
+            AuthFailure::BasicScheme => 4,
+            AuthFailure::OAuthToken => 5,
+            AuthFailure::OtherScheme(_) => 6,
+            AuthFailure::NotFleetgate { .. } => 7,
+            AuthFailure::UnknownEnvironment => 8,
+            AuthFailure::Mistyped => 9,
+            AuthFailure::UnknownKey => 10,
+            AuthFailure::Revoked { .. } => 11,
+            AuthFailure::Expired { .. } => 12,
+            AuthFailure::RotatedOut { .. } => 13,
+            AuthFailure::ModelNotAllowed { .. } => 14,
+            AuthFailure::EnvironmentNotAllowed { .. } => 15,
+            AuthFailure::TooManyFailures { .. } => 16,
         }
     }
 
-    fn index(&self) -> usize {
-        let r = self.reason();
-        FAILURE_REASONS.iter().position(|x| *x == r).unwrap_or(0)
+    pub fn status(&self) -> StatusCode {
+        self.kind().status()
     }
 
-    pub fn status(&self) -> u16 {
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            AuthFailure::ModelNotAllowed { .. } | AuthFailure::EnvironmentNotAllowed { .. } => 403,
-            AuthFailure::TooManyFailures { .. } => 429,
+            AuthFailure::ModelNotAllowed { .. } | AuthFailure::EnvironmentNotAllowed { .. } => {
+                ErrorKind::Forbidden
+            }
+            AuthFailure::TooManyFailures { .. } => ErrorKind::AuthThrottled,
             AuthFailure::Missing
             | AuthFailure::NoSpaceAfterBearer
             | AuthFailure::Quoted
@@ -241,7 +135,7 @@ impl AuthFailure {
             | AuthFailure::UnknownKey
             | AuthFailure::Revoked { .. }
             | AuthFailure::Expired { .. }
-            | AuthFailure::RotatedOut { .. } => 401,
+            | AuthFailure::RotatedOut { .. } => ErrorKind::Unauthenticated,
         }
     }
 
@@ -312,17 +206,17 @@ impl AuthFailure {
             AuthFailure::Revoked { at, reason } => (
                 "authentication_error",
                 "key_revoked",
-                format!("The key was revoked at {} (reason: {reason}). Ask an operator for a new key.", iso(*at)),
+                format!("The key was revoked at {} (reason: {reason}). Ask an operator for a new key.", format_wall_ms(*at)),
             ),
             AuthFailure::Expired { at } => (
                 "authentication_error",
                 "key_expired",
-                format!("The key expired at {}. Ask an operator for a new key.", iso(*at)),
+                format!("The key expired at {}. Ask an operator for a new key.", format_wall_ms(*at)),
             ),
             AuthFailure::RotatedOut { at } => (
                 "authentication_error",
                 "key_rotated",
-                format!("The key was rotated and this old secret stopped working at {}: use the new key issued at rotation.", iso(*at)),
+                format!("The key was rotated and this old secret stopped working at {}: use the new key issued at rotation.", format_wall_ms(*at)),
             ),
             AuthFailure::ModelNotAllowed { model, allowed } => (
                 "permission_error",
@@ -573,7 +467,7 @@ impl Authenticator {
     /// Seconds since the snapshot was last fully loaded.
     pub fn snapshot_age(&self) -> Duration {
         let at = self.loaded_at.load(Ordering::Relaxed);
-        Duration::from_millis(u64::try_from(now_ms().saturating_sub(at)).unwrap_or(0))
+        Duration::from_millis(u64::try_from(wall_ms().saturating_sub(at)).unwrap_or(0))
     }
 
     pub fn store_health(&self) -> StoreHealth {
@@ -627,7 +521,7 @@ impl Authenticator {
             .map(|k| (k.public_id.clone(), Arc::new(k)))
             .collect();
         self.snapshot.store(Arc::new(KeySnapshot { keys: map }));
-        self.loaded_at.store(now_ms(), Ordering::Relaxed);
+        self.loaded_at.store(wall_ms(), Ordering::Relaxed);
         if let Ok(mut n) = self.negative.lock() {
             n.clear();
         }
@@ -701,7 +595,7 @@ impl Authenticator {
                 None => return Err(self.fail(AuthFailure::UnknownKey, peer)),
             },
         };
-        check(&record, &parsed, now_ms()).map_err(|f| self.fail(f, peer))?;
+        check(&record, &parsed, wall_ms()).map_err(|f| self.fail(f, peer))?;
         Ok(record)
     }
 
@@ -887,9 +781,12 @@ mod tests {
 
     #[test]
     fn times_render_as_rfc3339() {
-        assert_eq!(iso(0), "1970-01-01T00:00:00Z");
-        assert_eq!(iso(1_767_225_600_000), "2026-01-01T00:00:00Z");
-        assert_eq!(iso(951_782_400_000 + 3_723_000), "2000-02-29T01:02:03Z");
+        assert_eq!(format_wall_ms(0), "1970-01-01T00:00:00Z");
+        assert_eq!(format_wall_ms(1_767_225_600_000), "2026-01-01T00:00:00Z");
+        assert_eq!(
+            format_wall_ms(951_782_400_000 + 3_723_000),
+            "2000-02-29T01:02:03Z"
+        );
     }
 
     proptest! {

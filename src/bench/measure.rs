@@ -12,7 +12,7 @@ use http::{HeaderMap, HeaderValue, Method, Request, Uri, header};
 use http_body_util::{BodyExt, Full};
 
 use crate::client::HttpClient;
-use crate::proxy::sse::{DataKind, SseScanner};
+use crate::openai::sse::{DataKind, SseScanner};
 use crate::telemetry::StreamMetrics;
 
 /// What one request gave.

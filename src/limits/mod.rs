@@ -23,12 +23,14 @@ use governor::clock::Clock;
 use governor::middleware::StateInformationMiddleware;
 use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
-use http::{HeaderMap, HeaderName, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+
+use crate::openai::error::ErrorKind;
 use prometheus::{IntCounter, IntCounterVec};
 
-use crate::auth::KeyRecord;
-use crate::auth::key::Environment;
 use crate::config::{EnvLimits, LimitsConfig, SharedLimits};
+use crate::key::Environment;
+use crate::key::KeyRecord;
 use bucket::{Shortfall, TokenBucket};
 
 /// governor's clock, read through tokio so paused-time tests drive it. (Outside tests tokio's
@@ -112,6 +114,21 @@ impl LimitKind {
         LimitKind::QueueKeyShare,
         LimitKind::QueueTimeout,
     ];
+
+    /// The error kind (and so the status) of a refusal by this limit.
+    pub fn error_kind(self) -> ErrorKind {
+        match self {
+            LimitKind::QueueFull => ErrorKind::QueueFull,
+            LimitKind::QueueTimeout => ErrorKind::QueueTimeout,
+            LimitKind::KeyRequests
+            | LimitKind::KeyTokens
+            | LimitKind::KeyTokensTooLarge
+            | LimitKind::KeyConcurrency
+            | LimitKind::EnvRequests
+            | LimitKind::EnvConcurrency
+            | LimitKind::QueueKeyShare => ErrorKind::RateLimited,
+        }
+    }
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -225,11 +242,8 @@ pub struct Refusal {
 }
 
 impl Refusal {
-    pub fn status(&self) -> u16 {
-        match self.kind {
-            LimitKind::QueueFull | LimitKind::QueueTimeout => 503,
-            _ => 429,
-        }
+    pub fn status(&self) -> StatusCode {
+        self.kind.error_kind().status()
     }
 
     pub fn code(&self) -> &'static str {

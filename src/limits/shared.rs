@@ -19,8 +19,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::KeyQuota;
-use crate::auth::KeyRecord;
 use crate::config::RedisConfig;
+use crate::key::KeyRecord;
 
 /// KEYS: key request TAT, key token bucket, environment request TAT.
 /// ARGV: key emission interval µs, key tolerance µs (0 0: no limit), token capacity, tokens to

@@ -23,6 +23,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::mono_ms;
 use crate::config::{
     BackendConfig, EjectionConfig, PoolConfig, QueueConfig, RetryConfig, Timeouts,
 };
@@ -36,20 +37,6 @@ pub enum Reachability {
     Unknown = 0,
     Up = 1,
     Down = 2,
-}
-
-/// Milliseconds on the process's monotonic clock (tokio's, so paused-time tests drive it).
-pub fn now_ms() -> u64 {
-    static BASE: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
-    let base = *BASE.get_or_init(tokio::time::Instant::now);
-    u64::try_from(
-        tokio::time::Instant::now()
-            .saturating_duration_since(base)
-            .as_millis(),
-    )
-    .unwrap_or(u64::MAX)
-    // 0 means "never ejected".
-    .saturating_add(1)
 }
 
 #[derive(Debug)]
@@ -84,7 +71,7 @@ pub struct Backend {
     failures: AtomicU32,
     /// Ejections in a row (the backoff exponent); reset by a success.
     ejections: AtomicU32,
-    /// `now_ms()` until which the backend gets no new requests (0: not ejected).
+    /// `mono_ms()` until which the backend gets no new requests (0: not ejected).
     ejected_until: AtomicU64,
     draining: AtomicBool,
     /// Consecutive good and failed health probes.
@@ -93,7 +80,7 @@ pub struct Backend {
     /// Must pass warm-up requests before it takes traffic (new, or back from down).
     warming: AtomicBool,
     warmup_required: bool,
-    /// `now_ms()` when it last became healthy, while its slow start lasts (0: full share).
+    /// `mono_ms()` when it last became healthy, while its slow start lasts (0: full share).
     up_since: AtomicU64,
     slow_start_ms: u64,
     /// Exponentially weighted mean upstream TTFT in µs (f64 bits; 0: none yet).
@@ -237,7 +224,7 @@ impl Backend {
             self.warming.store(true, Ordering::Relaxed);
         }
         if r == Reachability::Up && was != Reachability::Up as u8 && self.slow_start_ms > 0 {
-            self.up_since.store(now_ms(), Ordering::Relaxed);
+            self.up_since.store(mono_ms(), Ordering::Relaxed);
         }
     }
 
@@ -247,7 +234,7 @@ impl Backend {
         if since == 0 {
             return 1.0;
         }
-        let elapsed = now_ms().saturating_sub(since);
+        let elapsed = mono_ms().saturating_sub(since);
         if elapsed >= self.slow_start_ms {
             self.up_since.store(0, Ordering::Relaxed);
             return 1.0;
@@ -269,7 +256,7 @@ impl Backend {
         if until == 0 {
             return true;
         }
-        if until > now_ms() {
+        if until > mono_ms() {
             return false;
         }
         // The ejection is over: forget it, so the clock is not read again.
@@ -286,7 +273,7 @@ impl Backend {
             BackendState::Draining
         } else if self.warming.load(Ordering::Relaxed) {
             BackendState::Warming
-        } else if self.ejected_until.load(Ordering::Relaxed) > now_ms() {
+        } else if self.ejected_until.load(Ordering::Relaxed) > mono_ms() {
             BackendState::Ejected
         } else {
             match self.reachability() {
@@ -308,7 +295,7 @@ impl Backend {
             self.failures.store(0, Ordering::Relaxed);
         }
         if self.ejections.load(Ordering::Relaxed) != 0
-            && self.ejected_until.load(Ordering::Relaxed) <= now_ms()
+            && self.ejected_until.load(Ordering::Relaxed) <= mono_ms()
         {
             self.ejections.store(0, Ordering::Relaxed);
         }
@@ -332,7 +319,7 @@ impl Backend {
         let jitter = rand::random_range(0.8..1.2);
         let ms = (backoff.as_secs_f64() * 1e3 * jitter) as u64;
         self.ejected_until
-            .store(now_ms() + ms.max(1), Ordering::Relaxed);
+            .store(mono_ms() + ms.max(1), Ordering::Relaxed);
         tracing::warn!(backend = %self.base, failures = n, ejected_ms = ms, error = %why,
             "backend ejected after consecutive failures");
         true
@@ -760,7 +747,7 @@ pub struct Pool {
     pub shared: Arc<PoolShared>,
     pub client: UpstreamClient,
     /// Environments whose keys may use this pool (`None`: all).
-    pub environments: Option<Vec<crate::auth::key::Environment>>,
+    pub environments: Option<Vec<crate::key::Environment>>,
     /// (minimum estimated prompt tokens, index of the pool that takes them).
     pub long_prompt: Option<(u64, usize)>,
     pub affinity: Option<crate::config::AffinityConfig>,
@@ -990,7 +977,7 @@ impl Pools {
     }
 
     /// The `/v1/models` body for one key: only the models it may use.
-    pub fn models_for(&self, key: &crate::auth::KeyRecord) -> Bytes {
+    pub fn models_for(&self, key: &crate::key::KeyRecord) -> Bytes {
         let usable = |p: &Pool| {
             key.allows_model(&p.model)
                 && p.environments

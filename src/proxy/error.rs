@@ -8,8 +8,8 @@ use std::borrow::Cow;
 use bytes::Bytes;
 
 use crate::auth::AuthFailure;
+use crate::openai::error::{ErrorKind, error_body, sse_error_event};
 use http::{HeaderValue, StatusCode, header};
-use serde::Serialize;
 
 /// Why a backend could not be reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,89 +57,6 @@ impl TimeoutKind {
     }
 }
 
-/// Error kind without payload: a metric and log label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorKind {
-    RouteNotFound,
-    MethodNotAllowed,
-    UnsupportedMediaType,
-    BodyTooLarge,
-    BodyRead,
-    InvalidJson,
-    InvalidRequest,
-    ModelNotFound,
-    NoBackend,
-    BackendUnreachable,
-    UpstreamTimeout,
-    UpstreamError,
-    UpstreamStreamError,
-    ClientDisconnected,
-    Unauthenticated,
-    Forbidden,
-    AuthThrottled,
-    RateLimited,
-    QueueFull,
-    QueueTimeout,
-    Internal,
-}
-
-impl ErrorKind {
-    pub const ALL: [ErrorKind; 21] = [
-        ErrorKind::RouteNotFound,
-        ErrorKind::MethodNotAllowed,
-        ErrorKind::UnsupportedMediaType,
-        ErrorKind::BodyTooLarge,
-        ErrorKind::BodyRead,
-        ErrorKind::InvalidJson,
-        ErrorKind::InvalidRequest,
-        ErrorKind::ModelNotFound,
-        ErrorKind::NoBackend,
-        ErrorKind::BackendUnreachable,
-        ErrorKind::UpstreamTimeout,
-        ErrorKind::UpstreamError,
-        ErrorKind::UpstreamStreamError,
-        ErrorKind::ClientDisconnected,
-        ErrorKind::Unauthenticated,
-        ErrorKind::Forbidden,
-        ErrorKind::AuthThrottled,
-        ErrorKind::RateLimited,
-        ErrorKind::QueueFull,
-        ErrorKind::QueueTimeout,
-        ErrorKind::Internal,
-    ];
-
-    /// Position in `ALL` (a metric label index).
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorKind::RouteNotFound => "route_not_found",
-            ErrorKind::MethodNotAllowed => "method_not_allowed",
-            ErrorKind::UnsupportedMediaType => "unsupported_media_type",
-            ErrorKind::BodyTooLarge => "body_too_large",
-            ErrorKind::BodyRead => "body_read",
-            ErrorKind::InvalidJson => "invalid_json",
-            ErrorKind::InvalidRequest => "invalid_request",
-            ErrorKind::ModelNotFound => "model_not_found",
-            ErrorKind::NoBackend => "no_backend",
-            ErrorKind::BackendUnreachable => "backend_unreachable",
-            ErrorKind::UpstreamTimeout => "upstream_timeout",
-            ErrorKind::UpstreamError => "upstream_error",
-            ErrorKind::UpstreamStreamError => "upstream_stream_error",
-            ErrorKind::ClientDisconnected => "client_disconnected",
-            ErrorKind::Unauthenticated => "unauthenticated",
-            ErrorKind::Forbidden => "forbidden",
-            ErrorKind::AuthThrottled => "auth_throttled",
-            ErrorKind::RateLimited => "rate_limited",
-            ErrorKind::QueueFull => "queue_full",
-            ErrorKind::QueueTimeout => "queue_timeout",
-            ErrorKind::Internal => "internal",
-        }
-    }
-}
-
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     #[error("unknown route {method} {path}")]
@@ -179,6 +96,10 @@ pub enum ApiError {
         kind: TimeoutKind,
         after_ms: u128,
     },
+    #[error("backend {backend} closed the stream before [DONE]")]
+    UpstreamStreamCut { backend: String },
+    #[error("backend {backend} failed mid-stream: {detail}")]
+    UpstreamStreamFailed { backend: String, detail: String },
     #[error("authentication: {}", .0.reason())]
     Auth(AuthFailure),
     #[error("limit: {}", .0.refusal.code())]
@@ -194,34 +115,6 @@ pub struct Limited {
     pub model: std::sync::Arc<str>,
 }
 
-#[derive(Serialize)]
-struct Envelope<'a> {
-    error: Body<'a>,
-}
-
-#[derive(Serialize)]
-struct Body<'a> {
-    message: &'a str,
-    #[serde(rename = "type")]
-    kind: &'a str,
-    param: Option<&'a str>,
-    code: Option<&'a str>,
-}
-
-/// Serialise an OpenAI-format error body.
-pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Bytes {
-    let env = Envelope {
-        error: Body {
-            message,
-            kind,
-            param,
-            code,
-        },
-    };
-    // Serialising plain strings into a Vec cannot fail.
-    Bytes::from(serde_json::to_vec(&env).unwrap_or_default())
-}
-
 impl ApiError {
     pub fn limited(refusal: crate::limits::Refusal, model: &std::sync::Arc<str>) -> Self {
         ApiError::Limited(Box::new(Limited {
@@ -230,27 +123,9 @@ impl ApiError {
         }))
     }
 
+    /// The status comes from the kind: one table (`ErrorKind::status`).
     pub fn status(&self) -> StatusCode {
-        match self {
-            ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
-            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::BodyRead(_) => StatusCode::BAD_REQUEST,
-            ApiError::InvalidJson(_) => StatusCode::BAD_REQUEST,
-            ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
-            ApiError::NoBackend { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::BackendUnreachable { .. } => StatusCode::BAD_GATEWAY,
-            ApiError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            ApiError::Auth(f) => {
-                StatusCode::from_u16(f.status()).unwrap_or(StatusCode::UNAUTHORIZED)
-            }
-            ApiError::Limited(l) => {
-                StatusCode::from_u16(l.refusal.status()).unwrap_or(StatusCode::TOO_MANY_REQUESTS)
-            }
-            ApiError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-        }
+        self.kind().status()
     }
 
     pub fn kind(&self) -> ErrorKind {
@@ -266,21 +141,34 @@ impl ApiError {
             ApiError::NoBackend { .. } => ErrorKind::NoBackend,
             ApiError::BackendUnreachable { .. } => ErrorKind::BackendUnreachable,
             ApiError::UpstreamTimeout { .. } => ErrorKind::UpstreamTimeout,
-            ApiError::Auth(f) if f.status() == 403 => ErrorKind::Forbidden,
-            ApiError::Auth(f) if f.status() == 429 => ErrorKind::AuthThrottled,
-            ApiError::Auth(_) => ErrorKind::Unauthenticated,
-            ApiError::Limited(l) => match l.refusal.kind {
-                crate::limits::LimitKind::QueueFull => ErrorKind::QueueFull,
-                crate::limits::LimitKind::QueueTimeout => ErrorKind::QueueTimeout,
-                _ => ErrorKind::RateLimited,
-            },
+            ApiError::UpstreamStreamCut { .. } | ApiError::UpstreamStreamFailed { .. } => {
+                ErrorKind::UpstreamStreamError
+            }
+            ApiError::Auth(f) => f.kind(),
+            ApiError::Limited(l) => l.refusal.kind.error_kind(),
             ApiError::Internal => ErrorKind::Internal,
         }
     }
 
     /// The OpenAI-format body: message, type, param, code.
     pub fn body(&self) -> Bytes {
-        let (message, kind, param, code): (String, &str, Option<&str>, &str) = match self {
+        let (message, kind, param, code) = self.parts();
+        error_body(&message, kind, param, Some(code))
+    }
+
+    /// The error as the last events of a stream whose head already went out.
+    pub fn sse_event(&self, partial_line: bool) -> Bytes {
+        sse_error_event(&self.body(), partial_line)
+    }
+
+    /// The message alone (a failed non-SSE body ends with it as its I/O error).
+    pub fn message(&self) -> String {
+        self.parts().0
+    }
+
+    /// (message, type, param, code) of the OpenAI error body.
+    fn parts(&self) -> (String, &'static str, Option<&str>, &'static str) {
+        match self {
             ApiError::RouteNotFound { method, path } => (
                 format!(
                     "Unknown route {method} {path}. fleetgate serves POST /v1/chat/completions, POST /v1/completions and GET /v1/models; check that the client's base URL ends in /v1 (not /v1/v1, /api or a trailing path)."
@@ -374,13 +262,27 @@ impl ApiError {
                 None,
                 "upstream_timeout",
             ),
+            ApiError::UpstreamStreamCut { backend } => (
+                format!(
+                    "Backend {backend} closed the stream before `data: [DONE]`; the response is incomplete."
+                ),
+                "upstream_error",
+                None,
+                "upstream_stream_cut",
+            ),
+            ApiError::UpstreamStreamFailed { backend, detail } => (
+                format!("Backend {backend} failed after the response started: {detail}."),
+                "upstream_error",
+                None,
+                "upstream_stream_error",
+            ),
             ApiError::Auth(f) => {
                 let (kind, code, message) = f.describe();
-                return error_body(&message, kind, None, Some(code));
+                (message, kind, None, code)
             }
             ApiError::Limited(l) => {
                 let r = &l.refusal;
-                let kind = if r.status() == 429 {
+                let kind = if r.status() == StatusCode::TOO_MANY_REQUESTS {
                     "rate_limit_error"
                 } else {
                     "server_error"
@@ -391,7 +293,7 @@ impl ApiError {
                         | crate::limits::LimitKind::KeyTokensTooLarge
                 )
                 .then_some("max_tokens");
-                return error_body(&r.message(Some(&l.model)), kind, param, Some(r.code()));
+                (r.message(Some(&l.model)), kind, param, r.code())
             }
             ApiError::Internal => (
                 "The gateway hit an internal error; the details are in its log.".to_owned(),
@@ -399,8 +301,7 @@ impl ApiError {
                 None,
                 "internal_error",
             ),
-        };
-        error_body(&message, kind, param, Some(code))
+        }
     }
 
     /// Extra response header the error needs (`Allow` on 405, `WWW-Authenticate` on 401,
@@ -419,7 +320,7 @@ impl ApiError {
                 let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
                 (header::RETRY_AFTER, HeaderValue::from(secs.max(1)))
             }),
-            ApiError::Auth(f) if f.status() == 401 => Some((
+            ApiError::Auth(f) if f.kind() == ErrorKind::Unauthenticated => Some((
                 header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer realm=\"fleetgate\""),
             )),
@@ -431,13 +332,6 @@ impl ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kinds_are_listed_in_order() {
-        for (i, k) in ErrorKind::ALL.iter().enumerate() {
-            assert_eq!(k.index(), i, "{k:?}");
-        }
-    }
 
     #[test]
     fn body_is_openai_shaped() {

@@ -4,7 +4,7 @@
 
 pub mod error;
 pub mod relay;
-pub mod sse;
+
 pub mod view;
 
 use std::sync::Arc;
@@ -19,15 +19,16 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
 use crate::auth::AuthFailure;
-use crate::auth::key::Environment;
 use crate::config::AffinityBy;
+use crate::key::Environment;
 use crate::limits::{LimitKind, Refusal};
+use crate::openai::Endpoint;
+use crate::openai::error::{ErrorKind, error_body, sse_error_event};
 use crate::pool::{InFlight, Pool, Pools, Reachability, Waiting};
 use crate::queue::{JoinRefused, TimedOut};
 use crate::telemetry::RequestRecord;
-use error::{ApiError, ConnectCause, ErrorKind, TimeoutKind, error_body};
+use error::{ApiError, ConnectCause, TimeoutKind};
 use relay::{GatewayBody, RelayBody};
-use view::Endpoint;
 
 /// What the forwarding path needs, shared by all requests.
 #[derive(Debug)]
@@ -284,11 +285,7 @@ async fn continue_queued(
 fn queued_error(record: &mut RequestRecord, body: &[u8], kind: ErrorKind) -> Bytes {
     record.error = Some(kind);
     record.timeline.done = Some(Instant::now());
-    let mut out = Vec::with_capacity(body.len() + 32);
-    out.extend_from_slice(b"data: ");
-    out.extend_from_slice(body);
-    out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
-    Bytes::from(out)
+    sse_error_event(body, false)
 }
 
 struct RelayParts {

@@ -14,9 +14,10 @@ use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
-use super::error::{ErrorKind, TimeoutKind, error_body};
-use super::sse::{DataKind, SseScanner};
+use super::error::{ApiError, TimeoutKind};
 use crate::config::Timeouts;
+use crate::openai::error::ErrorKind;
+use crate::openai::sse::{DataKind, SseScanner};
 use crate::pool::InFlight;
 use crate::telemetry::RequestRecord;
 
@@ -361,8 +362,8 @@ fn scan_frame(
 }
 
 /// The usage chunk: `choices: []` with a `usage` object.
-fn is_usage(line: &super::sse::DataLine<'_>) -> bool {
-    line.kind == DataKind::NoChoices && crate::proxy::sse::USAGE.find(line.payload).is_some()
+fn is_usage(line: &crate::openai::sse::DataLine<'_>) -> bool {
+    line.kind == DataKind::NoChoices && crate::openai::sse::USAGE.find(line.payload).is_some()
 }
 
 /// `data` without the bytes in `cut`; `None` when nothing is left.
@@ -389,20 +390,6 @@ fn observe_first_token(slot: &InFlight, record: &RequestRecord) {
         slot.backend()
             .observe_ttft(first.saturating_duration_since(sent));
     }
-}
-
-/// The SSE tail sent when a stream fails after it started.
-fn error_tail(partial_line: bool, message: &str, code: &str) -> Bytes {
-    let body = error_body(message, "upstream_error", None, Some(code));
-    let mut out = Vec::with_capacity(body.len() + 40);
-    if partial_line {
-        // Terminate the half-relayed event so the error event parses on its own.
-        out.extend_from_slice(b"\n\n");
-    }
-    out.extend_from_slice(b"data: ");
-    out.extend_from_slice(&body);
-    out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
-    Bytes::from(out)
 }
 
 impl Body for RelayBody {
@@ -497,15 +484,11 @@ impl Body for RelayBody {
                             .finish(|line| stream.on_data(line.kind, line.payload, at));
                         if !stream.done && !stream.error {
                             this.record.error = Some(ErrorKind::UpstreamStreamError);
-                            let msg = format!(
-                                "Backend {} closed the stream before `data: [DONE]`; the response is incomplete.",
-                                this.slot.backend().base
-                            );
-                            *this.state = State::Closing(error_tail(
-                                this.scanner.has_partial_line(),
-                                &msg,
-                                "upstream_stream_cut",
-                            ));
+                            let err = ApiError::UpstreamStreamCut {
+                                backend: this.slot.backend().base.to_string(),
+                            };
+                            *this.state =
+                                State::Closing(err.sse_event(this.scanner.has_partial_line()));
                             continue;
                         }
                     } else {
@@ -525,18 +508,17 @@ impl Body for RelayBody {
                 }
                 Poll::Ready(Some(Err(e))) => {
                     this.record.error = Some(ErrorKind::UpstreamStreamError);
-                    let msg = format!(
-                        "Backend {} failed after the response started: {e}.",
-                        this.slot.backend().base
-                    );
+                    let err = ApiError::UpstreamStreamFailed {
+                        backend: this.slot.backend().base.to_string(),
+                        detail: e.to_string(),
+                    };
                     if *this.sse {
                         let partial = this.scanner.has_partial_line();
-                        *this.state =
-                            State::Closing(error_tail(partial, &msg, "upstream_stream_error"));
+                        *this.state = State::Closing(err.sse_event(partial));
                         continue;
                     }
                     this.record.timeline.done = Some(Instant::now());
-                    return Poll::Ready(Some(Err(std::io::Error::other(msg))));
+                    return Poll::Ready(Some(Err(std::io::Error::other(err.message()))));
                 }
                 Poll::Pending => {
                     if !this.ready.is_empty() {
@@ -567,23 +549,21 @@ impl Body for RelayBody {
             let limit = self.limit_of(kind);
             let this = self.as_mut().project();
             this.record.error = Some(ErrorKind::UpstreamTimeout);
-            let msg = format!(
-                "Backend {} did not answer in time: the {} timeout of {} ms fired (pools[].timeouts.{}_ms).",
-                this.slot.backend().base,
-                kind.as_str().replace('_', "-"),
-                limit.as_millis(),
-                kind.as_str()
-            );
+            let err = ApiError::UpstreamTimeout {
+                backend: this.slot.backend().base.to_string(),
+                kind,
+                after_ms: limit.as_millis(),
+            };
             if *this.sse {
                 let partial = this.scanner.has_partial_line();
-                *this.state = State::Closing(error_tail(partial, &msg, "upstream_timeout"));
+                *this.state = State::Closing(err.sse_event(partial));
                 continue;
             }
             *this.state = State::Ended;
             this.record.timeline.done = Some(now);
             return Poll::Ready(Some(Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
-                msg,
+                err.message(),
             ))));
         }
     }
@@ -692,7 +672,11 @@ mod tests {
 
     #[test]
     fn error_tail_parses_as_one_error_event() {
-        let tail = error_tail(true, "boom", "upstream_stream_error");
+        let tail = ApiError::UpstreamStreamFailed {
+            backend: "http://b:1".into(),
+            detail: "boom".into(),
+        }
+        .sse_event(true);
         let mut scanner = SseScanner::new();
         scanner.feed(b"data: {\"choi", |_| {});
         let mut kinds = Vec::new();

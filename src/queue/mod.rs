@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use crate::auth::key::Environment;
+use crate::key::Environment;
 
 /// Why a request could not join the queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,14 +5,15 @@
 //! Nothing here is called on the request path except the bounded lookup of unknown keys.
 
 use std::path::PathBuf;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 
-use crate::auth::KeyRecord;
-use crate::auth::key::{self, Environment};
+use crate::clock::wall_ms;
+use crate::key::KeyRecord;
+use crate::key::{self, Environment};
 
 /// Migrations embedded in the binary, one set per engine.
 pub static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
@@ -109,12 +110,6 @@ pub fn redact_url(url: &str) -> String {
         }
         _ => url.to_owned(),
     }
-}
-
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// What `keys create` / `POST /admin/keys` ask for.
@@ -352,7 +347,7 @@ impl KeyStore {
                 "`allowed_models` must name at least one model (leave it out to allow all)".into(),
             ));
         }
-        let now = now_ms();
+        let now = wall_ms();
         let expires_at = match req.expires_in_seconds {
             Some(s) if s <= 0 => {
                 return Err(StoreError::Invalid(
@@ -421,7 +416,7 @@ impl KeyStore {
                 "a revoke reason is required (it is shown to the key's users)".into(),
             ));
         }
-        let now = now_ms();
+        let now = wall_ms();
         let mut tx = self.pool.begin().await?;
         let done = sqlx::query(
             "UPDATE api_keys SET revoked_at = $1, revoked_by = $2, revoke_reason = $3, updated_at = $1 \
@@ -468,7 +463,7 @@ impl KeyStore {
         if current.revoked_at.is_some() {
             return Err(StoreError::AlreadyRevoked(public_id.to_owned()));
         }
-        let now = now_ms();
+        let now = wall_ms();
         let until = now.saturating_add(i64::try_from(grace.as_millis()).unwrap_or(i64::MAX));
         let new = key::generate(current.environment, Some(public_id));
         let mut tx = self.pool.begin().await?;
@@ -569,7 +564,7 @@ async fn audit(
     sqlx::query(
         "INSERT INTO key_audit (at, actor, action, key_public_id, detail) VALUES ($1, $2, $3, $4, $5)",
     )
-    .bind(now_ms())
+    .bind(wall_ms())
     .bind(actor)
     .bind(action)
     .bind(public_id)

@@ -15,9 +15,9 @@ use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
 };
 
-use crate::auth::key::Environment;
+use crate::key::Environment;
+use crate::openai::error::ErrorKind;
 use crate::pool::Pools;
-use crate::proxy::error::ErrorKind;
 
 use super::{RequestRecord, UsageSource};
 

@@ -14,9 +14,9 @@ use http::HeaderValue;
 
 pub use timeline::{StreamMetrics, Timeline, Usage, UsageSource};
 
-use crate::auth::KeyRecord;
-use crate::proxy::error::ErrorKind;
-use crate::proxy::view::Endpoint;
+use crate::key::KeyRecord;
+use crate::openai::Endpoint;
+use crate::openai::error::ErrorKind;
 
 /// Where finished requests go: the per-request log event, and an optional observer (tests,
 /// and later the metrics registry and request-log writer).

@@ -17,7 +17,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::RequestRecord;
-use crate::store::{DbKind, KeyStore, now_ms};
+use crate::clock::wall_ms;
+use crate::store::{DbKind, KeyStore};
 
 /// `[request_log]` settings.
 #[derive(Debug, Clone)]
@@ -92,11 +93,11 @@ struct Pending {
 
 struct RecordCopy {
     request_id: http::HeaderValue,
-    key: Option<Arc<crate::auth::KeyRecord>>,
+    key: Option<Arc<crate::key::KeyRecord>>,
     model: Option<Arc<str>>,
     backend: Option<Arc<str>>,
     status: u16,
-    error: Option<crate::proxy::error::ErrorKind>,
+    error: Option<crate::openai::error::ErrorKind>,
     stream: bool,
     timeline: super::Timeline,
     client_addr: Option<std::net::SocketAddr>,
@@ -159,7 +160,7 @@ impl RequestLog {
     pub fn record(&self, r: &RequestRecord) {
         let pending = Pending {
             row_id: self.next_id.fetch_add(1, Ordering::Relaxed),
-            at: now_ms(),
+            at: wall_ms(),
             record: RecordCopy {
                 request_id: r.request_id.clone(),
                 key: r.key.clone(),
@@ -405,7 +406,7 @@ impl Writer {
     /// Partitions ahead and retention.
     async fn maintain(&self) {
         let day_ms = 86_400_000i64;
-        let today = now_ms().div_euclid(day_ms);
+        let today = wall_ms().div_euclid(day_ms);
         let cutoff = (today - i64::from(self.config.retention_days)) * day_ms;
         let result = match self.store.kind() {
             DbKind::Postgres => {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-use crate::proxy::sse::{DataKind, USAGE};
+use crate::openai::sse::{DataKind, USAGE};
 
 /// Token counts reported by the backend in its usage chunk (or non-streaming body).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -315,7 +315,7 @@ mod tests {
         assert_eq!(usage_in_tail(&tail), Some(u));
         assert_eq!(usage_in(br#"{"usage":null}"#), None);
     }
-    use crate::proxy::sse::SseScanner;
+    use crate::openai::sse::SseScanner;
     use base64::Engine;
 
     struct Outcome {

@@ -152,7 +152,7 @@ pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -
         .create(
             &fleetgate::store::CreateKey {
                 name: "test".into(),
-                environment: Some(fleetgate::auth::key::Environment::Stress),
+                environment: Some(fleetgate::key::Environment::Stress),
                 ..Default::default()
             },
             "test",
@@ -399,9 +399,9 @@ impl Cuttable {
 /// gateway's snapshot when this returns. Returns the secret and the record.
 pub async fn issue_key(
     gw: &Gateway,
-    env: fleetgate::auth::key::Environment,
+    env: fleetgate::key::Environment,
     f: impl FnOnce(&mut fleetgate::store::CreateKey),
-) -> (String, fleetgate::auth::KeyRecord) {
+) -> (String, fleetgate::key::KeyRecord) {
     let mut req = fleetgate::store::CreateKey {
         name: format!("{env} test key"),
         environment: Some(env),

@@ -1,4 +1,7 @@
-//! The API key format: `fg-<env>-<public id>-<secret><checksum>`.
+//! API keys below the stages that use them: the key format
+//! `fg-<env>-<public id>-<secret><checksum>`, the environments, and `KeyRecord`, a key as the
+//! store keeps it and the gateway checks it.
+//!
 //!
 //! - `env` is `stress`, `gray` or `prod`, readable by anyone who sees the key;
 //! - the public id (12 base62 characters) is the lookup handle shown in listings and logs;
@@ -11,6 +14,7 @@
 use std::fmt;
 
 use rand::Rng;
+use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 pub const PREFIX: &str = "fg-";
@@ -183,6 +187,92 @@ pub fn generate(env: Environment, public_id: Option<&str>) -> NewKey {
         full,
         public_id,
         secret_hash: hash_secret(&secret),
+    }
+}
+
+/// One key as the gateway knows it. The secret itself is never held, only its hash.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyRecord {
+    pub id: i64,
+    pub public_id: Box<str>,
+    pub name: String,
+    pub environment: Environment,
+    pub secret_hash: [u8; 32],
+    /// The previous secret's hash and until when it is accepted (rotation grace).
+    pub previous: Option<([u8; 32], i64)>,
+    pub created_at: i64,
+    pub created_by: String,
+    pub expires_at: Option<i64>,
+    pub revoked_at: Option<i64>,
+    pub revoked_by: Option<String>,
+    pub revoke_reason: Option<String>,
+    /// `None`: every model.
+    pub allowed_models: Option<Vec<String>>,
+    pub requests_per_minute: Option<i64>,
+    pub tokens_per_minute: Option<i64>,
+    pub max_concurrent_streams: Option<i64>,
+    pub metadata: serde_json::Value,
+    pub updated_at: i64,
+}
+
+/// The listing view of a key: everything but the hashes.
+#[derive(Debug, Serialize)]
+pub struct KeyView<'a> {
+    pub public_id: &'a str,
+    pub name: &'a str,
+    pub environment: Environment,
+    pub status: &'static str,
+    pub created_at: i64,
+    pub created_by: &'a str,
+    pub expires_at: Option<i64>,
+    pub revoked_at: Option<i64>,
+    pub revoked_by: Option<&'a str>,
+    pub revoke_reason: Option<&'a str>,
+    pub previous_secret_valid_until: Option<i64>,
+    pub allowed_models: Option<&'a [String]>,
+    pub requests_per_minute: Option<i64>,
+    pub tokens_per_minute: Option<i64>,
+    pub max_concurrent_streams: Option<i64>,
+    pub metadata: &'a serde_json::Value,
+}
+
+impl KeyRecord {
+    pub fn status(&self, now: i64) -> &'static str {
+        if self.revoked_at.is_some() {
+            "revoked"
+        } else if self.expires_at.is_some_and(|e| e <= now) {
+            "expired"
+        } else {
+            "active"
+        }
+    }
+
+    pub fn view(&self) -> KeyView<'_> {
+        KeyView {
+            public_id: &self.public_id,
+            name: &self.name,
+            environment: self.environment,
+            status: self.status(crate::clock::wall_ms()),
+            created_at: self.created_at,
+            created_by: &self.created_by,
+            expires_at: self.expires_at,
+            revoked_at: self.revoked_at,
+            revoked_by: self.revoked_by.as_deref(),
+            revoke_reason: self.revoke_reason.as_deref(),
+            previous_secret_valid_until: self.previous.map(|(_, until)| until),
+            allowed_models: self.allowed_models.as_deref(),
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
+            max_concurrent_streams: self.max_concurrent_streams,
+            metadata: &self.metadata,
+        }
+    }
+
+    /// May this key use the model clients know as `model`?
+    pub fn allows_model(&self, model: &str) -> bool {
+        self.allowed_models
+            .as_ref()
+            .is_none_or(|m| m.iter().any(|a| a == model))
     }
 }
 
