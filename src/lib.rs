@@ -18,6 +18,7 @@ pub mod auth;
 pub mod limits;
 pub mod pool;
 pub mod queue;
+pub mod route;
 pub mod telemetry;
 
 // Layer 3: the forwarding path that calls the stages in order, and the relay.

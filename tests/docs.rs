@@ -173,6 +173,9 @@ fn the_messages_operations_md_quotes_are_the_gateways() {
         "src/auth/mod.rs",
         "src/proxy/error.rs",
         "src/proxy/mod.rs",
+        "src/proxy/upstream.rs",
+        "src/queue/mod.rs",
+        "src/limits/mod.rs",
         "src/server/reload.rs",
     ]
     .iter()

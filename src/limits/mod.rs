@@ -97,36 +97,27 @@ pub enum LimitKind {
     KeyConcurrency,
     EnvRequests,
     EnvConcurrency,
-    QueueFull,
-    QueueKeyShare,
-    QueueTimeout,
 }
 
 impl LimitKind {
-    pub const ALL: [LimitKind; 9] = [
+    pub const ALL: [LimitKind; 6] = [
         LimitKind::KeyRequests,
         LimitKind::KeyTokens,
         LimitKind::KeyTokensTooLarge,
         LimitKind::KeyConcurrency,
         LimitKind::EnvRequests,
         LimitKind::EnvConcurrency,
-        LimitKind::QueueFull,
-        LimitKind::QueueKeyShare,
-        LimitKind::QueueTimeout,
     ];
 
     /// The error kind (and so the status) of a refusal by this limit.
     pub fn error_kind(self) -> ErrorKind {
         match self {
-            LimitKind::QueueFull => ErrorKind::QueueFull,
-            LimitKind::QueueTimeout => ErrorKind::QueueTimeout,
             LimitKind::KeyRequests
             | LimitKind::KeyTokens
             | LimitKind::KeyTokensTooLarge
             | LimitKind::KeyConcurrency
             | LimitKind::EnvRequests
-            | LimitKind::EnvConcurrency
-            | LimitKind::QueueKeyShare => ErrorKind::RateLimited,
+            | LimitKind::EnvConcurrency => ErrorKind::RateLimited,
         }
     }
 
@@ -138,9 +129,6 @@ impl LimitKind {
             LimitKind::KeyConcurrency => "key_concurrency",
             LimitKind::EnvRequests => "env_requests",
             LimitKind::EnvConcurrency => "env_concurrency",
-            LimitKind::QueueFull => "queue_full",
-            LimitKind::QueueKeyShare => "queue_key_share",
-            LimitKind::QueueTimeout => "queue_timeout",
         }
     }
 }
@@ -254,20 +242,16 @@ impl Refusal {
             LimitKind::KeyConcurrency => "concurrency_limit_exceeded",
             LimitKind::EnvRequests => "environment_rate_limit_exceeded",
             LimitKind::EnvConcurrency => "environment_concurrency_exceeded",
-            LimitKind::QueueFull => "queue_full",
-            LimitKind::QueueKeyShare => "queue_share_exceeded",
-            LimitKind::QueueTimeout => "queue_timeout",
         }
     }
 
-    pub fn message(&self, model: Option<&str>) -> String {
+    pub fn message(&self) -> String {
         let key = &self.key_id;
         let env = self.environment;
         let retry = match self.retry_after {
             Some(d) => format!(" Retry after {:.1} s.", d.as_secs_f64().max(0.1)),
             None => String::new(),
         };
-        let model = model.unwrap_or("this model");
         match self.kind {
             LimitKind::KeyRequests => format!(
                 "Rate limit reached for key {key} on requests per minute (RPM): limit {}.{retry}",
@@ -292,18 +276,6 @@ impl Refusal {
             LimitKind::EnvConcurrency => format!(
                 "Too many concurrent requests in the {env} environment (all {env} keys together): limit {} in flight.",
                 self.limit
-            ),
-            LimitKind::QueueFull => format!(
-                "Every backend of `{model}` is at capacity and the admission queue is full ({} waiting).{retry}",
-                self.limit
-            ),
-            LimitKind::QueueKeyShare => format!(
-                "Every backend of `{model}` is at capacity and key {key} already holds its share of the admission queue ({} waiting requests).{retry}",
-                self.limit
-            ),
-            LimitKind::QueueTimeout => format!(
-                "Every backend of `{model}` stayed at capacity: the request waited the {env} environment's maximum of {:.1} s in the admission queue.{retry}",
-                Duration::from_millis(self.limit).as_secs_f64()
             ),
         }
     }

@@ -27,7 +27,7 @@ use crate::clock::mono_ms;
 use crate::config::{
     BackendConfig, EjectionConfig, PoolConfig, QueueConfig, RetryConfig, Timeouts,
 };
-use crate::queue::{AdmissionQueue, Place, Ticket, TimedOut};
+use crate::queue::{AdmissionQueue, Slots};
 
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
@@ -647,6 +647,21 @@ impl PoolShared {
         })
     }
 
+    /// The first choice for a routed request: avoiding `avoid` (gray pinning) while another
+    /// backend can take it, on its affinity backend when it has one (and that one is not
+    /// overloaded).
+    pub fn try_acquire_routed(
+        self: &Arc<Self>,
+        avoid: u64,
+        affinity: Option<(u64, u32)>,
+    ) -> Option<InFlight> {
+        let first = |exclude| match affinity {
+            Some((key, slack)) => self.try_acquire_affine(key, exclude, slack),
+            None => self.try_acquire_excluding(exclude),
+        };
+        first(avoid).or_else(|| (avoid != 0).then(|| self.try_acquire()).flatten())
+    }
+
     /// Give free slots to waiting requests (after a slot was freed or a backend came back).
     pub fn dispatch(self: &Arc<Self>) {
         if self.queue.has_waiters() {
@@ -655,42 +670,19 @@ impl PoolShared {
     }
 }
 
-/// A request's place in a pool's admission queue, owning its pool (so it can outlive the
-/// request handler: a streaming request that waits while `: queued` comments go out). Dropping
-/// it leaves the queue.
-pub struct Waiting {
-    pool: Arc<PoolShared>,
-    place: Option<Place<InFlight>>,
-}
+impl Slots for PoolShared {
+    type Slot = InFlight;
 
-impl std::fmt::Debug for Waiting {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Waiting")
-    }
-}
-
-impl Waiting {
-    pub fn new(pool: Arc<PoolShared>, ticket: Ticket<'_, InFlight>) -> Self {
-        Self {
-            place: ticket.detach(),
-            pool,
-        }
+    fn queue(&self) -> &AdmissionQueue<InFlight> {
+        &self.queue
     }
 
-    /// Wait for a slot, at most `max_wait`.
-    pub async fn wait(mut self, max_wait: std::time::Duration) -> Result<InFlight, TimedOut> {
-        match self.place.as_mut() {
-            Some(p) => p.recv(max_wait).await,
-            None => Err(TimedOut),
-        }
+    fn try_take(self: &Arc<Self>) -> Option<InFlight> {
+        self.try_acquire()
     }
-}
 
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        if let Some(p) = &self.place {
-            self.pool.queue.leave(p);
-        }
+    fn any_usable(&self) -> bool {
+        PoolShared::any_usable(self)
     }
 }
 

@@ -8,7 +8,10 @@ use std::borrow::Cow;
 use bytes::Bytes;
 
 use crate::auth::AuthFailure;
+use crate::limits::Refusal;
 use crate::openai::error::{ErrorKind, error_body, sse_error_event};
+use crate::openai::view::ViewError;
+use crate::queue::QueueRefusal;
 use http::{HeaderValue, StatusCode, header};
 
 /// Why a backend could not be reached.
@@ -102,27 +105,15 @@ pub enum ApiError {
     UpstreamStreamFailed { backend: String, detail: String },
     #[error("authentication: {}", .0.reason())]
     Auth(AuthFailure),
-    #[error("limit: {}", .0.refusal.code())]
-    Limited(Box<Limited>),
+    #[error("limit: {}", .0.code())]
+    Limited(Box<Refusal>),
+    #[error("queue: {}", .0.kind.code())]
+    QueueRefused(Box<QueueRefusal>),
     #[error("internal error")]
     Internal,
 }
 
-/// A request refused by a rate limit or by the admission queue, for the model it asked for.
-#[derive(Debug, Clone)]
-pub struct Limited {
-    pub refusal: crate::limits::Refusal,
-    pub model: std::sync::Arc<str>,
-}
-
 impl ApiError {
-    pub fn limited(refusal: crate::limits::Refusal, model: &std::sync::Arc<str>) -> Self {
-        ApiError::Limited(Box::new(Limited {
-            refusal,
-            model: model.clone(),
-        }))
-    }
-
     /// The status comes from the kind: one table (`ErrorKind::status`).
     pub fn status(&self) -> StatusCode {
         self.kind().status()
@@ -145,7 +136,8 @@ impl ApiError {
                 ErrorKind::UpstreamStreamError
             }
             ApiError::Auth(f) => f.kind(),
-            ApiError::Limited(l) => l.refusal.kind.error_kind(),
+            ApiError::Limited(r) => r.kind.error_kind(),
+            ApiError::QueueRefused(r) => r.kind.error_kind(),
             ApiError::Internal => ErrorKind::Internal,
         }
     }
@@ -280,8 +272,7 @@ impl ApiError {
                 let (kind, code, message) = f.describe();
                 (message, kind, None, code)
             }
-            ApiError::Limited(l) => {
-                let r = &l.refusal;
+            ApiError::Limited(r) => {
                 let kind = if r.status() == StatusCode::TOO_MANY_REQUESTS {
                     "rate_limit_error"
                 } else {
@@ -293,7 +284,15 @@ impl ApiError {
                         | crate::limits::LimitKind::KeyTokensTooLarge
                 )
                 .then_some("max_tokens");
-                (r.message(Some(&l.model)), kind, param, r.code())
+                (r.message(), kind, param, r.code())
+            }
+            ApiError::QueueRefused(r) => {
+                let kind = if r.status() == StatusCode::TOO_MANY_REQUESTS {
+                    "rate_limit_error"
+                } else {
+                    "server_error"
+                };
+                (r.message(), kind, None, r.kind.code())
             }
             ApiError::Internal => (
                 "The gateway hit an internal error; the details are in its log.".to_owned(),
@@ -315,16 +314,31 @@ impl ApiError {
                 header::RETRY_AFTER,
                 HeaderValue::from(retry_after.as_secs().max(1)),
             )),
-            ApiError::Limited(l) => l.refusal.retry_after.map(|d| {
-                // Whole seconds, rounded up: a client that waits this long will pass.
-                let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-                (header::RETRY_AFTER, HeaderValue::from(secs.max(1)))
-            }),
+            ApiError::Limited(r) => r.retry_after.map(retry_after),
+            ApiError::QueueRefused(r) => Some(retry_after(r.retry_after)),
             ApiError::Auth(f) if f.kind() == ErrorKind::Unauthenticated => Some((
                 header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer realm=\"fleetgate\""),
             )),
             _ => None,
+        }
+    }
+}
+
+/// `Retry-After` in whole seconds, rounded up: a client that waits this long will pass.
+fn retry_after(d: std::time::Duration) -> (header::HeaderName, HeaderValue) {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    (header::RETRY_AFTER, HeaderValue::from(secs.max(1)))
+}
+
+impl From<ViewError> for ApiError {
+    fn from(e: ViewError) -> Self {
+        match e {
+            ViewError::InvalidJson(detail) => ApiError::InvalidJson(detail),
+            ViewError::InvalidRequest { param, message } => {
+                ApiError::InvalidRequest { param, message }
+            }
+            ViewError::Unlocatable => ApiError::Internal,
         }
     }
 }

@@ -14,11 +14,13 @@ use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
+use super::Exchange;
 use super::error::{ApiError, TimeoutKind};
 use crate::config::Timeouts;
 use crate::openai::error::ErrorKind;
 use crate::openai::sse::{DataKind, SseScanner};
 use crate::pool::InFlight;
+use crate::queue::QueuedBody;
 use crate::telemetry::RequestRecord;
 
 pin_project! {
@@ -28,7 +30,7 @@ pin_project! {
     pub enum GatewayBody {
         Full { data: Option<Bytes> },
         Relay { #[pin] relay: RelayBody },
-        Queued { #[pin] queued: QueuedBody },
+        Queued { #[pin] queued: QueuedBody<RelayBody> },
     }
 }
 
@@ -41,7 +43,7 @@ impl GatewayBody {
     pub fn empty() -> Self {
         GatewayBody::Full { data: None }
     }
-    pub fn queued(queued: QueuedBody) -> Self {
+    pub fn queued(queued: QueuedBody<RelayBody>) -> Self {
         GatewayBody::Queued { queued }
     }
 
@@ -83,92 +85,6 @@ impl Body for GatewayBody {
     }
 }
 
-/// How a queued stream continues once its wait is over.
-pub enum Continued {
-    /// The backend's stream, relayed.
-    Relay(Pin<Box<RelayBody>>),
-    /// A final error event and `[DONE]`.
-    Tail(Bytes),
-}
-
-type Rest = Pin<Box<dyn Future<Output = Continued> + Send>>;
-
-static QUEUED_COMMENT: &[u8] = b": queued\n\n";
-
-pin_project! {
-    /// The body of a stream that waits in the admission queue: `: queued` comment lines (the
-    /// first at once, then every `interval`) while `rest` waits for a backend slot and sends
-    /// the request; then the backend's stream, or an error event.
-    pub struct QueuedBody {
-        rest: Option<Rest>,
-        #[pin]
-        tick: Sleep,
-        interval: Duration,
-        first_sent: bool,
-        relay: Option<Pin<Box<RelayBody>>>,
-        tail: Option<Bytes>,
-    }
-}
-
-impl QueuedBody {
-    pub fn new(rest: Rest, interval: Duration) -> Self {
-        Self {
-            rest: Some(rest),
-            tick: tokio::time::sleep(interval),
-            interval,
-            first_sent: false,
-            relay: None,
-            tail: None,
-        }
-    }
-}
-
-impl Body for QueuedBody {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let mut this = self.project();
-        if let Some(relay) = this.relay.as_mut() {
-            return relay.as_mut().poll_frame(cx);
-        }
-        if let Some(tail) = this.tail.take() {
-            return Poll::Ready(Some(Ok(Frame::data(tail))));
-        }
-        let Some(rest) = this.rest.as_mut() else {
-            return Poll::Ready(None);
-        };
-        if let Poll::Ready(next) = rest.as_mut().poll(cx) {
-            *this.rest = None;
-            match next {
-                Continued::Relay(mut relay) => {
-                    let frame = relay.as_mut().poll_frame(cx);
-                    *this.relay = Some(relay);
-                    return frame;
-                }
-                Continued::Tail(tail) => return Poll::Ready(Some(Ok(Frame::data(tail)))),
-            }
-        }
-        if !*this.first_sent {
-            *this.first_sent = true;
-            let at = Instant::now() + *this.interval;
-            this.tick.as_mut().reset(at.into());
-            return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(QUEUED_COMMENT)))));
-        }
-        match this.tick.as_mut().poll(cx) {
-            Poll::Ready(()) => {
-                let at = Instant::now() + *this.interval;
-                this.tick.as_mut().reset(at.into());
-                Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(QUEUED_COMMENT)))))
-            }
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
 enum State {
     Relaying,
     /// A failure after the stream started: the error event still to send.
@@ -196,19 +112,19 @@ pin_project! {
         yielded: u8,
         strip_usage: bool,
         itl: Option<prometheus::Histogram>,
-        // Declared before `record` so the slot is released before the request is recorded.
+        // Declared before `ex` so the slot is released before the request is recorded.
         slot: InFlight,
-        record: RequestRecord,
+        ex: Exchange,
     }
 }
 
 impl RelayBody {
-    /// `record.timeline.upstream_sent` must be set.
+    /// `ex.record.timeline.upstream_sent` must be set.
     pub fn new(
         upstream: Incoming,
         options: RelayOptions,
         slot: InFlight,
-        mut record: RequestRecord,
+        mut ex: Exchange,
         first: Option<Bytes>,
     ) -> Self {
         let RelayOptions {
@@ -218,7 +134,7 @@ impl RelayBody {
             itl,
         } = options;
         let now = Instant::now();
-        let sent_at = record.timeline.upstream_sent.unwrap_or(now);
+        let sent_at = ex.record.timeline.upstream_sent.unwrap_or(now);
         let mut scanner = SseScanner::new();
         let mut ready = Ready::default();
         if let Some(data) = first {
@@ -226,7 +142,7 @@ impl RelayBody {
             let data = if sse {
                 scan_frame(
                     &mut scanner,
-                    &mut record,
+                    &mut ex.record,
                     data,
                     now,
                     strip_usage,
@@ -239,9 +155,9 @@ impl RelayBody {
                 ready.push(data);
             }
         }
-        let first_token = record.timeline.upstream_first_token.is_some();
+        let first_token = ex.record.timeline.upstream_first_token.is_some();
         if first_token && sse {
-            observe_first_token(&slot, &record);
+            observe_first_token(&slot, &ex.record);
         }
         let deadline = deadline(sent_at, now, sse, first_token, &timeouts);
         Self {
@@ -259,7 +175,7 @@ impl RelayBody {
             strip_usage,
             itl,
             slot,
-            record,
+            ex,
         }
     }
 
@@ -268,7 +184,7 @@ impl RelayBody {
             self.sent_at,
             self.last_read,
             self.sse,
-            self.record.timeline.upstream_first_token.is_some(),
+            self.ex.record.timeline.upstream_first_token.is_some(),
             &self.timeouts,
         )
     }
@@ -276,7 +192,7 @@ impl RelayBody {
     fn timeout_kind(&self, now: Instant) -> TimeoutKind {
         if now >= self.sent_at + self.timeouts.total {
             TimeoutKind::Total
-        } else if self.sse && self.record.timeline.upstream_first_token.is_none() {
+        } else if self.sse && self.ex.record.timeline.upstream_first_token.is_none() {
             TimeoutKind::FirstToken
         } else {
             TimeoutKind::Idle
@@ -415,13 +331,13 @@ impl Body for RelayBody {
                         }
                         None => tail,
                     };
-                    this.record.timeline.done = Some(Instant::now());
+                    this.ex.record.timeline.done = Some(Instant::now());
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
                 State::Trailers(t) => return Poll::Ready(Some(Ok(Frame::trailers(t)))),
                 State::Relaying => *this.state = State::Relaying,
             }
-            if !this.ready.is_empty() && this.record.timeline.client_first_token.is_none() {
+            if !this.ready.is_empty() && this.ex.record.timeline.client_first_token.is_none() {
                 // A frame read with the head: it goes out with the head.
                 return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
             }
@@ -443,17 +359,17 @@ impl Body for RelayBody {
                         }
                     };
                     if *this.sse {
-                        let had_first = this.record.timeline.upstream_first_token.is_some();
+                        let had_first = this.ex.record.timeline.upstream_first_token.is_some();
                         let scanned = scan_frame(
                             this.scanner,
-                            this.record,
+                            &mut this.ex.record,
                             data,
                             now,
                             *this.strip_usage,
                             this.itl.as_ref(),
                         );
                         if !had_first {
-                            observe_first_token(this.slot, this.record);
+                            observe_first_token(this.slot, &this.ex.record);
                         }
                         match scanned {
                             Some(rest) => data = rest,
@@ -468,7 +384,7 @@ impl Body for RelayBody {
                     let full = !this.ready.push(data);
                     // Up to the first token every frame leaves at once: TTFT is never traded
                     // for fewer writes. After it, frames already read are gathered.
-                    let first_token_unsent = this.record.timeline.client_first_token.is_none();
+                    let first_token_unsent = this.ex.record.timeline.client_first_token.is_none();
                     if full || first_token_unsent {
                         return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
                     }
@@ -477,13 +393,13 @@ impl Body for RelayBody {
                 Poll::Ready(None) => {
                     let now = Instant::now();
                     if *this.sse {
-                        let tl = &mut this.record.timeline;
+                        let tl = &mut this.ex.record.timeline;
                         let at = now.saturating_duration_since(tl.received);
                         let stream = &mut tl.stream;
                         this.scanner
                             .finish(|line| stream.on_data(line.kind, line.payload, at));
                         if !stream.done && !stream.error {
-                            this.record.error = Some(ErrorKind::UpstreamStreamError);
+                            this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
                             let err = ApiError::UpstreamStreamCut {
                                 backend: this.slot.backend().base.to_string(),
                             };
@@ -492,22 +408,22 @@ impl Body for RelayBody {
                             continue;
                         }
                     } else {
-                        this.record.timeline.stream.usage =
+                        this.ex.record.timeline.stream.usage =
                             crate::telemetry::timeline::usage_in_tail(this.tail);
                     }
                     if this.ready.is_empty() {
-                        this.record.timeline.done = Some(now);
+                        this.ex.record.timeline.done = Some(now);
                         return Poll::Ready(None);
                     }
                     // Deliver what was read; the next poll ends the body.
                     let out = self.as_mut().deliver();
                     let this = self.as_mut().project();
                     *this.state = State::Ended;
-                    this.record.timeline.done = Some(Instant::now());
+                    this.ex.record.timeline.done = Some(Instant::now());
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    this.record.error = Some(ErrorKind::UpstreamStreamError);
+                    this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
                     let err = ApiError::UpstreamStreamFailed {
                         backend: this.slot.backend().base.to_string(),
                         detail: e.to_string(),
@@ -517,7 +433,7 @@ impl Body for RelayBody {
                         *this.state = State::Closing(err.sse_event(partial));
                         continue;
                     }
-                    this.record.timeline.done = Some(Instant::now());
+                    this.ex.record.timeline.done = Some(Instant::now());
                     return Poll::Ready(Some(Err(std::io::Error::other(err.message()))));
                 }
                 Poll::Pending => {
@@ -548,7 +464,7 @@ impl Body for RelayBody {
             let kind = self.timeout_kind(now);
             let limit = self.limit_of(kind);
             let this = self.as_mut().project();
-            this.record.error = Some(ErrorKind::UpstreamTimeout);
+            this.ex.record.error = Some(ErrorKind::UpstreamTimeout);
             let err = ApiError::UpstreamTimeout {
                 backend: this.slot.backend().base.to_string(),
                 kind,
@@ -560,7 +476,7 @@ impl Body for RelayBody {
                 continue;
             }
             *this.state = State::Ended;
-            this.record.timeline.done = Some(now);
+            this.ex.record.timeline.done = Some(now);
             return Poll::Ready(Some(Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 err.message(),
@@ -586,7 +502,7 @@ impl RelayBody {
         let this = self.project();
         *this.yielded = 0;
         let out = this.ready.take().unwrap_or_default();
-        let tl = &mut this.record.timeline;
+        let tl = &mut this.ex.record.timeline;
         if tl.client_first_token.is_none() && tl.upstream_first_token.is_some() {
             tl.client_first_token = Some(Instant::now());
         }

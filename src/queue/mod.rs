@@ -1,302 +1,275 @@
-//! The admission queue: when every backend that could serve a request is at capacity, the
-//! request waits here instead of piling up inside vLLM. prod is served before gray before
-//! stress; within an environment, keys take turns (round robin), and one key may hold at most
-//! `queue.max_per_key` places. A waiter leaves the moment its request is dropped (deadline or
-//! client disconnect).
+//! The queue stage: waiting for a backend slot. A request takes a free slot at once when one
+//! has room and nobody waits before it; else it joins its pool's admission queue (prod before
+//! gray before stress, keys taking turns, bounded overall and per key) and waits up to its
+//! environment's maximum. Everything about waiting lives here: the queue (`admission`), a
+//! request's place in it (`Waiting`), the refusals the queue gives (`QueueRefusal`) and the
+//! body of a stream that waits with `: queued` comments (`body`).
 //!
-//! The queue is generic over the slot it hands out (a backend in-flight slot in the gateway)
-//! so its ordering can be tested on its own. Slots are handed over directly: whoever frees a
-//! slot calls `dispatch`, which gives it to the next waiter without it ever being visible to
-//! a newcomer, so waiting requests are never overtaken.
+//! The stage is generic over `Slots`, the pool side that hands slots out, so the queue never
+//! imports the pool (the pool builds on the queue, not the other way round).
 
-use std::collections::VecDeque;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod admission;
+pub mod body;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::oneshot;
+use http::StatusCode;
+use prometheus::{IntCounter, IntCounterVec};
 
-use crate::key::Environment;
+use crate::key::{Environment, KeyRecord};
+use crate::openai::error::ErrorKind;
 
-/// Why a request could not join the queue.
+pub use admission::{AdmissionQueue, JoinRefused, Place, Ticket, TimedOut};
+pub use body::{Continued, QueuedBody};
+
+/// The pool side of the queue: where slots come from and who to ask whether any backend can
+/// ever take the request.
+pub trait Slots: Send + Sync + 'static {
+    type Slot: Send + 'static;
+    /// The admission queue in front of these slots.
+    fn queue(&self) -> &AdmissionQueue<Self::Slot>;
+    /// Any free slot, by the pool's balancing (handed to a waiter that reaches the front).
+    fn try_take(self: &Arc<Self>) -> Option<Self::Slot>;
+    /// Some backend may take requests now or later: waiting is not in vain.
+    fn any_usable(&self) -> bool;
+}
+
+/// A slot now, or a place in the queue to wait in.
+pub enum Claim<S: Slots> {
+    Now(S::Slot),
+    Wait(Waiting<S>),
+}
+
+/// Why the queue did not give a slot.
+#[derive(Debug)]
+pub enum QueueError {
+    /// No backend of the pool can take requests (all down, draining or removed): waiting
+    /// would be in vain. The pool names each backend's state.
+    NoUsableBackend,
+    /// The queue refused the request or its wait ended.
+    Refused(Box<QueueRefusal>),
+}
+
+/// Which refusal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JoinRefused {
-    /// `max_size` requests are already waiting.
-    Full { max_size: usize },
-    /// This key already holds `max_per_key` places.
-    KeyShare { max_per_key: usize },
+pub enum RefusalKind {
+    /// `queue.max_size` requests already wait.
+    Full,
+    /// The key already holds `queue.max_per_key` places.
+    KeyShare,
+    /// The environment's maximum wait passed without a slot.
+    Timeout,
 }
 
-struct Waiter<T> {
-    id: u64,
-    tx: oneshot::Sender<T>,
-}
+impl RefusalKind {
+    pub const ALL: [RefusalKind; 3] = [
+        RefusalKind::Full,
+        RefusalKind::KeyShare,
+        RefusalKind::Timeout,
+    ];
 
-struct KeyLine<T> {
-    key: i64,
-    waiters: VecDeque<Waiter<T>>,
-}
+    /// The `limit` label of `fleetgate_rejections_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalKind::Full => "queue_full",
+            RefusalKind::KeyShare => "queue_key_share",
+            RefusalKind::Timeout => "queue_timeout",
+        }
+    }
 
-struct State<T> {
-    /// By `Environment::index()`; served from the highest index (prod) down.
-    classes: [VecDeque<KeyLine<T>>; 3],
-    len: usize,
-    next_id: u64,
-}
+    pub fn error_kind(self) -> ErrorKind {
+        match self {
+            RefusalKind::Full => ErrorKind::QueueFull,
+            // The key's own doing: a rate limit of sorts, not the fleet's capacity.
+            RefusalKind::KeyShare => ErrorKind::RateLimited,
+            RefusalKind::Timeout => ErrorKind::QueueTimeout,
+        }
+    }
 
-pub struct AdmissionQueue<T> {
-    state: Mutex<State<T>>,
-    /// Waiters in the queue; read without the lock by whoever frees a slot.
-    waiting: AtomicUsize,
-    max_size: usize,
-    max_per_key: usize,
-    depth: std::sync::OnceLock<prometheus::IntGauge>,
-}
-
-impl<T> std::fmt::Debug for AdmissionQueue<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AdmissionQueue")
-            .field("waiting", &self.waiting())
-            .field("max_size", &self.max_size)
-            .finish()
+    pub fn code(self) -> &'static str {
+        match self {
+            RefusalKind::Full => "queue_full",
+            RefusalKind::KeyShare => "queue_share_exceeded",
+            RefusalKind::Timeout => "queue_timeout",
+        }
     }
 }
 
-/// The serving order of the classes.
-const PRIORITY: [Environment; 3] = [Environment::Prod, Environment::Gray, Environment::Stress];
+/// A request the queue refused, with what the client needs to know.
+#[derive(Debug, Clone)]
+pub struct QueueRefusal {
+    pub kind: RefusalKind,
+    /// The key's public id (`-` without a key).
+    pub key_id: Box<str>,
+    pub environment: Environment,
+    pub model: Arc<str>,
+    /// Places in the queue (full, key share) or milliseconds of waiting (timeout).
+    pub limit: u64,
+    pub retry_after: Duration,
+}
 
-impl<T> AdmissionQueue<T> {
-    pub fn new(max_size: usize, max_per_key: usize) -> Self {
+impl QueueRefusal {
+    pub fn status(&self) -> StatusCode {
+        self.kind.error_kind().status()
+    }
+
+    pub fn message(&self) -> String {
+        let model = &self.model;
+        let retry = format!(
+            " Retry after {:.1} s.",
+            self.retry_after.as_secs_f64().max(0.1)
+        );
+        match self.kind {
+            RefusalKind::Full => format!(
+                "Every backend of `{model}` is at capacity and the admission queue is full ({} waiting).{retry}",
+                self.limit
+            ),
+            RefusalKind::KeyShare => format!(
+                "Every backend of `{model}` is at capacity and key {} already holds its share of the admission queue ({} waiting requests).{retry}",
+                self.key_id, self.limit
+            ),
+            RefusalKind::Timeout => format!(
+                "Every backend of `{model}` stayed at capacity: the request waited the {} environment's maximum of {:.1} s in the admission queue.{retry}",
+                self.environment,
+                Duration::from_millis(self.limit).as_secs_f64()
+            ),
+        }
+    }
+}
+
+/// Refusal counters, resolved once (the same series as the limits' refusals).
+#[derive(Debug, Clone)]
+pub struct QueueMetrics {
+    refused: [IntCounter; 3],
+}
+
+impl QueueMetrics {
+    pub fn new(rejections: &IntCounterVec) -> Self {
         Self {
-            state: Mutex::new(State {
-                classes: [VecDeque::new(), VecDeque::new(), VecDeque::new()],
-                len: 0,
-                next_id: 0,
-            }),
-            waiting: AtomicUsize::new(0),
-            max_size,
-            max_per_key,
-            depth: std::sync::OnceLock::new(),
+            refused: RefusalKind::ALL.map(|k| rejections.with_label_values(&[k.as_str()])),
         }
     }
 
-    /// Show the queue's length in this gauge from now on.
-    pub fn set_depth_gauge(&self, g: prometheus::IntGauge) {
-        let _ = self.depth.set(g);
+    fn count(&self, kind: RefusalKind) {
+        self.refused[kind as usize].inc();
     }
+}
 
-    pub fn waiting(&self) -> usize {
-        self.waiting.load(Ordering::SeqCst)
-    }
+/// Who asks: the key (its turn and share in the queue, its environment's priority) and the
+/// model (named in refusals).
+pub struct Asker<'a> {
+    pub key: Option<&'a KeyRecord>,
+    pub model: &'a Arc<str>,
+    pub metrics: Option<&'a QueueMetrics>,
+}
 
-    pub fn has_waiters(&self) -> bool {
-        self.waiting() > 0
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, State<T>> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Join the queue, then hand out whatever `take` can give right away (a slot freed since
-    /// the caller last looked is not missed: `waiting` is raised before `take` runs, and a
-    /// releaser lowers its count before it reads `waiting`).
-    pub fn join(
-        &self,
-        key: i64,
-        class: Environment,
-        take: impl FnMut() -> Option<T>,
-    ) -> Result<Ticket<'_, T>, JoinRefused> {
-        let leftover;
-        let ticket;
-        {
-            let mut s = self.lock();
-            if s.len >= self.max_size {
-                return Err(JoinRefused::Full {
-                    max_size: self.max_size,
-                });
-            }
-            let lines = &mut s.classes[class.index()];
-            let line_at = lines.iter().position(|l| l.key == key);
-            if let Some(i) = line_at
-                && lines[i].waiters.len() >= self.max_per_key
-            {
-                return Err(JoinRefused::KeyShare {
-                    max_per_key: self.max_per_key,
-                });
-            }
-            let (tx, rx) = oneshot::channel();
-            let id = s.next_id;
-            s.next_id += 1;
-            let lines = &mut s.classes[class.index()];
-            match line_at {
-                Some(i) => lines[i].waiters.push_back(Waiter { id, tx }),
-                None => lines.push_back(KeyLine {
-                    key,
-                    waiters: VecDeque::from([Waiter { id, tx }]),
-                }),
-            }
-            s.len += 1;
-            self.waiting.fetch_add(1, Ordering::SeqCst);
-            leftover = self.dispatch_locked(&mut s, take);
-            self.show_depth(&s);
-            ticket = Ticket {
-                queue: self,
-                place: Some(Place { rx, id, key, class }),
-            };
+impl Asker<'_> {
+    fn refuse(&self, kind: RefusalKind, limit: u64, retry_after: Duration) -> QueueError {
+        if let Some(m) = self.metrics {
+            m.count(kind);
         }
-        drop(leftover);
-        Ok(ticket)
-    }
-
-    /// Hand slots from `take` to waiters in priority order until either runs out. Call after
-    /// freeing a slot when `has_waiters()`.
-    pub fn dispatch(&self, take: impl FnMut() -> Option<T>) {
-        let leftover = {
-            let mut s = self.lock();
-            let l = self.dispatch_locked(&mut s, take);
-            self.show_depth(&s);
-            l
+        let (key_id, environment) = match self.key {
+            Some(k) => (k.public_id.clone(), k.environment),
+            None => (Box::from("-"), Environment::Stress),
         };
-        // Dropped outside the lock: dropping a slot may dispatch again.
-        drop(leftover);
+        QueueError::Refused(Box::new(QueueRefusal {
+            kind,
+            key_id,
+            environment,
+            model: self.model.clone(),
+            limit,
+            retry_after,
+        }))
     }
+}
 
-    fn dispatch_locked(&self, s: &mut State<T>, mut take: impl FnMut() -> Option<T>) -> Option<T> {
-        let mut pending: Option<T> = None;
-        while s.len > 0 {
-            let slot = match pending.take() {
-                Some(slot) => slot,
-                None => match take() {
-                    Some(slot) => slot,
-                    None => break,
-                },
-            };
-            let Some(w) = pop_next(s) else {
-                pending = Some(slot);
-                break;
-            };
-            s.len -= 1;
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            if let Err(slot) = w.tx.send(slot) {
-                // The waiter is gone (its ticket is being dropped): the next one gets it.
-                pending = Some(slot);
-            }
+/// A slot at once (`first`: the pool's choice under the route's constraints) while nobody
+/// waits before this request, else a place in the queue. A full queue, or a key holding its
+/// share of it, is refused at once.
+pub fn claim<S: Slots>(
+    slots: &Arc<S>,
+    first: impl FnOnce() -> Option<S::Slot>,
+    asker: &Asker<'_>,
+) -> Result<Claim<S>, QueueError> {
+    let queue = slots.queue();
+    if !queue.has_waiters()
+        && let Some(slot) = first()
+    {
+        return Ok(Claim::Now(slot));
+    }
+    if !slots.any_usable() {
+        return Err(QueueError::NoUsableBackend);
+    }
+    let (key_id, env) = match asker.key {
+        Some(k) => (k.id, k.environment),
+        None => (-1, Environment::Stress),
+    };
+    let mut ticket = match queue.join(key_id, env, || slots.try_take()) {
+        Ok(t) => t,
+        Err(JoinRefused::Full { max_size }) => {
+            return Err(asker.refuse(RefusalKind::Full, max_size as u64, Duration::from_secs(1)));
         }
-        pending
-    }
-
-    /// Leave the queue (a place detached from its ticket is left this way by its owner).
-    pub fn leave(&self, place: &Place<T>) {
-        self.leave_by(place.key, place.class, place.id);
-    }
-
-    fn leave_by(&self, key: i64, class: Environment, id: u64) {
-        let mut s = self.lock();
-        let lines = &mut s.classes[class.index()];
-        let Some(i) = lines.iter().position(|l| l.key == key) else {
-            return;
-        };
-        let Some(j) = lines[i].waiters.iter().position(|w| w.id == id) else {
-            return;
-        };
-        lines[i].waiters.remove(j);
-        if lines[i].waiters.is_empty() {
-            lines.remove(i);
+        Err(JoinRefused::KeyShare { max_per_key }) => {
+            let limit = max_per_key as u64;
+            return Err(asker.refuse(RefusalKind::KeyShare, limit, Duration::from_secs(1)));
         }
-        s.len -= 1;
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        self.show_depth(&s);
+    };
+    // A slot freed while joining was handed over at once.
+    if let Some(slot) = ticket.try_now() {
+        return Ok(Claim::Now(slot));
     }
+    Ok(Claim::Wait(Waiting {
+        place: ticket.detach(),
+        slots: slots.clone(),
+    }))
+}
 
-    fn show_depth(&self, s: &State<T>) {
-        if let Some(g) = self.depth.get() {
-            g.set(i64::try_from(s.len).unwrap_or(i64::MAX));
+/// Wait in the queue up to `max_wait`. A wait that ends while no backend can take requests
+/// says so rather than blaming capacity.
+pub async fn wait<S: Slots>(
+    waiting: Waiting<S>,
+    max_wait: Duration,
+    asker: &Asker<'_>,
+) -> Result<S::Slot, QueueError> {
+    let slots = waiting.slots.clone();
+    match waiting.wait(max_wait).await {
+        Ok(slot) => Ok(slot),
+        Err(TimedOut) if !slots.any_usable() => Err(QueueError::NoUsableBackend),
+        Err(TimedOut) => {
+            let limit = u64::try_from(max_wait.as_millis()).unwrap_or(u64::MAX);
+            Err(asker.refuse(RefusalKind::Timeout, limit, Duration::from_secs(2)))
         }
     }
 }
 
-/// The next waiter: highest class first; within it the key at the front of the ring, which
-/// then moves to the back if it still has waiters.
-fn pop_next<T>(s: &mut State<T>) -> Option<Waiter<T>> {
-    for env in PRIORITY {
-        let lines = &mut s.classes[env.index()];
-        let Some(mut line) = lines.pop_front() else {
-            continue;
-        };
-        let w = line.waiters.pop_front();
-        if !line.waiters.is_empty() {
-            lines.push_back(line);
-        }
-        if w.is_some() {
-            return w;
-        }
-    }
-    None
+/// A request's place in a pool's admission queue, owning its pool (so it can outlive the
+/// request handler: a streaming request that waits while `: queued` comments go out). Dropping
+/// it leaves the queue.
+pub struct Waiting<S: Slots> {
+    slots: Arc<S>,
+    place: Option<Place<S::Slot>>,
 }
 
-/// A place in the queue. Dropping it leaves the queue at once.
-pub struct Ticket<'a, T> {
-    queue: &'a AdmissionQueue<T>,
-    place: Option<Place<T>>,
-}
-
-/// A place without the borrow of its queue: whoever holds it must call
-/// `AdmissionQueue::leave` when dropping it (see `pool::Waiting`).
-pub struct Place<T> {
-    rx: oneshot::Receiver<T>,
-    id: u64,
-    key: i64,
-    class: Environment,
-}
-
-/// The wait ended without a slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TimedOut;
-
-impl<T> Place<T> {
-    /// Wait for a slot, at most `max_wait`.
-    pub async fn recv(&mut self, max_wait: Duration) -> Result<T, TimedOut> {
-        match tokio::time::timeout(max_wait, &mut self.rx).await {
-            Ok(Ok(slot)) => Ok(slot),
-            _ => Err(TimedOut),
-        }
-    }
-
-    /// The slot if it was handed over already (no waiting).
-    pub fn try_now(&mut self) -> Option<T> {
-        self.rx.try_recv().ok()
+impl<S: Slots> std::fmt::Debug for Waiting<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Waiting")
     }
 }
 
-impl<T> Ticket<'_, T> {
-    /// Wait for a slot, at most `max_wait`.
-    pub async fn wait(mut self, max_wait: Duration) -> Result<T, TimedOut> {
+impl<S: Slots> Waiting<S> {
+    async fn wait(mut self, max_wait: Duration) -> Result<S::Slot, TimedOut> {
         match self.place.as_mut() {
             Some(p) => p.recv(max_wait).await,
             None => Err(TimedOut),
         }
     }
-
-    /// The slot if it was handed over already (no waiting).
-    pub fn try_now(&mut self) -> Option<T> {
-        self.place.as_mut().and_then(Place::try_now)
-    }
-
-    /// The place, for an owner that outlives this borrow; it must leave the queue itself.
-    pub fn detach(mut self) -> Option<Place<T>> {
-        self.place.take()
-    }
 }
 
-impl<T> Drop for Ticket<'_, T> {
+impl<S: Slots> Drop for Waiting<S> {
     fn drop(&mut self) {
-        // Leave first; a slot that raced into the place is dropped with it afterwards
-        // (outside the lock), which passes it on.
         if let Some(p) = &self.place {
-            self.queue.leave(p);
+            self.slots.queue().leave(p);
         }
     }
 }
-
-#[cfg(test)]
-mod tests;

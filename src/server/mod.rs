@@ -342,6 +342,7 @@ impl Server {
                     auth: auth.clone(),
                     limits: limits.clone(),
                     queue: config.queue.clone(),
+                    queue_metrics: Some(crate::queue::QueueMetrics::new(&metrics.rejections)),
                 }),
             });
             let sock = std_listener.try_clone()?;

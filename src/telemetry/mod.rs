@@ -110,8 +110,6 @@ pub struct RequestRecord {
     pub error: Option<ErrorKind>,
     /// Attempts on other backends before the one that answered.
     pub retries: u8,
-    /// The request's hold on its limits; settled with the real usage when recorded.
-    pub admission: Option<crate::limits::Admission>,
     recorder: Arc<Recorder>,
 }
 
@@ -131,9 +129,14 @@ impl RequestRecord {
             status: 0,
             error: None,
             retries: 0,
-            admission: None,
             recorder,
         }
+    }
+
+    /// Tokens this request used, for settling a token reservation made with
+    /// `prompt_estimate`: see `used_tokens`.
+    pub fn used_tokens(&self, prompt_estimate: u64) -> u64 {
+        used_tokens(&self.timeline, self.error, prompt_estimate)
     }
 
     fn record(&mut self) {
@@ -144,15 +147,6 @@ impl RequestRecord {
                 self.error = Some(ErrorKind::ClientDisconnected);
             }
         }
-        if let Some(adm) = self.admission.as_mut() {
-            adm.set_used(used_tokens(
-                &self.timeline,
-                self.error,
-                adm.prompt_estimate(),
-            ));
-        }
-        // Slots released and the token reservation settled before the record is written.
-        self.admission = None;
         let recorder = self.recorder.clone();
         recorder.record(self);
     }

@@ -11,8 +11,23 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
-use super::error::ApiError;
-use crate::openai::Endpoint;
+use super::Endpoint;
+
+/// Why a body was refused; every message names the field and says what to send instead.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ViewError {
+    #[error("invalid JSON: {0}")]
+    InvalidJson(String),
+    #[error("{message}")]
+    InvalidRequest {
+        param: Option<Cow<'static, str>>,
+        message: String,
+    },
+    /// A field the parser accepted could not be found in the bytes again (a bug, not the
+    /// client's fault).
+    #[error("a parsed field could not be located in the body")]
+    Unlocatable,
+}
 
 #[derive(Debug)]
 pub struct RequestView<'a> {
@@ -60,18 +75,18 @@ struct StreamOptions {
     continuous_usage_stats: Option<bool>,
 }
 
-fn invalid(param: &'static str, message: impl Into<String>) -> ApiError {
-    ApiError::InvalidRequest {
+fn invalid(param: &'static str, message: impl Into<String>) -> ViewError {
+    ViewError::InvalidRequest {
         param: Some(Cow::Borrowed(param)),
         message: message.into(),
     }
 }
 
 /// Parse a request body into its view. Errors name the field and say what to send instead.
-pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ApiError> {
+pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewError> {
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
         None => {
-            return Err(ApiError::InvalidJson(
+            return Err(ViewError::InvalidJson(
                 "the body is empty; send a JSON object such as {\"model\": \"...\", \"messages\": [...]}".into(),
             ));
         }
@@ -80,14 +95,14 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ApiErro
             // Tell "not JSON" apart from "JSON but not an object".
             return Err(match serde_json::from_slice::<IgnoredAny>(body) {
                 Ok(_) => invalid_body_shape(),
-                Err(e) => ApiError::InvalidJson(e.to_string()),
+                Err(e) => ViewError::InvalidJson(e.to_string()),
             });
         }
     }
     let raw: RawBody<'_> = match serde_json::from_slice(body) {
         Ok(raw) => raw,
         Err(e) if e.is_data() => return Err(data_error(body, e)),
-        Err(e) => return Err(ApiError::InvalidJson(e.to_string())),
+        Err(e) => return Err(ViewError::InvalidJson(e.to_string())),
     };
 
     let model_raw = raw.model.ok_or_else(|| {
@@ -105,7 +120,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ApiErro
     if model.is_empty() {
         return Err(invalid("model", "`model` must not be empty."));
     }
-    let model_span = span_of(body, model_raw.get().as_bytes()).ok_or(ApiError::Internal)?;
+    let model_span = span_of(body, model_raw.get().as_bytes()).ok_or(ViewError::Unlocatable)?;
 
     let stream = match raw.stream.map(RawValue::get) {
         None | Some("null") | Some("false") => false,
@@ -126,7 +141,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ApiErro
     };
     let stream_options_span = match raw.stream_options {
         Some(r) if r.get() != "null" => {
-            Some(span_of(body, r.get().as_bytes()).ok_or(ApiError::Internal)?)
+            Some(span_of(body, r.get().as_bytes()).ok_or(ViewError::Unlocatable)?)
         }
         _ => None,
     };
@@ -226,15 +241,15 @@ pub fn upstream_body(
     Bytes::from(out)
 }
 
-fn invalid_body_shape() -> ApiError {
-    ApiError::InvalidRequest {
+fn invalid_body_shape() -> ViewError {
+    ViewError::InvalidRequest {
         param: None,
         message: "The request body must be a JSON object such as {\"model\": \"...\", \"messages\": [...]}.".into(),
     }
 }
 
 /// A type mismatch deep in the body: find which field (cold path, parses again with paths).
-fn data_error(body: &[u8], e: serde_json::Error) -> ApiError {
+fn data_error(body: &[u8], e: serde_json::Error) -> ViewError {
     let mut de = serde_json::Deserializer::from_slice(body);
     let path = match serde_path_to_error::deserialize::<_, RawBody<'_>>(&mut de) {
         Err(pe) => pe.path().to_string(),
@@ -249,10 +264,10 @@ fn data_error(body: &[u8], e: serde_json::Error) -> ApiError {
         Some(p) => format!("Invalid value for `{p}`: {e}."),
         None => format!("Invalid request body: {e}."),
     };
-    ApiError::InvalidRequest { param, message }
+    ViewError::InvalidRequest { param, message }
 }
 
-fn opt_u64(raw: Option<&RawValue>, name: &'static str) -> Result<Option<u64>, ApiError> {
+fn opt_u64(raw: Option<&RawValue>, name: &'static str) -> Result<Option<u64>, ViewError> {
     match raw.map(RawValue::get) {
         None | Some("null") => Ok(None),
         Some(text) => text.parse::<u64>().map(Some).map_err(|_| {
@@ -414,8 +429,10 @@ mod tests {
 
     fn err(body: &str, ep: Endpoint) -> (Option<String>, String) {
         match parse(body.as_bytes(), ep).unwrap_err() {
-            ApiError::InvalidRequest { param, message } => (param.map(|p| p.into_owned()), message),
-            ApiError::InvalidJson(m) => (Some("<json>".into()), m),
+            ViewError::InvalidRequest { param, message } => {
+                (param.map(|p| p.into_owned()), message)
+            }
+            ViewError::InvalidJson(m) => (Some("<json>".into()), m),
             other => panic!("unexpected {other:?}"),
         }
     }

@@ -1,0 +1,40 @@
+//! The body phase: a JSON body within the size limit, read whole (requests are small).
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http::header::{self, HeaderValue};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use super::error::ApiError;
+
+/// The request body, or why it is refused: not JSON, too large, or unreadable.
+pub async fn read(headers: &HeaderMap, body: Incoming, limit: usize) -> Result<Bytes, ApiError> {
+    if let Some(ct) = headers.get(header::CONTENT_TYPE)
+        && !is_json_content_type(ct)
+    {
+        return Err(ApiError::UnsupportedMediaType {
+            got: String::from_utf8_lossy(ct.as_bytes()).into_owned(),
+        });
+    }
+    if let Some(len) = headers.get(header::CONTENT_LENGTH)
+        && let Some(len) = len.to_str().ok().and_then(|s| s.parse::<u64>().ok())
+        && len > limit as u64
+    {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(ApiError::BodyTooLarge { limit })
+        }
+        Err(e) => Err(ApiError::BodyRead(e.to_string())),
+    }
+}
+
+fn is_json_content_type(v: &HeaderValue) -> bool {
+    let Ok(s) = v.to_str() else { return false };
+    let mime = s.split(';').next().unwrap_or("").trim();
+    mime.eq_ignore_ascii_case("application/json")
+        || mime.len() > 5 && mime[mime.len() - 5..].eq_ignore_ascii_case("+json")
+}

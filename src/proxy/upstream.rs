@@ -1,0 +1,560 @@
+//! The upstream phase: the request as it goes to a backend (the client's bytes, its headers
+//! without hop-by-hop ones and credentials), sending it with retries before the first byte,
+//! reading the response head within the first-token limit, and rewrapping a backend's error
+//! into OpenAI's format with whose fault it is.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+
+use super::error::{ApiError, ConnectCause, TimeoutKind};
+use super::{APPLICATION_JSON, Exchange, X_REQUEST_ID};
+use crate::openai::Endpoint;
+use crate::openai::error::{ErrorKind, error_body};
+use crate::openai::view::{self, RequestView};
+use crate::pool::{InFlight, Pool, Reachability};
+use crate::route::Route;
+use crate::telemetry::RequestRecord;
+
+static SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
+
+/// Largest error body read from a backend to rewrap it.
+const MAX_UPSTREAM_ERROR_BODY: usize = 64 * 1024;
+
+/// Headers never passed upstream: hop-by-hop ones, the client's credentials (the pool's own
+/// upstream key is sent instead), and `accept-encoding` (the relay must see plain SSE).
+const STRIP_UPSTREAM: &[HeaderName] = &[
+    header::HOST,
+    header::AUTHORIZATION,
+    header::PROXY_AUTHORIZATION,
+    header::CONNECTION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::CONTENT_LENGTH,
+    header::ACCEPT_ENCODING,
+    header::EXPECT,
+    header::COOKIE,
+];
+
+fn strip_upstream_headers(h: &mut HeaderMap) {
+    for name in STRIP_UPSTREAM {
+        h.remove(name);
+    }
+    h.remove("x-api-key");
+    h.remove("keep-alive");
+    h.remove("proxy-connection");
+}
+
+/// Hop-by-hop headers of the upstream response, not passed to the client.
+fn strip_downstream_headers(h: &mut HeaderMap) {
+    h.remove(header::CONNECTION);
+    h.remove(header::TRANSFER_ENCODING);
+    h.remove(header::TRAILER);
+    h.remove(header::UPGRADE);
+    h.remove("keep-alive");
+}
+
+/// The request as it goes upstream, owned: it may wait in the queue past the handler.
+pub struct Prepared {
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub endpoint: Endpoint,
+    pub pool: usize,
+    /// The gateway injected `include_usage`: hide the usage event from the client.
+    pub strip_usage: bool,
+    pub body_read: Instant,
+}
+
+/// The request for the route's pool: the original bytes unless the model must be renamed. A
+/// stream that did not ask for usage gets it anyway upstream (the relay hides it from the
+/// client), so every stream's token counts are real.
+pub fn prepare(
+    mut headers: HeaderMap,
+    body: &Bytes,
+    view: &RequestView<'_>,
+    route: &Route<'_>,
+    endpoint: Endpoint,
+    request_id: &HeaderValue,
+    body_read: Instant,
+) -> Prepared {
+    let inject_usage = view.stream && view.include_usage != Some(true);
+    let upstream_body = view::upstream_body(body, view, route.rename, inject_usage);
+    strip_upstream_headers(&mut headers);
+    headers.insert(X_REQUEST_ID.clone(), request_id.clone());
+    headers.insert(
+        header::CONTENT_LENGTH,
+        HeaderValue::from(upstream_body.len() as u64),
+    );
+    Prepared {
+        headers,
+        body: upstream_body,
+        endpoint,
+        pool: route.pool.index,
+        strip_usage: inject_usage,
+        body_read,
+    }
+}
+
+pub struct RelayParts {
+    pub upstream: Incoming,
+    pub sse: bool,
+    pub timeouts: crate::config::Timeouts,
+    pub slot: InFlight,
+    /// The gateway injected `include_usage`: hide the usage event from the client.
+    pub strip_usage: bool,
+}
+
+/// What sending upstream gave.
+pub enum Sent {
+    /// Head ready; the body will be relayed.
+    Relay(Response<()>, RelayParts),
+    /// A complete response (a backend error rewrapped into OpenAI format).
+    Full(Response<Bytes>),
+}
+
+/// Send, and when the backend could not be reached or answered 502/503 before any byte went
+/// to the client, send again to another backend — at most `retries.max_retries` times and
+/// within the pool's retry budget. Nothing is retried once the client has a byte.
+pub async fn send_with_retries(
+    pool: &Pool,
+    mut slot: InFlight,
+    prepared: Prepared,
+    ex: &mut Exchange,
+) -> Result<Sent, ApiError> {
+    // Retries draw from the generation the slot came from (a queued request may have been
+    // handed a slot by a newer one), so the exclusion bits name the same backends.
+    let can_retry = {
+        let shared = slot.shared();
+        shared.retries.max_retries > 0 && shared.backends.len() > 1
+    };
+    if !can_retry {
+        return send(pool, slot, prepared, ex).await;
+    }
+    // (Cloned only in that rare case: the count is shared by every worker.)
+    let newer;
+    let shared = if Arc::ptr_eq(slot.shared(), &pool.shared) {
+        &pool.shared
+    } else {
+        newer = slot.shared().clone();
+        &newer
+    };
+    shared.retry_budget.deposit();
+    let mut tried = 0u64;
+    let mut attempt = 0;
+    loop {
+        tried |= crate::pool::bit(slot.position());
+        if attempt >= shared.retries.max_retries {
+            return send(pool, slot, prepared, ex).await;
+        }
+        let this = Prepared {
+            headers: prepared.headers.clone(),
+            body: prepared.body.clone(),
+            ..prepared
+        };
+        let result = send(pool, slot, this, ex).await;
+        let retryable = match &result {
+            Err(ApiError::BackendUnreachable { .. }) => true,
+            Ok(Sent::Full(resp)) => matches!(resp.status().as_u16(), 502 | 503),
+            _ => false,
+        };
+        if !retryable {
+            return result;
+        }
+        let Some(next) = shared.try_acquire_excluding(tried) else {
+            return result;
+        };
+        if !shared.retry_budget.try_spend() {
+            return result;
+        }
+        tracing::debug!(request_id = ?ex.record.request_id, from = ?ex.record.backend, to = %next.backend().base, "retrying on another backend");
+        // The failed attempt's stamps are forgotten: the Timeline describes the one that
+        // answers.
+        ex.record.error = None;
+        ex.record.timeline.upstream_first_token = None;
+        ex.record.timeline.client_first_token = None;
+        ex.record.retries = ex.record.retries.saturating_add(1);
+        slot = next;
+        attempt += 1;
+    }
+}
+
+/// Send the prepared request to the slot's backend and read the response head.
+async fn send(
+    pool: &Pool,
+    slot: InFlight,
+    prepared: Prepared,
+    ex: &mut Exchange,
+) -> Result<Sent, ApiError> {
+    let backend = slot.backend().clone();
+    ex.record.backend = Some(backend.base.clone());
+    ex.record.backend_slot = Some(backend.slot);
+    let Prepared {
+        headers,
+        body,
+        endpoint,
+        strip_usage,
+        ..
+    } = prepared;
+    let mut headers = headers;
+    if let Some(auth) = &backend.upstream_auth {
+        headers.insert(header::AUTHORIZATION, auth.clone());
+    }
+    let mut upstream_req = Request::new(Full::new(body));
+    *upstream_req.method_mut() = Method::POST;
+    *upstream_req.uri_mut() = match endpoint {
+        Endpoint::Chat => backend.chat_uri.clone(),
+        Endpoint::Completions => backend.completions_uri.clone(),
+    };
+    *upstream_req.version_mut() = Version::HTTP_11;
+    *upstream_req.headers_mut() = headers;
+
+    // 7. Send; wait for the head within the first-token (and total) limit.
+    let sent = Instant::now();
+    ex.record.timeline.upstream_sent = Some(sent);
+    let t = pool.timeouts;
+    let head_deadline = sent + t.first_token.min(t.total);
+    let resp = match tokio::time::timeout_at(
+        head_deadline.into(),
+        pool.client.request(upstream_req),
+    )
+    .await
+    {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) => {
+            let (cause, detail) = classify_client_error(&e);
+            if matches!(
+                cause,
+                ConnectCause::Refused | ConnectCause::Dns | ConnectCause::ConnectTimeout
+            ) {
+                backend.mark(Reachability::Down);
+            }
+            backend.record_failure(
+                &pool.shared.ejection,
+                &format!("{}: {detail}", cause.describe()),
+            );
+            tracing::warn!(backend = %backend.base, cause = ?cause, %detail, "upstream request failed");
+            return Err(ApiError::BackendUnreachable {
+                backend: backend.base.to_string(),
+                cause,
+                detail,
+            });
+        }
+        Err(_) => {
+            let kind = if t.total <= t.first_token {
+                TimeoutKind::Total
+            } else {
+                TimeoutKind::FirstToken
+            };
+            backend.record_failure(
+                &pool.shared.ejection,
+                &format!(
+                    "no response head within {} ms",
+                    t.first_token.min(t.total).as_millis()
+                ),
+            );
+            return Err(ApiError::UpstreamTimeout {
+                backend: backend.base.to_string(),
+                kind,
+                after_ms: t.first_token.min(t.total).as_millis(),
+            });
+        }
+    };
+    let head_at = Instant::now();
+    ex.record.timeline.upstream_first_byte = Some(head_at);
+    backend.mark(Reachability::Up);
+    if resp.status().is_server_error() {
+        backend.record_failure(
+            &pool.shared.ejection,
+            &format!("answered {}", resp.status()),
+        );
+    } else {
+        backend.record_success();
+    }
+
+    let (mut head, upstream) = resp.into_parts();
+    if head.status.is_client_error() || head.status.is_server_error() {
+        ex.record.error = Some(ErrorKind::UpstreamError);
+        let bytes = read_error_body(upstream, head_deadline.max(head_at + t.idle)).await;
+        let (body, wrapped) = openai_error_body(head.status, &bytes, &backend.base, &pool.model);
+        let mut resp = Response::new(body);
+        *resp.status_mut() = head.status;
+        let h = resp.headers_mut();
+        h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
+        h.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
+        if let Some(ra) = head.headers.get(header::RETRY_AFTER) {
+            h.insert(header::RETRY_AFTER, ra.clone());
+        }
+        if let Some(a) = &ex.admission {
+            a.headers.write(h);
+        }
+        if wrapped {
+            tracing::debug!(backend = %backend.base, status = head.status.as_u16(), "wrapped a non-OpenAI error body");
+        }
+        ex.record.timeline.upstream_first_token = Some(head_at);
+        ex.record.timeline.client_first_token = Some(Instant::now());
+        return Ok(Sent::Full(resp));
+    }
+
+    let sse = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    strip_downstream_headers(&mut head.headers);
+    head.headers
+        .insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
+    if let Some(a) = &ex.admission
+        && !a.headers.is_empty()
+    {
+        a.headers.write(&mut head.headers);
+    }
+    head.version = Version::HTTP_11;
+    if !sse {
+        // The whole answer is in this head's body: the first token is the head.
+        ex.record.timeline.upstream_first_token = Some(head_at);
+        backend.observe_ttft(head_at.saturating_duration_since(sent));
+        ex.record.timeline.client_first_token = Some(head_at);
+    }
+    if let Some(v) = server_timing(&ex.record, head_at, sse) {
+        head.headers.insert(SERVER_TIMING.clone(), v);
+    }
+    Ok(Sent::Relay(
+        Response::from_parts(head, ()),
+        RelayParts {
+            upstream,
+            sse,
+            timeouts: t,
+            slot,
+            strip_usage,
+        },
+    ))
+}
+
+/// `Server-Timing: gw;dur=<pre-overhead ms>, upstream;dur=<head wait ms>`; streaming
+/// responses carry only `gw` (their upstream time is still running). Formatted into a stack
+/// buffer: this runs on every request.
+fn server_timing(record: &RequestRecord, head_at: Instant, sse: bool) -> Option<HeaderValue> {
+    let t = &record.timeline;
+    let gw = t.overhead_pre()? + Instant::now().saturating_duration_since(head_at);
+    let mut buf = [0u8; 80];
+    let mut n = put(&mut buf, 0, b"gw;dur=");
+    n = put_ms(&mut buf, n, gw);
+    if !sse {
+        n = put(&mut buf, n, b", upstream;dur=");
+        n = put_ms(
+            &mut buf,
+            n,
+            head_at.saturating_duration_since(t.upstream_sent?),
+        );
+    }
+    HeaderValue::from_bytes(&buf[..n]).ok()
+}
+
+fn put(buf: &mut [u8], at: usize, s: &[u8]) -> usize {
+    buf[at..at + s.len()].copy_from_slice(s);
+    at + s.len()
+}
+
+/// Milliseconds with three decimals (microsecond resolution), e.g. `0.041`.
+fn put_ms(buf: &mut [u8], at: usize, d: Duration) -> usize {
+    let us = d.as_micros().min(u128::from(u64::MAX / 2)) as u64;
+    let mut ib = itoa::Buffer::new();
+    let mut n = put(buf, at, ib.format(us / 1000).as_bytes());
+    let frac = us % 1000;
+    buf[n] = b'.';
+    buf[n + 1] = b'0' + (frac / 100) as u8;
+    buf[n + 2] = b'0' + (frac / 10 % 10) as u8;
+    buf[n + 3] = b'0' + (frac % 10) as u8;
+    n += 4;
+    n
+}
+
+/// Name the cause of an upstream client error from its source chain.
+fn classify_client_error(e: &hyper_util::client::legacy::Error) -> (ConnectCause, String) {
+    let mut detail = e.to_string();
+    let mut cause = if e.is_connect() {
+        ConnectCause::Other
+    } else {
+        ConnectCause::Reset
+    };
+    let mut src: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = src {
+        detail = s.to_string();
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            cause = match io.kind() {
+                std::io::ErrorKind::ConnectionRefused => ConnectCause::Refused,
+                std::io::ErrorKind::TimedOut => ConnectCause::ConnectTimeout,
+                std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::ConnectionAborted
+                | std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::UnexpectedEof => ConnectCause::Reset,
+                _ if io
+                    .get_ref()
+                    .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some()) =>
+                {
+                    ConnectCause::Tls
+                }
+                _ => cause,
+            };
+        }
+        if s.downcast_ref::<rustls::Error>().is_some() {
+            cause = ConnectCause::Tls;
+        }
+        let text = s.to_string();
+        if text.contains("dns error") || text.contains("failed to lookup address") {
+            cause = ConnectCause::Dns;
+        }
+        if text.contains("connect timed out") || text.contains("deadline has elapsed") {
+            cause = ConnectCause::ConnectTimeout;
+        }
+        src = s.source();
+    }
+    (cause, detail)
+}
+
+async fn read_error_body(body: Incoming, deadline: Instant) -> Bytes {
+    let limited = Limited::new(body, MAX_UPSTREAM_ERROR_BODY);
+    match tokio::time::timeout_at(deadline.into(), limited.collect()).await {
+        Ok(Ok(c)) => c.to_bytes(),
+        _ => Bytes::new(),
+    }
+}
+
+/// Keep a backend's OpenAI-shaped error body as it is; wrap anything else (vLLM's
+/// `{"error":"Unauthorized"}`, the old flat `{"object":"error",...}`, HTML) into that shape.
+fn openai_error_body(status: StatusCode, body: &[u8], backend: &str, model: &str) -> (Bytes, bool) {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        error: Option<serde_json::Value>,
+        message: Option<String>,
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        code: Option<serde_json::Value>,
+    }
+    let parsed: Option<Probe> = serde_json::from_slice(body).ok();
+    if let Some(Probe {
+        error: Some(serde_json::Value::Object(obj)),
+        ..
+    }) = &parsed
+        && obj.get("message").is_some_and(|m| m.is_string())
+    {
+        return (Bytes::copy_from_slice(body), false);
+    }
+    let reason = status.canonical_reason().unwrap_or("error");
+    let code = status.as_u16().to_string();
+    let inner = match parsed {
+        Some(Probe {
+            error: Some(serde_json::Value::String(s)),
+            ..
+        }) => s,
+        Some(Probe {
+            message: Some(m),
+            kind,
+            code: c,
+            ..
+        }) => {
+            // The old flat vLLM shape: keep its type/code in the message.
+            let extra = [kind, c.map(|c| c.to_string())]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join(", ");
+            if extra.is_empty() {
+                m
+            } else {
+                format!("{m} ({extra})")
+            }
+        }
+        _ => {
+            let text = String::from_utf8_lossy(body);
+            let text: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+            let short: String = text.chars().take(200).collect();
+            if short.is_empty() {
+                reason.to_owned()
+            } else {
+                format!("non-JSON body: {short}")
+            }
+        }
+    };
+    let hint = match status.as_u16() {
+        401 | 403 => format!(
+            " The backend refused the gateway's own credentials: check pools[].upstream_api_key for model `{model}` (this is not about your key)."
+        ),
+        404 => format!(
+            " The backend does not serve this path or model: check the backend's served model name (pools[].served_model_name for `{model}`)."
+        ),
+        _ => String::new(),
+    };
+    let message = format!(
+        "Backend {backend} answered {} {reason}: {inner}.{hint}",
+        status.as_u16()
+    );
+    let kind = if status.is_server_error() {
+        "upstream_error"
+    } else {
+        "invalid_request_error"
+    };
+    (error_body(&message, kind, None, Some(&code)), true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wrap(status: u16, body: &str) -> serde_json::Value {
+        let (b, _) = openai_error_body(
+            StatusCode::from_u16(status).unwrap(),
+            body.as_bytes(),
+            "http://b:1",
+            "m",
+        );
+        serde_json::from_slice(&b).unwrap()
+    }
+
+    #[test]
+    fn wraps_non_openai_bodies() {
+        let v = wrap(401, r#"{"error":"Unauthorized"}"#);
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("Unauthorized") && msg.contains("upstream_api_key"),
+            "{msg}"
+        );
+        assert_eq!(v["error"]["code"], "401");
+        let v = wrap(
+            400,
+            r#"{"object":"error","message":"too long","type":"BadRequestError","param":null,"code":400}"#,
+        );
+        assert!(v["error"]["message"].as_str().unwrap().contains("too long"));
+        let v = wrap(502, "<html><body>Bad Gateway</body></html>");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("Bad Gateway")
+        );
+        assert_eq!(v["error"]["type"], "upstream_error");
+    }
+
+    #[test]
+    fn keeps_openai_bodies() {
+        let body = r#"{"error":{"message":"x","type":"BadRequestError","param":null,"code":400}}"#;
+        let (b, wrapped) = openai_error_body(StatusCode::BAD_REQUEST, body.as_bytes(), "b", "m");
+        assert!(!wrapped);
+        assert_eq!(&b[..], body.as_bytes());
+    }
+
+    #[test]
+    fn server_timing_millis() {
+        let mut buf = [0u8; 40];
+        let n = put_ms(&mut buf, 0, Duration::from_micros(41));
+        assert_eq!(&buf[..n], b"0.041");
+        let n = put_ms(&mut buf, 0, Duration::from_micros(812_305));
+        assert_eq!(&buf[..n], b"812.305");
+    }
+}
