@@ -337,7 +337,7 @@ async fn until_served_by(
             fleetgate::client::chat_body("qwen32b", "hi", 2, true),
         )
         .await;
-        assert_eq!(m.status, 200);
+        assert_eq!(m.status, 200, "{:?}", m.body);
         if served.load(std::sync::atomic::Ordering::SeqCst) > before {
             return true;
         }
