@@ -8,7 +8,10 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
+use super::engine::RunResult;
 use super::measure::Outcome;
+use super::plan::Plan;
+use super::sweep;
 
 /// The latency metrics, in vLLM's order, with their section titles and labels.
 pub const METRICS: &[(&str, &str, &str)] = &[
@@ -721,6 +724,181 @@ pub fn diff(a: &Value, b: &Value) -> Result<String, String> {
         );
     }
     Ok(o)
+}
+
+/// Exit codes beyond 0 (success) and 1 (could not run).
+pub const EXIT_SLA: u8 = 2;
+pub const EXIT_COMPARE: u8 = 3;
+pub const EXIT_INTERRUPTED: u8 = 130;
+
+/// The whole report: terminal text, result JSON and the exit code.
+pub struct Report {
+    pub text: String,
+    pub json: Value,
+    pub exit: u8,
+    pub summaries: Vec<Summary>,
+}
+
+pub fn build_report(plan: &Plan, run: &RunResult) -> Report {
+    let dur = run.duration.as_secs_f64();
+    let mut text = String::new();
+    let mut summaries = Vec::new();
+    let mut per_target = serde_json::Map::new();
+    for (i, t) in plan.targets.iter().enumerate() {
+        let mine: Vec<&Outcome> = run
+            .outcomes
+            .iter()
+            .filter(|o| usize::from(o.target) == i)
+            .collect();
+        let s = Summary::of(&mine, dur, &plan.percentiles, &plan.goodput);
+        if plan.targets.len() > 1 {
+            text.push_str(&format!("\n[{}] {}\n", t.name, t.base));
+        }
+        let rate = if plan.targets.len() > 1 {
+            plan.request_rate / plan.targets.len() as f64
+        } else {
+            plan.request_rate
+        };
+        text.push_str(&render(&s, &plan.selected, plan.max_concurrency, rate));
+        let mut m = vllm_json(&s, &mine, &plan.selected);
+        m.extend(seed_json(&s));
+        if let Some(g) = &s.gateway_ms {
+            m.insert(
+                "gateway_time_ms".into(),
+                json!({"mean": g.mean, "median": g.median, "max": g.max,
+                       "percentiles": g.percentiles.iter().map(|(p, v)| (format!("p{}", p_word(*p)), json!(v))).collect::<serde_json::Map<_, _>>()}),
+            );
+        }
+        per_target.insert(t.name.clone(), Value::Object(m));
+        summaries.push(s);
+    }
+    let mut exit = 0u8;
+    let mut json = serde_json::Map::new();
+    json.insert(
+        "date".into(),
+        json!(time::OffsetDateTime::now_utc().unix_timestamp()),
+    );
+    json.insert(
+        "endpoint_type".into(),
+        json!(if plan.chat { "openai-chat" } else { "openai" }),
+    );
+    json.insert("model_id".into(), json!(plan.model));
+    json.insert("num_prompts".into(), json!(plan.num_prompts));
+    json.insert(
+        "request_rate".into(),
+        if plan.request_rate.is_finite() {
+            json!(plan.request_rate)
+        } else {
+            json!("inf")
+        },
+    );
+    json.insert("burstiness".into(), json!(plan.burstiness));
+    json.insert("max_concurrency".into(), json!(plan.max_concurrency));
+    json.insert("dataset".into(), json!(plan.dataset_note));
+    json.insert("settings".into(), plan.settings.clone());
+    json.insert("labels".into(), Value::Object(plan.labels.clone()));
+    json.insert("interrupted".into(), json!(run.interrupted));
+    let requests = run.outcomes.len().max(1) as f64;
+    json.insert(
+        "client".into(),
+        json!({
+            "threads": 1,
+            "cpu_seconds": run.client_cpu.map(|c| c.as_secs_f64()),
+            "cpu_us_per_request": run.client_cpu.map(|c| c.as_secs_f64() * 1e6 / requests),
+            "cpu_share_of_one_core": run.client_cpu.map(|c| c.as_secs_f64() / dur.max(1e-9)),
+        }),
+    );
+    if let Some(cpu) = run.client_cpu {
+        text.push_str(&format!(
+            "client: one thread, {:.2} s CPU = {:.1} µs per request ({:.0} % of one core)\n",
+            cpu.as_secs_f64(),
+            cpu.as_secs_f64() * 1e6 / requests,
+            cpu.as_secs_f64() / dur.max(1e-9) * 100.0
+        ));
+    }
+    if plan.targets.len() == 1 {
+        if let Some(Value::Object(m)) = per_target.remove(&plan.targets[0].name) {
+            json.extend(m);
+        }
+    } else {
+        let deltas = compare(
+            &summaries[0],
+            &summaries[1],
+            &plan.selected,
+            plan.thresholds,
+        );
+        text.push('\n');
+        text.push_str(&render_compare(
+            [&plan.targets[0].name, &plan.targets[1].name],
+            &deltas,
+            &summaries[1],
+        ));
+        let pass = deltas.iter().all(|d| d.pass);
+        if !pass {
+            exit = EXIT_COMPARE;
+        }
+        json.insert("targets".into(), Value::Object(per_target));
+        json.insert(
+            "comparison".into(),
+            json!({
+                "baseline": plan.targets[0].name,
+                "measured": plan.targets[1].name,
+                "interleaving": "each prompt to both targets in consecutive arrivals, order alternating",
+                "thresholds_pct": {"mean": plan.thresholds.mean_pct, "p95": plan.thresholds.p95_pct},
+                "deltas": deltas,
+                "pass": pass,
+            }),
+        );
+    }
+    if !plan.sla.is_empty() {
+        let measured = &summaries[summaries.len() - 1];
+        let v = violations(measured, &plan.sla);
+        json.insert(
+            "sla".into(),
+            json!({
+                "objectives": plan.sla.iter().map(|o| json!({"name": o.name, "limit": o.limit})).collect::<Vec<_>>(),
+                "violated": v.iter().map(|(o, got)| json!({"name": o.name, "limit": o.limit, "measured": got})).collect::<Vec<_>>(),
+            }),
+        );
+        if v.is_empty() {
+            text.push_str("SLA: every objective met\n");
+        } else {
+            text.push_str(&render_violations(&v));
+            exit = EXIT_SLA;
+        }
+    }
+    if let Some((q, red, inst)) = plan.capacity {
+        let measured = &summaries[summaries.len() - 1];
+        let at_sla = violations(measured, &plan.sla).is_empty() && measured.completed > 0;
+        let thr = at_sla.then_some(measured.request_throughput);
+        text.push_str(&capacity_text(q, red, inst, thr, "this run"));
+        json.insert("capacity".into(), sweep::capacity_json(q, red, thr, inst));
+    }
+    if summaries.iter().all(|s| s.completed == 0) {
+        exit = 1;
+    }
+    if run.interrupted {
+        text.push_str("interrupted: the figures cover the requests that finished before Ctrl-C\n");
+        exit = EXIT_INTERRUPTED;
+    }
+    Report {
+        text,
+        json: Value::Object(json),
+        exit,
+        summaries,
+    }
+}
+
+pub(super) fn capacity_text(q: f64, red: f64, inst: u32, thr: Option<f64>, source: &str) -> String {
+    match thr.and_then(|t| sweep::capacity(q, red, t, inst).map(|n| (t, n))) {
+        Some((t, n)) => format!(
+            "capacity: {t:.2} req/s measured on {inst} instance(s) at the SLA ({source}) → {:.2} per instance; {q} QPS × {red} redundancy needs {n} instance(s)\n",
+            t / f64::from(inst)
+        ),
+        None => format!(
+            "capacity: unknown — {source} does not meet the SLA (or completed nothing); lower the load or sweep (--sweep rate=...)\n"
+        ),
+    }
 }
 
 #[cfg(test)]
