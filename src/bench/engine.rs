@@ -9,10 +9,13 @@ use std::time::{Duration, Instant};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use rand_distr::Distribution;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::measure::{self, Outcome};
 use super::plan::Plan;
+use crate::client::HttpClient;
 
 /// What the engine gives back.
 #[derive(Debug, Default)]
@@ -74,75 +77,137 @@ pub async fn execute(plan: Arc<Plan>, stop: CancellationToken) -> Result<RunResu
 
 async fn engine(plan: Arc<Plan>, stop: CancellationToken) -> RunResult {
     let client = crate::client::http_client();
-    // Warm-up requests, not measured (connections opened, caches warm).
-    if plan.warmups > 0 {
-        let sem = Arc::new(tokio::sync::Semaphore::new(
-            plan.max_concurrency.unwrap_or(plan.warmups),
-        ));
-        let mut set = tokio::task::JoinSet::new();
-        let start = Instant::now();
-        for j in 0..plan.warmups * plan.targets.len() {
-            let (t, p) = assignment(j, plan.targets.len(), plan.bodies.len());
-            let (plan, client, sem) = (plan.clone(), client.clone(), sem.clone());
-            set.spawn(async move {
-                let _permit = sem.acquire_owned().await;
-                let target = &plan.targets[usize::from(t)];
-                measure::send(
-                    &client,
-                    &target.uri,
-                    &target.headers,
-                    plan.bodies[p].clone(),
-                    0,
-                    start,
-                    plan.timeout,
-                )
-                .await
-            });
-        }
-        tokio::select! {
-            _ = stop.cancelled() => return RunResult { interrupted: true, ..RunResult::default() },
-            _ = async { while set.join_next().await.is_some() {} } => {}
-        }
+    if plan.warmups > 0 && !warm_up(&plan, &client, &stop).await {
+        return RunResult {
+            interrupted: true,
+            ..RunResult::default()
+        };
     }
     let cpu_before = thread_cpu();
-    let done = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
+    let counts = Arc::new(Counts::default());
     let started = Instant::now();
     let progress = plan.progress && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let total = match plan.duration {
         Some(_) => None,
         None => Some(plan.bodies.len() * plan.targets.len()),
     };
-    let ticker = progress.then(|| {
-        let (done, failed) = (done.clone(), failed.clone());
-        tokio::spawn(async move {
-            let mut last = (Instant::now(), 0u64);
-            loop {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                let d = done.load(Ordering::Relaxed);
-                let f = failed.load(Ordering::Relaxed);
-                let now = Instant::now();
-                let rate = (d - last.1) as f64 / now.duration_since(last.0).as_secs_f64();
-                last = (now, d);
-                let of = total.map_or(String::new(), |t| format!("/{t}"));
-                eprint!(
-                    "\r\x1b[2K{d}{of} done, {f} failed, {rate:.1} req/s, {:.0} s",
-                    started.elapsed().as_secs_f64()
-                );
-            }
-        })
-    });
+    let ticker = progress.then(|| progress_line(counts.clone(), total, started));
+    let mut outcomes = Vec::with_capacity(total.unwrap_or(1024));
+    let (set, interrupted) = arrivals(
+        &plan,
+        &client,
+        &stop,
+        &counts,
+        started,
+        total,
+        &mut outcomes,
+    )
+    .await;
+    let interrupted = drain(set, interrupted, &stop, &mut outcomes).await;
+    let duration = started.elapsed();
+    if let Some(t) = ticker {
+        t.abort();
+        eprint!("\r\x1b[2K");
+    }
+    let client_cpu = match (cpu_before, thread_cpu()) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+        _ => None,
+    };
+    // In arrival order (by send time), as vLLM lists its per-request arrays.
+    outcomes.sort_by_key(|o| o.sent_at);
+    RunResult {
+        outcomes,
+        duration,
+        interrupted,
+        client_cpu,
+    }
+}
+
+/// Warm-up requests, not measured (connections opened, caches warm); false at Ctrl-C.
+async fn warm_up(plan: &Arc<Plan>, client: &HttpClient, stop: &CancellationToken) -> bool {
+    let sem = Arc::new(tokio::sync::Semaphore::new(
+        plan.max_concurrency.unwrap_or(plan.warmups),
+    ));
+    let mut set = tokio::task::JoinSet::new();
+    let start = Instant::now();
+    for j in 0..plan.warmups * plan.targets.len() {
+        let (t, p) = assignment(j, plan.targets.len(), plan.bodies.len());
+        let (plan, client, sem) = (plan.clone(), client.clone(), sem.clone());
+        set.spawn(async move {
+            let _permit = sem.acquire_owned().await;
+            let target = &plan.targets[usize::from(t)];
+            measure::send(
+                &client,
+                &target.uri,
+                &target.headers,
+                plan.bodies[p].clone(),
+                0,
+                start,
+                plan.timeout,
+            )
+            .await
+        });
+    }
+    // Dropping the set at Ctrl-C aborts the warm-ups still running.
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = async { while set.join_next().await.is_some() {} } => true,
+    }
+}
+
+/// Requests finished so far, for the progress line.
+#[derive(Default)]
+struct Counts {
+    done: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// The live progress line on stderr, redrawn every 500 ms until aborted.
+fn progress_line(
+    counts: Arc<Counts>,
+    total: Option<usize>,
+    started: Instant,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut last = (Instant::now(), 0u64);
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let d = counts.done.load(Ordering::Relaxed);
+            let f = counts.failed.load(Ordering::Relaxed);
+            let now = Instant::now();
+            let rate = (d - last.1) as f64 / now.duration_since(last.0).as_secs_f64();
+            last = (now, d);
+            let of = total.map_or(String::new(), |t| format!("/{t}"));
+            eprint!(
+                "\r\x1b[2K{d}{of} done, {f} failed, {rate:.1} req/s, {:.0} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    })
+}
+
+/// Send the measured requests at their arrival times (Poisson or gamma gaps, or all at once)
+/// until the plan's count or duration is reached, or Ctrl-C (then: true). Outcomes already
+/// finished are moved to `outcomes` on the way; the set holds the requests still running.
+async fn arrivals(
+    plan: &Arc<Plan>,
+    client: &HttpClient,
+    stop: &CancellationToken,
+    counts: &Arc<Counts>,
+    started: Instant,
+    total: Option<usize>,
+    outcomes: &mut Vec<Outcome>,
+) -> (JoinSet<Outcome>, bool) {
     let sem = plan
         .max_concurrency
         .map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
+    // With no rate to pace the loop, the cap paces it: wait for a slot before the next arrival.
     let gate_in_loop = plan.request_rate.is_infinite();
     let mut rng = SmallRng::seed_from_u64(plan.seed);
     let gamma =
         rand_distr::Gamma::new(plan.burstiness, 1.0 / (plan.request_rate * plan.burstiness)).ok();
-    let mut set = tokio::task::JoinSet::new();
-    let mut outcomes = Vec::with_capacity(total.unwrap_or(1024));
+    let mut set = JoinSet::new();
     let mut next = Duration::ZERO;
-    let mut interrupted = false;
     let mut j = 0usize;
     loop {
         if total.is_some_and(|t| j >= t) {
@@ -162,60 +227,91 @@ async fn engine(plan: Arc<Plan>, stop: CancellationToken) -> RunResult {
         if !plan.request_rate.is_infinite() {
             let at = tokio::time::Instant::from_std(started + next);
             tokio::select! {
-                _ = stop.cancelled() => { interrupted = true; break; }
+                _ = stop.cancelled() => return (set, true),
                 _ = tokio::time::sleep_until(at) => {}
             }
         }
         let permit = match (&sem, gate_in_loop) {
             (Some(s), true) => tokio::select! {
-                _ = stop.cancelled() => { interrupted = true; break; }
+                _ = stop.cancelled() => return (set, true),
                 p = s.clone().acquire_owned() => p.ok(),
             },
             _ => None,
         };
         if stop.is_cancelled() {
-            interrupted = true;
-            break;
+            return (set, true);
         }
         let (t, p) = assignment(j, plan.targets.len(), plan.bodies.len());
-        let (plan2, client2, sem2, done2, failed2) = (
-            plan.clone(),
-            client.clone(),
-            sem.clone(),
-            done.clone(),
-            failed.clone(),
-        );
-        set.spawn(async move {
-            let _permit = match (permit, sem2) {
-                (Some(p), _) => Some(p),
-                (None, Some(s)) => s.acquire_owned().await.ok(),
-                (None, None) => None,
-            };
-            let target = &plan2.targets[usize::from(t)];
-            let mut o = measure::send(
-                &client2,
-                &target.uri,
-                &target.headers,
-                plan2.bodies[p].clone(),
-                plan2.prompts[p].input_tokens,
-                started,
-                plan2.timeout,
-            )
-            .await;
-            o.target = t;
-            o.prompt = p;
-            if o.ok() {
-                done2.fetch_add(1, Ordering::Relaxed);
-            } else {
-                failed2.fetch_add(1, Ordering::Relaxed);
-            }
-            o
-        });
+        let request = Request {
+            plan: plan.clone(),
+            client: client.clone(),
+            counts: counts.clone(),
+            started,
+            target: t,
+            prompt: p,
+        };
+        set.spawn(request.send(permit, sem.clone()));
         j += 1;
         if let Some(g) = &gamma {
             next += Duration::from_secs_f64(g.sample(&mut rng));
         }
     }
+    (set, false)
+}
+
+/// One measured request of the run.
+struct Request {
+    plan: Arc<Plan>,
+    client: HttpClient,
+    counts: Arc<Counts>,
+    started: Instant,
+    target: u8,
+    prompt: usize,
+}
+
+impl Request {
+    /// Send once a concurrency slot is held (`permit`, or one taken here from `sem`).
+    async fn send(
+        self,
+        permit: Option<OwnedSemaphorePermit>,
+        sem: Option<Arc<tokio::sync::Semaphore>>,
+    ) -> Outcome {
+        let _permit = match (permit, sem) {
+            (Some(p), _) => Some(p),
+            (None, Some(s)) => s.acquire_owned().await.ok(),
+            (None, None) => None,
+        };
+        let (t, p) = (self.target, self.prompt);
+        let target = &self.plan.targets[usize::from(t)];
+        let mut o = measure::send(
+            &self.client,
+            &target.uri,
+            &target.headers,
+            self.plan.bodies[p].clone(),
+            self.plan.prompts[p].input_tokens,
+            self.started,
+            self.plan.timeout,
+        )
+        .await;
+        o.target = t;
+        o.prompt = p;
+        if o.ok() {
+            self.counts.done.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.counts.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        o
+    }
+}
+
+/// Wait for the requests still running; at Ctrl-C (then or before) abort them, keeping what
+/// they had finished. Returns whether the run was interrupted.
+async fn drain(
+    mut set: JoinSet<Outcome>,
+    mut interrupted: bool,
+    stop: &CancellationToken,
+    outcomes: &mut Vec<Outcome>,
+) -> bool {
     if interrupted {
         set.abort_all();
     }
@@ -237,23 +333,7 @@ async fn engine(plan: Arc<Plan>, stop: CancellationToken) -> RunResult {
             }
         } => {}
     }
-    let duration = started.elapsed();
-    if let Some(t) = ticker {
-        t.abort();
-        eprint!("\r\x1b[2K");
-    }
-    let client_cpu = match (cpu_before, thread_cpu()) {
-        (Some(a), Some(b)) => Some(b.saturating_sub(a)),
-        _ => None,
-    };
-    // In arrival order (by send time), as vLLM lists its per-request arrays.
-    outcomes.sort_by_key(|o| o.sent_at);
-    RunResult {
-        outcomes,
-        duration,
-        interrupted,
-        client_cpu,
-    }
+    interrupted
 }
 
 #[cfg(test)]

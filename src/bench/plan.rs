@@ -116,6 +116,69 @@ async fn plan_with(
     classes: Option<Vec<RequestClass>>,
     settings_json: Value,
 ) -> Result<Plan, String> {
+    // The order of the steps is the order the errors are reported in.
+    let (rate, duration) = schedule(&args)?;
+    let (chat, endpoint) = endpoint(&args)?;
+    let targets = targets(&args, &endpoint)?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => discover_model(&targets[targets.len() - 1]).await?,
+    };
+    let selected = selected_metrics(&args)?;
+    let mut percentiles = percentiles(&args)?;
+    let goodput = goodput(&args)?;
+    let sweep = sweep_series(&args, &mut percentiles)?;
+    let capacity = capacity(&args)?;
+    // For SLA names, every percentile counts as measured.
+    let sla = match &args.sla {
+        Some(s) => report::parse_sla(s, &percentiles)?,
+        None => Vec::new(),
+    };
+    let (prompts, dataset_note) = prompts(&args, classes)?;
+    let bodies = prompts
+        .iter()
+        .map(|p| dataset::body(p, &model, chat, args.ignore_eos))
+        .collect();
+    let labels = labels(&args, &model)?;
+    let settings = if settings_json.is_null() {
+        settings_echo(&args, &endpoint, chat, &selected, &percentiles)
+    } else {
+        settings_json
+    };
+    Ok(Plan {
+        targets,
+        model,
+        chat,
+        prompts,
+        bodies,
+        request_rate: rate,
+        burstiness: args.burstiness,
+        max_concurrency: args.max_concurrency,
+        duration,
+        num_prompts: args.num_prompts,
+        warmups: args.num_warmups,
+        seed: args.seed,
+        timeout: Duration::from_secs_f64(args.request_timeout_seconds.max(0.001)),
+        selected,
+        percentiles,
+        goodput,
+        sla,
+        thresholds: Thresholds {
+            mean_pct: args.max_mean_delta_pct,
+            p95_pct: args.max_p95_delta_pct,
+        },
+        labels,
+        dataset_note,
+        settings,
+        progress: !args.no_progress,
+        sweep,
+        sweep_chart: args.sweep_chart.clone(),
+        capacity,
+    })
+}
+
+/// The arrival schedule: request rate, and how long a timed run lasts.
+fn schedule(args: &BenchArgs) -> Result<(f64, Option<Duration>), String> {
     let rate = parse_rate(&args.request_rate)?;
     if !(args.burstiness.is_finite() && args.burstiness > 0.0) {
         return Err("--burstiness must be > 0 (1 = Poisson)".into());
@@ -134,6 +197,11 @@ async fn plan_with(
     if args.num_prompts == 0 {
         return Err("--num-prompts must be ≥ 1".into());
     }
+    Ok((rate, duration))
+}
+
+/// Chat or completions, and the API path, which must agree.
+fn endpoint(args: &BenchArgs) -> Result<(bool, String), String> {
     let chat = args.endpoint_type == EndpointType::OpenaiChat;
     let endpoint = args.endpoint.clone().unwrap_or_else(|| {
         if chat {
@@ -152,59 +220,22 @@ async fn plan_with(
             if chat { "openai-chat" } else { "openai" }
         ));
     }
-    let mut common = HeaderMap::new();
-    for h in &args.headers {
-        let (k, v) = header_pair(h)?;
-        if k == http::header::AUTHORIZATION {
-            eprintln!(
-                "fleetgate bench: warning: a key given with --header is visible to every user of this machine (ps); prefer --api-key-env"
-            );
-        }
-        common.insert(k, v);
-    }
-    let key_from = |var: &str| -> Result<Option<HeaderValue>, String> {
-        match std::env::var(var) {
-            Ok(k) if !k.trim().is_empty() => {
-                let mut v = HeaderValue::try_from(format!("Bearer {}", k.trim()))
-                    .map_err(|_| format!("${var} holds characters not allowed in a header"))?;
-                v.set_sensitive(true);
-                Ok(Some(v))
-            }
-            _ => Ok(None),
-        }
-    };
-    let default_key = key_from(&args.api_key_env)?;
+    Ok((chat, endpoint))
+}
+
+/// The servers to send to, each with its URL and headers (the `--header`s, then its key).
+fn targets(args: &BenchArgs, endpoint: &str) -> Result<Vec<Target>, String> {
+    let common = common_headers(args)?;
+    let default_key = bearer_from(&args.api_key_env)?;
     let mut per_target_key = std::collections::HashMap::new();
     for t in &args.target_key_env {
         let (name, var) = kv(t, "--target-key-env")?;
-        let v =
-            key_from(&var)?.ok_or_else(|| format!("--target-key-env {name}: ${var} is not set"))?;
+        let v = bearer_from(&var)?
+            .ok_or_else(|| format!("--target-key-env {name}: ${var} is not set"))?;
         per_target_key.insert(name, v);
     }
     let mut targets = Vec::new();
-    let raw: Vec<(String, String)> = if args.compare.is_empty() {
-        let base = args
-            .base_url
-            .clone()
-            .ok_or("--base-url is required (or --config settings.json, or --compare)")?;
-        vec![("target".to_owned(), base)]
-    } else {
-        if args.base_url.is_some() && args.config.is_none() {
-            return Err(
-                "--base-url and --compare exclude each other: --compare names both targets".into(),
-            );
-        }
-        let pairs = args
-            .compare
-            .iter()
-            .map(|c| kv(c, "--compare"))
-            .collect::<Result<Vec<_>, _>>()?;
-        if pairs[0].0 == pairs[1].0 {
-            return Err("--compare: the two targets need different names".into());
-        }
-        pairs
-    };
-    for (name, url) in raw {
+    for (name, url) in target_urls(args)? {
         let base = base_of(&url)?;
         let uri: Uri = format!("{base}{endpoint}")
             .parse()
@@ -230,10 +261,64 @@ async fn plan_with(
             "--target-key-env {unknown}: no such --compare target"
         ));
     }
-    let model = match &args.model {
-        Some(m) => m.clone(),
-        None => discover_model(&targets[targets.len() - 1]).await?,
-    };
+    Ok(targets)
+}
+
+/// The `--header`s every target gets.
+fn common_headers(args: &BenchArgs) -> Result<HeaderMap, String> {
+    let mut common = HeaderMap::new();
+    for h in &args.headers {
+        let (k, v) = header_pair(h)?;
+        if k == http::header::AUTHORIZATION {
+            eprintln!(
+                "fleetgate bench: warning: a key given with --header is visible to every user of this machine (ps); prefer --api-key-env"
+            );
+        }
+        common.insert(k, v);
+    }
+    Ok(common)
+}
+
+/// `Bearer <key>` from the variable `var`, when it is set (marked sensitive: never logged).
+fn bearer_from(var: &str) -> Result<Option<HeaderValue>, String> {
+    match std::env::var(var) {
+        Ok(k) if !k.trim().is_empty() => {
+            let mut v = HeaderValue::try_from(format!("Bearer {}", k.trim()))
+                .map_err(|_| format!("${var} holds characters not allowed in a header"))?;
+            v.set_sensitive(true);
+            Ok(Some(v))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// (name, URL) of each target: `--base-url` alone, or the two of `--compare`.
+fn target_urls(args: &BenchArgs) -> Result<Vec<(String, String)>, String> {
+    if args.compare.is_empty() {
+        let base = args
+            .base_url
+            .clone()
+            .ok_or("--base-url is required (or --config settings.json, or --compare)")?;
+        return Ok(vec![("target".to_owned(), base)]);
+    }
+    if args.base_url.is_some() && args.config.is_none() {
+        return Err(
+            "--base-url and --compare exclude each other: --compare names both targets".into(),
+        );
+    }
+    let pairs = args
+        .compare
+        .iter()
+        .map(|c| kv(c, "--compare"))
+        .collect::<Result<Vec<_>, _>>()?;
+    if pairs[0].0 == pairs[1].0 {
+        return Err("--compare: the two targets need different names".into());
+    }
+    Ok(pairs)
+}
+
+/// `--percentile-metrics`: which latency metrics get percentiles.
+fn selected_metrics(args: &BenchArgs) -> Result<Vec<String>, String> {
     let selected: Vec<String> = args
         .percentile_metrics
         .split(',')
@@ -248,6 +333,11 @@ async fn plan_with(
             "--percentile-metrics: `{bad}` is not one of ttft, tpot, itl, e2el"
         ));
     }
+    Ok(selected)
+}
+
+/// `--metric-percentiles`, each in 0..100.
+fn percentiles(args: &BenchArgs) -> Result<Vec<f64>, String> {
     let mut percentiles = Vec::new();
     for p in args
         .metric_percentiles
@@ -262,6 +352,11 @@ async fn plan_with(
             .ok_or_else(|| format!("--metric-percentiles: `{p}` is not a percentile in 0..100"))?;
         percentiles.push(v);
     }
+    Ok(percentiles)
+}
+
+/// `--goodput metric:ms ...`: the objectives a request must meet to count as good.
+fn goodput(args: &BenchArgs) -> Result<Goodput, String> {
     let mut goodput = Vec::new();
     for g in &args.goodput {
         let (m, v) = g
@@ -277,37 +372,48 @@ async fn plan_with(
             .map_err(|_| format!("--goodput `{g}`: `{v}` is not milliseconds"))?;
         goodput.push((m.to_owned(), v));
     }
-    let sweep = match &args.sweep {
-        Some(s) => {
-            if args.compare.len() == 2 {
-                return Err(
-                    "--sweep measures one target; run the comparison at the rate you care about"
-                        .into(),
-                );
-            }
-            // The table and the chart read P99.
-            if !percentiles.iter().any(|p| (*p - 99.0).abs() < 1e-9) {
-                percentiles.push(99.0);
-            }
-            Some(sweep::parse(s)?)
-        }
-        None => None,
+    Ok(goodput)
+}
+
+/// `--sweep`: its axis and values; adds P99 to the percentiles, which the table and chart read.
+fn sweep_series(
+    args: &BenchArgs,
+    percentiles: &mut Vec<f64>,
+) -> Result<Option<(sweep::Axis, Vec<f64>)>, String> {
+    let Some(s) = &args.sweep else {
+        return Ok(None);
     };
-    let capacity = match args.target_qps {
+    if args.compare.len() == 2 {
+        return Err(
+            "--sweep measures one target; run the comparison at the rate you care about".into(),
+        );
+    }
+    // The table and the chart read P99.
+    if !percentiles.iter().any(|p| (*p - 99.0).abs() < 1e-9) {
+        percentiles.push(99.0);
+    }
+    Ok(Some(sweep::parse(s)?))
+}
+
+/// Capacity planning: (target QPS, redundancy, instances measured), with `--target-qps`.
+fn capacity(args: &BenchArgs) -> Result<Option<(f64, f64, u32)>, String> {
+    match args.target_qps {
         Some(q) if q > 0.0 && q.is_finite() => {
             if !(args.redundancy.is_finite() && args.redundancy >= 1.0) {
                 return Err("--redundancy must be ≥ 1 (the seed uses 1.2–1.3)".into());
             }
-            Some((q, args.redundancy, args.instances.max(1)))
+            Ok(Some((q, args.redundancy, args.instances.max(1))))
         }
-        Some(_) => return Err("--target-qps must be > 0".into()),
-        None => None,
-    };
-    // For SLA names, every percentile counts as measured.
-    let sla = match &args.sla {
-        Some(s) => report::parse_sla(s, &percentiles)?,
-        None => Vec::new(),
-    };
+        Some(_) => Err("--target-qps must be > 0".into()),
+        None => Ok(None),
+    }
+}
+
+/// The prompts (settings.json's classes, random, or ShareGPT) and a note saying which.
+fn prompts(
+    args: &BenchArgs,
+    classes: Option<Vec<RequestClass>>,
+) -> Result<(Vec<Prompt>, String), String> {
     let (counter, counting) = match &args.tokenizer {
         Some(p) => (
             dataset::Counter::load(p)?,
@@ -318,7 +424,7 @@ async fn plan_with(
             dataset::APPROXIMATION.to_owned(),
         ),
     };
-    let (prompts, dataset_note) = match (classes, args.dataset_name) {
+    Ok(match (classes, args.dataset_name) {
         (Some(c), _) if !c.is_empty() => (
             dataset::classes(args.num_prompts, &c, args.seed, &counter)?,
             format!(
@@ -362,11 +468,11 @@ async fn plan_with(
                 format!("sharegpt {}: {stats}{short}; {counting}", path.display()),
             )
         }
-    };
-    let bodies = prompts
-        .iter()
-        .map(|p| dataset::body(p, &model, chat, args.ignore_eos))
-        .collect();
+    })
+}
+
+/// The `--label`s, plus the model, fleetgate's version and the date.
+fn labels(args: &BenchArgs, model: &str) -> Result<serde_json::Map<String, Value>, String> {
     let mut labels = serde_json::Map::new();
     for l in &args.labels {
         let (k, v) = kv(l, "--label")?;
@@ -374,70 +480,47 @@ async fn plan_with(
     }
     labels
         .entry("model")
-        .or_insert(Value::String(model.clone()));
+        .or_insert(Value::String(model.to_owned()));
     labels.insert(
         "fleetgate_version".into(),
         Value::String(env!("CARGO_PKG_VERSION").to_owned()),
     );
     labels.insert("date".into(), Value::String(now_rfc3339()));
-    let settings = if settings_json.is_null() {
-        json!({
-            "base_url": args.base_url,
-            "endpoint": endpoint,
-            "endpoint_type": if chat { "openai-chat" } else { "openai" },
-            "dataset_name": format!("{:?}", args.dataset_name).to_lowercase(),
-            "dataset_path": args.dataset_path,
-            "num_prompts": args.num_prompts,
-            "random_input_len": args.random_input_len,
-            "random_output_len": args.random_output_len,
-            "random_range_ratio": args.random_range_ratio,
-            "sharegpt_output_len": args.sharegpt_output_len,
-            "tokenizer": args.tokenizer,
-            "request_rate": args.request_rate,
-            "burstiness": args.burstiness,
-            "max_concurrency": args.max_concurrency,
-            "duration_seconds": args.duration_seconds,
-            "percentile_metrics": selected,
-            "metric_percentiles": percentiles,
-            "goodput": args.goodput,
-            "num_warmups": args.num_warmups,
-            "seed": args.seed,
-            "ignore_eos": args.ignore_eos,
-            "compare": args.compare,
-            "sla": args.sla,
-        })
-    } else {
-        settings_json
-    };
-    Ok(Plan {
-        targets,
-        model,
-        chat,
-        prompts,
-        bodies,
-        request_rate: rate,
-        burstiness: args.burstiness,
-        max_concurrency: args.max_concurrency,
-        duration,
-        num_prompts: args.num_prompts,
-        warmups: args.num_warmups,
-        seed: args.seed,
-        timeout: Duration::from_secs_f64(args.request_timeout_seconds.max(0.001)),
-        selected,
-        percentiles,
-        goodput,
-        sla,
-        thresholds: Thresholds {
-            mean_pct: args.max_mean_delta_pct,
-            p95_pct: args.max_p95_delta_pct,
-        },
-        labels,
-        dataset_note,
-        settings,
-        progress: !args.no_progress,
-        sweep,
-        sweep_chart: args.sweep_chart.clone(),
-        capacity,
+    Ok(labels)
+}
+
+/// The flags the run used, stored with the result (without settings.json, which is stored as is).
+fn settings_echo(
+    args: &BenchArgs,
+    endpoint: &str,
+    chat: bool,
+    selected: &[String],
+    percentiles: &[f64],
+) -> Value {
+    json!({
+        "base_url": args.base_url,
+        "endpoint": endpoint,
+        "endpoint_type": if chat { "openai-chat" } else { "openai" },
+        "dataset_name": format!("{:?}", args.dataset_name).to_lowercase(),
+        "dataset_path": args.dataset_path,
+        "num_prompts": args.num_prompts,
+        "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
+        "random_range_ratio": args.random_range_ratio,
+        "sharegpt_output_len": args.sharegpt_output_len,
+        "tokenizer": args.tokenizer,
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "duration_seconds": args.duration_seconds,
+        "percentile_metrics": selected,
+        "metric_percentiles": percentiles,
+        "goodput": args.goodput,
+        "num_warmups": args.num_warmups,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "compare": args.compare,
+        "sla": args.sla,
     })
 }
 
