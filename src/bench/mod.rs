@@ -14,7 +14,9 @@ pub mod engine;
 pub mod measure;
 pub mod plan;
 pub mod report;
+pub mod summary;
 pub mod sweep;
+pub mod verdict;
 
 pub use args::BenchArgs;
 pub use command::run;

@@ -13,8 +13,9 @@ use super::args::{
     parse_rate,
 };
 use super::dataset::{self, Prompt, RequestClass};
-use super::report::{self, Goodput, Thresholds};
+use super::summary::{Goodput, METRICS};
 use super::sweep;
+use super::verdict::{Objective, Thresholds, parse_sla};
 
 /// A server the run sends to.
 #[derive(Debug, Clone)]
@@ -45,7 +46,7 @@ pub struct Plan {
     pub selected: Vec<String>,
     pub percentiles: Vec<f64>,
     pub goodput: Goodput,
-    pub sla: Vec<report::Objective>,
+    pub sla: Vec<Objective>,
     pub thresholds: Thresholds,
     pub labels: serde_json::Map<String, Value>,
     pub dataset_note: String,
@@ -131,7 +132,7 @@ async fn plan_with(
     let capacity = capacity(&args)?;
     // For SLA names, every percentile counts as measured.
     let sla = match &args.sla {
-        Some(s) => report::parse_sla(s, &percentiles)?,
+        Some(s) => parse_sla(s, &percentiles)?,
         None => Vec::new(),
     };
     let (prompts, dataset_note) = prompts(&args, classes)?;
@@ -327,7 +328,7 @@ fn selected_metrics(args: &BenchArgs) -> Result<Vec<String>, String> {
         .collect();
     if let Some(bad) = selected
         .iter()
-        .find(|m| !report::METRICS.iter().any(|(k, _, _)| k == m))
+        .find(|m| !METRICS.iter().any(|(k, _, _)| k == m))
     {
         return Err(format!(
             "--percentile-metrics: `{bad}` is not one of ttft, tpot, itl, e2el"

@@ -12,9 +12,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::engine::execute;
 use super::plan::Plan;
-use super::report::{
-    EXIT_INTERRUPTED, EXIT_SLA, Objective, Report, Summary, build_report, capacity_text, violations,
-};
+use super::report::{EXIT_INTERRUPTED, EXIT_SLA, Report, build_report, capacity_text};
+use super::summary::Summary;
+use super::verdict::{Objective, violations};
 
 /// What a sweep varies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -414,7 +414,7 @@ pub(super) async fn run_sweep(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::report::Stats;
+    use crate::bench::summary::Stats;
 
     fn point(x: f64, thr: f64, ttft_p99: f64) -> Point {
         let mut s = Summary {
