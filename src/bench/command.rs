@@ -87,7 +87,7 @@ pub async fn run(args: BenchArgs, stop: CancellationToken) -> u8 {
         plan.dataset_note
     );
     let report = if plan.sweep.is_some() {
-        match sweep::run_sweep(plan.clone(), stop).await {
+        match sweep::run(plan.clone(), stop).await {
             Ok((report, chart)) => {
                 match std::fs::write(&plan.sweep_chart, chart) {
                     Ok(()) => eprintln!(

@@ -308,7 +308,7 @@ pub fn capacity_json(
 }
 
 /// Run every point of the sweep; the report holds the table, the chart's path and capacity.
-pub(super) async fn run_sweep(
+pub(super) async fn run(
     plan: Arc<Plan>,
     stop: CancellationToken,
 ) -> Result<(Report, String), String> {
