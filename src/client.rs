@@ -1,12 +1,14 @@
 //! A measuring OpenAI client: sends one request and times the SSE answer by the vLLM benchmark
 //! definitions (the same scanner and `StreamMetrics` the gateway's Timeline uses). The demo and
-//! the tests use it; the load generator builds on it.
+//! the tests use `send`; the load generator (`bench::measure`) sends and reads through the same
+//! `post`, `open` and `Answer::read`, and keeps its per-request figures on top.
 
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Method, Request, Uri, header};
+use http::{HeaderMap, HeaderValue, Method, Request, StatusCode, Uri, header};
 use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -42,6 +44,88 @@ pub struct Measured {
     pub body_error: Option<String>,
 }
 
+/// A JSON POST of `body` to `uri` with `headers` (`Content-Type: application/json` unless they
+/// name another).
+pub fn post(uri: &Uri, headers: &HeaderMap, body: Bytes) -> Request<Full<Bytes>> {
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = Method::POST;
+    *req.uri_mut() = uri.clone();
+    *req.headers_mut() = headers.clone();
+    req.headers_mut()
+        .entry(header::CONTENT_TYPE)
+        .or_insert(HeaderValue::from_static("application/json"));
+    req
+}
+
+/// An answer whose head has arrived; `read` takes its body.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    /// The moment the request was handed to the client: every offset counts from here.
+    pub start: Instant,
+    /// Time until the head arrived.
+    pub head: Duration,
+    body: Incoming,
+}
+
+/// How a body ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BodyEnd {
+    Complete,
+    /// A transport error cut it (the error's text).
+    Cut(String),
+    /// The deadline passed first.
+    Deadline,
+}
+
+/// Send `req`, timed from `start`, and wait for the answer's head.
+pub async fn open(
+    client: &HttpClient,
+    req: Request<Full<Bytes>>,
+    start: Instant,
+) -> Result<Answer, hyper_util::client::legacy::Error> {
+    let resp = client.request(req).await?;
+    let head = start.elapsed();
+    let (parts, body) = resp.into_parts();
+    Ok(Answer {
+        status: parts.status,
+        headers: parts.headers,
+        start,
+        head,
+        body,
+    })
+}
+
+impl Answer {
+    /// Read the body to its end, handing every read to `on_read` with its offset from `start`
+    /// (taken as it arrives: these offsets are what TTFT and ITL are measured from).
+    pub async fn read(
+        &mut self,
+        deadline: Option<tokio::time::Instant>,
+        mut on_read: impl FnMut(&[u8], Duration),
+    ) -> BodyEnd {
+        loop {
+            let frame = match deadline {
+                Some(d) => match tokio::time::timeout_at(d, self.body.frame()).await {
+                    Ok(f) => f,
+                    Err(_) => return BodyEnd::Deadline,
+                },
+                None => self.body.frame().await,
+            };
+            match frame {
+                Some(Ok(frame)) => {
+                    if let Some(data) = frame.data_ref() {
+                        on_read(data, self.start.elapsed());
+                    }
+                }
+                Some(Err(e)) => return BodyEnd::Cut(e.to_string()),
+                None => return BodyEnd::Complete,
+            }
+        }
+    }
+}
+
 /// Send `body` as a POST to `uri` and time the answer. `keep_body` keeps the bytes.
 pub async fn send(
     client: &HttpClient,
@@ -50,49 +134,32 @@ pub async fn send(
     body: Bytes,
     keep_body: bool,
 ) -> Result<Measured, hyper_util::client::legacy::Error> {
-    let mut req = Request::new(Full::new(body));
-    *req.method_mut() = Method::POST;
-    *req.uri_mut() = uri.clone();
-    *req.headers_mut() = headers.clone();
-    req.headers_mut()
-        .entry(header::CONTENT_TYPE)
-        .or_insert(HeaderValue::from_static("application/json"));
-    let start = Instant::now();
-    let resp = client.request(req).await?;
-    let head = start.elapsed();
-    let status = resp.status().as_u16();
-    let (parts, mut incoming) = resp.into_parts();
+    let req = post(uri, headers, body);
+    let mut answer = open(client, req, Instant::now()).await?;
     let mut scanner = SseScanner::new();
     let mut metrics = StreamMetrics::default();
     let mut kept = keep_body.then(BytesMut::new);
-    let mut body_error = None;
-    while let Some(frame) = incoming.frame().await {
-        match frame {
-            Ok(frame) => {
-                if let Some(data) = frame.data_ref() {
-                    let at = start.elapsed();
-                    scanner.feed(data, |l| metrics.on_data(l.kind, l.payload, at));
-                    if let Some(k) = kept.as_mut() {
-                        k.extend_from_slice(data);
-                    }
-                }
+    let end = answer
+        .read(None, |data, at| {
+            scanner.feed(data, |l| metrics.on_data(l.kind, l.payload, at));
+            if let Some(k) = kept.as_mut() {
+                k.extend_from_slice(data);
             }
-            Err(e) => {
-                body_error = Some(e.to_string());
-                break;
-            }
-        }
-    }
-    let total = start.elapsed();
+        })
+        .await;
+    let total = answer.start.elapsed();
     scanner.finish(|l| metrics.on_data(l.kind, l.payload, total));
     Ok(Measured {
-        status,
-        headers: parts.headers,
+        status: answer.status.as_u16(),
+        headers: answer.headers,
         metrics,
-        head,
+        head: answer.head,
         total,
         body: kept.map(BytesMut::freeze),
-        body_error,
+        body_error: match end {
+            BodyEnd::Cut(e) => Some(e),
+            BodyEnd::Complete | BodyEnd::Deadline => None,
+        },
     })
 }
 

@@ -8,10 +8,9 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method, Request, Uri, header};
-use http_body_util::{BodyExt, Full};
+use http::{HeaderMap, Uri};
 
-use crate::client::HttpClient;
+use crate::client::{self, BodyEnd, HttpClient};
 use crate::openai::sse::{DataKind, SseScanner};
 use crate::telemetry::StreamMetrics;
 
@@ -173,13 +172,7 @@ pub async fn send(
     started: Instant,
     timeout: Duration,
 ) -> Outcome {
-    let mut req = Request::new(Full::new(body));
-    *req.method_mut() = Method::POST;
-    *req.uri_mut() = uri.clone();
-    *req.headers_mut() = headers.clone();
-    req.headers_mut()
-        .entry(header::CONTENT_TYPE)
-        .or_insert(HeaderValue::from_static("application/json"));
+    let req = client::post(uri, headers, body);
     let start = Instant::now();
     let sent_at = start.saturating_duration_since(started);
     let failed = |error: String| Outcome {
@@ -190,49 +183,39 @@ pub async fn send(
         ..Outcome::default()
     };
     let deadline = tokio::time::Instant::from_std(start + timeout);
-    let resp = match tokio::time::timeout_at(deadline, client.request(req)).await {
-        Ok(Ok(r)) => r,
+    let mut answer = match tokio::time::timeout_at(deadline, client::open(client, req, start)).await
+    {
+        Ok(Ok(a)) => a,
         Ok(Err(e)) => return failed(format!("request failed: {}", error_chain(&e))),
         Err(_) => return failed(format!("no response head within {timeout:?}")),
     };
-    let status = resp.status();
-    let (parts, mut body) = resp.into_parts();
-    let gateway = gateway_ms(&parts.headers);
-    if !status.is_success() {
-        let bytes = tokio::time::timeout_at(deadline, body.collect())
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .map(|c| c.to_bytes())
-            .unwrap_or_default();
+    let gateway = gateway_ms(&answer.headers);
+    if !answer.status.is_success() {
+        let mut bytes = Vec::new();
+        let end = answer
+            .read(Some(deadline), |data, _| bytes.extend_from_slice(data))
+            .await;
+        // Only a whole body is read for its message.
+        if end != BodyEnd::Complete {
+            bytes.clear();
+        }
         let mut o = failed(format!(
             "HTTP {}: {}",
-            status.as_u16(),
+            answer.status.as_u16(),
             error_message(&bytes)
         ));
         o.gateway_ms = gateway;
         return o;
     }
     let mut timer = StreamTimer::new();
-    let mut cut = None;
-    loop {
-        match tokio::time::timeout_at(deadline, body.frame()).await {
-            Ok(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    timer.feed(data, start.elapsed());
-                }
-            }
-            Ok(Some(Err(e))) => {
-                cut = Some(e.to_string());
-                break;
-            }
-            Ok(None) => break,
-            Err(_) => {
-                cut = Some(format!("not finished within {timeout:?}"));
-                break;
-            }
-        }
-    }
+    let cut = match answer
+        .read(Some(deadline), |data, at| timer.feed(data, at))
+        .await
+    {
+        BodyEnd::Complete => None,
+        BodyEnd::Cut(e) => Some(e),
+        BodyEnd::Deadline => Some(format!("not finished within {timeout:?}")),
+    };
     let mut o = timer.finish(start.elapsed(), cut, expected_input);
     o.sent_at = sent_at;
     o.gateway_ms = gateway;
@@ -254,6 +237,7 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 mod tests {
     use super::*;
     use base64::Engine;
+    use http::HeaderValue;
 
     /// The shared fixture streams give the figures they state, through the bench's timer.
     #[test]

@@ -4,10 +4,17 @@
 //! SLA).
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use serde_json::{Value, json};
 
-use super::report::{Objective, Summary, violations};
+use tokio_util::sync::CancellationToken;
+
+use super::engine::execute;
+use super::plan::Plan;
+use super::report::{EXIT_INTERRUPTED, EXIT_SLA, Report, build_report, capacity_text};
+use super::summary::Summary;
+use super::verdict::{Objective, violations};
 
 /// What a sweep varies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -300,10 +307,114 @@ pub fn capacity_json(
     })
 }
 
+/// Run every point of the sweep; the report holds the table, the chart's path and capacity.
+pub(super) async fn run(
+    plan: Arc<Plan>,
+    stop: CancellationToken,
+) -> Result<(Report, String), String> {
+    let Some((axis, values)) = plan.sweep.clone() else {
+        return Err("no sweep".into());
+    };
+    let mut points = Vec::new();
+    let mut runs = Vec::new();
+    let mut interrupted = false;
+    for (i, x) in values.iter().enumerate() {
+        let mut p = (*plan).clone();
+        match axis {
+            Axis::Rate => p.request_rate = *x,
+            Axis::Concurrency => p.max_concurrency = Some(*x as usize),
+        }
+        if i > 0 {
+            p.warmups = 0;
+        }
+        eprintln!(
+            "fleetgate bench: sweep point {} of {}: {} = {x}",
+            i + 1,
+            values.len(),
+            axis.name()
+        );
+        let result = execute(Arc::new(p.clone()), stop.clone()).await?;
+        let r = build_report(&p, &result);
+        interrupted |= result.interrupted;
+        points.push(Point {
+            x: *x,
+            summary: r.summaries[0].clone(),
+            meets_sla: false,
+        });
+        let mut j = r.json;
+        if let Value::Object(m) = &mut j {
+            m.insert("sweep_value".into(), json!(x));
+        }
+        runs.push(j);
+        if result.interrupted {
+            break;
+        }
+    }
+    mark_sla(&mut points, &plan.sla);
+    let knee = knee(axis, &points);
+    let mut text = table(axis, &points, knee, !plan.sla.is_empty());
+    let chart = svg(axis, &points, knee);
+    let mut exit = 0;
+    let best = points
+        .iter()
+        .filter(|p| p.meets_sla)
+        .map(|p| p.summary.request_throughput)
+        .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.max(t))));
+    if !plan.sla.is_empty() && best.is_none() {
+        text.push_str("SLA: no point of the sweep meets it\n");
+        exit = EXIT_SLA;
+    }
+    let mut json = serde_json::Map::new();
+    json.insert("model_id".into(), json!(plan.model));
+    json.insert("labels".into(), Value::Object(plan.labels.clone()));
+    json.insert("settings".into(), plan.settings.clone());
+    json.insert(
+        "sweep".into(),
+        json!({
+            "axis": match axis { Axis::Rate => "rate", Axis::Concurrency => "concurrency" },
+            "values": values,
+            "knee": knee.map(|k| points[k].x),
+            "meets_sla": points.iter().map(|p| p.meets_sla).collect::<Vec<_>>(),
+            "runs": runs,
+        }),
+    );
+    if let Some((q, red, inst)) = plan.capacity {
+        let source = if plan.sla.is_empty() {
+            "the sweep's best throughput; give --sla to plan at an objective"
+        } else {
+            "the best sweep point meeting the SLA"
+        };
+        let thr = if plan.sla.is_empty() {
+            points
+                .iter()
+                .map(|p| p.summary.request_throughput)
+                .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.max(t))))
+        } else {
+            best
+        };
+        text.push_str(&capacity_text(q, red, inst, thr, source));
+        json.insert("capacity".into(), capacity_json(q, red, thr, inst));
+    }
+    if interrupted {
+        text.push_str("interrupted: the sweep stopped at Ctrl-C\n");
+        exit = EXIT_INTERRUPTED;
+    }
+    json.insert("interrupted".into(), json!(interrupted));
+    Ok((
+        Report {
+            text,
+            json: Value::Object(json),
+            exit,
+            summaries: points.into_iter().map(|p| p.summary).collect(),
+        },
+        chart,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::report::Stats;
+    use crate::bench::summary::Stats;
 
     fn point(x: f64, thr: f64, ttft_p99: f64) -> Point {
         let mut s = Summary {

@@ -1,0 +1,336 @@
+//! `fleetgate bench`'s options: the flags (named as `vllm bench serve` names them), the seed's
+//! settings.json laid over them, and the small parsers for their values.
+
+use std::path::PathBuf;
+
+use http::{HeaderName, HeaderValue, Uri};
+use serde::Deserialize;
+
+use super::dataset::RequestClass;
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndpointType {
+    /// `/v1/chat/completions` with `messages`.
+    OpenaiChat,
+    /// `/v1/completions` with `prompt`.
+    Openai,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DatasetName {
+    Random,
+    Sharegpt,
+}
+
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum BenchCommand {
+    /// Compare two result files (fleetgate bench or vllm bench serve): every latency and
+    /// throughput key side by side with the change.
+    Diff { a: PathBuf, b: PathBuf },
+}
+
+/// `fleetgate bench` flags: `vllm bench serve`'s names, plus the comparison, SLA and labels.
+#[derive(clap::Args, Debug, Clone)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: Option<BenchCommand>,
+    /// The seed's settings.json (endpoint, api_key_env, model, concurrency, duration_seconds,
+    /// request_distribution, metrics, warmup_requests). Its keys win over the flags.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Write the result JSON to this file (the seed's `--output result.json`).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    /// Server base URL, e.g. http://127.0.0.1:8080 (the gateway) or http://vllm:8000.
+    #[arg(long, alias = "base_url")]
+    pub base_url: Option<String>,
+    /// API path (default by --endpoint-type: /v1/chat/completions or /v1/completions).
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    #[arg(long, value_enum, default_value = "openai-chat")]
+    pub endpoint_type: EndpointType,
+    /// Model name to send (default: the first id of GET /v1/models).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Extra request header, `Name=value` or `Name: value` (repeatable).
+    #[arg(long = "header", value_name = "NAME=VALUE")]
+    pub headers: Vec<String>,
+    /// Environment variable holding the API key, sent as `Authorization: Bearer` (keys are
+    /// never read from files or flags).
+    #[arg(long, default_value = "OPENAI_API_KEY")]
+    pub api_key_env: String,
+    /// With --compare: another variable for one target, `NAME=VAR` (e.g. direct=VLLM_API_KEY).
+    #[arg(long = "target-key-env", value_name = "NAME=VAR")]
+    pub target_key_env: Vec<String>,
+    #[arg(long, value_enum, default_value = "random")]
+    pub dataset_name: DatasetName,
+    /// ShareGPT JSON file (with --dataset-name sharegpt).
+    #[arg(long)]
+    pub dataset_path: Option<PathBuf>,
+    #[arg(long, default_value_t = 1000)]
+    pub num_prompts: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub random_input_len: u64,
+    #[arg(long, default_value_t = 128)]
+    pub random_output_len: u64,
+    /// Lengths drawn from [len × (1 − r), len × (1 + r)].
+    #[arg(long, default_value_t = 0.0)]
+    pub random_range_ratio: f64,
+    /// The model's tokenizer.json (Hugging Face format): exact token counts for ShareGPT
+    /// filtering and random prompts (without it: characters / 4).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Output length of every ShareGPT request (default: the conversation's own reply length).
+    #[arg(long)]
+    pub sharegpt_output_len: Option<u64>,
+    /// Requests per second, Poisson arrivals (with --burstiness 1); `inf` sends all at once.
+    #[arg(long, default_value = "inf")]
+    pub request_rate: String,
+    /// Gamma shape of the arrival gaps (1: Poisson; < 1 burstier; > 1 more even), as vLLM.
+    #[arg(long, default_value_t = 1.0)]
+    pub burstiness: f64,
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Run for this long instead of --num-prompts requests (prompts are reused in turn).
+    #[arg(long)]
+    pub duration_seconds: Option<f64>,
+    /// Comma-separated: ttft, tpot, itl, e2el.
+    #[arg(long, default_value = "ttft,tpot,itl")]
+    pub percentile_metrics: String,
+    /// Comma-separated percentiles, e.g. 50,95,99.
+    #[arg(long, default_value = "99")]
+    pub metric_percentiles: String,
+    /// Service-level objectives for goodput, e.g. `--goodput ttft:500 tpot:50` (ms).
+    #[arg(long, num_args = 1.., value_name = "METRIC:MS")]
+    pub goodput: Vec<String>,
+    #[arg(long, default_value_t = 0)]
+    pub num_warmups: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Ask the server to ignore end-of-sequence (vLLM's `ignore_eos`): exact output lengths.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    #[arg(long)]
+    pub save_result: bool,
+    #[arg(long)]
+    pub result_filename: Option<String>,
+    #[arg(long)]
+    pub result_dir: Option<PathBuf>,
+    /// Label stored with the result, `key=value` (repeatable): hardware, quantisation, ...
+    #[arg(long = "label", value_name = "KEY=VALUE")]
+    pub labels: Vec<String>,
+    /// Two targets, `NAME=BASE_URL NAME=BASE_URL` (the first is the baseline): the same prompts
+    /// and arrivals, interleaved between them.
+    #[arg(long, num_args = 2, value_name = "NAME=URL")]
+    pub compare: Vec<String>,
+    /// Compare verdict: largest change of a mean, in percent.
+    #[arg(long, default_value_t = 3.0)]
+    pub max_mean_delta_pct: f64,
+    /// Compare verdict: largest change of a P95, in percent.
+    #[arg(long, default_value_t = 5.0)]
+    pub max_p95_delta_pct: f64,
+    /// Objectives to meet, e.g. `ttft_p99_ms=1500,e2el_p95_ms=60000,error_rate=0.01`; exit 2
+    /// with a table when one is violated.
+    #[arg(long)]
+    pub sla: Option<String>,
+    /// A series of runs, e.g. `rate=2,4,8,16,32` or `concurrency=1,4,16`: a table, an SVG chart
+    /// of TTFT P99 and throughput with the knee marked (`--sweep-chart`).
+    #[arg(long)]
+    pub sweep: Option<String>,
+    /// Where the sweep's SVG chart goes.
+    #[arg(long, default_value = "fleetgate-sweep.svg")]
+    pub sweep_chart: PathBuf,
+    /// Capacity planning: the QPS the fleet must serve.
+    #[arg(long)]
+    pub target_qps: Option<f64>,
+    /// Capacity planning: headroom factor (the seed uses 1.2–1.3).
+    #[arg(long, default_value_t = 1.25)]
+    pub redundancy: f64,
+    /// Capacity planning: how many instances served the measured endpoint.
+    #[arg(long, default_value_t = 1)]
+    pub instances: u32,
+    /// Give up on a request after this long.
+    #[arg(long, default_value_t = 600.0)]
+    pub request_timeout_seconds: f64,
+    /// No live progress line.
+    #[arg(long, alias = "disable-tqdm")]
+    pub no_progress: bool,
+}
+
+/// The seed's settings.json.
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub endpoint: String,
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub concurrency: Option<usize>,
+    #[serde(default)]
+    pub duration_seconds: Option<f64>,
+    #[serde(default)]
+    pub request_distribution: Vec<RequestClass>,
+    #[serde(default)]
+    pub metrics: Option<SettingsMetrics>,
+    #[serde(default)]
+    pub warmup_requests: Option<usize>,
+    #[serde(default)]
+    pub request_rate: Option<f64>,
+    #[serde(default)]
+    pub num_prompts: Option<usize>,
+}
+
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettingsMetrics {
+    #[serde(default = "yes")]
+    pub record_ttft: bool,
+    #[serde(default = "yes")]
+    pub record_tpot: bool,
+    #[serde(default)]
+    pub percentiles: Vec<f64>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+pub(super) fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.trim() {
+        "inf" | "infinity" | "Infinity" => Ok(f64::INFINITY),
+        t => match t.parse::<f64>() {
+            Ok(r) if r > 0.0 => Ok(r),
+            _ => Err(format!(
+                "--request-rate `{s}`: a positive number of requests per second, or inf"
+            )),
+        },
+    }
+}
+
+pub(super) fn header_pair(s: &str) -> Result<(HeaderName, HeaderValue), String> {
+    let (k, v) = s
+        .split_once(':')
+        .filter(|(k, _)| !k.contains('='))
+        .or_else(|| s.split_once('='))
+        .ok_or_else(|| format!("--header `{s}`: write Name=value or \"Name: value\""))?;
+    let name = HeaderName::try_from(k.trim()).map_err(|e| format!("--header `{k}`: {e}"))?;
+    let value = HeaderValue::try_from(v.trim()).map_err(|e| format!("--header `{k}`: {e}"))?;
+    Ok((name, value))
+}
+
+pub(super) fn kv(s: &str, what: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("{what} `{s}`: write NAME=VALUE"))
+}
+
+/// Split a full endpoint URL (settings.json's `endpoint`) into base and path.
+fn split_endpoint(url: &str) -> (String, Option<String>) {
+    for p in ["/v1/chat/completions", "/v1/completions"] {
+        if let Some(base) = url.trim_end_matches('/').strip_suffix(p) {
+            return (base.to_owned(), Some(p.to_owned()));
+        }
+    }
+    (url.trim_end_matches('/').to_owned(), None)
+}
+
+pub(super) fn base_of(url: &str) -> Result<String, String> {
+    let u = url.trim().trim_end_matches('/');
+    let u = u.strip_suffix("/v1").unwrap_or(u);
+    let parsed: Uri = u
+        .parse()
+        .map_err(|e| format!("`{url}` is not a URL: {e}"))?;
+    match parsed.scheme_str() {
+        Some("http") => Ok(u.to_owned()),
+        Some("https") => Err(format!(
+            "`{url}`: the bench client speaks plain http (put it next to the server, or measure the TLS listener with another client)"
+        )),
+        _ => Err(format!("`{url}` needs http://host:port")),
+    }
+}
+
+/// Apply settings.json over the flags (its keys win).
+pub(super) fn apply_settings(args: &mut BenchArgs, s: &Settings) -> Result<(), String> {
+    let (base, endpoint) = split_endpoint(&s.endpoint);
+    args.base_url = Some(base);
+    if let Some(e) = endpoint {
+        if e == "/v1/completions" {
+            args.endpoint_type = EndpointType::Openai;
+        }
+        args.endpoint = Some(e);
+    }
+    if let Some(k) = &s.api_key_env {
+        args.api_key_env = k.clone();
+    }
+    if let Some(m) = &s.model {
+        args.model = Some(m.clone());
+    }
+    if let Some(c) = s.concurrency {
+        if c == 0 {
+            return Err("settings: concurrency must be ≥ 1".into());
+        }
+        args.max_concurrency = Some(c);
+    }
+    if let Some(d) = s.duration_seconds {
+        args.duration_seconds = Some(d);
+    }
+    if let Some(w) = s.warmup_requests {
+        args.num_warmups = w;
+    }
+    if let Some(r) = s.request_rate {
+        args.request_rate = r.to_string();
+    }
+    if let Some(n) = s.num_prompts {
+        args.num_prompts = n;
+    }
+    if let Some(m) = &s.metrics {
+        let mut sel = Vec::new();
+        if m.record_ttft {
+            sel.push("ttft");
+        }
+        if m.record_tpot {
+            sel.push("tpot");
+        }
+        sel.extend(["itl", "e2el"]);
+        args.percentile_metrics = sel.join(",");
+        if !m.percentiles.is_empty() {
+            args.metric_percentiles = m
+                .percentiles
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(",");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_endpoint_splits_into_base_and_path() {
+        assert_eq!(
+            split_endpoint("http://gw:8080/v1/chat/completions"),
+            ("http://gw:8080".into(), Some("/v1/chat/completions".into()))
+        );
+        assert_eq!(
+            split_endpoint("http://gw:8080/"),
+            ("http://gw:8080".into(), None)
+        );
+        assert_eq!(base_of("http://gw:8080/v1/").unwrap(), "http://gw:8080");
+        assert!(base_of("gw:8080").is_err());
+        assert!(parse_rate("0").is_err());
+        assert!(parse_rate("inf").unwrap().is_infinite());
+        assert_eq!(
+            header_pair("Authorization: Bearer x").unwrap().0,
+            "authorization"
+        );
+        assert_eq!(header_pair("x-a=b=c").unwrap().1, "b=c");
+    }
+}

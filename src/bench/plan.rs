@@ -1,0 +1,532 @@
+//! The plan of a run: the flags and settings resolved into targets (URL, headers, key), the
+//! model, the prompts and their request bodies, the arrival schedule and what to report.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Uri};
+use serde_json::{Value, json};
+
+use super::args::{
+    BenchArgs, DatasetName, EndpointType, Settings, apply_settings, base_of, header_pair, kv,
+    parse_rate,
+};
+use super::dataset::{self, Prompt, RequestClass};
+use super::summary::{Goodput, METRICS};
+use super::sweep;
+use super::verdict::{Objective, Thresholds, parse_sla};
+
+/// A server the run sends to.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub name: String,
+    pub base: String,
+    pub uri: Uri,
+    pub headers: HeaderMap,
+}
+
+/// Everything a run needs, resolved from the flags and settings.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub targets: Vec<Target>,
+    pub model: String,
+    pub chat: bool,
+    pub prompts: Vec<Prompt>,
+    /// Bodies by prompt (the same bytes for every target).
+    pub bodies: Vec<Bytes>,
+    pub request_rate: f64,
+    pub burstiness: f64,
+    pub max_concurrency: Option<usize>,
+    pub duration: Option<Duration>,
+    pub num_prompts: usize,
+    pub warmups: usize,
+    pub seed: u64,
+    pub timeout: Duration,
+    pub selected: Vec<String>,
+    pub percentiles: Vec<f64>,
+    pub goodput: Goodput,
+    pub sla: Vec<Objective>,
+    pub thresholds: Thresholds,
+    pub labels: serde_json::Map<String, Value>,
+    pub dataset_note: String,
+    pub settings: Value,
+    pub progress: bool,
+    pub sweep: Option<(sweep::Axis, Vec<f64>)>,
+    pub sweep_chart: PathBuf,
+    /// (target QPS, redundancy, instances measured).
+    pub capacity: Option<(f64, f64, u32)>,
+}
+
+/// The model: the flag, else the first id of `GET /v1/models`.
+async fn discover_model(target: &Target) -> Result<String, String> {
+    use http_body_util::BodyExt;
+    let client = crate::client::http_client();
+    let uri: Uri = format!("{}/v1/models", target.base)
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let mut req = http::Request::get(uri.clone())
+        .body(http_body_util::Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    *req.headers_mut() = target.headers.clone();
+    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+        .await
+        .map_err(|_| format!("GET {uri}: no answer within 10 s"))?
+        .map_err(|e| format!("GET {uri}: {e} (is the server running, and is --base-url right?)"))?;
+    let status = resp.status();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    if !status.is_success() {
+        return Err(format!(
+            "GET {uri} answered {status}: {} (pass --model, or check the key in the variable named by --api-key-env)",
+            String::from_utf8_lossy(&body)
+                .chars()
+                .take(300)
+                .collect::<String>()
+        ));
+    }
+    let v: Value = serde_json::from_slice(&body).map_err(|e| format!("GET {uri}: {e}"))?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| format!("GET {uri}: no model listed; pass --model"))
+}
+
+/// Resolve flags (and settings.json) into a plan; the model may need a request.
+pub async fn plan(mut args: BenchArgs) -> Result<Plan, String> {
+    let Some(path) = args.config.clone() else {
+        return plan_with(args, None, Value::Null).await;
+    };
+    let text = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let s: Settings =
+        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    apply_settings(&mut args, &s)?;
+    if !s.request_distribution.is_empty() {
+        args.dataset_name = DatasetName::Random;
+    }
+    let settings = serde_json::to_value(&s).unwrap_or(Value::Null);
+    plan_with(args, Some(s.request_distribution), settings).await
+}
+
+async fn plan_with(
+    args: BenchArgs,
+    classes: Option<Vec<RequestClass>>,
+    settings_json: Value,
+) -> Result<Plan, String> {
+    // The order of the steps is the order the errors are reported in.
+    let (rate, duration) = schedule(&args)?;
+    let (chat, endpoint) = endpoint(&args)?;
+    let targets = targets(&args, &endpoint)?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => discover_model(&targets[targets.len() - 1]).await?,
+    };
+    let selected = selected_metrics(&args)?;
+    let mut percentiles = percentiles(&args)?;
+    let goodput = goodput(&args)?;
+    let sweep = sweep_series(&args, &mut percentiles)?;
+    let capacity = capacity(&args)?;
+    // For SLA names, every percentile counts as measured.
+    let sla = match &args.sla {
+        Some(s) => parse_sla(s, &percentiles)?,
+        None => Vec::new(),
+    };
+    let (prompts, dataset_note) = prompts(&args, classes)?;
+    let bodies = prompts
+        .iter()
+        .map(|p| dataset::body(p, &model, chat, args.ignore_eos))
+        .collect();
+    let labels = labels(&args, &model)?;
+    let settings = if settings_json.is_null() {
+        settings_echo(&args, &endpoint, chat, &selected, &percentiles)
+    } else {
+        settings_json
+    };
+    Ok(Plan {
+        targets,
+        model,
+        chat,
+        prompts,
+        bodies,
+        request_rate: rate,
+        burstiness: args.burstiness,
+        max_concurrency: args.max_concurrency,
+        duration,
+        num_prompts: args.num_prompts,
+        warmups: args.num_warmups,
+        seed: args.seed,
+        timeout: Duration::from_secs_f64(args.request_timeout_seconds.max(0.001)),
+        selected,
+        percentiles,
+        goodput,
+        sla,
+        thresholds: Thresholds {
+            mean_pct: args.max_mean_delta_pct,
+            p95_pct: args.max_p95_delta_pct,
+        },
+        labels,
+        dataset_note,
+        settings,
+        progress: !args.no_progress,
+        sweep,
+        sweep_chart: args.sweep_chart.clone(),
+        capacity,
+    })
+}
+
+/// The arrival schedule: request rate, and how long a timed run lasts.
+fn schedule(args: &BenchArgs) -> Result<(f64, Option<Duration>), String> {
+    let rate = parse_rate(&args.request_rate)?;
+    if !(args.burstiness.is_finite() && args.burstiness > 0.0) {
+        return Err("--burstiness must be > 0 (1 = Poisson)".into());
+    }
+    if args.max_concurrency == Some(0) {
+        return Err("--max-concurrency must be ≥ 1".into());
+    }
+    let duration = match args.duration_seconds {
+        Some(d) if d > 0.0 && d.is_finite() => Some(Duration::from_secs_f64(d)),
+        Some(_) => return Err("--duration-seconds must be > 0".into()),
+        None => None,
+    };
+    if duration.is_some() && rate.is_infinite() && args.max_concurrency.is_none() {
+        return Err("a timed run needs --max-concurrency (settings: concurrency) or a finite --request-rate".into());
+    }
+    if args.num_prompts == 0 {
+        return Err("--num-prompts must be ≥ 1".into());
+    }
+    Ok((rate, duration))
+}
+
+/// Chat or completions, and the API path, which must agree.
+fn endpoint(args: &BenchArgs) -> Result<(bool, String), String> {
+    let chat = args.endpoint_type == EndpointType::OpenaiChat;
+    let endpoint = args.endpoint.clone().unwrap_or_else(|| {
+        if chat {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        }
+        .to_owned()
+    });
+    if !endpoint.starts_with('/') {
+        return Err(format!("--endpoint `{endpoint}` must start with /"));
+    }
+    if chat != endpoint.ends_with("/chat/completions") {
+        return Err(format!(
+            "--endpoint {endpoint} and --endpoint-type {} disagree: chat requests go to /v1/chat/completions, completions to /v1/completions (the \"KeyError: 'choices'\" case)",
+            if chat { "openai-chat" } else { "openai" }
+        ));
+    }
+    Ok((chat, endpoint))
+}
+
+/// The servers to send to, each with its URL and headers (the `--header`s, then its key).
+fn targets(args: &BenchArgs, endpoint: &str) -> Result<Vec<Target>, String> {
+    let common = common_headers(args)?;
+    let default_key = bearer_from(&args.api_key_env)?;
+    let mut per_target_key = std::collections::HashMap::new();
+    for t in &args.target_key_env {
+        let (name, var) = kv(t, "--target-key-env")?;
+        let v = bearer_from(&var)?
+            .ok_or_else(|| format!("--target-key-env {name}: ${var} is not set"))?;
+        per_target_key.insert(name, v);
+    }
+    let mut targets = Vec::new();
+    for (name, url) in target_urls(args)? {
+        let base = base_of(&url)?;
+        let uri: Uri = format!("{base}{endpoint}")
+            .parse()
+            .map_err(|e| format!("`{base}{endpoint}`: {e}"))?;
+        let mut headers = common.clone();
+        if !headers.contains_key(http::header::AUTHORIZATION)
+            && let Some(k) = per_target_key.get(&name).or(default_key.as_ref())
+        {
+            headers.insert(http::header::AUTHORIZATION, k.clone());
+        }
+        targets.push(Target {
+            name,
+            base,
+            uri,
+            headers,
+        });
+    }
+    if let Some(unknown) = per_target_key
+        .keys()
+        .find(|k| !targets.iter().any(|t| &t.name == *k))
+    {
+        return Err(format!(
+            "--target-key-env {unknown}: no such --compare target"
+        ));
+    }
+    Ok(targets)
+}
+
+/// The `--header`s every target gets.
+fn common_headers(args: &BenchArgs) -> Result<HeaderMap, String> {
+    let mut common = HeaderMap::new();
+    for h in &args.headers {
+        let (k, v) = header_pair(h)?;
+        if k == http::header::AUTHORIZATION {
+            eprintln!(
+                "fleetgate bench: warning: a key given with --header is visible to every user of this machine (ps); prefer --api-key-env"
+            );
+        }
+        common.insert(k, v);
+    }
+    Ok(common)
+}
+
+/// `Bearer <key>` from the variable `var`, when it is set (marked sensitive: never logged).
+fn bearer_from(var: &str) -> Result<Option<HeaderValue>, String> {
+    match std::env::var(var) {
+        Ok(k) if !k.trim().is_empty() => {
+            let mut v = HeaderValue::try_from(format!("Bearer {}", k.trim()))
+                .map_err(|_| format!("${var} holds characters not allowed in a header"))?;
+            v.set_sensitive(true);
+            Ok(Some(v))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// (name, URL) of each target: `--base-url` alone, or the two of `--compare`.
+fn target_urls(args: &BenchArgs) -> Result<Vec<(String, String)>, String> {
+    if args.compare.is_empty() {
+        let base = args
+            .base_url
+            .clone()
+            .ok_or("--base-url is required (or --config settings.json, or --compare)")?;
+        return Ok(vec![("target".to_owned(), base)]);
+    }
+    if args.base_url.is_some() && args.config.is_none() {
+        return Err(
+            "--base-url and --compare exclude each other: --compare names both targets".into(),
+        );
+    }
+    let pairs = args
+        .compare
+        .iter()
+        .map(|c| kv(c, "--compare"))
+        .collect::<Result<Vec<_>, _>>()?;
+    if pairs[0].0 == pairs[1].0 {
+        return Err("--compare: the two targets need different names".into());
+    }
+    Ok(pairs)
+}
+
+/// `--percentile-metrics`: which latency metrics get percentiles.
+fn selected_metrics(args: &BenchArgs) -> Result<Vec<String>, String> {
+    let selected: Vec<String> = args
+        .percentile_metrics
+        .split(',')
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .collect();
+    if let Some(bad) = selected
+        .iter()
+        .find(|m| !METRICS.iter().any(|(k, _, _)| k == m))
+    {
+        return Err(format!(
+            "--percentile-metrics: `{bad}` is not one of ttft, tpot, itl, e2el"
+        ));
+    }
+    Ok(selected)
+}
+
+/// `--metric-percentiles`, each in 0..100.
+fn percentiles(args: &BenchArgs) -> Result<Vec<f64>, String> {
+    let mut percentiles = Vec::new();
+    for p in args
+        .metric_percentiles
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
+        let v: f64 = p
+            .parse()
+            .ok()
+            .filter(|v: &f64| (0.0..=100.0).contains(v))
+            .ok_or_else(|| format!("--metric-percentiles: `{p}` is not a percentile in 0..100"))?;
+        percentiles.push(v);
+    }
+    Ok(percentiles)
+}
+
+/// `--goodput metric:ms ...`: the objectives a request must meet to count as good.
+fn goodput(args: &BenchArgs) -> Result<Goodput, String> {
+    let mut goodput = Vec::new();
+    for g in &args.goodput {
+        let (m, v) = g
+            .split_once(':')
+            .ok_or_else(|| format!("--goodput `{g}`: write metric:ms, e.g. ttft:500"))?;
+        if !matches!(m, "ttft" | "tpot" | "e2el") {
+            return Err(format!(
+                "--goodput `{g}`: the metric is one of ttft, tpot, e2el"
+            ));
+        }
+        let v: f64 = v
+            .parse()
+            .map_err(|_| format!("--goodput `{g}`: `{v}` is not milliseconds"))?;
+        goodput.push((m.to_owned(), v));
+    }
+    Ok(goodput)
+}
+
+/// `--sweep`: its axis and values; adds P99 to the percentiles, which the table and chart read.
+fn sweep_series(
+    args: &BenchArgs,
+    percentiles: &mut Vec<f64>,
+) -> Result<Option<(sweep::Axis, Vec<f64>)>, String> {
+    let Some(s) = &args.sweep else {
+        return Ok(None);
+    };
+    if args.compare.len() == 2 {
+        return Err(
+            "--sweep measures one target; run the comparison at the rate you care about".into(),
+        );
+    }
+    // The table and the chart read P99.
+    if !percentiles.iter().any(|p| (*p - 99.0).abs() < 1e-9) {
+        percentiles.push(99.0);
+    }
+    Ok(Some(sweep::parse(s)?))
+}
+
+/// Capacity planning: (target QPS, redundancy, instances measured), with `--target-qps`.
+fn capacity(args: &BenchArgs) -> Result<Option<(f64, f64, u32)>, String> {
+    match args.target_qps {
+        Some(q) if q > 0.0 && q.is_finite() => {
+            if !(args.redundancy.is_finite() && args.redundancy >= 1.0) {
+                return Err("--redundancy must be ≥ 1 (the seed uses 1.2–1.3)".into());
+            }
+            Ok(Some((q, args.redundancy, args.instances.max(1))))
+        }
+        Some(_) => Err("--target-qps must be > 0".into()),
+        None => Ok(None),
+    }
+}
+
+/// The prompts (settings.json's classes, random, or ShareGPT) and a note saying which.
+fn prompts(
+    args: &BenchArgs,
+    classes: Option<Vec<RequestClass>>,
+) -> Result<(Vec<Prompt>, String), String> {
+    let (counter, counting) = match &args.tokenizer {
+        Some(p) => (
+            dataset::Counter::load(p)?,
+            format!("token counts by the tokenizer {}", p.display()),
+        ),
+        None => (
+            dataset::Counter::Approximate,
+            dataset::APPROXIMATION.to_owned(),
+        ),
+    };
+    Ok(match (classes, args.dataset_name) {
+        (Some(c), _) if !c.is_empty() => (
+            dataset::classes(args.num_prompts, &c, args.seed, &counter)?,
+            format!(
+                "settings.json request_distribution ({} classes); {counting}",
+                c.len()
+            ),
+        ),
+        (_, DatasetName::Random) => (
+            dataset::random(
+                args.num_prompts,
+                args.random_input_len,
+                args.random_output_len,
+                args.random_range_ratio,
+                args.seed,
+                &counter,
+            ),
+            format!(
+                "random: {} in / {} out tokens (range ratio {}); {counting}",
+                args.random_input_len, args.random_output_len, args.random_range_ratio
+            ),
+        ),
+        (_, DatasetName::Sharegpt) => {
+            let path = args
+                .dataset_path
+                .as_ref()
+                .ok_or("--dataset-name sharegpt needs --dataset-path (e.g. ShareGPT_V3_unfiltered_cleaned_split.json)")?;
+            let (p, stats) = dataset::sharegpt(
+                path,
+                args.num_prompts,
+                args.sharegpt_output_len,
+                args.seed,
+                &counter,
+            )?;
+            let short = if p.len() < args.num_prompts {
+                format!(" (only {} of the {} asked for)", p.len(), args.num_prompts)
+            } else {
+                String::new()
+            };
+            (
+                p,
+                format!("sharegpt {}: {stats}{short}; {counting}", path.display()),
+            )
+        }
+    })
+}
+
+/// The `--label`s, plus the model, fleetgate's version and the date.
+fn labels(args: &BenchArgs, model: &str) -> Result<serde_json::Map<String, Value>, String> {
+    let mut labels = serde_json::Map::new();
+    for l in &args.labels {
+        let (k, v) = kv(l, "--label")?;
+        labels.insert(k, Value::String(v));
+    }
+    labels
+        .entry("model")
+        .or_insert(Value::String(model.to_owned()));
+    labels.insert(
+        "fleetgate_version".into(),
+        Value::String(env!("CARGO_PKG_VERSION").to_owned()),
+    );
+    labels.insert("date".into(), Value::String(now_rfc3339()));
+    Ok(labels)
+}
+
+/// The flags the run used, stored with the result (without settings.json, which is stored as is).
+fn settings_echo(
+    args: &BenchArgs,
+    endpoint: &str,
+    chat: bool,
+    selected: &[String],
+    percentiles: &[f64],
+) -> Value {
+    json!({
+        "base_url": args.base_url,
+        "endpoint": endpoint,
+        "endpoint_type": if chat { "openai-chat" } else { "openai" },
+        "dataset_name": format!("{:?}", args.dataset_name).to_lowercase(),
+        "dataset_path": args.dataset_path,
+        "num_prompts": args.num_prompts,
+        "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
+        "random_range_ratio": args.random_range_ratio,
+        "sharegpt_output_len": args.sharegpt_output_len,
+        "tokenizer": args.tokenizer,
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "duration_seconds": args.duration_seconds,
+        "percentile_metrics": selected,
+        "metric_percentiles": percentiles,
+        "goodput": args.goodput,
+        "num_warmups": args.num_warmups,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "compare": args.compare,
+        "sla": args.sla,
+    })
+}
+
+fn now_rfc3339() -> String {
+    time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
