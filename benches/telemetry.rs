@@ -29,7 +29,7 @@ fn key() -> Arc<KeyRecord> {
 }
 
 fn fill(r: &mut RequestRecord, key: &Arc<KeyRecord>, model: &Arc<str>, backend: &Arc<str>) {
-    let t0 = r.timeline.received;
+    let t0 = r.timeline.received();
     r.key = Some(key.clone());
     r.model = Some(model.clone());
     r.backend = Some(backend.clone());

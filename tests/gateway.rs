@@ -152,14 +152,14 @@ async fn timeline_is_complete_and_ordered() {
     assert_eq!(rec.backend.as_deref(), Some(sim.url().as_str()));
     let t = &rec.timeline;
     let stamps = [
-        Some(t.received),
-        t.body_read,
-        t.admitted,
-        t.upstream_sent,
-        t.upstream_first_byte,
-        t.upstream_first_token,
-        t.client_first_token,
-        t.done,
+        Some(t.received()),
+        t.body_read(),
+        t.admitted(),
+        t.upstream_sent(),
+        t.upstream_first_byte(),
+        t.upstream_first_token(),
+        t.client_first_token(),
+        t.done(),
     ];
     let stamps: Vec<_> = stamps.into_iter().map(|s| s.expect("stamped")).collect();
     for w in stamps.windows(2) {
@@ -167,9 +167,9 @@ async fn timeline_is_complete_and_ordered() {
     }
     assert!(t.upstream_ttft().unwrap() <= t.client_ttft().unwrap());
     assert!(t.overhead_pre().is_some() && t.overhead_relay().is_some());
-    assert_eq!(t.stream.content_events, 9);
-    assert_eq!(t.stream.usage.unwrap().completion_tokens, 8);
-    assert!(t.tpot().is_some() && t.stream.itl_mean().is_some());
+    assert_eq!(t.stream().content_events, 9);
+    assert_eq!(t.stream().usage.unwrap().completion_tokens, 8);
+    assert!(t.tpot().is_some() && t.stream().itl_mean().is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -493,7 +493,7 @@ async fn usage_is_learned_on_every_stream_and_hidden_from_the_client() {
         let rec = gw.record_of(id).await;
         let usage = rec
             .timeline
-            .stream
+            .stream()
             .usage
             .expect("the gateway knows the real counts");
         assert_eq!(usage.completion_tokens, 7);

@@ -273,7 +273,7 @@ async fn queue_serves_prod_before_stress() {
     let p = gw.record_of("q-prod").await;
     let s = gw.record_of("q-stress").await;
     assert!(
-        p.timeline.admitted.unwrap() < s.timeline.admitted.unwrap(),
+        p.timeline.admitted().unwrap() < s.timeline.admitted().unwrap(),
         "prod was admitted after stress"
     );
     // Both waited, and the wait is the Timeline's queue wait, not gateway overhead.

@@ -87,18 +87,18 @@ pub fn streamed_timeline(t0: std::time::Instant) -> fleetgate::telemetry::Timeli
     use std::time::Duration;
     let ms = Duration::from_millis;
     let mut tl = fleetgate::telemetry::Timeline::start(t0);
-    tl.body_read = Some(t0 + Duration::from_micros(5));
-    tl.admitted = tl.body_read;
-    tl.upstream_sent = Some(t0 + Duration::from_micros(10));
-    tl.upstream_first_byte = Some(t0 + ms(1));
-    tl.upstream_first_token = Some(t0 + ms(20));
-    tl.client_first_token = Some(t0 + ms(20));
-    tl.done = Some(t0 + ms(700));
-    tl.stream.first_content = Some(ms(20));
-    tl.stream.last_content = Some(ms(690));
-    tl.stream.last_data = Some(ms(691));
-    tl.stream.content_events = 65;
-    tl.stream.usage = Some(fleetgate::telemetry::Usage {
+    tl.stamp_body_read(t0 + Duration::from_micros(5));
+    tl.stamp_admitted(t0 + Duration::from_micros(5));
+    tl.stamp_upstream_sent(t0 + Duration::from_micros(10));
+    tl.stamp_upstream_first_byte(t0 + ms(1));
+    tl.stamp_whole_answer(t0 + ms(20), t0 + ms(20));
+    tl.stamp_done(t0 + ms(700));
+    let stream = tl.stream_mut();
+    stream.first_content = Some(ms(20));
+    stream.last_content = Some(ms(690));
+    stream.last_data = Some(ms(691));
+    stream.content_events = 65;
+    stream.usage = Some(fleetgate::telemetry::Usage {
         prompt_tokens: 100,
         completion_tokens: 64,
     });

@@ -149,7 +149,7 @@ async fn phases(
     let (parts, body) = req.into_parts();
     let body = body::read(&parts.headers, body, state.max_body_bytes).await?;
     let body_read = Instant::now();
-    ex.record.timeline.body_read = Some(body_read);
+    ex.record.timeline.stamp_body_read(body_read);
 
     let view = view::parse(&body, endpoint)?;
     ex.record.stream = view.stream;
@@ -280,7 +280,7 @@ async fn wait_and_send(
     let body_read = prepared.body_read;
     let slot = match claim {
         Claim::Now(slot) => {
-            ex.record.timeline.admitted = Some(body_read);
+            ex.record.timeline.stamp_admitted(body_read);
             slot
         }
         Claim::Wait(waiting) => {
@@ -292,7 +292,9 @@ async fn wait_and_send(
             let max_wait = state.queue.max_wait[env.index()];
             let queued_at = Instant::now();
             let result = queue::wait(waiting, max_wait, &asker(state, pool, &ex.record)).await;
-            ex.record.timeline.admitted = Some(body_read + queued_at.elapsed());
+            ex.record
+                .timeline
+                .stamp_admitted(body_read + queued_at.elapsed());
             result.map_err(|e| queue_error(e, pool))?
         }
     };
@@ -325,7 +327,7 @@ async fn answer(state: &ProxyState, sent: Sent, mut ex: Exchange) -> Response<Ga
         Sent::Relay(resp, mut relay_parts) => {
             let (head, ()) = resp.into_parts();
             ex.record.status = head.status.as_u16();
-            ex.record.timeline.client_first_byte = Some(Instant::now());
+            ex.record.timeline.stamp_client_first_byte(Instant::now());
             // When the first frame came in the same read as the head, send them together:
             // a few scheduler turns for the upstream connection to hand it over, no waiting.
             let mut first = None;
@@ -347,8 +349,8 @@ async fn answer(state: &ProxyState, sent: Sent, mut ex: Exchange) -> Response<Ga
         Sent::Full(resp) => {
             ex.record.status = resp.status().as_u16();
             let now = Instant::now();
-            ex.record.timeline.client_first_byte = Some(now);
-            ex.record.timeline.done = Some(now);
+            ex.record.timeline.stamp_client_first_byte(now);
+            ex.record.finish(now);
             resp.map(GatewayBody::full)
         }
     }
@@ -362,7 +364,7 @@ fn answer_queued(
     mut ex: Exchange,
 ) -> Response<GatewayBody> {
     ex.record.status = 200;
-    ex.record.timeline.client_first_byte = Some(Instant::now());
+    ex.record.timeline.stamp_client_first_byte(Instant::now());
     let mut resp = Response::new(());
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, TEXT_EVENT_STREAM.clone());
@@ -385,7 +387,7 @@ fn answer_error(err: &ApiError, mut ex: Exchange) -> Response<GatewayBody> {
     if matches!(err, ApiError::Internal) {
         tracing::error!(request_id = ?ex.record.request_id, "internal error while forwarding");
     }
-    ex.record.timeline.done = Some(Instant::now());
+    ex.record.finish(Instant::now());
     let mut resp = error_response(err, &ex.record.request_id);
     if let ApiError::Limited(r) = err {
         r.headers.write(resp.headers_mut());
@@ -459,7 +461,7 @@ async fn continue_queued(
 /// tail is handed over.
 fn queued_error(record: &mut RequestRecord, body: &[u8], kind: ErrorKind) -> Bytes {
     record.error = Some(kind);
-    record.timeline.done = Some(Instant::now());
+    record.finish(Instant::now());
     sse_error_event(body, false)
 }
 

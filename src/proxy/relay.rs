@@ -119,7 +119,7 @@ pin_project! {
 }
 
 impl RelayBody {
-    /// `ex.record.timeline.upstream_sent` must be set.
+    /// `ex.record.timeline.upstream_sent()` must be set.
     pub fn new(
         upstream: Incoming,
         options: RelayOptions,
@@ -134,7 +134,7 @@ impl RelayBody {
             itl,
         } = options;
         let now = Instant::now();
-        let sent_at = ex.record.timeline.upstream_sent.unwrap_or(now);
+        let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
         let mut scanner = SseScanner::new();
         let mut ready = Ready::default();
         if let Some(data) = first {
@@ -155,7 +155,7 @@ impl RelayBody {
                 ready.push(data);
             }
         }
-        let first_token = ex.record.timeline.upstream_first_token.is_some();
+        let first_token = ex.record.timeline.upstream_first_token().is_some();
         if first_token && sse {
             observe_first_token(&slot, &ex.record);
         }
@@ -184,7 +184,7 @@ impl RelayBody {
             self.sent_at,
             self.last_read,
             self.sse,
-            self.ex.record.timeline.upstream_first_token.is_some(),
+            self.ex.record.timeline.upstream_first_token().is_some(),
             &self.timeouts,
         )
     }
@@ -192,7 +192,7 @@ impl RelayBody {
     fn timeout_kind(&self, now: Instant) -> TimeoutKind {
         if now >= self.sent_at + self.timeouts.total {
             TimeoutKind::Total
-        } else if self.sse && self.ex.record.timeline.upstream_first_token.is_none() {
+        } else if self.sse && self.ex.record.timeline.upstream_first_token().is_none() {
             TimeoutKind::FirstToken
         } else {
             TimeoutKind::Idle
@@ -250,25 +250,19 @@ fn scan_frame(
     itl: Option<&prometheus::Histogram>,
 ) -> Option<Bytes> {
     let tl = &mut record.timeline;
-    let at = now.saturating_duration_since(tl.received);
-    let stream = &mut tl.stream;
-    let first_before = stream.first_content.is_some();
+    let at = tl.offset(now);
     let mut cut = None;
     scanner.feed(&data, |line| {
         if strip_usage && is_usage(&line) {
             cut = line.event_span.clone();
         }
-        stream.on_data(line.kind, line.payload, at);
-        if line.kind == DataKind::Content
-            && let (Some(h), Some(gap)) = (itl, stream.last_gap)
+        if let Some(gap) = tl.on_upstream_event(line.kind, line.payload, now, at)
+            && let Some(h) = itl
         {
             h.observe(gap.as_secs_f64());
         }
     });
-    if !first_before && stream.first_content.is_some() {
-        tl.upstream_first_token = Some(now);
-    }
-    if stream.error && record.error.is_none() {
+    if tl.stream().error && record.error.is_none() {
         record.error = Some(ErrorKind::UpstreamStreamError);
     }
     match cut {
@@ -302,7 +296,7 @@ fn without(data: Bytes, cut: std::ops::Range<usize>) -> Option<Bytes> {
 /// Feed the backend's mean TTFT once the first token has been seen.
 fn observe_first_token(slot: &InFlight, record: &RequestRecord) {
     let t = &record.timeline;
-    if let (Some(first), Some(sent)) = (t.upstream_first_token, t.upstream_sent) {
+    if let (Some(first), Some(sent)) = (t.upstream_first_token(), t.upstream_sent()) {
         slot.backend()
             .observe_ttft(first.saturating_duration_since(sent));
     }
@@ -331,13 +325,13 @@ impl Body for RelayBody {
                         }
                         None => tail,
                     };
-                    this.ex.record.timeline.done = Some(Instant::now());
+                    this.ex.record.finish(Instant::now());
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
                 State::Trailers(t) => return Poll::Ready(Some(Ok(Frame::trailers(t)))),
                 State::Relaying => *this.state = State::Relaying,
             }
-            if !this.ready.is_empty() && this.ex.record.timeline.client_first_token.is_none() {
+            if !this.ready.is_empty() && this.ex.record.timeline.client_first_token().is_none() {
                 // A frame read with the head: it goes out with the head.
                 return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
             }
@@ -359,7 +353,7 @@ impl Body for RelayBody {
                         }
                     };
                     if *this.sse {
-                        let had_first = this.ex.record.timeline.upstream_first_token.is_some();
+                        let had_first = this.ex.record.timeline.upstream_first_token().is_some();
                         let scanned = scan_frame(
                             this.scanner,
                             &mut this.ex.record,
@@ -384,7 +378,7 @@ impl Body for RelayBody {
                     let full = !this.ready.push(data);
                     // Up to the first token every frame leaves at once: TTFT is never traded
                     // for fewer writes. After it, frames already read are gathered.
-                    let first_token_unsent = this.ex.record.timeline.client_first_token.is_none();
+                    let first_token_unsent = this.ex.record.timeline.client_first_token().is_none();
                     if full || first_token_unsent {
                         return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
                     }
@@ -394,11 +388,11 @@ impl Body for RelayBody {
                     let now = Instant::now();
                     if *this.sse {
                         let tl = &mut this.ex.record.timeline;
-                        let at = now.saturating_duration_since(tl.received);
-                        let stream = &mut tl.stream;
-                        this.scanner
-                            .finish(|line| stream.on_data(line.kind, line.payload, at));
-                        if !stream.done && !stream.error {
+                        let at = tl.offset(now);
+                        this.scanner.finish(|line| {
+                            tl.on_upstream_event(line.kind, line.payload, now, at);
+                        });
+                        if !tl.stream().done && !tl.stream().error {
                             this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
                             let err = ApiError::UpstreamStreamCut {
                                 backend: this.slot.backend().base.to_string(),
@@ -408,18 +402,20 @@ impl Body for RelayBody {
                             continue;
                         }
                     } else {
-                        this.ex.record.timeline.stream.usage =
-                            crate::telemetry::timeline::usage_in_tail(this.tail);
+                        this.ex
+                            .record
+                            .timeline
+                            .set_usage(crate::telemetry::timeline::usage_in_tail(this.tail));
                     }
                     if this.ready.is_empty() {
-                        this.ex.record.timeline.done = Some(now);
+                        this.ex.record.finish(now);
                         return Poll::Ready(None);
                     }
                     // Deliver what was read; the next poll ends the body.
                     let out = self.as_mut().deliver();
                     let this = self.as_mut().project();
                     *this.state = State::Ended;
-                    this.ex.record.timeline.done = Some(Instant::now());
+                    this.ex.record.finish(Instant::now());
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
                 Poll::Ready(Some(Err(e))) => {
@@ -433,7 +429,7 @@ impl Body for RelayBody {
                         *this.state = State::Closing(err.sse_event(partial));
                         continue;
                     }
-                    this.ex.record.timeline.done = Some(Instant::now());
+                    this.ex.record.finish(Instant::now());
                     return Poll::Ready(Some(Err(std::io::Error::other(err.message()))));
                 }
                 Poll::Pending => {
@@ -476,7 +472,7 @@ impl Body for RelayBody {
                 continue;
             }
             *this.state = State::Ended;
-            this.ex.record.timeline.done = Some(now);
+            this.ex.record.finish(now);
             return Poll::Ready(Some(Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 err.message(),
@@ -502,10 +498,7 @@ impl RelayBody {
         let this = self.project();
         *this.yielded = 0;
         let out = this.ready.take().unwrap_or_default();
-        let tl = &mut this.ex.record.timeline;
-        if tl.client_first_token.is_none() && tl.upstream_first_token.is_some() {
-            tl.client_first_token = Some(Instant::now());
-        }
+        this.ex.record.timeline.stamp_delivered(Instant::now());
         out
     }
 }

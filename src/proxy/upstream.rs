@@ -177,8 +177,7 @@ pub async fn send_with_retries(
         // The failed attempt's stamps are forgotten: the Timeline describes the one that
         // answers.
         ex.record.error = None;
-        ex.record.timeline.upstream_first_token = None;
-        ex.record.timeline.client_first_token = None;
+        ex.record.timeline.forget_attempt();
         ex.record.retries = ex.record.retries.saturating_add(1);
         slot = next;
         attempt += 1;
@@ -217,7 +216,7 @@ async fn send(
 
     // 7. Send; wait for the head within the first-token (and total) limit.
     let sent = Instant::now();
-    ex.record.timeline.upstream_sent = Some(sent);
+    ex.record.timeline.stamp_upstream_sent(sent);
     let t = pool.timeouts;
     let head_deadline = sent + t.first_token.min(t.total);
     let resp = match tokio::time::timeout_at(
@@ -267,7 +266,7 @@ async fn send(
         }
     };
     let head_at = Instant::now();
-    ex.record.timeline.upstream_first_byte = Some(head_at);
+    ex.record.timeline.stamp_upstream_first_byte(head_at);
     backend.mark(Reachability::Up);
     if resp.status().is_server_error() {
         backend.record_failure(
@@ -297,8 +296,9 @@ async fn send(
         if wrapped {
             tracing::debug!(backend = %backend.base, status = head.status.as_u16(), "wrapped a non-OpenAI error body");
         }
-        ex.record.timeline.upstream_first_token = Some(head_at);
-        ex.record.timeline.client_first_token = Some(Instant::now());
+        ex.record
+            .timeline
+            .stamp_whole_answer(head_at, Instant::now());
         return Ok(Sent::Full(resp));
     }
 
@@ -317,9 +317,8 @@ async fn send(
     head.version = Version::HTTP_11;
     if !sse {
         // The whole answer is in this head's body: the first token is the head.
-        ex.record.timeline.upstream_first_token = Some(head_at);
+        ex.record.timeline.stamp_whole_answer(head_at, head_at);
         backend.observe_ttft(head_at.saturating_duration_since(sent));
-        ex.record.timeline.client_first_token = Some(head_at);
     }
     if let Some(v) = server_timing(&ex.record, head_at, sse) {
         head.headers.insert(SERVER_TIMING.clone(), v);
@@ -350,7 +349,7 @@ fn server_timing(record: &RequestRecord, head_at: Instant, sse: bool) -> Option<
         n = put_ms(
             &mut buf,
             n,
-            head_at.saturating_duration_since(t.upstream_sent?),
+            head_at.saturating_duration_since(t.upstream_sent()?),
         );
     }
     HeaderValue::from_bytes(&buf[..n]).ok()

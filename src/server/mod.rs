@@ -109,7 +109,7 @@ pub async fn route(
     let fail = |err: ApiError, mut record: RequestRecord| {
         record.status = err.status().as_u16();
         record.error = Some(err.kind());
-        record.timeline.done = Some(Instant::now());
+        record.finish(Instant::now());
         proxy::error_response(&err, &record.request_id)
     };
     // Everything but the open routes above needs a key.
@@ -139,7 +139,7 @@ pub async fn route(
             resp.headers_mut()
                 .insert(proxy::X_REQUEST_ID.clone(), record.request_id.clone());
             record.status = 200;
-            record.timeline.done = Some(Instant::now());
+            record.finish(Instant::now());
             resp
         }
         (None, "/v1/models") => fail(

@@ -404,7 +404,7 @@ impl RequestMetrics {
         ) {
             b.observe(secs(d));
         }
-        if t.admitted.is_some() {
+        if t.admitted().is_some() {
             s.queue_wait.observe(secs(t.queue_wait()));
         }
         if r.pool_slot.is_some() {
@@ -418,8 +418,8 @@ impl RequestMetrics {
                     s.tpot.observe(secs(d));
                 }
             }
-            let (tokens, source) = t.stream.output_tokens();
-            if let Some(u) = t.stream.usage {
+            let (tokens, source) = t.stream().output_tokens();
+            if let Some(u) = t.stream().usage {
                 s.tokens[0].inc_by(u.prompt_tokens);
             }
             if source != UsageSource::None {

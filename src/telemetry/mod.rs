@@ -139,10 +139,16 @@ impl RequestRecord {
         used_tokens(&self.timeline, self.error, prompt_estimate)
     }
 
+    /// The request ended at `at` (its answer complete, or failed): the one way the request
+    /// path stamps `done`. A second call changes nothing.
+    pub fn finish(&mut self, at: Instant) {
+        self.timeline.stamp_done(at);
+    }
+
     fn record(&mut self) {
-        if self.timeline.done.is_none() {
+        if self.timeline.done().is_none() {
             // Dropped before the response ended: the client went away.
-            self.timeline.done = Some(Instant::now());
+            self.timeline.stamp_done(Instant::now());
             if self.error.is_none() {
                 self.error = Some(ErrorKind::ClientDisconnected);
             }
@@ -156,20 +162,20 @@ impl RequestRecord {
 /// one; nothing when the request never reached a backend or the backend refused it; else the
 /// prompt estimate plus one token per content event (a stream is never counted as zero).
 fn used_tokens(t: &Timeline, error: Option<ErrorKind>, prompt_estimate: u64) -> u64 {
-    if t.upstream_sent.is_none() {
+    if t.upstream_sent().is_none() {
         return 0;
     }
-    if let Some(u) = t.stream.usage {
+    if let Some(u) = t.stream().usage {
         return u.prompt_tokens.saturating_add(u.completion_tokens);
     }
     let refused = matches!(
         error,
         Some(ErrorKind::UpstreamError | ErrorKind::BackendUnreachable)
     );
-    if refused && t.stream.content_events == 0 {
+    if refused && t.stream().content_events == 0 {
         return 0;
     }
-    prompt_estimate.saturating_add(u64::from(t.stream.content_events))
+    prompt_estimate.saturating_add(u64::from(t.stream().content_events))
 }
 
 impl Drop for RequestRecord {
@@ -190,7 +196,7 @@ fn us(d: Option<Duration>) -> f64 {
 /// -1 means "not reached" (e.g. no first token before an error).
 fn emit_event(r: &RequestRecord) {
     let t = &r.timeline;
-    let (tokens, source) = t.stream.output_tokens();
+    let (tokens, source) = t.stream().output_tokens();
     tracing::info!(
         target: "fleetgate::request",
         request_id = r.request_id.to_str().unwrap_or("-"),
@@ -210,10 +216,10 @@ fn emit_event(r: &RequestRecord) {
         overhead_relay_us = us(t.overhead_relay()),
         e2el_ms = ms(t.e2el()),
         tpot_ms = ms(t.tpot()),
-        itl_mean_ms = ms(t.stream.itl_mean()),
-        itl_max_ms = ms(t.stream.itl_max()),
-        content_events = t.stream.content_events,
-        prompt_tokens = t.stream.usage.map_or(0, |u| u.prompt_tokens),
+        itl_mean_ms = ms(t.stream().itl_mean()),
+        itl_max_ms = ms(t.stream().itl_max()),
+        content_events = t.stream().content_events,
+        prompt_tokens = t.stream().usage.map_or(0, |u| u.prompt_tokens),
         completion_tokens = tokens.unwrap_or(0),
         usage_source = source.as_str(),
         "request"

@@ -107,7 +107,7 @@ impl Pending {
     fn into_row(self, prefix: &str) -> LogRow {
         let r = self.record;
         let t = &r.timeline;
-        let (tokens, source) = t.stream.output_tokens();
+        let (tokens, source) = t.stream().output_tokens();
         LogRow {
             row_id: format!("{prefix}-{:x}", self.row_id),
             at: self.at,
@@ -120,22 +120,22 @@ impl Pending {
             error: r.error.map(|e| e.as_str().to_owned()),
             stream: r.stream,
             prompt_tokens: t
-                .stream
+                .stream()
                 .usage
                 .map(|u| i64::try_from(u.prompt_tokens).unwrap_or(i64::MAX)),
             completion_tokens: tokens.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
             usage_source: source.as_str().to_owned(),
-            queue_wait_us: us(t.admitted.map(|_| t.queue_wait())),
+            queue_wait_us: us(t.admitted().map(|_| t.queue_wait())),
             upstream_ttft_us: us(t.upstream_ttft()),
             client_ttft_us: us(t.client_ttft()),
             overhead_pre_us: us(t.overhead_pre()),
             overhead_relay_us: us(t.overhead_relay()),
             e2el_us: us(t.e2el()),
             tpot_us: us(t.tpot()),
-            itl_mean_us: us(t.stream.itl_mean()),
-            itl_p99_us: us(t.stream.itl_p99()),
-            itl_max_us: us(t.stream.itl_max()),
-            content_events: i32::try_from(t.stream.content_events).unwrap_or(i32::MAX),
+            itl_mean_us: us(t.stream().itl_mean()),
+            itl_p99_us: us(t.stream().itl_p99()),
+            itl_max_us: us(t.stream().itl_max()),
+            content_events: i32::try_from(t.stream().content_events).unwrap_or(i32::MAX),
             client_addr: r.client_addr.map(|a| a.ip().to_string()),
         }
     }

@@ -199,28 +199,29 @@ pub fn tpot(ttft: Duration, e2el: Duration, output_tokens: u64) -> Option<Durati
     Some(e2el.saturating_sub(ttft) / steps)
 }
 
-/// The instants of one request through the gateway.
+/// The instants of one request through the gateway. Stamped only through its methods, each
+/// named for the moment it records; the figures below derive from them.
 #[derive(Debug, Clone)]
 pub struct Timeline {
     /// Request head read.
-    pub received: Instant,
-    pub body_read: Option<Instant>,
-    /// Admission granted (queue left); equal to `body_read` while there is no queue.
-    pub admitted: Option<Instant>,
+    received: Instant,
+    body_read: Option<Instant>,
+    /// Admission granted (queue left); equal to `body_read` when the request did not wait.
+    admitted: Option<Instant>,
     /// Request handed to the upstream connection.
-    pub upstream_sent: Option<Instant>,
+    upstream_sent: Option<Instant>,
     /// Upstream response head received.
-    pub upstream_first_byte: Option<Instant>,
-    /// First SSE data event with non-empty `choices` read from upstream (streaming), or
-    /// the response head (non-streaming).
-    pub upstream_first_token: Option<Instant>,
+    upstream_first_byte: Option<Instant>,
+    /// First token event read from upstream (streaming), or the response head
+    /// (non-streaming).
+    upstream_first_token: Option<Instant>,
     /// Response head handed to the client connection.
-    pub client_first_byte: Option<Instant>,
+    client_first_byte: Option<Instant>,
     /// The frame holding the first token handed to the client connection.
-    pub client_first_token: Option<Instant>,
-    pub done: Option<Instant>,
+    client_first_token: Option<Instant>,
+    done: Option<Instant>,
     /// Event figures of the relayed stream, offsets from `received`.
-    pub stream: StreamMetrics,
+    stream: StreamMetrics,
 }
 
 impl Timeline {
@@ -237,6 +238,125 @@ impl Timeline {
             done: None,
             stream: StreamMetrics::default(),
         }
+    }
+
+    pub fn received(&self) -> Instant {
+        self.received
+    }
+    pub fn body_read(&self) -> Option<Instant> {
+        self.body_read
+    }
+    pub fn admitted(&self) -> Option<Instant> {
+        self.admitted
+    }
+    pub fn upstream_sent(&self) -> Option<Instant> {
+        self.upstream_sent
+    }
+    pub fn upstream_first_byte(&self) -> Option<Instant> {
+        self.upstream_first_byte
+    }
+    pub fn upstream_first_token(&self) -> Option<Instant> {
+        self.upstream_first_token
+    }
+    pub fn client_first_byte(&self) -> Option<Instant> {
+        self.client_first_byte
+    }
+    pub fn client_first_token(&self) -> Option<Instant> {
+        self.client_first_token
+    }
+    pub fn done(&self) -> Option<Instant> {
+        self.done
+    }
+    pub fn stream(&self) -> &StreamMetrics {
+        &self.stream
+    }
+
+    pub fn stamp_body_read(&mut self, at: Instant) {
+        self.body_read = Some(at);
+    }
+
+    /// The request has its backend slot (`at` = `body_read` when it did not wait).
+    pub fn stamp_admitted(&mut self, at: Instant) {
+        self.admitted = Some(at);
+    }
+
+    pub fn stamp_upstream_sent(&mut self, at: Instant) {
+        self.upstream_sent = Some(at);
+    }
+
+    pub fn stamp_upstream_first_byte(&mut self, at: Instant) {
+        self.upstream_first_byte = Some(at);
+    }
+
+    /// A non-streamed answer: the head is its first token, upstream at `head_at`, and it
+    /// reaches the client at `client_at`.
+    pub fn stamp_whole_answer(&mut self, head_at: Instant, client_at: Instant) {
+        self.upstream_first_token = Some(head_at);
+        self.client_first_token = Some(client_at);
+    }
+
+    pub fn stamp_client_first_byte(&mut self, at: Instant) {
+        self.client_first_byte = Some(at);
+    }
+
+    /// Frames were handed to the client connection at `at`: the first token's moment when
+    /// they carried it (upstream saw a token and none was handed on before).
+    pub fn stamp_delivered(&mut self, at: Instant) {
+        if self.client_first_token.is_none() && self.upstream_first_token.is_some() {
+            self.client_first_token = Some(at);
+        }
+    }
+
+    /// One SSE data event read from upstream at `now` (`at`: its offset from `received`, the
+    /// same for every event of one read). The first token event stamps the upstream first
+    /// token: the one place it is stamped for streams. Returns the gap before this event when
+    /// it is a token event that follows another (an ITL sample).
+    pub fn on_upstream_event(
+        &mut self,
+        kind: DataKind,
+        payload: &[u8],
+        now: Instant,
+        at: Duration,
+    ) -> Option<Duration> {
+        let before = self.stream.content_events;
+        self.stream.on_data(kind, payload, at);
+        if self.stream.content_events == before {
+            return None;
+        }
+        if self.upstream_first_token.is_none() {
+            self.upstream_first_token = Some(now);
+            return None;
+        }
+        self.stream.last_gap
+    }
+
+    /// Offset of `now` from `received` (event offsets in the stream figures).
+    pub fn offset(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.received)
+    }
+
+    /// The usage object of a non-streamed body.
+    pub fn set_usage(&mut self, usage: Option<Usage>) {
+        self.stream.usage = usage;
+    }
+
+    /// An attempt that failed before the client had a byte is forgotten: the Timeline
+    /// describes the attempt that answers.
+    pub fn forget_attempt(&mut self) {
+        self.upstream_first_token = None;
+        self.client_first_token = None;
+    }
+
+    /// The request ended at `at`; a second end changes nothing.
+    pub fn stamp_done(&mut self, at: Instant) {
+        if self.done.is_none() {
+            self.done = Some(at);
+        }
+    }
+
+    /// Stream figures, for building a Timeline outside the request path (benchmarks, tests).
+    pub fn stream_mut(&mut self) -> &mut StreamMetrics {
+        &mut self.stream
     }
 
     pub fn queue_wait(&self) -> Duration {
