@@ -12,6 +12,7 @@ use serde::Deserialize;
 
 pub use crate::auth::AuthConfig;
 use crate::auth::key::Environment;
+use crate::secret::Secret;
 pub use crate::store::DatabaseConfig;
 pub use crate::telemetry::request_log::RequestLogConfig;
 
@@ -23,31 +24,6 @@ pub struct ConfigError {
     pub file: String,
     pub field: String,
     pub message: String,
-}
-
-/// A string that never prints: upstream API keys and other credentials.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(value: impl Into<String>) -> Self {
-        Self(value.into())
-    }
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("*****")
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("*****")
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]

@@ -10,7 +10,8 @@ use clap::{Args, Subcommand};
 use crate::admin::jwt::{self, Role};
 use crate::auth::key::Environment;
 use crate::auth::{KeyRecord, format_time};
-use crate::config::{Config, DatabaseConfig, Secret};
+use crate::config::{Config, DatabaseConfig};
+use crate::secret::Secret;
 use crate::store::{CreateKey, KeyStore, now_ms};
 
 /// Where the key store is: a config file's `[database]`, or given directly.

@@ -12,6 +12,7 @@ pub mod limits;
 pub mod pool;
 pub mod proxy;
 pub mod queue;
+pub mod secret;
 pub mod server;
 pub mod sim;
 pub mod store;

@@ -18,7 +18,7 @@ use common::*;
 use fleetgate::admin::jwt::{self, Role};
 use fleetgate::auth::key::Environment;
 use fleetgate::client::{self, chat_body};
-use fleetgate::config::Secret;
+use fleetgate::secret::Secret;
 use fleetgate::store::{CreateKey, KeyStore, StoreError};
 use http_body_util::BodyExt;
 

@@ -355,7 +355,7 @@ async fn one_key_cannot_fill_the_queue() {
 fn shared_limits(c: &mut fleetgate::config::Config, url: &str, prefix: &str, replicas: u32) {
     c.limits.shared = SharedLimits::Redis;
     c.limits.redis = Some(fleetgate::config::RedisConfig {
-        url: fleetgate::config::Secret::new(url),
+        url: fleetgate::secret::Secret::new(url),
         timeout: Duration::from_millis(200),
         replicas,
         key_prefix: prefix.to_owned(),

@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use fleetgate::client::chat_body;
-use fleetgate::config::Secret;
+use fleetgate::secret::Secret;
 use sqlx::Row;
 
 async fn rows(store: &fleetgate::store::KeyStore) -> Vec<sqlx::any::AnyRow> {

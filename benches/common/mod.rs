@@ -7,7 +7,7 @@
 
 use fleetgate::auth::KeyRecord;
 use fleetgate::auth::key::Environment;
-use fleetgate::config::Secret;
+use fleetgate::secret::Secret;
 use fleetgate::store::DatabaseConfig;
 use sqlx::Connection;
 

@@ -54,7 +54,7 @@ pub enum StoreError {
 #[derive(Debug, Clone)]
 pub struct DatabaseConfig {
     /// `postgres://...` (TLS via `sslmode=` in the URL), or `None` for SQLite at `sqlite_path`.
-    pub url: Option<crate::config::Secret>,
+    pub url: Option<crate::secret::Secret>,
     pub sqlite_path: PathBuf,
     pub max_connections: u32,
     pub connect_timeout: Duration,

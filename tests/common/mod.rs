@@ -349,7 +349,7 @@ pub async fn stores(
     if let Some(db) = pg_database(test).await {
         out.push((
             fleetgate::store::DatabaseConfig {
-                url: Some(fleetgate::config::Secret::new(db.url.clone())),
+                url: Some(fleetgate::secret::Secret::new(db.url.clone())),
                 ..Default::default()
             },
             Box::new(db),
@@ -480,7 +480,7 @@ pub fn admin_cfg() -> fleetgate::config::AdminConfig {
     fleetgate::config::AdminConfig {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         jwt_key: Some(fleetgate::config::JwtKey::Secret(
-            fleetgate::config::Secret::new(JWT_SECRET),
+            fleetgate::secret::Secret::new(JWT_SECRET),
         )),
         ..fleetgate::config::AdminConfig::default()
     }
