@@ -19,8 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fleetgate::auth::KeyRecord;
-use fleetgate::store::{DatabaseConfig, KeyStore};
-use fleetgate::telemetry::request_log::{self, RequestLogConfig};
+use fleetgate::config::{DatabaseConfig, RequestLogConfig};
+use fleetgate::store::KeyStore;
+use fleetgate::telemetry::request_log;
 use fleetgate::telemetry::{Recorder, RequestRecord};
 use http::HeaderValue;
 

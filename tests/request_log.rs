@@ -159,7 +159,7 @@ async fn rows_written_during_an_outage_are_spilled_and_replayed_exactly_once() {
     .await;
     let spill = gw.db_dir.0.join("request-log.spill");
     // A direct view of the same database, not through the proxy.
-    let direct = fleetgate::store::KeyStore::connect(&fleetgate::store::DatabaseConfig {
+    let direct = fleetgate::store::KeyStore::connect(&fleetgate::config::DatabaseConfig {
         url: Some(Secret::new(db.url.clone())),
         ..Default::default()
     })

@@ -7,8 +7,8 @@
 
 use fleetgate::auth::KeyRecord;
 use fleetgate::auth::key::Environment;
+use fleetgate::config::DatabaseConfig;
 use fleetgate::secret::Secret;
-use fleetgate::store::DatabaseConfig;
 use sqlx::Connection;
 
 /// `--name N` from the command line, or `default`.

@@ -20,9 +20,11 @@ mod tests;
 use std::path::Path;
 
 pub use admin::{AdminConfig, JwtAlgorithm, JwtKey};
+pub use auth::AuthConfig;
 pub use backends::{
     BackendConfig, BackendUrlError, DEFAULT_DNS_INTERVAL, Discover, parse_backend_url,
 };
+pub use database::{DatabaseConfig, DbKind};
 pub use interpolate::{InterpolateError, interpolate_env};
 pub use limits::{EnvLimits, LimitsConfig, RedisConfig, SharedLimits};
 pub use pools::{
@@ -30,12 +32,10 @@ pub use pools::{
     LoadAwareConfig, LongPromptConfig, PoolConfig, RetryConfig, Timeouts, WarmupConfig,
 };
 pub use queue::QueueConfig;
+pub use request_log::RequestLogConfig;
 pub use server::{DEFAULT_MAX_BODY_BYTES, LogFormat, ServerConfig, TlsConfig};
 
-pub use crate::auth::AuthConfig;
 use crate::auth::key::Environment;
-pub use crate::store::DatabaseConfig;
-pub use crate::telemetry::request_log::RequestLogConfig;
 
 /// A configuration problem, reported with the file and the field it concerns. `fleetgate`
 /// exits with code 64 (EX_USAGE) on one of these.

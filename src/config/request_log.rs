@@ -1,10 +1,36 @@
 //! `[request_log]`: the per-request rows written to the store (batching, spill file,
 //! retention).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::raw::RawRequestLog;
-use super::{ConfigError, FileErrors, RequestLogConfig};
+use super::{ConfigError, FileErrors};
+
+/// `[request_log]` settings.
+#[derive(Debug, Clone)]
+pub struct RequestLogConfig {
+    pub enabled: bool,
+    /// Rows waiting for the writer; beyond, rows are dropped (and counted).
+    pub channel_capacity: usize,
+    pub batch_rows: usize,
+    pub flush_interval: Duration,
+    pub spill_path: PathBuf,
+    pub retention_days: u32,
+}
+
+impl Default for RequestLogConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            channel_capacity: 65_536,
+            batch_rows: 1000,
+            flush_interval: Duration::from_millis(200),
+            spill_path: PathBuf::from("fleetgate-request-log.spill"),
+            retention_days: 30,
+        }
+    }
+}
 
 pub(super) fn validate(
     rl: RawRequestLog,

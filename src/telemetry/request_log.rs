@@ -6,7 +6,6 @@
 //! only when the channel is full or the disk is, and each such drop is counted.
 
 use std::io::{BufRead, Write};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -17,32 +16,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::RequestRecord;
-use crate::store::{DbKind, KeyStore, now_ms};
-
-/// `[request_log]` settings.
-#[derive(Debug, Clone)]
-pub struct RequestLogConfig {
-    pub enabled: bool,
-    /// Rows waiting for the writer; beyond, rows are dropped (and counted).
-    pub channel_capacity: usize,
-    pub batch_rows: usize,
-    pub flush_interval: Duration,
-    pub spill_path: PathBuf,
-    pub retention_days: u32,
-}
-
-impl Default for RequestLogConfig {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            channel_capacity: 65_536,
-            batch_rows: 1000,
-            flush_interval: Duration::from_millis(200),
-            spill_path: PathBuf::from("fleetgate-request-log.spill"),
-            retention_days: 30,
-        }
-    }
-}
+use crate::config::{DbKind, RequestLogConfig};
+use crate::store::{KeyStore, now_ms};
 
 /// One row, as stored (and as spilled).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -332,15 +332,15 @@ pub async fn pg_database(test: &str) -> Option<PgTestDb> {
 pub async fn stores(
     test: &str,
 ) -> Vec<(
-    fleetgate::store::DatabaseConfig,
+    fleetgate::config::DatabaseConfig,
     Box<dyn std::any::Any + Send>,
 )> {
     let dir = temp_dir("store");
     let mut out: Vec<(
-        fleetgate::store::DatabaseConfig,
+        fleetgate::config::DatabaseConfig,
         Box<dyn std::any::Any + Send>,
     )> = vec![(
-        fleetgate::store::DatabaseConfig {
+        fleetgate::config::DatabaseConfig {
             sqlite_path: dir.join("keys.db"),
             ..Default::default()
         },
@@ -348,7 +348,7 @@ pub async fn stores(
     )];
     if let Some(db) = pg_database(test).await {
         out.push((
-            fleetgate::store::DatabaseConfig {
+            fleetgate::config::DatabaseConfig {
                 url: Some(fleetgate::secret::Secret::new(db.url.clone())),
                 ..Default::default()
             },
