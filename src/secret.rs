@@ -3,7 +3,8 @@
 
 use std::fmt;
 
-/// A string that never prints: upstream API keys and other credentials.
+/// A string that never prints: upstream API keys and other credentials. Equality compares
+/// the value itself, so a changed credential is noticed even though both print the same.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
 

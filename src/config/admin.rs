@@ -19,7 +19,7 @@ pub enum JwtAlgorithm {
     ES256,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JwtKey {
     /// HS256 shared secret.
     Secret(Secret),
@@ -27,7 +27,7 @@ pub enum JwtKey {
     PublicKeyPem(Vec<u8>),
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdminConfig {
     /// The admin API listener (`None`: no admin listener).
     pub listen: Option<SocketAddr>,

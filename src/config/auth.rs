@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::raw::RawAuth;
 use super::{ConfigError, FileErrors};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuthConfig {
     /// Unknown-key database lookups allowed per second (all clients together).
     pub lookups_per_second: u32,

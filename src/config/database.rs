@@ -23,7 +23,7 @@ impl DbKind {
 }
 
 /// Where the store lives, from `[database]`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DatabaseConfig {
     /// `postgres://...` (TLS via `sslmode=` in the URL), or `None` for SQLite at `sqlite_path`.
     pub url: Option<Secret>,

@@ -36,7 +36,7 @@ pub enum SharedLimits {
     Redis,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
     pub url: Secret,
     /// Longest wait for Redis on the request path before falling back to local limits.
@@ -47,7 +47,7 @@ pub struct RedisConfig {
     pub key_prefix: String,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitsConfig {
     pub shared: SharedLimits,
     pub redis: Option<RedisConfig>,

@@ -79,56 +79,25 @@ pub struct Config {
 
 impl Config {
     /// The sections other than `[[pools]]` that differ in `next` (a reload applies only the
-    /// pools; these need a restart). Secrets print redacted, so a changed secret alone is not
-    /// noticed here.
+    /// pools; these need a restart). Values are compared, secrets included: their printed
+    /// form is redacted, so it cannot tell two credentials apart.
     pub fn restart_needed_for(&self, next: &Config) -> Vec<&'static str> {
-        let mut out = Vec::new();
-        let mut diff = |name: &'static str, a: String, b: String| {
-            if a != b {
-                out.push(name);
-            }
-        };
-        diff(
-            "[server]",
-            format!("{:?}", self.server),
-            format!("{:?}", next.server),
-        );
-        diff(
-            "[database]",
-            format!("{:?}", self.database),
-            format!("{:?}", next.database),
-        );
-        diff(
-            "migrate_on_start",
-            self.migrate_on_start.to_string(),
-            next.migrate_on_start.to_string(),
-        );
-        diff(
-            "[auth]",
-            format!("{:?}", self.auth),
-            format!("{:?}", next.auth),
-        );
-        diff(
-            "[admin]",
-            format!("{:?}", self.admin),
-            format!("{:?}", next.admin),
-        );
-        diff(
-            "[request_log]",
-            format!("{:?}", self.request_log),
-            format!("{:?}", next.request_log),
-        );
-        diff(
-            "[limits]",
-            format!("{:?}", self.limits),
-            format!("{:?}", next.limits),
-        );
-        diff(
-            "[queue]",
-            format!("{:?}", self.queue),
-            format!("{:?}", next.queue),
-        );
-        out
+        [
+            ("[server]", self.server != next.server),
+            ("[database]", self.database != next.database),
+            (
+                "migrate_on_start",
+                self.migrate_on_start != next.migrate_on_start,
+            ),
+            ("[auth]", self.auth != next.auth),
+            ("[admin]", self.admin != next.admin),
+            ("[request_log]", self.request_log != next.request_log),
+            ("[limits]", self.limits != next.limits),
+            ("[queue]", self.queue != next.queue),
+        ]
+        .into_iter()
+        .filter_map(|(section, changed)| changed.then_some(section))
+        .collect()
     }
 
     /// A config with defaults for everything but the pools (tests, the demo).

@@ -7,7 +7,7 @@ use super::raw::RawQueue;
 use super::{ConfigError, Environment, FileErrors};
 
 /// The admission queue in front of each pool's backends.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueConfig {
     /// Requests waiting per pool; beyond it a request is refused at once.
     pub max_size: usize,

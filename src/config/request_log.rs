@@ -8,7 +8,7 @@ use super::raw::RawRequestLog;
 use super::{ConfigError, FileErrors};
 
 /// `[request_log]` settings.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestLogConfig {
     pub enabled: bool,
     /// Rows waiting for the writer; beyond, rows are dropped (and counted).

@@ -19,7 +19,7 @@ pub enum LogFormat {
     Json,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub max_body_bytes: usize,
@@ -37,7 +37,7 @@ pub struct ServerConfig {
     pub watch_config: bool,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsConfig {
     pub cert: PathBuf,
     pub key: PathBuf,

@@ -88,6 +88,25 @@ fn a_reload_names_the_sections_that_need_a_restart() {
 }
 
 #[test]
+fn a_changed_secret_alone_needs_a_restart() {
+    let pool = "[[pools]]\nmodel='m'\nbackends=['http://a:1']\n";
+    let with = |section: &str| parse(&format!("{section}{pool}")).unwrap();
+    let db = |url: &str| with(&format!("[database]\nurl='{url}'\n"));
+    let a = db("postgres://fg:one@db/fleet");
+    let b = db("postgres://fg:two@db/fleet");
+    assert_eq!(format!("{:?}", a.database), format!("{:?}", b.database));
+    assert_eq!(a.restart_needed_for(&b), ["[database]"]);
+    assert!(a.restart_needed_for(&a.clone()).is_empty());
+
+    let jwt = |secret: &str| with(&format!("[admin]\njwt_secret='{secret}'\n"));
+    let a = jwt(&"a".repeat(32));
+    let b = jwt(&"b".repeat(32));
+    assert_eq!(format!("{:?}", a.admin), format!("{:?}", b.admin));
+    assert_eq!(a.restart_needed_for(&b), ["[admin]"]);
+    assert!(a.restart_needed_for(&a.clone()).is_empty());
+}
+
+#[test]
 fn unknown_field_names_its_path() {
     let e =
         parse("[server]\nlisen='x'\n[[pools]]\nmodel='m'\nbackends=['http://a']\n").unwrap_err();
