@@ -18,11 +18,11 @@ mod common;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
-use fleetgate::auth::{AuthConfig, Authenticator};
-use fleetgate::config::{Config, PoolConfig};
+use fleetgate::auth::Authenticator;
+use fleetgate::config::{AuthConfig, Config, DatabaseConfig, PoolConfig};
 use fleetgate::key::{self, Environment};
 use fleetgate::server::Server;
-use fleetgate::store::{CreateKey, DatabaseConfig, KeyStore};
+use fleetgate::store::{CreateKey, KeyStore};
 use fleetgate::telemetry::Recorder;
 use http::{HeaderMap, HeaderValue};
 

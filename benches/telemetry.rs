@@ -18,9 +18,10 @@ use common::{ThrowawayPg, arg};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fleetgate::config::{DatabaseConfig, RequestLogConfig};
 use fleetgate::key::KeyRecord;
-use fleetgate::store::{DatabaseConfig, KeyStore};
-use fleetgate::telemetry::request_log::{self, RequestLogConfig};
+use fleetgate::store::KeyStore;
+use fleetgate::telemetry::request_log;
 use fleetgate::telemetry::{Recorder, RequestRecord};
 use http::HeaderValue;
 

@@ -9,9 +9,10 @@ use clap::{Args, Subcommand};
 
 use crate::admin::jwt::{self, Role};
 use crate::clock::{format_wall_ms, wall_ms};
-use crate::config::{Config, DatabaseConfig, Secret};
+use crate::config::{Config, DatabaseConfig};
 use crate::key::Environment;
 use crate::key::KeyRecord;
+use crate::secret::Secret;
 use crate::store::{CreateKey, KeyStore};
 
 /// Where the key store is: a config file's `[database]`, or given directly.

@@ -271,7 +271,7 @@ async fn served_model_name_rename_and_upstream_key() {
         "{msg}"
     );
 
-    p.upstream_api_key = Some(fleetgate::config::Secret::new("backend-secret"));
+    p.upstream_api_key = Some(fleetgate::secret::Secret::new("backend-secret"));
     let gw = gateway(vec![p]).await;
     // The client's own key is not forwarded: the backend accepts only its key.
     let m = post(

@@ -17,8 +17,8 @@ use bytes::Bytes;
 use common::*;
 use fleetgate::admin::jwt::{self, Role};
 use fleetgate::client::{self, chat_body};
-use fleetgate::config::Secret;
 use fleetgate::key::Environment;
+use fleetgate::secret::Secret;
 use fleetgate::store::{CreateKey, KeyStore, StoreError};
 use http_body_util::BodyExt;
 

@@ -355,7 +355,7 @@ async fn one_key_cannot_fill_the_queue() {
 fn shared_limits(c: &mut fleetgate::config::Config, url: &str, prefix: &str, replicas: u32) {
     c.limits.shared = SharedLimits::Redis;
     c.limits.redis = Some(fleetgate::config::RedisConfig {
-        url: fleetgate::config::Secret::new(url),
+        url: fleetgate::secret::Secret::new(url),
         timeout: Duration::from_millis(200),
         replicas,
         key_prefix: prefix.to_owned(),
@@ -586,4 +586,49 @@ async fn losing_redis_mid_run_falls_back_and_recovers() {
     );
     let m = post(&url, &[("authorization", &auth)], chat(2, false)).await;
     assert_eq!(header(&m, "x-ratelimit-limit-requests"), "100");
+}
+
+#[tokio::test]
+async fn settlements_queued_at_shutdown_still_reach_redis() {
+    let Some(redis) = redis_url("settlements_queued_at_shutdown_still_reach_redis").await else {
+        return;
+    };
+    let prefix = unique_prefix("settle");
+    let cfg = fleetgate::config::RedisConfig {
+        url: fleetgate::secret::Secret::new(redis.clone()),
+        timeout: Duration::from_millis(200),
+        replicas: 1,
+        key_prefix: prefix.clone(),
+    };
+    let tasks = tokio_util::task::TaskTracker::new();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let settle_stop = tokio_util::sync::CancellationToken::new();
+    let shared = fleetgate::limits::shared::Shared::start(
+        &cfg,
+        None,
+        &tasks,
+        stop.clone(),
+        settle_stop.clone(),
+    )
+    .await
+    .unwrap();
+    assert!(shared.is_up());
+    // On this single-threaded runtime the settle task has not run yet when shutdown starts:
+    // the settlement is still queued, and shutdown must wait for it to be sent.
+    shared.settle(7, 1000, -300);
+    stop.cancel();
+    settle_stop.cancel();
+    tasks.close();
+    tokio::time::timeout(Duration::from_secs(10), tasks.wait())
+        .await
+        .expect("the limit tasks end at shutdown");
+    let client = redis::Client::open(redis.as_str()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let level: Option<String> = redis::cmd("HGET")
+        .arg(format!("{{{prefix}}}:k:7:t"))
+        .arg("l")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(level.as_deref(), Some("700.000"), "the settlement was sent");
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use fleetgate::client::chat_body;
-use fleetgate::config::Secret;
+use fleetgate::secret::Secret;
 use sqlx::Row;
 
 async fn rows(store: &fleetgate::store::KeyStore) -> Vec<sqlx::any::AnyRow> {
@@ -156,7 +156,7 @@ async fn rows_written_during_an_outage_are_spilled_and_replayed_exactly_once() {
     .await;
     let spill = gw.db_dir.0.join("request-log.spill");
     // A direct view of the same database, not through the proxy.
-    let direct = fleetgate::store::KeyStore::connect(&fleetgate::store::DatabaseConfig {
+    let direct = fleetgate::store::KeyStore::connect(&fleetgate::config::DatabaseConfig {
         url: Some(Secret::new(db.url.clone())),
         ..Default::default()
     })

@@ -5,10 +5,10 @@
     reason = "benchmark helpers: each binary uses some, and fails loudly"
 )]
 
-use fleetgate::config::Secret;
+use fleetgate::config::DatabaseConfig;
 use fleetgate::key::Environment;
 use fleetgate::key::KeyRecord;
-use fleetgate::store::DatabaseConfig;
+use fleetgate::secret::Secret;
 use sqlx::Connection;
 
 /// `--name N` from the command line, or `default`.

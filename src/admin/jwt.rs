@@ -186,7 +186,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Secret;
+    use crate::secret::Secret;
 
     fn cfg(secret: &str) -> AdminConfig {
         AdminConfig {

@@ -18,6 +18,7 @@ use http::{HeaderMap, StatusCode};
 use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 use crate::clock::{format_wall_ms, wall_ms};
+use crate::config::AuthConfig;
 use crate::key::KeyRecord;
 use crate::key::{self, Environment, KeyFormatError};
 use crate::openai::error::ErrorKind;
@@ -317,29 +318,6 @@ pub enum StoreHealth {
     Unknown = 0,
     Up = 1,
     Down = 2,
-}
-
-#[derive(Debug, Clone)]
-pub struct AuthConfig {
-    /// Unknown-key database lookups allowed per second (all clients together).
-    pub lookups_per_second: u32,
-    /// How long a key found unknown in the database is not looked up again.
-    pub negative_cache: Duration,
-    /// Failed attempts allowed per client address per minute before 429.
-    pub failures_per_minute: u32,
-    /// Full reload of the snapshot at this interval (covers missed notifications).
-    pub resync_interval: Duration,
-}
-
-impl Default for AuthConfig {
-    fn default() -> Self {
-        Self {
-            lookups_per_second: 20,
-            negative_cache: Duration::from_secs(10),
-            failures_per_minute: 30,
-            resync_interval: Duration::from_secs(30),
-        }
-    }
 }
 
 const NEGATIVE_CACHE_CAP: usize = 10_000;

@@ -10,7 +10,8 @@ use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 
 use super::{Authenticator, StoreHealth};
-use crate::store::{DbKind, KEYS_CHANNEL};
+use crate::config::DbKind;
+use crate::store::KEYS_CHANNEL;
 
 /// A cheap single-row read of a local file; short so revocations land well within 1 s.
 const SQLITE_POLL: Duration = Duration::from_millis(250);

@@ -354,15 +354,20 @@ impl Limits {
         Self::build(cfg, None, metrics)
     }
 
-    /// With `limits.shared = "redis"`: connect (or start in fallback and keep trying).
+    /// With `limits.shared = "redis"`: connect (or start in fallback and keep trying). The
+    /// Redis tasks run on `tasks`; see `shared::Shared::start` for `stop` and `settle_stop`.
     pub async fn start(
         cfg: LimitsConfig,
         metrics: Option<LimitMetrics>,
         registry: Option<&prometheus::Registry>,
+        tasks: &tokio_util::task::TaskTracker,
         stop: tokio_util::sync::CancellationToken,
+        settle_stop: tokio_util::sync::CancellationToken,
     ) -> std::io::Result<Arc<Self>> {
         let shared = match (&cfg.shared, &cfg.redis) {
-            (SharedLimits::Redis, Some(r)) => Some(shared::Shared::start(r, registry, stop).await?),
+            (SharedLimits::Redis, Some(r)) => {
+                Some(shared::Shared::start(r, registry, tasks, stop, settle_stop).await?)
+            }
             _ => None,
         };
         Ok(Arc::new(Self::build(cfg, shared, metrics)))

@@ -17,6 +17,7 @@ use prometheus::{IntCounter, IntGauge, Opts, Registry};
 use redis::aio::ConnectionManager;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::KeyQuota;
 use crate::config::RedisConfig;
@@ -210,11 +211,15 @@ fn redacted(url: &str) -> String {
 
 impl Shared {
     /// Connect to Redis. An unreachable Redis is not fatal: the gateway starts on local
-    /// limits (limit/replicas) and keeps trying.
+    /// limits (limit/replicas) and keeps trying. The background tasks run on `tasks`: probing
+    /// ends with `stop`; settling ends with `settle_stop`, which must come once no request
+    /// can settle any more (the workers are done), after sending what is still queued.
     pub async fn start(
         cfg: &RedisConfig,
         registry: Option<&Registry>,
+        tasks: &TaskTracker,
         stop: CancellationToken,
+        settle_stop: CancellationToken,
     ) -> std::io::Result<Self> {
         let client = redis::Client::open(cfg.url.expose()).map_err(|e| {
             std::io::Error::new(
@@ -265,23 +270,23 @@ impl Shared {
         }
         let (settle_tx, settle_rx) = mpsc::channel(65_536);
         let prefix: Arc<str> = Arc::from(format!("{{{}}}", cfg.key_prefix));
-        tokio::spawn(health_loop(
+        tasks.spawn(health_loop(
             client,
             conn.clone(),
             up.clone(),
             metrics.clone(),
             where_,
-            stop.clone(),
-        ));
-        tokio::spawn(settle_loop(
-            settle_rx,
-            conn.clone(),
-            up.clone(),
-            prefix.clone(),
-            metrics.clone(),
-            cfg.timeout.max(Duration::from_millis(500)),
             stop,
         ));
+        let settler = Settler {
+            conn: conn.clone(),
+            up: up.clone(),
+            prefix: prefix.clone(),
+            metrics: metrics.clone(),
+            timeout: cfg.timeout.max(Duration::from_millis(500)),
+            script: redis::Script::new(SETTLE),
+        };
+        tasks.spawn(settle_loop(settle_rx, settler, settle_stop));
         Ok(Self {
             conn,
             up,
@@ -432,55 +437,87 @@ async fn health_loop(
     }
 }
 
-/// Send settlements in pipelined batches.
-async fn settle_loop(
-    mut rx: mpsc::Receiver<Settle>,
+/// Where settlements go: the shared connection while Redis is up.
+struct Settler {
     conn: Arc<ArcSwapOption<ConnectionManager>>,
     up: Arc<AtomicBool>,
     prefix: Arc<str>,
     metrics: Arc<SharedMetrics>,
     timeout: Duration,
-    stop: CancellationToken,
-) {
-    let script = redis::Script::new(SETTLE);
-    let mut batch = Vec::with_capacity(256);
-    loop {
-        let n = tokio::select! {
-            _ = stop.cancelled() => return,
-            n = rx.recv_many(&mut batch, 256) => n,
-        };
-        if n == 0 {
-            return;
+    script: redis::Script,
+}
+
+impl Settler {
+    /// Send one batch in a pipeline and empty it; `false` when it did not land (counted).
+    async fn send(&self, batch: &mut Vec<Settle>) -> bool {
+        let sent = self.try_send(batch).await;
+        if !sent {
+            self.drop_all(batch);
         }
-        let Some(c) = conn.load_full().filter(|_| up.load(Ordering::Acquire)) else {
-            metrics.dropped_settlements.inc_by(batch.len() as u64);
-            batch.clear();
-            continue;
+        batch.clear();
+        sent
+    }
+
+    fn drop_all(&self, batch: &[Settle]) {
+        self.metrics.dropped_settlements.inc_by(batch.len() as u64);
+    }
+
+    async fn try_send(&self, batch: &[Settle]) -> bool {
+        let Some(c) = self
+            .conn
+            .load_full()
+            .filter(|_| self.up.load(Ordering::Acquire))
+        else {
+            return false;
         };
         let mut c = (*c).clone();
+        let prefix = &self.prefix;
         let mut pipe = redis::pipe();
-        for s in &batch {
+        for s in batch {
             pipe.cmd("EVALSHA")
-                .arg(script.get_hash())
+                .arg(self.script.get_hash())
                 .arg(1)
                 .arg(format!("{prefix}:k:{}:t", s.key_id))
                 .arg(s.capacity)
                 .arg(s.delta)
                 .ignore();
         }
-        let mut result = tokio::time::timeout(timeout, pipe.query_async::<()>(&mut c)).await;
+        let mut result = tokio::time::timeout(self.timeout, pipe.query_async::<()>(&mut c)).await;
         if let Ok(Err(e)) = &result
             && e.kind() == redis::ErrorKind::NoScriptError
         {
             // Redis restarted or flushed its scripts: load it and send the batch again.
-            let loaded = script.prepare_invoke().load_async(&mut c).await;
+            let loaded = self.script.prepare_invoke().load_async(&mut c).await;
             if loaded.is_ok() {
-                result = tokio::time::timeout(timeout, pipe.query_async::<()>(&mut c)).await;
+                result = tokio::time::timeout(self.timeout, pipe.query_async::<()>(&mut c)).await;
             }
         }
-        if !matches!(result, Ok(Ok(()))) {
-            metrics.dropped_settlements.inc_by(batch.len() as u64);
+        matches!(result, Ok(Ok(())))
+    }
+}
+
+/// Send settlements in pipelined batches until `stop`, then send what is still queued.
+async fn settle_loop(mut rx: mpsc::Receiver<Settle>, settler: Settler, stop: CancellationToken) {
+    let mut batch = Vec::with_capacity(256);
+    loop {
+        let n = tokio::select! {
+            _ = stop.cancelled() => break,
+            n = rx.recv_many(&mut batch, 256) => n,
+        };
+        if n == 0 {
+            return;
         }
-        batch.clear();
+        settler.send(&mut batch).await;
+    }
+    // Nothing is queued after this (a late settle is counted as dropped), so the drain ends.
+    rx.close();
+    while rx.recv_many(&mut batch, 256).await > 0 {
+        if !settler.send(&mut batch).await {
+            // Redis is not taking them: shutdown does not wait a timeout per batch.
+            while rx.recv_many(&mut batch, 256).await > 0 {
+                settler.drop_all(&batch);
+                batch.clear();
+            }
+        }
     }
 }

@@ -202,8 +202,9 @@ pub struct Server {
     pub fleet: Arc<Fleet>,
     pub limits: Arc<crate::limits::Limits>,
     shutdown: CancellationToken,
-    /// Stops the request-log writer, after the workers are done (their last rows included).
-    log_stop: CancellationToken,
+    /// Stops the background writers (request log, Redis token settlements) once the workers
+    /// are done, so the last rows and settlements are still written.
+    writers_stop: CancellationToken,
     tasks: TaskTracker,
     workers: Vec<tokio::sync::oneshot::Receiver<()>>,
 }
@@ -257,21 +258,23 @@ impl Server {
         fleet.set_metrics(metrics.clone());
         recorder.set_metrics(metrics.clone());
         let shutdown = CancellationToken::new();
+        let writers_stop = CancellationToken::new();
+        let tasks = TaskTracker::new();
         let limits = crate::limits::Limits::start(
             config.limits.clone(),
             Some(crate::limits::LimitMetrics::new(&metrics.rejections)),
             Some(&registry),
+            &tasks,
             shutdown.child_token(),
+            writers_stop.clone(),
         )
         .await?;
-        let log_stop = CancellationToken::new();
-        let tasks = TaskTracker::new();
         if config.request_log.enabled {
             let log = crate::telemetry::request_log::start(
                 auth.store().clone(),
                 config.request_log.clone(),
                 &registry,
-                log_stop.clone(),
+                writers_stop.clone(),
                 &tasks,
             )?;
             recorder.set_request_log(log);
@@ -382,7 +385,7 @@ impl Server {
             fleet,
             limits,
             shutdown,
-            log_stop,
+            writers_stop,
             tasks,
             workers: worker_done,
         })
@@ -399,7 +402,7 @@ impl Server {
         for done in std::mem::take(&mut self.workers) {
             let _ = done.await;
         }
-        self.log_stop.cancel();
+        self.writers_stop.cancel();
         self.tasks.wait().await;
     }
 
@@ -425,7 +428,7 @@ impl Drop for Server {
     /// A server dropped without `shutdown` still stops: its worker threads drain and exit.
     fn drop(&mut self) {
         self.shutdown.cancel();
-        self.log_stop.cancel();
+        self.writers_stop.cancel();
     }
 }
 

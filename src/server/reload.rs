@@ -1,7 +1,7 @@
 //! Reloading `[[pools]]` from the config file without a restart: on SIGHUP, and — with
 //! `server.watch_config` — when the file's content changes (a Kubernetes ConfigMap update).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -12,6 +12,28 @@ use super::Server;
 
 /// How often the watcher reads the file.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
+
+/// What started a reload: logged as its `trigger`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReloadTrigger {
+    Signal,
+    FileChanged,
+}
+
+impl ReloadTrigger {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReloadTrigger::Signal => "SIGHUP",
+            ReloadTrigger::FileChanged => "the config file changed",
+        }
+    }
+}
+
+/// The file's bytes, or `None` when it cannot be read (a ConfigMap mid-update); read off the
+/// event loop.
+async fn read_file(path: &Path) -> Option<Vec<u8>> {
+    tokio::fs::read(path).await.ok()
+}
 
 /// Reload on SIGHUP (and file changes when watching) until `stop`. `running` is the config
 /// the server started with.
@@ -25,7 +47,7 @@ pub async fn run(server: &Server, path: PathBuf, mut running: Config, stop: Canc
         }
     };
     let watch = running.server.watch_config;
-    let mut last = std::fs::read(&path).ok();
+    let mut last = read_file(&path).await;
     loop {
         #[cfg(unix)]
         let signalled = async {
@@ -38,35 +60,48 @@ pub async fn run(server: &Server, path: PathBuf, mut running: Config, stop: Canc
         };
         #[cfg(not(unix))]
         let signalled = std::future::pending::<()>();
-        let why = tokio::select! {
+        let trigger = tokio::select! {
             _ = stop.cancelled() => return,
-            () = signalled => "SIGHUP",
-            () = tokio::time::sleep(WATCH_INTERVAL), if watch => {
-                let now = std::fs::read(&path).ok();
+            () = signalled => ReloadTrigger::Signal,
+            () = tokio::time::sleep(WATCH_INTERVAL), if watch => ReloadTrigger::FileChanged,
+        };
+        match trigger {
+            // What the signal applies is the watcher's new baseline, so it is not applied
+            // a second time as a change.
+            ReloadTrigger::Signal => last = read_file(&path).await,
+            ReloadTrigger::FileChanged => {
+                let now = read_file(&path).await;
                 if now.is_none() || now == last {
                     continue;
                 }
                 last = now;
-                "the config file changed"
             }
-        };
-        if why == "SIGHUP" {
-            last = std::fs::read(&path).ok();
         }
-        if let Some(next) = reload_once(server, &path, &running, why) {
+        if let Some(next) = reload_once(server, &path, &running, trigger).await {
             running = next;
         }
     }
 }
 
 /// Read, check and apply the file once. Returns the new config when it was applied.
-pub fn reload_once(
+pub async fn reload_once(
     server: &Server,
-    path: &std::path::Path,
+    path: &Path,
     running: &Config,
-    why: &str,
+    trigger: ReloadTrigger,
 ) -> Option<Config> {
-    let next = match Config::load(path) {
+    let why = trigger.as_str();
+    // Loading reads the file (and any key or CA file it names): not on the event loop.
+    let owned = path.to_path_buf();
+    let loaded = match tokio::task::spawn_blocking(move || Config::load(&owned)).await {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            server.fleet.count_failed();
+            tracing::error!(trigger = why, error = %e, "reload failed; still serving the previous pools");
+            return None;
+        }
+    };
+    let next = match loaded {
         Ok(c) => c,
         Err(e) => {
             server.fleet.count_failed();

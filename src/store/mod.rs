@@ -4,7 +4,6 @@
 //! PostgreSQL NOTIFY on `fleetgate_keys`, SQLite a change counter that gateways poll.
 //! Nothing here is called on the request path except the bounded lookup of unknown keys.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -12,6 +11,7 @@ use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 
 use crate::clock::wall_ms;
+use crate::config::{DatabaseConfig, DbKind};
 use crate::key::KeyRecord;
 use crate::key::{self, Environment};
 
@@ -21,21 +21,6 @@ pub static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migratio
 
 /// The PostgreSQL channel the key trigger notifies.
 pub const KEYS_CHANNEL: &str = "fleetgate_keys";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DbKind {
-    Postgres,
-    Sqlite,
-}
-
-impl DbKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DbKind::Postgres => "postgres",
-            DbKind::Sqlite => "sqlite",
-        }
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -49,67 +34,6 @@ pub enum StoreError {
     AlreadyRevoked(String),
     #[error("{0}")]
     Invalid(String),
-}
-
-/// Where the store lives, from `[database]`.
-#[derive(Debug, Clone)]
-pub struct DatabaseConfig {
-    /// `postgres://...` (TLS via `sslmode=` in the URL), or `None` for SQLite at `sqlite_path`.
-    pub url: Option<crate::config::Secret>,
-    pub sqlite_path: PathBuf,
-    pub max_connections: u32,
-    pub connect_timeout: Duration,
-}
-
-impl Default for DatabaseConfig {
-    fn default() -> Self {
-        Self {
-            url: None,
-            sqlite_path: PathBuf::from("fleetgate.db"),
-            max_connections: 8,
-            connect_timeout: Duration::from_secs(5),
-        }
-    }
-}
-
-impl DatabaseConfig {
-    pub fn kind(&self) -> DbKind {
-        if self.url.is_some() {
-            DbKind::Postgres
-        } else {
-            DbKind::Sqlite
-        }
-    }
-
-    /// The connection URL (contains credentials: never log it).
-    pub fn connect_url(&self) -> String {
-        match &self.url {
-            Some(u) => u.expose().to_owned(),
-            None => format!("sqlite://{}?mode=rwc", self.sqlite_path.display()),
-        }
-    }
-
-    /// Where the store is, safe to print (no password).
-    pub fn describe(&self) -> String {
-        match &self.url {
-            Some(u) => redact_url(u.expose()),
-            None => format!("sqlite file {}", self.sqlite_path.display()),
-        }
-    }
-}
-
-/// `postgres://user:pass@host/db` → `postgres://user:*****@host/db`.
-pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.split_once(':') {
-                Some((user, _)) => format!("{}{user}:*****{}", &url[..s + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
 }
 
 /// What `keys create` / `POST /admin/keys` ask for.
@@ -572,18 +496,4 @@ async fn audit(
     .execute(&mut **tx)
     .await?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn urls_are_redacted() {
-        assert_eq!(
-            redact_url("postgres://fg:s3cret@db:5432/fleet"),
-            "postgres://fg:*****@db:5432/fleet"
-        );
-        assert_eq!(redact_url("postgres://db/fleet"), "postgres://db/fleet");
-    }
 }

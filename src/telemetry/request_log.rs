@@ -6,7 +6,7 @@
 //! only when the channel is full or the disk is, and each such drop is counted.
 
 use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -18,32 +18,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::RequestRecord;
 use crate::clock::wall_ms;
-use crate::store::{DbKind, KeyStore};
-
-/// `[request_log]` settings.
-#[derive(Debug, Clone)]
-pub struct RequestLogConfig {
-    pub enabled: bool,
-    /// Rows waiting for the writer; beyond, rows are dropped (and counted).
-    pub channel_capacity: usize,
-    pub batch_rows: usize,
-    pub flush_interval: Duration,
-    pub spill_path: PathBuf,
-    pub retention_days: u32,
-}
-
-impl Default for RequestLogConfig {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            channel_capacity: 65_536,
-            batch_rows: 1000,
-            flush_interval: Duration::from_millis(200),
-            spill_path: PathBuf::from("fleetgate-request-log.spill"),
-            retention_days: 30,
-        }
-    }
-}
+use crate::config::{DbKind, RequestLogConfig};
+use crate::store::KeyStore;
 
 /// One row, as stored (and as spilled).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -256,7 +232,10 @@ struct Writer {
 
 impl Writer {
     async fn run(mut self, mut rx: mpsc::Receiver<Pending>, stop: CancellationToken) {
-        self.spill_rows = count_lines(&self.config.spill_path);
+        let path = self.config.spill_path.clone();
+        self.spill_rows = tokio::task::spawn_blocking(move || count_lines(&path))
+            .await
+            .unwrap_or(0);
         self.spilled.set(self.spill_rows as i64);
         let mut batch: Vec<LogRow> = Vec::with_capacity(self.config.batch_rows);
         let mut maintenance = tokio::time::interval(Duration::from_secs(60));
@@ -341,24 +320,26 @@ impl Writer {
                 ),
             }
         }
-        self.spill(batch);
+        self.spill(batch).await;
         batch.clear();
     }
 
-    fn spill(&mut self, batch: &[LogRow]) {
-        let result = (|| -> std::io::Result<()> {
-            let mut f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&self.config.spill_path)?;
-            let mut buf = Vec::with_capacity(batch.len() * 400);
-            for row in batch {
-                serde_json::to_writer(&mut buf, row).map_err(std::io::Error::other)?;
-                buf.push(b'\n');
+    async fn spill(&mut self, batch: &[LogRow]) {
+        let mut buf = Vec::with_capacity(batch.len() * 400);
+        let encoded = batch.iter().try_for_each(|row| {
+            serde_json::to_writer(&mut buf, row)?;
+            buf.push(b'\n');
+            Ok::<(), serde_json::Error>(())
+        });
+        let result = match encoded {
+            Ok(()) => {
+                let path = self.config.spill_path.clone();
+                tokio::task::spawn_blocking(move || append(&path, &buf))
+                    .await
+                    .unwrap_or_else(|e| Err(std::io::Error::other(e)))
             }
-            f.write_all(&buf)?;
-            f.flush()
-        })();
+            Err(e) => Err(std::io::Error::other(e)),
+        };
         match result {
             Ok(()) => {
                 self.spill_rows += batch.len();
@@ -374,17 +355,14 @@ impl Writer {
     /// Send the spill file to the database, in order; remove it when all of it is stored.
     async fn replay(&mut self) {
         let path = self.config.spill_path.clone();
-        let rows: Vec<LogRow> = match std::fs::File::open(&path) {
-            Ok(f) => std::io::BufReader::new(f)
-                .lines()
-                .map_while(Result::ok)
-                .filter_map(|l| serde_json::from_str(&l).ok())
-                .collect(),
-            Err(_) => {
-                self.spill_rows = 0;
-                self.spilled.set(0);
-                return;
-            }
+        let read = {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || read_spill(&path)).await
+        };
+        let Ok(Ok(rows)) = read else {
+            self.spill_rows = 0;
+            self.spilled.set(0);
+            return;
         };
         for chunk in rows.chunks(self.config.batch_rows.max(1)) {
             match tokio::time::timeout(Duration::from_secs(5), insert(&self.store, chunk)).await {
@@ -392,7 +370,7 @@ impl Writer {
                 _ => return, // still down: keep the file, try again later
             }
         }
-        if let Err(e) = std::fs::remove_file(&path) {
+        if let Err(e) = tokio::fs::remove_file(&path).await {
             tracing::warn!(error = %e, "request log: cannot remove the replayed spill file");
         }
         tracing::info!(
@@ -458,7 +436,31 @@ impl Writer {
     }
 }
 
-fn count_lines(path: &std::path::Path) -> usize {
+// The spill file's own I/O is blocking (std::fs): these run on the blocking pool, never on
+// the writer's event loop.
+
+/// Append encoded rows (JSON lines) to the spill file, creating it if needed.
+fn append(path: &Path, buf: &[u8]) -> std::io::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    f.write_all(buf)?;
+    f.flush()
+}
+
+/// The spilled rows, in order; a line that does not parse is skipped, and reading stops at the
+/// first line that cannot be read.
+fn read_spill(path: &Path) -> std::io::Result<Vec<LogRow>> {
+    let f = std::fs::File::open(path)?;
+    Ok(std::io::BufReader::new(f)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .collect())
+}
+
+fn count_lines(path: &Path) -> usize {
     std::fs::File::open(path)
         .map(|f| std::io::BufReader::new(f).lines().count())
         .unwrap_or(0)

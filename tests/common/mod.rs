@@ -332,15 +332,15 @@ pub async fn pg_database(test: &str) -> Option<PgTestDb> {
 pub async fn stores(
     test: &str,
 ) -> Vec<(
-    fleetgate::store::DatabaseConfig,
+    fleetgate::config::DatabaseConfig,
     Box<dyn std::any::Any + Send>,
 )> {
     let dir = temp_dir("store");
     let mut out: Vec<(
-        fleetgate::store::DatabaseConfig,
+        fleetgate::config::DatabaseConfig,
         Box<dyn std::any::Any + Send>,
     )> = vec![(
-        fleetgate::store::DatabaseConfig {
+        fleetgate::config::DatabaseConfig {
             sqlite_path: dir.join("keys.db"),
             ..Default::default()
         },
@@ -348,8 +348,8 @@ pub async fn stores(
     )];
     if let Some(db) = pg_database(test).await {
         out.push((
-            fleetgate::store::DatabaseConfig {
-                url: Some(fleetgate::config::Secret::new(db.url.clone())),
+            fleetgate::config::DatabaseConfig {
+                url: Some(fleetgate::secret::Secret::new(db.url.clone())),
                 ..Default::default()
             },
             Box::new(db),
@@ -480,7 +480,7 @@ pub fn admin_cfg() -> fleetgate::config::AdminConfig {
     fleetgate::config::AdminConfig {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         jwt_key: Some(fleetgate::config::JwtKey::Secret(
-            fleetgate::config::Secret::new(JWT_SECRET),
+            fleetgate::secret::Secret::new(JWT_SECRET),
         )),
         ..fleetgate::config::AdminConfig::default()
     }

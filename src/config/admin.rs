@@ -1,0 +1,106 @@
+//! `[admin]`: the admin API listener and how its JWTs are verified (algorithm, key,
+//! audience, issuer).
+
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+
+use super::raw::RawAdmin;
+use super::{ConfigError, FileErrors};
+use crate::secret::Secret;
+
+/// Signing algorithm accepted for admin JWTs (fixed by config: a token with another `alg` is
+/// rejected).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+pub enum JwtAlgorithm {
+    #[default]
+    HS256,
+    RS256,
+    ES256,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JwtKey {
+    /// HS256 shared secret.
+    Secret(Secret),
+    /// RS256/ES256 public key (PEM), for verifying only.
+    PublicKeyPem(Vec<u8>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminConfig {
+    /// The admin API listener (`None`: no admin listener).
+    pub listen: Option<SocketAddr>,
+    pub jwt_algorithm: JwtAlgorithm,
+    /// `None`: the admin API answers 401 explaining that no JWT key is configured.
+    pub jwt_key: Option<JwtKey>,
+    pub jwt_audience: Option<String>,
+    pub jwt_issuer: Option<String>,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self {
+            listen: Some(SocketAddr::from(([127, 0, 0, 1], 8081))),
+            jwt_algorithm: JwtAlgorithm::HS256,
+            jwt_key: None,
+            jwt_audience: None,
+            jwt_issuer: None,
+        }
+    }
+}
+
+pub(super) fn validate(ad: RawAdmin, err: FileErrors<'_>) -> Result<AdminConfig, ConfigError> {
+    let listen = if ad.listen.trim().is_empty() {
+        None
+    } else {
+        Some(ad.listen.parse::<SocketAddr>().map_err(|_| {
+            err.at(
+                "admin.listen",
+                format!(
+                    "`{}` is not an address:port (\"\" disables the admin listener)",
+                    ad.listen
+                ),
+            )
+        })?)
+    };
+    let secret = ad.jwt_secret.filter(|s| !s.is_empty());
+    let jwt_key = match (ad.jwt_algorithm, secret, ad.jwt_public_key_file) {
+        (JwtAlgorithm::HS256, Some(s), None) => {
+            if s.len() < 32 {
+                return Err(err.at(
+                    "admin.jwt_secret",
+                    "must be at least 32 characters (e.g. `openssl rand -base64 48`)",
+                ));
+            }
+            Some(JwtKey::Secret(Secret::new(s)))
+        }
+        (JwtAlgorithm::HS256, None, None) => None,
+        (JwtAlgorithm::HS256, _, Some(_)) => {
+            return Err(err.at(
+                "admin.jwt_public_key_file",
+                "HS256 uses admin.jwt_secret; set jwt_algorithm = \"RS256\" or \"ES256\" to use a public key",
+            ));
+        }
+        (_, Some(_), _) => {
+            return Err(err.at(
+                "admin.jwt_secret",
+                "RS256/ES256 verify with admin.jwt_public_key_file, not a shared secret",
+            ));
+        }
+        (_, None, Some(path)) => Some(JwtKey::PublicKeyPem(std::fs::read(&path).map_err(|e| {
+            err.at(
+                "admin.jwt_public_key_file",
+                format!("{}: {e}", path.display()),
+            )
+        })?)),
+        (_, None, None) => None,
+    };
+    Ok(AdminConfig {
+        listen,
+        jwt_algorithm: ad.jwt_algorithm,
+        jwt_key,
+        jwt_audience: ad.jwt_audience,
+        jwt_issuer: ad.jwt_issuer,
+    })
+}

@@ -1,0 +1,165 @@
+//! Typed configuration: a raw serde layer that rejects unknown fields and reports the path of
+//! any mistake, then validation into the structs the program uses. Each section's validated
+//! type lives next to its validation; this module holds `Config` and the load/parse entry
+//! points.
+
+mod admin;
+mod auth;
+mod backends;
+mod database;
+mod interpolate;
+mod limits;
+mod pools;
+mod queue;
+mod raw;
+mod request_log;
+mod server;
+#[cfg(test)]
+mod tests;
+
+use std::path::Path;
+
+pub use admin::{AdminConfig, JwtAlgorithm, JwtKey};
+pub use auth::AuthConfig;
+pub use backends::{
+    BackendConfig, BackendUrlError, DEFAULT_DNS_INTERVAL, Discover, parse_backend_url,
+};
+pub use database::{DatabaseConfig, DbKind};
+pub use interpolate::{InterpolateError, interpolate_env};
+pub use limits::{EnvLimits, LimitsConfig, RedisConfig, SharedLimits};
+pub use pools::{
+    AffinityBy, AffinityConfig, DEFAULT_MAX_IN_FLIGHT, EjectionConfig, HealthConfig,
+    LoadAwareConfig, LongPromptConfig, PoolConfig, RetryConfig, Timeouts, WarmupConfig,
+};
+pub use queue::QueueConfig;
+pub use request_log::RequestLogConfig;
+pub use server::{DEFAULT_MAX_BODY_BYTES, LogFormat, ServerConfig, TlsConfig};
+
+use crate::key::Environment;
+
+/// A configuration problem, reported with the file and the field it concerns. `fleetgate`
+/// exits with code 64 (EX_USAGE) on one of these.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {field}: {message}")]
+pub struct ConfigError {
+    pub file: String,
+    pub field: String,
+    pub message: String,
+}
+
+/// Errors of one file: the sections name the field, this adds which file it was.
+#[derive(Clone, Copy)]
+struct FileErrors<'a> {
+    file: &'a str,
+}
+
+impl FileErrors<'_> {
+    fn at(self, field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            file: self.file.to_owned(),
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub pools: Vec<PoolConfig>,
+    pub database: DatabaseConfig,
+    /// Apply pending migrations when `serve` starts.
+    pub migrate_on_start: bool,
+    pub auth: AuthConfig,
+    pub admin: AdminConfig,
+    pub request_log: RequestLogConfig,
+    pub limits: LimitsConfig,
+    pub queue: QueueConfig,
+}
+
+impl Config {
+    /// The sections other than `[[pools]]` that differ in `next` (a reload applies only the
+    /// pools; these need a restart). Values are compared, secrets included: their printed
+    /// form is redacted, so it cannot tell two credentials apart.
+    pub fn restart_needed_for(&self, next: &Config) -> Vec<&'static str> {
+        [
+            ("[server]", self.server != next.server),
+            ("[database]", self.database != next.database),
+            (
+                "migrate_on_start",
+                self.migrate_on_start != next.migrate_on_start,
+            ),
+            ("[auth]", self.auth != next.auth),
+            ("[admin]", self.admin != next.admin),
+            ("[request_log]", self.request_log != next.request_log),
+            ("[limits]", self.limits != next.limits),
+            ("[queue]", self.queue != next.queue),
+        ]
+        .into_iter()
+        .filter_map(|(section, changed)| changed.then_some(section))
+        .collect()
+    }
+
+    /// A config with defaults for everything but the pools (tests, the demo).
+    pub fn with_pools(pools: Vec<PoolConfig>) -> Self {
+        Self {
+            server: ServerConfig::default(),
+            pools,
+            database: DatabaseConfig::default(),
+            migrate_on_start: true,
+            auth: AuthConfig::default(),
+            admin: AdminConfig::default(),
+            request_log: RequestLogConfig::default(),
+            limits: LimitsConfig::default(),
+            queue: QueueConfig::default(),
+        }
+    }
+}
+
+impl Config {
+    /// Read, interpolate, parse and validate a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: file.clone(),
+            field: "-".into(),
+            message: format!("cannot read the file: {e}"),
+        })?;
+        Self::parse(&file, &text, |name| std::env::var(name).ok())
+    }
+
+    /// Parse config text (`file` only names it in errors).
+    pub fn parse(
+        file: &str,
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let err = FileErrors { file };
+        let text = interpolate_env(text, env).map_err(|e| err.at("-", e.to_string()))?;
+        validate(raw::parse(&text, err)?, err)
+    }
+}
+
+/// Section by section; with several mistakes this order decides which one is reported.
+fn validate(raw: raw::RawConfig, err: FileErrors<'_>) -> Result<Config, ConfigError> {
+    let server = server::validate(raw.server, err)?;
+    let pools = pools::validate(raw.pools, err)?;
+    let migrate_on_start = raw.database.migrate_on_start;
+    let database = database::validate(raw.database, err)?;
+    let auth = auth::validate(raw.auth, err)?;
+    let admin = admin::validate(raw.admin, err)?;
+    let request_log = request_log::validate(raw.request_log, err)?;
+    let limits = limits::validate(raw.limits, err)?;
+    let queue = queue::validate(raw.queue, err)?;
+    Ok(Config {
+        server,
+        pools,
+        database,
+        migrate_on_start,
+        auth,
+        admin,
+        request_log,
+        limits,
+        queue,
+    })
+}

@@ -1,0 +1,439 @@
+//! `[[pools]]`: one pool per model name, with its backends, routing and resilience settings
+//! (timeouts, retries, ejection, health probes, warm-up, load-aware balancing, affinity).
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use http::Uri;
+use serde::Deserialize;
+
+use super::backends::{self, BackendConfig};
+use super::raw::{RawPool, RawTimeouts};
+use super::{ConfigError, Environment, FileErrors};
+use crate::secret::Secret;
+
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// The model name clients send.
+    pub model: String,
+    /// The name the backends serve it under, when it differs (the body is rewritten).
+    pub served_model_name: Option<String>,
+    /// Other names clients may send for this model (listed by `/v1/models` too).
+    pub aliases: Vec<String>,
+    pub backends: Vec<BackendConfig>,
+    /// Sent upstream as `Authorization: Bearer ...` instead of the client's credentials.
+    pub upstream_api_key: Option<Secret>,
+    /// Extra CA certificate(s) (PEM) trusted for https backends, beside the webpki roots.
+    pub ca_file: Option<PathBuf>,
+    pub timeouts: Timeouts,
+    /// Environments whose keys may use this pool (`None`: all).
+    pub environments: Option<Vec<Environment>>,
+    /// Requests one backend serves at once (vLLM's `max_num_seqs`); more wait in the
+    /// admission queue. 0: no cap (and no queue). A backend's own `capacity` wins.
+    pub max_in_flight_per_backend: u32,
+    pub retries: RetryConfig,
+    pub ejection: EjectionConfig,
+    /// Requests with at least this many estimated prompt tokens go to another pool.
+    pub long_prompt: Option<LongPromptConfig>,
+    /// Gray keys' requests go to this pool's backends with this label (a canary) while one
+    /// of them can take requests.
+    pub gray_pin_label: Option<String>,
+    pub health: HealthConfig,
+    pub warmup: WarmupConfig,
+    /// Read each backend's own load from its Prometheus `/metrics` (vLLM's
+    /// `num_requests_running` + `num_requests_waiting`) and balance on it too.
+    pub load_aware: Option<LoadAwareConfig>,
+    /// Requests with the same `user` or prompt prefix prefer the same backend.
+    pub affinity: Option<AffinityConfig>,
+}
+
+/// What makes two requests "the same" for backend affinity (prefix-cache reuse).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AffinityBy {
+    /// The OpenAI `user` field.
+    User,
+    /// The first `prefix_bytes` of the prompt (`messages` or `prompt`).
+    Prefix,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct AffinityConfig {
+    pub by: AffinityBy,
+    pub prefix_bytes: usize,
+    /// The preferred backend is used while its load is at most twice the least loaded one's,
+    /// or at most this many requests more.
+    pub slack: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct LoadAwareConfig {
+    pub metrics_path: String,
+    pub interval: Duration,
+}
+
+/// Active health probes of a pool's backends (the interval is `server.health_interval_ms`).
+#[derive(Debug, Clone)]
+pub struct HealthConfig {
+    pub path: String,
+    pub timeout: Duration,
+    /// Consecutive good probes that bring a down backend back.
+    pub healthy_threshold: u32,
+    /// Consecutive failed probes that take a backend down.
+    pub unhealthy_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            path: "/health".into(),
+            timeout: Duration::from_secs(2),
+            healthy_threshold: 1,
+            unhealthy_threshold: 1,
+        }
+    }
+}
+
+/// Warm-up of a backend that is new or comes back from down: `requests` small completions
+/// that must all succeed before it takes traffic, then its share ramps up over `slow_start`.
+#[derive(Debug, Clone)]
+pub struct WarmupConfig {
+    pub requests: u32,
+    pub prompt: String,
+    pub slow_start: Duration,
+}
+
+impl Default for WarmupConfig {
+    fn default() -> Self {
+        Self {
+            requests: 0,
+            prompt: "Hello".into(),
+            slow_start: Duration::ZERO,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct LongPromptConfig {
+    pub min_prompt_tokens: u64,
+    /// The model name of the pool that takes them.
+    pub pool: String,
+}
+
+/// Retries on another backend, before any byte of the answer reached the client.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryConfig {
+    /// Extra attempts per request (0: no retries).
+    pub max_retries: u32,
+    /// Retries allowed as a share of the pool's requests (0.2: at most one retry per five
+    /// requests over time), so a failing fleet is not hit twice as hard.
+    pub budget_ratio: f64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            max_retries: 2,
+            budget_ratio: 0.2,
+        }
+    }
+}
+
+/// Passive ejection of a backend that keeps failing.
+#[derive(Debug, Clone, Copy)]
+pub struct EjectionConfig {
+    /// Consecutive connect errors or 5xx answers that eject a backend (0: never).
+    pub consecutive_failures: u32,
+    /// First ejection; each further one doubles it (with ±20 % jitter), up to `max`.
+    pub base: Duration,
+    pub max: Duration,
+}
+
+impl Default for EjectionConfig {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 3,
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+        }
+    }
+}
+
+pub const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
+
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub connect: Duration,
+    /// From sending the request until the response head (non-streaming) or the first
+    /// token (streaming) arrives.
+    pub first_token: Duration,
+    /// Longest silence between two chunks of a response body.
+    pub idle: Duration,
+    /// Whole request, first byte sent to last byte received.
+    pub total: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(3),
+            first_token: Duration::from_secs(120),
+            idle: Duration::from_secs(60),
+            total: Duration::from_secs(1800),
+        }
+    }
+}
+
+impl PoolConfig {
+    /// A pool with default timeouts and no rename or upstream key.
+    pub fn new(model: impl Into<String>, backends: Vec<Uri>) -> Self {
+        Self {
+            model: model.into(),
+            served_model_name: None,
+            aliases: Vec::new(),
+            backends: backends.into_iter().map(BackendConfig::new).collect(),
+            upstream_api_key: None,
+            ca_file: None,
+            timeouts: Timeouts::default(),
+            environments: None,
+            max_in_flight_per_backend: DEFAULT_MAX_IN_FLIGHT,
+            retries: RetryConfig::default(),
+            ejection: EjectionConfig::default(),
+            long_prompt: None,
+            gray_pin_label: None,
+            health: HealthConfig::default(),
+            warmup: WarmupConfig::default(),
+            load_aware: None,
+            affinity: None,
+        }
+    }
+}
+
+pub(super) fn validate(
+    raw: Vec<RawPool>,
+    err: FileErrors<'_>,
+) -> Result<Vec<PoolConfig>, ConfigError> {
+    if raw.is_empty() {
+        return Err(err.at(
+            "pools",
+            "no pool is configured: add a [[pools]] table with `model` and `backends`",
+        ));
+    }
+    // Model names and aliases together: a client's model name must pick one pool.
+    let mut seen = HashSet::new();
+    let mut pools = Vec::with_capacity(raw.len());
+    for (i, p) in raw.into_iter().enumerate() {
+        pools.push(pool(i, p, &mut seen, err)?);
+    }
+    check_references(&pools, err)?;
+    Ok(pools)
+}
+
+fn pool(
+    i: usize,
+    mut p: RawPool,
+    seen: &mut HashSet<String>,
+    err: FileErrors<'_>,
+) -> Result<PoolConfig, ConfigError> {
+    let at = |f: &str| format!("pools[{i}].{f}");
+    if p.model.trim().is_empty() {
+        return Err(err.at(at("model"), "must not be empty"));
+    }
+    if !seen.insert(p.model.clone()) {
+        return Err(err.at(
+            at("model"),
+            format!("model `{}` is configured twice", p.model),
+        ));
+    }
+    if p.backends.is_empty() {
+        return Err(err.at(
+            at("backends"),
+            "needs at least one backend base URL, e.g. \"http://10.0.0.5:8000\"",
+        ));
+    }
+    let backends = backends::validate(&at("backends"), std::mem::take(&mut p.backends), err)?;
+    for (k, a) in p.aliases.iter().enumerate() {
+        if a.trim().is_empty() {
+            return Err(err.at(at(&format!("aliases[{k}]")), "must not be empty"));
+        }
+        if !seen.insert(a.clone()) {
+            return Err(err.at(
+                at(&format!("aliases[{k}]")),
+                format!("`{a}` already names another pool or alias"),
+            ));
+        }
+    }
+    check_settings(&p, &at, err)?;
+    let timeouts = timeouts(&p.timeouts, &at, err)?;
+    if let Some(envs) = &p.environments
+        && envs.is_empty()
+    {
+        return Err(err.at(
+            at("environments"),
+            "must name at least one of stress, gray, prod (leave it out to allow all)",
+        ));
+    }
+    let load_aware = match p.load_aware {
+        Some(l) if !l.metrics_path.starts_with('/') || l.interval_ms == 0 => {
+            return Err(err.at(
+                at("load_aware"),
+                "metrics_path must start with `/` and interval_ms must be > 0",
+            ));
+        }
+        Some(l) => Some(LoadAwareConfig {
+            metrics_path: l.metrics_path,
+            interval: Duration::from_millis(l.interval_ms),
+        }),
+        None => None,
+    };
+    Ok(PoolConfig {
+        model: p.model,
+        served_model_name: p.served_model_name,
+        aliases: p.aliases,
+        backends,
+        upstream_api_key: p.upstream_api_key.map(Secret::new),
+        ca_file: p.ca_file,
+        timeouts,
+        environments: p.environments,
+        max_in_flight_per_backend: p.max_in_flight_per_backend.unwrap_or(DEFAULT_MAX_IN_FLIGHT),
+        retries: RetryConfig {
+            max_retries: p.retries.max_retries,
+            budget_ratio: p.retries.budget_percent / 100.0,
+        },
+        ejection: EjectionConfig {
+            consecutive_failures: p.ejection.consecutive_failures,
+            base: Duration::from_millis(p.ejection.base_ms),
+            max: Duration::from_millis(p.ejection.max_ms),
+        },
+        long_prompt: p.long_prompt.map(|l| LongPromptConfig {
+            min_prompt_tokens: l.min_prompt_tokens,
+            pool: l.pool,
+        }),
+        gray_pin_label: p.gray_pin_label,
+        health: HealthConfig {
+            path: p.health.path,
+            timeout: Duration::from_millis(p.health.timeout_ms),
+            healthy_threshold: p.health.healthy_threshold,
+            unhealthy_threshold: p.health.unhealthy_threshold,
+        },
+        warmup: WarmupConfig {
+            requests: p.warmup.requests,
+            prompt: p.warmup.prompt.unwrap_or_else(|| "Hello".into()),
+            slow_start: Duration::from_secs_f64(p.warmup.slow_start_seconds),
+        },
+        load_aware,
+        affinity: p.affinity.map(|a| AffinityConfig {
+            by: a.by,
+            prefix_bytes: a.prefix_bytes.max(1),
+            slack: a.slack,
+        }),
+    })
+}
+
+/// The ranges of a pool's retry, health, warm-up and ejection settings, and the files and
+/// names it refers to.
+fn check_settings(
+    p: &RawPool,
+    at: &dyn Fn(&str) -> String,
+    err: FileErrors<'_>,
+) -> Result<(), ConfigError> {
+    if !(p.retries.budget_percent.is_finite() && (0.0..=100.0).contains(&p.retries.budget_percent))
+    {
+        return Err(err.at(at("retries.budget_percent"), "must be between 0 and 100"));
+    }
+    if !p.health.path.starts_with('/') {
+        return Err(err.at(at("health.path"), "must start with `/`"));
+    }
+    if p.health.timeout_ms == 0
+        || p.health.healthy_threshold == 0
+        || p.health.unhealthy_threshold == 0
+    {
+        return Err(err.at(
+            at("health"),
+            "timeout_ms, healthy_threshold and unhealthy_threshold must be > 0",
+        ));
+    }
+    if !(p.warmup.slow_start_seconds.is_finite()
+        && (0.0..=3600.0).contains(&p.warmup.slow_start_seconds))
+    {
+        return Err(err.at(
+            at("warmup.slow_start_seconds"),
+            "must be between 0 and 3600",
+        ));
+    }
+    if p.ejection.base_ms == 0 || p.ejection.max_ms < p.ejection.base_ms {
+        return Err(err.at(at("ejection"), "base_ms must be > 0 and max_ms ≥ base_ms"));
+    }
+    if let Some(name) = &p.served_model_name
+        && name.trim().is_empty()
+    {
+        return Err(err.at(
+            at("served_model_name"),
+            "must not be empty (leave it out to send the model name unchanged)",
+        ));
+    }
+    if let Some(ca) = &p.ca_file
+        && !ca.exists()
+    {
+        return Err(err.at(at("ca_file"), format!("{} does not exist", ca.display())));
+    }
+    Ok(())
+}
+
+fn timeouts(
+    t: &RawTimeouts,
+    at: &dyn Fn(&str) -> String,
+    err: FileErrors<'_>,
+) -> Result<Timeouts, ConfigError> {
+    let d = Timeouts::default();
+    let ms = |v: Option<u64>, dflt: Duration, name: &str| -> Result<Duration, ConfigError> {
+        match v {
+            None => Ok(dflt),
+            Some(0) => Err(err.at(at(&format!("timeouts.{name}")), "must be > 0")),
+            Some(v) => Ok(Duration::from_millis(v)),
+        }
+    };
+    Ok(Timeouts {
+        connect: ms(t.connect_ms, d.connect, "connect_ms")?,
+        first_token: ms(t.first_token_ms, d.first_token, "first_token_ms")?,
+        idle: ms(t.idle_ms, d.idle, "idle_ms")?,
+        total: ms(t.total_ms, d.total, "total_ms")?,
+    })
+}
+
+/// What pools say about each other: a long-prompt pool must exist, a gray pin must name a
+/// label of the pool's own backends.
+fn check_references(pools: &[PoolConfig], err: FileErrors<'_>) -> Result<(), ConfigError> {
+    for (i, p) in pools.iter().enumerate() {
+        if let Some(lp) = &p.long_prompt {
+            if lp.pool == p.model || p.aliases.contains(&lp.pool) {
+                return Err(err.at(
+                    format!("pools[{i}].long_prompt.pool"),
+                    "must name another pool (the one that takes long prompts)",
+                ));
+            }
+            if !pools.iter().any(|o| o.model == lp.pool) {
+                return Err(err.at(
+                    format!("pools[{i}].long_prompt.pool"),
+                    format!("no pool has model `{}`", lp.pool),
+                ));
+            }
+            if lp.min_prompt_tokens == 0 {
+                return Err(err.at(
+                    format!("pools[{i}].long_prompt.min_prompt_tokens"),
+                    "must be > 0",
+                ));
+            }
+        }
+        if let Some(label) = &p.gray_pin_label
+            && !p.backends.iter().any(|b| b.labels.contains(label))
+        {
+            return Err(err.at(
+                format!("pools[{i}].gray_pin_label"),
+                format!("no backend of this pool has the label `{label}`"),
+            ));
+        }
+    }
+    Ok(())
+}

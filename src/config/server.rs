@@ -1,0 +1,99 @@
+//! `[server]`: the client-facing listener, TLS, logging, shutdown and worker settings.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::raw::RawServer;
+use super::{ConfigError, FileErrors};
+
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub max_body_bytes: usize,
+    pub shutdown_grace: Duration,
+    pub tls: Option<TlsConfig>,
+    pub log_format: LogFormat,
+    /// Emit one structured log event per request (target `fleetgate::request`).
+    pub request_log_events: bool,
+    /// How often backends are probed for `/readyz`.
+    pub health_interval: Duration,
+    /// Request-path worker threads, each with its own event loop (0: one per CPU core).
+    pub workers: usize,
+    /// Re-read the config file when its content changes (checked every 2 s) and apply its
+    /// `[[pools]]`, as SIGHUP does.
+    pub watch_config: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            shutdown_grace: Duration::from_secs(30),
+            tls: None,
+            log_format: LogFormat::Text,
+            request_log_events: true,
+            health_interval: Duration::from_secs(5),
+            workers: 0,
+            watch_config: false,
+        }
+    }
+}
+
+pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig, ConfigError> {
+    let listen: SocketAddr = s.listen.parse().map_err(|_| {
+        err.at(
+            "server.listen",
+            format!(
+                "`{}` is not an address:port (for example \"127.0.0.1:8080\" or \"0.0.0.0:8080\")",
+                s.listen
+            ),
+        )
+    })?;
+    if s.max_body_bytes < 1024 {
+        return Err(err.at("server.max_body_bytes", "must be at least 1024"));
+    }
+    if !(s.shutdown_grace_seconds.is_finite() && s.shutdown_grace_seconds >= 0.0) {
+        return Err(err.at(
+            "server.shutdown_grace_seconds",
+            "must be a number of seconds ≥ 0",
+        ));
+    }
+    if s.health_interval_ms == 0 {
+        return Err(err.at("server.health_interval_ms", "must be > 0"));
+    }
+    let tls = s.tls.map(|t| TlsConfig {
+        cert: t.cert,
+        key: t.key,
+    });
+    Ok(ServerConfig {
+        listen,
+        max_body_bytes: usize::try_from(s.max_body_bytes).unwrap_or(usize::MAX),
+        shutdown_grace: Duration::from_secs_f64(s.shutdown_grace_seconds),
+        tls,
+        log_format: s.log_format,
+        request_log_events: s.request_log_events,
+        health_interval: Duration::from_millis(s.health_interval_ms),
+        workers: s.workers,
+        watch_config: s.watch_config,
+    })
+}
