@@ -5,7 +5,7 @@
 //! `data: {"error":...}` event and `data: [DONE]` instead of a silently cut stream.
 
 use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -311,172 +311,27 @@ impl Body for RelayBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         loop {
-            let this = self.as_mut().project();
-            match std::mem::replace(this.state, State::Ended) {
-                State::Ended => return Poll::Ready(None),
-                State::Closing(tail) => {
-                    // Frames read before the failure go first, in the same write.
-                    let out = match this.ready.take() {
-                        Some(held) => {
-                            let mut both = BytesMut::with_capacity(held.len() + tail.len());
-                            both.extend_from_slice(&held);
-                            both.extend_from_slice(&tail);
-                            both.freeze()
-                        }
-                        None => tail,
-                    };
-                    this.ex.record.finish(Instant::now());
-                    return Poll::Ready(Some(Ok(Frame::data(out))));
-                }
-                State::Trailers(t) => return Poll::Ready(Some(Ok(Frame::trailers(t)))),
-                State::Relaying => *this.state = State::Relaying,
+            if let Some(out) = self.as_mut().after_relaying() {
+                return out;
             }
+            let this = self.as_mut().project();
             if !this.ready.is_empty() && this.ex.record.timeline.client_first_token().is_none() {
                 // A frame read with the head: it goes out with the head.
                 return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
             }
-            match this.upstream.poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => {
-                    let now = Instant::now();
-                    *this.last_read = now;
-                    let mut data = match frame.into_data() {
-                        Ok(data) => data,
-                        Err(frame) => {
-                            // Trailers: after whatever was read before them.
-                            if let Ok(t) = frame.into_trailers() {
-                                *this.state = State::Trailers(t);
-                            }
-                            if !this.ready.is_empty() {
-                                return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
-                            }
-                            continue;
-                        }
-                    };
-                    if *this.sse {
-                        let had_first = this.ex.record.timeline.upstream_first_token().is_some();
-                        let scanned = scan_frame(
-                            this.scanner,
-                            &mut this.ex.record,
-                            data,
-                            now,
-                            *this.strip_usage,
-                            this.itl.as_ref(),
-                        );
-                        if !had_first {
-                            observe_first_token(this.slot, &this.ex.record);
-                        }
-                        match scanned {
-                            Some(rest) => data = rest,
-                            None => continue, // only the hidden usage event: nothing to send
-                        }
-                    }
-                    // Something new came in this turn: the upstream connection may have more.
-                    *this.yielded = 0;
-                    if !*this.sse {
-                        this.tail[0] = this.tail[1].replace(data.clone());
-                    }
-                    let full = !this.ready.push(data);
-                    // Up to the first token every frame leaves at once: TTFT is never traded
-                    // for fewer writes. After it, frames already read are gathered.
-                    let first_token_unsent = this.ex.record.timeline.client_first_token().is_none();
-                    if full || first_token_unsent {
-                        return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
-                    }
-                    continue;
-                }
-                Poll::Ready(None) => {
-                    let now = Instant::now();
-                    if *this.sse {
-                        let tl = &mut this.ex.record.timeline;
-                        let at = tl.offset(now);
-                        this.scanner.finish(|line| {
-                            tl.on_upstream_event(line.kind, line.payload, now, at);
-                        });
-                        if !tl.stream().done && !tl.stream().error {
-                            this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
-                            let err = ApiError::UpstreamStreamCut {
-                                backend: this.slot.backend().base.to_string(),
-                            };
-                            *this.state =
-                                State::Closing(err.sse_event(this.scanner.has_partial_line()));
-                            continue;
-                        }
-                    } else {
-                        this.ex
-                            .record
-                            .timeline
-                            .set_usage(crate::telemetry::timeline::usage_in_tail(this.tail));
-                    }
-                    if this.ready.is_empty() {
-                        this.ex.record.finish(now);
-                        return Poll::Ready(None);
-                    }
-                    // Deliver what was read; the next poll ends the body.
-                    let out = self.as_mut().deliver();
-                    let this = self.as_mut().project();
-                    *this.state = State::Ended;
-                    this.ex.record.finish(Instant::now());
-                    return Poll::Ready(Some(Ok(Frame::data(out))));
-                }
-                Poll::Ready(Some(Err(e))) => {
-                    this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
-                    let err = ApiError::UpstreamStreamFailed {
-                        backend: this.slot.backend().base.to_string(),
-                        detail: e.to_string(),
-                    };
-                    if *this.sse {
-                        let partial = this.scanner.has_partial_line();
-                        *this.state = State::Closing(err.sse_event(partial));
-                        continue;
-                    }
-                    this.ex.record.finish(Instant::now());
-                    return Poll::Ready(Some(Err(std::io::Error::other(err.message()))));
-                }
-                Poll::Pending => {
-                    if !this.ready.is_empty() {
-                        // Nothing more right now. Give the upstream connection a few scheduler
-                        // turns to hand over frames it has already read (they then leave in
-                        // this same write); if they bring nothing, write what we have. No
-                        // syscall and no timer: nothing is ever held waiting for bytes that
-                        // have not arrived.
-                        if *this.yielded < GATHER_TURNS {
-                            *this.yielded += 1;
-                            cx.waker().wake_by_ref();
-                            return Poll::Pending;
-                        }
-                        return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
-                    }
-                }
-            }
-            // Upstream has nothing now: is a timeout due?
-            ready!(self.as_mut().project().timer.poll(cx));
-            let deadline = self.deadline();
-            let now = Instant::now();
-            if now < deadline {
-                // Data arrived since the timer was armed: re-arm lazily (no reset per chunk).
-                self.as_mut().project().timer.reset(deadline.into());
-                continue;
-            }
-            let kind = self.timeout_kind(now);
-            let limit = self.limit_of(kind);
-            let this = self.as_mut().project();
-            this.ex.record.error = Some(ErrorKind::UpstreamTimeout);
-            let err = ApiError::UpstreamTimeout {
-                backend: this.slot.backend().base.to_string(),
-                kind,
-                after_ms: limit.as_millis(),
+            let step = match this.upstream.poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => self.as_mut().on_frame(frame),
+                Poll::Ready(None) => self.as_mut().on_end(),
+                Poll::Ready(Some(Err(e))) => self.as_mut().on_error(&e),
+                Poll::Pending => match self.as_mut().on_pending(cx) {
+                    Some(out) => Some(out),
+                    // Upstream has nothing now: is a timeout due?
+                    None => self.as_mut().on_quiet(cx),
+                },
             };
-            if *this.sse {
-                let partial = this.scanner.has_partial_line();
-                *this.state = State::Closing(err.sse_event(partial));
-                continue;
+            if let Some(out) = step {
+                return out;
             }
-            *this.state = State::Ended;
-            this.ex.record.finish(now);
-            return Poll::Ready(Some(Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                err.message(),
-            ))));
         }
     }
 
@@ -492,7 +347,196 @@ impl Body for RelayBody {
     }
 }
 
+/// What `poll_frame` returns; a step that gives `None` lets the loop go on.
+type Out = Poll<Option<Result<Frame<Bytes>, std::io::Error>>>;
+
 impl RelayBody {
+    /// The states past relaying: the error event still to send, trailers, the end. `None`
+    /// while relaying.
+    fn after_relaying(self: Pin<&mut Self>) -> Option<Out> {
+        let this = self.project();
+        match std::mem::replace(this.state, State::Ended) {
+            State::Ended => Some(Poll::Ready(None)),
+            State::Closing(tail) => {
+                // Frames read before the failure go first, in the same write.
+                let out = match this.ready.take() {
+                    Some(held) => {
+                        let mut both = BytesMut::with_capacity(held.len() + tail.len());
+                        both.extend_from_slice(&held);
+                        both.extend_from_slice(&tail);
+                        both.freeze()
+                    }
+                    None => tail,
+                };
+                this.ex.record.finish(Instant::now());
+                Some(Poll::Ready(Some(Ok(Frame::data(out)))))
+            }
+            State::Trailers(t) => Some(Poll::Ready(Some(Ok(Frame::trailers(t))))),
+            State::Relaying => {
+                *this.state = State::Relaying;
+                None
+            }
+        }
+    }
+
+    /// A frame from upstream: scanned (SSE), gathered, and handed on at once up to the first
+    /// token; after it, frames already read are gathered into one write.
+    fn on_frame(mut self: Pin<&mut Self>, frame: Frame<Bytes>) -> Option<Out> {
+        let this = self.as_mut().project();
+        let now = Instant::now();
+        *this.last_read = now;
+        let mut data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                // Trailers: after whatever was read before them.
+                if let Ok(t) = frame.into_trailers() {
+                    *this.state = State::Trailers(t);
+                }
+                if !this.ready.is_empty() {
+                    return Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))));
+                }
+                return None;
+            }
+        };
+        if *this.sse {
+            let had_first = this.ex.record.timeline.upstream_first_token().is_some();
+            let scanned = scan_frame(
+                this.scanner,
+                &mut this.ex.record,
+                data,
+                now,
+                *this.strip_usage,
+                this.itl.as_ref(),
+            );
+            if !had_first {
+                observe_first_token(this.slot, &this.ex.record);
+            }
+            match scanned {
+                Some(rest) => data = rest,
+                None => return None, // only the hidden usage event: nothing to send
+            }
+        }
+        // Something new came in this turn: the upstream connection may have more.
+        *this.yielded = 0;
+        if !*this.sse {
+            this.tail[0] = this.tail[1].replace(data.clone());
+        }
+        let full = !this.ready.push(data);
+        // Up to the first token every frame leaves at once: TTFT is never traded for fewer
+        // writes. After it, frames already read are gathered.
+        let first_token_unsent = this.ex.record.timeline.client_first_token().is_none();
+        if full || first_token_unsent {
+            return Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))));
+        }
+        None
+    }
+
+    /// Upstream's body ended: a stream without `[DONE]` is cut (an error event says so);
+    /// a non-streamed body gives up its usage; what was gathered goes out.
+    fn on_end(mut self: Pin<&mut Self>) -> Option<Out> {
+        let this = self.as_mut().project();
+        let now = Instant::now();
+        if *this.sse {
+            let tl = &mut this.ex.record.timeline;
+            let at = tl.offset(now);
+            this.scanner.finish(|line| {
+                tl.on_upstream_event(line.kind, line.payload, now, at);
+            });
+            if !tl.stream().done && !tl.stream().error {
+                this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
+                let err = ApiError::UpstreamStreamCut {
+                    backend: this.slot.backend().base.to_string(),
+                };
+                *this.state = State::Closing(err.sse_event(this.scanner.has_partial_line()));
+                return None;
+            }
+        } else {
+            this.ex
+                .record
+                .timeline
+                .set_usage(crate::telemetry::timeline::usage_in_tail(this.tail));
+        }
+        if this.ready.is_empty() {
+            this.ex.record.finish(now);
+            return Some(Poll::Ready(None));
+        }
+        // Deliver what was read; the next poll ends the body.
+        let out = self.as_mut().deliver();
+        let this = self.project();
+        *this.state = State::Ended;
+        this.ex.record.finish(Instant::now());
+        Some(Poll::Ready(Some(Ok(Frame::data(out)))))
+    }
+
+    /// Upstream failed after the head: an error event for a stream, an I/O error otherwise.
+    fn on_error(self: Pin<&mut Self>, e: &hyper::Error) -> Option<Out> {
+        let this = self.project();
+        this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
+        let err = ApiError::UpstreamStreamFailed {
+            backend: this.slot.backend().base.to_string(),
+            detail: e.to_string(),
+        };
+        if *this.sse {
+            let partial = this.scanner.has_partial_line();
+            *this.state = State::Closing(err.sse_event(partial));
+            return None;
+        }
+        this.ex.record.finish(Instant::now());
+        Some(Poll::Ready(Some(Err(std::io::Error::other(err.message())))))
+    }
+
+    /// Nothing more right now. With frames gathered, give the upstream connection a few
+    /// scheduler turns to hand over frames it has already read (they then leave in this same
+    /// write); if they bring nothing, write what we have. No syscall and no timer: nothing is
+    /// ever held waiting for bytes that have not arrived. `None`: nothing gathered.
+    fn on_pending(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<Out> {
+        let this = self.as_mut().project();
+        if this.ready.is_empty() {
+            return None;
+        }
+        if *this.yielded < GATHER_TURNS {
+            *this.yielded += 1;
+            cx.waker().wake_by_ref();
+            return Some(Poll::Pending);
+        }
+        Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))))
+    }
+
+    /// Upstream is quiet: pending until the current timeout; when it fires, an error event
+    /// for a stream, a timed-out I/O error otherwise.
+    fn on_quiet(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<Out> {
+        if self.as_mut().project().timer.poll(cx).is_pending() {
+            return Some(Poll::Pending);
+        }
+        let deadline = self.deadline();
+        let now = Instant::now();
+        if now < deadline {
+            // Data arrived since the timer was armed: re-arm lazily (no reset per chunk).
+            self.as_mut().project().timer.reset(deadline.into());
+            return None;
+        }
+        let kind = self.timeout_kind(now);
+        let limit = self.limit_of(kind);
+        let this = self.project();
+        this.ex.record.error = Some(ErrorKind::UpstreamTimeout);
+        let err = ApiError::UpstreamTimeout {
+            backend: this.slot.backend().base.to_string(),
+            kind,
+            after_ms: limit.as_millis(),
+        };
+        if *this.sse {
+            let partial = this.scanner.has_partial_line();
+            *this.state = State::Closing(err.sse_event(partial));
+            return None;
+        }
+        *this.state = State::Ended;
+        this.ex.record.finish(now);
+        Some(Poll::Ready(Some(Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            err.message(),
+        )))))
+    }
+
     /// Hand the gathered frames to the client connection, stamping the first token.
     fn deliver(self: Pin<&mut Self>) -> Bytes {
         let this = self.project();
