@@ -236,74 +236,7 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use base64::Engine;
     use http::HeaderValue;
-
-    /// The shared fixture streams give the figures they state, through the bench's timer.
-    #[test]
-    fn reproduces_the_shared_fixture_figures() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/timed-streams.json"
-        );
-        let doc: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let streams = doc["streams"].as_array().unwrap();
-        assert!(streams.len() >= 6);
-        for s in streams {
-            let name = s["name"].as_str().unwrap();
-            let expect = &s["expect"];
-            let mut timer = StreamTimer::new();
-            let mut end = Duration::ZERO;
-            for r in s["reads"].as_array().unwrap() {
-                end = Duration::from_millis(r["t_ms"].as_u64().unwrap());
-                let bytes = base64::engine::general_purpose::STANDARD
-                    .decode(r["b64"].as_str().unwrap())
-                    .unwrap();
-                timer.feed(&bytes, end);
-            }
-            let o = timer.finish(end, None, 0);
-            let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-            assert_eq!(
-                !o.ok(),
-                expect["failed"].as_bool().unwrap(),
-                "{name}: {o:?}"
-            );
-            if o.ok() {
-                assert_eq!(
-                    ms(o.ttft.unwrap()),
-                    expect["ttft_ms"].as_f64().unwrap(),
-                    "{name}"
-                );
-            }
-            let want: Vec<f32> = expect["itl_ms"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_f64().unwrap() as f32)
-                .collect();
-            assert_eq!(o.itls_ms, want, "{name}: itl");
-            if !o.ok() {
-                assert!(
-                    o.error.as_deref().unwrap().contains("error event"),
-                    "{name}"
-                );
-                continue;
-            }
-            assert_eq!(
-                ms(o.e2el.unwrap()),
-                expect["e2el_ms"].as_f64().unwrap(),
-                "{name}"
-            );
-            assert_eq!(
-                o.output_tokens,
-                expect["output_tokens"].as_u64().unwrap(),
-                "{name}"
-            );
-            assert!(o.usage_reported);
-            assert_eq!(o.tpot().map(ms), expect["tpot_ms"].as_f64(), "{name}: tpot");
-        }
-    }
 
     #[test]
     fn reads_the_gateway_time_from_server_timing() {
