@@ -87,7 +87,7 @@ fn main() {
                 let t = Instant::now();
                 for _ in 0..BATCH {
                     let mut adm = limits.admit(key, demand).await.expect("admitted");
-                    let slot = pool.shared.try_acquire().expect("a slot");
+                    let slot = pool.balancer.try_acquire().expect("a slot");
                     adm.set_used(300);
                     std::hint::black_box(&slot);
                     drop(slot);
@@ -106,7 +106,7 @@ fn main() {
         for _ in 0..iterations / BATCH {
             let t = Instant::now();
             for _ in 0..BATCH {
-                let slot = pool.shared.try_acquire().expect("a slot");
+                let slot = pool.balancer.try_acquire().expect("a slot");
                 std::hint::black_box(&slot);
             }
             per.push(t.elapsed().as_secs_f64() * 1e9 / BATCH as f64);
@@ -128,12 +128,12 @@ fn main() {
             .collect();
         let big = Pools::new(&[cfg], &QueueConfig::default()).unwrap();
         let big = big.get("big").unwrap();
-        let held: Vec<_> = (0..28).filter_map(|_| big.shared.try_acquire()).collect();
+        let held: Vec<_> = (0..28).filter_map(|_| big.balancer.try_acquire()).collect();
         let mut per = Vec::with_capacity(iterations / BATCH);
         for _ in 0..iterations / BATCH {
             let t = Instant::now();
             for _ in 0..BATCH {
-                let slot = big.shared.try_acquire().expect("a slot");
+                let slot = big.balancer.try_acquire().expect("a slot");
                 std::hint::black_box(&slot);
             }
             per.push(t.elapsed().as_secs_f64() * 1e9 / BATCH as f64);

@@ -45,9 +45,10 @@ impl RetryBudget {
 }
 
 /// What all workers' copies of a pool share: the backends (in-flight counts, reachability,
-/// ejection), the admission queue in front of them and the retry budget.
+/// ejection), the admission queue in front of them and the retry budget. It picks the backend
+/// for each request.
 #[derive(Debug)]
-pub struct PoolShared {
+pub struct Balancer {
     pub backends: Vec<Arc<Backend>>,
     /// Shared by every generation of the pool (a reload keeps the waiters).
     pub queue: Arc<AdmissionQueue<InFlight>>,
@@ -79,7 +80,7 @@ pub fn bit(i: usize) -> u64 {
     if i < 64 { 1 << i } else { 0 }
 }
 
-impl PoolShared {
+impl Balancer {
     /// Weights and labels are read from `cfg` (a backend kept by a reload takes them over only
     /// once the whole new configuration is built).
     pub(super) fn new(
@@ -174,7 +175,7 @@ impl PoolShared {
                 .is_ok()
             {
                 return Some(InFlight {
-                    pool: self.clone(),
+                    balancer: self.clone(),
                     index: i,
                 });
             }
@@ -222,7 +223,7 @@ impl PoolShared {
                     .is_ok()
             {
                 return Some(InFlight {
-                    pool: self.clone(),
+                    balancer: self.clone(),
                     index: i,
                 });
             }
@@ -300,7 +301,7 @@ impl PoolShared {
     }
 }
 
-impl Slots for PoolShared {
+impl Slots for Balancer {
     type Slot = InFlight;
 
     fn queue(&self) -> &AdmissionQueue<InFlight> {
@@ -312,7 +313,7 @@ impl Slots for PoolShared {
     }
 
     fn any_usable(&self) -> bool {
-        PoolShared::any_usable(self)
+        Balancer::any_usable(self)
     }
 }
 
@@ -320,18 +321,18 @@ impl Slots for PoolShared {
 /// handed straight to the next waiting request if there is one.
 #[derive(Debug)]
 pub struct InFlight {
-    pool: Arc<PoolShared>,
+    balancer: Arc<Balancer>,
     index: usize,
 }
 
 impl InFlight {
     pub fn backend(&self) -> &Arc<Backend> {
-        &self.pool.backends[self.index]
+        &self.balancer.backends[self.index]
     }
 
-    /// The pool generation the slot was taken from.
-    pub fn shared(&self) -> &Arc<PoolShared> {
-        &self.pool
+    /// The balancer of the pool generation the slot was taken from.
+    pub fn balancer(&self) -> &Arc<Balancer> {
+        &self.balancer
     }
 
     /// The backend's position in the pool generation the slot was taken from (the bit a retry
@@ -343,10 +344,10 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.pool.backends[self.index]
+        self.balancer.backends[self.index]
             .in_flight
             .fetch_sub(1, Ordering::SeqCst);
-        self.pool.dispatch();
+        self.balancer.dispatch();
     }
 }
 
@@ -359,16 +360,16 @@ mod tests {
     #[test]
     fn affinity_prefers_one_backend_until_it_is_overloaded() {
         let pools = Pools::new(&[pool_cfg(3)], &QueueConfig::default()).unwrap();
-        let shared = &pools.get("m").unwrap().shared;
+        let balancer = &pools.get("m").unwrap().balancer;
         let key = fnv1a(b"\"alice\"");
-        let first = shared.try_acquire_affine(key, 0, 2).unwrap();
+        let first = balancer.try_acquire_affine(key, 0, 2).unwrap();
         let preferred = first.position();
-        let second = shared.try_acquire_affine(key, 0, 2).unwrap();
+        let second = balancer.try_acquire_affine(key, 0, 2).unwrap();
         assert_eq!(second.position(), preferred, "same key, same backend");
         // Two in flight there, none elsewhere: 2 ≤ max(2 × 0, 0 + 2) still; a third is too many.
-        let third = shared.try_acquire_affine(key, 0, 2).unwrap();
+        let third = balancer.try_acquire_affine(key, 0, 2).unwrap();
         assert_eq!(third.position(), preferred);
-        let fourth = shared.try_acquire_affine(key, 0, 2).unwrap();
+        let fourth = balancer.try_acquire_affine(key, 0, 2).unwrap();
         assert_ne!(
             fourth.position(),
             preferred,
@@ -378,7 +379,7 @@ mod tests {
         drop((first, second, third, fourth));
         let mut used = std::collections::HashSet::new();
         for u in 0..64u32 {
-            let s = shared
+            let s = balancer
                 .try_acquire_affine(fnv1a(&u.to_le_bytes()), 0, 2)
                 .unwrap();
             used.insert(s.position());
@@ -393,10 +394,10 @@ mod tests {
             b.weight = w;
         }
         let pools = Pools::new(&[cfg], &QueueConfig::default()).unwrap();
-        let shared = &pools.get("m").unwrap().shared;
+        let balancer = &pools.get("m").unwrap().balancer;
         let mut firsts = [0u32; 3];
         for _ in 0..10_000 {
-            let (a, b) = shared.draw_two();
+            let (a, b) = balancer.draw_two();
             assert_ne!(a, b);
             firsts[a] += 1;
         }

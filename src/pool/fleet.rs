@@ -395,7 +395,7 @@ impl Fleet {
         }
         // Waiters may fit on the new backends now.
         for p in next.iter() {
-            p.shared.dispatch();
+            p.balancer.dispatch();
         }
         self.changed.send_replace(inner.generation);
         Ok(summary)

@@ -109,7 +109,7 @@ async fn probe(pool: &Pool, backend: &Backend) {
     }
     backend.mark(Reachability::Up);
     // Waiting requests may be served by a backend that came back.
-    pool.shared.dispatch();
+    pool.balancer.dispatch();
 }
 
 /// Read a backend's own load from its Prometheus text: vLLM's running + waiting requests and

@@ -27,7 +27,7 @@ use crate::config::{PoolConfig, QueueConfig, Timeouts};
 use crate::queue::AdmissionQueue;
 
 pub use backend::{Backend, BackendState, Reachability};
-pub use balance::{InFlight, PoolShared, RetryBudget, bit, fnv1a, mix64};
+pub use balance::{Balancer, InFlight, RetryBudget, bit, fnv1a, mix64};
 pub use health::vllm_load;
 pub use upstream_client::UpstreamClient;
 
@@ -50,7 +50,7 @@ pub struct Pool {
     pub upstream_auth: Option<HeaderValue>,
     pub timeouts: Timeouts,
     pub backends: Vec<Arc<Backend>>,
-    pub shared: Arc<PoolShared>,
+    pub balancer: Arc<Balancer>,
     pub client: UpstreamClient,
     /// Environments whose keys may use this pool (`None`: all).
     pub environments: Option<Vec<crate::key::Environment>>,
@@ -91,10 +91,10 @@ impl Pool {
         let served = cfg.served_model_name.as_deref().unwrap_or(&cfg.model);
         let served_json = Bytes::from(serde_json::to_vec(served).map_err(io::Error::other)?);
         let queue = match prev {
-            Some(p) => p.shared.queue.clone(),
+            Some(p) => p.balancer.queue.clone(),
             None => Arc::new(AdmissionQueue::new(queue.max_size, queue.max_per_key)),
         };
-        let shared = Arc::new(PoolShared::new(backends.clone(), queue, cfg));
+        let balancer = Arc::new(Balancer::new(backends.clone(), queue, cfg));
         let client = client_for(cfg, prev)?;
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
@@ -106,7 +106,7 @@ impl Pool {
             upstream_auth,
             timeouts: cfg.timeouts,
             backends,
-            shared,
+            balancer,
             client,
             environments: cfg.environments.clone(),
             long_prompt: None,
@@ -122,7 +122,7 @@ impl Pool {
     /// A slot on the least loaded backend with room, without queueing. `None` when every
     /// backend is down or full.
     pub fn acquire(&self) -> Option<InFlight> {
-        self.shared.try_acquire()
+        self.balancer.try_acquire()
     }
 }
 
@@ -265,7 +265,7 @@ impl Pools {
                     upstream_auth: p.upstream_auth.clone(),
                     timeouts: p.timeouts,
                     backends: p.backends.clone(),
-                    shared: p.shared.clone(),
+                    balancer: p.balancer.clone(),
                     client,
                     environments: p.environments.clone(),
                     long_prompt: p.long_prompt,

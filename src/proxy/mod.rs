@@ -35,7 +35,7 @@ use crate::limits::Admission;
 use crate::openai::Endpoint;
 use crate::openai::error::{ErrorKind, sse_error_event};
 use crate::openai::view;
-use crate::pool::{Pool, PoolShared, Pools};
+use crate::pool::{Balancer, Pool, Pools};
 use crate::queue::{self, Asker, Claim, QueueError, QueuedBody, Waiting};
 use crate::route::{self, Route, RouteError};
 use crate::telemetry::RequestRecord;
@@ -253,16 +253,16 @@ fn claim(
     state: &ProxyState,
     route: &Route<'_>,
     record: &RequestRecord,
-) -> Result<Claim<PoolShared>, ApiError> {
+) -> Result<Claim<Balancer>, ApiError> {
     let pool = route.pool;
     let affinity = route
         .affinity
         .zip(pool.affinity)
         .map(|(key, a)| (key, a.slack));
-    let shared = &pool.shared;
+    let balancer = &pool.balancer;
     queue::claim(
-        shared,
-        || shared.try_acquire_routed(route.avoid, affinity),
+        balancer,
+        || balancer.try_acquire_routed(route.avoid, affinity),
         &asker(state, pool, record),
     )
     .map_err(|e| queue_error(e, pool))
@@ -273,7 +273,7 @@ fn claim(
 async fn wait_and_send(
     state: &ProxyState,
     pool: &Pool,
-    claim: Claim<PoolShared>,
+    claim: Claim<Balancer>,
     prepared: Prepared,
     ex: &mut Exchange,
 ) -> Result<Sent, ApiError> {
@@ -315,7 +315,7 @@ enum Forwarded {
 /// A stream that waits: its request, its place, and the pools it was routed in.
 struct Queued {
     prepared: Prepared,
-    waiting: Waiting<PoolShared>,
+    waiting: Waiting<Balancer>,
     pools: Arc<Pools>,
 }
 

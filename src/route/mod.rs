@@ -69,7 +69,7 @@ pub fn resolve<'p>(
     }
     let pool = long_prompt_pool(pool, pools, key, prompt_tokens(view.prompt_chars));
     let avoid = match key {
-        Some(k) if k.environment == Environment::Gray => pool.shared.gray_exclude,
+        Some(k) if k.environment == Environment::Gray => pool.balancer.gray_exclude,
         _ => 0,
     };
     let rename = (*view.model != *pool.served_name).then_some(&*pool.served_json);

@@ -319,7 +319,7 @@ impl RequestMetrics {
                 model: p.model.to_string(),
                 envs,
             }));
-            p.shared
+            p.balancer
                 .queue
                 .set_depth_gauge(self.families.queue_depth.with_label_values(&[&*p.model]));
         }
