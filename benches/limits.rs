@@ -21,7 +21,7 @@ use std::time::Instant;
 use fleetgate::config::{BackendConfig, EnvLimits, LimitsConfig, PoolConfig, QueueConfig};
 use fleetgate::key::Environment;
 use fleetgate::limits::{Demand, Limits};
-use fleetgate::pool::Pools;
+use fleetgate::pool::Generation;
 
 use common::{arg, key_record};
 
@@ -47,7 +47,7 @@ fn main() {
             ..EnvLimits::default()
         };
         let limits = Arc::new(Limits::new(cfg, None));
-        let pools = Pools::new(
+        let pools = Generation::new(
             &[PoolConfig::new(
                 "m",
                 vec![
@@ -126,7 +126,7 @@ fn main() {
                 ..BackendConfig::new(format!("http://127.0.0.1:{}", 20 + i).parse().unwrap())
             })
             .collect();
-        let big = Pools::new(&[cfg], &QueueConfig::default()).unwrap();
+        let big = Generation::new(&[cfg], &QueueConfig::default()).unwrap();
         let big = big.get("big").unwrap();
         let held: Vec<_> = (0..28).filter_map(|_| big.balancer.try_acquire()).collect();
         let mut per = Vec::with_capacity(iterations / BATCH);

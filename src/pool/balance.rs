@@ -355,11 +355,11 @@ impl Drop for InFlight {
 mod tests {
     use super::*;
     use crate::config::QueueConfig;
-    use crate::pool::{Pools, pool_cfg};
+    use crate::pool::{Generation, pool_cfg};
 
     #[test]
     fn affinity_prefers_one_backend_until_it_is_overloaded() {
-        let pools = Pools::new(&[pool_cfg(3)], &QueueConfig::default()).unwrap();
+        let pools = Generation::new(&[pool_cfg(3)], &QueueConfig::default()).unwrap();
         let balancer = &pools.get("m").unwrap().balancer;
         let key = fnv1a(b"\"alice\"");
         let first = balancer.try_acquire_affine(key, 0, 2).unwrap();
@@ -393,7 +393,7 @@ mod tests {
         for (b, w) in cfg.backends.iter_mut().zip([1, 2, 7]) {
             b.weight = w;
         }
-        let pools = Pools::new(&[cfg], &QueueConfig::default()).unwrap();
+        let pools = Generation::new(&[cfg], &QueueConfig::default()).unwrap();
         let balancer = &pools.get("m").unwrap().balancer;
         let mut firsts = [0u32; 3];
         for _ in 0..10_000 {

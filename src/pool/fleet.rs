@@ -1,7 +1,7 @@
 //! Live membership: the pools as configured now, swapped without a restart.
 //!
-//! A `Fleet` holds the current generation of `Pools` (the one the probes, the load scrapes
-//! and the admin API use) and every worker's own copy of it. A reload (SIGHUP, the config
+//! A `Fleet` holds the current `Generation` of pools (the one the probes, the load scrapes and
+//! the admin API use) and every worker's own copy of it. A reload (SIGHUP, the config
 //! file watcher, or a DNS answer that changed) builds the next generation beside the current
 //! one and swaps it in everywhere at once:
 //!
@@ -30,10 +30,10 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{BackendConfig, Discover, PoolConfig, QueueConfig};
 use crate::telemetry::metrics::RequestMetrics;
 
-use super::Pools;
+use super::Generation;
 
 /// One worker's view: the pools its requests use.
-pub type PoolsView = Arc<ArcSwap<Pools>>;
+pub type PoolsView = Arc<ArcSwap<Generation>>;
 
 /// Answers a DNS discovery lookup: the addresses of `host` (`port` for resolvers that want it).
 pub type Resolver = Arc<
@@ -111,7 +111,7 @@ struct FleetMetrics {
 }
 
 pub struct Fleet {
-    current: ArcSwap<Pools>,
+    current: ArcSwap<Generation>,
     views: Mutex<Vec<PoolsView>>,
     inner: Mutex<Inner>,
     queue: QueueConfig,
@@ -228,7 +228,7 @@ impl Fleet {
             }
         }
         let expanded = expand(&configured, &discovered).map_err(std::io::Error::other)?;
-        let pools = Pools::new(&expanded, &queue)?;
+        let pools = Generation::new(&expanded, &queue)?;
         let counters = match registry {
             Some(r) => Some(FleetMetrics::register(r).map_err(std::io::Error::other)?),
             None => None,
@@ -253,7 +253,7 @@ impl Fleet {
     }
 
     /// The pools now (probes, admin API, metrics).
-    pub fn current(&self) -> Arc<Pools> {
+    pub fn current(&self) -> Arc<Generation> {
         self.current.load_full()
     }
 
@@ -334,7 +334,8 @@ impl Fleet {
     ) -> Result<ReloadSummary, String> {
         let expanded = expand(configured, discovered)?;
         let old = self.current.load_full();
-        let next = Pools::build(&expanded, &self.queue, Some(&old)).map_err(|e| e.to_string())?;
+        let next =
+            Generation::build(&expanded, &self.queue, Some(&old)).map_err(|e| e.to_string())?;
         // Every worker's copy first (their own clients, kept where the settings allow), so a
         // failure leaves everything as it was.
         let views = lock(&self.views);
@@ -494,7 +495,7 @@ impl Fleet {
         }
     }
 
-    /// Scrape the load-aware pools' backends (see `Pools::load_loop`), restarted on each
+    /// Scrape the load-aware pools' backends (see `Generation::load_loop`), restarted on each
     /// change, until `stop`.
     pub async fn load_loop(self: Arc<Self>, stop: CancellationToken) {
         let mut changed = self.subscribe();

@@ -10,9 +10,9 @@ use http_body_util::{BodyExt, Full};
 use tokio_util::sync::CancellationToken;
 
 use super::backend::{Backend, Reachability};
-use super::{Pool, Pools};
+use super::{Generation, Pool};
 
-impl Pools {
+impl Generation {
     /// Scrape every load-aware pool's backends' `/metrics` on the pool's interval until
     /// `stop`.
     pub async fn load_loop(&self, stop: CancellationToken) {

@@ -4,7 +4,7 @@
 //! probe for `/readyz`, weights, warm-up, ejection, load-aware balancing and affinity. Live
 //! membership (reloads, DNS discovery) is in `fleet`.
 //!
-//! Here: `Pool` (one model's pool as a worker holds it) and `Pools` (all pools of one
+//! Here: `Pool` (one model's pool as a worker holds it) and `Generation` (all pools of one
 //! configuration). A backend's own state is in `backend`, choosing among backends in
 //! `balance`, the upstream client in `upstream_client`, probes, warm-up and load scrapes in
 //! `health`.
@@ -143,9 +143,10 @@ fn models_list_body<'a>(pools: impl Iterator<Item = &'a Pool>) -> Bytes {
     )
 }
 
-/// All pools, by the model name clients send.
+/// All pools of one configuration generation, by the model name clients send. A reload
+/// builds the next generation beside this one (see `fleet`).
 #[derive(Debug)]
-pub struct Pools {
+pub struct Generation {
     pools: Vec<Pool>,
     /// The next pool metrics slot to hand out.
     next_slot: usize,
@@ -156,7 +157,7 @@ pub struct Pools {
     pub models_body: Bytes,
 }
 
-impl Pools {
+impl Generation {
     pub fn new(cfgs: &[PoolConfig], queue: &QueueConfig) -> io::Result<Self> {
         Self::build(cfgs, queue, None)
     }
@@ -168,7 +169,7 @@ impl Pools {
     pub fn build(
         cfgs: &[PoolConfig],
         queue: &QueueConfig,
-        prev: Option<&Pools>,
+        prev: Option<&Generation>,
     ) -> io::Result<Self> {
         let mut next_slot = prev.map_or(0, |p| p.next_slot);
         let mut pools = Vec::with_capacity(cfgs.len());
@@ -249,7 +250,7 @@ impl Pools {
     /// always runs on the thread that relays its body. With `prev` (the worker's pools before a
     /// reload), a pool's client is kept while its TLS and connect settings are unchanged, so
     /// open keep-alive connections stay in use.
-    pub fn fork(&self, prev: Option<&Pools>) -> io::Result<Self> {
+    pub fn fork(&self, prev: Option<&Generation>) -> io::Result<Self> {
         let pools = self
             .pools
             .iter()
@@ -284,7 +285,7 @@ impl Pools {
     }
 
     /// Backends of `prev` that these pools no longer hold.
-    pub fn retired_since<'a>(&self, prev: &'a Pools) -> Vec<(&'a Pool, &'a Arc<Backend>)> {
+    pub fn retired_since<'a>(&self, prev: &'a Generation) -> Vec<(&'a Pool, &'a Arc<Backend>)> {
         prev.iter()
             .flat_map(|p| p.backends.iter().map(move |b| (p, b)))
             .filter(|(_, b)| {

@@ -35,7 +35,7 @@ use crate::limits::Admission;
 use crate::openai::Endpoint;
 use crate::openai::error::{ErrorKind, sse_error_event};
 use crate::openai::view;
-use crate::pool::{Balancer, Pool, Pools};
+use crate::pool::{Balancer, Generation, Pool};
 use crate::queue::{self, Asker, Claim, QueueError, QueuedBody, Waiting};
 use crate::route::{self, Route, RouteError};
 use crate::telemetry::RequestRecord;
@@ -177,7 +177,7 @@ async fn phases(
             return Ok(Forwarded::Queued(Queued {
                 prepared,
                 waiting,
-                pools: pools.clone(),
+                generation: pools.clone(),
             }));
         }
         let sent = wait_and_send(state, route.pool, Claim::Wait(waiting), prepared, ex).await?;
@@ -194,7 +194,7 @@ fn route_phase<'p>(
     view: &view::RequestView<'_>,
     body: &[u8],
     endpoint: Endpoint,
-    pools: &'p Pools,
+    pools: &'p Generation,
     record: &mut RequestRecord,
 ) -> Result<Route<'p>, ApiError> {
     let key = record.key.as_deref();
@@ -312,11 +312,11 @@ enum Forwarded {
     Queued(Queued),
 }
 
-/// A stream that waits: its request, its place, and the pools it was routed in.
+/// A stream that waits: its request, its place, and the generation it was routed in.
 struct Queued {
     prepared: Prepared,
     waiting: Waiting<Balancer>,
-    pools: Arc<Pools>,
+    generation: Arc<Generation>,
 }
 
 /// Phase 7: the head goes out, the body is relayed.
@@ -432,9 +432,9 @@ async fn continue_queued(
     let Queued {
         prepared,
         waiting,
-        pools,
+        generation,
     } = queued;
-    let result = match pools.at(prepared.pool) {
+    let result = match generation.at(prepared.pool) {
         Some(pool) => wait_and_send(&state, pool, Claim::Wait(waiting), prepared, &mut ex).await,
         None => Err(ApiError::Internal),
     };

@@ -11,7 +11,7 @@ use crate::config::AffinityBy;
 use crate::key::{Environment, KeyRecord};
 use crate::openai::Endpoint;
 use crate::openai::view::RequestView;
-use crate::pool::{Pool, Pools, fnv1a};
+use crate::pool::{Generation, Pool, fnv1a};
 
 /// Where a request goes.
 #[derive(Debug)]
@@ -49,7 +49,7 @@ pub fn resolve<'p>(
     body: &[u8],
     endpoint: Endpoint,
     key: Option<&KeyRecord>,
-    pools: &'p Pools,
+    pools: &'p Generation,
     prompt_tokens: impl Fn(usize) -> u64,
 ) -> Result<Route<'p>, RouteError> {
     let pool = pools
@@ -105,7 +105,7 @@ fn check_rights(key: &KeyRecord, pool: &Pool) -> Result<(), AuthFailure> {
 /// hold up short ones.
 fn long_prompt_pool<'p>(
     pool: &'p Pool,
-    pools: &'p Pools,
+    pools: &'p Generation,
     key: Option<&KeyRecord>,
     prompt_tokens: u64,
 ) -> &'p Pool {

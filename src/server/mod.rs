@@ -32,7 +32,7 @@ use crate::admin::AdminState;
 use crate::auth::Authenticator;
 use crate::config::Config;
 use crate::openai::Endpoint;
-use crate::pool::Pools;
+use crate::pool::Generation;
 use crate::pool::fleet::{Fleet, ReloadSummary};
 use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
@@ -49,7 +49,7 @@ pub struct AppState {
 
 impl AppState {
     /// This worker's pools as they are now.
-    pub fn pools(&self) -> Arc<Pools> {
+    pub fn pools(&self) -> Arc<Generation> {
         self.proxy.pools.load_full()
     }
 
@@ -404,7 +404,7 @@ impl Server {
     }
 
     /// The pools as they are now.
-    pub fn pools(&self) -> Arc<Pools> {
+    pub fn pools(&self) -> Arc<Generation> {
         self.fleet.current()
     }
 
