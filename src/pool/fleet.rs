@@ -32,8 +32,9 @@ use crate::telemetry::metrics::RequestMetrics;
 
 use super::Generation;
 
-/// One worker's view: the pools its requests use.
-pub type PoolsView = Arc<ArcSwap<Generation>>;
+/// A worker's swappable handle on the current generation: the pools its requests use, swapped
+/// by each reload.
+pub type CurrentGeneration = Arc<ArcSwap<Generation>>;
 
 /// Answers a DNS discovery lookup: the addresses of `host` (`port` for resolvers that want it).
 pub type Resolver = Arc<
@@ -112,7 +113,8 @@ struct FleetMetrics {
 
 pub struct Fleet {
     current: ArcSwap<Generation>,
-    views: Mutex<Vec<PoolsView>>,
+    /// Every worker's own copy (its own upstream clients), swapped by each reload.
+    workers: Mutex<Vec<CurrentGeneration>>,
     inner: Mutex<Inner>,
     queue: QueueConfig,
     metrics: Mutex<Option<Arc<RequestMetrics>>>,
@@ -238,7 +240,7 @@ impl Fleet {
         }
         Ok(Fleet {
             current: ArcSwap::from_pointee(pools),
-            views: Mutex::new(Vec::new()),
+            workers: Mutex::new(Vec::new()),
             inner: Mutex::new(Inner {
                 configured,
                 discovered,
@@ -257,11 +259,12 @@ impl Fleet {
         self.current.load_full()
     }
 
-    /// A new worker view (its own upstream clients), kept current by every reload.
-    pub fn view(&self) -> std::io::Result<PoolsView> {
-        let view = Arc::new(ArcSwap::from_pointee(self.current.load().fork(None)?));
-        lock(&self.views).push(view.clone());
-        Ok(view)
+    /// A new worker's current generation (its own upstream clients), kept current by every
+    /// reload.
+    pub fn for_worker(&self) -> std::io::Result<CurrentGeneration> {
+        let current = Arc::new(ArcSwap::from_pointee(self.current.load().fork(None)?));
+        lock(&self.workers).push(current.clone());
+        Ok(current)
     }
 
     /// Answer the following discovery rounds with `resolver` instead of the system's.
@@ -338,10 +341,10 @@ impl Fleet {
             Generation::build(&expanded, &self.queue, Some(&old)).map_err(|e| e.to_string())?;
         // Every worker's copy first (their own clients, kept where the settings allow), so a
         // failure leaves everything as it was.
-        let views = lock(&self.views);
-        let forks = views
+        let workers = lock(&self.workers);
+        let forks = workers
             .iter()
-            .map(|v| next.fork(Some(&v.load())))
+            .map(|w| next.fork(Some(&w.load())))
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| e.to_string())?;
         let mut summary = ReloadSummary::default();
@@ -382,10 +385,10 @@ impl Fleet {
         if let Some(m) = &*lock(&self.metrics) {
             m.relayout(&next, &removed_labels);
         }
-        for (view, fork) in views.iter().zip(forks) {
-            view.store(Arc::new(fork));
+        for (worker, fork) in workers.iter().zip(forks) {
+            worker.store(Arc::new(fork));
         }
-        drop(views);
+        drop(workers);
         let next = Arc::new(next);
         self.current.store(next.clone());
         inner.generation += 1;

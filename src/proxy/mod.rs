@@ -47,7 +47,7 @@ use upstream::{Prepared, RelayParts, Sent};
 #[derive(Debug)]
 pub struct ProxyState {
     /// This worker's pools, swapped by a reload (`pool::fleet`).
-    pub pools: crate::pool::fleet::PoolsView,
+    pub generation: crate::pool::fleet::CurrentGeneration,
     pub max_body_bytes: usize,
     pub recorder: Arc<crate::telemetry::Recorder>,
     pub auth: Arc<crate::auth::Authenticator>,
@@ -156,7 +156,7 @@ async fn phases(
 
     // In the pools as they are now: a reload swaps them for the requests that follow; this
     // one keeps these to its end.
-    let pools = state.pools.load_full();
+    let pools = state.generation.load_full();
     let route = route_phase(state, &view, &body, endpoint, &pools, &mut ex.record)?;
 
     ex.admission = admit(state, &view, &ex.record).await?;

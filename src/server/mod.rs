@@ -50,7 +50,7 @@ pub struct AppState {
 impl AppState {
     /// This worker's pools as they are now.
     pub fn pools(&self) -> Arc<Generation> {
-        self.proxy.pools.load_full()
+        self.proxy.generation.load_full()
     }
 
     pub fn auth(&self) -> &Arc<Authenticator> {
@@ -336,7 +336,7 @@ impl Server {
         for i in 0..workers {
             let state = Arc::new(AppState {
                 proxy: Arc::new(ProxyState {
-                    pools: fleet.view()?,
+                    generation: fleet.for_worker()?,
                     max_body_bytes: config.server.max_body_bytes,
                     recorder: recorder.clone(),
                     auth: auth.clone(),
