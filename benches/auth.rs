@@ -105,7 +105,7 @@ async fn key_check(n_keys: usize, iterations: usize) {
 fn record_cost(iterations: usize) {
     use fleetgate::telemetry::metrics::RequestMetrics;
     use fleetgate::telemetry::{Recorder, RequestRecord};
-    let pools = fleetgate::pool::Pools::new(
+    let pools = fleetgate::pool::Generation::new(
         &[PoolConfig::new(
             "m",
             vec!["http://127.0.0.1:9".parse().unwrap()],

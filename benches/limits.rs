@@ -21,7 +21,7 @@ use std::time::Instant;
 use fleetgate::config::{BackendConfig, EnvLimits, LimitsConfig, PoolConfig, QueueConfig};
 use fleetgate::key::Environment;
 use fleetgate::limits::{Demand, Limits};
-use fleetgate::pool::Pools;
+use fleetgate::pool::Generation;
 
 use common::{arg, key_record};
 
@@ -47,7 +47,7 @@ fn main() {
             ..EnvLimits::default()
         };
         let limits = Arc::new(Limits::new(cfg, None));
-        let pools = Pools::new(
+        let pools = Generation::new(
             &[PoolConfig::new(
                 "m",
                 vec![
@@ -87,7 +87,7 @@ fn main() {
                 let t = Instant::now();
                 for _ in 0..BATCH {
                     let mut adm = limits.admit(key, demand).await.expect("admitted");
-                    let slot = pool.shared.try_acquire().expect("a slot");
+                    let slot = pool.balancer.try_acquire().expect("a slot");
                     adm.set_used(300);
                     std::hint::black_box(&slot);
                     drop(slot);
@@ -106,7 +106,7 @@ fn main() {
         for _ in 0..iterations / BATCH {
             let t = Instant::now();
             for _ in 0..BATCH {
-                let slot = pool.shared.try_acquire().expect("a slot");
+                let slot = pool.balancer.try_acquire().expect("a slot");
                 std::hint::black_box(&slot);
             }
             per.push(t.elapsed().as_secs_f64() * 1e9 / BATCH as f64);
@@ -126,14 +126,14 @@ fn main() {
                 ..BackendConfig::new(format!("http://127.0.0.1:{}", 20 + i).parse().unwrap())
             })
             .collect();
-        let big = Pools::new(&[cfg], &QueueConfig::default()).unwrap();
+        let big = Generation::new(&[cfg], &QueueConfig::default()).unwrap();
         let big = big.get("big").unwrap();
-        let held: Vec<_> = (0..28).filter_map(|_| big.shared.try_acquire()).collect();
+        let held: Vec<_> = (0..28).filter_map(|_| big.balancer.try_acquire()).collect();
         let mut per = Vec::with_capacity(iterations / BATCH);
         for _ in 0..iterations / BATCH {
             let t = Instant::now();
             for _ in 0..BATCH {
-                let slot = big.shared.try_acquire().expect("a slot");
+                let slot = big.balancer.try_acquire().expect("a slot");
                 std::hint::black_box(&slot);
             }
             per.push(t.elapsed().as_secs_f64() * 1e9 / BATCH as f64);

@@ -224,7 +224,7 @@ fn waiting(gw: &Gateway) -> usize {
         .pools()
         .get("qwen32b")
         .unwrap()
-        .shared
+        .balancer
         .queue
         .waiting()
 }

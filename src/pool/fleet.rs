@@ -1,7 +1,7 @@
 //! Live membership: the pools as configured now, swapped without a restart.
 //!
-//! A `Fleet` holds the current generation of `Pools` (the one the probes, the load scrapes
-//! and the admin API use) and every worker's own copy of it. A reload (SIGHUP, the config
+//! A `Fleet` holds the current `Generation` of pools (the one the probes, the load scrapes and
+//! the admin API use) and every worker's own copy of it. A reload (SIGHUP, the config
 //! file watcher, or a DNS answer that changed) builds the next generation beside the current
 //! one and swaps it in everywhere at once:
 //!
@@ -30,10 +30,11 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{BackendConfig, Discover, PoolConfig, QueueConfig};
 use crate::telemetry::metrics::RequestMetrics;
 
-use super::Pools;
+use super::Generation;
 
-/// One worker's view: the pools its requests use.
-pub type PoolsView = Arc<ArcSwap<Pools>>;
+/// A worker's swappable handle on the current generation: the pools its requests use, swapped
+/// by each reload.
+pub type CurrentGeneration = Arc<ArcSwap<Generation>>;
 
 /// Answers a DNS discovery lookup: the addresses of `host` (`port` for resolvers that want it).
 pub type Resolver = Arc<
@@ -111,8 +112,9 @@ struct FleetMetrics {
 }
 
 pub struct Fleet {
-    current: ArcSwap<Pools>,
-    views: Mutex<Vec<PoolsView>>,
+    current: ArcSwap<Generation>,
+    /// Every worker's own copy (its own upstream clients), swapped by each reload.
+    workers: Mutex<Vec<CurrentGeneration>>,
     inner: Mutex<Inner>,
     queue: QueueConfig,
     metrics: Mutex<Option<Arc<RequestMetrics>>>,
@@ -228,7 +230,7 @@ impl Fleet {
             }
         }
         let expanded = expand(&configured, &discovered).map_err(std::io::Error::other)?;
-        let pools = Pools::new(&expanded, &queue)?;
+        let pools = Generation::new(&expanded, &queue)?;
         let counters = match registry {
             Some(r) => Some(FleetMetrics::register(r).map_err(std::io::Error::other)?),
             None => None,
@@ -238,7 +240,7 @@ impl Fleet {
         }
         Ok(Fleet {
             current: ArcSwap::from_pointee(pools),
-            views: Mutex::new(Vec::new()),
+            workers: Mutex::new(Vec::new()),
             inner: Mutex::new(Inner {
                 configured,
                 discovered,
@@ -253,15 +255,16 @@ impl Fleet {
     }
 
     /// The pools now (probes, admin API, metrics).
-    pub fn current(&self) -> Arc<Pools> {
+    pub fn current(&self) -> Arc<Generation> {
         self.current.load_full()
     }
 
-    /// A new worker view (its own upstream clients), kept current by every reload.
-    pub fn view(&self) -> std::io::Result<PoolsView> {
-        let view = Arc::new(ArcSwap::from_pointee(self.current.load().fork(None)?));
-        lock(&self.views).push(view.clone());
-        Ok(view)
+    /// A new worker's current generation (its own upstream clients), kept current by every
+    /// reload.
+    pub fn for_worker(&self) -> std::io::Result<CurrentGeneration> {
+        let current = Arc::new(ArcSwap::from_pointee(self.current.load().fork(None)?));
+        lock(&self.workers).push(current.clone());
+        Ok(current)
     }
 
     /// Answer the following discovery rounds with `resolver` instead of the system's.
@@ -334,13 +337,14 @@ impl Fleet {
     ) -> Result<ReloadSummary, String> {
         let expanded = expand(configured, discovered)?;
         let old = self.current.load_full();
-        let next = Pools::build(&expanded, &self.queue, Some(&old)).map_err(|e| e.to_string())?;
+        let next =
+            Generation::build(&expanded, &self.queue, Some(&old)).map_err(|e| e.to_string())?;
         // Every worker's copy first (their own clients, kept where the settings allow), so a
         // failure leaves everything as it was.
-        let views = lock(&self.views);
-        let forks = views
+        let workers = lock(&self.workers);
+        let forks = workers
             .iter()
-            .map(|v| next.fork(Some(&v.load())))
+            .map(|w| next.fork(Some(&w.load())))
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| e.to_string())?;
         let mut summary = ReloadSummary::default();
@@ -381,10 +385,10 @@ impl Fleet {
         if let Some(m) = &*lock(&self.metrics) {
             m.relayout(&next, &removed_labels);
         }
-        for (view, fork) in views.iter().zip(forks) {
-            view.store(Arc::new(fork));
+        for (worker, fork) in workers.iter().zip(forks) {
+            worker.store(Arc::new(fork));
         }
-        drop(views);
+        drop(workers);
         let next = Arc::new(next);
         self.current.store(next.clone());
         inner.generation += 1;
@@ -395,7 +399,7 @@ impl Fleet {
         }
         // Waiters may fit on the new backends now.
         for p in next.iter() {
-            p.shared.dispatch();
+            p.balancer.dispatch();
         }
         self.changed.send_replace(inner.generation);
         Ok(summary)
@@ -494,7 +498,7 @@ impl Fleet {
         }
     }
 
-    /// Scrape the load-aware pools' backends (see `Pools::load_loop`), restarted on each
+    /// Scrape the load-aware pools' backends (see `Generation::load_loop`), restarted on each
     /// change, until `stop`.
     pub async fn load_loop(self: Arc<Self>, stop: CancellationToken) {
         let mut changed = self.subscribe();

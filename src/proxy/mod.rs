@@ -35,7 +35,7 @@ use crate::limits::Admission;
 use crate::openai::Endpoint;
 use crate::openai::error::{ErrorKind, sse_error_event};
 use crate::openai::view;
-use crate::pool::{Pool, PoolShared, Pools};
+use crate::pool::{Balancer, Generation, Pool};
 use crate::queue::{self, Asker, Claim, QueueError, QueuedBody, Waiting};
 use crate::route::{self, Route, RouteError};
 use crate::telemetry::RequestRecord;
@@ -47,7 +47,7 @@ use upstream::{Prepared, RelayParts, Sent};
 #[derive(Debug)]
 pub struct ProxyState {
     /// This worker's pools, swapped by a reload (`pool::fleet`).
-    pub pools: crate::pool::fleet::PoolsView,
+    pub generation: crate::pool::fleet::CurrentGeneration,
     pub max_body_bytes: usize,
     pub recorder: Arc<crate::telemetry::Recorder>,
     pub auth: Arc<crate::auth::Authenticator>,
@@ -156,7 +156,7 @@ async fn phases(
 
     // In the pools as they are now: a reload swaps them for the requests that follow; this
     // one keeps these to its end.
-    let pools = state.pools.load_full();
+    let pools = state.generation.load_full();
     let route = route_phase(state, &view, &body, endpoint, &pools, &mut ex.record)?;
 
     ex.admission = admit(state, &view, &ex.record).await?;
@@ -177,7 +177,7 @@ async fn phases(
             return Ok(Forwarded::Queued(Queued {
                 prepared,
                 waiting,
-                pools: pools.clone(),
+                generation: pools.clone(),
             }));
         }
         let sent = wait_and_send(state, route.pool, Claim::Wait(waiting), prepared, ex).await?;
@@ -194,7 +194,7 @@ fn route_phase<'p>(
     view: &view::RequestView<'_>,
     body: &[u8],
     endpoint: Endpoint,
-    pools: &'p Pools,
+    pools: &'p Generation,
     record: &mut RequestRecord,
 ) -> Result<Route<'p>, ApiError> {
     let key = record.key.as_deref();
@@ -253,16 +253,16 @@ fn claim(
     state: &ProxyState,
     route: &Route<'_>,
     record: &RequestRecord,
-) -> Result<Claim<PoolShared>, ApiError> {
+) -> Result<Claim<Balancer>, ApiError> {
     let pool = route.pool;
     let affinity = route
         .affinity
         .zip(pool.affinity)
         .map(|(key, a)| (key, a.slack));
-    let shared = &pool.shared;
+    let balancer = &pool.balancer;
     queue::claim(
-        shared,
-        || shared.try_acquire_routed(route.avoid, affinity),
+        balancer,
+        || balancer.try_acquire_routed(route.avoid, affinity),
         &asker(state, pool, record),
     )
     .map_err(|e| queue_error(e, pool))
@@ -273,7 +273,7 @@ fn claim(
 async fn wait_and_send(
     state: &ProxyState,
     pool: &Pool,
-    claim: Claim<PoolShared>,
+    claim: Claim<Balancer>,
     prepared: Prepared,
     ex: &mut Exchange,
 ) -> Result<Sent, ApiError> {
@@ -314,11 +314,11 @@ enum Forwarded {
     Queued(Queued),
 }
 
-/// A stream that waits: its request, its place, and the pools it was routed in.
+/// A stream that waits: its request, its place, and the generation it was routed in.
 struct Queued {
     prepared: Prepared,
-    waiting: Waiting<PoolShared>,
-    pools: Arc<Pools>,
+    waiting: Waiting<Balancer>,
+    generation: Arc<Generation>,
 }
 
 /// Phase 7: the head goes out, the body is relayed.
@@ -434,9 +434,9 @@ async fn continue_queued(
     let Queued {
         prepared,
         waiting,
-        pools,
+        generation,
     } = queued;
-    let result = match pools.at(prepared.pool) {
+    let result = match generation.at(prepared.pool) {
         Some(pool) => wait_and_send(&state, pool, Claim::Wait(waiting), prepared, &mut ex).await,
         None => Err(ApiError::Internal),
     };

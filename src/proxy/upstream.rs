@@ -131,26 +131,26 @@ pub async fn send_with_retries(
     // Retries draw from the generation the slot came from (a queued request may have been
     // handed a slot by a newer one), so the exclusion bits name the same backends.
     let can_retry = {
-        let shared = slot.shared();
-        shared.retries.max_retries > 0 && shared.backends.len() > 1
+        let balancer = slot.balancer();
+        balancer.retries.max_retries > 0 && balancer.backends.len() > 1
     };
     if !can_retry {
         return send(pool, slot, prepared, ex).await;
     }
     // (Cloned only in that rare case: the count is shared by every worker.)
     let newer;
-    let shared = if Arc::ptr_eq(slot.shared(), &pool.shared) {
-        &pool.shared
+    let balancer = if Arc::ptr_eq(slot.balancer(), &pool.balancer) {
+        &pool.balancer
     } else {
-        newer = slot.shared().clone();
+        newer = slot.balancer().clone();
         &newer
     };
-    shared.retry_budget.deposit();
+    balancer.retry_budget.deposit();
     let mut tried = 0u64;
     let mut attempt = 0;
     loop {
         tried |= crate::pool::bit(slot.position());
-        if attempt >= shared.retries.max_retries {
+        if attempt >= balancer.retries.max_retries {
             return send(pool, slot, prepared, ex).await;
         }
         let this = Prepared {
@@ -167,10 +167,10 @@ pub async fn send_with_retries(
         if !retryable {
             return result;
         }
-        let Some(next) = shared.try_acquire_excluding(tried) else {
+        let Some(next) = balancer.try_acquire_excluding(tried) else {
             return result;
         };
-        if !shared.retry_budget.try_spend() {
+        if !balancer.retry_budget.try_spend() {
             return result;
         }
         tracing::debug!(request_id = ?ex.record.request_id, from = ?ex.record.backend, to = %next.backend().base, "retrying on another backend");
@@ -235,7 +235,7 @@ async fn send(
                 backend.mark(Reachability::Down);
             }
             backend.record_failure(
-                &pool.shared.ejection,
+                &pool.balancer.ejection,
                 &format!("{}: {detail}", cause.describe()),
             );
             tracing::warn!(backend = %backend.base, cause = ?cause, %detail, "upstream request failed");
@@ -252,7 +252,7 @@ async fn send(
                 TimeoutKind::FirstToken
             };
             backend.record_failure(
-                &pool.shared.ejection,
+                &pool.balancer.ejection,
                 &format!(
                     "no response head within {} ms",
                     t.first_token.min(t.total).as_millis()
@@ -270,7 +270,7 @@ async fn send(
     backend.mark(Reachability::Up);
     if resp.status().is_server_error() {
         backend.record_failure(
-            &pool.shared.ejection,
+            &pool.balancer.ejection,
             &format!("answered {}", resp.status()),
         );
     } else {

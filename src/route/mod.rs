@@ -11,7 +11,7 @@ use crate::config::AffinityBy;
 use crate::key::{Environment, KeyRecord};
 use crate::openai::Endpoint;
 use crate::openai::view::RequestView;
-use crate::pool::{Pool, Pools, fnv1a};
+use crate::pool::{Generation, Pool, fnv1a};
 
 /// Where a request goes.
 #[derive(Debug)]
@@ -49,7 +49,7 @@ pub fn resolve<'p>(
     body: &[u8],
     endpoint: Endpoint,
     key: Option<&KeyRecord>,
-    pools: &'p Pools,
+    pools: &'p Generation,
     prompt_tokens: impl Fn(usize) -> u64,
 ) -> Result<Route<'p>, RouteError> {
     let pool = pools
@@ -69,7 +69,7 @@ pub fn resolve<'p>(
     }
     let pool = long_prompt_pool(pool, pools, key, prompt_tokens(view.prompt_chars));
     let avoid = match key {
-        Some(k) if k.environment == Environment::Gray => pool.shared.gray_exclude,
+        Some(k) if k.environment == Environment::Gray => pool.balancer.gray_exclude,
         _ => 0,
     };
     let rename = (*view.model != *pool.served_name).then_some(&*pool.served_json);
@@ -105,7 +105,7 @@ fn check_rights(key: &KeyRecord, pool: &Pool) -> Result<(), AuthFailure> {
 /// hold up short ones.
 fn long_prompt_pool<'p>(
     pool: &'p Pool,
-    pools: &'p Pools,
+    pools: &'p Generation,
     key: Option<&KeyRecord>,
     prompt_tokens: u64,
 ) -> &'p Pool {

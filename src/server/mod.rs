@@ -32,7 +32,7 @@ use crate::admin::AdminState;
 use crate::auth::Authenticator;
 use crate::config::Config;
 use crate::openai::Endpoint;
-use crate::pool::Pools;
+use crate::pool::Generation;
 use crate::pool::fleet::{Fleet, ReloadSummary};
 use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
@@ -49,8 +49,8 @@ pub struct AppState {
 
 impl AppState {
     /// This worker's pools as they are now.
-    pub fn pools(&self) -> Arc<Pools> {
-        self.proxy.pools.load_full()
+    pub fn pools(&self) -> Arc<Generation> {
+        self.proxy.generation.load_full()
     }
 
     pub fn auth(&self) -> &Arc<Authenticator> {
@@ -339,7 +339,7 @@ impl Server {
         for i in 0..workers {
             let state = Arc::new(AppState {
                 proxy: Arc::new(ProxyState {
-                    pools: fleet.view()?,
+                    generation: fleet.for_worker()?,
                     max_body_bytes: config.server.max_body_bytes,
                     recorder: recorder.clone(),
                     auth: auth.clone(),
@@ -407,7 +407,7 @@ impl Server {
     }
 
     /// The pools as they are now.
-    pub fn pools(&self) -> Arc<Pools> {
+    pub fn pools(&self) -> Arc<Generation> {
         self.fleet.current()
     }
 

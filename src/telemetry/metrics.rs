@@ -17,7 +17,7 @@ use prometheus::{
 
 use crate::key::Environment;
 use crate::openai::error::ErrorKind;
-use crate::pool::Pools;
+use crate::pool::Generation;
 
 use super::{RequestRecord, UsageSource};
 
@@ -155,7 +155,7 @@ impl Families {
 }
 
 impl RequestMetrics {
-    pub fn new(registry: &Registry, pools: &Pools) -> Result<Self, prometheus::Error> {
+    pub fn new(registry: &Registry, pools: &Generation) -> Result<Self, prometheus::Error> {
         let overhead = hist(
             registry,
             "fleetgate_overhead_seconds",
@@ -288,7 +288,7 @@ impl RequestMetrics {
     /// Resolve the handles of `pools` (at start and after each reload). Slots already laid
     /// out keep their handles, so records of requests that began before a reload still find
     /// theirs; `removed` backends' gauges are dropped from the exposition.
-    pub fn relayout(&self, pools: &Pools, removed: &[(Arc<str>, Arc<str>)]) {
+    pub fn relayout(&self, pools: &Generation, removed: &[(Arc<str>, Arc<str>)]) {
         let old = self.layout.load_full();
         let mut slots = old.pools.clone();
         for p in pools.iter() {
@@ -319,7 +319,7 @@ impl RequestMetrics {
                 model: p.model.to_string(),
                 envs,
             }));
-            p.shared
+            p.balancer
                 .queue
                 .set_depth_gauge(self.families.queue_depth.with_label_values(&[&*p.model]));
         }
@@ -443,7 +443,7 @@ impl RequestMetrics {
     }
 
     /// Refresh the per-backend gauges (at scrape time).
-    pub fn update_backends(&self, pools: &Pools) {
+    pub fn update_backends(&self, pools: &Generation) {
         for p in pools.iter() {
             for b in &p.backends {
                 let labels = [&*p.model, &*b.base];

@@ -1,0 +1,409 @@
+//! Choosing a backend: weighted power of two choices over a pool's backends, affinity by
+//! rendezvous hashing, exclusion masks for retries and gray pinning, the in-flight slot that
+//! hands itself to the next waiter, and the retry budget.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use crate::config::{EjectionConfig, PoolConfig, RetryConfig};
+use crate::queue::{AdmissionQueue, Slots};
+
+use super::backend::{Backend, Reachability, weight_of};
+
+/// Retries allowed as a share of requests: each request deposits `ratio` of a retry, a retry
+/// spends one; at most ten are saved up.
+#[derive(Debug)]
+pub struct RetryBudget {
+    /// Thousandths of a retry.
+    milli: AtomicI64,
+    deposit: i64,
+}
+
+impl RetryBudget {
+    const CAP: i64 = 10_000;
+
+    fn new(ratio: f64) -> Self {
+        Self {
+            milli: AtomicI64::new(Self::CAP / 2),
+            deposit: (ratio * 1000.0).round() as i64,
+        }
+    }
+
+    pub fn deposit(&self) {
+        if self.deposit > 0 && self.milli.load(Ordering::Relaxed) < Self::CAP {
+            self.milli.fetch_add(self.deposit, Ordering::Relaxed);
+        }
+    }
+
+    pub fn try_spend(&self) -> bool {
+        self.milli
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+                (m >= 1000).then_some(m - 1000)
+            })
+            .is_ok()
+    }
+}
+
+/// What all workers' copies of a pool share: the backends (in-flight counts, reachability,
+/// ejection), the admission queue in front of them and the retry budget. It picks the backend
+/// for each request.
+#[derive(Debug)]
+pub struct Balancer {
+    pub backends: Vec<Arc<Backend>>,
+    /// Shared by every generation of the pool (a reload keeps the waiters).
+    pub queue: Arc<AdmissionQueue<InFlight>>,
+    pub retry_budget: RetryBudget,
+    pub retries: RetryConfig,
+    pub ejection: EjectionConfig,
+    /// Backends gray keys avoid while one outside this mask can serve (0: no pinning).
+    pub gray_exclude: u64,
+    /// Running sums of the backends' weights, for weighted sampling.
+    cumulative: Vec<u32>,
+}
+
+/// splitmix64's finaliser: a well-mixed 64-bit hash of `x`.
+pub fn mix64(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// FNV-1a over `bytes`: the same value in every replica (affinity keys).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Bit of backend `i` in an exclusion mask (backends past 64 are never excluded).
+pub fn bit(i: usize) -> u64 {
+    if i < 64 { 1 << i } else { 0 }
+}
+
+impl Balancer {
+    /// Weights and labels are read from `cfg` (a backend kept by a reload takes them over only
+    /// once the whole new configuration is built).
+    pub(super) fn new(
+        backends: Vec<Arc<Backend>>,
+        queue: Arc<AdmissionQueue<InFlight>>,
+        cfg: &PoolConfig,
+    ) -> Self {
+        let pinned = cfg.gray_pin_label.as_deref().map_or(0, |label| {
+            cfg.backends
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.labels.iter().any(|l| l == label))
+                .fold(0u64, |m, (i, _)| m | bit(i))
+        });
+        let gray_exclude = if pinned == 0 { 0 } else { !pinned };
+        let mut sum = 0u32;
+        let cumulative = cfg
+            .backends
+            .iter()
+            .map(|b| {
+                sum = sum.saturating_add(weight_of(b));
+                sum
+            })
+            .collect();
+        Self {
+            backends,
+            queue,
+            retry_budget: RetryBudget::new(cfg.retries.budget_ratio),
+            retries: cfg.retries,
+            ejection: cfg.ejection,
+            gray_exclude,
+            cumulative,
+        }
+    }
+
+    /// A free slot, chosen by weighted power of two choices: two backends drawn with
+    /// probability proportional to their weight, the one with fewer requests in flight per
+    /// unit of weight wins (the first drawn on a tie, so idle traffic follows the weights). Backends that are down, ejected,
+    /// draining, full or in `exclude` are skipped; when neither drawn one can take the request,
+    /// the least loaded of all that can does. `None` when none can.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<InFlight> {
+        self.try_acquire_excluding(0)
+    }
+
+    pub fn try_acquire_excluding(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
+        let n = self.backends.len();
+        if n == 0 {
+            return None;
+        }
+        let usable = |i: usize| -> Option<u32> {
+            let b = &self.backends[i];
+            if exclude & bit(i) != 0 || !b.eligible() {
+                return None;
+            }
+            // In slow start a backend takes only its ramp's share of the draws.
+            if b.up_since.load(Ordering::Relaxed) != 0 {
+                let ramp = b.ramp();
+                if ramp < 1.0 && rand::random::<f64>() >= ramp {
+                    return None;
+                }
+            }
+            b.has_room()
+        };
+        // Fewer in flight per unit of weight: n_a / w_a < n_b / w_b. Idle backends tie, and
+        // the first drawn wins a tie: idle traffic follows the weighted draw.
+        // With load-aware pools the backend's own count (all gateways') counts when larger.
+        let load = |(i, f): (usize, u32)| -> u64 {
+            u64::from(f.max(self.backends[i].remote_load.load(Ordering::Relaxed)))
+        };
+        let better = |a: (usize, u32), b: (usize, u32)| -> bool {
+            load(a) * u64::from(self.backends[b.0].weight())
+                < load(b) * u64::from(self.backends[a.0].weight())
+        };
+        for round in 0..8 {
+            let pick = if n == 1 {
+                usable(0).map(|f| (0, f))
+            } else if round == 0 {
+                let (a, b) = self.draw_two();
+                match (usable(a).map(|f| (a, f)), usable(b).map(|f| (b, f))) {
+                    (Some(x), Some(y)) => Some(if better(y, x) { y } else { x }),
+                    (Some(x), None) | (None, Some(x)) => Some(x),
+                    (None, None) => self.scan(&usable, &better),
+                }
+            } else {
+                self.scan(&usable, &better)
+            };
+            let (i, f) = pick?;
+            // Another thread may have taken that slot since: then look again.
+            if self.backends[i]
+                .in_flight
+                .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                return Some(InFlight {
+                    balancer: self.clone(),
+                    index: i,
+                });
+            }
+        }
+        None
+    }
+
+    /// A slot on the backend preferred for `key` (rendezvous hashing over the usable
+    /// backends, so every replica prefers the same one and only a removed backend's keys move),
+    /// unless it is overloaded — more than twice the least loaded backend's requests and more
+    /// than `slack` above them — or full: then the usual choice.
+    pub fn try_acquire_affine(
+        self: &Arc<Self>,
+        key: u64,
+        exclude: u64,
+        slack: u32,
+    ) -> Option<InFlight> {
+        let mut best: Option<(usize, u32, u64)> = None;
+        let mut min_load = u64::MAX;
+        for (i, b) in self.backends.iter().enumerate() {
+            if exclude & bit(i) != 0 || !b.eligible() {
+                continue;
+            }
+            let f = b.in_flight.load(Ordering::SeqCst);
+            let load = u64::from(f.max(b.remote_load.load(Ordering::Relaxed)));
+            min_load = min_load.min(load);
+            let cap = b.capacity();
+            if cap != 0 && f >= cap {
+                continue;
+            }
+            let score = mix64(key ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            if best.is_none_or(|(_, _, s)| score > s) {
+                best = Some((i, f, score));
+            }
+        }
+        if let Some((i, f, _)) = best {
+            let b = &self.backends[i];
+            let load = u64::from(f.max(b.remote_load.load(Ordering::Relaxed)));
+            let fair = min_load
+                .saturating_mul(2)
+                .max(min_load.saturating_add(u64::from(slack)));
+            if load <= fair
+                && b.in_flight
+                    .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            {
+                return Some(InFlight {
+                    balancer: self.clone(),
+                    index: i,
+                });
+            }
+        }
+        self.try_acquire_excluding(exclude)
+    }
+
+    fn scan(
+        &self,
+        usable: &impl Fn(usize) -> Option<u32>,
+        better: &impl Fn((usize, u32), (usize, u32)) -> bool,
+    ) -> Option<(usize, u32)> {
+        let mut best: Option<(usize, u32)> = None;
+        for i in 0..self.backends.len() {
+            if let Some(f) = usable(i)
+                && best.is_none_or(|b| better((i, f), b))
+            {
+                best = Some((i, f));
+            }
+        }
+        best
+    }
+
+    /// Two distinct backends, each drawn with probability proportional to its weight (with
+    /// two backends, one draw decides which comes first).
+    fn draw_two(&self) -> (usize, usize) {
+        let total = self.cumulative.last().copied().unwrap_or(1).max(1);
+        let draw = || {
+            let r = rand::random_range(0..total);
+            self.cumulative.partition_point(|&c| c <= r)
+        };
+        let a = draw();
+        if self.backends.len() == 2 {
+            return (a, 1 - a);
+        }
+        let mut b = draw();
+        if b == a {
+            b = draw();
+        }
+        if b == a {
+            b = (a + 1) % self.backends.len();
+        }
+        (a, b)
+    }
+
+    /// Some backend may take requests now or later (not down, not draining).
+    pub fn any_usable(&self) -> bool {
+        self.backends.iter().any(|b| {
+            b.reachability() != Reachability::Down
+                && !b.draining.load(Ordering::Relaxed)
+                && !b.removed.load(Ordering::Relaxed)
+        })
+    }
+
+    /// The first choice for a routed request: avoiding `avoid` (gray pinning) while another
+    /// backend can take it, on its affinity backend when it has one (and that one is not
+    /// overloaded).
+    pub fn try_acquire_routed(
+        self: &Arc<Self>,
+        avoid: u64,
+        affinity: Option<(u64, u32)>,
+    ) -> Option<InFlight> {
+        let first = |exclude| match affinity {
+            Some((key, slack)) => self.try_acquire_affine(key, exclude, slack),
+            None => self.try_acquire_excluding(exclude),
+        };
+        first(avoid).or_else(|| (avoid != 0).then(|| self.try_acquire()).flatten())
+    }
+
+    /// Give free slots to waiting requests (after a slot was freed or a backend came back).
+    pub fn dispatch(self: &Arc<Self>) {
+        if self.queue.has_waiters() {
+            self.queue.dispatch(|| self.try_acquire());
+        }
+    }
+}
+
+impl Slots for Balancer {
+    type Slot = InFlight;
+
+    fn queue(&self) -> &AdmissionQueue<InFlight> {
+        &self.queue
+    }
+
+    fn try_take(self: &Arc<Self>) -> Option<InFlight> {
+        self.try_acquire()
+    }
+
+    fn any_usable(&self) -> bool {
+        Balancer::any_usable(self)
+    }
+}
+
+/// Holds one in-flight slot on a backend; released on drop, whatever ends the request, and
+/// handed straight to the next waiting request if there is one.
+#[derive(Debug)]
+pub struct InFlight {
+    balancer: Arc<Balancer>,
+    index: usize,
+}
+
+impl InFlight {
+    pub fn backend(&self) -> &Arc<Backend> {
+        &self.balancer.backends[self.index]
+    }
+
+    /// The balancer of the pool generation the slot was taken from.
+    pub fn balancer(&self) -> &Arc<Balancer> {
+        &self.balancer
+    }
+
+    /// The backend's position in the pool generation the slot was taken from (the bit a retry
+    /// excludes).
+    pub fn position(&self) -> usize {
+        self.index
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.balancer.backends[self.index]
+            .in_flight
+            .fetch_sub(1, Ordering::SeqCst);
+        self.balancer.dispatch();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::QueueConfig;
+    use crate::pool::{Generation, pool_cfg};
+
+    #[test]
+    fn affinity_prefers_one_backend_until_it_is_overloaded() {
+        let pools = Generation::new(&[pool_cfg(3)], &QueueConfig::default()).unwrap();
+        let balancer = &pools.get("m").unwrap().balancer;
+        let key = fnv1a(b"\"alice\"");
+        let first = balancer.try_acquire_affine(key, 0, 2).unwrap();
+        let preferred = first.position();
+        let second = balancer.try_acquire_affine(key, 0, 2).unwrap();
+        assert_eq!(second.position(), preferred, "same key, same backend");
+        // Two in flight there, none elsewhere: 2 ≤ max(2 × 0, 0 + 2) still; a third is too many.
+        let third = balancer.try_acquire_affine(key, 0, 2).unwrap();
+        assert_eq!(third.position(), preferred);
+        let fourth = balancer.try_acquire_affine(key, 0, 2).unwrap();
+        assert_ne!(
+            fourth.position(),
+            preferred,
+            "an overloaded preference is skipped"
+        );
+        // Other keys spread over the backends.
+        drop((first, second, third, fourth));
+        let mut used = std::collections::HashSet::new();
+        for u in 0..64u32 {
+            let s = balancer
+                .try_acquire_affine(fnv1a(&u.to_le_bytes()), 0, 2)
+                .unwrap();
+            used.insert(s.position());
+        }
+        assert_eq!(used.len(), 3);
+    }
+
+    #[test]
+    fn weighted_draws_follow_the_weights() {
+        let mut cfg = pool_cfg(3);
+        for (b, w) in cfg.backends.iter_mut().zip([1, 2, 7]) {
+            b.weight = w;
+        }
+        let pools = Generation::new(&[cfg], &QueueConfig::default()).unwrap();
+        let balancer = &pools.get("m").unwrap().balancer;
+        let mut firsts = [0u32; 3];
+        for _ in 0..10_000 {
+            let (a, b) = balancer.draw_two();
+            assert_ne!(a, b);
+            firsts[a] += 1;
+        }
+        // Expected 1000 / 2000 / 7000.
+        assert!((800..1200).contains(&firsts[0]), "{firsts:?}");
+        assert!((1750..2250).contains(&firsts[1]), "{firsts:?}");
+        assert!((6700..7300).contains(&firsts[2]), "{firsts:?}");
+    }
+}

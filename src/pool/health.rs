@@ -1,0 +1,232 @@
+//! Health and load: the reachability probe (with warm-up before a backend takes traffic), and
+//! the scrape of vLLM's own `/metrics` for load-aware pools.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use tokio_util::sync::CancellationToken;
+
+use super::backend::{Backend, Reachability};
+use super::{Generation, Pool};
+
+impl Generation {
+    /// Scrape every load-aware pool's backends' `/metrics` on the pool's interval until
+    /// `stop`.
+    pub async fn load_loop(&self, stop: CancellationToken) {
+        let mut loops = Vec::new();
+        for pool in &self.pools {
+            let Some(la) = pool.config.load_aware.clone() else {
+                continue;
+            };
+            let stop = stop.clone();
+            loops.push(async move {
+                loop {
+                    futures_util::future::join_all(pool.backends.iter().map(|b| scrape(pool, b)))
+                        .await;
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(la.interval) => {}
+                    }
+                }
+            });
+        }
+        futures_util::future::join_all(loops).await;
+    }
+
+    pub async fn probe_once(&self) {
+        let probes = self
+            .pools
+            .iter()
+            .flat_map(|pool| pool.backends.iter().map(move |b| probe(pool, b)));
+        futures_util::future::join_all(probes).await;
+    }
+}
+
+/// One health probe: `GET <base><health.path>`. `unhealthy_threshold` failures in a row take
+/// the backend down; `healthy_threshold` successes in a row bring it back — through warm-up
+/// when the pool has one.
+async fn probe(pool: &Pool, backend: &Backend) {
+    let mut req = Request::get(backend.health_uri.clone());
+    if let Some(auth) = &backend.upstream_auth {
+        req = req.header(http::header::AUTHORIZATION, auth.clone());
+    }
+    let Ok(req) = req.body(Full::new(Bytes::new())) else {
+        return;
+    };
+    let health = &pool.config.health;
+    let result = tokio::time::timeout(health.timeout, async {
+        let resp = pool.client.request(req).await?;
+        let ok = resp.status().is_success();
+        // Drain so the connection goes back to the pool.
+        let _ = resp.into_body().collect().await;
+        Ok::<bool, hyper_util::client::legacy::Error>(ok)
+    })
+    .await;
+    let ok = matches!(result, Ok(Ok(true)));
+    let state = backend.reachability();
+    if !ok {
+        backend.probes_ok.store(0, Ordering::Relaxed);
+        let bad = backend.probes_bad.fetch_add(1, Ordering::Relaxed) + 1;
+        let why = match &result {
+            Ok(Ok(_)) => format!("{} answered an error", health.path),
+            Ok(Err(e)) => format!("{} failed: {e}", health.path),
+            Err(_) => format!(
+                "{} did not answer within {} ms",
+                health.path,
+                health.timeout.as_millis()
+            ),
+        };
+        backend.set_last_error(&why);
+        if bad >= health.unhealthy_threshold && state != Reachability::Down {
+            tracing::warn!(backend = %backend.base, error = %why, "backend failed its health probe");
+            backend.mark(Reachability::Down);
+        }
+        return;
+    }
+    backend.probes_bad.store(0, Ordering::Relaxed);
+    let good = backend.probes_ok.fetch_add(1, Ordering::Relaxed) + 1;
+    let warming = backend.warming.load(Ordering::Relaxed);
+    if state == Reachability::Up && !warming {
+        return;
+    }
+    if good < health.healthy_threshold && state == Reachability::Down {
+        return;
+    }
+    if warming {
+        if let Err(why) = warm_up(pool, backend).await {
+            backend.set_last_error(&why);
+            tracing::warn!(backend = %backend.base, error = %why, "backend warm-up failed; trying again at the next probe");
+            return;
+        }
+        backend.warming.store(false, Ordering::Relaxed);
+        tracing::info!(backend = %backend.base, requests = pool.config.warmup.requests, "backend warmed up");
+    }
+    if state != Reachability::Up {
+        tracing::info!(backend = %backend.base, "backend reachable");
+    }
+    backend.mark(Reachability::Up);
+    // Waiting requests may be served by a backend that came back.
+    pool.balancer.dispatch();
+}
+
+/// Read a backend's own load from its Prometheus text: vLLM's running + waiting requests and
+/// KV-cache usage. An unreadable answer counts as no information (load 0: local counts only).
+async fn scrape(pool: &Pool, backend: &Backend) {
+    let mut req = Request::get(backend.metrics_uri.clone());
+    if let Some(auth) = &backend.upstream_auth {
+        req = req.header(http::header::AUTHORIZATION, auth.clone());
+    }
+    let Ok(req) = req.body(Full::new(Bytes::new())) else {
+        return;
+    };
+    let text = tokio::time::timeout(pool.config.health.timeout, async {
+        let resp = pool.client.request(req).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        http_body_util::Limited::new(resp.into_body(), 4 << 20)
+            .collect()
+            .await
+            .ok()
+            .map(|c| c.to_bytes())
+    })
+    .await
+    .ok()
+    .flatten();
+    let (load, kv) = text.as_deref().map_or((0.0, 0.0), vllm_load);
+    backend.remote_load.store(
+        load.clamp(0.0, f64::from(u32::MAX)) as u32,
+        Ordering::Relaxed,
+    );
+    backend
+        .kv_usage_permille
+        .store((kv.clamp(0.0, 1.0) * 1000.0) as u32, Ordering::Relaxed);
+}
+
+/// (running + waiting, KV-cache usage) summed over a vLLM `/metrics` text's series.
+pub fn vllm_load(text: &[u8]) -> (f64, f64) {
+    let text = String::from_utf8_lossy(text);
+    let mut load = 0.0;
+    let mut kv: f64 = 0.0;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let name = line.split(['{', ' ']).next().unwrap_or("");
+        let Some(value) = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite())
+        else {
+            continue;
+        };
+        match name {
+            "vllm:num_requests_running" | "vllm:num_requests_waiting" => load += value,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => kv = kv.max(value),
+            _ => {}
+        }
+    }
+    (load, kv)
+}
+
+/// Send the pool's warm-up requests (a small non-streaming completion each) to `backend`;
+/// all must succeed.
+async fn warm_up(pool: &Pool, backend: &Backend) -> Result<(), String> {
+    let w = &pool.config.warmup;
+    let body = Bytes::from(
+        serde_json::json!({
+            "model": &*pool.served_name,
+            "messages": [{"role": "user", "content": &w.prompt}],
+            "max_tokens": 1,
+            "stream": false,
+        })
+        .to_string(),
+    );
+    let limit = pool.timeouts.first_token.min(Duration::from_secs(60));
+    for i in 0..w.requests {
+        let mut req = Request::post(backend.chat_uri.clone())
+            .header(http::header::CONTENT_TYPE, "application/json");
+        if let Some(auth) = &backend.upstream_auth {
+            req = req.header(http::header::AUTHORIZATION, auth.clone());
+        }
+        let req = req
+            .body(Full::new(body.clone()))
+            .map_err(|e| e.to_string())?;
+        let status = tokio::time::timeout(limit, async {
+            let resp = pool.client.request(req).await.map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let _ = resp.into_body().collect().await;
+            Ok::<_, String>(status)
+        })
+        .await
+        .map_err(|_| {
+            format!(
+                "warm-up request {} timed out after {} ms",
+                i + 1,
+                limit.as_millis()
+            )
+        })??;
+        if !status.is_success() {
+            return Err(format!("warm-up request {} answered {status}", i + 1));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllm_load() {
+        let text = b"# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\",model_name=\"a\"} 7.0\nvllm:num_requests_waiting{engine=\"0\",model_name=\"a\"} 3\nvllm:num_requests_waiting_by_reason{r=\"x\"} 99\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.42\n";
+        let (load, kv) = vllm_load(text);
+        assert_eq!(load, 10.0);
+        assert!((kv - 0.42).abs() < 1e-9);
+        assert_eq!(vllm_load(b"<html>not metrics</html>"), (0.0, 0.0));
+    }
+}
