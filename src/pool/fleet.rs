@@ -28,7 +28,6 @@ use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{BackendConfig, Discover, PoolConfig, QueueConfig};
-use crate::telemetry::metrics::RequestMetrics;
 
 use super::Generation;
 
@@ -37,6 +36,9 @@ use super::Generation;
 pub type CurrentGeneration = Arc<ArcSwap<Generation>>;
 
 /// Answers a DNS discovery lookup: the addresses of `host` (`port` for resolvers that want it).
+/// Called with a new generation and the (model, backend URL) pairs that left with it.
+pub type OnRelayout = Arc<dyn Fn(&Generation, &[(Arc<str>, Arc<str>)]) + Send + Sync>;
+
 pub type Resolver = Arc<
     dyn Fn(
             String,
@@ -117,7 +119,7 @@ pub struct Fleet {
     workers: Mutex<Vec<CurrentGeneration>>,
     inner: Mutex<Inner>,
     queue: QueueConfig,
-    metrics: Mutex<Option<Arc<RequestMetrics>>>,
+    on_relayout: Mutex<Option<OnRelayout>>,
     counters: Option<FleetMetrics>,
     /// Bumped after each applied change: the load scrapes restart on the new generation.
     changed: tokio::sync::watch::Sender<u64>,
@@ -247,7 +249,7 @@ impl Fleet {
                 generation: 1,
             }),
             queue,
-            metrics: Mutex::new(None),
+            on_relayout: Mutex::new(None),
             counters,
             changed: tokio::sync::watch::Sender::new(1),
             resolver: Mutex::new(None),
@@ -272,9 +274,11 @@ impl Fleet {
         *lock(&self.resolver) = Some(resolver);
     }
 
-    /// Request metrics to re-resolve on each reload.
-    pub fn set_metrics(&self, metrics: Arc<RequestMetrics>) {
-        *lock(&self.metrics) = Some(metrics);
+    /// Run `f` on each new generation before it is swapped in (the request metrics resolve
+    /// their handles for it there). The pool does not know who listens: it hands the
+    /// generation over, so it never imports the telemetry that reads it.
+    pub fn on_relayout(&self, f: OnRelayout) {
+        *lock(&self.on_relayout) = Some(f);
     }
 
     /// Changes after each applied reload.
@@ -382,8 +386,8 @@ impl Fleet {
                 removed_labels.push((p.model.clone(), b.base.clone()));
             }
         }
-        if let Some(m) = &*lock(&self.metrics) {
-            m.relayout(&next, &removed_labels);
+        if let Some(f) = &*lock(&self.on_relayout) {
+            f(&next, &removed_labels);
         }
         for (worker, fork) in workers.iter().zip(forks) {
             worker.store(Arc::new(fork));

@@ -255,7 +255,10 @@ impl Server {
             Fleet::start(config.pools.clone(), config.queue.clone(), Some(&registry)).await?,
         );
         let metrics = Arc::new(RequestMetrics::new(&registry, &fleet.current())?);
-        fleet.set_metrics(metrics.clone());
+        let relayout = metrics.clone();
+        fleet.on_relayout(Arc::new(move |generation, removed| {
+            relayout.relayout(generation, removed);
+        }));
         recorder.set_metrics(metrics.clone());
         let shutdown = CancellationToken::new();
         let writers_stop = CancellationToken::new();

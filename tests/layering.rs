@@ -1,0 +1,175 @@
+//! The module map holds: every top-level module of `src/` has a layer, a module uses only its
+//! own layer or lower ones, and the modules do not import each other in a circle. Read from the
+//! sources themselves (every `crate::<module>` path), so a new `use crate::proxy` in the store,
+//! auth, limits or telemetry fails here. docs/architecture.md draws the same map.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// The layers of docs/architecture.md. Tools sit beside the gateway: they may use layer 0,
+/// the measuring client and the Timeline's figures (telemetry), never the request path.
+const LAYERS: &[(&str, u8)] = &[
+    ("clock", 0),
+    ("openai", 0),
+    ("secret", 0),
+    ("config", 1),
+    ("key", 1),
+    ("store", 1),
+    ("auth", 2),
+    ("limits", 2),
+    ("pool", 2),
+    ("queue", 2),
+    ("route", 2),
+    ("telemetry", 2),
+    ("proxy", 3),
+    ("admin", 4),
+    ("demo", 4),
+    ("server", 4),
+    ("keys_cli", 5),
+];
+
+const TOOLS: &[&str] = &["bench", "client", "sim"];
+const TOOLS_MAY_USE: &[&str] = &["clock", "openai", "secret", "client", "telemetry"];
+
+/// Top-level module → the other top-level modules its files name as `crate::<module>`.
+fn imports() -> BTreeMap<String, BTreeSet<String>> {
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let rel = path.strip_prefix(&src).unwrap();
+            let first = rel
+                .components()
+                .next()
+                .unwrap()
+                .as_os_str()
+                .to_string_lossy();
+            let module = first.trim_end_matches(".rs").to_owned();
+            if module == "main" || module == "lib" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let used = graph.entry(module.clone()).or_default();
+            for (at, _) in text.match_indices("crate::") {
+                let name: String = text[at + 7..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if !name.is_empty() && name != module {
+                    used.insert(name);
+                }
+            }
+        }
+    }
+    graph
+}
+
+fn layer_of(module: &str) -> Option<u8> {
+    LAYERS.iter().find(|(m, _)| *m == module).map(|(_, l)| *l)
+}
+
+#[test]
+fn every_module_has_a_layer_and_imports_only_downwards() {
+    let graph = imports();
+    let mut wrong = Vec::new();
+    for (module, used) in &graph {
+        if TOOLS.contains(&module.as_str()) {
+            for u in used {
+                if !TOOLS_MAY_USE.contains(&u.as_str()) && !TOOLS.contains(&u.as_str()) {
+                    wrong.push(format!("tool {module} uses the gateway's {u}"));
+                }
+            }
+            continue;
+        }
+        let Some(own) = layer_of(module) else {
+            wrong.push(format!(
+                "{module} has no layer: add it to LAYERS here and to docs/architecture.md"
+            ));
+            continue;
+        };
+        for u in used {
+            match layer_of(u) {
+                Some(l) if l <= own => {}
+                Some(l) => wrong.push(format!(
+                    "{module} (layer {own}) uses {u} (layer {l}): a lower layer must not import a higher one"
+                )),
+                None if TOOLS.contains(&u.as_str()) && own >= 4 => {}
+                None => wrong.push(format!("{module} (layer {own}) uses {u}")),
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
+#[test]
+fn the_modules_import_each_other_in_no_circle() {
+    let graph = imports();
+    // Depth-first search for a back edge; the path found names the circle.
+    fn visit(
+        m: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == m) {
+            let mut circle = path[at..].to_vec();
+            circle.push(m.to_owned());
+            return Some(circle);
+        }
+        if done.contains(m) {
+            return None;
+        }
+        path.push(m.to_owned());
+        for next in graph.get(m).into_iter().flatten() {
+            if let Some(c) = visit(next, graph, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(m.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    for m in graph.keys() {
+        let mut path = Vec::new();
+        if let Some(circle) = visit(m, &graph, &mut path, &mut done) {
+            panic!("import circle: {}", circle.join(" -> "));
+        }
+    }
+}
+
+#[test]
+fn the_lower_layers_never_name_the_proxy_or_the_server() {
+    let graph = imports();
+    for lower in [
+        "store",
+        "auth",
+        "limits",
+        "telemetry",
+        "config",
+        "key",
+        "openai",
+    ] {
+        let used = graph.get(lower).cloned().unwrap_or_default();
+        for upper in ["proxy", "server"] {
+            assert!(
+                !used.contains(upper),
+                "{lower} imports crate::{upper}: the lower layers must not know the request path's top"
+            );
+        }
+    }
+}
