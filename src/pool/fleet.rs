@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{BackendConfig, Discover, PoolConfig, QueueConfig};
 
-use super::Generation;
+use super::{Backend, Generation, Pool};
 
 /// A worker's swappable handle on the current generation: the pools its requests use, swapped
 /// by each reload.
@@ -333,6 +333,29 @@ impl Fleet {
     }
 
     /// Build the generation of `configured` × `discovered` and swap it in everywhere.
+    /// Name the retired backends in the summary; the (model, URL) pairs whose metric series
+    /// go (the same model and URL may live on as a new object when its settings changed: its
+    /// series stay).
+    fn removed_labels(
+        next: &Generation,
+        retired: &[(&Pool, &Arc<Backend>)],
+        summary: &mut ReloadSummary,
+    ) -> Vec<(Arc<str>, Arc<str>)> {
+        let mut removed = Vec::with_capacity(retired.len());
+        for (p, b) in retired {
+            summary
+                .backends_removed
+                .push(format!("{} {}", p.model, b.base));
+            if !next
+                .get(&p.model)
+                .is_some_and(|q| q.backends.iter().any(|n| n.base == b.base))
+            {
+                removed.push((p.model.clone(), b.base.clone()));
+            }
+        }
+        removed
+    }
+
     fn apply(
         &self,
         inner: &mut Inner,
@@ -371,21 +394,7 @@ impl Fleet {
             }
         }
         let retired = next.retired_since(&old);
-        let mut removed_labels = Vec::with_capacity(retired.len());
-        for (p, b) in &retired {
-            b.retire();
-            summary
-                .backends_removed
-                .push(format!("{} {}", p.model, b.base));
-            // The same model and URL may live on as a new object (its settings changed):
-            // its series stay.
-            if !next
-                .get(&p.model)
-                .is_some_and(|q| q.backends.iter().any(|n| n.base == b.base))
-            {
-                removed_labels.push((p.model.clone(), b.base.clone()));
-            }
-        }
+        let removed_labels = Self::removed_labels(&next, &retired, &mut summary);
         if let Some(f) = &*lock(&self.on_relayout) {
             f(&next, &removed_labels);
         }
@@ -395,6 +404,11 @@ impl Fleet {
         drop(workers);
         let next = Arc::new(next);
         self.current.store(next.clone());
+        // Retired only once every worker has the next generation: a request that routed in
+        // the old one and finds its backends retired is routed again in the new one.
+        for (_, b) in &retired {
+            b.retire();
+        }
         inner.generation += 1;
         summary.generation = inner.generation;
         if let Some(c) = &self.counters {

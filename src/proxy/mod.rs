@@ -154,12 +154,29 @@ async fn phases(
     let view = view::parse(&body, endpoint)?;
     ex.record.stream = view.stream;
 
-    // In the pools as they are now: a reload swaps them for the requests that follow; this
-    // one keeps these to its end.
-    let pools = state.generation.load_full();
-    let route = route_phase(state, &view, &body, endpoint, &pools, &mut ex.record)?;
+    // In the generation as it is now: a reload swaps it for the requests that follow, this
+    // one keeps it to its end.
+    let generation = state.generation.load_full();
+    let route = route_phase(state, &view, &body, endpoint, &generation, &mut ex.record)?;
 
     ex.admission = admit(state, &view, &ex.record).await?;
+
+    // A reload that retired every backend this request could use, between its routing and
+    // its claim, is not the client's problem: it is routed once more, in the generation that
+    // replaced the old one.
+    let newer;
+    let (generation, route, claim) = match claim(state, &route, &ex.record) {
+        Ok(claim) => (&generation, route, claim),
+        Err(QueueError::NoUsableBackend)
+            if !Arc::ptr_eq(&generation, &*state.generation.load()) =>
+        {
+            newer = state.generation.load_full();
+            let route = route_phase(state, &view, &body, endpoint, &newer, &mut ex.record)?;
+            let claim = claim(state, &route, &ex.record).map_err(|e| queue_error(e, route.pool))?;
+            (&newer, route, claim)
+        }
+        Err(e) => return Err(queue_error(e, route.pool)),
+    };
 
     let prepared = upstream::prepare(
         parts.headers,
@@ -171,13 +188,12 @@ async fn phases(
         body_read,
     );
     drop(view);
-    let claim = claim(state, &route, &ex.record)?;
     if let Claim::Wait(waiting) = claim {
         if ex.record.stream && state.queue.keepalive_interval.is_some() {
             return Ok(Forwarded::Queued(Queued {
                 prepared,
                 waiting,
-                generation: pools.clone(),
+                generation: generation.clone(),
             }));
         }
         let sent = wait_and_send(state, route.pool, Claim::Wait(waiting), prepared, ex).await?;
@@ -253,7 +269,7 @@ fn claim(
     state: &ProxyState,
     route: &Route<'_>,
     record: &RequestRecord,
-) -> Result<Claim<Balancer>, ApiError> {
+) -> Result<Claim<Balancer>, QueueError> {
     let pool = route.pool;
     let affinity = route
         .affinity
@@ -265,7 +281,6 @@ fn claim(
         || balancer.try_acquire_routed(route.avoid, affinity),
         &asker(state, pool, record),
     )
-    .map_err(|e| queue_error(e, pool))
 }
 
 /// Phase 5, second half, and phase 6: wait for the slot if there is none yet (the wait
