@@ -17,7 +17,7 @@ use super::{APPLICATION_JSON, Exchange, X_REQUEST_ID};
 use crate::openai::Endpoint;
 use crate::openai::error::{ErrorKind, error_body};
 use crate::openai::view::{self, RequestView};
-use crate::pool::{InFlight, Pool, Reachability};
+use crate::pool::{Backend, InFlight, Pool, Reachability};
 use crate::route::Route;
 use crate::telemetry::RequestRecord;
 
@@ -194,27 +194,10 @@ async fn send(
     let backend = slot.backend().clone();
     ex.record.backend = Some(backend.base.clone());
     ex.record.backend_slot = Some(backend.slot);
-    let Prepared {
-        headers,
-        body,
-        endpoint,
-        strip_usage,
-        ..
-    } = prepared;
-    let mut headers = headers;
-    if let Some(auth) = &backend.upstream_auth {
-        headers.insert(header::AUTHORIZATION, auth.clone());
-    }
-    let mut upstream_req = Request::new(Full::new(body));
-    *upstream_req.method_mut() = Method::POST;
-    *upstream_req.uri_mut() = match endpoint {
-        Endpoint::Chat => backend.chat_uri.clone(),
-        Endpoint::Completions => backend.completions_uri.clone(),
-    };
-    *upstream_req.version_mut() = Version::HTTP_11;
-    *upstream_req.headers_mut() = headers;
+    let strip_usage = prepared.strip_usage;
+    let upstream_req = upstream_request(&backend, prepared);
 
-    // 7. Send; wait for the head within the first-token (and total) limit.
+    // Send; wait for the head within the first-token (and total) limit.
     let sent = Instant::now();
     ex.record.timeline.stamp_upstream_sent(sent);
     let t = pool.timeouts;
@@ -226,44 +209,8 @@ async fn send(
     .await
     {
         Ok(Ok(resp)) => resp,
-        Ok(Err(e)) => {
-            let (cause, detail) = classify_client_error(&e);
-            if matches!(
-                cause,
-                ConnectCause::Refused | ConnectCause::Dns | ConnectCause::ConnectTimeout
-            ) {
-                backend.mark(Reachability::Down);
-            }
-            backend.record_failure(
-                &pool.balancer.ejection,
-                &format!("{}: {detail}", cause.describe()),
-            );
-            tracing::warn!(backend = %backend.base, cause = ?cause, %detail, "upstream request failed");
-            return Err(ApiError::BackendUnreachable {
-                backend: backend.base.to_string(),
-                cause,
-                detail,
-            });
-        }
-        Err(_) => {
-            let kind = if t.total <= t.first_token {
-                TimeoutKind::Total
-            } else {
-                TimeoutKind::FirstToken
-            };
-            backend.record_failure(
-                &pool.balancer.ejection,
-                &format!(
-                    "no response head within {} ms",
-                    t.first_token.min(t.total).as_millis()
-                ),
-            );
-            return Err(ApiError::UpstreamTimeout {
-                backend: backend.base.to_string(),
-                kind,
-                after_ms: t.first_token.min(t.total).as_millis(),
-            });
-        }
+        Ok(Err(e)) => return Err(unreachable(pool, &backend, &e)),
+        Err(_) => return Err(head_timeout(pool, &backend)),
     };
     let head_at = Instant::now();
     ex.record.timeline.stamp_upstream_first_byte(head_at);
@@ -279,27 +226,12 @@ async fn send(
 
     let (mut head, upstream) = resp.into_parts();
     if head.status.is_client_error() || head.status.is_server_error() {
-        ex.record.error = Some(ErrorKind::UpstreamError);
-        let bytes = read_error_body(upstream, head_deadline.max(head_at + t.idle)).await;
-        let (body, wrapped) = openai_error_body(head.status, &bytes, &backend.base, &pool.model);
-        let mut resp = Response::new(body);
-        *resp.status_mut() = head.status;
-        let h = resp.headers_mut();
-        h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
-        h.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
-        if let Some(ra) = head.headers.get(header::RETRY_AFTER) {
-            h.insert(header::RETRY_AFTER, ra.clone());
-        }
-        if let Some(a) = &ex.admission {
-            a.headers.write(h);
-        }
-        if wrapped {
-            tracing::debug!(backend = %backend.base, status = head.status.as_u16(), "wrapped a non-OpenAI error body");
-        }
+        let deadline = head_deadline.max(head_at + t.idle);
+        let answer = error_answer(pool, &backend, &head, upstream, deadline, ex).await;
         ex.record
             .timeline
             .stamp_whole_answer(head_at, Instant::now());
-        return Ok(Sent::Full(resp));
+        return Ok(Sent::Full(answer));
     }
 
     let sse = head
@@ -333,6 +265,100 @@ async fn send(
             strip_usage,
         },
     ))
+}
+
+/// The request as this backend gets it: its own URI and its own upstream key.
+fn upstream_request(backend: &Backend, prepared: Prepared) -> Request<Full<Bytes>> {
+    let Prepared {
+        mut headers,
+        body,
+        endpoint,
+        ..
+    } = prepared;
+    if let Some(auth) = &backend.upstream_auth {
+        headers.insert(header::AUTHORIZATION, auth.clone());
+    }
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = Method::POST;
+    *req.uri_mut() = match endpoint {
+        Endpoint::Chat => backend.chat_uri.clone(),
+        Endpoint::Completions => backend.completions_uri.clone(),
+    };
+    *req.version_mut() = Version::HTTP_11;
+    *req.headers_mut() = headers;
+    req
+}
+
+/// The backend could not be reached: counted against it (and marked down when nothing
+/// listens there), named with the cause.
+fn unreachable(pool: &Pool, backend: &Backend, e: &hyper_util::client::legacy::Error) -> ApiError {
+    let (cause, detail) = classify_client_error(e);
+    if matches!(
+        cause,
+        ConnectCause::Refused | ConnectCause::Dns | ConnectCause::ConnectTimeout
+    ) {
+        backend.mark(Reachability::Down);
+    }
+    backend.record_failure(
+        &pool.balancer.ejection,
+        &format!("{}: {detail}", cause.describe()),
+    );
+    tracing::warn!(backend = %backend.base, cause = ?cause, %detail, "upstream request failed");
+    ApiError::BackendUnreachable {
+        backend: backend.base.to_string(),
+        cause,
+        detail,
+    }
+}
+
+/// No response head within the first-token (or total) limit.
+fn head_timeout(pool: &Pool, backend: &Backend) -> ApiError {
+    let t = pool.timeouts;
+    let kind = if t.total <= t.first_token {
+        TimeoutKind::Total
+    } else {
+        TimeoutKind::FirstToken
+    };
+    let after = t.first_token.min(t.total);
+    backend.record_failure(
+        &pool.balancer.ejection,
+        &format!("no response head within {} ms", after.as_millis()),
+    );
+    ApiError::UpstreamTimeout {
+        backend: backend.base.to_string(),
+        kind,
+        after_ms: after.as_millis(),
+    }
+}
+
+/// A backend's error answer, its body in OpenAI format (rewrapped when it is not), with the
+/// backend's status and `Retry-After`.
+async fn error_answer(
+    pool: &Pool,
+    backend: &Backend,
+    head: &http::response::Parts,
+    upstream: Incoming,
+    deadline: Instant,
+    ex: &mut Exchange,
+) -> Response<Bytes> {
+    ex.record.error = Some(ErrorKind::UpstreamError);
+    let bytes = read_error_body(upstream, deadline).await;
+    let (body, wrapped) = openai_error_body(head.status, &bytes, &backend.base, &pool.model);
+    let mut resp = Response::new(body);
+    *resp.status_mut() = head.status;
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
+    h.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
+    if let Some(ra) = head.headers.get(header::RETRY_AFTER) {
+        h.insert(header::RETRY_AFTER, ra.clone());
+    }
+    if let Some(a) = &ex.admission {
+        a.headers.write(h);
+    }
+    if wrapped {
+        tracing::debug!(backend = %backend.base, status = head.status.as_u16(), "wrapped a non-OpenAI error body");
+    }
+    resp
 }
 
 /// `Server-Timing: gw;dur=<pre-overhead ms>, upstream;dur=<head wait ms>`; streaming
