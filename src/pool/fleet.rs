@@ -133,8 +133,20 @@ impl std::fmt::Debug for Fleet {
     }
 }
 
+/// Why a new generation could not be built; the pools in service stay as they were.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// A discovered address does not make a valid backend URL.
+    #[error("discovered backend URL `{url}` is invalid: {reason}")]
+    DiscoveredUrl { url: String, reason: String },
+    /// Building a pool or a worker's copy failed (an upstream key that is not a valid header
+    /// value, an unreadable CA file).
+    #[error("{0}")]
+    Build(#[from] std::io::Error),
+}
+
 /// The backend a DNS answer gives: the entry's URL with `ip` as host.
-fn with_host(entry: &BackendConfig, ip: IpAddr) -> Result<BackendConfig, String> {
+fn with_host(entry: &BackendConfig, ip: IpAddr) -> Result<BackendConfig, ReloadError> {
     let url = &entry.url;
     let host = match ip {
         IpAddr::V4(v4) => v4.to_string(),
@@ -146,7 +158,12 @@ fn with_host(entry: &BackendConfig, ip: IpAddr) -> Result<BackendConfig, String>
         url.scheme_str().unwrap_or("http"),
         url.path().trim_end_matches('/')
     );
-    let uri = text.parse().map_err(|e| format!("{text}: {e}"))?;
+    let uri = text
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| ReloadError::DiscoveredUrl {
+            url: text.clone(),
+            reason: e.to_string(),
+        })?;
     Ok(BackendConfig {
         url: uri,
         discover: Discover::Static,
@@ -155,7 +172,10 @@ fn with_host(entry: &BackendConfig, ip: IpAddr) -> Result<BackendConfig, String>
 }
 
 /// `configured` with each DNS entry replaced by one backend per discovered address.
-fn expand(configured: &[PoolConfig], discovered: &[Discovered]) -> Result<Vec<PoolConfig>, String> {
+fn expand(
+    configured: &[PoolConfig],
+    discovered: &[Discovered],
+) -> Result<Vec<PoolConfig>, ReloadError> {
     let mut out = Vec::with_capacity(configured.len());
     for (i, p) in configured.iter().enumerate() {
         let mut pool = p.clone();
@@ -289,7 +309,7 @@ impl Fleet {
     /// Apply a new `[[pools]]` configuration (already validated). DNS entries keep the
     /// addresses found so far for an entry still configured with the same URL; new entries
     /// are resolved by the next discovery round.
-    pub fn reload(&self, configured: Vec<PoolConfig>) -> Result<ReloadSummary, String> {
+    pub fn reload(&self, configured: Vec<PoolConfig>) -> Result<ReloadSummary, ReloadError> {
         let mut inner = lock(&self.inner);
         let mut discovered = Vec::new();
         for (i, p) in configured.iter().enumerate() {
@@ -361,19 +381,17 @@ impl Fleet {
         inner: &mut Inner,
         configured: &[PoolConfig],
         discovered: &[Discovered],
-    ) -> Result<ReloadSummary, String> {
+    ) -> Result<ReloadSummary, ReloadError> {
         let expanded = expand(configured, discovered)?;
         let old = self.current.load_full();
-        let next =
-            Generation::build(&expanded, &self.queue, Some(&old)).map_err(|e| e.to_string())?;
+        let next = Generation::build(&expanded, &self.queue, Some(&old))?;
         // Every worker's copy first (their own clients, kept where the settings allow), so a
         // failure leaves everything as it was.
         let workers = lock(&self.workers);
         let forks = workers
             .iter()
             .map(|w| next.fork(Some(&w.load())))
-            .collect::<std::io::Result<Vec<_>>>()
-            .map_err(|e| e.to_string())?;
+            .collect::<std::io::Result<Vec<_>>>()?;
         let mut summary = ReloadSummary::default();
         for p in next.iter() {
             let before = old.iter().find(|o| o.model == p.model);

@@ -33,7 +33,7 @@ use crate::auth::Authenticator;
 use crate::config::Config;
 use crate::openai::Endpoint;
 use crate::pool::Generation;
-use crate::pool::fleet::{Fleet, ReloadSummary};
+use crate::pool::fleet::{Fleet, ReloadError, ReloadSummary};
 use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
 use crate::proxy::{self, ProxyState};
@@ -417,7 +417,7 @@ impl Server {
     /// Apply `config`'s `[[pools]]` without a restart: streams in flight continue on the
     /// backends they started on. Other sections need a restart; the caller is told which
     /// differ (`Config::restart_needed_for`).
-    pub fn reload(&self, config: &Config) -> Result<ReloadSummary, String> {
+    pub fn reload(&self, config: &Config) -> Result<ReloadSummary, ReloadError> {
         self.fleet.reload(config.pools.clone())
     }
 
