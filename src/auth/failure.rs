@@ -127,106 +127,69 @@ impl AuthFailure {
 
     /// (type, code, message) for the OpenAI error body.
     pub fn describe(&self) -> (&'static str, &'static str, String) {
+        (self.error_type(), self.code(), self.message())
+    }
+
+    /// The OpenAI error `type`, derived from the kind so that it always agrees with the status.
+    fn error_type(&self) -> &'static str {
+        match self.kind() {
+            ErrorKind::Forbidden => "permission_error",
+            ErrorKind::AuthThrottled => "rate_limit_error",
+            _ => "authentication_error",
+        }
+    }
+
+    fn code(&self) -> &'static str {
+        match self {
+            AuthFailure::Missing => "missing_api_key",
+            AuthFailure::NoSpaceAfterBearer
+            | AuthFailure::Quoted
+            | AuthFailure::Whitespace
+            | AuthFailure::BasicScheme
+            | AuthFailure::OtherScheme(_) => "invalid_authorization_header",
+            AuthFailure::OAuthToken => "oauth_not_supported",
+            AuthFailure::NotFleetgate { .. }
+            | AuthFailure::UnknownEnvironment
+            | AuthFailure::Mistyped
+            | AuthFailure::UnknownKey => "invalid_api_key",
+            AuthFailure::Revoked { .. } => "key_revoked",
+            AuthFailure::Expired { .. } => "key_expired",
+            AuthFailure::RotatedOut { .. } => "key_rotated",
+            AuthFailure::ModelNotAllowed { .. } => "model_not_allowed",
+            AuthFailure::EnvironmentNotAllowed { .. } => "environment_not_allowed",
+            AuthFailure::TooManyFailures { .. } => "too_many_auth_failures",
+        }
+    }
+
+    fn message(&self) -> String {
         const HOW: &str = "send `Authorization: Bearer <key>` (or `x-api-key: <key>`) with a fleetgate key `fg-<env>-...`";
         match self {
-            AuthFailure::Missing => (
-                "authentication_error",
-                "missing_api_key",
-                format!("No API key was sent: {HOW}."),
+            AuthFailure::Missing => format!("No API key was sent: {HOW}."),
+            AuthFailure::NoSpaceAfterBearer => "The Authorization header needs a space after `Bearer`: `Authorization: Bearer <key>`.".into(),
+            AuthFailure::Quoted => "The key is wrapped in quotes: send it bare, `Authorization: Bearer fg-...` (check the client's config file or environment variable).".into(),
+            AuthFailure::Whitespace => "The key has extra whitespace in or around it (a copied line break or double space?): send exactly `Authorization: Bearer <key>`.".into(),
+            AuthFailure::BasicScheme => "HTTP Basic authentication is not supported: send `Authorization: Bearer <key>`.".into(),
+            AuthFailure::OAuthToken => "Only static API keys are accepted; OAuth is not supported. Configure the client with an API key (`fg-<env>-...`) instead of an OAuth login.".into(),
+            AuthFailure::OtherScheme(s) => format!("The Authorization scheme `{s}` is not supported: send `Authorization: Bearer <key>`."),
+            AuthFailure::NotFleetgate { openai_style: true } => "That looks like an OpenAI (`sk-...`) key, not a fleetgate key: use the `fg-<env>-...` key issued for this gateway.".into(),
+            AuthFailure::NotFleetgate { openai_style: false } => "That is not a fleetgate key: keys look like `fg-<env>-<id>-<secret>`. Check that the client uses the key issued for this gateway.".into(),
+            AuthFailure::UnknownEnvironment => "The key names an environment this gateway does not issue (stress, gray, prod): the key is mistyped or from another system.".into(),
+            AuthFailure::Mistyped => "The key is mistyped or truncated (its checksum does not match): copy the whole key again.".into(),
+            AuthFailure::UnknownKey => "The key is not valid on this gateway (unknown, or its secret does not match): ask an operator for a current key.".into(),
+            AuthFailure::Revoked { at, reason } => format!("The key was revoked at {} (reason: {reason}). Ask an operator for a new key.", format_wall_ms(*at)),
+            AuthFailure::Expired { at } => format!("The key expired at {}. Ask an operator for a new key.", format_wall_ms(*at)),
+            AuthFailure::RotatedOut { at } => format!("The key was rotated and this old secret stopped working at {}: use the new key issued at rotation.", format_wall_ms(*at)),
+            AuthFailure::ModelNotAllowed { model, allowed } => format!(
+                "This key may not use model `{model}`; it may use: {}.",
+                allowed.iter().map(|m| format!("`{m}`")).collect::<Vec<_>>().join(", ")
             ),
-            AuthFailure::NoSpaceAfterBearer => (
-                "authentication_error",
-                "invalid_authorization_header",
-                "The Authorization header needs a space after `Bearer`: `Authorization: Bearer <key>`.".into(),
+            AuthFailure::EnvironmentNotAllowed { env, model, allowed } => format!(
+                "Keys of environment `{env}` may not use model `{model}`; its pool serves: {}.",
+                allowed.iter().map(|e| e.as_str()).collect::<Vec<_>>().join(", ")
             ),
-            AuthFailure::Quoted => (
-                "authentication_error",
-                "invalid_authorization_header",
-                "The key is wrapped in quotes: send it bare, `Authorization: Bearer fg-...` (check the client's config file or environment variable).".into(),
-            ),
-            AuthFailure::Whitespace => (
-                "authentication_error",
-                "invalid_authorization_header",
-                "The key has extra whitespace in or around it (a copied line break or double space?): send exactly `Authorization: Bearer <key>`.".into(),
-            ),
-            AuthFailure::BasicScheme => (
-                "authentication_error",
-                "invalid_authorization_header",
-                "HTTP Basic authentication is not supported: send `Authorization: Bearer <key>`.".into(),
-            ),
-            AuthFailure::OAuthToken => (
-                "authentication_error",
-                "oauth_not_supported",
-                "Only static API keys are accepted; OAuth is not supported. Configure the client with an API key (`fg-<env>-...`) instead of an OAuth login.".into(),
-            ),
-            AuthFailure::OtherScheme(s) => (
-                "authentication_error",
-                "invalid_authorization_header",
-                format!("The Authorization scheme `{s}` is not supported: send `Authorization: Bearer <key>`."),
-            ),
-            AuthFailure::NotFleetgate { openai_style: true } => (
-                "authentication_error",
-                "invalid_api_key",
-                "That looks like an OpenAI (`sk-...`) key, not a fleetgate key: use the `fg-<env>-...` key issued for this gateway.".into(),
-            ),
-            AuthFailure::NotFleetgate { openai_style: false } => (
-                "authentication_error",
-                "invalid_api_key",
-                "That is not a fleetgate key: keys look like `fg-<env>-<id>-<secret>`. Check that the client uses the key issued for this gateway.".into(),
-            ),
-            AuthFailure::UnknownEnvironment => (
-                "authentication_error",
-                "invalid_api_key",
-                "The key names an environment this gateway does not issue (stress, gray, prod): the key is mistyped or from another system.".into(),
-            ),
-            AuthFailure::Mistyped => (
-                "authentication_error",
-                "invalid_api_key",
-                "The key is mistyped or truncated (its checksum does not match): copy the whole key again.".into(),
-            ),
-            AuthFailure::UnknownKey => (
-                "authentication_error",
-                "invalid_api_key",
-                "The key is not valid on this gateway (unknown, or its secret does not match): ask an operator for a current key.".into(),
-            ),
-            AuthFailure::Revoked { at, reason } => (
-                "authentication_error",
-                "key_revoked",
-                format!("The key was revoked at {} (reason: {reason}). Ask an operator for a new key.", format_wall_ms(*at)),
-            ),
-            AuthFailure::Expired { at } => (
-                "authentication_error",
-                "key_expired",
-                format!("The key expired at {}. Ask an operator for a new key.", format_wall_ms(*at)),
-            ),
-            AuthFailure::RotatedOut { at } => (
-                "authentication_error",
-                "key_rotated",
-                format!("The key was rotated and this old secret stopped working at {}: use the new key issued at rotation.", format_wall_ms(*at)),
-            ),
-            AuthFailure::ModelNotAllowed { model, allowed } => (
-                "permission_error",
-                "model_not_allowed",
-                format!(
-                    "This key may not use model `{model}`; it may use: {}.",
-                    allowed.iter().map(|m| format!("`{m}`")).collect::<Vec<_>>().join(", ")
-                ),
-            ),
-            AuthFailure::EnvironmentNotAllowed { env, model, allowed } => (
-                "permission_error",
-                "environment_not_allowed",
-                format!(
-                    "Keys of environment `{env}` may not use model `{model}`; its pool serves: {}.",
-                    allowed.iter().map(|e| e.as_str()).collect::<Vec<_>>().join(", ")
-                ),
-            ),
-            AuthFailure::TooManyFailures { retry_after } => (
-                "rate_limit_error",
-                "too_many_auth_failures",
-                format!(
-                    "Too many failed authentication attempts from your address; retry in {} s with a valid key.",
-                    retry_after.as_secs().max(1)
-                ),
+            AuthFailure::TooManyFailures { retry_after } => format!(
+                "Too many failed authentication attempts from your address; retry in {} s with a valid key.",
+                retry_after.as_secs().max(1)
             ),
         }
     }
