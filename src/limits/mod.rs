@@ -21,17 +21,15 @@ pub use limiter::{KeyQuota, TokioClock};
 pub use refusal::{LimitKind, LimitMetrics, RateHeaders, Refusal, Window, reset_value};
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use dashmap::DashMap;
-use governor::Quota;
 
-use crate::config::{EnvLimits, LimitsConfig, SharedLimits};
+use crate::config::{LimitsConfig, SharedLimits};
 use crate::key::Environment;
 use crate::key::KeyRecord;
-use bucket::TokenBucket;
-use limiter::{EnvLimiter, KeyLimiter, div_ceil_u32, gcra, nz};
+use limiter::{EnvLimiter, KeyLimiter};
 
 /// What admission needs to know of a request.
 #[derive(Debug, Clone, Copy)]
@@ -102,24 +100,8 @@ impl Limits {
             (Some(_), Some(r)) => r.replicas.max(1),
             _ => 1,
         };
-        let envs = Environment::ALL.map(|env| {
-            let e = &cfg.environments[env.index()];
-            let per_second = e
-                .aggregate_requests_per_second
-                .map(|r| (r, e.aggregate_burst.unwrap_or(r)));
-            let requests = per_second.map(|(r, b)| {
-                gcra(
-                    Quota::per_second(nz(div_ceil_u32(r, divisor)))
-                        .allow_burst(nz(div_ceil_u32(b, divisor))),
-                )
-            });
-            EnvLimiter {
-                per_second,
-                requests,
-                max_concurrent: e.aggregate_max_concurrent.map(|m| div_ceil_u32(m, divisor)),
-                in_flight: AtomicU32::new(0),
-            }
-        });
+        let envs =
+            Environment::ALL.map(|env| EnvLimiter::new(&cfg.environments[env.index()], divisor));
         Self {
             cfg,
             divisor,
@@ -153,27 +135,7 @@ impl Limits {
 
     /// The limits that apply to `key`.
     pub fn quota(&self, key: &KeyRecord) -> KeyQuota {
-        let e: &EnvLimits = &self.cfg.environments[key.environment.index()];
-        let clamp = |v: i64| u32::try_from(v).unwrap_or(u32::MAX);
-        let rpm = key.requests_per_minute.map(clamp).or(e.requests_per_minute);
-        KeyQuota {
-            requests_per_minute: rpm,
-            burst: match (key.requests_per_minute, e.request_burst, rpm) {
-                // A key's own rate comes with a minute's allowance as its burst.
-                (Some(_), _, Some(r)) => r,
-                (None, Some(b), _) => b,
-                (_, _, Some(r)) => r,
-                _ => 1,
-            },
-            tokens_per_minute: key
-                .tokens_per_minute
-                .map(|v| u64::try_from(v).unwrap_or(u64::MAX))
-                .or(e.tokens_per_minute),
-            max_concurrent: key
-                .max_concurrent_streams
-                .map(clamp)
-                .or(e.max_concurrent_streams),
-        }
+        KeyQuota::resolve(key, &self.cfg.environments[key.environment.index()])
     }
 
     fn key_limiter(&self, key: &KeyRecord, quota: KeyQuota) -> Arc<KeyLimiter> {
@@ -182,21 +144,7 @@ impl Limits {
         {
             return l.clone();
         }
-        let d = self.divisor;
-        let limiter = Arc::new(KeyLimiter {
-            quota,
-            requests: quota.requests_per_minute.map(|r| {
-                gcra(
-                    Quota::per_minute(nz(div_ceil_u32(r, d)))
-                        .allow_burst(nz(div_ceil_u32(quota.burst, d))),
-                )
-            }),
-            tokens: quota
-                .tokens_per_minute
-                .map(|t| TokenBucket::new(t.div_ceil(u64::from(d)).max(1))),
-            in_flight: AtomicU32::new(0),
-            last_used: AtomicU64::new(0),
-        });
+        let limiter = Arc::new(KeyLimiter::new(quota, self.divisor));
         // A changed limit starts afresh (its counters no longer mean the same); requests in
         // flight keep their slots on the old state.
         self.keys.insert(key.id, limiter.clone());
