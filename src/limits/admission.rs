@@ -7,11 +7,17 @@ use std::time::Duration;
 
 use governor::clock::Clock;
 
-use super::bucket::Shortfall;
+use super::bucket::{Shortfall, TokenBucket};
 use super::limiter::{EnvLimiter, KeyLimiter, KeyQuota, TokioClock, div_ceil_u32};
 use super::refusal::{LimitKind, RateHeaders, Refusal, Window};
 use super::{Demand, Limits, shared};
 use crate::key::{Environment, KeyRecord};
+
+/// Builds the refusal of one request by `kind`, with the limit's value, when to come back and
+/// the `x-ratelimit-*` headers.
+trait RefusalOf: Fn(LimitKind, u64, Option<Duration>, RateHeaders) -> Refusal {}
+
+impl<F: Fn(LimitKind, u64, Option<Duration>, RateHeaders) -> Refusal> RefusalOf for F {}
 
 impl Limits {
     /// Admit a request of `key` or say which limit refuses it.
@@ -37,20 +43,49 @@ impl Limits {
         };
         let limiter = self.key_limiter(key, quota);
         limiter.last_used.store(self.now_ms(), Ordering::Relaxed);
-        let mut adm = Admission {
-            limits: Some(self.clone()),
-            key: Some(limiter.clone()),
-            env,
-            key_slot: false,
-            env_slot: false,
-            reserved: 0,
-            reserved_in: Reserved::Nowhere,
-            prompt_estimate: demand.prompt_tokens,
-            used: None,
-            headers: RateHeaders::default(),
-        };
+        let mut adm = Admission::held(self.clone(), limiter.clone(), env, demand.prompt_tokens);
 
         // 1. Concurrency (in process; in shared mode each replica holds its share).
+        self.take_slots(&mut adm, &limiter, &quota, e, &refusal)?;
+
+        // 2. Rates and tokens: in Redis when shared and reachable, else here.
+        if let Some(shared) = &self.shared
+            && shared.is_up()
+        {
+            let check = shared::Check::new(key, &quota, e.per_second, demand.total());
+            match shared.admit(&check).await {
+                Ok(shared::Outcome::Admitted { requests, tokens }) => {
+                    adm.headers = shared_headers(&quota, requests, tokens);
+                    if quota.tokens_per_minute.is_some() {
+                        adm.reserved = demand.total();
+                        adm.reserved_in = Reserved::Shared(key.id);
+                    }
+                    return Ok(adm);
+                }
+                Ok(shared::Outcome::Refused { which, retry_after }) => {
+                    let (kind, limit) = shared_refused(which, &quota, e);
+                    let retry = (kind != LimitKind::KeyTokensTooLarge).then_some(retry_after);
+                    let headers = refusal_headers(kind, &quota, retry_after);
+                    return Err(self.refuse(refusal(kind, limit, retry, headers)));
+                }
+                // Unreachable or too slow: this request and the next ones use local limits
+                // (limit / replicas) until Redis answers again; `shared` logs and counts it.
+                Err(()) => {}
+            }
+        }
+        self.admit_local(adm, &limiter, &quota, e, demand, refusal)
+    }
+
+    /// Take the key's and then the environment's concurrency slot; a slot taken stays with
+    /// `adm`, so a refusal by the environment gives the key's back when `adm` is dropped.
+    fn take_slots(
+        &self,
+        adm: &mut Admission,
+        limiter: &KeyLimiter,
+        quota: &KeyQuota,
+        e: &EnvLimiter,
+        refusal: &impl RefusalOf,
+    ) -> Result<(), Refusal> {
         if let Some(max) = quota.max_concurrent {
             let max = div_ceil_u32(max, self.divisor);
             if !try_inc(&limiter.in_flight, max) {
@@ -74,60 +109,7 @@ impl Limits {
             }
             adm.env_slot = true;
         }
-
-        // 2. Rates and tokens: in Redis when shared and reachable, else here.
-        if let Some(shared) = &self.shared
-            && shared.is_up()
-        {
-            let check = shared::Check::new(key, &quota, e.per_second, demand.total());
-            match shared.admit(&check).await {
-                Ok(shared::Outcome::Admitted { requests, tokens }) => {
-                    adm.headers = RateHeaders {
-                        requests: requests.map(|(remaining, reset)| Window {
-                            limit: u64::from(quota.requests_per_minute.unwrap_or(0)),
-                            remaining,
-                            reset,
-                        }),
-                        tokens: tokens.map(|(remaining, reset)| Window {
-                            limit: quota.tokens_per_minute.unwrap_or(0),
-                            remaining,
-                            reset,
-                        }),
-                    };
-                    if quota.tokens_per_minute.is_some() {
-                        adm.reserved = demand.total();
-                        adm.reserved_in = Reserved::Shared(key.id);
-                    }
-                    return Ok(adm);
-                }
-                Ok(shared::Outcome::Refused { which, retry_after }) => {
-                    let (kind, limit) = match which {
-                        shared::Which::KeyRequests => (
-                            LimitKind::KeyRequests,
-                            u64::from(quota.requests_per_minute.unwrap_or(0)),
-                        ),
-                        shared::Which::KeyTokens => {
-                            (LimitKind::KeyTokens, quota.tokens_per_minute.unwrap_or(0))
-                        }
-                        shared::Which::KeyTokensTooLarge => (
-                            LimitKind::KeyTokensTooLarge,
-                            quota.tokens_per_minute.unwrap_or(0),
-                        ),
-                        shared::Which::EnvRequests => (
-                            LimitKind::EnvRequests,
-                            u64::from(e.per_second.map_or(0, |p| p.0)),
-                        ),
-                    };
-                    let retry = (kind != LimitKind::KeyTokensTooLarge).then_some(retry_after);
-                    let headers = refusal_headers(kind, &quota, retry_after);
-                    return Err(self.refuse(refusal(kind, limit, retry, headers)));
-                }
-                // Unreachable or too slow: this request and the next ones use local limits
-                // (limit / replicas) until Redis answers again; `shared` logs and counts it.
-                Err(()) => {}
-            }
-        }
-        self.admit_local(adm, &limiter, &quota, e, demand, refusal)
+        Ok(())
     }
 
     fn admit_local(
@@ -137,47 +119,12 @@ impl Limits {
         quota: &KeyQuota,
         e: &EnvLimiter,
         demand: Demand,
-        refusal: impl Fn(LimitKind, u64, Option<Duration>, RateHeaders) -> Refusal,
+        refusal: impl RefusalOf,
     ) -> Result<Admission, Refusal> {
         let d = self.divisor;
         let mut headers = RateHeaders::default();
         if let Some(bucket) = &limiter.tokens {
-            let need = demand.total();
-            match bucket.reserve(need) {
-                Ok(s) => {
-                    adm.reserved = need;
-                    adm.reserved_in = Reserved::Local;
-                    headers.tokens = Some(Window {
-                        limit: bucket.per_minute(),
-                        remaining: s.remaining,
-                        reset: s.reset,
-                    });
-                }
-                Err(Shortfall::TooLarge) => {
-                    return Err(self.refuse(refusal(
-                        LimitKind::KeyTokensTooLarge,
-                        bucket.per_minute(),
-                        None,
-                        RateHeaders::default(),
-                    )));
-                }
-                Err(Shortfall::Wait(wait)) => {
-                    let h = RateHeaders {
-                        tokens: Some(Window {
-                            limit: bucket.per_minute(),
-                            remaining: bucket.peek().remaining,
-                            reset: bucket.peek().reset,
-                        }),
-                        requests: None,
-                    };
-                    return Err(self.refuse(refusal(
-                        LimitKind::KeyTokens,
-                        bucket.per_minute(),
-                        Some(wait),
-                        h,
-                    )));
-                }
-            }
+            headers.tokens = Some(self.reserve_tokens(&mut adm, bucket, demand, &refusal)?);
         }
         if let Some(g) = &limiter.requests {
             let rpm = u64::from(div_ceil_u32(quota.requests_per_minute.unwrap_or(1), d));
@@ -219,6 +166,89 @@ impl Limits {
         }
         adm.headers = headers;
         Ok(adm)
+    }
+
+    /// Reserve the request's tokens in the key's local bucket; the reservation is `adm`'s.
+    fn reserve_tokens(
+        &self,
+        adm: &mut Admission,
+        bucket: &TokenBucket,
+        demand: Demand,
+        refusal: &impl RefusalOf,
+    ) -> Result<Window, Refusal> {
+        let need = demand.total();
+        match bucket.reserve(need) {
+            Ok(s) => {
+                adm.reserved = need;
+                adm.reserved_in = Reserved::Local;
+                Ok(Window {
+                    limit: bucket.per_minute(),
+                    remaining: s.remaining,
+                    reset: s.reset,
+                })
+            }
+            Err(Shortfall::TooLarge) => Err(self.refuse(refusal(
+                LimitKind::KeyTokensTooLarge,
+                bucket.per_minute(),
+                None,
+                RateHeaders::default(),
+            ))),
+            Err(Shortfall::Wait(wait)) => {
+                let h = RateHeaders {
+                    tokens: Some(Window {
+                        limit: bucket.per_minute(),
+                        remaining: bucket.peek().remaining,
+                        reset: bucket.peek().reset,
+                    }),
+                    requests: None,
+                };
+                Err(self.refuse(refusal(
+                    LimitKind::KeyTokens,
+                    bucket.per_minute(),
+                    Some(wait),
+                    h,
+                )))
+            }
+        }
+    }
+}
+
+/// The `x-ratelimit-*` windows of a request the shared store admitted.
+fn shared_headers(
+    quota: &KeyQuota,
+    requests: Option<(u64, Duration)>,
+    tokens: Option<(u64, Duration)>,
+) -> RateHeaders {
+    RateHeaders {
+        requests: requests.map(|(remaining, reset)| Window {
+            limit: u64::from(quota.requests_per_minute.unwrap_or(0)),
+            remaining,
+            reset,
+        }),
+        tokens: tokens.map(|(remaining, reset)| Window {
+            limit: quota.tokens_per_minute.unwrap_or(0),
+            remaining,
+            reset,
+        }),
+    }
+}
+
+/// Which limit the shared store refused by, and that limit's value.
+fn shared_refused(which: shared::Which, quota: &KeyQuota, e: &EnvLimiter) -> (LimitKind, u64) {
+    match which {
+        shared::Which::KeyRequests => (
+            LimitKind::KeyRequests,
+            u64::from(quota.requests_per_minute.unwrap_or(0)),
+        ),
+        shared::Which::KeyTokens => (LimitKind::KeyTokens, quota.tokens_per_minute.unwrap_or(0)),
+        shared::Which::KeyTokensTooLarge => (
+            LimitKind::KeyTokensTooLarge,
+            quota.tokens_per_minute.unwrap_or(0),
+        ),
+        shared::Which::EnvRequests => (
+            LimitKind::EnvRequests,
+            u64::from(e.per_second.map_or(0, |p| p.0)),
+        ),
     }
 }
 
@@ -291,6 +321,27 @@ impl std::fmt::Debug for Admission {
 }
 
 impl Admission {
+    /// A hold on `key`'s limiter state, with no slot taken and nothing reserved yet.
+    fn held(
+        limits: Arc<Limits>,
+        key: Arc<KeyLimiter>,
+        env: Environment,
+        prompt_estimate: u64,
+    ) -> Self {
+        Self {
+            limits: Some(limits),
+            key: Some(key),
+            env,
+            key_slot: false,
+            env_slot: false,
+            reserved: 0,
+            reserved_in: Reserved::Nowhere,
+            prompt_estimate,
+            used: None,
+            headers: RateHeaders::default(),
+        }
+    }
+
     fn unlimited(env: Environment) -> Self {
         Self {
             limits: None,
