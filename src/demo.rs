@@ -3,17 +3,19 @@
 //! the hop cost, then the gateway keeps serving with everything needed to try it by hand.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Uri};
 use tokio::net::TcpListener;
 
-use crate::client::{self, Measured};
+use crate::auth::Authenticator;
+use crate::client::{self, HttpClient, Measured};
 use crate::config::{Config, PoolConfig, ServerConfig};
-use crate::key::Environment;
+use crate::key::{Environment, KeyRecord};
 use crate::server::Server;
-use crate::sim::{self, SimArgs};
+use crate::sim::{self, SimArgs, SimServer};
 use crate::store::CreateKey;
 use crate::telemetry::Recorder;
 
@@ -43,21 +45,67 @@ pub async fn run(
         sim::start(demo_sim_args(1)).await?,
         sim::start(demo_sim_args(2)).await?,
     ];
-    let listener = match TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], args.port))).await {
-        Ok(l) => l,
+    let listener = bind(args.port).await?;
+    let data_dir = std::env::temp_dir().join(format!("fleetgate-demo-{}", std::process::id()));
+    let config = demo_config(&listener, &sims, &data_dir)?;
+    let server = Server::start_on(listener, &config, Recorder::new(false))
+        .await
+        .map_err(std::io::Error::other)?;
+    let gateway = server.base_url();
+    let (demo_key, record) = issue_demo_key(&server.auth).await?;
+
+    println!("fleetgate demo: 2 simulated vLLM backends + the gateway, one process\n");
+    let c = client::http_client();
+    let headers = bearer(&demo_key)?;
+    let body = chat_body(args.max_tokens);
+    let via: Uri = format!("{gateway}/v1/chat/completions")
+        .parse()
+        .map_err(std::io::Error::other)?;
+    warm_up(&c, &sims, &via, &headers, &body).await?;
+    let diffs = compare(&c, &sims, &via, &headers, &body, args.requests).await?;
+    print_median(diffs);
+    print_try_it(
+        &gateway,
+        &sims,
+        &config.database.sqlite_path,
+        &demo_key,
+        &record.public_id,
+    );
+
+    if !args.no_wait {
+        println!("\nServing until Ctrl-C.");
+        until.await;
+    }
+    server.shutdown().await;
+    for s in sims {
+        s.shutdown().await;
+    }
+    let _ = std::fs::remove_dir_all(&data_dir);
+    Ok(())
+}
+
+/// The gateway's listener: on `port`, or on a free port when it is busy.
+async fn bind(port: u16) -> std::io::Result<TcpListener> {
+    match TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await {
+        Ok(l) => Ok(l),
         Err(e) => {
-            println!(
-                "port {} is busy ({e}); using a free port instead",
-                args.port
-            );
-            TcpListener::bind("127.0.0.1:0").await?
+            println!("port {port} is busy ({e}); using a free port instead");
+            TcpListener::bind("127.0.0.1:0").await
         }
-    };
+    }
+}
+
+/// One pool over the simulated backends, the embedded SQLite store in `data_dir`, no admin
+/// listener, and health checks quick enough for a short demo.
+fn demo_config(
+    listener: &TcpListener,
+    sims: &[SimServer],
+    data_dir: &Path,
+) -> std::io::Result<Config> {
     let backends: Vec<Uri> = sims
         .iter()
         .map(|s| s.url().parse::<Uri>().map_err(std::io::Error::other))
         .collect::<Result<_, _>>()?;
-    let data_dir = std::env::temp_dir().join(format!("fleetgate-demo-{}", std::process::id()));
     let mut config = Config::with_pools(vec![PoolConfig::new(MODEL, backends)]);
     config.server = ServerConfig {
         listen: listener.local_addr()?,
@@ -69,13 +117,12 @@ pub async fn run(
     config.database.sqlite_path = data_dir.join("fleetgate.db");
     config.request_log.spill_path = data_dir.join("request-log.spill");
     config.admin.listen = None;
-    let server = Server::start_on(listener, &config, Recorder::new(false))
-        .await
-        .map_err(std::io::Error::other)?;
-    let gateway = server.base_url();
-    // The demo's own stress key, in the embedded SQLite store.
-    let (demo_key, record) = server
-        .auth
+    Ok(config)
+}
+
+/// The demo's own stress key, in the embedded SQLite store, known to the gateway at once.
+async fn issue_demo_key(auth: &Authenticator) -> std::io::Result<(String, KeyRecord)> {
+    let (demo_key, record) = auth
         .store()
         .create(
             &CreateKey {
@@ -87,55 +134,79 @@ pub async fn run(
         )
         .await
         .map_err(std::io::Error::other)?;
-    server.auth.apply(&record.public_id, Some(record.clone()));
+    auth.apply(&record.public_id, Some(record.clone()));
+    Ok((demo_key, record))
+}
 
-    println!("fleetgate demo: 2 simulated vLLM backends + the gateway, one process\n");
-    let c = client::http_client();
+fn bearer(key: &str) -> std::io::Result<HeaderMap> {
     let mut headers = HeaderMap::new();
     headers.insert(
         http::header::AUTHORIZATION,
-        HeaderValue::try_from(format!("Bearer {demo_key}")).map_err(std::io::Error::other)?,
+        HeaderValue::try_from(format!("Bearer {key}")).map_err(std::io::Error::other)?,
     );
-    let body = Bytes::from(
+    Ok(headers)
+}
+
+fn chat_body(max_tokens: u32) -> Bytes {
+    Bytes::from(
         serde_json::json!({
             "model": MODEL,
             "messages": [{"role": "user", "content": "Explain continuous batching in one paragraph."}],
-            "max_tokens": args.max_tokens,
+            "max_tokens": max_tokens,
             "stream": true,
             "stream_options": {"include_usage": true},
         })
         .to_string(),
-    );
-    // Warm both paths so connection set-up is not measured.
-    let via: Uri = format!("{gateway}/v1/chat/completions")
-        .parse()
-        .map_err(std::io::Error::other)?;
-    for s in &sims {
-        let direct: Uri = format!("{}/v1/chat/completions", s.url())
-            .parse()
-            .map_err(std::io::Error::other)?;
-        let _ = client::send(&c, &direct, &headers, body.clone(), false).await;
-    }
-    let _ = client::send(&c, &via, &headers, body.clone(), false).await;
+    )
+}
 
+fn chat_uri(sim: &SimServer) -> std::io::Result<Uri> {
+    format!("{}/v1/chat/completions", sim.url())
+        .parse()
+        .map_err(std::io::Error::other)
+}
+
+/// One request down each path, so that connection set-up is not measured.
+async fn warm_up(
+    c: &HttpClient,
+    sims: &[SimServer],
+    via: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> std::io::Result<()> {
+    for s in sims {
+        let direct = chat_uri(s)?;
+        let _ = client::send(c, &direct, headers, body.clone(), false).await;
+    }
+    let _ = client::send(c, via, headers, body.clone(), false).await;
+    Ok(())
+}
+
+/// `requests` pairs of the same chat, direct and through the gateway, one table row each;
+/// returns the TTFT differences of the pairs where both answered.
+async fn compare(
+    c: &HttpClient,
+    sims: &[SimServer],
+    via: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+    requests: usize,
+) -> std::io::Result<Vec<f64>> {
     println!(
         "{:>3}  {:>12}  {:>14}  {:>11}  {:>9}",
         "#", "direct TTFT", "gateway TTFT", "difference", "tokens"
     );
     let mut diffs = Vec::new();
-    for i in 0..args.requests {
+    for i in 0..requests {
         // Interleave, and alternate which goes first, so noise falls on both.
-        let backend = &sims[i % 2];
-        let direct: Uri = format!("{}/v1/chat/completions", backend.url())
-            .parse()
-            .map_err(std::io::Error::other)?;
+        let direct = chat_uri(&sims[i % 2])?;
         let (d, g) = if i % 2 == 0 {
-            let d = client::send(&c, &direct, &headers, body.clone(), false).await;
-            let g = client::send(&c, &via, &headers, body.clone(), false).await;
+            let d = client::send(c, &direct, headers, body.clone(), false).await;
+            let g = client::send(c, via, headers, body.clone(), false).await;
             (d, g)
         } else {
-            let g = client::send(&c, &via, &headers, body.clone(), false).await;
-            let d = client::send(&c, &direct, &headers, body.clone(), false).await;
+            let g = client::send(c, via, headers, body.clone(), false).await;
+            let d = client::send(c, &direct, headers, body.clone(), false).await;
             (d, g)
         };
         match (d, g) {
@@ -159,18 +230,27 @@ pub async fn run(
             ),
         }
     }
-    if !diffs.is_empty() {
-        diffs.sort_by(|a, b| a.total_cmp(b));
-        let median = diffs[diffs.len() / 2];
-        println!(
-            "\nmedian TTFT difference through the gateway: {median:+.3} ms over {} pairs",
-            diffs.len()
-        );
-        println!(
-            "(the simulated backends batch like vLLM, so single pairs vary by a step; docs/benchmarks.md has the careful measurement)"
-        );
-    }
+    Ok(diffs)
+}
 
+fn print_median(mut diffs: Vec<f64>) {
+    if diffs.is_empty() {
+        return;
+    }
+    diffs.sort_by(|a, b| a.total_cmp(b));
+    let median = diffs[diffs.len() / 2];
+    println!(
+        "\nmedian TTFT difference through the gateway: {median:+.3} ms over {} pairs",
+        diffs.len()
+    );
+    println!(
+        "(the simulated backends batch like vLLM, so single pairs vary by a step; docs/benchmarks.md has the careful measurement)"
+    );
+}
+
+/// Everything needed to try the running gateway by hand.
+fn print_try_it(gateway: &str, sims: &[SimServer], db: &Path, demo_key: &str, id: &str) {
+    let db = db.display();
     println!("\nGateway:   {gateway}/v1   (OpenAI base URL; model `{MODEL}`)");
     for (i, s) in sims.iter().enumerate() {
         println!(
@@ -179,8 +259,6 @@ pub async fn run(
             s.url()
         );
     }
-    let db = config.database.sqlite_path.display();
-    let id = &record.public_id;
     println!("Key:       {demo_key}   (environment stress, id {id}; shown once)");
     println!("           export OPENAI_API_KEY={demo_key} OPENAI_BASE_URL={gateway}/v1");
     println!(
@@ -191,17 +269,6 @@ pub async fn run(
     println!(
         "  fleetgate keys revoke {id} --sqlite {db} --reason 'demo over'   # refused within ~1 s"
     );
-
-    if !args.no_wait {
-        println!("\nServing until Ctrl-C.");
-        until.await;
-    }
-    server.shutdown().await;
-    for s in sims {
-        s.shutdown().await;
-    }
-    let _ = std::fs::remove_dir_all(&data_dir);
-    Ok(())
 }
 
 fn demo_sim_args(seed: u64) -> SimArgs {

@@ -210,19 +210,6 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
             metadata,
             json,
         } => {
-            let expires_in_seconds = match expires {
-                Some(e) => Some(
-                    i64::try_from(jwt::parse_duration(&e)?.as_secs()).map_err(|e| e.to_string())?,
-                ),
-                None => None,
-            };
-            let metadata = match metadata {
-                Some(m) => Some(
-                    serde_json::from_str::<serde_json::Value>(&m)
-                        .map_err(|e| format!("--metadata is not JSON: {e}"))?,
-                ),
-                None => None,
-            };
             let req = CreateKey {
                 name,
                 environment: Some(env),
@@ -230,107 +217,148 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
                 requests_per_minute: rpm,
                 tokens_per_minute: tpm,
                 max_concurrent_streams: max_streams,
-                expires_in_seconds,
-                metadata,
+                expires_in_seconds: lifetime_seconds(expires.as_deref())?,
+                metadata: metadata_json(metadata.as_deref())?,
             };
-            let (full, record) = store.create(&req, &who).await.map_err(|e| e.to_string())?;
-            if json {
-                return print_json(&serde_json::json!({"key": full, "record": record.view()}));
-            }
-            println!(
-                "Created key {} ({}). It is shown only this once:\n",
-                record.public_id, record.environment
-            );
-            println!("  {full}\n");
-            println!("  export FLEETGATE_API_KEY={full}\n");
-            print_key(&record);
+            create(&store, &req, &who, json).await
         }
-        KeysCommand::List { env, json } => {
-            let keys = store.list(env).await.map_err(|e| e.to_string())?;
-            if json {
-                let views: Vec<_> = keys.iter().map(KeyRecord::view).collect();
-                return print_json(&views);
-            }
-            let now = wall_ms();
-            println!(
-                "{:<12}  {:<6}  {:<7}  {:<20}  {:<20}  NAME",
-                "ID", "ENV", "STATUS", "CREATED", "EXPIRES"
-            );
-            for k in &keys {
-                println!(
-                    "{:<12}  {:<6}  {:<7}  {:<20}  {:<20}  {}",
-                    k.public_id,
-                    k.environment,
-                    k.status(now),
-                    format_wall_ms(k.created_at),
-                    when(k.expires_at),
-                    k.name
-                );
-            }
-            if keys.is_empty() {
-                println!(
-                    "(no keys — create one with `fleetgate keys create --env stress --name ...`)"
-                );
-            }
-        }
-        KeysCommand::Show { id, json } => {
-            let k = store
-                .get(&id)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| {
-                    format!("key `{id}` not found (list them with `fleetgate keys list`)")
-                })?;
-            if json {
-                return print_json(&k.view());
-            }
-            print_key(&k);
-        }
-        KeysCommand::Revoke { id, reason } => {
-            let k = store
-                .revoke(&id, &reason, &who)
-                .await
-                .map_err(|e| e.to_string())?;
-            println!(
-                "Revoked {} at {}: every gateway refuses it from now on.",
-                k.public_id,
-                when(k.revoked_at)
-            );
-        }
-        KeysCommand::Rotate { id, grace } => {
-            let grace: Duration = jwt::parse_duration(&grace)?;
-            let (full, k) = store
-                .rotate(&id, grace, &who)
-                .await
-                .map_err(|e| e.to_string())?;
-            println!(
-                "New secret for {} (shown only this once):\n\n  {full}\n",
-                k.public_id
-            );
-            println!(
-                "The old secret keeps working until {}.",
-                when(k.previous.map(|(_, until)| until))
-            );
-        }
-        KeysCommand::Audit { id, limit, json } => {
-            let entries = store
-                .audit_log(id.as_deref(), limit.clamp(1, 100_000))
-                .await
-                .map_err(|e| e.to_string())?;
-            if json {
-                return print_json(&entries);
-            }
-            for e in entries {
-                println!(
-                    "{}  {:<8}  {:<12}  {:<20}  {}",
-                    format_wall_ms(e.at),
-                    e.action,
-                    e.key_public_id.as_deref().unwrap_or("-"),
-                    e.actor,
-                    e.detail
-                );
-            }
-        }
+        KeysCommand::List { env, json } => list(&store, env, json).await,
+        KeysCommand::Show { id, json } => show(&store, &id, json).await,
+        KeysCommand::Revoke { id, reason } => revoke(&store, &id, &reason, &who).await,
+        KeysCommand::Rotate { id, grace } => rotate(&store, &id, &grace, &who).await,
+        KeysCommand::Audit { id, limit, json } => audit(&store, id.as_deref(), limit, json).await,
+    }
+}
+
+/// `--expires` (e.g. `7d`) in seconds.
+fn lifetime_seconds(expires: Option<&str>) -> Result<Option<i64>, String> {
+    match expires {
+        Some(e) => Ok(Some(
+            i64::try_from(jwt::parse_duration(e)?.as_secs()).map_err(|e| e.to_string())?,
+        )),
+        None => Ok(None),
+    }
+}
+
+fn metadata_json(metadata: Option<&str>) -> Result<Option<serde_json::Value>, String> {
+    match metadata {
+        Some(m) => Ok(Some(
+            serde_json::from_str::<serde_json::Value>(m)
+                .map_err(|e| format!("--metadata is not JSON: {e}"))?,
+        )),
+        None => Ok(None),
+    }
+}
+
+/// `fleetgate keys create`.
+async fn create(store: &KeyStore, req: &CreateKey, who: &str, json: bool) -> Result<(), String> {
+    let (full, record) = store.create(req, who).await.map_err(|e| e.to_string())?;
+    if json {
+        return print_json(&serde_json::json!({"key": full, "record": record.view()}));
+    }
+    println!(
+        "Created key {} ({}). It is shown only this once:\n",
+        record.public_id, record.environment
+    );
+    println!("  {full}\n");
+    println!("  export FLEETGATE_API_KEY={full}\n");
+    print_key(&record);
+    Ok(())
+}
+
+/// `fleetgate keys list`.
+async fn list(store: &KeyStore, env: Option<Environment>, json: bool) -> Result<(), String> {
+    let keys = store.list(env).await.map_err(|e| e.to_string())?;
+    if json {
+        let views: Vec<_> = keys.iter().map(KeyRecord::view).collect();
+        return print_json(&views);
+    }
+    let now = wall_ms();
+    println!(
+        "{:<12}  {:<6}  {:<7}  {:<20}  {:<20}  NAME",
+        "ID", "ENV", "STATUS", "CREATED", "EXPIRES"
+    );
+    for k in &keys {
+        println!(
+            "{:<12}  {:<6}  {:<7}  {:<20}  {:<20}  {}",
+            k.public_id,
+            k.environment,
+            k.status(now),
+            format_wall_ms(k.created_at),
+            when(k.expires_at),
+            k.name
+        );
+    }
+    if keys.is_empty() {
+        println!("(no keys — create one with `fleetgate keys create --env stress --name ...`)");
+    }
+    Ok(())
+}
+
+/// `fleetgate keys show`.
+async fn show(store: &KeyStore, id: &str, json: bool) -> Result<(), String> {
+    let k = store
+        .get(id)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("key `{id}` not found (list them with `fleetgate keys list`)"))?;
+    if json {
+        return print_json(&k.view());
+    }
+    print_key(&k);
+    Ok(())
+}
+
+/// `fleetgate keys revoke`.
+async fn revoke(store: &KeyStore, id: &str, reason: &str, who: &str) -> Result<(), String> {
+    let k = store
+        .revoke(id, reason, who)
+        .await
+        .map_err(|e| e.to_string())?;
+    println!(
+        "Revoked {} at {}: every gateway refuses it from now on.",
+        k.public_id,
+        when(k.revoked_at)
+    );
+    Ok(())
+}
+
+/// `fleetgate keys rotate`.
+async fn rotate(store: &KeyStore, id: &str, grace: &str, who: &str) -> Result<(), String> {
+    let grace: Duration = jwt::parse_duration(grace)?;
+    let (full, k) = store
+        .rotate(id, grace, who)
+        .await
+        .map_err(|e| e.to_string())?;
+    println!(
+        "New secret for {} (shown only this once):\n\n  {full}\n",
+        k.public_id
+    );
+    println!(
+        "The old secret keeps working until {}.",
+        when(k.previous.map(|(_, until)| until))
+    );
+    Ok(())
+}
+
+/// `fleetgate keys audit`.
+async fn audit(store: &KeyStore, id: Option<&str>, limit: i64, json: bool) -> Result<(), String> {
+    let entries = store
+        .audit_log(id, limit.clamp(1, 100_000))
+        .await
+        .map_err(|e| e.to_string())?;
+    if json {
+        return print_json(&entries);
+    }
+    for e in entries {
+        println!(
+            "{}  {:<8}  {:<12}  {:<20}  {}",
+            format_wall_ms(e.at),
+            e.action,
+            e.key_public_id.as_deref().unwrap_or("-"),
+            e.actor,
+            e.detail
+        );
     }
     Ok(())
 }

@@ -171,11 +171,13 @@ fn the_messages_operations_md_quotes_are_the_gateways() {
     let ops = read("docs/operations.md");
     let sources: String = [
         "src/auth/mod.rs",
+        "src/auth/failure.rs",
         "src/proxy/error.rs",
         "src/proxy/mod.rs",
         "src/proxy/upstream.rs",
         "src/queue/mod.rs",
         "src/limits/mod.rs",
+        "src/limits/refusal.rs",
         "src/server/reload.rs",
     ]
     .iter()

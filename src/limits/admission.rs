@@ -1,0 +1,412 @@
+//! Admitting a request: concurrency slots first, then rates and tokens (in Redis when shared
+//! and reachable, else in process), and the [`Admission`] that gives it all back when dropped.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use governor::clock::Clock;
+
+use super::bucket::{Shortfall, TokenBucket};
+use super::limiter::{EnvLimiter, KeyLimiter, KeyQuota, TokioClock, div_ceil_u32};
+use super::refusal::{LimitKind, RateHeaders, Refusal, Window};
+use super::{Demand, Limits, shared};
+use crate::key::{Environment, KeyRecord};
+
+/// Builds the refusal of one request by `kind`, with the limit's value, when to come back and
+/// the `x-ratelimit-*` headers.
+trait RefusalOf: Fn(LimitKind, u64, Option<Duration>, RateHeaders) -> Refusal {}
+
+impl<F: Fn(LimitKind, u64, Option<Duration>, RateHeaders) -> Refusal> RefusalOf for F {}
+
+impl Limits {
+    /// Admit a request of `key` or say which limit refuses it.
+    pub async fn admit(
+        self: &Arc<Self>,
+        key: &KeyRecord,
+        demand: Demand,
+    ) -> Result<Admission, Refusal> {
+        let quota = self.quota(key);
+        let env = key.environment;
+        let e = &self.envs[env.index()];
+        if quota.is_unlimited() && e.requests.is_none() && e.max_concurrent.is_none() {
+            return Ok(Admission::unlimited(env));
+        }
+        let refusal = |kind, limit, retry_after, headers| Refusal {
+            kind,
+            key_id: key.public_id.clone(),
+            environment: env,
+            limit,
+            requested: demand.total(),
+            retry_after,
+            headers,
+        };
+        let limiter = self.key_limiter(key, quota);
+        limiter.last_used.store(self.now_ms(), Ordering::Relaxed);
+        let mut adm = Admission::held(self.clone(), limiter.clone(), env, demand.prompt_tokens);
+
+        // 1. Concurrency (in process; in shared mode each replica holds its share).
+        self.take_slots(&mut adm, &limiter, &quota, e, &refusal)?;
+
+        // 2. Rates and tokens: in Redis when shared and reachable, else here.
+        if let Some(shared) = &self.shared
+            && shared.is_up()
+        {
+            let check = shared::Check::new(key, &quota, e.per_second, demand.total());
+            match shared.admit(&check).await {
+                Ok(shared::Outcome::Admitted { requests, tokens }) => {
+                    adm.headers = shared_headers(&quota, requests, tokens);
+                    if quota.tokens_per_minute.is_some() {
+                        adm.reserved = demand.total();
+                        adm.reserved_in = Reserved::Shared(key.id);
+                    }
+                    return Ok(adm);
+                }
+                Ok(shared::Outcome::Refused { which, retry_after }) => {
+                    let (kind, limit) = shared_refused(which, &quota, e);
+                    let retry = (kind != LimitKind::KeyTokensTooLarge).then_some(retry_after);
+                    let headers = refusal_headers(kind, &quota, retry_after);
+                    return Err(self.refuse(refusal(kind, limit, retry, headers)));
+                }
+                // Unreachable or too slow: this request and the next ones use local limits
+                // (limit / replicas) until Redis answers again; `shared` logs and counts it.
+                Err(()) => {}
+            }
+        }
+        self.admit_local(adm, &limiter, &quota, e, demand, refusal)
+    }
+
+    /// Take the key's and then the environment's concurrency slot; a slot taken stays with
+    /// `adm`, so a refusal by the environment gives the key's back when `adm` is dropped.
+    fn take_slots(
+        &self,
+        adm: &mut Admission,
+        limiter: &KeyLimiter,
+        quota: &KeyQuota,
+        e: &EnvLimiter,
+        refusal: &impl RefusalOf,
+    ) -> Result<(), Refusal> {
+        if let Some(max) = quota.max_concurrent {
+            let max = div_ceil_u32(max, self.divisor);
+            if !try_inc(&limiter.in_flight, max) {
+                return Err(self.refuse(refusal(
+                    LimitKind::KeyConcurrency,
+                    u64::from(max),
+                    Some(Duration::from_secs(1)),
+                    RateHeaders::default(),
+                )));
+            }
+            adm.key_slot = true;
+        }
+        if let Some(max) = e.max_concurrent {
+            if !try_inc(&e.in_flight, max) {
+                return Err(self.refuse(refusal(
+                    LimitKind::EnvConcurrency,
+                    u64::from(max),
+                    Some(Duration::from_secs(1)),
+                    RateHeaders::default(),
+                )));
+            }
+            adm.env_slot = true;
+        }
+        Ok(())
+    }
+
+    fn admit_local(
+        &self,
+        mut adm: Admission,
+        limiter: &KeyLimiter,
+        quota: &KeyQuota,
+        e: &EnvLimiter,
+        demand: Demand,
+        refusal: impl RefusalOf,
+    ) -> Result<Admission, Refusal> {
+        let d = self.divisor;
+        let mut headers = RateHeaders::default();
+        if let Some(bucket) = &limiter.tokens {
+            headers.tokens = Some(self.reserve_tokens(&mut adm, bucket, demand, &refusal)?);
+        }
+        if let Some(g) = &limiter.requests {
+            let rpm = u64::from(div_ceil_u32(quota.requests_per_minute.unwrap_or(1), d));
+            match g.check() {
+                Ok(snap) => {
+                    let q = snap.quota();
+                    let remaining = snap.remaining_burst_capacity();
+                    let missing = q.burst_size().get().saturating_sub(remaining);
+                    headers.requests = Some(Window {
+                        limit: rpm,
+                        remaining: u64::from(remaining),
+                        reset: q.replenish_interval() * missing,
+                    });
+                }
+                Err(not_until) => {
+                    adm.set_used(0);
+                    let wait = not_until.wait_time_from(TokioClock.now());
+                    headers.requests = Some(Window {
+                        limit: rpm,
+                        remaining: 0,
+                        reset: wait,
+                    });
+                    return Err(self.refuse(refusal(
+                        LimitKind::KeyRequests,
+                        rpm,
+                        Some(wait),
+                        headers,
+                    )));
+                }
+            }
+        }
+        if let Some(g) = &e.requests
+            && let Err(not_until) = g.check()
+        {
+            adm.set_used(0);
+            let wait = not_until.wait_time_from(TokioClock.now());
+            let limit = u64::from(div_ceil_u32(e.per_second.map_or(1, |p| p.0), d));
+            return Err(self.refuse(refusal(LimitKind::EnvRequests, limit, Some(wait), headers)));
+        }
+        adm.headers = headers;
+        Ok(adm)
+    }
+
+    /// Reserve the request's tokens in the key's local bucket; the reservation is `adm`'s.
+    fn reserve_tokens(
+        &self,
+        adm: &mut Admission,
+        bucket: &TokenBucket,
+        demand: Demand,
+        refusal: &impl RefusalOf,
+    ) -> Result<Window, Refusal> {
+        let need = demand.total();
+        match bucket.reserve(need) {
+            Ok(s) => {
+                adm.reserved = need;
+                adm.reserved_in = Reserved::Local;
+                Ok(Window {
+                    limit: bucket.per_minute(),
+                    remaining: s.remaining,
+                    reset: s.reset,
+                })
+            }
+            Err(Shortfall::TooLarge) => Err(self.refuse(refusal(
+                LimitKind::KeyTokensTooLarge,
+                bucket.per_minute(),
+                None,
+                RateHeaders::default(),
+            ))),
+            Err(Shortfall::Wait(wait)) => {
+                let h = RateHeaders {
+                    tokens: Some(Window {
+                        limit: bucket.per_minute(),
+                        remaining: bucket.peek().remaining,
+                        reset: bucket.peek().reset,
+                    }),
+                    requests: None,
+                };
+                Err(self.refuse(refusal(
+                    LimitKind::KeyTokens,
+                    bucket.per_minute(),
+                    Some(wait),
+                    h,
+                )))
+            }
+        }
+    }
+}
+
+/// The `x-ratelimit-*` windows of a request the shared store admitted.
+fn shared_headers(
+    quota: &KeyQuota,
+    requests: Option<(u64, Duration)>,
+    tokens: Option<(u64, Duration)>,
+) -> RateHeaders {
+    RateHeaders {
+        requests: requests.map(|(remaining, reset)| Window {
+            limit: u64::from(quota.requests_per_minute.unwrap_or(0)),
+            remaining,
+            reset,
+        }),
+        tokens: tokens.map(|(remaining, reset)| Window {
+            limit: quota.tokens_per_minute.unwrap_or(0),
+            remaining,
+            reset,
+        }),
+    }
+}
+
+/// Which limit the shared store refused by, and that limit's value.
+fn shared_refused(which: shared::Which, quota: &KeyQuota, e: &EnvLimiter) -> (LimitKind, u64) {
+    match which {
+        shared::Which::KeyRequests => (
+            LimitKind::KeyRequests,
+            u64::from(quota.requests_per_minute.unwrap_or(0)),
+        ),
+        shared::Which::KeyTokens => (LimitKind::KeyTokens, quota.tokens_per_minute.unwrap_or(0)),
+        shared::Which::KeyTokensTooLarge => (
+            LimitKind::KeyTokensTooLarge,
+            quota.tokens_per_minute.unwrap_or(0),
+        ),
+        shared::Which::EnvRequests => (
+            LimitKind::EnvRequests,
+            u64::from(e.per_second.map_or(0, |p| p.0)),
+        ),
+    }
+}
+
+fn refusal_headers(kind: LimitKind, quota: &KeyQuota, retry: Duration) -> RateHeaders {
+    match kind {
+        LimitKind::KeyRequests => RateHeaders {
+            requests: quota.requests_per_minute.map(|r| Window {
+                limit: u64::from(r),
+                remaining: 0,
+                reset: retry,
+            }),
+            tokens: None,
+        },
+        LimitKind::KeyTokens => RateHeaders {
+            requests: None,
+            tokens: quota.tokens_per_minute.map(|t| Window {
+                limit: t,
+                remaining: 0,
+                reset: retry,
+            }),
+        },
+        _ => RateHeaders::default(),
+    }
+}
+
+/// Increment `c` unless it is at `max`.
+fn try_inc(c: &AtomicU32, max: u32) -> bool {
+    c.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+        (n < max).then_some(n + 1)
+    })
+    .is_ok()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reserved {
+    Nowhere,
+    Local,
+    /// In the shared store, for this key id.
+    Shared(i64),
+}
+
+/// An admitted request's hold on its limits: concurrency slots and a token reservation.
+/// Dropping it releases the slots and settles the reservation with what `set_used` said the
+/// request used (the whole reservation when nothing was said).
+#[must_use]
+pub struct Admission {
+    /// `None` for a key and environment without limits: nothing to release (and no shared
+    /// reference count touched on the request path).
+    limits: Option<Arc<Limits>>,
+    key: Option<Arc<KeyLimiter>>,
+    env: Environment,
+    key_slot: bool,
+    env_slot: bool,
+    reserved: u64,
+    reserved_in: Reserved,
+    prompt_estimate: u64,
+    used: Option<u64>,
+    /// `x-ratelimit-*` values for the response.
+    pub headers: RateHeaders,
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("env", &self.env)
+            .field("reserved", &self.reserved)
+            .field("used", &self.used)
+            .finish()
+    }
+}
+
+impl Admission {
+    /// A hold on `key`'s limiter state, with no slot taken and nothing reserved yet.
+    fn held(
+        limits: Arc<Limits>,
+        key: Arc<KeyLimiter>,
+        env: Environment,
+        prompt_estimate: u64,
+    ) -> Self {
+        Self {
+            limits: Some(limits),
+            key: Some(key),
+            env,
+            key_slot: false,
+            env_slot: false,
+            reserved: 0,
+            reserved_in: Reserved::Nowhere,
+            prompt_estimate,
+            used: None,
+            headers: RateHeaders::default(),
+        }
+    }
+
+    fn unlimited(env: Environment) -> Self {
+        Self {
+            limits: None,
+            key: None,
+            env,
+            key_slot: false,
+            env_slot: false,
+            reserved: 0,
+            reserved_in: Reserved::Nowhere,
+            prompt_estimate: 0,
+            used: None,
+            headers: RateHeaders::default(),
+        }
+    }
+
+    /// Tokens reserved at admission.
+    pub fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    /// The prompt-token estimate made at admission.
+    pub fn prompt_estimate(&self) -> u64 {
+        self.prompt_estimate
+    }
+
+    /// What the request really used; settled when the admission is dropped.
+    pub fn set_used(&mut self, tokens: u64) {
+        self.used = Some(tokens);
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if let Some(k) = &self.key
+            && self.key_slot
+        {
+            k.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+        if self.env_slot
+            && let Some(l) = &self.limits
+        {
+            l.envs[self.env.index()]
+                .in_flight
+                .fetch_sub(1, Ordering::AcqRel);
+        }
+        let used = self.used.unwrap_or(self.reserved);
+        let delta = i64::try_from(self.reserved)
+            .unwrap_or(i64::MAX)
+            .saturating_sub(i64::try_from(used).unwrap_or(i64::MAX));
+        match self.reserved_in {
+            Reserved::Nowhere => {}
+            Reserved::Local => {
+                if let Some(b) = self.key.as_ref().and_then(|k| k.tokens.as_ref()) {
+                    b.settle(delta);
+                }
+            }
+            Reserved::Shared(id) => {
+                if let (Some(s), Some(k)) = (
+                    self.limits.as_ref().and_then(|l| l.shared.as_ref()),
+                    &self.key,
+                ) && let Some(tpm) = k.quota.tokens_per_minute
+                {
+                    s.settle(id, tpm, delta);
+                }
+            }
+        }
+    }
+}
