@@ -3,7 +3,7 @@
 //! clock (`mono_ms`: ejection and back-off deadlines, driven by tokio's clock so paused-time
 //! tests control it).
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the Unix epoch.
 pub fn wall_ms() -> i64 {
@@ -47,4 +47,50 @@ pub fn format_wall_ms(ms: i64) -> String {
         tod % 3600 / 60,
         tod % 60
     )
+}
+
+/// A duration an operator typed that is not one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadDuration {
+    #[error("`{0}` is not a duration (e.g. 90s, 10m, 1h, 7d)")]
+    NotANumber(String),
+    #[error("`{text}`: unknown unit `{unit}` (use s, m, h or d)")]
+    UnknownUnit { text: String, unit: String },
+}
+
+/// `90s`, `10m`, `1h`, `7d` (or plain seconds).
+pub fn parse_duration(text: &str) -> Result<Duration, BadDuration> {
+    let t = text.trim();
+    let (num, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| BadDuration::NotANumber(text.to_owned()))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86_400,
+        _ => {
+            return Err(BadDuration::UnknownUnit {
+                text: text.to_owned(),
+                unit: unit.to_owned(),
+            });
+        }
+    };
+    Ok(Duration::from_secs(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("10m").unwrap(), Duration::from_secs(600));
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert!(parse_duration("1w").is_err());
+        assert!(parse_duration("h").is_err());
+    }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 
 use crate::admin::jwt::{self, Role};
-use crate::clock::{format_wall_ms, wall_ms};
+use crate::clock::{format_wall_ms, parse_duration, wall_ms};
 use crate::config::{Config, DatabaseConfig};
 use crate::key::Environment;
 use crate::key::KeyRecord;
@@ -234,7 +234,8 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
 fn lifetime_seconds(expires: Option<&str>) -> Result<Option<i64>, String> {
     match expires {
         Some(e) => Ok(Some(
-            i64::try_from(jwt::parse_duration(e)?.as_secs()).map_err(|e| e.to_string())?,
+            i64::try_from(parse_duration(e).map_err(|e| e.to_string())?.as_secs())
+                .map_err(|e| e.to_string())?,
         )),
         None => Ok(None),
     }
@@ -325,7 +326,7 @@ async fn revoke(store: &KeyStore, id: &str, reason: &str, who: &str) -> Result<(
 
 /// `fleetgate keys rotate`.
 async fn rotate(store: &KeyStore, id: &str, grace: &str, who: &str) -> Result<(), String> {
-    let grace: Duration = jwt::parse_duration(grace)?;
+    let grace: Duration = parse_duration(grace).map_err(|e| e.to_string())?;
     let (full, k) = store
         .rotate(id, grace, who)
         .await
@@ -400,9 +401,10 @@ pub fn run_admin_token(args: AdminTokenArgs) -> Result<(), String> {
     } else {
         Role::Admin
     };
-    let ttl = jwt::parse_duration(&args.ttl)?;
+    let ttl = parse_duration(&args.ttl).map_err(|e| e.to_string())?;
     let sub = args.sub.unwrap_or_else(|| actor(&None));
-    println!("{}", jwt::mint(&cfg.admin, role, &sub, ttl)?);
+    let token = jwt::mint(&cfg.admin, role, &sub, ttl).map_err(|e| e.to_string())?;
+    println!("{token}");
     Ok(())
 }
 
@@ -431,9 +433,9 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
     use crate::telemetry::usage::{UsageQuery, month_window, usage};
     let store = open(&args.store, true).await?;
     let (from, to) = match &args.month {
-        Some(m) => month_window(m)?,
+        Some(m) => month_window(m).map_err(|e| e.to_string())?,
         None => {
-            let since = jwt::parse_duration(&args.since)?;
+            let since = parse_duration(&args.since).map_err(|e| e.to_string())?;
             let now = wall_ms();
             (
                 now - i64::try_from(since.as_millis()).unwrap_or(i64::MAX),

@@ -342,12 +342,11 @@ async fn keys_api(
                 None => GroupBy::Key,
             };
             let (from, to) = match query_param(query, "month") {
-                Some(m) => month_window(m).map_err(bad)?,
+                Some(m) => month_window(m).map_err(|e| bad(e.to_string()))?,
                 None => {
-                    let since = crate::admin::jwt::parse_duration(
-                        query_param(query, "since").unwrap_or("1h"),
-                    )
-                    .map_err(bad)?;
+                    let since =
+                        crate::clock::parse_duration(query_param(query, "since").unwrap_or("1h"))
+                            .map_err(|e| bad(e.to_string()))?;
                     let now = crate::clock::wall_ms();
                     (
                         now - i64::try_from(since.as_millis()).unwrap_or(i64::MAX),

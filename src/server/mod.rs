@@ -68,7 +68,7 @@ pub enum StartError {
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
     #[error("admin API: {0}")]
-    Admin(String),
+    Admin(#[from] crate::admin::jwt::KeyConfigError),
 }
 
 static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");

@@ -156,13 +156,18 @@ pub async fn usage(store: &KeyStore, q: &UsageQuery) -> Result<Vec<UsageRow>, St
         .collect())
 }
 
+/// A month an operator typed that is not one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a month: use YYYY-MM")]
+pub struct BadMonth(pub String);
+
 /// Epoch-ms bounds of a calendar month `YYYY-MM` (UTC).
-pub fn month_window(month: &str) -> Result<(i64, i64), String> {
+pub fn month_window(month: &str) -> Result<(i64, i64), BadMonth> {
     let (y, m) = month
         .split_once('-')
         .and_then(|(y, m)| Some((y.parse::<i64>().ok()?, m.parse::<i64>().ok()?)))
         .filter(|(_, m)| (1..=12).contains(m))
-        .ok_or_else(|| format!("`{month}` is not a month: use YYYY-MM"))?;
+        .ok_or_else(|| BadMonth(month.to_owned()))?;
     let start = days_from_civil(y, m) * 86_400_000;
     let (ny, nm) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
     Ok((start, days_from_civil(ny, nm) * 86_400_000))
