@@ -31,6 +31,7 @@ use tokio_util::task::TaskTracker;
 use crate::admin::AdminState;
 use crate::auth::Authenticator;
 use crate::config::Config;
+use crate::key::KeyRecord;
 use crate::openai::Endpoint;
 use crate::pool::Generation;
 use crate::pool::fleet::{Fleet, ReloadError, ReloadSummary};
@@ -228,23 +229,8 @@ impl Server {
         config: &Config,
         mut recorder: Recorder,
     ) -> Result<Server, StartError> {
-        let where_ = config.database.describe();
-        let store_err = |source| StartError::Store {
-            where_: where_.clone(),
-            source,
-        };
-        let store = KeyStore::connect(&config.database)
-            .await
-            .map_err(store_err)?;
-        if config.migrate_on_start {
-            let applied = store.migrate().await.map_err(store_err)?;
-            if applied > 0 {
-                tracing::info!(applied, store = %where_, "migrations applied");
-            }
-        }
-        let keys = store.load_all().await.map_err(store_err)?;
+        let (store, keys) = open_store(config).await?;
         let registry = prometheus::Registry::new();
-        tracing::info!(keys = keys.len(), store = %where_, "key snapshot loaded");
         let auth = Arc::new(Authenticator::new(
             store,
             config.auth.clone(),
@@ -287,15 +273,7 @@ impl Server {
             Some(t) => Some(tls::acceptor(&t.cert, &t.key)?),
             None => None,
         };
-        let admin_listener = match config.admin.listen {
-            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("cannot listen on {addr} (admin.listen): {e}"),
-                )
-            })?),
-            None => None,
-        };
+        let admin_listener = bind_admin(config).await?;
         let local_addr = listener.local_addr()?;
         let admin_addr = match &admin_listener {
             Some(l) => Some(l.local_addr()?),
@@ -329,55 +307,20 @@ impl Server {
             ));
         }
         let is_tls = tls.is_some();
-        // The request path runs on worker threads, each with its own single-threaded event
-        // loop, accepting from the same listening socket: a request, its upstream connection
-        // and its relay stay on one thread, so no frame crosses threads (the way nginx workers
-        // run). Backends' in-flight counts and the key snapshot are shared.
-        let workers = match config.server.workers {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
+        // Each worker's own state: its own copy of the pools (its own upstream clients), the
+        // rest shared.
+        let worker_state = || -> Result<ProxyState, StartError> {
+            Ok(ProxyState {
+                generation: fleet.for_worker()?,
+                max_body_bytes: config.server.max_body_bytes,
+                recorder: recorder.clone(),
+                auth: auth.clone(),
+                limits: limits.clone(),
+                queue: config.queue.clone(),
+                queue_metrics: Some(crate::queue::QueueMetrics::new(&metrics.rejections)),
+            })
         };
-        let std_listener = listener.into_std()?;
-        let mut worker_done = Vec::with_capacity(workers);
-        for i in 0..workers {
-            let state = Arc::new(AppState {
-                proxy: Arc::new(ProxyState {
-                    generation: fleet.for_worker()?,
-                    max_body_bytes: config.server.max_body_bytes,
-                    recorder: recorder.clone(),
-                    auth: auth.clone(),
-                    limits: limits.clone(),
-                    queue: config.queue.clone(),
-                    queue_metrics: Some(crate::queue::QueueMetrics::new(&metrics.rejections)),
-                }),
-            });
-            let sock = std_listener.try_clone()?;
-            let tls = tls.clone();
-            let stop = shutdown.clone();
-            let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            std::thread::Builder::new()
-                .name(format!("fleetgate-worker-{i}"))
-                .spawn(move || {
-                    runtime.block_on(async move {
-                        match TcpListener::from_std(sock) {
-                            Ok(listener) => {
-                                accept_loop(listener, tls, stop, grace, move |req, peer| {
-                                    route(state.clone(), req, peer)
-                                })
-                                .await
-                            }
-                            Err(e) => tracing::error!(error = %e, "worker cannot use the listener"),
-                        }
-                    });
-                    // The runtime (and any connection still open past the grace) ends here.
-                    drop(runtime);
-                    let _ = done_tx.send(());
-                })?;
-            worker_done.push(done_rx);
-        }
+        let worker_done = spawn_workers(listener, config, worker_state, tls, &shutdown)?;
         tasks.close();
         Ok(Server {
             local_addr,
@@ -425,6 +368,94 @@ impl Server {
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
     }
+}
+
+/// Connect to the key store, migrate it when asked, and read every key.
+async fn open_store(config: &Config) -> Result<(KeyStore, Vec<KeyRecord>), StartError> {
+    let where_ = config.database.describe();
+    let store_err = |source| StartError::Store {
+        where_: where_.clone(),
+        source,
+    };
+    let store = KeyStore::connect(&config.database)
+        .await
+        .map_err(store_err)?;
+    if config.migrate_on_start {
+        let applied = store.migrate().await.map_err(store_err)?;
+        if applied > 0 {
+            tracing::info!(applied, store = %where_, "migrations applied");
+        }
+    }
+    let keys = store.load_all().await.map_err(store_err)?;
+    tracing::info!(keys = keys.len(), store = %where_, "key snapshot loaded");
+    Ok((store, keys))
+}
+
+/// The admin listener, when `admin.listen` names one.
+async fn bind_admin(config: &Config) -> Result<Option<TcpListener>, StartError> {
+    let Some(addr) = config.admin.listen else {
+        return Ok(None);
+    };
+    let listener = TcpListener::bind(addr).await.map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("cannot listen on {addr} (admin.listen): {e}"),
+        )
+    })?;
+    Ok(Some(listener))
+}
+
+/// The request path runs on worker threads, each with its own single-threaded event loop,
+/// accepting from the same listening socket: a request, its upstream connection and its relay
+/// stay on one thread, so no frame crosses threads (the way nginx workers run). Backends'
+/// in-flight counts and the key snapshot are shared. `worker_state` gives each worker its
+/// state. Each returned receiver completes when its worker has ended.
+fn spawn_workers(
+    listener: TcpListener,
+    config: &Config,
+    worker_state: impl Fn() -> Result<ProxyState, StartError>,
+    tls: Option<TlsAcceptor>,
+    shutdown: &CancellationToken,
+) -> Result<Vec<tokio::sync::oneshot::Receiver<()>>, StartError> {
+    let workers = match config.server.workers {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let grace = config.server.shutdown_grace;
+    let std_listener = listener.into_std()?;
+    let mut worker_done = Vec::with_capacity(workers);
+    for i in 0..workers {
+        let state = Arc::new(AppState {
+            proxy: Arc::new(worker_state()?),
+        });
+        let sock = std_listener.try_clone()?;
+        let tls = tls.clone();
+        let stop = shutdown.clone();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        std::thread::Builder::new()
+            .name(format!("fleetgate-worker-{i}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    match TcpListener::from_std(sock) {
+                        Ok(listener) => {
+                            accept_loop(listener, tls, stop, grace, move |req, peer| {
+                                route(state.clone(), req, peer)
+                            })
+                            .await
+                        }
+                        Err(e) => tracing::error!(error = %e, "worker cannot use the listener"),
+                    }
+                });
+                // The runtime (and any connection still open past the grace) ends here.
+                drop(runtime);
+                let _ = done_tx.send(());
+            })?;
+        worker_done.push(done_rx);
+    }
+    Ok(worker_done)
 }
 
 impl Drop for Server {
