@@ -253,129 +253,20 @@ async fn keys_api(
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let store = state.auth.store();
     match (method, segments.as_slice()) {
-        (Method::GET, ["admin", "keys"]) => {
-            let env = match query_param(req.uri().query(), "env").map(str::parse::<Environment>) {
-                None => None,
-                Some(Ok(e)) => Some(e),
-                Some(Err(m)) => {
-                    return Err(error(
-                        StatusCode::BAD_REQUEST,
-                        "invalid_request_error",
-                        "invalid_value",
-                        &m,
-                    ));
-                }
-            };
-            let keys = store.list(env).await.map_err(|e| store_error(&e))?;
-            let data: Vec<_> = keys.iter().map(key_json).collect();
-            Ok((
-                StatusCode::OK,
-                to_json(&serde_json::json!({"object": "list", "data": data})),
-            ))
-        }
-        (Method::POST, ["admin", "keys"]) => {
-            need_admin(&caller)?;
-            let body: CreateKey = read_json(req.into_body()).await?;
-            let (full, record) = store
-                .create(&body, &caller.subject)
-                .await
-                .map_err(|e| store_error(&e))?;
-            state.auth.apply(&record.public_id, Some(record.clone()));
-            Ok((
-                StatusCode::CREATED,
-                to_json(&serde_json::json!({
-                    "key": full,
-                    "note": "This is the only time the full key is shown: store it in a secret manager or an environment variable.",
-                    "record": key_json(&record),
-                })),
-            ))
-        }
+        (Method::GET, ["admin", "keys"]) => list_keys(state, &req).await,
+        (Method::POST, ["admin", "keys"]) => create_key(state, req, &caller).await,
         (Method::GET, ["admin", "keys", id]) => match store.get(id).await {
             Ok(Some(k)) => Ok((StatusCode::OK, to_json(&key_json(&k)))),
             Ok(None) => Err(store_error(&StoreError::NotFound((*id).to_owned()))),
             Err(e) => Err(store_error(&e)),
         },
         (Method::POST, ["admin", "keys", id, "revoke"]) => {
-            need_admin(&caller)?;
-            let id = (*id).to_owned();
-            let body: RevokeBody = read_json(req.into_body()).await?;
-            let reason = body.reason.unwrap_or_default();
-            let record = store
-                .revoke(&id, &reason, &caller.subject)
-                .await
-                .map_err(|e| store_error(&e))?;
-            state.auth.apply(&id, Some(record.clone()));
-            Ok((StatusCode::OK, to_json(&key_json(&record))))
+            revoke_key(state, req, &caller, id).await
         }
         (Method::POST, ["admin", "keys", id, "rotate"]) => {
-            need_admin(&caller)?;
-            let id = (*id).to_owned();
-            let body: RotateBody = read_json(req.into_body()).await?;
-            let grace = Duration::from_secs(body.grace_seconds.unwrap_or(600));
-            let (full, record) = store
-                .rotate(&id, grace, &caller.subject)
-                .await
-                .map_err(|e| store_error(&e))?;
-            state.auth.apply(&id, Some(record.clone()));
-            Ok((
-                StatusCode::OK,
-                to_json(&serde_json::json!({
-                    "key": full,
-                    "note": "The old secret keeps working until previous_secret_valid_until.",
-                    "record": key_json(&record),
-                })),
-            ))
+            rotate_key(state, req, &caller, id).await
         }
-        (Method::GET, ["admin", "usage"]) => {
-            use crate::telemetry::usage::{GroupBy, UsageQuery, month_window, usage};
-            let query = req.uri().query();
-            let bad = |m: String| {
-                error(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    "invalid_value",
-                    &m,
-                )
-            };
-            let by = match query_param(query, "by") {
-                Some(b) => b.parse::<GroupBy>().map_err(bad)?,
-                None => GroupBy::Key,
-            };
-            let (from, to) = match query_param(query, "month") {
-                Some(m) => month_window(m).map_err(|e| bad(e.to_string()))?,
-                None => {
-                    let since =
-                        crate::clock::parse_duration(query_param(query, "since").unwrap_or("1h"))
-                            .map_err(|e| bad(e.to_string()))?;
-                    let now = crate::clock::wall_ms();
-                    (
-                        now - i64::try_from(since.as_millis()).unwrap_or(i64::MAX),
-                        now + 1,
-                    )
-                }
-            };
-            let environment = match query_param(query, "env") {
-                Some(e) => Some(e.parse::<Environment>().map_err(bad)?.as_str().to_owned()),
-                None => None,
-            };
-            let rows = usage(
-                store,
-                &UsageQuery {
-                    from,
-                    to,
-                    environment,
-                    by,
-                },
-            )
-            .await
-            .map_err(|e| store_error(&e))?;
-            Ok((
-                StatusCode::OK,
-                to_json(
-                    &serde_json::json!({"object": "list", "from": from, "to": to, "data": rows}),
-                ),
-            ))
-        }
+        (Method::GET, ["admin", "usage"]) => usage_report(state, &req).await,
         (Method::GET, ["admin", "backends"]) => Ok((
             StatusCode::OK,
             to_json(
@@ -383,47 +274,9 @@ async fn keys_api(
             ),
         )),
         (Method::POST, ["admin", "backends", action @ ("drain" | "undrain")]) => {
-            need_admin(&caller)?;
-            let drain = *action == "drain";
-            let body: DrainBody = read_json(req.into_body()).await?;
-            let pools = state.fleet.current();
-            let Some(b) = pools.find_backend(&body.model, &body.backend) else {
-                return Err(error(
-                    StatusCode::NOT_FOUND,
-                    "invalid_request_error",
-                    "backend_not_found",
-                    &format!(
-                        "No backend {} in the pool of `{}`; GET /admin/backends lists them.",
-                        body.backend, body.model
-                    ),
-                ));
-            };
-            b.set_draining(drain);
-            tracing::info!(backend = %b.base, by = %caller.subject, drain, "backend drain changed");
-            Ok((
-                StatusCode::OK,
-                to_json(&serde_json::json!({
-                    "backend": &*b.base,
-                    "state": b.state().as_str(),
-                    "in_flight": b.in_flight.load(std::sync::atomic::Ordering::Relaxed),
-                })),
-            ))
+            drain_backend(state, req, &caller, action).await
         }
-        (Method::GET, ["admin", "audit"]) => {
-            let key = query_param(req.uri().query(), "key");
-            let limit = query_param(req.uri().query(), "limit")
-                .and_then(|l| l.parse::<i64>().ok())
-                .unwrap_or(100)
-                .clamp(1, 10_000);
-            let entries = store
-                .audit_log(key, limit)
-                .await
-                .map_err(|e| store_error(&e))?;
-            Ok((
-                StatusCode::OK,
-                to_json(&serde_json::json!({"object": "list", "data": entries})),
-            ))
-        }
+        (Method::GET, ["admin", "audit"]) => audit_log(state, &req).await,
         _ => Err(error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -431,4 +284,209 @@ async fn keys_api(
             "Unknown admin route. Routes: GET/POST /admin/keys, GET /admin/keys/{id}, POST /admin/keys/{id}/revoke, POST /admin/keys/{id}/rotate, GET /admin/audit, GET /admin/usage, GET /admin/backends, POST /admin/backends/drain, POST /admin/backends/undrain, GET /metrics.",
         )),
     }
+}
+
+/// `GET /admin/keys[?env=]`
+async fn list_keys(
+    state: &AdminState,
+    req: &Request<Incoming>,
+) -> Result<(StatusCode, Bytes), AdminError> {
+    let store = state.auth.store();
+    let env = match query_param(req.uri().query(), "env").map(str::parse::<Environment>) {
+        None => None,
+        Some(Ok(e)) => Some(e),
+        Some(Err(m)) => {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_value",
+                &m,
+            ));
+        }
+    };
+    let keys = store.list(env).await.map_err(|e| store_error(&e))?;
+    let data: Vec<_> = keys.iter().map(key_json).collect();
+    Ok((
+        StatusCode::OK,
+        to_json(&serde_json::json!({"object": "list", "data": data})),
+    ))
+}
+
+/// `POST /admin/keys`
+async fn create_key(
+    state: &AdminState,
+    req: Request<Incoming>,
+    caller: &Caller,
+) -> Result<(StatusCode, Bytes), AdminError> {
+    let store = state.auth.store();
+    need_admin(caller)?;
+    let body: CreateKey = read_json(req.into_body()).await?;
+    let (full, record) = store
+        .create(&body, &caller.subject)
+        .await
+        .map_err(|e| store_error(&e))?;
+    state.auth.apply(&record.public_id, Some(record.clone()));
+    Ok((
+        StatusCode::CREATED,
+        to_json(&serde_json::json!({
+            "key": full,
+            "note": "This is the only time the full key is shown: store it in a secret manager or an environment variable.",
+            "record": key_json(&record),
+        })),
+    ))
+}
+
+/// `POST /admin/keys/{id}/revoke`
+async fn revoke_key(
+    state: &AdminState,
+    req: Request<Incoming>,
+    caller: &Caller,
+    id: &str,
+) -> Result<(StatusCode, Bytes), AdminError> {
+    let store = state.auth.store();
+    need_admin(caller)?;
+    let id = id.to_owned();
+    let body: RevokeBody = read_json(req.into_body()).await?;
+    let reason = body.reason.unwrap_or_default();
+    let record = store
+        .revoke(&id, &reason, &caller.subject)
+        .await
+        .map_err(|e| store_error(&e))?;
+    state.auth.apply(&id, Some(record.clone()));
+    Ok((StatusCode::OK, to_json(&key_json(&record))))
+}
+
+/// `POST /admin/keys/{id}/rotate`
+async fn rotate_key(
+    state: &AdminState,
+    req: Request<Incoming>,
+    caller: &Caller,
+    id: &str,
+) -> Result<(StatusCode, Bytes), AdminError> {
+    let store = state.auth.store();
+    need_admin(caller)?;
+    let id = id.to_owned();
+    let body: RotateBody = read_json(req.into_body()).await?;
+    let grace = Duration::from_secs(body.grace_seconds.unwrap_or(600));
+    let (full, record) = store
+        .rotate(&id, grace, &caller.subject)
+        .await
+        .map_err(|e| store_error(&e))?;
+    state.auth.apply(&id, Some(record.clone()));
+    Ok((
+        StatusCode::OK,
+        to_json(&serde_json::json!({
+            "key": full,
+            "note": "The old secret keeps working until previous_secret_valid_until.",
+            "record": key_json(&record),
+        })),
+    ))
+}
+
+/// `GET /admin/usage[?by=&month=|since=&env=]`
+async fn usage_report(
+    state: &AdminState,
+    req: &Request<Incoming>,
+) -> Result<(StatusCode, Bytes), AdminError> {
+    let store = state.auth.store();
+    use crate::telemetry::usage::{GroupBy, UsageQuery, month_window, usage};
+    let query = req.uri().query();
+    let bad = |m: String| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_value",
+            &m,
+        )
+    };
+    let by = match query_param(query, "by") {
+        Some(b) => b.parse::<GroupBy>().map_err(bad)?,
+        None => GroupBy::Key,
+    };
+    let (from, to) = match query_param(query, "month") {
+        Some(m) => month_window(m).map_err(|e| bad(e.to_string()))?,
+        None => {
+            let since = crate::clock::parse_duration(query_param(query, "since").unwrap_or("1h"))
+                .map_err(|e| bad(e.to_string()))?;
+            let now = crate::clock::wall_ms();
+            (
+                now - i64::try_from(since.as_millis()).unwrap_or(i64::MAX),
+                now + 1,
+            )
+        }
+    };
+    let environment = match query_param(query, "env") {
+        Some(e) => Some(e.parse::<Environment>().map_err(bad)?.as_str().to_owned()),
+        None => None,
+    };
+    let rows = usage(
+        store,
+        &UsageQuery {
+            from,
+            to,
+            environment,
+            by,
+        },
+    )
+    .await
+    .map_err(|e| store_error(&e))?;
+    Ok((
+        StatusCode::OK,
+        to_json(&serde_json::json!({"object": "list", "from": from, "to": to, "data": rows})),
+    ))
+}
+
+/// `POST /admin/backends/drain` and `/undrain`
+async fn drain_backend(
+    state: &AdminState,
+    req: Request<Incoming>,
+    caller: &Caller,
+    action: &str,
+) -> Result<(StatusCode, Bytes), AdminError> {
+    need_admin(caller)?;
+    let drain = action == "drain";
+    let body: DrainBody = read_json(req.into_body()).await?;
+    let pools = state.fleet.current();
+    let Some(b) = pools.find_backend(&body.model, &body.backend) else {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "backend_not_found",
+            &format!(
+                "No backend {} in the pool of `{}`; GET /admin/backends lists them.",
+                body.backend, body.model
+            ),
+        ));
+    };
+    b.set_draining(drain);
+    tracing::info!(backend = %b.base, by = %caller.subject, drain, "backend drain changed");
+    Ok((
+        StatusCode::OK,
+        to_json(&serde_json::json!({
+            "backend": &*b.base,
+            "state": b.state().as_str(),
+            "in_flight": b.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+        })),
+    ))
+}
+
+/// `GET /admin/audit[?key=&limit=]`
+async fn audit_log(
+    state: &AdminState,
+    req: &Request<Incoming>,
+) -> Result<(StatusCode, Bytes), AdminError> {
+    let store = state.auth.store();
+    let key = query_param(req.uri().query(), "key");
+    let limit = query_param(req.uri().query(), "limit")
+        .and_then(|l| l.parse::<i64>().ok())
+        .unwrap_or(100)
+        .clamp(1, 10_000);
+    let entries = store
+        .audit_log(key, limit)
+        .await
+        .map_err(|e| store_error(&e))?;
+    Ok((
+        StatusCode::OK,
+        to_json(&serde_json::json!({"object": "list", "data": entries})),
+    ))
 }
