@@ -117,6 +117,28 @@ impl std::fmt::Debug for RequestMetrics {
     }
 }
 
+fn counter_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntCounterVec, prometheus::Error> {
+    let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+fn gauge_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntGaugeVec, prometheus::Error> {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+    registry.register(Box::new(g.clone()))?;
+    Ok(g)
+}
+
 fn hist(
     registry: &Registry,
     name: &str,
@@ -198,64 +220,50 @@ impl RequestMetrics {
             &["environment", "model"],
             QUEUE_BUCKETS,
         )?;
-        let tokens = IntCounterVec::new(
-            Opts::new(
-                "fleetgate_tokens_total",
-                "Tokens served, from the backend's usage (completion falls back to content events)",
-            ),
+        let tokens = counter_vec(
+            registry,
+            "fleetgate_tokens_total",
+            "Tokens served, from the backend's usage (completion falls back to content events)",
             &["kind", "environment", "model"],
         )?;
-        registry.register(Box::new(tokens.clone()))?;
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "fleetgate_requests_total",
-                "Requests by status class and error kind (\"none\": no error)",
-            ),
+        let requests = counter_vec(
+            registry,
+            "fleetgate_requests_total",
+            "Requests by status class and error kind (\"none\": no error)",
             &["status_class", "error", "environment", "model"],
         )?;
-        registry.register(Box::new(requests.clone()))?;
-        let rejections = IntCounterVec::new(
-            Opts::new(
-                "fleetgate_rejections_total",
-                "Requests refused by a limit, by limit",
-            ),
+        let rejections = counter_vec(
+            registry,
+            "fleetgate_rejections_total",
+            "Requests refused by a limit, by limit",
             &["limit"],
         )?;
-        registry.register(Box::new(rejections.clone()))?;
-        let in_flight = IntGaugeVec::new(
-            Opts::new(
-                "fleetgate_backend_in_flight",
-                "Requests in flight per backend",
-            ),
+        let in_flight = gauge_vec(
+            registry,
+            "fleetgate_backend_in_flight",
+            "Requests in flight per backend",
             &["model", "backend"],
         )?;
-        registry.register(Box::new(in_flight.clone()))?;
-        let backend_up = IntGaugeVec::new(
-            Opts::new(
-                "fleetgate_backend_up",
-                "1 when the backend answered its last probe or request, 0 when it failed, -1 before the first",
-            ),
+        let backend_up = gauge_vec(
+            registry,
+            "fleetgate_backend_up",
+            "1 when the backend answered its last probe or request, 0 when it failed, -1 before the first",
             &["model", "backend"],
         )?;
-        registry.register(Box::new(backend_up.clone()))?;
         // Static facts about each backend, to join on `backend` (e.g. compare a canary's TTFT
         // with the stable backends': `... * on(backend) group_left(labels) fleetgate_backend_info`).
-        let info = IntGaugeVec::new(
-            Opts::new(
-                "fleetgate_backend_info",
-                "1 per configured backend, with its labels (comma-separated) and weight",
-            ),
+        let info = gauge_vec(
+            registry,
+            "fleetgate_backend_info",
+            "1 per configured backend, with its labels (comma-separated) and weight",
             &["model", "backend", "labels", "weight"],
         )?;
-        registry.register(Box::new(info.clone()))?;
-        let queue_depth = IntGaugeVec::new(
-            Opts::new(
-                "fleetgate_queue_depth",
-                "Requests waiting in a pool's admission queue (every backend at capacity)",
-            ),
+        let queue_depth = gauge_vec(
+            registry,
+            "fleetgate_queue_depth",
+            "Requests waiting in a pool's admission queue (every backend at capacity)",
             &["model"],
         )?;
-        registry.register(Box::new(queue_depth.clone()))?;
         let families = Families {
             overhead,
             ttft,
