@@ -188,16 +188,17 @@ async fn phases(
         body_read,
     );
     drop(view);
-    if let Claim::Wait(waiting) = claim {
-        if ex.record.stream && state.queue.keepalive_interval.is_some() {
-            return Ok(Forwarded::Queued(Queued {
-                prepared,
-                waiting,
-                generation: generation.clone(),
-            }));
-        }
-        let sent = wait_and_send(state, route.pool, Claim::Wait(waiting), prepared, ex).await?;
-        return Ok(Forwarded::Sent(sent));
+    // A stream that must wait answers at once, `: queued` comments keeping it alive; it
+    // resumes at `wait_and_send` from its body.
+    if ex.record.stream
+        && state.queue.keepalive_interval.is_some()
+        && let Claim::Wait(waiting) = claim
+    {
+        return Ok(Forwarded::Queued(Queued {
+            prepared,
+            waiting,
+            generation: generation.clone(),
+        }));
     }
     wait_and_send(state, route.pool, claim, prepared, ex)
         .await
