@@ -49,8 +49,8 @@ async fn stream_reaches_the_client_byte_for_byte() {
         .expect("sim captured the stream");
     assert_eq!(got, sent, "client bytes differ from backend bytes");
     assert!(got.ends_with(b"data: [DONE]\n\n"));
-    // role chunk + 24 content chunks (the last one with finish_reason)
-    assert_eq!(m.metrics.content_events, 25);
+    // 24 token events (the last one with finish_reason); the opening role chunk is not one
+    assert_eq!(m.metrics.content_events, 24);
     assert_eq!(m.metrics.usage.unwrap().completion_tokens, 24);
     assert!(!stream_text(&got).is_empty());
 }
@@ -167,7 +167,7 @@ async fn timeline_is_complete_and_ordered() {
     }
     assert!(t.upstream_ttft().unwrap() <= t.client_ttft().unwrap());
     assert!(t.overhead_pre().is_some() && t.overhead_relay().is_some());
-    assert_eq!(t.stream().content_events, 9);
+    assert_eq!(t.stream().content_events, 8);
     assert_eq!(t.stream().usage.unwrap().completion_tokens, 8);
     assert!(t.tpot().is_some() && t.stream().itl_mean().is_some());
 }

@@ -257,7 +257,7 @@ max_in_flight_per_backend = 0
                 "replica {i}'s stream was cut: {:?}",
                 m.body_error
             );
-            assert_eq!(m.metrics.content_events, 101, "replica {i}");
+            assert_eq!(m.metrics.content_events, 100, "replica {i}");
         }
     }
 

@@ -589,7 +589,7 @@ async fn reload_adds_and_removes_backends_while_streams_continue() {
         let m = s.await.unwrap();
         assert_eq!(m.status, 200);
         assert!(m.metrics.done, "a stream was cut by the reload");
-        assert_eq!(m.metrics.content_events, 41);
+        assert_eq!(m.metrics.content_events, 40);
     }
     let counts = per_backend(&gw);
     assert_eq!(counts.get(&base(&old.url())), Some(&3), "{counts:?}");
@@ -799,7 +799,7 @@ async fn dns_answers_that_change_move_traffic_and_streams_finish() {
         m.metrics.done,
         "the stream on the address that left was cut"
     );
-    assert_eq!(m.metrics.content_events, 41);
+    assert_eq!(m.metrics.content_events, 40);
     let counts = per_backend(&gw);
     assert_eq!(counts.get(&at_b), Some(&5), "{counts:?}");
     assert_eq!(counts.get(&at_a), Some(&2), "{counts:?}");

@@ -116,7 +116,7 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
             up <= client && client <= e2el && pre >= 0,
             "{kind}: {up} {client} {e2el} {pre}"
         );
-        assert_eq!(s.get::<i32, _>("content_events"), 7);
+        assert_eq!(s.get::<i32, _>("content_events"), 6);
         assert!(
             s.get::<Option<i64>, _>("itl_p99_us").unwrap()
                 <= s.get::<Option<i64>, _>("itl_max_us").unwrap()

@@ -1,7 +1,7 @@
-//! One request of the load generator, timed by `vllm bench serve`'s definitions: TTFT at the
-//! first data event with non-empty `choices`, one ITL per later such event (the gap to the one
-//! before), E2EL at the last data event that is not `[DONE]` (the usage event included), output
-//! tokens from `usage.completion_tokens`, TPOT = (E2EL − TTFT) / (output tokens − 1). An
+//! One request of the load generator, timed by vLLM 0.33's `vllm bench serve` definitions (see
+//! `openai::sse::DataKind::Content`): TTFT at the first token event, one ITL per later token
+//! event (the gap to the one before), E2EL at the last token event, output tokens from
+//! `usage.completion_tokens`, TPOT = (E2EL − TTFT) / (output tokens − 1). An
 //! in-stream `{"error": ...}` event, a non-2xx status, a cut body or a stream without a token
 //! makes the request failed, with the reason kept.
 

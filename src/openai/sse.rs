@@ -15,11 +15,16 @@ static ERROR: LazyLock<memmem::Finder<'static>> =
 pub(crate) static USAGE: LazyLock<memmem::Finder<'static>> =
     LazyLock::new(|| memmem::Finder::new(b"\"usage\""));
 
-/// What a `data:` payload is, by the vLLM benchmark's reading of a chat/completions stream.
+/// What a `data:` payload is, by vLLM 0.33's `vllm bench serve` reading of a chat/completions
+/// stream (`_choice_has_streamed_output` in vllm/benchmarks/lib/endpoint_request_func.py).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DataKind {
-    /// A chunk with non-empty `choices`: a token event (TTFT and ITL are measured on these).
+    /// A token event: TTFT, ITL and E2EL are measured on these. Chat: the first choice's
+    /// `delta` has non-empty `content`, `reasoning`, `tool_calls` or `function_call`, or
+    /// `content: ""` without a `role`. Completions: any chunk with non-empty `choices`.
     Content,
+    /// A chunk with choices that streams nothing: the opening `role` chunk, an empty delta.
+    NoOutput,
     /// A chunk with `choices: []` (the usage chunk) or without choices.
     NoChoices,
     /// `{"error": ...}` sent inside the stream.
@@ -136,7 +141,8 @@ pub fn classify(payload: &[u8]) -> DataKind {
         };
         return match after.split_first() {
             Some((b'[', r)) if skip_ws(r).first() == Some(&b']') => DataKind::NoChoices,
-            Some((b'[', _)) => DataKind::Content,
+            Some((b'[', r)) if streams_output(r) => DataKind::Content,
+            Some((b'[', _)) => DataKind::NoOutput,
             _ => DataKind::NoChoices,
         };
     }
@@ -144,6 +150,118 @@ pub fn classify(payload: &[u8]) -> DataKind {
         return DataKind::Error;
     }
     DataKind::NoChoices
+}
+
+static DELTA: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"delta\""));
+
+/// Does the first choice (`choices` starts just after its `[`) stream output? A choice without
+/// a `delta` (completions' `text`) does. A chat delta does when one of its output fields is
+/// non-empty, or it has `content: ""` and no `role`. Only the delta's own keys are read (a byte
+/// scan, no allocation): this runs on every relayed event.
+fn streams_output(choices: &[u8]) -> bool {
+    let Some(at) = DELTA.find(choices) else {
+        return true;
+    };
+    let rest = skip_ws(&choices[at + 7..]);
+    let Some((b':', rest)) = rest.split_first() else {
+        return false;
+    };
+    let Some((b'{', mut rest)) = skip_ws(rest).split_first() else {
+        return false;
+    };
+    let (mut role, mut empty_content, mut output) = (false, false, false);
+    loop {
+        rest = skip_ws(rest);
+        match rest.first() {
+            Some(b'"') => {}
+            _ => break, // `}` or malformed: the object ends here
+        }
+        let Some(key_len) = string_len(rest) else {
+            break;
+        };
+        let key = &rest[1..key_len - 1];
+        rest = skip_ws(&rest[key_len..]);
+        let Some((b':', after)) = rest.split_first() else {
+            break;
+        };
+        let value = skip_ws(after);
+        let Some(value_len) = value_len(value) else {
+            break;
+        };
+        let v = &value[..value_len];
+        match key {
+            b"role" => role |= v != b"null",
+            b"content" if v == b"\"\"" => empty_content = true,
+            b"content" | b"reasoning" | b"tool_calls" | b"function_call" => {
+                output |= !is_empty_value(v);
+            }
+            _ => {}
+        }
+        rest = skip_ws(&value[value_len..]);
+        match rest.split_first() {
+            Some((b',', r)) => rest = r,
+            _ => break,
+        }
+    }
+    output || (empty_content && !role)
+}
+
+/// `null`, `""`, `[]` or `{}` (with any whitespace inside the brackets).
+fn is_empty_value(v: &[u8]) -> bool {
+    match v {
+        b"null" | b"\"\"" => true,
+        [b'[', inner @ .., b']'] | [b'{', inner @ .., b'}'] => skip_ws(inner).is_empty(),
+        _ => false,
+    }
+}
+
+/// Length of the JSON string at the start of `b` (quotes included).
+fn string_len(b: &[u8]) -> Option<usize> {
+    let mut i = 1;
+    while i < b.len() {
+        match b[i] {
+            b'\\' => i += 2,
+            b'"' => return Some(i + 1),
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+/// Length of the JSON value at the start of `b`: a string, an object or array (nested, strings
+/// inside skipped), or a scalar up to the next `,`, `}` or `]`.
+fn value_len(b: &[u8]) -> Option<usize> {
+    match b.first()? {
+        b'"' => string_len(b),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut i = 0;
+            while i < b.len() {
+                match b[i] {
+                    b'"' => {
+                        i += string_len(&b[i..])?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(i + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                i += 1;
+            }
+            None
+        }
+        _ => Some(
+            b.iter()
+                .position(|c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n'))
+                .unwrap_or(b.len()),
+        ),
+    }
 }
 
 fn skip_ws(b: &[u8]) -> &[u8] {
@@ -176,7 +294,71 @@ mod tests {
     fn classifies_vllm_chunks() {
         use DataKind::*;
         let stream: &[u8] = b"data: {\"choices\":[{\"delta\":{}}]}\n\ndata: {\"choices\": [ ], \"usage\":{}}\n\n: queued\n\ndata: {\"error\":{\"message\":\"x\"}}\n\ndata: [DONE]\n\n";
-        assert_eq!(kinds(&[stream]), vec![Content, NoChoices, Error, Done]);
+        assert_eq!(kinds(&[stream]), vec![NoOutput, NoChoices, Error, Done]);
+    }
+
+    /// vLLM 0.33's token events: output in the first choice's delta, or `content: ""` without a
+    /// role; the opening role chunk and empty deltas are not tokens; completions chunks are.
+    #[test]
+    fn token_events_by_vllm_0_33() {
+        let cases: &[(&str, DataKind)] = &[
+            (
+                r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#,
+                DataKind::NoOutput,
+            ),
+            (
+                r#"{"choices":[{"index":0,"delta":{"role":"assistant"}}]}"#,
+                DataKind::NoOutput,
+            ),
+            (
+                r#"{"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#,
+                DataKind::Content,
+            ),
+            (
+                r#"{"choices":[{"index":0,"delta":{"content":""},"finish_reason":"stop"}]}"#,
+                DataKind::Content,
+            ),
+            (
+                r#"{"choices":[{"index":0,"delta":{"content":null},"finish_reason":"stop"}]}"#,
+                DataKind::NoOutput,
+            ),
+            (
+                r#"{"choices":[{"delta":{"reasoning":"think"}}]}"#,
+                DataKind::Content,
+            ),
+            (
+                r#"{"choices":[{"delta":{"role":"assistant","reasoning":"a \"q\" {x}","content":null}}]}"#,
+                DataKind::Content,
+            ),
+            (
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]}}]}"#,
+                DataKind::Content,
+            ),
+            (
+                r#"{"choices":[{"delta":{"tool_calls":[ ]}}]}"#,
+                DataKind::NoOutput,
+            ),
+            (
+                r#"{"choices":[{"delta":{"function_call":{"name":"f"}}}]}"#,
+                DataKind::Content,
+            ),
+            (
+                r#"{"choices":[{"delta":{"logprobs":{"content":[1]},"role":"assistant"}}]}"#,
+                DataKind::NoOutput,
+            ),
+            (
+                r#"{"choices":[{"delta" : { "role" : "assistant" , "content" : "x" }}]}"#,
+                DataKind::Content,
+            ),
+            (
+                r#"{"choices":[{"index":0,"text":"Hi","finish_reason":null}]}"#,
+                DataKind::Content,
+            ),
+            (r#"{"choices":[{"index":0,"text":""}]}"#, DataKind::Content),
+        ];
+        for (payload, want) in cases {
+            assert_eq!(classify(payload.as_bytes()), *want, "{payload}");
+        }
     }
 
     #[test]

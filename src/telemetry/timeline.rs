@@ -42,10 +42,12 @@ impl UsageSource {
 /// (for the gateway: `received`; for the bench: the moment the request was sent).
 #[derive(Debug, Clone, Default)]
 pub struct StreamMetrics {
+    /// First and last token events (`DataKind::Content`): TTFT and the end of E2EL.
     pub first_content: Option<Duration>,
     pub last_content: Option<Duration>,
-    /// Last data event that is not `[DONE]` (the usage event included): the end of E2EL.
+    /// Last data event that is not `[DONE]` (the usage event included).
     pub last_data: Option<Duration>,
+    /// Token events (the opening role chunk and the usage event are not).
     pub content_events: u32,
     /// The gap before the latest content event (none for the first).
     pub last_gap: Option<Duration>,
@@ -96,7 +98,7 @@ impl StreamMetrics {
                     self.take_usage(payload);
                 }
             }
-            DataKind::NoChoices => {
+            DataKind::NoChoices | DataKind::NoOutput => {
                 self.last_data = Some(at);
                 if USAGE.find(payload).is_some() {
                     self.take_usage(payload);
@@ -116,13 +118,15 @@ impl StreamMetrics {
         }
     }
 
-    /// Time to first token: the first event with non-empty `choices`.
+    /// Time to first token: the first token event.
     pub fn ttft(&self) -> Option<Duration> {
         self.first_content
     }
 
+    /// End-to-end latency: to the last token event (vLLM 0.33: the usage event and the
+    /// events after the last token do not count).
     pub fn e2el(&self) -> Option<Duration> {
-        self.last_data
+        self.last_content
     }
 
     /// Mean gap between consecutive content events.
