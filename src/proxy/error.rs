@@ -3,8 +3,6 @@
 //! decides the status: the client's → 4xx saying what to change; a backend's → 502/503/504
 //! naming the backend and the cause; ours → 500 with the detail in the log only.
 
-use std::borrow::Cow;
-
 use bytes::Bytes;
 
 use crate::auth::AuthFailure;
@@ -76,13 +74,9 @@ pub enum ApiError {
     BodyTooLarge { limit: usize },
     #[error("could not read the request body: {0}")]
     BodyRead(String),
-    #[error("invalid JSON: {0}")]
-    InvalidJson(String),
-    #[error("{message}")]
-    InvalidRequest {
-        param: Option<Cow<'static, str>>,
-        message: String,
-    },
+    /// The body is not the JSON the endpoint takes (the view's own error, kept whole).
+    #[error("{0}")]
+    View(ViewError),
     #[error("model `{model}` not found")]
     ModelNotFound { model: String, available: String },
     #[error("no backend available for `{model}`")]
@@ -126,8 +120,9 @@ impl ApiError {
             ApiError::UnsupportedMediaType { .. } => ErrorKind::UnsupportedMediaType,
             ApiError::BodyTooLarge { .. } => ErrorKind::BodyTooLarge,
             ApiError::BodyRead(_) => ErrorKind::BodyRead,
-            ApiError::InvalidJson(_) => ErrorKind::InvalidJson,
-            ApiError::InvalidRequest { .. } => ErrorKind::InvalidRequest,
+            ApiError::View(ViewError::InvalidJson(_)) => ErrorKind::InvalidJson,
+            ApiError::View(ViewError::InvalidRequest { .. }) => ErrorKind::InvalidRequest,
+            ApiError::View(ViewError::Unlocatable) => ErrorKind::Internal,
             ApiError::ModelNotFound { .. } => ErrorKind::ModelNotFound,
             ApiError::NoBackend { .. } => ErrorKind::NoBackend,
             ApiError::BackendUnreachable { .. } => ErrorKind::BackendUnreachable,
@@ -201,13 +196,13 @@ impl ApiError {
                 None,
                 "body_read_error",
             ),
-            ApiError::InvalidJson(detail) => (
+            ApiError::View(ViewError::InvalidJson(detail)) => (
                 format!("The request body is not valid JSON: {detail}."),
                 "invalid_request_error",
                 None,
                 "invalid_json",
             ),
-            ApiError::InvalidRequest { param, message } => (
+            ApiError::View(ViewError::InvalidRequest { param, message }) => (
                 message.clone(),
                 "invalid_request_error",
                 param.as_deref(),
@@ -272,12 +267,9 @@ impl ApiError {
                 let (kind, code, message) = f.describe();
                 (message, kind, None, code)
             }
+            // Every limit refuses with 429 (`LimitKind::error_kind`).
             ApiError::Limited(r) => {
-                let kind = if r.status() == StatusCode::TOO_MANY_REQUESTS {
-                    "rate_limit_error"
-                } else {
-                    "server_error"
-                };
+                let kind = "rate_limit_error";
                 let param = matches!(
                     r.kind,
                     crate::limits::LimitKind::KeyTokens
@@ -294,7 +286,7 @@ impl ApiError {
                 };
                 (r.message(), kind, None, r.kind.code())
             }
-            ApiError::Internal => (
+            ApiError::Internal | ApiError::View(ViewError::Unlocatable) => (
                 "The gateway hit an internal error; the details are in its log.".to_owned(),
                 "server_error",
                 None,
@@ -333,13 +325,7 @@ fn retry_after(d: std::time::Duration) -> (header::HeaderName, HeaderValue) {
 
 impl From<ViewError> for ApiError {
     fn from(e: ViewError) -> Self {
-        match e {
-            ViewError::InvalidJson(detail) => ApiError::InvalidJson(detail),
-            ViewError::InvalidRequest { param, message } => {
-                ApiError::InvalidRequest { param, message }
-            }
-            ViewError::Unlocatable => ApiError::Internal,
-        }
+        ApiError::View(e)
     }
 }
 

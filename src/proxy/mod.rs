@@ -400,7 +400,7 @@ fn answer_queued(
 fn answer_error(err: &ApiError, mut ex: Exchange) -> Response<GatewayBody> {
     ex.record.status = err.status().as_u16();
     ex.record.error = Some(err.kind());
-    if matches!(err, ApiError::Internal) {
+    if err.kind() == ErrorKind::Internal {
         tracing::error!(request_id = ?ex.record.request_id, "internal error while forwarding");
     }
     ex.record.finish(Instant::now());
