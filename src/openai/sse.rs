@@ -6,6 +6,7 @@
 use std::sync::LazyLock;
 
 use memchr::{memchr, memmem};
+use serde_json::value::RawValue;
 
 /// Searchers built once: `memmem::find` would build one per call.
 static CHOICES: LazyLock<memmem::Finder<'static>> =
@@ -155,10 +156,25 @@ pub fn classify(payload: &[u8]) -> DataKind {
 static DELTA: LazyLock<memmem::Finder<'static>> =
     LazyLock::new(|| memmem::Finder::new(b"\"delta\""));
 
+/// The fields of a chat delta that decide whether it streams output, borrowed from the bytes.
+#[derive(serde::Deserialize)]
+struct Delta<'a> {
+    #[serde(borrow)]
+    role: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow)]
+    reasoning: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tool_calls: Option<&'a RawValue>,
+    #[serde(borrow)]
+    function_call: Option<&'a RawValue>,
+}
+
 /// Does the first choice (`choices` starts just after its `[`) stream output? A choice without
 /// a `delta` (completions' `text`) does. A chat delta does when one of its output fields is
-/// non-empty, or it has `content: ""` and no `role`. Only the delta's own keys are read (a byte
-/// scan, no allocation): this runs on every relayed event.
+/// non-empty, or it has `content: ""` and no `role`. Only the delta object is parsed (serde
+/// stops at its end, the values stay borrowed): this runs on every relayed event.
 fn streams_output(choices: &[u8]) -> bool {
     let Some(at) = DELTA.find(choices) else {
         return true;
@@ -167,44 +183,18 @@ fn streams_output(choices: &[u8]) -> bool {
     let Some((b':', rest)) = rest.split_first() else {
         return false;
     };
-    let Some((b'{', mut rest)) = skip_ws(rest).split_first() else {
+    let Some(Ok(d)) = serde_json::Deserializer::from_slice(rest)
+        .into_iter::<Delta<'_>>()
+        .next()
+    else {
         return false;
     };
-    let (mut role, mut empty_content, mut output) = (false, false, false);
-    loop {
-        rest = skip_ws(rest);
-        match rest.first() {
-            Some(b'"') => {}
-            _ => break, // `}` or malformed: the object ends here
-        }
-        let Some(key_len) = string_len(rest) else {
-            break;
-        };
-        let key = &rest[1..key_len - 1];
-        rest = skip_ws(&rest[key_len..]);
-        let Some((b':', after)) = rest.split_first() else {
-            break;
-        };
-        let value = skip_ws(after);
-        let Some(value_len) = value_len(value) else {
-            break;
-        };
-        let v = &value[..value_len];
-        match key {
-            b"role" => role |= v != b"null",
-            b"content" if v == b"\"\"" => empty_content = true,
-            b"content" | b"reasoning" | b"tool_calls" | b"function_call" => {
-                output |= !is_empty_value(v);
-            }
-            _ => {}
-        }
-        rest = skip_ws(&value[value_len..]);
-        match rest.split_first() {
-            Some((b',', r)) => rest = r,
-            _ => break,
-        }
-    }
-    output || (empty_content && !role)
+    let output = [d.content, d.reasoning, d.tool_calls, d.function_call]
+        .into_iter()
+        .flatten()
+        .any(|v| !is_empty_value(v.get().as_bytes()));
+    let role = d.role.is_some_and(|r| r.get() != "null");
+    output || (!role && d.content.is_some_and(|c| c.get() == "\"\""))
 }
 
 /// `null`, `""`, `[]` or `{}` (with any whitespace inside the brackets).
@@ -213,54 +203,6 @@ fn is_empty_value(v: &[u8]) -> bool {
         b"null" | b"\"\"" => true,
         [b'[', inner @ .., b']'] | [b'{', inner @ .., b'}'] => skip_ws(inner).is_empty(),
         _ => false,
-    }
-}
-
-/// Length of the JSON string at the start of `b` (quotes included).
-fn string_len(b: &[u8]) -> Option<usize> {
-    let mut i = 1;
-    while i < b.len() {
-        match b[i] {
-            b'\\' => i += 2,
-            b'"' => return Some(i + 1),
-            _ => i += 1,
-        }
-    }
-    None
-}
-
-/// Length of the JSON value at the start of `b`: a string, an object or array (nested, strings
-/// inside skipped), or a scalar up to the next `,`, `}` or `]`.
-fn value_len(b: &[u8]) -> Option<usize> {
-    match b.first()? {
-        b'"' => string_len(b),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut i = 0;
-            while i < b.len() {
-                match b[i] {
-                    b'"' => {
-                        i += string_len(&b[i..])?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return Some(i + 1);
-                        }
-                    }
-                    _ => {}
-                }
-                i += 1;
-            }
-            None
-        }
-        _ => Some(
-            b.iter()
-                .position(|c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n'))
-                .unwrap_or(b.len()),
-        ),
     }
 }
 
