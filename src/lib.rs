@@ -7,6 +7,7 @@
 // Layer 0: shared by everything.
 pub mod clock;
 pub mod openai;
+pub mod rx_time;
 pub mod secret;
 
 // Layer 1: configuration, keys and the store.

@@ -194,6 +194,84 @@ async fn non_streaming_passes_through_with_server_timing() {
     assert!(m.headers.contains_key("x-request-id"));
 }
 
+/// The `hop;dur=<ms>` entry of a `Server-Timing` value.
+fn hop_ms(server_timing: &str) -> Option<f64> {
+    server_timing
+        .split(',')
+        .find_map(|e| e.trim().strip_prefix("hop;dur="))
+        .and_then(|d| d.parse().ok())
+}
+
+/// The hop cost (kernel stamps on both sockets) reaches the client: in `Server-Timing` for a
+/// non-streamed answer, as a trailer for a stream whose client sent `TE: trailers`, and not at
+/// all to one that did not. The backend's 30 ms before its first token is never in it.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hop_cost_reaches_the_client() {
+    let sim = sim(|a| a.stall_first_token_ms = 30.0).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        chat_body("qwen32b", "hello", 4, false),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+    let st = m.headers["server-timing"].to_str().unwrap();
+    let hop = hop_ms(st).unwrap_or_else(|| panic!("hop in {st}"));
+    assert!((0.0..30.0).contains(&hop), "{st}");
+
+    let c = client::http_client();
+    let stream = |te: bool| {
+        let mut req =
+            authed(&gw, "POST", "/v1/chat/completions").header("content-type", "application/json");
+        if te {
+            req = req.header("te", "trailers");
+        }
+        req.body(http_body_util::Full::new(stream_body(4))).unwrap()
+    };
+    let resp = c.request(stream(true)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["trailer"], "server-timing");
+    let head_st = resp.headers()["server-timing"].to_str().unwrap().to_owned();
+    assert_eq!(hop_ms(&head_st), None, "not known yet: {head_st}");
+    let collected = resp.into_body().collect().await.unwrap();
+    let trailers = collected
+        .trailers()
+        .cloned()
+        .expect("a Server-Timing trailer");
+    let body = collected.to_bytes();
+    assert!(stream_text(&body).len() >= 4);
+    assert!(body.ends_with(b"data: [DONE]\n\n"));
+    let st = trailers["server-timing"].to_str().unwrap();
+    assert!(st.starts_with("gw;dur="), "{st}");
+    let hop = hop_ms(st).unwrap_or_else(|| panic!("hop in {st}"));
+    assert!((0.0..30.0).contains(&hop), "{st}");
+
+    let resp = c.request(stream(false)).await.unwrap();
+    assert!(!resp.headers().contains_key("trailer"));
+    let collected = resp.into_body().collect().await.unwrap();
+    assert!(collected.trailers().is_none());
+
+    // Every request is observed once it is recorded (the record's drop).
+    let hop_count = || {
+        metrics_text(&gw)
+            .lines()
+            .find(|l| {
+                l.starts_with("fleetgate_hop_added_seconds_count")
+                    && l.contains(r#"environment="stress""#)
+                    && l.contains(r#"model="qwen32b""#)
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || hop_count() == Some(3)).await,
+        "{:?}",
+        hop_count()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_endpoint_streams() {
     let sim = sim(|_| {}).await;

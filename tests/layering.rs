@@ -16,6 +16,7 @@ use std::path::Path;
 const LAYERS: &[(&str, u8)] = &[
     ("clock", 0),
     ("openai", 0),
+    ("rx_time", 0),
     ("secret", 0),
     ("config", 1),
     ("key", 1),

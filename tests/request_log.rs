@@ -117,6 +117,15 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
             "{kind}: {up} {client} {e2el} {pre}"
         );
         assert_eq!(s.get::<i32, _>("content_events"), 6);
+        // The hop cost, from the kernel's stamps (Linux): at most what the client saw less what
+        // the backend took, plus the time the request waited in the kernel.
+        if fleetgate::rx_time::SUPPORTED {
+            let hop = s.get::<Option<i64>, _>("hop_us");
+            assert!(
+                hop.is_some_and(|h| h >= 0 && h < client - up + 50_000),
+                "{kind}: hop_us {hop:?} (client {client}, upstream {up})"
+            );
+        }
         assert!(
             s.get::<Option<i64>, _>("itl_p99_us").unwrap()
                 <= s.get::<Option<i64>, _>("itl_max_us").unwrap()
@@ -124,6 +133,14 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
 
         let p = by_id("log-plain");
         assert_eq!(p.get::<i32, _>("stream"), 0);
+        if fleetgate::rx_time::SUPPORTED {
+            assert!(p.get::<Option<i64>, _>("hop_us").is_some(), "{kind}");
+        }
+        assert_eq!(
+            by_id("log-404").get::<Option<i64>, _>("hop_us"),
+            None,
+            "{kind}: no backend, no hop"
+        );
         let e = by_id("log-404");
         assert_eq!(e.get::<i32, _>("status"), 404);
         assert_eq!(

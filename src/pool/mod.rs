@@ -13,7 +13,7 @@ mod backend;
 mod balance;
 pub mod fleet;
 mod health;
-mod upstream_client;
+pub mod upstream_client;
 
 use std::collections::HashMap;
 use std::io;

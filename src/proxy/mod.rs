@@ -386,6 +386,12 @@ fn answer_queued(
     h.insert(header::CONTENT_TYPE, TEXT_EVENT_STREAM.clone());
     h.insert(header::CACHE_CONTROL, NO_CACHE.clone());
     h.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
+    if queued.prepared.timing_trailer {
+        h.insert(
+            header::TRAILER,
+            HeaderValue::from_name(upstream::SERVER_TIMING.clone()),
+        );
+    }
     if let Some(a) = &ex.admission {
         a.headers.write(h);
     }
@@ -424,6 +430,8 @@ fn relay_body(
         timeouts,
         slot,
         strip_usage,
+        rx,
+        timing_trailer,
     } = parts;
     let itl = sse.then(|| state.recorder.metrics()).flatten().map(|m| {
         m.itl(
@@ -436,6 +444,8 @@ fn relay_body(
         timeouts,
         strip_usage: sse && strip_usage,
         itl,
+        rx,
+        timing_trailer,
     };
     RelayBody::new(upstream, options, slot, ex, first)
 }

@@ -20,6 +20,7 @@ use crate::config::Timeouts;
 use crate::openai::error::ErrorKind;
 use crate::openai::sse::{DataKind, SseScanner};
 use crate::pool::InFlight;
+use crate::pool::upstream_client::UpstreamRx;
 use crate::queue::QueuedBody;
 use crate::telemetry::RequestRecord;
 
@@ -112,6 +113,8 @@ pin_project! {
         yielded: u8,
         strip_usage: bool,
         itl: Option<prometheus::Histogram>,
+        rx: Option<UpstreamRx>,
+        timing_trailer: bool,
         // Declared before `ex` so the slot is released before the request is recorded.
         slot: InFlight,
         ex: Exchange,
@@ -132,6 +135,8 @@ impl RelayBody {
             timeouts,
             strip_usage,
             itl,
+            rx,
+            timing_trailer,
         } = options;
         let now = Instant::now();
         let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
@@ -157,7 +162,7 @@ impl RelayBody {
         }
         let first_token = ex.record.timeline.upstream_first_token().is_some();
         if first_token && sse {
-            observe_first_token(&slot, &ex.record);
+            observe_first_token(&slot, &mut ex.record, rx.as_ref());
         }
         let deadline = deadline(sent_at, now, sse, first_token, &timeouts);
         Self {
@@ -174,6 +179,8 @@ impl RelayBody {
             yielded: 0,
             strip_usage,
             itl,
+            rx,
+            timing_trailer,
             slot,
             ex,
         }
@@ -236,6 +243,10 @@ pub struct RelayOptions {
     pub strip_usage: bool,
     /// Every gap between content events is observed here.
     pub itl: Option<prometheus::Histogram>,
+    /// The upstream connection's receive stamps, read at the first token.
+    pub rx: Option<UpstreamRx>,
+    /// End a finished stream with a `Server-Timing` trailer (the client sent `TE: trailers`).
+    pub timing_trailer: bool,
 }
 
 /// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
@@ -293,9 +304,26 @@ fn without(data: Bytes, cut: std::ops::Range<usize>) -> Option<Bytes> {
     Some(out.freeze())
 }
 
-/// Feed the backend's mean TTFT once the first token has been seen.
-fn observe_first_token(slot: &InFlight, record: &RequestRecord) {
-    let t = &record.timeline;
+/// The `Server-Timing` trailer of a finished stream, when the client accepts one.
+fn timing_trailer(wanted: bool, record: &RequestRecord) -> Option<http::HeaderMap> {
+    if wanted {
+        super::upstream::stream_timing(record)
+    } else {
+        None
+    }
+}
+
+/// Once the first token has been seen: take the upstream socket's stamps (the kernel's arrival
+/// of the bytes that carried it) and feed the backend's mean TTFT.
+fn observe_first_token(slot: &InFlight, record: &mut RequestRecord, rx: Option<&UpstreamRx>) {
+    let t = &mut record.timeline;
+    if t.upstream_first_token().is_none() {
+        return;
+    }
+    if let Some(rx) = rx {
+        let (written, arrived) = rx.0.first_token_arrival();
+        t.stamp_upstream_wire(written, arrived);
+    }
     if let (Some(first), Some(sent)) = (t.upstream_first_token(), t.upstream_sent()) {
         slot.backend()
             .observe_ttft(first.saturating_duration_since(sent));
@@ -409,7 +437,7 @@ impl RelayBody {
                 this.itl.as_ref(),
             );
             if !had_first {
-                observe_first_token(this.slot, &this.ex.record);
+                observe_first_token(this.slot, &mut this.ex.record, this.rx.as_ref());
             }
             match scanned {
                 Some(rest) => data = rest,
@@ -457,14 +485,23 @@ impl RelayBody {
                 .set_usage(crate::telemetry::timeline::usage_in_tail(this.tail));
         }
         if this.ready.is_empty() {
+            let trailer = timing_trailer(*this.timing_trailer, &this.ex.record);
             this.ex.record.finish(now);
+            if let Some(t) = trailer {
+                *this.state = State::Trailers(t);
+                return None;
+            }
             return Some(Poll::Ready(None));
         }
-        // Deliver what was read; the next poll ends the body.
+        // Deliver what was read; the next poll ends the body (after the trailer, if any).
         let out = self.as_mut().deliver();
         let this = self.project();
-        *this.state = State::Ended;
-        this.ex.record.finish(Instant::now());
+        let now = Instant::now();
+        *this.state = match timing_trailer(*this.timing_trailer, &this.ex.record) {
+            Some(t) => State::Trailers(t),
+            None => State::Ended,
+        };
+        this.ex.record.finish(now);
         Some(Poll::Ready(Some(Ok(Frame::data(out)))))
     }
 

@@ -17,11 +17,14 @@ use super::{APPLICATION_JSON, Exchange, X_REQUEST_ID};
 use crate::openai::Endpoint;
 use crate::openai::error::{ErrorKind, error_body};
 use crate::openai::view::{self, RequestView};
+use crate::pool::upstream_client::UpstreamRx;
 use crate::pool::{Backend, InFlight, Pool, Reachability};
 use crate::route::Route;
 use crate::telemetry::RequestRecord;
 
-static SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
+pub static SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
+/// `Trailer: server-timing`.
+static SERVER_TIMING_VALUE: HeaderValue = HeaderValue::from_static("server-timing");
 
 /// Largest error body read from a backend to rewrap it.
 const MAX_UPSTREAM_ERROR_BODY: usize = 64 * 1024;
@@ -70,6 +73,9 @@ pub struct Prepared {
     /// The gateway injected `include_usage`: hide the usage event from the client.
     pub strip_usage: bool,
     pub body_read: Instant,
+    /// The client accepts trailers (`TE: trailers`): a stream's `Server-Timing`, with the hop
+    /// cost known only after its first token, comes as a trailer.
+    pub timing_trailer: bool,
 }
 
 /// The request for the route's pool: the original bytes unless the model must be renamed. A
@@ -86,6 +92,7 @@ pub fn prepare(
 ) -> Prepared {
     let inject_usage = view.stream && view.include_usage != Some(true);
     let upstream_body = view::upstream_body(body, view, route.rename, inject_usage);
+    let timing_trailer = view.stream && accepts_trailers(&headers);
     strip_upstream_headers(&mut headers);
     headers.insert(X_REQUEST_ID.clone(), request_id.clone());
     headers.insert(
@@ -99,7 +106,17 @@ pub fn prepare(
         pool: route.pool.index,
         strip_usage: inject_usage,
         body_read,
+        timing_trailer,
     }
+}
+
+/// `TE: trailers` (among other codings).
+fn accepts_trailers(h: &HeaderMap) -> bool {
+    h.get_all(header::TE).iter().any(|v| {
+        v.as_bytes()
+            .split(|b| *b == b',')
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
+    })
 }
 
 pub struct RelayParts {
@@ -109,6 +126,10 @@ pub struct RelayParts {
     pub slot: InFlight,
     /// The gateway injected `include_usage`: hide the usage event from the client.
     pub strip_usage: bool,
+    /// The upstream connection's receive stamps (up to the first token).
+    pub rx: Option<UpstreamRx>,
+    /// End the stream with a `Server-Timing` trailer.
+    pub timing_trailer: bool,
 }
 
 /// What sending upstream gave.
@@ -195,6 +216,7 @@ async fn send(
     ex.record.backend = Some(backend.base.clone());
     ex.record.backend_slot = Some(backend.slot);
     let strip_usage = prepared.strip_usage;
+    let timing_trailer = prepared.timing_trailer;
     let upstream_req = upstream_request(&backend, prepared);
 
     // Send; wait for the head within the first-token (and total) limit.
@@ -225,6 +247,7 @@ async fn send(
     }
 
     let (mut head, upstream) = resp.into_parts();
+    let rx = head.extensions.remove::<UpstreamRx>();
     if head.status.is_client_error() || head.status.is_server_error() {
         let deadline = head_deadline.max(head_at + t.idle);
         let answer = error_answer(pool, &backend, &head, upstream, deadline, ex).await;
@@ -248,9 +271,19 @@ async fn send(
     }
     head.version = Version::HTTP_11;
     if !sse {
-        // The whole answer is in this head's body: the first token is the head.
-        ex.record.timeline.stamp_whole_answer(head_at, head_at);
+        // The whole answer is in this head's body: the first token is the head, handed to the
+        // client now.
+        if let Some(rx) = &rx {
+            let (written, arrived) = rx.0.first_token_arrival();
+            ex.record.timeline.stamp_upstream_wire(written, arrived);
+        }
+        ex.record
+            .timeline
+            .stamp_whole_answer(head_at, Instant::now());
         backend.observe_ttft(head_at.saturating_duration_since(sent));
+    } else if timing_trailer {
+        head.headers
+            .insert(header::TRAILER, SERVER_TIMING_VALUE.clone());
     }
     if let Some(v) = server_timing(&ex.record, head_at, sse) {
         head.headers.insert(SERVER_TIMING.clone(), v);
@@ -263,6 +296,8 @@ async fn send(
             timeouts: t,
             slot,
             strip_usage,
+            rx,
+            timing_trailer: sse && timing_trailer,
         },
     ))
 }
@@ -361,13 +396,14 @@ async fn error_answer(
     resp
 }
 
-/// `Server-Timing: gw;dur=<pre-overhead ms>, upstream;dur=<head wait ms>`; streaming
-/// responses carry only `gw` (their upstream time is still running). Formatted into a stack
-/// buffer: this runs on every request.
+/// `Server-Timing: gw;dur=<pre-overhead ms>, upstream;dur=<head wait ms>, hop;dur=<ms>`;
+/// streaming responses carry only `gw` (their upstream time is still running; the whole
+/// figure comes as a trailer, `stream_timing`). Formatted into a stack buffer: this runs on
+/// every request.
 fn server_timing(record: &RequestRecord, head_at: Instant, sse: bool) -> Option<HeaderValue> {
     let t = &record.timeline;
     let gw = t.overhead_pre()? + Instant::now().saturating_duration_since(head_at);
-    let mut buf = [0u8; 80];
+    let mut buf = [0u8; 96];
     let mut n = put(&mut buf, 0, b"gw;dur=");
     n = put_ms(&mut buf, n, gw);
     if !sse {
@@ -377,8 +413,30 @@ fn server_timing(record: &RequestRecord, head_at: Instant, sse: bool) -> Option<
             n,
             head_at.saturating_duration_since(t.upstream_sent()?),
         );
+        if let Some(hop) = t.hop() {
+            n = put(&mut buf, n, b", hop;dur=");
+            n = put_ms(&mut buf, n, hop);
+        }
     }
     HeaderValue::from_bytes(&buf[..n]).ok()
+}
+
+/// A stream's `Server-Timing` trailer: `gw;dur=<pre + relay ms>, hop;dur=<ms>`.
+pub fn stream_timing(record: &RequestRecord) -> Option<HeaderMap> {
+    let t = &record.timeline;
+    let mut buf = [0u8; 64];
+    let mut n = put(&mut buf, 0, b"gw;dur=");
+    n = put_ms(&mut buf, n, t.overhead_total()?);
+    if let Some(hop) = t.hop() {
+        n = put(&mut buf, n, b", hop;dur=");
+        n = put_ms(&mut buf, n, hop);
+    }
+    let mut h = HeaderMap::with_capacity(1);
+    h.insert(
+        SERVER_TIMING.clone(),
+        HeaderValue::from_bytes(&buf[..n]).ok()?,
+    );
+    Some(h)
 }
 
 fn put(buf: &mut [u8], at: usize, s: &[u8]) -> usize {

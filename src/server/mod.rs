@@ -38,6 +38,7 @@ use crate::pool::fleet::{Fleet, ReloadError, ReloadSummary};
 use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
 use crate::proxy::{self, ProxyState};
+use crate::rx_time::{self, RxClock, Side, StampedStream};
 use crate::store::{KeyStore, StoreError};
 use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::{Recorder, RequestRecord};
@@ -83,10 +84,13 @@ fn json(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<GatewayBo
 }
 
 /// Route one request from `peer`.
+/// `arrival`: when the request's first bytes reached the host (the kernel's stamp), where the
+/// platform stamps them.
 pub async fn route(
     state: Arc<AppState>,
     req: Request<Incoming>,
     peer: SocketAddr,
+    arrival: Option<Instant>,
 ) -> Response<GatewayBody> {
     let received = Instant::now();
     let path = req.uri().path();
@@ -106,6 +110,9 @@ pub async fn route(
     let request_id = proxy::request_id(req.headers());
     let mut record = RequestRecord::new(received, request_id, state.proxy.recorder.clone());
     record.client_addr = Some(peer);
+    if let Some(at) = arrival {
+        record.timeline.stamp_kernel_arrival(at);
+    }
     let method = req.method().clone();
     let fail = |err: ApiError, mut record: RequestRecord| {
         record.status = err.status().as_u16();
@@ -303,7 +310,7 @@ impl Server {
                 None,
                 shutdown.clone(),
                 grace,
-                move |req, _peer| crate::admin::handle(admin.clone(), req),
+                move |req, _peer, _arrival| crate::admin::handle(admin.clone(), req),
             ));
         }
         let is_tls = tls.is_some();
@@ -423,6 +430,16 @@ fn spawn_workers(
     };
     let grace = config.server.shutdown_grace;
     let std_listener = listener.into_std()?;
+    // Accepted sockets inherit the option: each request's first bytes carry the kernel's
+    // arrival stamp, the start of the hop cost.
+    match rx_time::enable(&std_listener) {
+        Ok(()) => tracing::debug!("kernel receive timestamps on"),
+        Err(e) => tracing::warn!(
+            error = %e,
+            "no kernel receive timestamps: the hop cost (hop_us, fleetgate_hop_added_seconds, \
+             Server-Timing hop) is not recorded, only the in-process overhead"
+        ),
+    }
     let mut worker_done = Vec::with_capacity(workers);
     for i in 0..workers {
         let state = Arc::new(AppState {
@@ -441,8 +458,8 @@ fn spawn_workers(
                 runtime.block_on(async move {
                     match TcpListener::from_std(sock) {
                         Ok(listener) => {
-                            accept_loop(listener, tls, stop, grace, move |req, peer| {
-                                route(state.clone(), req, peer)
+                            accept_loop(listener, tls, stop, grace, move |req, peer, arrival| {
+                                route(state.clone(), req, peer, arrival)
                             })
                             .await
                         }
@@ -473,7 +490,7 @@ async fn accept_loop<H, F>(
     grace: Duration,
     handler: H,
 ) where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, SocketAddr, Option<Instant>) -> F + Clone + Send + Sync + 'static,
     F: std::future::Future<Output = Response<GatewayBody>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -507,8 +524,11 @@ async fn accept_loop<H, F>(
         };
         let _ = stream.set_nodelay(true);
         let handler = handler.clone();
+        // The kernel's arrival stamp of each request's first bytes (`rx_time`).
+        let clock = Arc::new(RxClock::new(Side::Client));
+        let stream = StampedStream::new(stream, clock.clone());
         let service = hyper::service::service_fn(move |req| {
-            let fut = handler(req, peer);
+            let fut = handler(req, peer, clock.take_arrival());
             async move { Ok::<_, std::convert::Infallible>(fut.await) }
         });
         match &tls {

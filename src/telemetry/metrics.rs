@@ -62,6 +62,7 @@ const KIND_COUNT: usize = ErrorKind::ALL.len() + 1;
 #[derive(Clone)]
 struct Series {
     overhead: [Histogram; 3],
+    hop: Histogram,
     ttft_client: Histogram,
     /// Upstream TTFT by backend slot.
     ttft_upstream: Vec<Option<Histogram>>,
@@ -88,6 +89,7 @@ struct Layout {
 /// The metric families whose children are resolved per pool and backend.
 struct Families {
     overhead: HistogramVec,
+    hop: HistogramVec,
     ttft: HistogramVec,
     tpot: HistogramVec,
     itl: HistogramVec,
@@ -161,6 +163,7 @@ impl Families {
         Series {
             overhead: ["pre", "relay", "total"]
                 .map(|ph| self.overhead.with_label_values(&[ph, env, model])),
+            hop: self.hop.with_label_values(&l2),
             ttft_client: self.ttft.with_label_values(&["client", env, model, "-"]),
             ttft_upstream: Vec::new(),
             tpot: self.tpot.with_label_values(&l2),
@@ -183,6 +186,13 @@ impl RequestMetrics {
             "fleetgate_overhead_seconds",
             "Time the gateway itself added: pre (received to sent upstream, queue excluded), relay (first token in to handed to the client), total",
             &["phase", "environment", "model"],
+            OVERHEAD_BUCKETS,
+        )?;
+        let hop = hist(
+            registry,
+            "fleetgate_hop_added_seconds",
+            "What the gateway added to the first token's time as the host's kernel saw it: (first token written to the client - request arrived at the host) - (first token arrived from upstream - request written upstream), queue wait excluded; Linux only",
+            &["environment", "model"],
             OVERHEAD_BUCKETS,
         )?;
         let ttft = hist(
@@ -266,6 +276,7 @@ impl RequestMetrics {
         )?;
         let families = Families {
             overhead,
+            hop,
             ttft,
             tpot,
             itl,
@@ -400,6 +411,9 @@ impl RequestMetrics {
         }
         if let Some(d) = t.overhead_total() {
             s.overhead[2].observe(secs(d));
+        }
+        if let Some(d) = t.hop() {
+            s.hop.observe(secs(d));
         }
         if let Some(d) = t.client_ttft() {
             s.ttft_client.observe(secs(d));

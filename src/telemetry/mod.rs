@@ -214,6 +214,7 @@ fn emit_event(r: &RequestRecord) {
         client_ttft_ms = ms(t.client_ttft()),
         overhead_pre_us = us(t.overhead_pre()),
         overhead_relay_us = us(t.overhead_relay()),
+        hop_us = us(t.hop()),
         e2el_ms = ms(t.e2el()),
         tpot_ms = ms(t.tpot()),
         itl_mean_ms = ms(t.stream().itl_mean()),

@@ -42,6 +42,9 @@ pub struct LogRow {
     pub client_ttft_us: Option<i64>,
     pub overhead_pre_us: Option<i64>,
     pub overhead_relay_us: Option<i64>,
+    /// Written by versions that record the hop cost (absent in older spill files).
+    #[serde(default)]
+    pub hop_us: Option<i64>,
     pub e2el_us: Option<i64>,
     pub tpot_us: Option<i64>,
     pub itl_mean_us: Option<i64>,
@@ -54,7 +57,7 @@ pub struct LogRow {
 const COLUMNS: &str = "row_id, at, request_id, key_id, environment, model, backend, status, error, \
     stream, prompt_tokens, completion_tokens, usage_source, queue_wait_us, upstream_ttft_us, \
     client_ttft_us, overhead_pre_us, overhead_relay_us, e2el_us, tpot_us, itl_mean_us, itl_p99_us, \
-    itl_max_us, content_events, client_addr";
+    itl_max_us, content_events, client_addr, hop_us";
 
 fn us(d: Option<Duration>) -> Option<i64> {
     d.map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
@@ -106,6 +109,7 @@ impl Pending {
             client_ttft_us: us(t.client_ttft()),
             overhead_pre_us: us(t.overhead_pre()),
             overhead_relay_us: us(t.overhead_relay()),
+            hop_us: us(t.hop()),
             e2el_us: us(t.e2el()),
             tpot_us: us(t.tpot()),
             itl_mean_us: us(t.stream().itl_mean()),
@@ -467,7 +471,7 @@ fn count_lines(path: &Path) -> usize {
 }
 
 /// Columns per row.
-const WIDTH: usize = 25;
+const WIDTH: usize = 26;
 
 /// Insert a batch in one transaction. PostgreSQL takes it as one multi-row statement; SQLite's
 /// statement preparation grows badly with thousands of placeholders, so it gets statements of
@@ -535,7 +539,8 @@ async fn insert_rows(
             .bind(r.itl_p99_us)
             .bind(r.itl_max_us)
             .bind(r.content_events)
-            .bind(r.client_addr.clone());
+            .bind(r.client_addr.clone())
+            .bind(r.hop_us);
     }
     q.execute(&mut **tx).await?;
     Ok(())

@@ -207,6 +207,9 @@ pub fn tpot(ttft: Duration, e2el: Duration, output_tokens: u64) -> Option<Durati
 /// named for the moment it records; the figures below derive from them.
 #[derive(Debug, Clone)]
 pub struct Timeline {
+    /// When the request's first bytes reached the host: the kernel's receive stamp
+    /// (`rx_time`), where the platform gives one.
+    arrived: Option<Instant>,
     /// Request head read.
     received: Instant,
     body_read: Option<Instant>,
@@ -219,6 +222,9 @@ pub struct Timeline {
     /// First token event read from upstream (streaming), or the response head
     /// (non-streaming).
     upstream_first_token: Option<Instant>,
+    /// The request's last bytes written to the upstream socket, and the kernel's arrival stamp
+    /// of the bytes that carried the first token (the head for non-streamed answers).
+    upstream_wire: Option<(Instant, Instant)>,
     /// Response head handed to the client connection.
     client_first_byte: Option<Instant>,
     /// The frame holding the first token handed to the client connection.
@@ -231,12 +237,14 @@ pub struct Timeline {
 impl Timeline {
     pub fn start(received: Instant) -> Self {
         Self {
+            arrived: None,
             received,
             body_read: None,
             admitted: None,
             upstream_sent: None,
             upstream_first_byte: None,
             upstream_first_token: None,
+            upstream_wire: None,
             client_first_byte: None,
             client_first_token: None,
             done: None,
@@ -273,6 +281,20 @@ impl Timeline {
     }
     pub fn stream(&self) -> &StreamMetrics {
         &self.stream
+    }
+
+    /// The kernel's arrival stamp of the request's first bytes.
+    pub fn stamp_kernel_arrival(&mut self, at: Instant) {
+        self.arrived = Some(at.min(self.received));
+    }
+
+    /// The upstream socket's stamps at the first token: request written, first token arrived.
+    pub fn stamp_upstream_wire(&mut self, written: Option<Instant>, arrived: Option<Instant>) {
+        if let (Some(w), Some(a)) = (written.or(self.upstream_sent), arrived)
+            && self.upstream_wire.is_none()
+        {
+            self.upstream_wire = Some((w, a.max(w)));
+        }
     }
 
     pub fn stamp_body_read(&mut self, at: Instant) {
@@ -348,6 +370,7 @@ impl Timeline {
     /// describes the attempt that answers.
     pub fn forget_attempt(&mut self) {
         self.upstream_first_token = None;
+        self.upstream_wire = None;
         self.client_first_token = None;
     }
 
@@ -400,6 +423,24 @@ impl Timeline {
         Some(
             self.client_first_token?
                 .saturating_duration_since(self.upstream_first_token?),
+        )
+    }
+
+    /// The hop cost: what the gateway added to the first token's time as the host's kernel
+    /// saw it on both sockets, queue wait excluded:
+    /// (first token written to the client − request arrived) − (first token arrived from
+    /// upstream − request written upstream) − queue wait. Unlike `overhead_total` it holds the
+    /// time a request waits in the kernel before the gateway reads it. `None` without the
+    /// kernel's stamps.
+    pub fn hop(&self) -> Option<Duration> {
+        let (written, first_arrived) = self.upstream_wire?;
+        let client = self
+            .client_first_token?
+            .saturating_duration_since(self.arrived?);
+        Some(
+            client
+                .saturating_sub(self.queue_wait())
+                .saturating_sub(first_arrived.saturating_duration_since(written)),
         )
     }
 
@@ -457,6 +498,20 @@ mod tests {
         assert_eq!(t.overhead_relay(), Some(Duration::from_millis(1)));
         // client TTFT − upstream TTFT − queue wait
         assert_eq!(t.overhead_total(), Some(Duration::from_millis(3)));
+        assert_eq!(t.hop(), None, "no kernel stamps, no hop");
+
+        // The request waited 2 ms in the kernel before it was read; upstream's first token
+        // arrived 30 µs before the gateway read it, and the request left 20 µs after it was
+        // handed to the upstream connection.
+        t.stamp_kernel_arrival(t0 - Duration::from_millis(2));
+        t.stamp_upstream_wire(
+            Some(at(12) + Duration::from_micros(20)),
+            Some(at(100) - Duration::from_micros(30)),
+        );
+        // (101 + 2) − 10 − (88 − 0.05) ms
+        assert_eq!(t.hop(), Some(Duration::from_micros(5_050)));
+        t.forget_attempt();
+        assert_eq!(t.hop(), None);
     }
 
     #[test]
