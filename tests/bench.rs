@@ -85,7 +85,14 @@ async fn measures_what_the_sim_was_configured_to_produce() {
         "E2EL {} for 20 steps of 10 ms",
         m("e2el")
     );
-    assert_eq!(r.peak_concurrency, 1);
+    // One at a time: never two in flight at once, but vLLM's per-second count sees each second's
+    // several requests (~210 ms each).
+    assert_eq!(r.peak_concurrent_instant, 1);
+    assert!(
+        (2..=12).contains(&r.max_concurrent_requests),
+        "{}",
+        r.max_concurrent_requests
+    );
     // vLLM's keys and the seed's shape.
     let j = &report.json;
     for k in [
@@ -99,6 +106,12 @@ async fn measures_what_the_sim_was_configured_to_produce() {
         "total_token_throughput",
         "max_output_tokens_per_s",
         "max_concurrent_requests",
+        "peak_concurrent_requests_instant",
+        "request_goodput",
+        "latencies",
+        "backend",
+        "label",
+        "tokenizer_id",
         "mean_ttft_ms",
         "median_ttft_ms",
         "std_ttft_ms",
@@ -128,8 +141,27 @@ async fn measures_what_the_sim_was_configured_to_produce() {
     assert!(j["ttft_ms"]["p95"].as_f64().unwrap() > 0.0);
     assert_eq!(j["labels"]["model"], "qwen32b", "the model from /v1/models");
     assert_eq!(j["itls"].as_array().unwrap().len(), 12);
-    assert!(report.text.contains("Successful requests:"));
-    assert!(report.text.contains("P95 ITL (ms):"));
+    assert_eq!(j["max_concurrent_requests"], r.max_concurrent_requests);
+    assert_eq!(j["peak_concurrent_requests_instant"], 1);
+    assert!(j["request_goodput"].is_null(), "null without --goodput");
+    assert_eq!(j["backend"], "openai-chat");
+    assert!(j["label"].is_null() && j["tokenizer_id"].is_null());
+    // E2EL per request, in seconds like `ttfts`.
+    let latencies = j["latencies"].as_array().unwrap();
+    assert_eq!(latencies.len(), 12);
+    let mean_s = latencies.iter().map(|v| v.as_f64().unwrap()).sum::<f64>() / 12.0;
+    assert!((mean_s * 1e3 - m("e2el")).abs() < 1e-6, "{mean_s}");
+    // vLLM's labels, to the letter; the instantaneous peak under a label of its own.
+    for l in [
+        "Successful requests:",
+        "Peak concurrent requests:",
+        "Total token throughput (tok/s):",
+        "P95 ITL (ms):",
+        "Instantaneous peak concurrency:",
+    ] {
+        assert!(report.text.contains(l), "{l}\n{}", report.text);
+    }
+    assert!(!report.text.contains("Total Token"));
     assert_eq!(report.exit, 0);
 }
 
@@ -469,7 +501,10 @@ async fn settings_json_drives_a_timed_closed_loop_run() {
     assert!(v["completed"].as_u64().unwrap() > 10, "{v}");
     assert_eq!(v["failed"], 0);
     assert_eq!(v["max_concurrency"], 4);
-    assert!(v["max_concurrent_requests"].as_u64().unwrap() <= 4);
+    // The cap holds at every instant; vLLM's per-second count sees more (short requests).
+    let instant = v["peak_concurrent_requests_instant"].as_u64().unwrap();
+    assert!((1..=4).contains(&instant), "{instant}");
+    assert!(v["max_concurrent_requests"].as_u64().unwrap() >= instant);
     for k in ["p50", "p95", "p99"] {
         assert!(v["ttft_ms"][k].is_number(), "ttft_ms.{k}");
         assert!(v["tpot_ms"][k].is_number(), "tpot_ms.{k}");

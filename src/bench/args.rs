@@ -117,8 +117,9 @@ pub struct BenchArgs {
     pub result_filename: Option<String>,
     #[arg(long)]
     pub result_dir: Option<PathBuf>,
-    /// Label stored with the result, `key=value` (repeatable): hardware, quantisation, ...
-    #[arg(long = "label", value_name = "KEY=VALUE")]
+    /// Label stored with the result, `key=value` (repeatable): hardware, quantisation, ... A
+    /// bare `--label NAME` is vLLM's: the result's `label` and the saved file's name prefix.
+    #[arg(long = "label", value_name = "KEY=VALUE|NAME")]
     pub labels: Vec<String>,
     /// Two targets, `NAME=BASE_URL NAME=BASE_URL` (the first is the baseline): the same prompts
     /// and arrivals, interleaved between them.

@@ -49,6 +49,10 @@ pub struct Plan {
     pub sla: Vec<Objective>,
     pub thresholds: Thresholds,
     pub labels: serde_json::Map<String, Value>,
+    /// vLLM's `label` (a bare `--label NAME`).
+    pub label: Option<String>,
+    /// vLLM's `tokenizer_id`: the tokenizer that counted the prompts (none: characters / 4).
+    pub tokenizer_id: Option<String>,
     pub dataset_note: String,
     pub settings: Value,
     pub progress: bool,
@@ -140,7 +144,7 @@ async fn plan_with(
         .iter()
         .map(|p| dataset::body(p, &model, chat, args.ignore_eos))
         .collect();
-    let labels = labels(&args, &model)?;
+    let (labels, label) = labels(&args, &model)?;
     let settings = if settings_json.is_null() {
         settings_echo(&args, &endpoint, chat, &selected, &percentiles)
     } else {
@@ -169,6 +173,8 @@ async fn plan_with(
             p95_pct: args.max_p95_delta_pct,
         },
         labels,
+        label,
+        tokenizer_id: args.tokenizer.as_ref().map(|p| p.display().to_string()),
         dataset_note,
         settings,
         progress: !args.no_progress,
@@ -472,10 +478,24 @@ fn prompts(
     })
 }
 
-/// The `--label`s, plus the model, fleetgate's version and the date.
-fn labels(args: &BenchArgs, model: &str) -> Result<serde_json::Map<String, Value>, String> {
+/// The `--label KEY=VALUE`s, plus the model, fleetgate's version and the date; and vLLM's
+/// label, a bare `--label NAME` (at most one).
+fn labels(
+    args: &BenchArgs,
+    model: &str,
+) -> Result<(serde_json::Map<String, Value>, Option<String>), String> {
     let mut labels = serde_json::Map::new();
+    let mut bare = None;
     for l in &args.labels {
+        if !l.contains('=') {
+            let name = l.trim();
+            if name.is_empty() || bare.replace(name.to_owned()).is_some() {
+                return Err(format!(
+                    "--label `{l}`: one bare label names the run (vLLM's --label); write the others KEY=VALUE"
+                ));
+            }
+            continue;
+        }
         let (k, v) = kv(l, "--label")?;
         labels.insert(k, Value::String(v));
     }
@@ -487,7 +507,7 @@ fn labels(args: &BenchArgs, model: &str) -> Result<serde_json::Map<String, Value
         Value::String(env!("CARGO_PKG_VERSION").to_owned()),
     );
     labels.insert("date".into(), Value::String(now_rfc3339()));
-    Ok(labels)
+    Ok((labels, bare))
 }
 
 /// The flags the run used, stored with the result (without settings.json, which is stored as is).
