@@ -48,6 +48,8 @@ pub struct Plan {
     pub goodput: Goodput,
     pub sla: Vec<Objective>,
     pub thresholds: Thresholds,
+    /// Percentiles measured because the compare verdict needs them, not because they were asked.
+    pub added_percentiles: Vec<f64>,
     pub labels: serde_json::Map<String, Value>,
     /// vLLM's `label` (a bare `--label NAME`).
     pub label: Option<String>,
@@ -132,6 +134,7 @@ async fn plan_with(
     let selected = selected_metrics(&args)?;
     let mut percentiles = percentiles(&args)?;
     let goodput = goodput(&args)?;
+    let (thresholds, added_percentiles) = verdict_thresholds(&args, &mut percentiles)?;
     let sweep = sweep_series(&args, &mut percentiles)?;
     let capacity = capacity(&args)?;
     // For SLA names, every percentile counts as measured.
@@ -168,10 +171,8 @@ async fn plan_with(
         percentiles,
         goodput,
         sla,
-        thresholds: Thresholds {
-            mean_pct: args.max_mean_delta_pct,
-            p95_pct: args.max_p95_delta_pct,
-        },
+        thresholds,
+        added_percentiles,
         labels,
         label,
         tokenizer_id: args.tokenizer.as_ref().map(|p| p.display().to_string()),
@@ -382,6 +383,35 @@ fn goodput(args: &BenchArgs) -> Result<Goodput, String> {
     Ok(goodput)
 }
 
+/// The compare verdict's tolerances; with `--compare`, P95 (the seed's criterion) joins the
+/// measured percentiles when it is not among them, and is returned as added.
+fn verdict_thresholds(
+    args: &BenchArgs,
+    percentiles: &mut Vec<f64>,
+) -> Result<(Thresholds, Vec<f64>), String> {
+    for (flag, v) in [
+        ("--max-mean-delta-pct", args.max_mean_delta_pct),
+        ("--max-percentile-delta-pct", args.max_percentile_delta_pct),
+        ("--delta-floor-ms", args.delta_floor_ms),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(format!("{flag} must be a number ≥ 0"));
+        }
+    }
+    let thresholds = Thresholds {
+        mean_pct: args.max_mean_delta_pct,
+        percentile_pct: args.max_percentile_delta_pct,
+        floor_ms: args.delta_floor_ms,
+    };
+    let mut added = Vec::new();
+    if args.compare.len() == 2 && !percentiles.iter().any(|p| (*p - 95.0).abs() < 1e-9) {
+        percentiles.push(95.0);
+        percentiles.sort_by(f64::total_cmp);
+        added.push(95.0);
+    }
+    Ok((thresholds, added))
+}
+
 /// `--sweep`: its axis and values; adds P99 to the percentiles, which the table and chart read.
 fn sweep_series(
     args: &BenchArgs,
@@ -541,6 +571,9 @@ fn settings_echo(
         "seed": args.seed,
         "ignore_eos": args.ignore_eos,
         "compare": args.compare,
+        "max_mean_delta_pct": args.max_mean_delta_pct,
+        "max_percentile_delta_pct": args.max_percentile_delta_pct,
+        "delta_floor_ms": args.delta_floor_ms,
         "sla": args.sla,
     })
 }

@@ -11,7 +11,7 @@ use super::measure::Outcome;
 use super::plan::Plan;
 use super::summary::{METRICS, Stats, Summary, p_word};
 use super::sweep;
-use super::verdict::{compare, render_compare, render_violations, violations};
+use super::verdict::{HopCheck, Judgement, compare, render_compare, render_violations, violations};
 
 /// The terminal summary in `vllm bench serve`'s layout.
 pub fn render(
@@ -508,24 +508,35 @@ fn comparison(
         &summaries[0],
         &summaries[1],
         &plan.selected,
+        &plan.percentiles,
         plan.thresholds,
     );
+    let names = [plan.targets[0].name.as_str(), plan.targets[1].name.as_str()];
     text.push('\n');
     text.push_str(&render_compare(
-        [&plan.targets[0].name, &plan.targets[1].name],
+        names,
         &deltas,
+        plan.thresholds,
+        &plan.added_percentiles,
+        &summaries[0],
         &summaries[1],
     ));
     let pass = deltas.iter().all(|d| d.pass);
+    let t = plan.thresholds;
     json.insert("targets".into(), Value::Object(per_target));
     json.insert(
         "comparison".into(),
         json!({
-            "baseline": plan.targets[0].name,
-            "measured": plan.targets[1].name,
+            "baseline": names[0],
+            "measured": names[1],
             "interleaving": "each prompt to both targets in consecutive arrivals, order alternating",
-            "thresholds_pct": {"mean": plan.thresholds.mean_pct, "p95": plan.thresholds.p95_pct},
+            "rule": t.rule(names),
+            "thresholds": {"mean_pct": t.mean_pct, "percentile_pct": t.percentile_pct, "floor_ms": t.floor_ms},
+            "percentiles_judged": plan.percentiles,
+            "percentiles_added": plan.added_percentiles,
             "deltas": deltas,
+            "not_measured": deltas.iter().filter(|d| d.judgement == Judgement::NotMeasured).map(|d| format!("{}_{}", d.metric, d.stat)).collect::<Vec<_>>(),
+            "hop": HopCheck::of(&summaries[0], &summaries[1]),
             "pass": pass,
         }),
     );
