@@ -735,6 +735,48 @@ async fn a_sweep_finds_the_knee_draws_it_and_plans_capacity() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mean_itl_equals_mean_tpot_at_eight_output_tokens() {
+    // Issue 14's check of vLLM 0.33's definitions: one token per fixed decode step, eight
+    // tokens. Counting the opening role chunk as a token made mean ITL 12.5 % lower than mean
+    // TPOT here; by the definitions the two are the same gaps averaged two ways (E2EL − TTFT
+    // over 7), whatever the machine's load, so the ratio is asserted, not a time.
+    let s = sim(|a| {
+        a.decode_step_ms = 5.0;
+        a.decode_ms_per_seq = 0.0;
+        a.prefill_us_per_token = 0.0;
+    })
+    .await;
+    let (_, report) = run(&[
+        "--base-url",
+        &s.url(),
+        "--num-prompts",
+        "10",
+        "--random-input-len",
+        "20",
+        "--random-output-len",
+        "8",
+        "--max-concurrency",
+        "1",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+    ])
+    .await;
+    let r = &report.summaries[0];
+    assert_eq!((r.completed, r.total_output), (10, 80), "{}", report.text);
+    assert_eq!(
+        r.metrics["itl"].count,
+        10 * 7,
+        "seven gaps between eight tokens"
+    );
+    let (itl, tpot) = (r.metrics["itl"].mean, r.metrics["tpot"].mean);
+    assert!(
+        (itl - tpot).abs() / tpot < 0.02,
+        "mean ITL {itl} ms vs mean TPOT {tpot} ms\n{}",
+        report.text
+    );
+}
+
 /// A body of the frames given, in order (data, then a trailer).
 struct Frames(std::collections::VecDeque<hyper::body::Frame<bytes::Bytes>>);
 
