@@ -66,6 +66,9 @@ pub struct Answer {
     pub start: Instant,
     /// Time until the head arrived.
     pub head: Duration,
+    /// The trailer fields that ended a chunked body (a server sends them only to a request that
+    /// carried `TE: trailers`); set by `read`.
+    pub trailers: Option<HeaderMap>,
     body: Incoming,
 }
 
@@ -93,13 +96,15 @@ pub async fn open(
         headers: parts.headers,
         start,
         head,
+        trailers: None,
         body,
     })
 }
 
 impl Answer {
     /// Read the body to its end, handing every read to `on_read` with its offset from `start`
-    /// (taken as it arrives: these offsets are what TTFT and ITL are measured from).
+    /// (taken as it arrives: these offsets are what TTFT and ITL are measured from). Trailer
+    /// fields at the end of the body are kept in `trailers`.
     pub async fn read(
         &mut self,
         deadline: Option<tokio::time::Instant>,
@@ -114,11 +119,14 @@ impl Answer {
                 None => self.body.frame().await,
             };
             match frame {
-                Some(Ok(frame)) => {
-                    if let Some(data) = frame.data_ref() {
-                        on_read(data, self.start.elapsed());
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => on_read(&data, self.start.elapsed()),
+                    Err(frame) => {
+                        if let Ok(t) = frame.into_trailers() {
+                            self.trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                        }
                     }
-                }
+                },
                 Some(Err(e)) => return BodyEnd::Cut(e.to_string()),
                 None => return BodyEnd::Complete,
             }

@@ -117,19 +117,26 @@ pub struct BenchArgs {
     pub result_filename: Option<String>,
     #[arg(long)]
     pub result_dir: Option<PathBuf>,
-    /// Label stored with the result, `key=value` (repeatable): hardware, quantisation, ...
-    #[arg(long = "label", value_name = "KEY=VALUE")]
+    /// Label stored with the result, `key=value` (repeatable): hardware, quantisation, ... A
+    /// bare `--label NAME` is vLLM's: the result's `label` and the saved file's name prefix.
+    #[arg(long = "label", value_name = "KEY=VALUE|NAME")]
     pub labels: Vec<String>,
     /// Two targets, `NAME=BASE_URL NAME=BASE_URL` (the first is the baseline): the same prompts
     /// and arrivals, interleaved between them.
     #[arg(long, num_args = 2, value_name = "NAME=URL")]
     pub compare: Vec<String>,
-    /// Compare verdict: largest change of a mean, in percent.
+    /// Compare verdict: how much slower a mean may be, in percent of the baseline's (or
+    /// --delta-floor-ms, whichever is larger).
     #[arg(long, default_value_t = 3.0)]
     pub max_mean_delta_pct: f64,
-    /// Compare verdict: largest change of a P95, in percent.
-    #[arg(long, default_value_t = 5.0)]
-    pub max_p95_delta_pct: f64,
+    /// Compare verdict: how much slower each percentile (P95 and every --metric-percentiles)
+    /// may be, in percent of the baseline's (or --delta-floor-ms, whichever is larger).
+    #[arg(long, visible_alias = "max-p95-delta-pct", default_value_t = 5.0)]
+    pub max_percentile_delta_pct: f64,
+    /// Compare verdict: the absolute tolerance in milliseconds under which no slowdown fails,
+    /// however large in percent (microseconds on a fast baseline).
+    #[arg(long, default_value_t = 1.0)]
+    pub delta_floor_ms: f64,
     /// Objectives to meet, e.g. `ttft_p99_ms=1500,e2el_p95_ms=60000,error_rate=0.01`; exit 2
     /// with a table when one is violated.
     #[arg(long)]

@@ -28,8 +28,13 @@ fn result_path(args: &BenchArgs, plan: &Plan) -> Option<PathBuf> {
         } else {
             "inf".into()
         };
+        // vLLM starts the name with its --label.
         format!(
-            "fleetgate-bench-{}qps-{}-{:04}{:02}{:02}-{:02}{:02}{:02}.json",
+            "{}-{}qps-{}-{:04}{:02}{:02}-{:02}{:02}{:02}.json",
+            plan.label
+                .as_deref()
+                .unwrap_or("fleetgate-bench")
+                .replace('/', "_"),
             rate,
             plan.model.replace('/', "_"),
             stamp.year(),

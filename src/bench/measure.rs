@@ -3,12 +3,14 @@
 //! event (the gap to the one before), E2EL at the last token event, output tokens from
 //! `usage.completion_tokens`, TPOT = (E2EL − TTFT) / (output tokens − 1). An
 //! in-stream `{"error": ...}` event, a non-2xx status, a cut body or a stream without a token
-//! makes the request failed, with the reason kept.
+//! makes the request failed, with the reason kept. Beside the client's own clock, it keeps what
+//! a gateway says of itself in `Server-Timing`: its own time (`gw`) and the hop cost it recorded
+//! (`hop`, which a stream carries in a trailer).
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, Uri};
+use http::{HeaderMap, HeaderValue, Uri, header};
 
 use crate::client::{self, BodyEnd, HttpClient};
 use crate::openai::sse::{DataKind, SseScanner};
@@ -40,6 +42,9 @@ pub struct Outcome {
     pub usage_reported: bool,
     /// The gateway's own time for this request, from its `Server-Timing: gw;dur=` header.
     pub gateway_ms: Option<f64>,
+    /// The hop cost the gateway recorded for this request (`Server-Timing: hop;dur=`): from the
+    /// trailer that ends a stream, else from the response header.
+    pub hop_ms: Option<f64>,
 }
 
 impl Outcome {
@@ -151,15 +156,45 @@ fn error_message(payload: &[u8]) -> String {
     text.chars().take(300).collect()
 }
 
-/// The `gw;dur=<ms>` entry of a `Server-Timing` header.
+/// The `dur` (milliseconds) of the metric `name` in `Server-Timing` fields, e.g. 0.21 for `hop`
+/// in `gw;dur=0.045, hop;dur=0.21`: the first entry of that name with a valid duration, across
+/// every `Server-Timing` line of `fields` (a header map or a trailer map).
+pub fn server_timing_ms(fields: &HeaderMap, name: &str) -> Option<f64> {
+    fields
+        .get_all("server-timing")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .find_map(|entry| {
+            let mut parts = entry.split(';').map(str::trim);
+            if parts.next()? != name {
+                return None;
+            }
+            parts.find_map(|p| {
+                let (k, v) = p.split_once('=')?;
+                if !k.trim().eq_ignore_ascii_case("dur") {
+                    return None;
+                }
+                v.trim()
+                    .trim_matches('"')
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|d| d.is_finite() && *d >= 0.0)
+            })
+        })
+}
+
+/// The gateway's own time: `gw` of the response head's `Server-Timing`.
 pub fn gateway_ms(headers: &HeaderMap) -> Option<f64> {
-    let v = headers.get("server-timing")?.to_str().ok()?;
-    v.split(',').find_map(|entry| {
-        let mut parts = entry.trim().split(';');
-        (parts.next()? == "gw")
-            .then(|| parts.find_map(|p| p.trim().strip_prefix("dur=").and_then(|d| d.parse().ok())))
-            .flatten()
-    })
+    server_timing_ms(headers, "gw")
+}
+
+/// The hop cost the gateway recorded: `hop` of the trailer's `Server-Timing` (a stream's full
+/// figures come at its end), else of the response head's.
+pub fn hop_ms(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<f64> {
+    trailers
+        .and_then(|t| server_timing_ms(t, "hop"))
+        .or_else(|| server_timing_ms(headers, "hop"))
 }
 
 /// Send one request and time it. `started` is the run's start (for `sent_at`).
@@ -172,7 +207,11 @@ pub async fn send(
     started: Instant,
     timeout: Duration,
 ) -> Outcome {
-    let req = client::post(uri, headers, body);
+    let mut req = client::post(uri, headers, body);
+    // A gateway sends a stream's full `Server-Timing` (with `hop`) as a trailer, and an HTTP/1
+    // server sends trailers only to a client that says it takes them.
+    req.headers_mut()
+        .insert(header::TE, HeaderValue::from_static("trailers"));
     let start = Instant::now();
     let sent_at = start.saturating_duration_since(started);
     let failed = |error: String| Outcome {
@@ -205,6 +244,7 @@ pub async fn send(
             error_message(&bytes)
         ));
         o.gateway_ms = gateway;
+        o.hop_ms = hop_ms(&answer.headers, answer.trailers.as_ref());
         return o;
     }
     let mut timer = StreamTimer::new();
@@ -219,6 +259,7 @@ pub async fn send(
     let mut o = timer.finish(start.elapsed(), cut, expected_input);
     o.sent_at = sent_at;
     o.gateway_ms = gateway;
+    o.hop_ms = hop_ms(&answer.headers, answer.trailers.as_ref());
     o
 }
 
@@ -236,7 +277,7 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
+    use proptest::prelude::*;
 
     #[test]
     fn reads_the_gateway_time_from_server_timing() {
@@ -248,6 +289,72 @@ mod tests {
         assert_eq!(gateway_ms(&h), Some(0.041));
         h.insert("server-timing", HeaderValue::from_static("upstream;dur=3"));
         assert_eq!(gateway_ms(&h), None);
+    }
+
+    fn fields(lines: &[&'static str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for l in lines {
+            h.append("server-timing", HeaderValue::from_static(l));
+        }
+        h
+    }
+
+    #[test]
+    fn reads_the_hop_cost_from_the_trailer_else_the_header() {
+        let head = fields(&["gw;dur=0.045"]);
+        let trailer = fields(&["gw;dur=0.051, hop;dur=0.210"]);
+        assert_eq!(hop_ms(&head, Some(&trailer)), Some(0.21));
+        assert_eq!(hop_ms(&head, None), None, "no hop anywhere");
+        assert_eq!(gateway_ms(&head), Some(0.045), "gw still from the head");
+        // A non-streamed answer carries everything in its header.
+        let whole = fields(&["gw;dur=0.045, upstream;dur=812.300, hop;dur=0.199"]);
+        assert_eq!(hop_ms(&whole, None), Some(0.199));
+        // The trailer wins over the header; a trailer without hop falls back to the header.
+        assert_eq!(hop_ms(&whole, Some(&trailer)), Some(0.21));
+        assert_eq!(hop_ms(&whole, Some(&fields(&["gw;dur=1"]))), Some(0.199));
+    }
+
+    #[test]
+    fn server_timing_entries_are_read_as_the_spec_writes_them() {
+        // Several lines, parameters in any order, a quoted value, `DUR` in capitals, spaces.
+        let h = fields(&[
+            "cache;desc=\"hit\"",
+            "hop ; desc=\"kernel rx to first token\" ; DUR = \"0.250\" , gw;dur=0.04",
+        ]);
+        assert_eq!(server_timing_ms(&h, "hop"), Some(0.25));
+        assert_eq!(server_timing_ms(&h, "gw"), Some(0.04));
+        assert_eq!(server_timing_ms(&h, "cache"), None, "no duration");
+        // Not a prefix match, and nothing but a finite, non-negative duration.
+        for bad in [
+            "hopper;dur=1",
+            "hop;dur=",
+            "hop;dur=fast",
+            "hop;dur=-1",
+            "hop;dur=NaN",
+            "hop;dur=inf",
+            "hop",
+        ] {
+            let h = fields(&[bad]);
+            assert_eq!(server_timing_ms(&h, "hop"), None, "{bad}");
+        }
+        // The first valid entry of the name wins.
+        assert_eq!(
+            server_timing_ms(&fields(&["hop;dur=x, hop;dur=2.5, hop;dur=3"]), "hop"),
+            Some(2.5)
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn a_written_duration_reads_back(us in 0u64..10_000_000_000, other in "[a-z]{1,8}") {
+            // Written as the gateway writes it: milliseconds with three decimals.
+            let ms = format!("{}.{:03}", us / 1000, us % 1000);
+            let line = format!("{other};dur=7, hop;dur={ms}");
+            let mut h = HeaderMap::new();
+            h.insert("server-timing", HeaderValue::try_from(line).unwrap());
+            let want = if other == "hop" { 7.0 } else { ms.parse::<f64>().unwrap() };
+            prop_assert_eq!(server_timing_ms(&h, "hop"), Some(want));
+        }
     }
 
     #[test]

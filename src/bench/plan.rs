@@ -48,7 +48,13 @@ pub struct Plan {
     pub goodput: Goodput,
     pub sla: Vec<Objective>,
     pub thresholds: Thresholds,
+    /// Percentiles measured because the compare verdict needs them, not because they were asked.
+    pub added_percentiles: Vec<f64>,
     pub labels: serde_json::Map<String, Value>,
+    /// vLLM's `label` (a bare `--label NAME`).
+    pub label: Option<String>,
+    /// vLLM's `tokenizer_id`: the tokenizer that counted the prompts (none: characters / 4).
+    pub tokenizer_id: Option<String>,
     pub dataset_note: String,
     pub settings: Value,
     pub progress: bool,
@@ -128,6 +134,7 @@ async fn plan_with(
     let selected = selected_metrics(&args)?;
     let mut percentiles = percentiles(&args)?;
     let goodput = goodput(&args)?;
+    let (thresholds, added_percentiles) = verdict_thresholds(&args, &mut percentiles)?;
     let sweep = sweep_series(&args, &mut percentiles)?;
     let capacity = capacity(&args)?;
     // For SLA names, every percentile counts as measured.
@@ -140,7 +147,7 @@ async fn plan_with(
         .iter()
         .map(|p| dataset::body(p, &model, chat, args.ignore_eos))
         .collect();
-    let labels = labels(&args, &model)?;
+    let (labels, label) = labels(&args, &model)?;
     let settings = if settings_json.is_null() {
         settings_echo(&args, &endpoint, chat, &selected, &percentiles)
     } else {
@@ -164,11 +171,11 @@ async fn plan_with(
         percentiles,
         goodput,
         sla,
-        thresholds: Thresholds {
-            mean_pct: args.max_mean_delta_pct,
-            p95_pct: args.max_p95_delta_pct,
-        },
+        thresholds,
+        added_percentiles,
         labels,
+        label,
+        tokenizer_id: args.tokenizer.as_ref().map(|p| p.display().to_string()),
         dataset_note,
         settings,
         progress: !args.no_progress,
@@ -376,6 +383,35 @@ fn goodput(args: &BenchArgs) -> Result<Goodput, String> {
     Ok(goodput)
 }
 
+/// The compare verdict's tolerances; with `--compare`, P95 (the seed's criterion) joins the
+/// measured percentiles when it is not among them, and is returned as added.
+fn verdict_thresholds(
+    args: &BenchArgs,
+    percentiles: &mut Vec<f64>,
+) -> Result<(Thresholds, Vec<f64>), String> {
+    for (flag, v) in [
+        ("--max-mean-delta-pct", args.max_mean_delta_pct),
+        ("--max-percentile-delta-pct", args.max_percentile_delta_pct),
+        ("--delta-floor-ms", args.delta_floor_ms),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(format!("{flag} must be a number ≥ 0"));
+        }
+    }
+    let thresholds = Thresholds {
+        mean_pct: args.max_mean_delta_pct,
+        percentile_pct: args.max_percentile_delta_pct,
+        floor_ms: args.delta_floor_ms,
+    };
+    let mut added = Vec::new();
+    if args.compare.len() == 2 && !percentiles.iter().any(|p| (*p - 95.0).abs() < 1e-9) {
+        percentiles.push(95.0);
+        percentiles.sort_by(f64::total_cmp);
+        added.push(95.0);
+    }
+    Ok((thresholds, added))
+}
+
 /// `--sweep`: its axis and values; adds P99 to the percentiles, which the table and chart read.
 fn sweep_series(
     args: &BenchArgs,
@@ -472,10 +508,24 @@ fn prompts(
     })
 }
 
-/// The `--label`s, plus the model, fleetgate's version and the date.
-fn labels(args: &BenchArgs, model: &str) -> Result<serde_json::Map<String, Value>, String> {
+/// The `--label KEY=VALUE`s, plus the model, fleetgate's version and the date; and vLLM's
+/// label, a bare `--label NAME` (at most one).
+fn labels(
+    args: &BenchArgs,
+    model: &str,
+) -> Result<(serde_json::Map<String, Value>, Option<String>), String> {
     let mut labels = serde_json::Map::new();
+    let mut bare = None;
     for l in &args.labels {
+        if !l.contains('=') {
+            let name = l.trim();
+            if name.is_empty() || bare.replace(name.to_owned()).is_some() {
+                return Err(format!(
+                    "--label `{l}`: one bare label names the run (vLLM's --label); write the others KEY=VALUE"
+                ));
+            }
+            continue;
+        }
         let (k, v) = kv(l, "--label")?;
         labels.insert(k, Value::String(v));
     }
@@ -487,7 +537,7 @@ fn labels(args: &BenchArgs, model: &str) -> Result<serde_json::Map<String, Value
         Value::String(env!("CARGO_PKG_VERSION").to_owned()),
     );
     labels.insert("date".into(), Value::String(now_rfc3339()));
-    Ok(labels)
+    Ok((labels, bare))
 }
 
 /// The flags the run used, stored with the result (without settings.json, which is stored as is).
@@ -521,6 +571,9 @@ fn settings_echo(
         "seed": args.seed,
         "ignore_eos": args.ignore_eos,
         "compare": args.compare,
+        "max_mean_delta_pct": args.max_mean_delta_pct,
+        "max_percentile_delta_pct": args.max_percentile_delta_pct,
+        "delta_floor_ms": args.delta_floor_ms,
         "sla": args.sla,
     })
 }

@@ -11,7 +11,7 @@ use super::measure::Outcome;
 use super::plan::Plan;
 use super::summary::{METRICS, Stats, Summary, p_word};
 use super::sweep;
-use super::verdict::{compare, render_compare, render_violations, violations};
+use super::verdict::{HopCheck, Judgement, compare, render_compare, render_violations, violations};
 
 /// The terminal summary in `vllm bench serve`'s layout.
 pub fn render(
@@ -69,12 +69,18 @@ pub fn render(
     line(
         &mut o,
         "Peak concurrent requests:",
-        format!("{:.2}", s.peak_concurrency as f64),
+        format!("{:.2}", s.max_concurrent_requests as f64),
     );
     line(
         &mut o,
-        "Total Token throughput (tok/s):",
+        "Total token throughput (tok/s):",
         format!("{:.2}", s.total_token_throughput),
+    );
+    // Not a vLLM line: vLLM's "peak" above counts requests active within the same second.
+    line(
+        &mut o,
+        "Instantaneous peak concurrency:",
+        s.peak_concurrent_instant.to_string(),
     );
     for (key, title, label) in METRICS {
         if !selected.iter().any(|m| m == key) {
@@ -101,20 +107,20 @@ pub fn render(
         }
     }
     if let Some(g) = &s.gateway_ms {
-        let _ = writeln!(o, "{:-^50}", "Gateway's own time (Server-Timing gw)");
-        line(&mut o, "Mean gateway time (ms):", format!("{:.3}", g.mean));
-        line(
+        stats_section(
             &mut o,
-            "Median gateway time (ms):",
-            format!("{:.3}", g.median),
+            "Gateway's own time (Server-Timing gw)",
+            "gateway time",
+            g,
         );
-        for (p, v) in &g.percentiles {
-            line(
-                &mut o,
-                &format!("P{} gateway time (ms):", p_word(*p)),
-                format!("{v:.3}"),
-            );
-        }
+    }
+    if let Some(h) = &s.hop_ms {
+        stats_section(
+            &mut o,
+            "Gateway's recorded hop cost (Server-Timing hop)",
+            "hop cost",
+            h,
+        );
     }
     let _ = writeln!(o, "{}", "=".repeat(50));
     if !s.errors.is_empty() {
@@ -133,6 +139,19 @@ pub fn render(
     o
 }
 
+/// A section of figures a gateway reported about itself (milliseconds, three decimals).
+fn stats_section(o: &mut String, title: &str, what: &str, st: &Stats) {
+    let _ = writeln!(o, "{title:-^50}");
+    let mut line = |k: String, v: f64| {
+        let _ = writeln!(o, "{k:<40} {v:<10.3}");
+    };
+    line(format!("Mean {what} (ms):"), st.mean);
+    line(format!("Median {what} (ms):"), st.median);
+    for (p, v) in &st.percentiles {
+        line(format!("P{} {what} (ms):", p_word(*p)), *v);
+    }
+}
+
 /// vLLM's result keys for one target (per-request arrays included, texts not kept).
 pub fn vllm_json(
     s: &Summary,
@@ -146,9 +165,8 @@ pub fn vllm_json(
     m.insert("total_input_tokens".into(), json!(s.total_input));
     m.insert("total_output_tokens".into(), json!(s.total_output));
     m.insert("request_throughput".into(), json!(s.request_throughput));
-    if let Some(g) = s.goodput {
-        m.insert("request_goodput".into(), json!(g));
-    }
+    // vLLM writes null without --goodput.
+    m.insert("request_goodput".into(), json!(s.goodput));
     m.insert("output_throughput".into(), json!(s.output_throughput));
     m.insert(
         "total_token_throughput".into(),
@@ -158,7 +176,14 @@ pub fn vllm_json(
         "max_output_tokens_per_s".into(),
         json!(s.peak_output_throughput),
     );
-    m.insert("max_concurrent_requests".into(), json!(s.peak_concurrency));
+    m.insert(
+        "max_concurrent_requests".into(),
+        json!(s.max_concurrent_requests),
+    );
+    m.insert(
+        "peak_concurrent_requests_instant".into(),
+        json!(s.peak_concurrent_instant),
+    );
     m.insert(
         "input_lens".into(),
         json!(outcomes.iter().map(|o| o.input_tokens).collect::<Vec<_>>()),
@@ -191,6 +216,19 @@ pub fn vllm_json(
                     .iter()
                     .map(|v| f64::from(*v) / 1e3)
                     .collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        ),
+    );
+    // E2EL per request in seconds (0 for a failed one, as vLLM leaves it).
+    m.insert(
+        "latencies".into(),
+        json!(
+            outcomes
+                .iter()
+                .map(|o| match (o.ok(), o.e2el) {
+                    (true, Some(d)) => d.as_secs_f64(),
+                    _ => 0.0,
+                })
                 .collect::<Vec<_>>()
         ),
     );
@@ -388,7 +426,10 @@ fn target_sections(
         let mut m = vllm_json(&s, &mine, &plan.selected);
         m.extend(seed_json(&s));
         if let Some(g) = &s.gateway_ms {
-            m.insert("gateway_time_ms".into(), gateway_json(g));
+            m.insert("gateway_time_ms".into(), stats_json(g));
+        }
+        if let Some(h) = &s.hop_ms {
+            m.insert("gateway_hop_ms".into(), stats_json(h));
         }
         per_target.insert(t.name.clone(), Value::Object(m));
         summaries.push(s);
@@ -396,9 +437,9 @@ fn target_sections(
     (summaries, per_target)
 }
 
-/// The gateway's own time (from `Server-Timing`) as a result key.
-fn gateway_json(g: &Stats) -> Value {
-    json!({"mean": g.mean, "median": g.median, "max": g.max,
+/// Figures a gateway reported about itself (from `Server-Timing`) as a result key.
+fn stats_json(g: &Stats) -> Value {
+    json!({"count": g.count, "mean": g.mean, "median": g.median, "max": g.max,
            "percentiles": g.percentiles.iter().map(|(p, v)| (format!("p{}", p_word(*p)), json!(v))).collect::<serde_json::Map<_, _>>()})
 }
 
@@ -409,11 +450,12 @@ fn run_json(plan: &Plan, run: &RunResult, dur: f64) -> serde_json::Map<String, V
         "date".into(),
         json!(time::OffsetDateTime::now_utc().unix_timestamp()),
     );
-    json.insert(
-        "endpoint_type".into(),
-        json!(if plan.chat { "openai-chat" } else { "openai" }),
-    );
+    let backend = if plan.chat { "openai-chat" } else { "openai" };
+    json.insert("endpoint_type".into(), json!(backend));
+    json.insert("backend".into(), json!(backend));
+    json.insert("label".into(), json!(plan.label));
     json.insert("model_id".into(), json!(plan.model));
+    json.insert("tokenizer_id".into(), json!(plan.tokenizer_id));
     json.insert("num_prompts".into(), json!(plan.num_prompts));
     json.insert(
         "request_rate".into(),
@@ -466,24 +508,35 @@ fn comparison(
         &summaries[0],
         &summaries[1],
         &plan.selected,
+        &plan.percentiles,
         plan.thresholds,
     );
+    let names = [plan.targets[0].name.as_str(), plan.targets[1].name.as_str()];
     text.push('\n');
     text.push_str(&render_compare(
-        [&plan.targets[0].name, &plan.targets[1].name],
+        names,
         &deltas,
+        plan.thresholds,
+        &plan.added_percentiles,
+        &summaries[0],
         &summaries[1],
     ));
     let pass = deltas.iter().all(|d| d.pass);
+    let t = plan.thresholds;
     json.insert("targets".into(), Value::Object(per_target));
     json.insert(
         "comparison".into(),
         json!({
-            "baseline": plan.targets[0].name,
-            "measured": plan.targets[1].name,
+            "baseline": names[0],
+            "measured": names[1],
             "interleaving": "each prompt to both targets in consecutive arrivals, order alternating",
-            "thresholds_pct": {"mean": plan.thresholds.mean_pct, "p95": plan.thresholds.p95_pct},
+            "rule": t.rule(names),
+            "thresholds": {"mean_pct": t.mean_pct, "percentile_pct": t.percentile_pct, "floor_ms": t.floor_ms},
+            "percentiles_judged": plan.percentiles,
+            "percentiles_added": plan.added_percentiles,
             "deltas": deltas,
+            "not_measured": deltas.iter().filter(|d| d.judgement == Judgement::NotMeasured).map(|d| format!("{}_{}", d.metric, d.stat)).collect::<Vec<_>>(),
+            "hop": HopCheck::of(&summaries[0], &summaries[1]),
             "pass": pass,
         }),
     );

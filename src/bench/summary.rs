@@ -100,13 +100,22 @@ pub struct Summary {
     pub request_throughput: f64,
     pub output_throughput: f64,
     pub total_token_throughput: f64,
+    /// vLLM's `max_output_tokens_per_s`: the most token events in one second (`busiest_seconds`).
     pub peak_output_throughput: f64,
-    pub peak_concurrency: usize,
+    /// vLLM's `max_concurrent_requests`: the most requests active within one second
+    /// (`busiest_seconds`) — at least the instantaneous peak, usually more.
+    pub max_concurrent_requests: usize,
+    /// The most requests in flight at one instant (sent, not yet answered to the end; failed
+    /// ones included).
+    pub peak_concurrent_instant: usize,
     /// Requests meeting every `--goodput` objective, per second.
     pub goodput: Option<f64>,
     pub metrics: BTreeMap<&'static str, Stats>,
     /// The gateway's own time per request from `Server-Timing` (when it sent one).
     pub gateway_ms: Option<Stats>,
+    /// The hop cost the gateway recorded per successful request (`Server-Timing` hop, when it
+    /// sent one).
+    pub hop_ms: Option<Stats>,
     /// Error message → count.
     pub errors: BTreeMap<String, usize>,
     /// Requests whose output count came from content events (no usage reported).
@@ -158,28 +167,7 @@ impl Summary {
         );
         let total_input: u64 = ok.iter().map(|o| o.input_tokens).sum();
         let total_output: u64 = ok.iter().map(|o| o.output_tokens).sum();
-        // Peak output tokens per second: content events in 1 s buckets of wall time.
-        let mut buckets: BTreeMap<u64, u64> = BTreeMap::new();
-        for o in &ok {
-            let base = o.sent_at.as_secs_f64();
-            for t in &o.token_at_ms {
-                let at = base + f64::from(*t) / 1e3;
-                *buckets.entry(at as u64).or_default() += 1;
-            }
-        }
-        // Peak concurrency: the most requests open at once.
-        let mut edges: Vec<(f64, i32)> = Vec::with_capacity(outcomes.len() * 2);
-        for o in outcomes {
-            let start = o.sent_at.as_secs_f64();
-            edges.push((start, 1));
-            edges.push((start + o.took.as_secs_f64(), -1));
-        }
-        edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        let (mut open, mut peak) = (0i32, 0i32);
-        for (_, d) in edges {
-            open += d;
-            peak = peak.max(open);
-        }
+        let (peak_tokens, busiest) = busiest_seconds(&ok);
         let good = (!goodput.is_empty()).then(|| {
             ok.iter()
                 .filter(|o| {
@@ -196,6 +184,8 @@ impl Summary {
                 .count()
         });
         let gw: Vec<f64> = outcomes.iter().filter_map(|o| o.gateway_ms).collect();
+        // Beside the successful requests' TTFT, which the compare's client-side delta is of.
+        let hop: Vec<f64> = ok.iter().filter_map(|o| o.hop_ms).collect();
         let mut errors = BTreeMap::new();
         for o in outcomes {
             if let Some(e) = &o.error {
@@ -212,11 +202,13 @@ impl Summary {
             request_throughput: ok.len() as f64 / d,
             output_throughput: total_output as f64 / d,
             total_token_throughput: (total_input + total_output) as f64 / d,
-            peak_output_throughput: buckets.values().copied().max().unwrap_or(0) as f64,
-            peak_concurrency: usize::try_from(peak).unwrap_or(0),
+            peak_output_throughput: peak_tokens as f64,
+            max_concurrent_requests: busiest,
+            peak_concurrent_instant: peak_in_flight(outcomes),
             goodput: good.map(|g| g as f64 / d),
             metrics,
             gateway_ms: (!gw.is_empty()).then(|| Stats::of(gw, percentiles)),
+            hop_ms: (!hop.is_empty()).then(|| Stats::of(hop, percentiles)),
             errors,
             outputs_without_usage: ok.iter().filter(|o| !o.usage_reported).count(),
         }
@@ -242,9 +234,73 @@ impl Summary {
     }
 }
 
+/// vLLM 0.33's two per-second peaks (`calculate_metrics` in vllm/benchmarks/serve.py), over the
+/// successful requests in 1-second buckets counted from the earliest one's start: the most token
+/// events in one bucket (`max_output_tokens_per_s`), and the most requests active at any time
+/// within one bucket (`max_concurrent_requests`; a request counts in every bucket from the one
+/// its start falls in to the one its end falls in, both included, its end being its E2EL). A
+/// request that ends in the second another starts counts in both, so this is at least the
+/// instantaneous peak, and more the shorter the requests.
+fn busiest_seconds(ok: &[&&Outcome]) -> (u64, usize) {
+    let Some(first) = ok.iter().map(|o| o.sent_at).min() else {
+        return (0, 0);
+    };
+    let second = |d: std::time::Duration| d.saturating_sub(first).as_secs() as usize;
+    fn add<T: Default + Clone + std::ops::AddAssign>(v: &mut Vec<T>, i: usize, by: T) {
+        if v.len() <= i {
+            v.resize(i + 1, T::default());
+        }
+        v[i] += by;
+    }
+    let mut tokens: Vec<u64> = Vec::new();
+    // Per bucket: requests whose activity starts there (+1) or ended in the bucket before (−1).
+    let mut entering: Vec<i64> = Vec::new();
+    for o in ok {
+        let base = o.sent_at.saturating_sub(first).as_secs_f64();
+        for t in &o.token_at_ms {
+            add(&mut tokens, (base + f64::from(*t) / 1e3) as usize, 1);
+        }
+        let from = second(o.sent_at);
+        let to = second(o.sent_at + o.e2el.unwrap_or(o.took));
+        add(&mut entering, from, 1);
+        add(&mut entering, to + 1, -1);
+    }
+    let busiest = entering
+        .iter()
+        .scan(0i64, |active, d| {
+            *active += d;
+            Some(*active)
+        })
+        .max()
+        .unwrap_or(0);
+    (
+        tokens.into_iter().max().unwrap_or(0),
+        usize::try_from(busiest).unwrap_or(0),
+    )
+}
+
+/// The most requests in flight at one instant: each from its send to the end of its answer (or
+/// its failure), an end before a start at the same instant.
+fn peak_in_flight(outcomes: &[&Outcome]) -> usize {
+    let mut edges: Vec<(f64, i32)> = Vec::with_capacity(outcomes.len() * 2);
+    for o in outcomes {
+        let start = o.sent_at.as_secs_f64();
+        edges.push((start, 1));
+        edges.push((start + o.took.as_secs_f64(), -1));
+    }
+    edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut open, mut peak) = (0i32, 0i32);
+    for (_, d) in edges {
+        open += d;
+        peak = peak.max(open);
+    }
+    usize::try_from(peak).unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn percentiles_interpolate_like_numpy() {
@@ -261,5 +317,67 @@ mod tests {
         assert_eq!(s.get("p95"), Some(percentile(&v, 95.0)));
         assert_eq!(p_word(99.0), "99");
         assert_eq!(p_word(99.9), "99.9");
+    }
+
+    /// A successful request sent at `at_ms` whose tokens came at `tokens_ms` after it, ending
+    /// (E2EL) at the last and its body `tail_ms` later.
+    fn request(at_ms: u64, tokens_ms: &[u64], tail_ms: u64) -> Outcome {
+        let last = tokens_ms.last().copied().unwrap_or(0);
+        Outcome {
+            sent_at: Duration::from_millis(at_ms),
+            ttft: Some(Duration::from_millis(tokens_ms[0])),
+            e2el: Some(Duration::from_millis(last)),
+            took: Duration::from_millis(last + tail_ms),
+            token_at_ms: tokens_ms.iter().map(|t| *t as f32).collect(),
+            output_tokens: tokens_ms.len() as u64,
+            usage_reported: true,
+            ..Outcome::default()
+        }
+    }
+
+    #[test]
+    fn max_concurrent_requests_counts_requests_active_within_each_second_as_vllm() {
+        // One at a time, 300 ms each, back to back: never two in flight at once, but four
+        // within the first second (0–300, 300–600, 600–900, 900–1200) and four in the next.
+        let seq: Vec<Outcome> = (0..10)
+            .map(|i| request(i * 300, &[100, 200, 300], 0))
+            .collect();
+        let refs: Vec<&Outcome> = seq.iter().collect();
+        let s = Summary::of(&refs, 3.0, &[99.0], &Vec::new());
+        assert_eq!(s.peak_concurrent_instant, 1);
+        assert_eq!(s.max_concurrent_requests, 4);
+        // A failed request is in flight but not in vLLM's count.
+        let mut with_failure = seq.clone();
+        with_failure.push(Outcome {
+            sent_at: Duration::from_millis(100),
+            took: Duration::from_millis(50),
+            error: Some("HTTP 500: boom".into()),
+            ..Outcome::default()
+        });
+        let refs: Vec<&Outcome> = with_failure.iter().collect();
+        let s = Summary::of(&refs, 3.0, &[99.0], &Vec::new());
+        assert_eq!(
+            (s.peak_concurrent_instant, s.max_concurrent_requests),
+            (2, 4)
+        );
+        // The end is the last token (E2EL), not the end of the body: a long tail after the
+        // last token does not stretch a request into the next second.
+        let tail = [request(0, &[100, 900], 500), request(1000, &[100], 0)];
+        let refs: Vec<&Outcome> = tail.iter().collect();
+        let s = Summary::of(&refs, 2.0, &[99.0], &Vec::new());
+        assert_eq!(
+            (s.peak_concurrent_instant, s.max_concurrent_requests),
+            (2, 1)
+        );
+    }
+
+    #[test]
+    fn peak_token_seconds_are_counted_from_the_first_request_as_vllm() {
+        // Sent 700 ms into the run, ten tokens within 900 ms of it: one second from the first
+        // start holds all ten (counted from the run's start they would straddle two).
+        let o = request(700, &[50, 150, 250, 350, 450, 550, 650, 750, 850, 900], 0);
+        let s = Summary::of(&[&o], 2.0, &[99.0], &Vec::new());
+        assert_eq!(s.peak_output_throughput, 10.0);
+        assert_eq!(s.max_concurrent_requests, 1);
     }
 }
