@@ -632,3 +632,51 @@ async fn settlements_queued_at_shutdown_still_reach_redis() {
         .unwrap();
     assert_eq!(level.as_deref(), Some("700.000"), "the settlement was sent");
 }
+
+/// Tokenization through shared limits: one request in the shared rate, nothing in the shared
+/// token bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_counts_in_the_shared_rate_but_not_in_the_shared_tokens() {
+    let Some(redis) =
+        redis_url("tokenize_counts_in_the_shared_rate_but_not_in_the_shared_tokens").await
+    else {
+        return;
+    };
+    let sim = sim(|_| {}).await;
+    let prefix = unique_prefix("tokenize");
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        shared_limits(c, &redis, &prefix, 1)
+    })
+    .await;
+    let (key, _) = issue_key(&gw, Environment::Prod, |k| {
+        k.requests_per_minute = Some(3);
+        k.tokens_per_minute = Some(50);
+    })
+    .await;
+    let auth = bearer(&key);
+    let tokenize = || {
+        Bytes::from(
+            serde_json::json!({"model": "qwen32b", "prompt": "word ".repeat(400)}).to_string(),
+        )
+    };
+    let url = gw.url("/tokenize");
+    // 500 tokens of prompt against a budget of 50 a minute: not a token budget matter.
+    let m = post(&url, &[("authorization", &auth)], tokenize()).await;
+    assert_eq!(m.status, 200, "{:?}", m.body);
+    assert_eq!(header(&m, "x-ratelimit-remaining-requests"), "2");
+    assert!(m.headers.get("x-ratelimit-remaining-tokens").is_none());
+    // The whole budget is still there for a chat.
+    let c = post(
+        &gw.url("/v1/chat/completions"),
+        &[("authorization", &auth)],
+        chat(40, false),
+    )
+    .await;
+    assert_eq!(c.status, 200, "{:?}", c.body);
+    assert_eq!(header(&c, "x-ratelimit-remaining-requests"), "1");
+    let m = post(&url, &[("authorization", &auth)], tokenize()).await;
+    assert_eq!(m.status, 200);
+    let m = post(&url, &[("authorization", &auth)], tokenize()).await;
+    assert_eq!(m.status, 429);
+    assert_eq!(openai_error(&m)["code"], "requests_per_minute_exceeded");
+}

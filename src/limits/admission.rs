@@ -20,52 +20,87 @@ trait RefusalOf: Fn(LimitKind, u64, Option<Duration>, RateHeaders) -> Refusal {}
 impl<F: Fn(LimitKind, u64, Option<Duration>, RateHeaders) -> Refusal> RefusalOf for F {}
 
 impl Limits {
-    /// Admit a request of `key` or say which limit refuses it.
+    /// Admit an inference request of `key` or say which limit refuses it.
     pub async fn admit(
         self: &Arc<Self>,
         key: &KeyRecord,
         demand: Demand,
     ) -> Result<Admission, Refusal> {
+        self.admit_as(key, Some(demand)).await
+    }
+
+    /// Admit a request that is not inference (tokenization): it counts against the key's and
+    /// the environment's request rates, but takes no concurrency slot and neither reserves nor
+    /// needs tokens — it generates none, and a key out of tokens may still count its prompts.
+    pub async fn admit_request(self: &Arc<Self>, key: &KeyRecord) -> Result<Admission, Refusal> {
+        self.admit_as(key, None).await
+    }
+
+    /// `demand`: the tokens an inference request may use; `None` for a request that only
+    /// counts as a request.
+    async fn admit_as(
+        self: &Arc<Self>,
+        key: &KeyRecord,
+        demand: Option<Demand>,
+    ) -> Result<Admission, Refusal> {
         let quota = self.quota(key);
         let env = key.environment;
         let e = &self.envs[env.index()];
-        if quota.is_unlimited() && e.requests.is_none() && e.max_concurrent.is_none() {
+        let unlimited = match demand {
+            Some(_) => quota.is_unlimited() && e.requests.is_none() && e.max_concurrent.is_none(),
+            None => quota.requests_per_minute.is_none() && e.requests.is_none(),
+        };
+        if unlimited {
             return Ok(Admission::unlimited(env));
         }
+        // What this request is checked against: without a demand, the rates only. (The key's
+        // limiter is still looked up by its whole quota: a different one would replace it.)
+        let checked = match demand {
+            Some(_) => quota,
+            None => KeyQuota {
+                tokens_per_minute: None,
+                max_concurrent: None,
+                ..quota
+            },
+        };
+        let requested = demand.map_or(0, |d| d.total());
         let refusal = |kind, limit, retry_after, headers| Refusal {
             kind,
             key_id: key.public_id.clone(),
             environment: env,
             limit,
-            requested: demand.total(),
+            requested,
             retry_after,
             headers,
         };
         let limiter = self.key_limiter(key, quota);
         limiter.last_used.store(self.now_ms(), Ordering::Relaxed);
-        let mut adm = Admission::held(self.clone(), limiter.clone(), env, demand.prompt_tokens);
+        let prompt_estimate = demand.map_or(0, |d| d.prompt_tokens);
+        let mut adm = Admission::held(self.clone(), limiter.clone(), env, prompt_estimate);
 
         // 1. Concurrency (in process; in shared mode each replica holds its share).
-        self.take_slots(&mut adm, &limiter, &quota, e, &refusal)?;
+        if demand.is_some() {
+            self.take_slots(&mut adm, &limiter, &checked, e, &refusal)?;
+        }
 
         // 2. Rates and tokens: in Redis when shared and reachable, else here.
         if let Some(shared) = &self.shared
             && shared.is_up()
         {
-            let check = shared::Check::new(key, &quota, e.per_second, demand.total());
+            let check = shared::Check::new(key, &checked, e.per_second, requested);
             match shared.admit(&check).await {
                 Ok(shared::Outcome::Admitted { requests, tokens }) => {
-                    adm.headers = shared_headers(&quota, requests, tokens);
-                    if quota.tokens_per_minute.is_some() {
-                        adm.reserved = demand.total();
+                    adm.headers = shared_headers(&checked, requests, tokens);
+                    if checked.tokens_per_minute.is_some() {
+                        adm.reserved = requested;
                         adm.reserved_in = Reserved::Shared(key.id);
                     }
                     return Ok(adm);
                 }
                 Ok(shared::Outcome::Refused { which, retry_after }) => {
-                    let (kind, limit) = shared_refused(which, &quota, e);
+                    let (kind, limit) = shared_refused(which, &checked, e);
                     let retry = (kind != LimitKind::KeyTokensTooLarge).then_some(retry_after);
-                    let headers = refusal_headers(kind, &quota, retry_after);
+                    let headers = refusal_headers(kind, &checked, retry_after);
                     return Err(self.refuse(refusal(kind, limit, retry, headers)));
                 }
                 // Unreachable or too slow: this request and the next ones use local limits
@@ -73,7 +108,7 @@ impl Limits {
                 Err(()) => {}
             }
         }
-        self.admit_local(adm, &limiter, &quota, e, demand, refusal)
+        self.admit_local(adm, &limiter, &checked, e, demand, refusal)
     }
 
     /// Take the key's and then the environment's concurrency slot; a slot taken stays with
@@ -118,12 +153,12 @@ impl Limits {
         limiter: &KeyLimiter,
         quota: &KeyQuota,
         e: &EnvLimiter,
-        demand: Demand,
+        demand: Option<Demand>,
         refusal: impl RefusalOf,
     ) -> Result<Admission, Refusal> {
         let d = self.divisor;
         let mut headers = RateHeaders::default();
-        if let Some(bucket) = &limiter.tokens {
+        if let (Some(bucket), Some(demand)) = (&limiter.tokens, demand) {
             headers.tokens = Some(self.reserve_tokens(&mut adm, bucket, demand, &refusal)?);
         }
         if let Some(g) = &limiter.requests {

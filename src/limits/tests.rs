@@ -168,6 +168,38 @@ async fn a_request_refused_by_its_rate_gets_its_tokens_back() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_that_is_not_inference_counts_only_as_a_request() {
+    let mut envs: [EnvLimits; 3] = Default::default();
+    envs[Environment::Prod.index()] = EnvLimits {
+        aggregate_max_concurrent: Some(1),
+        ..Default::default()
+    };
+    let l = limits(envs);
+    let mut k = key(1, Environment::Prod);
+    k.requests_per_minute = Some(3);
+    k.tokens_per_minute = Some(100);
+    k.max_concurrent_streams = Some(1);
+    // An inference request holds the key's and the environment's only slots and most tokens.
+    let inference = l.admit(&k, small(90)).await.unwrap();
+    // Tokenization still passes: no slot, no tokens (none reserved, none needed), one request.
+    let a = l.admit_request(&k).await.unwrap();
+    assert_eq!((a.reserved(), a.prompt_estimate()), (0, 0));
+    assert!(a.headers.tokens.is_none());
+    assert_eq!(a.headers.requests.unwrap().remaining, 1);
+    drop(a);
+    // The key's limiter is the same one (its quota unchanged): the token reservation stands.
+    let state = l.keys.get(&1).unwrap().clone();
+    assert_eq!(state.tokens.as_ref().unwrap().peek().remaining, 10);
+    let _b = l.admit_request(&k).await.unwrap();
+    let r = l.admit_request(&k).await.unwrap_err();
+    assert_eq!((r.kind, r.requested), (LimitKind::KeyRequests, 0));
+    drop(inference);
+    // A key and environment without request rates: nothing to check at all.
+    let free = key(2, Environment::Stress);
+    assert!(l.admit_request(&free).await.unwrap().headers.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
 async fn concurrency_per_key_and_per_environment() {
     let mut envs: [EnvLimits; 3] = Default::default();
     envs[Environment::Stress.index()] = EnvLimits {

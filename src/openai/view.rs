@@ -1,6 +1,8 @@
 //! The request-body view: the body is parsed exactly once into the few fields the gateway
 //! needs (model, stream, token limits, stream_options, n, approximate prompt size). The
 //! original bytes are forwarded; the only rewrite is a byte splice of the `model` value.
+//! Tokenizer bodies (`/tokenize`, `/detokenize`) give only the model and the prompt size: their
+//! generation fields are not read, so nothing is ever injected into them.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -63,6 +65,10 @@ struct RawBody<'a> {
     stream_options: Option<&'a RawValue>,
     messages: Option<Messages>,
     prompt: Option<Prompt>,
+    /// `/detokenize`'s token ids; read only there (another endpoint's body may carry a field of
+    /// that name in any shape).
+    #[serde(borrow)]
+    tokens: Option<&'a RawValue>,
     #[serde(borrow)]
     user: Option<&'a RawValue>,
 }
@@ -122,6 +128,100 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
     }
     let model_span = span_of(body, model_raw.get().as_bytes()).ok_or(ViewError::Unlocatable)?;
 
+    let generation = if endpoint.is_inference() {
+        generation_fields(&raw, body)?
+    } else {
+        Generation::NONE
+    };
+    let prompt_chars = match endpoint {
+        Endpoint::Chat => {
+            let Some(Messages(chars)) = raw.messages else {
+                return Err(invalid(
+                    "messages",
+                    "`messages` is required on /v1/chat/completions (an array of {\"role\", \"content\"}); for a plain `prompt` use /v1/completions.",
+                ));
+            };
+            chars
+        }
+        Endpoint::Completions => {
+            let Some(Prompt(chars)) = raw.prompt else {
+                return Err(invalid(
+                    "prompt",
+                    "`prompt` is required on /v1/completions; for chat `messages` use /v1/chat/completions.",
+                ));
+            };
+            chars
+        }
+        Endpoint::Tokenize => match (raw.prompt, raw.messages) {
+            (Some(Prompt(chars)), _) | (None, Some(Messages(chars))) => chars,
+            (None, None) => {
+                return Err(invalid(
+                    "prompt",
+                    "`prompt` (a string) or `messages` (chat messages, tokenized through the model's chat template) is required on /tokenize.",
+                ));
+            }
+        },
+        Endpoint::Detokenize => {
+            let Some(tokens) = raw.tokens.filter(|t| t.get() != "null") else {
+                return Err(invalid(
+                    "tokens",
+                    "`tokens` (an array of token ids, as /tokenize returns them) is required on /detokenize.",
+                ));
+            };
+            let ids: Vec<IgnoredAny> = serde_json::from_str(tokens.get()).map_err(|_| {
+                invalid(
+                    "tokens",
+                    format!(
+                        "`tokens` must be an array of token ids, got `{}`.",
+                        short(tokens.get())
+                    ),
+                )
+            })?;
+            // Sized like a completions prompt of token ids.
+            ids.len() * 4
+        }
+    };
+    let Generation {
+        stream,
+        max_tokens,
+        n,
+        include_usage,
+        stream_options_span,
+    } = generation;
+    Ok(RequestView {
+        model,
+        model_span,
+        stream,
+        max_tokens,
+        n,
+        include_usage,
+        stream_options_span,
+        prompt_chars,
+        user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
+    })
+}
+
+/// The fields that steer generation (stream, token limits, n, stream_options).
+struct Generation {
+    stream: bool,
+    max_tokens: Option<u64>,
+    n: u32,
+    include_usage: Option<bool>,
+    stream_options_span: Option<Range<usize>>,
+}
+
+impl Generation {
+    /// A body that generates nothing (the tokenizer endpoints).
+    const NONE: Generation = Generation {
+        stream: false,
+        max_tokens: None,
+        n: 1,
+        include_usage: None,
+        stream_options_span: None,
+    };
+}
+
+fn generation_fields(raw: &RawBody<'_>, body: &[u8]) -> Result<Generation, ViewError> {
     let stream = match raw.stream.map(RawValue::get) {
         None | Some("null") | Some("false") => false,
         Some("true") => true,
@@ -160,37 +260,22 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
             so.include_usage
         }
     };
-    let prompt_chars = match endpoint {
-        Endpoint::Chat => {
-            let Some(Messages(chars)) = raw.messages else {
-                return Err(invalid(
-                    "messages",
-                    "`messages` is required on /v1/chat/completions (an array of {\"role\", \"content\"}); for a plain `prompt` use /v1/completions.",
-                ));
-            };
-            chars
-        }
-        Endpoint::Completions => {
-            let Some(Prompt(chars)) = raw.prompt else {
-                return Err(invalid(
-                    "prompt",
-                    "`prompt` is required on /v1/completions; for chat `messages` use /v1/chat/completions.",
-                ));
-            };
-            chars
-        }
-    };
-    Ok(RequestView {
-        model,
-        model_span,
+    Ok(Generation {
         stream,
         max_tokens: max_completion_tokens.or(max_tokens),
         n,
         include_usage,
         stream_options_span,
-        prompt_chars,
-        user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
     })
+}
+
+/// A client's value quoted in a message, cut to a readable length.
+fn short(text: &str) -> String {
+    let mut out: String = text.chars().take(40).collect();
+    if out.len() < text.len() {
+        out.push('…');
+    }
+    out
 }
 
 /// The body to send upstream: the original bytes, with the `model` value replaced when the
@@ -493,6 +578,42 @@ mod tests {
             Endpoint::Chat,
         );
         assert_eq!(p.as_deref(), Some("max_tokens"));
+    }
+
+    #[test]
+    fn tokenizer_bodies() {
+        // Generation fields mean nothing here: not read, so never injected into.
+        let body =
+            br#"{"model":"m","prompt":"abcd","stream":"yes","n":0,"add_special_tokens":false}"#;
+        let v = parse(body, Endpoint::Tokenize).unwrap();
+        assert_eq!((v.model.as_ref(), v.prompt_chars), ("m", 4));
+        assert!(!v.stream && v.stream_options_span.is_none() && v.max_tokens.is_none());
+        let v = parse(
+            br#"{"model":"m","messages":[{"role":"user","content":"abc"}]}"#,
+            Endpoint::Tokenize,
+        )
+        .unwrap();
+        assert_eq!(v.prompt_chars, 3);
+        let (p, m) = err(r#"{"model":"m"}"#, Endpoint::Tokenize);
+        assert_eq!(p.as_deref(), Some("prompt"));
+        assert!(m.contains("`messages`"), "{m}");
+        let v = parse(br#"{"model":"m","tokens":[1,2,3]}"#, Endpoint::Detokenize).unwrap();
+        assert_eq!(v.prompt_chars, 12);
+        let (p, _) = err(r#"{"model":"m","tokens":null}"#, Endpoint::Detokenize);
+        assert_eq!(p.as_deref(), Some("tokens"));
+        let (p, m) = err(r#"{"model":"m","tokens":"1 2 3"}"#, Endpoint::Detokenize);
+        assert_eq!(p.as_deref(), Some("tokens"));
+        assert!(m.contains("array of token ids"), "{m}");
+        // A `tokens` field of any shape in a chat body is none of the view's business.
+        assert!(
+            parse(
+                br#"{"model":"m","messages":[],"tokens":"x"}"#,
+                Endpoint::Chat
+            )
+            .is_ok()
+        );
+        let (p, _) = err(r#"{"prompt":"x"}"#, Endpoint::Tokenize);
+        assert_eq!(p.as_deref(), Some("model"));
     }
 
     #[test]

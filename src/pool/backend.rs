@@ -29,6 +29,9 @@ pub struct Backend {
     pub slot: usize,
     pub chat_uri: Uri,
     pub completions_uri: Uri,
+    /// vLLM's tokenizer endpoints, at the server root.
+    pub tokenize_uri: Uri,
+    pub detokenize_uri: Uri,
     pub health_uri: Uri,
     pub metrics_uri: Uri,
     pub in_flight: AtomicU32,
@@ -120,6 +123,8 @@ impl Backend {
             slot,
             chat_uri: join("/v1/chat/completions")?,
             completions_uri: join("/v1/completions")?,
+            tokenize_uri: join("/tokenize")?,
+            detokenize_uri: join("/detokenize")?,
             health_uri: join(&pool.health.path)?,
             metrics_uri: join(
                 pool.load_aware

@@ -144,16 +144,7 @@ impl Balancer {
             }
             b.has_room()
         };
-        // Fewer in flight per unit of weight: n_a / w_a < n_b / w_b. Idle backends tie, and
-        // the first drawn wins a tie: idle traffic follows the weighted draw.
-        // With load-aware pools the backend's own count (all gateways') counts when larger.
-        let load = |(i, f): (usize, u32)| -> u64 {
-            u64::from(f.max(self.backends[i].remote_load.load(Ordering::Relaxed)))
-        };
-        let better = |a: (usize, u32), b: (usize, u32)| -> bool {
-            load(a) * u64::from(self.backends[b.0].weight())
-                < load(b) * u64::from(self.backends[a.0].weight())
-        };
+        let better = |a, b| self.less_loaded(a, b);
         for round in 0..8 {
             let pick = if n == 1 {
                 usable(0).map(|f| (0, f))
@@ -177,10 +168,58 @@ impl Balancer {
                 return Some(InFlight {
                     balancer: self.clone(),
                     index: i,
+                    counted: true,
                 });
             }
         }
         None
+    }
+
+    /// Fewer in flight per unit of weight: n_a / w_a < n_b / w_b. Idle backends tie, and the
+    /// first drawn wins a tie: idle traffic follows the weighted draw. With load-aware pools
+    /// the backend's own count (all gateways') counts when larger.
+    fn less_loaded(&self, a: (usize, u32), b: (usize, u32)) -> bool {
+        let load = |(i, f): (usize, u32)| -> u64 {
+            u64::from(f.max(self.backends[i].remote_load.load(Ordering::Relaxed)))
+        };
+        load(a) * u64::from(self.backends[b.0].weight())
+            < load(b) * u64::from(self.backends[a.0].weight())
+    }
+
+    /// A backend for a request that is not inference (tokenization), not counted in its
+    /// in-flight number: it takes no capacity slot an inference request could use, never
+    /// waits in the queue, and its end hands nothing on. Chosen like the others (two weighted
+    /// draws, the less loaded wins) among the backends that may take requests, capacity and
+    /// slow start aside; avoiding `avoid` (gray pinning) while another backend can take it.
+    pub fn try_acquire_uncounted(self: &Arc<Self>, avoid: u64) -> Option<InFlight> {
+        self.pick_uncounted(avoid)
+            .or_else(|| (avoid != 0).then(|| self.pick_uncounted(0)).flatten())
+    }
+
+    /// `try_acquire_uncounted` without the fallback: a retry excludes the backends it tried.
+    pub fn pick_uncounted(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
+        let usable = |i: usize| -> Option<u32> {
+            let b = &self.backends[i];
+            (exclude & bit(i) == 0 && b.eligible()).then(|| b.in_flight.load(Ordering::Relaxed))
+        };
+        let better = |a, b| self.less_loaded(a, b);
+        let pick = match self.backends.len() {
+            0 => None,
+            1 => usable(0).map(|f| (0, f)),
+            _ => {
+                let (a, b) = self.draw_two();
+                match (usable(a).map(|f| (a, f)), usable(b).map(|f| (b, f))) {
+                    (Some(x), Some(y)) => Some(if better(y, x) { y } else { x }),
+                    (Some(x), None) | (None, Some(x)) => Some(x),
+                    (None, None) => self.scan(&usable, &better),
+                }
+            }
+        };
+        pick.map(|(i, _)| InFlight {
+            balancer: self.clone(),
+            index: i,
+            counted: false,
+        })
     }
 
     /// A slot on the backend preferred for `key` (rendezvous hashing over the usable
@@ -225,6 +264,7 @@ impl Balancer {
                 return Some(InFlight {
                     balancer: self.clone(),
                     index: i,
+                    counted: true,
                 });
             }
         }
@@ -318,11 +358,13 @@ impl Slots for Balancer {
 }
 
 /// Holds one in-flight slot on a backend; released on drop, whatever ends the request, and
-/// handed straight to the next waiting request if there is one.
+/// handed straight to the next waiting request if there is one. An uncounted one
+/// (`try_acquire_uncounted`) only names the backend.
 #[derive(Debug)]
 pub struct InFlight {
     balancer: Arc<Balancer>,
     index: usize,
+    counted: bool,
 }
 
 impl InFlight {
@@ -340,10 +382,18 @@ impl InFlight {
     pub fn position(&self) -> usize {
         self.index
     }
+
+    /// Counted in the backend's in-flight number (an inference request's slot).
+    pub fn is_counted(&self) -> bool {
+        self.counted
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        if !self.counted {
+            return;
+        }
         self.balancer.backends[self.index]
             .in_flight
             .fetch_sub(1, Ordering::SeqCst);

@@ -156,9 +156,21 @@ impl ApiError {
     /// (message, type, param, code) of the OpenAI error body.
     fn parts(&self) -> (String, &'static str, Option<&str>, &'static str) {
         match self {
+            ApiError::RouteNotFound { method, path }
+                if path.ends_with("/tokenize") || path.ends_with("/detokenize") =>
+            {
+                (
+                    format!(
+                        "Unknown route {method} {path}. vLLM's tokenizer endpoints are at the server root, not under /v1: POST /tokenize and POST /detokenize on the base URL without /v1."
+                    ),
+                    "invalid_request_error",
+                    None,
+                    "unknown_url",
+                )
+            }
             ApiError::RouteNotFound { method, path } => (
                 format!(
-                    "Unknown route {method} {path}. fleetgate serves POST /v1/chat/completions, POST /v1/completions and GET /v1/models; check that the client's base URL ends in /v1 (not /v1/v1, /api or a trailing path)."
+                    "Unknown route {method} {path}. fleetgate serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models and vLLM's POST /tokenize and POST /detokenize; check that the client's base URL ends in /v1 (not /v1/v1, /api or a trailing path)."
                 ),
                 "invalid_request_error",
                 None,

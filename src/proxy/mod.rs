@@ -13,6 +13,11 @@
 //! A stream that must wait answers at once with `: queued` comments and resumes at phase 5 from
 //! its body (`wait_and_send`): the same phases, not a second copy of them. Every phase stamps
 //! the request's Timeline.
+//!
+//! vLLM's tokenizer endpoints (`/tokenize`, `/detokenize`) take the same phases, with the
+//! differences that follow from their not being inference: limits count them as requests only
+//! (no tokens, no concurrency slot), the queue phase names a backend without taking one of its
+//! capacity slots and never waits, and their answer has no first token.
 
 pub mod body;
 pub mod error;
@@ -159,7 +164,7 @@ async fn phases(
     let generation = state.generation.load_full();
     let route = route_phase(state, &view, &body, endpoint, &generation, &mut ex.record)?;
 
-    ex.admission = admit(state, &view, &ex.record).await?;
+    ex.admission = admit(state, endpoint, &view, &ex.record).await?;
 
     // A reload that retired every backend this request could use, between its routing and
     // its claim, is not the client's problem: it is routed once more, in the generation that
@@ -239,19 +244,26 @@ fn route_phase<'p>(
     }
 }
 
-/// Phase 4: the key's limits (requests without a key have none).
+/// Phase 4: the key's limits (requests without a key have none). Tokenization counts as a
+/// request, not as inference.
 async fn admit(
     state: &ProxyState,
+    endpoint: Endpoint,
     view: &view::RequestView<'_>,
     record: &RequestRecord,
 ) -> Result<Option<Admission>, ApiError> {
     let Some(key) = &record.key else {
         return Ok(None);
     };
-    let demand = state
-        .limits
-        .demand(view.prompt_chars, view.max_tokens, view.n);
-    match state.limits.admit(key, demand).await {
+    let admitted = if endpoint.is_inference() {
+        let demand = state
+            .limits
+            .demand(view.prompt_chars, view.max_tokens, view.n);
+        state.limits.admit(key, demand).await
+    } else {
+        state.limits.admit_request(key).await
+    };
+    match admitted {
         Ok(adm) => Ok(Some(adm)),
         Err(refusal) => Err(ApiError::Limited(Box::new(refusal))),
     }
@@ -265,13 +277,21 @@ fn asker<'a>(state: &'a ProxyState, pool: &'a Pool, record: &'a RequestRecord) -
     }
 }
 
-/// Phase 5, first half: a slot now or a place in the queue.
+/// Phase 5, first half: a slot now or a place in the queue. Tokenization gets a backend now,
+/// without a capacity slot, or none.
 fn claim(
     state: &ProxyState,
     route: &Route<'_>,
     record: &RequestRecord,
 ) -> Result<Claim<Balancer>, QueueError> {
     let pool = route.pool;
+    if record.endpoint.is_some_and(|e| !e.is_inference()) {
+        return pool
+            .balancer
+            .try_acquire_uncounted(route.avoid)
+            .map(Claim::Now)
+            .ok_or(QueueError::NoUsableBackend);
+    }
     let affinity = route
         .affinity
         .zip(pool.affinity)
@@ -295,6 +315,8 @@ async fn wait_and_send(
 ) -> Result<Sent, ApiError> {
     let body_read = prepared.body_read;
     let slot = match claim {
+        // Tokenization never queues: it has no queue wait to record (not even a zero one).
+        Claim::Now(slot) if !slot.is_counted() => slot,
         Claim::Now(slot) => {
             ex.record.timeline.stamp_admitted(body_read);
             slot

@@ -343,7 +343,10 @@ impl Body for RelayBody {
                 return out;
             }
             let this = self.as_mut().project();
-            if !this.ready.is_empty() && this.ex.record.timeline.client_first_token().is_none() {
+            if !this.ready.is_empty()
+                && *this.sse
+                && this.ex.record.timeline.client_first_token().is_none()
+            {
                 // A frame read with the head: it goes out with the head.
                 return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
             }
@@ -450,9 +453,13 @@ impl RelayBody {
             this.tail[0] = this.tail[1].replace(data.clone());
         }
         let full = !this.ready.push(data);
-        // Up to the first token every frame leaves at once: TTFT is never traded for fewer
-        // writes. After it, frames already read are gathered.
-        let first_token_unsent = this.ex.record.timeline.client_first_token().is_none();
+        // Up to the first token every frame of a stream leaves at once: TTFT is never traded
+        // for fewer writes. After it, frames already read are gathered. A whole answer (no
+        // SSE) is gathered from the start, so its end is read with its last bytes: the client
+        // connection drops the body once the content length is written, and the request must
+        // be finished by then (a tokenizer answer has no first token to stamp before).
+        let first_token_unsent =
+            *this.sse && this.ex.record.timeline.client_first_token().is_none();
         if full || first_token_unsent {
             return Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))));
         }

@@ -167,6 +167,8 @@ pub async fn send_with_retries(
         &newer
     };
     balancer.retry_budget.deposit();
+    // A retry takes the same kind of slot (tokenization takes no capacity slot).
+    let counted = slot.is_counted();
     let mut tried = 0u64;
     let mut attempt = 0;
     loop {
@@ -188,7 +190,12 @@ pub async fn send_with_retries(
         if !retryable {
             return result;
         }
-        let Some(next) = balancer.try_acquire_excluding(tried) else {
+        let next = if counted {
+            balancer.try_acquire_excluding(tried)
+        } else {
+            balancer.pick_uncounted(tried)
+        };
+        let Some(next) = next else {
             return result;
         };
         if !balancer.retry_budget.try_spend() {
@@ -217,6 +224,7 @@ async fn send(
     ex.record.backend_slot = Some(backend.slot);
     let strip_usage = prepared.strip_usage;
     let timing_trailer = prepared.timing_trailer;
+    let inference = prepared.endpoint.is_inference();
     let upstream_req = upstream_request(&backend, prepared);
 
     // Send; wait for the head within the first-token (and total) limit.
@@ -270,7 +278,8 @@ async fn send(
         a.headers.write(&mut head.headers);
     }
     head.version = Version::HTTP_11;
-    if !sse {
+    // (Tokenization has no first token: its answer feeds neither TTFT figure.)
+    if !sse && inference {
         // The whole answer is in this head's body: the first token is the head, handed to the
         // client now.
         if let Some(rx) = &rx {
@@ -281,7 +290,7 @@ async fn send(
             .timeline
             .stamp_whole_answer(head_at, Instant::now());
         backend.observe_ttft(head_at.saturating_duration_since(sent));
-    } else if timing_trailer {
+    } else if sse && timing_trailer {
         head.headers
             .insert(header::TRAILER, SERVER_TIMING_VALUE.clone());
     }
@@ -318,6 +327,8 @@ fn upstream_request(backend: &Backend, prepared: Prepared) -> Request<Full<Bytes
     *req.uri_mut() = match endpoint {
         Endpoint::Chat => backend.chat_uri.clone(),
         Endpoint::Completions => backend.completions_uri.clone(),
+        Endpoint::Tokenize => backend.tokenize_uri.clone(),
+        Endpoint::Detokenize => backend.detokenize_uri.clone(),
     };
     *req.version_mut() = Version::HTTP_11;
     *req.headers_mut() = headers;
@@ -378,7 +389,13 @@ async fn error_answer(
 ) -> Response<Bytes> {
     ex.record.error = Some(ErrorKind::UpstreamError);
     let bytes = read_error_body(upstream, deadline).await;
-    let (body, wrapped) = openai_error_body(head.status, &bytes, &backend.base, &pool.model);
+    let (body, wrapped) = openai_error_body(
+        head.status,
+        &bytes,
+        &backend.base,
+        &pool.model,
+        ex.record.endpoint,
+    );
     let mut resp = Response::new(body);
     *resp.status_mut() = head.status;
     let h = resp.headers_mut();
@@ -511,7 +528,15 @@ async fn read_error_body(body: Incoming, deadline: Instant) -> Bytes {
 
 /// Keep a backend's OpenAI-shaped error body as it is; wrap anything else (vLLM's
 /// `{"error":"Unauthorized"}`, the old flat `{"object":"error",...}`, HTML) into that shape.
-fn openai_error_body(status: StatusCode, body: &[u8], backend: &str, model: &str) -> (Bytes, bool) {
+/// A wrapped 404 on a tokenizer endpoint is the server's "no such route": it does not offer
+/// tokenization (an unknown model comes OpenAI-shaped from vLLM, and passes unchanged).
+fn openai_error_body(
+    status: StatusCode,
+    body: &[u8],
+    backend: &str,
+    model: &str,
+    endpoint: Option<Endpoint>,
+) -> (Bytes, bool) {
     #[derive(serde::Deserialize)]
     struct Probe {
         error: Option<serde_json::Value>,
@@ -565,11 +590,16 @@ fn openai_error_body(status: StatusCode, body: &[u8], backend: &str, model: &str
             }
         }
     };
-    let hint = match status.as_u16() {
-        401 | 403 => format!(
+    let tokenizer = endpoint.filter(|e| !e.is_inference());
+    let hint = match (status.as_u16(), tokenizer) {
+        (404, Some(e)) => format!(
+            " The backend does not offer tokenization: it has no POST {} (vLLM serves /tokenize and /detokenize at its root; other OpenAI-compatible servers may not). Tokenize for model `{model}` with its own tokenizer instead, or ask the operator for a vLLM backend.",
+            e.path()
+        ),
+        (401 | 403, _) => format!(
             " The backend refused the gateway's own credentials: check pools[].upstream_api_key for model `{model}` (this is not about your key)."
         ),
-        404 => format!(
+        (404, None) => format!(
             " The backend does not serve this path or model: check the backend's served model name (pools[].served_model_name for `{model}`)."
         ),
         _ => String::new(),
@@ -583,7 +613,11 @@ fn openai_error_body(status: StatusCode, body: &[u8], backend: &str, model: &str
     } else {
         "invalid_request_error"
     };
-    (error_body(&message, kind, None, Some(&code)), true)
+    let code = match (status.as_u16(), tokenizer) {
+        (404, Some(_)) => "tokenization_unavailable",
+        _ => &code,
+    };
+    (error_body(&message, kind, None, Some(code)), true)
 }
 
 #[cfg(test)]
@@ -596,6 +630,7 @@ mod tests {
             body.as_bytes(),
             "http://b:1",
             "m",
+            Some(Endpoint::Chat),
         );
         serde_json::from_slice(&b).unwrap()
     }
@@ -625,9 +660,40 @@ mod tests {
     }
 
     #[test]
+    fn a_missing_tokenizer_route_says_so() {
+        let (b, wrapped) = openai_error_body(
+            StatusCode::NOT_FOUND,
+            br#"{"detail":"Not Found"}"#,
+            "http://b:1",
+            "m",
+            Some(Endpoint::Tokenize),
+        );
+        assert!(wrapped);
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("does not offer tokenization") && msg.contains("POST /tokenize"),
+            "{msg}"
+        );
+        assert_eq!(v["error"]["code"], "tokenization_unavailable");
+        // vLLM's own "no such model" is OpenAI-shaped: it passes unchanged.
+        let body = r#"{"error":{"message":"The model `x` does not exist.","type":"NotFoundError","param":"model","code":404}}"#;
+        let (b, wrapped) = openai_error_body(
+            StatusCode::NOT_FOUND,
+            body.as_bytes(),
+            "b",
+            "m",
+            Some(Endpoint::Detokenize),
+        );
+        assert!(!wrapped);
+        assert_eq!(&b[..], body.as_bytes());
+    }
+
+    #[test]
     fn keeps_openai_bodies() {
         let body = r#"{"error":{"message":"x","type":"BadRequestError","param":null,"code":400}}"#;
-        let (b, wrapped) = openai_error_body(StatusCode::BAD_REQUEST, body.as_bytes(), "b", "m");
+        let (b, wrapped) =
+            openai_error_body(StatusCode::BAD_REQUEST, body.as_bytes(), "b", "m", None);
         assert!(!wrapped);
         assert_eq!(&b[..], body.as_bytes());
     }

@@ -124,15 +124,17 @@ fn long_prompt_pool<'p>(
 }
 
 /// Backend affinity: requests of the same user, or with the same prompt prefix, prefer the
-/// same backend (its prefix cache). Computed only for pools that ask for it.
+/// same backend (its prefix cache). Computed only for pools that ask for it, and never for
+/// tokenization, which leaves nothing in a cache.
 fn affinity(pool: &Pool, view: &RequestView<'_>, body: &[u8], endpoint: Endpoint) -> Option<u64> {
-    let a = pool.affinity?;
+    let a = pool.affinity.filter(|_| endpoint.is_inference())?;
     match a.by {
         AffinityBy::User => view.user.map(|u| fnv1a(u.as_bytes())),
         AffinityBy::Prefix => {
             let field: &[u8] = match endpoint {
                 Endpoint::Chat => b"\"messages\"",
                 Endpoint::Completions => b"\"prompt\"",
+                Endpoint::Tokenize | Endpoint::Detokenize => return None,
             };
             memchr::memmem::find(body, field).map(|at| {
                 let end = (at + field.len() + a.prefix_bytes).min(body.len());

@@ -97,6 +97,10 @@ pub async fn route(
     let endpoint = match path {
         "/v1/chat/completions" => Some(Endpoint::Chat),
         "/v1/completions" => Some(Endpoint::Completions),
+        // vLLM's tokenizer, at the root as vLLM serves it (`vllm bench serve` aligns its
+        // prompts with `<base>/tokenize`).
+        "/tokenize" => Some(Endpoint::Tokenize),
+        "/detokenize" => Some(Endpoint::Detokenize),
         _ => None,
     };
     // Open routes: no record, no auth.

@@ -1,4 +1,6 @@
-//! The OpenAI request bodies the sim accepts and the vLLM-shaped JSON it answers with.
+//! The OpenAI request bodies the sim accepts and the vLLM-shaped JSON it answers with, and
+//! vLLM's tokenizer endpoints (`/tokenize`, `/detokenize`) on the sim's own tokenizer
+//! (`tokens::pieces`), which also counts the prompt tokens of every generation.
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -6,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::args::SimConfig;
 use super::frames::Endpoint;
-use super::tokens::{fnv1a, mix64};
+use super::tokens::{self, fnv1a, mix64};
 
 /// Every error the sim answers with, in the body shape vLLM uses for it.
 #[derive(Debug)]
@@ -116,6 +118,20 @@ struct ContentPart {
     text: Option<String>,
 }
 
+/// The sim's chat template: the text of every message, in order, with nothing around it.
+fn chat_texts(messages: &[ChatMessage]) -> impl Iterator<Item = &str> {
+    messages.iter().flat_map(|m| {
+        let parts: Box<dyn Iterator<Item = &str>> = match &m.content {
+            Some(MessageContent::Text(t)) => Box::new(std::iter::once(t.as_str())),
+            Some(MessageContent::Parts(parts)) => {
+                Box::new(parts.iter().filter_map(|p| p.text.as_deref()))
+            }
+            None => Box::new(std::iter::empty()),
+        };
+        parts
+    })
+}
+
 /// Parameters both endpoints share. Fields not listed (ignore_eos, temperature, stop, ...) are
 /// accepted and ignored: the sim always generates exactly max_tokens, which is what ignore_eos
 /// asks for anyway.
@@ -160,9 +176,12 @@ fn bad(msg: impl Into<String>) -> ApiError {
     ApiError::BadRequest(msg.into())
 }
 
-/// Roughly four characters per token, as a rule of thumb for English BPE vocabularies.
-fn estimate_tokens(chars: usize) -> u32 {
-    u32::try_from(chars / 4).unwrap_or(u32::MAX).max(1)
+/// Prompt tokens of `text` by the sim's tokenizer (about four characters per token for English
+/// text), at least one.
+fn prompt_tokens(text: &str) -> u32 {
+    u32::try_from(tokens::count(text))
+        .unwrap_or(u32::MAX)
+        .max(1)
 }
 
 /// Parses and validates a body in the order vLLM does: JSON, model, parameters, lengths.
@@ -175,22 +194,13 @@ pub(crate) fn parse_generation(
     let (prompt_tokens, prompt_hash, params) = match endpoint {
         Endpoint::Chat => {
             let r: ChatRequest = serde_json::from_slice(body).map_err(json_err)?;
-            let mut chars = 0usize;
+            let mut prompt = String::new();
             let mut hash = cfg.seed;
-            for m in &r.messages {
-                let mut add = |t: &str| {
-                    chars += t.chars().count();
-                    hash = fnv1a(hash, t.as_bytes());
-                };
-                match &m.content {
-                    Some(MessageContent::Text(t)) => add(t),
-                    Some(MessageContent::Parts(parts)) => {
-                        parts.iter().filter_map(|p| p.text.as_deref()).for_each(add);
-                    }
-                    None => {}
-                }
+            for t in chat_texts(&r.messages) {
+                prompt.push_str(t);
+                hash = fnv1a(hash, t.as_bytes());
             }
-            (estimate_tokens(chars), hash, r.params)
+            (prompt_tokens(&prompt), hash, r.params)
         }
         Endpoint::Completions => {
             let r: CompletionRequest = serde_json::from_slice(body).map_err(json_err)?;
@@ -261,12 +271,7 @@ pub(crate) fn parse_generation(
 /// A completions prompt: a string, a one-element list of strings, or token ids.
 fn prompt_size(prompt: &serde_json::Value, seed: u64) -> Result<(u32, u64), ApiError> {
     use serde_json::Value;
-    let text = |s: &str| {
-        (
-            estimate_tokens(s.chars().count()),
-            fnv1a(seed, s.as_bytes()),
-        )
-    };
+    let text = |s: &str| (prompt_tokens(s), fnv1a(seed, s.as_bytes()));
     let ids = |v: &[Value]| -> Result<(u32, u64), ApiError> {
         let mut hash = seed;
         for t in v {
@@ -291,6 +296,80 @@ fn prompt_size(prompt: &serde_json::Value, seed: u64) -> Result<(u32, u64), ApiE
             "prompt must be a string, a list of strings or token ids",
         )),
     }
+}
+
+/// `POST /tokenize`: a completion-style `prompt` (a string) or chat `messages` (through the
+/// sim's chat template). The sim has no special tokens, so `add_special_tokens` and the chat
+/// options change nothing; other fields are accepted and ignored, as vLLM does.
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    model: Option<String>,
+    prompt: Option<serde_json::Value>,
+    messages: Option<Vec<ChatMessage>>,
+    return_token_strs: Option<bool>,
+}
+
+#[derive(Serialize)]
+struct TokenizeResponse<'a> {
+    count: usize,
+    max_model_len: u32,
+    tokens: Vec<u64>,
+    token_strs: Option<Vec<&'a str>>,
+}
+
+/// `POST /detokenize`.
+#[derive(Deserialize)]
+struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<u64>,
+}
+
+#[derive(Serialize)]
+struct DetokenizeResponse {
+    prompt: String,
+}
+
+fn check_model(model: Option<&str>, cfg: &SimConfig) -> Result<(), ApiError> {
+    match model {
+        Some(m) if !cfg.serves(m) => Err(ApiError::ModelNotFound(m.to_owned())),
+        _ => Ok(()),
+    }
+}
+
+/// The answer to `POST /tokenize`, as vLLM gives it.
+pub(crate) fn tokenize(body: &[u8], cfg: &SimConfig) -> Result<Vec<u8>, ApiError> {
+    let r: TokenizeRequest =
+        serde_json::from_slice(body).map_err(|e| bad(format!("JSON decode error: {e}")))?;
+    check_model(r.model.as_deref(), cfg)?;
+    let text: String = match (&r.prompt, &r.messages) {
+        (Some(serde_json::Value::String(p)), _) => p.clone(),
+        (Some(_), _) => return Err(bad("prompt must be a string")),
+        (None, Some(messages)) => chat_texts(messages).collect(),
+        (None, None) => return Err(bad("either prompt or messages is required")),
+    };
+    let pieces: Vec<&str> = tokens::pieces(&text).collect();
+    let answer = TokenizeResponse {
+        count: pieces.len(),
+        max_model_len: cfg.max_model_len,
+        tokens: pieces.iter().map(|p| tokens::token_id(p)).collect(),
+        token_strs: r.return_token_strs.unwrap_or(false).then_some(pieces),
+    };
+    Ok(serde_json::to_vec(&answer).unwrap_or_default())
+}
+
+/// The answer to `POST /detokenize`: the text of the ids, or a 400 naming the first id that
+/// is not a token of the sim's tokenizer.
+pub(crate) fn detokenize(body: &[u8], cfg: &SimConfig) -> Result<Vec<u8>, ApiError> {
+    let r: DetokenizeRequest =
+        serde_json::from_slice(body).map_err(|e| bad(format!("JSON decode error: {e}")))?;
+    check_model(r.model.as_deref(), cfg)?;
+    let mut prompt = String::new();
+    for id in r.tokens {
+        let text = tokens::token_text(id)
+            .ok_or_else(|| bad(format!("token id {id} is out of vocabulary")))?;
+        prompt.push_str(&text);
+    }
+    Ok(serde_json::to_vec(&DetokenizeResponse { prompt }).unwrap_or_default())
 }
 
 #[derive(Serialize)]

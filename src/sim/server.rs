@@ -190,6 +190,12 @@ async fn route(
             Ok(r)
         }
         "/health" | "/metrics" => Err(ApiError::MethodNotAllowed),
+        // vLLM's tokenizer sits at the root, and its `--api-key` guards only /v1 paths.
+        "/tokenize" | "/detokenize" if req.method() == Method::POST => {
+            let tokenize = path == "/tokenize";
+            tokenizer(tokenize, req, ctx, capture_key).await
+        }
+        "/tokenize" | "/detokenize" => Err(ApiError::MethodNotAllowed),
         p if p.starts_with("/v1") => {
             authorize(&req, ctx)?;
             let capture = || capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
@@ -234,15 +240,8 @@ fn authorize(req: &Request<Incoming>, ctx: &SimContext) -> Result<(), ApiError> 
     }
 }
 
-async fn generate(
-    endpoint: Endpoint,
-    req: Request<Incoming>,
-    ctx: &SimContext,
-    capture_key: Option<&str>,
-) -> Result<Response<SimBody>, ApiError> {
-    let arrived = Instant::now();
-    ctx.stats.requests.fetch_add(1, Relaxed);
-    let body = Limited::new(req.into_body(), MAX_REQUEST_BODY)
+async fn read_body(req: Request<Incoming>) -> Result<bytes::Bytes, ApiError> {
+    Ok(Limited::new(req.into_body(), MAX_REQUEST_BODY)
         .collect()
         .await
         .map_err(|e| {
@@ -252,7 +251,36 @@ async fn generate(
                 ApiError::BadRequest(format!("could not read the request body: {e}"))
             }
         })?
-        .to_bytes();
+        .to_bytes())
+}
+
+/// `/tokenize` or `/detokenize`: answered at once, off the engine (as vLLM does).
+async fn tokenizer(
+    tokenize: bool,
+    req: Request<Incoming>,
+    ctx: &SimContext,
+    capture_key: Option<&str>,
+) -> Result<Response<SimBody>, ApiError> {
+    ctx.stats.tokenizations.fetch_add(1, Relaxed);
+    let body = read_body(req).await?;
+    let answer = if tokenize {
+        api::tokenize(&body, &ctx.cfg)?
+    } else {
+        api::detokenize(&body, &ctx.cfg)?
+    };
+    let capture = capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
+    Ok(json_response(answer, capture))
+}
+
+async fn generate(
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+    ctx: &SimContext,
+    capture_key: Option<&str>,
+) -> Result<Response<SimBody>, ApiError> {
+    let arrived = Instant::now();
+    ctx.stats.requests.fetch_add(1, Relaxed);
+    let body = read_body(req).await?;
     let parsed = api::parse_generation(endpoint, &body, &ctx.cfg)?;
     if ctx.draw_failure() {
         ctx.stats.failed_injected.fetch_add(1, Relaxed);

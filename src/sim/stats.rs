@@ -14,6 +14,8 @@ use bytes::Bytes;
 pub struct SimStats {
     /// Generation requests received (chat and completions, before any validation).
     pub requests: AtomicU64,
+    /// `/tokenize` and `/detokenize` requests received.
+    pub tokenizations: AtomicU64,
     /// Generations that produced every token and ended normally.
     pub completed: AtomicU64,
     /// Generations whose client went away (response body or handler dropped) before the end.
@@ -32,6 +34,7 @@ impl SimStats {
     pub(crate) fn new(capture: bool, kv_capacity_tokens: u64) -> Self {
         Self {
             requests: AtomicU64::new(0),
+            tokenizations: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             failed_injected: AtomicU64::new(0),

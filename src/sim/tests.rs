@@ -286,6 +286,88 @@ async fn api_key_is_enforced_on_v1_only() {
     sim.shutdown().await;
 }
 
+#[tokio::test]
+async fn tokenize_and_detokenize_like_vllm() {
+    // As vLLM: at the root, outside the /v1 paths its --api-key guards.
+    let sim = start(SimArgs {
+        api_key: Some("sekret".into()),
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let prompt = "hello there, sim";
+    let req = json!({"model": "qwen32b", "prompt": prompt, "add_special_tokens": false});
+    let r = send(&c, &sim, "POST", "/tokenize", Some(req), &[]).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    // The count generation reports as usage.prompt_tokens for the same prompt.
+    assert_eq!(v["count"], 4);
+    assert_eq!(v["max_model_len"], 32768);
+    assert!(v["token_strs"].is_null());
+    let tokens = v["tokens"].as_array().unwrap().clone();
+    assert_eq!(tokens.len(), 4);
+
+    // The first three tokens back to text.
+    let req = json!({"model": "qwen32b", "tokens": tokens[..3]});
+    let r = send(&c, &sim, "POST", "/detokenize", Some(req), &[]).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v, json!({"prompt": "hello there,"}));
+
+    // Chat messages go through the sim's template (their texts, concatenated); the same text
+    // gives the same ids on any sim.
+    let req = json!({"messages": [{"role": "user", "content": "hello there"},
+        {"role": "user", "content": [{"type": "text", "text": ", sim"}]}],
+        "return_token_strs": true});
+    let r = send(&c, &sim, "POST", "/tokenize", Some(req), &[]).await;
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["tokens"], Value::Array(tokens));
+    assert_eq!(v["token_strs"], json!(["hell", "o th", "ere,", " sim"]));
+    assert_eq!(sim.stats().tokenizations.load(Relaxed), 3);
+    assert_eq!(sim.stats().requests.load(Relaxed), 0);
+
+    // vLLM's errors: an unknown model, a missing prompt, an id outside the vocabulary, GET.
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/tokenize",
+        Some(json!({"model": "x", "prompt": "a"})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    let (msg, kind, _, _) = openai_error(&read_all(r).await);
+    assert!(msg.contains("`x` does not exist"), "{msg}");
+    assert_eq!(kind, "NotFoundError");
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/tokenize",
+        Some(json!({"model": "qwen32b"})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/detokenize",
+        Some(json!({"tokens": [1_114_112]})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let (msg, _, _, _) = openai_error(&read_all(r).await);
+    assert!(msg.contains("1114112"), "{msg}");
+    let r = send(&c, &sim, "GET", "/tokenize", None, &[]).await;
+    assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+    sim.shutdown().await;
+}
+
 fn openai_error(body: &[u8]) -> (String, String, Value, u64) {
     let v: Value = serde_json::from_slice(body).unwrap();
     let e = &v["error"];

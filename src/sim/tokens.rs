@@ -1,4 +1,5 @@
-//! Deterministic token texts and the JSON string escaping the hand-written frames rely on.
+//! Deterministic token texts, the sim's tokenizer, and the JSON string escaping the
+//! hand-written frames rely on.
 
 use bytes::BufMut;
 use rand::rngs::SmallRng;
@@ -76,6 +77,72 @@ impl TokenSource {
     }
 }
 
+/// The sim's tokenizer: how it counts prompt tokens and what `/tokenize` answers. It keeps the
+/// sim's rule of thumb of four characters per token for ASCII text — a run of ASCII characters
+/// is cut into pieces of four, the last piece taking the one to three left over (a run shorter
+/// than four is one piece) — and makes every other character a token of its own (closer to
+/// what BPE vocabularies do with such text, and what lets every id name its text). Ids need no
+/// vocabulary: a single character is its code point, a piece of two to seven ASCII characters
+/// is `PIECE_BASE` plus its characters packed seven bits each behind a marker bit. So the same
+/// text has the same ids on every sim, and `/detokenize` inverts `/tokenize` exactly.
+pub(crate) fn pieces(text: &str) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        let first = rest.chars().next()?;
+        let len = if first.is_ascii() {
+            // Four characters, or the whole of a run of at most seven (looking no further
+            // than eight bytes ahead: the cost stays linear in the text).
+            let run = rest.bytes().take(8).take_while(u8::is_ascii).count();
+            if run < 8 { run } else { 4 }
+        } else {
+            first.len_utf8()
+        };
+        let (piece, tail) = rest.split_at(len);
+        rest = tail;
+        Some(piece)
+    })
+}
+
+/// Tokens of `text` by the sim's tokenizer (`pieces`).
+pub(crate) fn count(text: &str) -> usize {
+    pieces(text).count()
+}
+
+/// Ids of multi-character pieces start here, above every code point.
+const PIECE_BASE: u64 = 0x11_0000;
+
+/// The id of one piece of `pieces`.
+pub(crate) fn token_id(piece: &str) -> u64 {
+    let mut chars = piece.chars();
+    match (chars.next(), chars.next()) {
+        (Some(c), None) => u64::from(c),
+        _ => {
+            let packed = piece
+                .bytes()
+                .fold(1u64, |acc, b| (acc << 7) | u64::from(b & 0x7f));
+            PIECE_BASE + packed
+        }
+    }
+}
+
+/// The text of the token `id`, if it is one `token_id` gives.
+pub(crate) fn token_text(id: u64) -> Option<String> {
+    if id < PIECE_BASE {
+        return char::from_u32(u32::try_from(id).ok()?).map(String::from);
+    }
+    let packed = id - PIECE_BASE;
+    // The marker bit, then seven bits per character: two to seven characters.
+    let bits = packed.checked_ilog2()?;
+    if bits % 7 != 0 || !(2..=7).contains(&(bits / 7)) {
+        return None;
+    }
+    let text: String = (0..bits / 7)
+        .rev()
+        .map(|i| char::from(((packed >> (7 * i)) & 0x7f) as u8))
+        .collect();
+    Some(text)
+}
+
 /// FNV-1a, used to fold request content into a token seed; stable across runs and platforms,
 /// unlike std's randomly keyed hasher.
 pub(crate) fn fnv1a(seed: u64, data: &[u8]) -> u64 {
@@ -144,6 +211,34 @@ mod tests {
             let back: String = serde_json::from_str(&lit).unwrap();
             assert_eq!(back, s);
         }
+    }
+
+    #[test]
+    fn tokenizer_counts_four_ascii_characters_a_token_and_inverts() {
+        fn n(t: &str) -> Vec<&str> {
+            pieces(t).collect()
+        }
+        assert_eq!(n("hello there, sim"), ["hell", "o th", "ere,", " sim"]);
+        assert_eq!(n("12345678"), ["1234", "5678"]);
+        assert_eq!(n("abcdefghij"), ["abcd", "efghij"]);
+        assert_eq!(n("ab"), ["ab"]);
+        assert_eq!(n("a café"), ["a caf", "é"]);
+        assert_eq!(n("日本"), ["日", "本"]);
+        assert_eq!(count(""), 0);
+        for text in [
+            "hello there, sim",
+            "a café au lait, 日本語\n\t\"q\"",
+            "x",
+            "\u{10FFFF}z",
+        ] {
+            let ids: Vec<u64> = pieces(text).map(token_id).collect();
+            let back: String = ids.iter().map(|id| token_text(*id).unwrap()).collect();
+            assert_eq!(back, text);
+            assert!(ids.iter().all(|id| *id < 1 << 53), "{ids:?}");
+        }
+        assert_eq!(token_text(0xD800), None);
+        assert_eq!(token_text(PIECE_BASE + 5), None);
+        assert_eq!(token_text(u64::MAX), None);
     }
 
     #[test]

@@ -16,6 +16,7 @@ use prometheus::{
 };
 
 use crate::key::Environment;
+use crate::openai::Endpoint;
 use crate::openai::error::ErrorKind;
 use crate::pool::Generation;
 
@@ -429,7 +430,8 @@ impl RequestMetrics {
         if t.admitted().is_some() {
             s.queue_wait.observe(secs(t.queue_wait()));
         }
-        if r.pool_slot.is_some() {
+        // Tokenization is a request (counted below) but not inference: no latency or tokens.
+        if r.pool_slot.is_some() && r.endpoint.is_none_or(Endpoint::is_inference) {
             // Latency of completed requests only (as vLLM's benchmark reads them); tokens of
             // every request that produced some, cut streams included.
             if r.error.is_none() {

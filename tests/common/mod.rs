@@ -36,6 +36,7 @@ pub async fn sim(f: impl FnOnce(&mut SimArgs)) -> SimServer {
 #[derive(Debug, Clone)]
 pub struct Seen {
     pub request_id: String,
+    pub endpoint: Option<&'static str>,
     pub status: u16,
     pub error: Option<&'static str>,
     pub stream: bool,
@@ -136,6 +137,7 @@ pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -
     let recorder = Recorder::new(false).with_observer(move |r: &RequestRecord| {
         sink.lock().unwrap().push(Seen {
             request_id: r.request_id.to_str().unwrap().to_owned(),
+            endpoint: r.endpoint.map(|e| e.as_str()),
             status: r.status,
             error: r.error.map(|e| e.as_str()),
             stream: r.stream,
@@ -215,6 +217,11 @@ pub fn authed(gw: &Gateway, method: &str, path: &str) -> http::request::Builder 
         .method(method)
         .uri(gw.url(path))
         .header("authorization", format!("Bearer {}", gw.key))
+}
+
+/// A JSON response body (kept by `post`).
+pub fn json_body(m: &Measured) -> serde_json::Value {
+    serde_json::from_slice(m.body.as_ref().expect("body kept")).unwrap()
 }
 
 /// Decode an OpenAI error body as a client would.
