@@ -187,6 +187,9 @@ fn request_headers(api_key: Option<&str>) -> Res<HeaderMap> {
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    // fleetgate sends a stream's `Server-Timing` (with the hop cost it recorded) as a trailer,
+    // to clients that take trailers; the backend and nginx ignore the header.
+    h.insert(header::TE, HeaderValue::from_static("trailers"));
     if let Some(k) = api_key {
         let mut v = HeaderValue::try_from(format!("Bearer {k}"))?;
         v.set_sensitive(true);
@@ -200,6 +203,9 @@ fn request_headers(api_key: Option<&str>) -> Res<HeaderMap> {
 struct Sample {
     ttft_us: f64,
     e2el_us: f64,
+    /// The hop cost the gateway recorded for this request (its `Server-Timing` trailer);
+    /// NaN from a target that sends none.
+    hop_us: f64,
 }
 
 /// Whether a measured answer is a complete, correct stream; `Err` says what was wrong.
@@ -227,6 +233,8 @@ fn check(m: &Measured, max_tokens: u32) -> Result<Sample, String> {
     Ok(Sample {
         ttft_us: ttft.as_secs_f64() * 1e6,
         e2el_us: e2el.as_secs_f64() * 1e6,
+        hop_us: fleetgate::bench::measure::hop_ms(&m.headers, m.trailers.as_ref())
+            .map_or(f64::NAN, |ms| ms * 1e3),
     })
 }
 
@@ -429,6 +437,8 @@ struct LatencyResult {
     ttft: Vec<Summary>,
     added_diff: Vec<[f64; 3]>,
     added_paired: Vec<Summary>,
+    /// The hop cost each target recorded (fleetgate's only).
+    hop: Vec<Summary>,
 }
 
 async fn phase_latency(
@@ -443,6 +453,7 @@ async fn phase_latency(
     let mut e2el: Vec<Vec<f64>> = vec![Vec::with_capacity(args.rounds); n];
     // Per round and target; NaN where the request failed, so rounds stay aligned for pairing.
     let mut round_ttft: Vec<Vec<f64>> = vec![Vec::with_capacity(args.rounds); n];
+    let mut hop: Vec<Vec<f64>> = vec![Vec::new(); n];
     let mut failed = vec![0usize; n];
     let mut first_errors: Vec<Option<String>> = vec![None; n];
     let mut cpu_before = None;
@@ -468,6 +479,9 @@ async fn phase_latency(
                     ttft[i].push(s.ttft_us);
                     e2el[i].push(s.e2el_us);
                     this_round[i] = s.ttft_us;
+                    if s.hop_us.is_finite() {
+                        hop[i].push(s.hop_us);
+                    }
                 }
                 Err(e) => {
                     failed[i] += 1;
@@ -487,6 +501,7 @@ async fn phase_latency(
 
     let ttft_s: Vec<Summary> = ttft.iter().map(|v| summarize(v)).collect();
     let e2el_s: Vec<Summary> = e2el.iter().map(|v| summarize(v)).collect();
+    let hop_s: Vec<Summary> = hop.iter().map(|v| summarize(v)).collect();
     let mut added_diff = Vec::new();
     let mut added_paired = Vec::new();
     for i in 1..n {
@@ -528,6 +543,7 @@ async fn phase_latency(
                 "first_error": first_errors[i],
                 "ttft_us": summary_json(&ttft_s[i]),
                 "e2el_us": summary_json(&e2el_s[i]),
+                "recorded_hop_us": summary_json(&hop_s[i]),
             })
         })
         .collect();
@@ -554,6 +570,7 @@ async fn phase_latency(
         ttft: ttft_s,
         added_diff,
         added_paired,
+        hop: hop_s,
     })
 }
 
@@ -562,6 +579,7 @@ async fn phase_latency(
 
 struct OpenLoopTarget {
     ttft: Vec<f64>,
+    hop: Vec<f64>,
     e2el: Vec<f64>,
     sent: usize,
     completed: usize,
@@ -577,6 +595,7 @@ impl OpenLoopTarget {
     fn new() -> Self {
         Self {
             ttft: Vec::new(),
+            hop: Vec::new(),
             e2el: Vec::new(),
             sent: 0,
             completed: 0,
@@ -661,6 +680,9 @@ async fn one_slice(
                 ttft.push(s.ttft_us);
                 acc.ttft.push(s.ttft_us);
                 acc.e2el.push(s.e2el_us);
+                if s.hop_us.is_finite() {
+                    acc.hop.push(s.hop_us);
+                }
             }
             Ok(Err(e)) => {
                 failed += 1;
@@ -965,6 +987,48 @@ async fn mem_one(
 // ---------------------------------------------------------------------------------------------
 // Report
 
+/// The hop cost fleetgate recorded (median over its requests) against what the client saw it
+/// add (TTFT p50 through fleetgate − TTFT p50 direct, and the median of the paired differences
+/// when the phase pairs requests): their ratio and whether it is within 25 %.
+fn hop_agreement(recorded: &Summary, added_p50: f64, paired_p50: f64) -> String {
+    if recorded.n == 0 {
+        return "Recorded hop: fleetgate sent no `hop` figure (no kernel stamps?).".to_owned();
+    }
+    let ratio = recorded.p50 / added_p50;
+    let mut line = format!(
+        "Recorded hop (fleetgate's `Server-Timing` trailer, {} requests): median {} µs against the client-seen added TTFT p50 {} µs: ratio {:.2} ({} the 25 % goal)",
+        recorded.n,
+        us(recorded.p50),
+        signed_us(added_p50),
+        ratio,
+        if (ratio - 1.0).abs() <= 0.25 {
+            "within"
+        } else {
+            "outside"
+        }
+    );
+    if paired_p50.is_finite() {
+        let _ = write!(
+            line,
+            "; paired-difference median {} µs, ratio {:.2}",
+            signed_us(paired_p50),
+            recorded.p50 / paired_p50
+        );
+    }
+    line.push('.');
+    line
+}
+
+fn hop_json(phase: &str, recorded: &Summary, added_p50: f64, paired_p50: f64) -> Value {
+    json!({
+        "phase": phase,
+        "recorded_hop_us": summary_json(recorded),
+        "client_added_ttft_p50_us": added_p50,
+        "client_paired_difference_p50_us": paired_p50,
+        "ratio_recorded_to_added_p50": recorded.p50 / added_p50,
+    })
+}
+
 fn us(v: f64) -> String {
     if v.is_finite() {
         format!("{v:.0}")
@@ -1066,6 +1130,7 @@ async fn run(args: Args) -> Res<()> {
     );
 
     let mut added_p50 = None;
+    let mut hop_rows: Vec<Value> = Vec::new();
     let mut added_p99 = None;
     if phases.contains(&"latency") {
         eprintln!(
@@ -1148,6 +1213,17 @@ async fn run(args: Args) -> Res<()> {
                 .collect::<Vec<_>>()
                 .join(", ")
         });
+        let _ = writeln!(
+            md,
+            "{}\n",
+            hop_agreement(&lat.hop[1], lat.added_diff[0][0], lat.added_paired[0].p50)
+        );
+        hop_rows.push(hop_json(
+            "latency_c1",
+            &lat.hop[1],
+            lat.added_diff[0][0],
+            lat.added_paired[0].p50,
+        ));
         added_p50 = Some(lat.added_diff[0][0]);
         added_p99 = Some(lat.added_diff[0][2]);
         out["latency_c1"] = lat.json;
@@ -1206,6 +1282,18 @@ async fn run(args: Args) -> Res<()> {
             md,
             "\nCPU per request = utime+stime of the process over its target's slices ÷ requests completed in them (the proxy columns of the other rows show its idle cost). Other CPU = machine busy time outside these processes (other programs, unattributed kernel work) as a share of both cores: a noise flag.\n"
         );
+        let fg_hop = summarize(&ol.per_target[1].hop);
+        let _ = writeln!(
+            md,
+            "{}\n",
+            hop_agreement(&fg_hop, sums[1].p50 - sums[0].p50, f64::NAN)
+        );
+        hop_rows.push(hop_json(
+            "open_loop",
+            &fg_hop,
+            sums[1].p50 - sums[0].p50,
+            f64::NAN,
+        ));
         let fg_added = sums[1].p99 - sums[0].p99;
         let ng_added = sums[2].p99 - sums[0].p99;
         if fg_added.is_finite() && ng_added.is_finite() {
@@ -1290,6 +1378,8 @@ async fn run(args: Args) -> Res<()> {
             "peak_rss_le_64mib": peak_rss_mib.map(|v| v <= 64.0),
         });
     }
+
+    out["recorded_hop"] = Value::Array(hop_rows);
 
     if let Some(dir) = args.out.parent()
         && !dir.as_os_str().is_empty()

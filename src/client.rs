@@ -42,6 +42,8 @@ pub struct Measured {
     pub body: Option<Bytes>,
     /// The body ended with an error (connection cut) rather than cleanly.
     pub body_error: Option<String>,
+    /// Trailer fields after the body (sent only to a request with `TE: trailers`).
+    pub trailers: Option<HeaderMap>,
 }
 
 /// A JSON POST of `body` to `uri` with `headers` (`Content-Type: application/json` unless they
@@ -164,6 +166,7 @@ pub async fn send(
         head: answer.head,
         total,
         body: kept.map(BytesMut::freeze),
+        trailers: answer.trailers.take(),
         body_error: match end {
             BodyEnd::Cut(e) => Some(e),
             BodyEnd::Complete | BodyEnd::Deadline => None,
