@@ -1,7 +1,9 @@
 //! The cost of the kernel receive stamps on the request path: a stamped read (`recvmsg` with a
-//! control buffer, the stamp turned into the monotonic clock) against a plain `read` of the
-//! same bytes on the same kind of loopback socket, interleaved in blocks so noise falls on both.
-//! The gateway does one stamped read per request on each side (client and upstream).
+//! control buffer, the stamp turned into the monotonic clock: `rx_time::recv_stamped`) against
+//! a plain `read` of the same bytes, on one loopback connection with the stamps on, in
+//! alternating blocks so noise falls on both. Blocking sockets: the figure is the syscall and
+//! the stamp's handling, without the event loop (the same for both in the gateway). The gateway
+//! does one stamped read per request on each side (client and upstream).
 //!
 //!   cargo bench --bench rx_time [-- --reads 200000]
 #![allow(
@@ -12,92 +14,101 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::time::Instant;
 
-use fleetgate::rx_time::{self, RxClock, Side, StampedStream};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use fleetgate::rx_time;
 
-/// A connected pair; the reading end wrapped, with the kernel stamps on or off.
-async fn pair(stamps: bool) -> (TcpStream, StampedStream, Arc<RxClock>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    if stamps {
-        rx_time::enable(&listener).unwrap();
-    }
-    let client = TcpStream::connect(listener.local_addr().unwrap())
-        .await
-        .unwrap();
-    let (sock, _) = listener.accept().await.unwrap();
-    let clock = Arc::new(RxClock::new(Side::Client));
-    (client, StampedStream::new(sock, clock.clone()), clock)
-}
-
-/// `n` request-sized writes and reads; with `stamped`, every read is a stamped one (the
-/// clock is re-armed by a one-byte answer, as a response re-arms it in the gateway; the plain
-/// run writes the same answer). Returns ns per round.
-async fn rounds(stamped: bool, n: usize, body: &[u8]) -> f64 {
-    let (mut client, mut server, clock) = pair(stamped).await;
-    let mut buf = vec![0u8; 4096];
-    let mut one = [0u8; 1];
+/// `n` request-sized writes, each read back on the accepted end by `recvmsg` with its stamp
+/// (`stamped`) or by `read`. Returns ns per read (write included, the same in both) and how
+/// many reads were stamped.
+fn rounds(
+    client: &mut TcpStream,
+    server: &mut TcpStream,
+    stamped: bool,
+    n: usize,
+    body: &[u8],
+) -> (f64, usize) {
+    let mut buf = vec![0u8; 16 * 1024];
+    let fd = server.as_raw_fd();
+    let mut stamps = 0;
     let start = Instant::now();
     for _ in 0..n {
-        client.write_all(body).await.unwrap();
+        client.write_all(body).unwrap();
         let mut got = 0;
         while got < body.len() {
-            got += server.read(&mut buf).await.unwrap();
+            if stamped {
+                let (k, stamp) = rx_time::recv_stamped(fd, &mut buf).unwrap();
+                got += k;
+                stamps += usize::from(stamp.is_some());
+            } else {
+                got += server.read(&mut buf).unwrap();
+            }
         }
-        if stamped {
-            assert!(clock.take_arrival().is_some(), "a stamp per request");
-        }
-        // The answer: re-arms the client-side clock in both runs alike.
-        server.write_all(b"k").await.unwrap();
-        client.read_exact(&mut one).await.unwrap();
     }
-    start.elapsed().as_nanos() as f64 / n as f64
+    (start.elapsed().as_nanos() as f64 / n as f64, stamps)
 }
 
 fn main() {
-    let reads = common::arg("--reads", 100_000);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let reads = common::arg("--reads", 200_000);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    rx_time::enable(&listener).unwrap();
+    let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (mut server, _) = listener.accept().unwrap();
+    client.set_nodelay(true).unwrap();
+    // The host turns packet stamping on a moment after the first socket asks.
+    std::thread::sleep(std::time::Duration::from_millis(100));
     // A typical streamed chat request: head and a short JSON body.
     let body = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer fg-stress-xxxxxxxxxxxx\r\ncontent-type: application/json\r\ncontent-length: 120\r\n\r\n{}",
         "x".repeat(120)
     );
-    rt.block_on(async {
-        let blocks = 10;
-        let per = reads / blocks;
-        let (mut plain, mut stamped) = (Vec::new(), Vec::new());
-        rounds(false, 1000, body.as_bytes()).await;
-        rounds(true, 1000, body.as_bytes()).await;
-        for _ in 0..blocks {
-            plain.push(rounds(false, per, body.as_bytes()).await);
-            stamped.push(rounds(true, per, body.as_bytes()).await);
-        }
-        plain.sort_by(f64::total_cmp);
-        stamped.sort_by(f64::total_cmp);
-        let med = |v: &[f64]| v[v.len() / 2];
-        let diff: Vec<f64> = {
-            let mut d: Vec<f64> = plain.iter().zip(&stamped).map(|(p, s)| s - p).collect();
-            d.sort_by(f64::total_cmp);
-            d
+    let body = body.as_bytes();
+    let blocks = 20;
+    let per = reads / blocks;
+    rounds(&mut client, &mut server, false, 2000, body);
+    rounds(&mut client, &mut server, true, 2000, body);
+    let (mut plain, mut stamped, mut diff) = (Vec::new(), Vec::new(), Vec::new());
+    let mut stamps = 0;
+    for b in 0..blocks {
+        // Alternate which goes first.
+        let order = if b % 2 == 0 {
+            [false, true]
+        } else {
+            [true, false]
         };
-        println!(
-            "round trip with a plain read:   median {:>8.0} ns (blocks of {per})",
-            med(&plain)
-        );
-        println!(
-            "round trip with a stamped read: median {:>8.0} ns",
-            med(&stamped)
-        );
-        println!(
-            "cost of a stamped read: {:+.0} ns per read (median of sorted block medians' difference {:+.0} ns)",
-            med(&stamped) - med(&plain),
-            med(&diff)
-        );
-    });
+        let mut this = [0.0; 2];
+        for s in order {
+            let (ns, k) = rounds(&mut client, &mut server, s, per, body);
+            this[usize::from(s)] = ns;
+            if s {
+                stamps += k;
+            }
+        }
+        plain.push(this[0]);
+        stamped.push(this[1]);
+        diff.push(this[1] - this[0]);
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "stamped reads: {stamps} of {} (a stamp on every recvmsg)",
+        per * blocks
+    );
+    println!(
+        "write + plain read:    median {:>7.0} ns per request ({blocks} blocks of {per})",
+        med(&mut plain)
+    );
+    println!(
+        "write + stamped read:  median {:>7.0} ns per request",
+        med(&mut stamped)
+    );
+    println!(
+        "cost of a stamped read over a plain one: {:+.0} ns (median of the blocks' differences)",
+        med(&mut diff)
+    );
 }

@@ -188,9 +188,10 @@ impl StampedStream {
     }
 }
 
-/// One `recvmsg`: bytes read and the kernel's stamp of them, on the monotonic base.
+/// One `recvmsg`: bytes read and the kernel's stamp of them, on the monotonic base (what a
+/// stamped read does; public for benches/rx_time.rs).
 #[cfg(target_os = "linux")]
-fn recv_stamped(fd: std::os::fd::RawFd, dst: &mut [u8]) -> io::Result<(usize, Option<u64>)> {
+pub fn recv_stamped(fd: std::os::fd::RawFd, dst: &mut [u8]) -> io::Result<(usize, Option<u64>)> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
     // CMSG_SPACE(sizeof(struct timespec)) is 32 bytes on 64-bit Linux.
     let mut cmsg = [0u8; 64];
