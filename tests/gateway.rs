@@ -273,6 +273,34 @@ async fn the_hop_cost_reaches_the_client() {
     );
 }
 
+/// `"stream_options": null` on a stream: the backend gets one `stream_options` (with the usage
+/// the gateway needs), the client a stream without the usage event it did not ask for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_null_stream_options_gets_usage_without_a_duplicate_key() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let body = serde_json::json!({"model":"qwen32b","stream":true,"stream_options":null,
+        "max_tokens":5,"messages":[{"role":"user","content":"hi"}]});
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("x-request-id", "null-opts")],
+        body.to_string(),
+    )
+    .await;
+    let text = String::from_utf8_lossy(m.body.as_ref().unwrap()).into_owned();
+    assert_eq!(m.status, 200, "{text}");
+    assert!(m.metrics.done, "{text}");
+    assert!(
+        !text.contains("\"usage\""),
+        "usage the client did not ask for: {text}"
+    );
+    let rec = gw.record_of("null-opts").await;
+    assert_eq!(
+        rec.timeline.stream().usage.map(|u| u.completion_tokens),
+        Some(5)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_endpoint_streams() {
     let sim = sim(|_| {}).await;

@@ -41,7 +41,7 @@ pub struct RequestView<'a> {
     pub max_tokens: Option<u64>,
     pub n: u32,
     pub include_usage: Option<bool>,
-    /// Byte range of the `stream_options` value, when present and not null.
+    /// Byte range of the `stream_options` value, when present (`null` included).
     pub stream_options_span: Option<Range<usize>>,
     /// Characters of prompt text (messages' content or prompt), a cheap size estimate.
     pub prompt_chars: usize,
@@ -61,7 +61,9 @@ struct RawBody<'a> {
     max_completion_tokens: Option<&'a RawValue>,
     #[serde(borrow)]
     n: Option<&'a RawValue>,
-    #[serde(borrow)]
+    /// Kept even when it is `null` (a plain `Option` would read `null` as absent): a stream
+    /// that gets `include_usage` injected must replace that `null`, not add a second key.
+    #[serde(borrow, default, deserialize_with = "present_raw")]
     stream_options: Option<&'a RawValue>,
     messages: Option<Messages>,
     prompt: Option<Prompt>,
@@ -71,6 +73,11 @@ struct RawBody<'a> {
     tokens: Option<&'a RawValue>,
     #[serde(borrow)]
     user: Option<&'a RawValue>,
+}
+
+/// A field's raw value whenever the field is present, `null` included.
+fn present_raw<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -239,11 +246,10 @@ fn generation_fields(raw: &RawBody<'_>, body: &[u8]) -> Result<Generation, ViewE
         Some(0) => return Err(invalid("n", "`n` must be at least 1.")),
         Some(n) => u32::try_from(n).map_err(|_| invalid("n", "`n` is too large."))?,
     };
+    // The value's bytes, `null` included: an injected `include_usage` replaces them.
     let stream_options_span = match raw.stream_options {
-        Some(r) if r.get() != "null" => {
-            Some(span_of(body, r.get().as_bytes()).ok_or(ViewError::Unlocatable)?)
-        }
-        _ => None,
+        Some(r) => Some(span_of(body, r.get().as_bytes()).ok_or(ViewError::Unlocatable)?),
+        None => None,
     };
     let include_usage = match raw.stream_options.map(RawValue::get) {
         None | Some("null") => None,
@@ -645,6 +651,31 @@ mod tests {
             upstream_body(&body, &v, None, false).as_ptr(),
             body.as_ptr()
         );
+    }
+
+    /// `"stream_options": null` is replaced, never joined by a second `stream_options` key
+    /// (duplicate keys: the sim refuses them, vLLM keeps the last, null, and reports no usage).
+    #[test]
+    fn a_null_stream_options_is_replaced() {
+        let body = Bytes::from_static(
+            br#"{"model":"m","stream":true,"stream_options" : null,"messages":[]}"#,
+        );
+        let v = parse(&body, Endpoint::Chat).unwrap();
+        assert_eq!(v.include_usage, None);
+        let out = upstream_body(&body, &v, None, true);
+        assert_eq!(
+            &out[..],
+            br#"{"model":"m","stream":true,"stream_options" : {"include_usage":true},"messages":[]}"#
+        );
+        assert_eq!(
+            parse(&out, Endpoint::Chat).unwrap().include_usage,
+            Some(true)
+        );
+        // Not a stream, nothing injected: the same bytes.
+        let body = Bytes::from_static(br#"{"model":"m","stream_options":null,"messages":[]}"#);
+        let v = parse(&body, Endpoint::Chat).unwrap();
+        assert!(!v.stream);
+        assert_eq!(upstream_body(&body, &v, None, false), body);
     }
 
     #[test]
