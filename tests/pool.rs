@@ -179,6 +179,44 @@ async fn a_failing_backend_is_ejected() {
     assert_eq!(bad_state.as_str(), "ejected");
 }
 
+/// Every backend ejected and nothing in flight: a request that queues goes on when the
+/// ejection ends (1 s here), instead of waiting out its queue deadline (20 s) for a slot that
+/// no finishing request will ever free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_queued_behind_an_ejection_goes_on_when_it_ends() {
+    let bad = sim(|a| a.fail_rate = 1.0).await;
+    let mut p = PoolConfig::new("qwen32b", vec![]);
+    p.backends = vec![backend(bad.url(), 1)];
+    p.ejection.consecutive_failures = 1;
+    p.ejection.base = Duration::from_secs(1);
+    p.ejection.max = Duration::from_secs(1);
+    let gw = gateway_with(vec![p], |c| {
+        c.queue.max_wait = [Duration::from_secs(20); 3];
+    })
+    .await;
+    let url = gw.url("/v1/chat/completions");
+    let first = post(&url, &[], chat("qwen32b", 2, false)).await;
+    assert_eq!(first.status, 500, "the backend's own failure ejects it");
+    let state = || {
+        gw.server
+            .pools()
+            .find_backend("qwen32b", &bad.url())
+            .unwrap()
+            .state()
+            .as_str()
+    };
+    assert_eq!(state(), "ejected");
+    let started = std::time::Instant::now();
+    let second = post(&url, &[], chat("qwen32b", 2, false)).await;
+    let took = started.elapsed();
+    // It reached the backend again (which fails again): not a 503 queue timeout.
+    assert_eq!(second.status, 500, "{:?}", second.body);
+    assert!(
+        took < Duration::from_secs(10),
+        "waited {took:?}: the queue was not woken when the ejection ended"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_one_of_three_backends_under_load_fails_no_unstarted_request() {
     let sims = [

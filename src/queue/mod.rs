@@ -257,11 +257,34 @@ impl<S: Slots> std::fmt::Debug for Waiting<S> {
     }
 }
 
+/// How often a waiting request looks for a free slot itself. Freed slots are handed over at
+/// once; this catches what frees capacity without freeing a slot (an ejection running out, a
+/// backend's warm-up or slow start ending), so a queue whose backends were all ejected and idle
+/// moves on when the first ejection ends instead of waiting out its deadline for nothing.
+const RECHECK: Duration = Duration::from_millis(100);
+
 impl<S: Slots> Waiting<S> {
     async fn wait(mut self, max_wait: Duration) -> Result<S::Slot, TimedOut> {
-        match self.place.as_mut() {
-            Some(p) => p.recv(max_wait).await,
-            None => Err(TimedOut),
+        let deadline = tokio::time::Instant::now() + max_wait;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let Some(place) = self.place.as_mut() else {
+                return Err(TimedOut);
+            };
+            match place.recv(left.min(RECHECK)).await {
+                Ok(slot) => return Ok(slot),
+                Err(TimedOut) if left <= RECHECK => return Err(TimedOut),
+                Err(TimedOut) => {
+                    // Hand out whatever can be taken now, in the queue's order.
+                    let queue = self.slots.queue();
+                    if queue.has_waiters() {
+                        queue.dispatch(|| self.slots.try_take());
+                    }
+                    if let Some(slot) = place.try_now() {
+                        return Ok(slot);
+                    }
+                }
+            }
         }
     }
 }
