@@ -14,7 +14,7 @@ use hyper::Uri;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tower::Service;
 
 use crate::rx_time::{self, RxClock, Side, StampedStream};
@@ -114,11 +114,14 @@ pub(super) fn client_for(cfg: &PoolConfig, prev: Option<&Pool>) -> io::Result<Up
         {
             Ok(p.client.clone())
         }
-        _ => build_client(cfg),
+        _ => build_client(cfg, IDLE_TIMEOUT),
     }
 }
 
-fn build_client(cfg: &PoolConfig) -> io::Result<UpstreamClient> {
+/// An idle keep-alive connection to a backend is closed after this long.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+fn build_client(cfg: &PoolConfig, idle: Duration) -> io::Result<UpstreamClient> {
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = &cfg.ca_file {
@@ -151,7 +154,64 @@ fn build_client(cfg: &PoolConfig) -> io::Result<UpstreamClient> {
         .enable_http1()
         .wrap_connector(StampingConnector(http));
     Ok(Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
+        // The timer makes the idle timeout run without traffic: without it, idle connections
+        // are only found expired when the pool is next used (after a burst, thousands of
+        // descriptors stayed open).
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(idle)
         .pool_max_idle_per_host(1024)
         .build(https))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// An idle connection is closed by the client's own timer, with no further traffic.
+    #[tokio::test]
+    async fn idle_connections_close_without_traffic() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cfg = PoolConfig::new("m", vec![]);
+        let client = build_client(&cfg, Duration::from_millis(200)).unwrap();
+        let server = tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let n = sock.read(&mut buf).await.unwrap();
+            assert!(buf[..n].starts_with(b"GET / HTTP/1.1"));
+            sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            // The next read ends when the client closes the idle connection.
+            let started = std::time::Instant::now();
+            let n = tokio::time::timeout(Duration::from_secs(10), sock.read(&mut buf))
+                .await
+                .expect("the idle connection was closed within 10 s")
+                .unwrap();
+            (n, started.elapsed())
+        });
+        let uri: hyper::Uri = format!("http://{addr}/").parse().unwrap();
+        let resp = client
+            .request(
+                http::Request::get(uri)
+                    .body(Full::new(Bytes::new()))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(&body[..], b"ok");
+        let (n, after) = server.await.unwrap();
+        assert_eq!(n, 0, "closed, not reused");
+        assert!(
+            after >= Duration::from_millis(150),
+            "closed after {after:?}"
+        );
+        drop(client);
+    }
 }
