@@ -148,10 +148,6 @@ impl StampedStream {
         Self { io, clock }
     }
 
-    pub fn get_ref(&self) -> &TcpStream {
-        &self.io
-    }
-
     pub fn clock(&self) -> &std::sync::Arc<RxClock> {
         &self.clock
     }

@@ -302,36 +302,15 @@ async fn backend_500_keeps_its_status_in_openai_shape() {
 /// A backend that answers every request with an HTML 502, as a load balancer does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn html_error_from_a_load_balancer_is_wrapped() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(async move {
-        loop {
-            let (stream, _) = listener.accept().await.unwrap();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(
-                    |req: http::Request<hyper::body::Incoming>| async move {
-                        let status = if req.uri().path() == "/health" {
-                            200
-                        } else {
-                            502
-                        };
-                        Ok::<_, std::convert::Infallible>(
-                        http::Response::builder()
-                            .status(status)
-                            .header("content-type", "text/html")
-                            .body(http_body_util::Full::new(Bytes::from_static(
-                                b"<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1></center></body></html>",
-                            )))
-                            .unwrap(),
-                    )
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
+    let (addr, server) = stub_backend(|path| match path {
+        "/health" => (200, "text/html", b""),
+        _ => (
+            502,
+            "text/html",
+            b"<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1></center></body></html>",
+        ),
+    })
+    .await;
     let gw = gateway(vec![pool("qwen32b", &[format!("http://{addr}")])]).await;
     let m = post(
         &gw.url("/v1/chat/completions"),

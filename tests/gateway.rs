@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
+use fleetgate::bench::measure::hop_ms;
 use fleetgate::client::{self, chat_body, stream_text};
 use http_body_util::BodyExt;
 
@@ -195,14 +196,6 @@ async fn non_streaming_passes_through_with_server_timing() {
     assert!(m.headers.contains_key("x-request-id"));
 }
 
-/// The `hop;dur=<ms>` entry of a `Server-Timing` value.
-fn hop_ms(server_timing: &str) -> Option<f64> {
-    server_timing
-        .split(',')
-        .find_map(|e| e.trim().strip_prefix("hop;dur="))
-        .and_then(|d| d.parse().ok())
-}
-
 /// The hop cost (kernel stamps on both sockets) reaches the client: in `Server-Timing` for a
 /// non-streamed answer, as a trailer for a stream whose client sent `TE: trailers`, and not at
 /// all to one that did not. The backend's 30 ms before its first token is never in it.
@@ -219,7 +212,7 @@ async fn the_hop_cost_reaches_the_client() {
     .await;
     assert_eq!(m.status, 200);
     let st = m.headers["server-timing"].to_str().unwrap();
-    let hop = hop_ms(st).unwrap_or_else(|| panic!("hop in {st}"));
+    let hop = hop_ms(&m.headers, None).unwrap_or_else(|| panic!("hop in {st}"));
     assert!((0.0..30.0).contains(&hop), "{st}");
 
     let c = client::http_client();
@@ -235,7 +228,11 @@ async fn the_hop_cost_reaches_the_client() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["trailer"], "server-timing");
     let head_st = resp.headers()["server-timing"].to_str().unwrap().to_owned();
-    assert_eq!(hop_ms(&head_st), None, "not known yet: {head_st}");
+    assert_eq!(
+        hop_ms(resp.headers(), None),
+        None,
+        "not known yet: {head_st}"
+    );
     let collected = resp.into_body().collect().await.unwrap();
     let trailers = collected
         .trailers()
@@ -246,7 +243,8 @@ async fn the_hop_cost_reaches_the_client() {
     assert!(body.ends_with(b"data: [DONE]\n\n"));
     let st = trailers["server-timing"].to_str().unwrap();
     assert!(st.starts_with("gw;dur="), "{st}");
-    let hop = hop_ms(st).unwrap_or_else(|| panic!("hop in {st}"));
+    let hop =
+        hop_ms(&http::HeaderMap::new(), Some(&trailers)).unwrap_or_else(|| panic!("hop in {st}"));
     assert!((0.0..30.0).contains(&hop), "{st}");
 
     let resp = c.request(stream(false)).await.unwrap();
@@ -860,33 +858,11 @@ async fn tokenize_counts_as_a_request_but_not_as_inference() {
 /// A backend that is not vLLM and has no tokenizer route: the client is told so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_without_tokenization_says_so() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(async move {
-        loop {
-            let (stream, _) = listener.accept().await.unwrap();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(
-                    |req: http::Request<hyper::body::Incoming>| async move {
-                        let (status, body): (u16, &'static [u8]) = match req.uri().path() {
-                            "/health" => (200, b""),
-                            _ => (404, br#"{"detail":"Not Found"}"#),
-                        };
-                        Ok::<_, std::convert::Infallible>(
-                            http::Response::builder()
-                                .status(status)
-                                .header("content-type", "application/json")
-                                .body(http_body_util::Full::new(Bytes::from_static(body)))
-                                .unwrap(),
-                        )
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
+    let (addr, server) = stub_backend(|path| match path {
+        "/health" => (200, "application/json", b""),
+        _ => (404, "application/json", br#"{"detail":"Not Found"}"#),
+    })
+    .await;
     let gw = gateway(vec![pool("qwen32b", &[format!("http://{addr}")])]).await;
     let m = post(
         &gw.url("/tokenize"),

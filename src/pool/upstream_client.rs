@@ -35,11 +35,11 @@ pub struct UpstreamRx(pub Arc<RxClock>);
 pub struct StampingConnector(HttpConnector);
 
 type Connecting =
-    Pin<Box<dyn Future<Output = Result<TokioIo<UpstreamStream>, ConnectError>> + Send + 'static>>;
+    Pin<Box<dyn Future<Output = Result<TokioIo<StampedStream>, ConnectError>> + Send + 'static>>;
 type ConnectError = <HttpConnector as Service<Uri>>::Error;
 
 impl Service<Uri> for StampingConnector {
-    type Response = TokioIo<UpstreamStream>;
+    type Response = TokioIo<StampedStream>;
     type Error = ConnectError;
     type Future = Connecting;
 
@@ -54,53 +54,16 @@ impl Service<Uri> for StampingConnector {
             // Without the option the connection works as before; its answers carry no hop.
             let _ = rx_time::enable(&tcp);
             let clock = Arc::new(RxClock::new(Side::Upstream));
-            Ok(TokioIo::new(UpstreamStream(StampedStream::new(tcp, clock))))
+            Ok(TokioIo::new(StampedStream::new(tcp, clock)))
         })
     }
 }
 
-/// An upstream TCP connection with its receive stamps.
-pub struct UpstreamStream(StampedStream);
-
-impl Connection for UpstreamStream {
+/// An answer's connection tells the client its receive stamps (`UpstreamRx` in the answer's
+/// extensions).
+impl Connection for StampedStream {
     fn connected(&self) -> Connected {
-        Connected::new().extra(UpstreamRx(self.0.clock().clone()))
-    }
-}
-
-impl tokio::io::AsyncRead for UpstreamStream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
-    }
-}
-
-impl tokio::io::AsyncWrite for UpstreamStream {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
-    }
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.0.is_write_vectored()
-    }
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_flush(cx)
-    }
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+        Connected::new().extra(UpstreamRx(self.clock().clone()))
     }
 }
 

@@ -430,10 +430,7 @@ fn server_timing(record: &RequestRecord, head_at: Instant, sse: bool) -> Option<
             n,
             head_at.saturating_duration_since(t.upstream_sent()?),
         );
-        if let Some(hop) = t.hop() {
-            n = put(&mut buf, n, b", hop;dur=");
-            n = put_ms(&mut buf, n, hop);
-        }
+        n = put_hop(&mut buf, n, t);
     }
     HeaderValue::from_bytes(&buf[..n]).ok()
 }
@@ -444,16 +441,24 @@ pub fn stream_timing(record: &RequestRecord) -> Option<HeaderMap> {
     let mut buf = [0u8; 64];
     let mut n = put(&mut buf, 0, b"gw;dur=");
     n = put_ms(&mut buf, n, t.overhead_total()?);
-    if let Some(hop) = t.hop() {
-        n = put(&mut buf, n, b", hop;dur=");
-        n = put_ms(&mut buf, n, hop);
-    }
+    n = put_hop(&mut buf, n, t);
     let mut h = HeaderMap::with_capacity(1);
     h.insert(
         SERVER_TIMING.clone(),
         HeaderValue::from_bytes(&buf[..n]).ok()?,
     );
     Some(h)
+}
+
+/// `, hop;dur=<ms>` when the Timeline has the hop cost.
+fn put_hop(buf: &mut [u8], at: usize, t: &crate::telemetry::Timeline) -> usize {
+    match t.hop() {
+        Some(hop) => {
+            let n = put(buf, at, b", hop;dur=");
+            put_ms(buf, n, hop)
+        }
+        None => at,
+    }
 }
 
 fn put(buf: &mut [u8], at: usize, s: &[u8]) -> usize {

@@ -562,3 +562,36 @@ pub async fn admin_backends(gw: &Gateway, field: &str) -> Vec<String> {
         .map(|b| b[field].as_str().unwrap().to_owned())
         .collect()
 }
+
+/// A backend that is not the sim (a load balancer's error page, a server without vLLM's
+/// routes): every request is answered by `answer(path)` = (status, content type, body).
+/// Returns its address and its task (abort it when done).
+pub async fn stub_backend(
+    answer: fn(&str) -> (u16, &'static str, &'static [u8]),
+) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    move |req: http::Request<hyper::body::Incoming>| async move {
+                        let (status, content_type, body) = answer(req.uri().path());
+                        Ok::<_, std::convert::Infallible>(
+                            http::Response::builder()
+                                .status(status)
+                                .header("content-type", content_type)
+                                .body(http_body_util::Full::new(Bytes::from_static(body)))
+                                .unwrap(),
+                        )
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, server)
+}
