@@ -354,6 +354,20 @@ pub(super) struct RawServer {
     pub(super) workers: usize,
     #[serde(default)]
     pub(super) watch_config: bool,
+    #[serde(default)]
+    pub(super) max_connections: usize,
+    #[serde(default = "default_header_timeout")]
+    pub(super) header_timeout_seconds: f64,
+    #[serde(default = "default_keepalive_timeout")]
+    pub(super) keepalive_timeout_seconds: f64,
+}
+
+fn default_header_timeout() -> f64 {
+    10.0
+}
+
+fn default_keepalive_timeout() -> f64 {
+    60.0
 }
 
 impl Default for RawServer {
@@ -368,6 +382,9 @@ impl Default for RawServer {
             health_interval_ms: default_health_interval(),
             workers: 0,
             watch_config: false,
+            max_connections: 0,
+            header_timeout_seconds: default_header_timeout(),
+            keepalive_timeout_seconds: default_keepalive_timeout(),
         }
     }
 }

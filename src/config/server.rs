@@ -35,6 +35,15 @@ pub struct ServerConfig {
     /// Re-read the config file when its content changes (checked every 2 s) and apply its
     /// `[[pools]]`, as SIGHUP does.
     pub watch_config: bool,
+    /// Client connections open at once on the API listener (0: derived from the descriptor
+    /// limit at start, see `server::conn_limit`).
+    pub max_connections: usize,
+    /// A new connection must deliver its first request head (TLS handshake included) within
+    /// this, or it is closed.
+    pub header_timeout: Duration,
+    /// An HTTP/1.1 connection idle between requests (or sending the next head) is closed after
+    /// this.
+    pub keepalive_timeout: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +64,9 @@ impl Default for ServerConfig {
             health_interval: Duration::from_secs(5),
             workers: 0,
             watch_config: false,
+            max_connections: 0,
+            header_timeout: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -78,6 +90,20 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
             "must be a number of seconds ≥ 0",
         ));
     }
+    for (field, v) in [
+        ("server.header_timeout_seconds", s.header_timeout_seconds),
+        (
+            "server.keepalive_timeout_seconds",
+            s.keepalive_timeout_seconds,
+        ),
+    ] {
+        if !(v.is_finite() && v > 0.0 && v <= 3600.0) {
+            return Err(err.at(
+                field,
+                "must be a number of seconds > 0 and ≤ 3600 (a connection that sends nothing is closed after it)",
+            ));
+        }
+    }
     if s.health_interval_ms == 0 {
         return Err(err.at("server.health_interval_ms", "must be > 0"));
     }
@@ -95,5 +121,8 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
         health_interval: Duration::from_millis(s.health_interval_ms),
         workers: s.workers,
         watch_config: s.watch_config,
+        max_connections: s.max_connections,
+        header_timeout: Duration::from_secs_f64(s.header_timeout_seconds),
+        keepalive_timeout: Duration::from_secs_f64(s.keepalive_timeout_seconds),
     })
 }

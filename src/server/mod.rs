@@ -8,12 +8,14 @@
 //! 3. the `RequestRecord` created here travels with the response body and records the
 //!    request when dropped, whatever ended it.
 
+pub mod conn_limit;
 pub mod reload;
 pub mod tls;
 
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use http::header::{self, HeaderValue};
@@ -42,6 +44,7 @@ use crate::rx_time::{self, RxClock, Side, StampedStream};
 use crate::store::{KeyStore, StoreError};
 use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::{Recorder, RequestRecord};
+use conn_limit::{AcceptBackoff, ConnLimit, ConnPermit};
 
 /// Everything the request path reads, built once at start.
 #[derive(Debug)]
@@ -72,6 +75,9 @@ pub enum StartError {
     #[error("admin API: {0}")]
     Admin(#[from] crate::admin::jwt::KeyConfigError),
 }
+
+/// Client connections open at once on the admin listener.
+const ADMIN_MAX_CONNECTIONS: usize = 256;
 
 static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
 
@@ -285,6 +291,23 @@ impl Server {
             None => None,
         };
         let admin_listener = bind_admin(config).await?;
+        let conn_metrics = conn_limit::ConnMetrics::new(&registry)?;
+        let descriptors = conn_limit::raise_descriptor_limit();
+        let max_connections = match config.server.max_connections {
+            0 => conn_limit::derived_max_connections(descriptors),
+            n => n,
+        };
+        tracing::info!(
+            max_connections,
+            descriptor_limit = descriptors,
+            "client connections capped (server.max_connections)"
+        );
+        let api_limit = ConnLimit::new(
+            "api",
+            max_connections,
+            config.server.header_timeout,
+            Some(conn_metrics.clone()),
+        );
         let local_addr = listener.local_addr()?;
         let admin_addr = match &admin_listener {
             Some(l) => Some(l.local_addr()?),
@@ -309,11 +332,21 @@ impl Server {
                 fleet: fleet.clone(),
                 metrics: metrics.clone(),
             });
+            // The admin listener has its own places, so operators get in when the API
+            // listener is full.
+            let admin_limit = ConnLimit::new(
+                "admin",
+                ADMIN_MAX_CONNECTIONS,
+                config.server.header_timeout,
+                Some(conn_metrics),
+            );
             tasks.spawn(accept_loop(
                 admin_listener,
                 None,
                 shutdown.clone(),
                 grace,
+                admin_limit,
+                config.server.keepalive_timeout,
                 move |req, _peer, _arrival| crate::admin::handle(admin.clone(), req),
             ));
         }
@@ -331,7 +364,7 @@ impl Server {
                 queue_metrics: Some(crate::queue::QueueMetrics::new(&metrics.rejections)),
             })
         };
-        let worker_done = spawn_workers(listener, config, worker_state, tls, &shutdown)?;
+        let worker_done = spawn_workers(listener, config, worker_state, tls, api_limit, &shutdown)?;
         tasks.close();
         Ok(Server {
             local_addr,
@@ -426,8 +459,10 @@ fn spawn_workers(
     config: &Config,
     worker_state: impl Fn() -> Result<ProxyState, StartError>,
     tls: Option<TlsAcceptor>,
+    limit: Arc<ConnLimit>,
     shutdown: &CancellationToken,
 ) -> Result<Vec<tokio::sync::oneshot::Receiver<()>>, StartError> {
+    let keepalive = config.server.keepalive_timeout;
     let workers = match config.server.workers {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
@@ -451,6 +486,7 @@ fn spawn_workers(
         });
         let sock = std_listener.try_clone()?;
         let tls = tls.clone();
+        let limit = limit.clone();
         let stop = shutdown.clone();
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -462,9 +498,15 @@ fn spawn_workers(
                 runtime.block_on(async move {
                     match TcpListener::from_std(sock) {
                         Ok(listener) => {
-                            accept_loop(listener, tls, stop, grace, move |req, peer, arrival| {
-                                route(state.clone(), req, peer, arrival)
-                            })
+                            accept_loop(
+                                listener,
+                                tls,
+                                stop,
+                                grace,
+                                limit,
+                                keepalive,
+                                move |req, peer, arrival| route(state.clone(), req, peer, arrival),
+                            )
                             .await
                         }
                         Err(e) => tracing::error!(error = %e, "worker cannot use the listener"),
@@ -492,16 +534,20 @@ async fn accept_loop<H, F>(
     tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
     grace: Duration,
+    limit: Arc<ConnLimit>,
+    keepalive_timeout: Duration,
     handler: H,
 ) where
     H: Fn(Request<Incoming>, SocketAddr, Option<Instant>) -> F + Clone + Send + Sync + 'static,
     F: std::future::Future<Output = Response<GatewayBody>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Between requests on a kept-alive HTTP/1.1 connection, hyper's header timer runs from
+    // the end of the last response: it is the idle timeout as well.
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30))
+        .header_read_timeout(keepalive_timeout)
         .keep_alive(true);
     builder
         .http2()
@@ -512,71 +558,102 @@ async fn accept_loop<H, F>(
     // Connection tasks live in a set so that the ones still open after the grace period can be
     // aborted, and so none outlives the server.
     let mut conns = JoinSet::new();
+    let mut backoff = AcceptBackoff::default();
+    let mut place: Option<ConnPermit> = None;
     loop {
+        if place.is_none() {
+            place = limit.try_acquire();
+        }
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
+            // At the cap: stop accepting until a connection closes (new ones wait in the
+            // listen backlog).
+            p = limit.acquire(), if place.is_none() => {
+                place = p;
+                continue;
+            }
+            accepted = listener.accept(), if place.is_some() => match accepted {
+                Ok(a) => {
+                    backoff.reset();
+                    a
+                }
                 Err(e) => {
-                    // EMFILE and friends: back off briefly instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    limit.count("accept_error");
+                    let wait = backoff.on_error(&e, limit.listener());
+                    if !wait.is_zero() {
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = tokio::time::sleep(wait) => {}
+                        }
+                    }
                     continue;
                 }
             },
+        };
+        let Some(permit) = place.take() else {
+            continue;
         };
         let _ = stream.set_nodelay(true);
         let handler = handler.clone();
         // The kernel's arrival stamp of each request's first bytes (`rx_time`).
         let clock = Arc::new(RxClock::new(Side::Client));
         let stream = StampedStream::new(stream, clock.clone());
+        // Set when the connection's first request head has arrived: until then the
+        // connection lives only `limit.header_timeout`.
+        let started = Arc::new(AtomicBool::new(false));
+        let started_by_request = started.clone();
         let service = hyper::service::service_fn(move |req| {
+            started_by_request.store(true, Ordering::Relaxed);
             let fut = handler(req, peer, clock.take_arrival());
             async move { Ok::<_, std::convert::Infallible>(fut.await) }
         });
-        match &tls {
-            None => {
-                let conn = builder
-                    .serve_connection(TokioIo::new(stream), service)
-                    .into_owned();
-                let conn = graceful.watch(conn);
-                conns.spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let acceptor = tls.clone();
+        let limit = limit.clone();
+        conns.spawn(async move {
+            let _permit = permit;
+            let deadline = tokio::time::sleep(limit.header_timeout);
+            let serve = async move {
+                let result = match acceptor {
+                    None => {
+                        let conn = builder
+                            .serve_connection(TokioIo::new(stream), service)
+                            .into_owned();
+                        watcher.watch(conn).await
                     }
-                });
-            }
-            Some(acceptor) => {
-                let acceptor = acceptor.clone();
-                let builder = builder.clone();
-                let watcher = graceful.watcher();
-                conns.spawn(async move {
-                    let tls_stream = match tokio::time::timeout(
-                        Duration::from_secs(10),
-                        acceptor.accept(stream),
-                    )
-                    .await
-                    {
-                        Ok(Ok(s)) => s,
-                        Ok(Err(e)) => {
-                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            tracing::debug!(%peer, "TLS handshake timed out");
-                            return;
-                        }
-                    };
-                    let conn = builder
-                        .serve_connection(TokioIo::new(tls_stream), service)
-                        .into_owned();
-                    if let Err(e) = watcher.watch(conn).await {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    Some(acceptor) => {
+                        let tls_stream = match acceptor.accept(stream).await {
+                            Ok(s) => s,
+                            Err(e) => {
+                                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                                return;
+                            }
+                        };
+                        let conn = builder
+                            .serve_connection(TokioIo::new(tls_stream), service)
+                            .into_owned();
+                        watcher.watch(conn).await
                     }
-                });
+                };
+                if let Err(e) = result {
+                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                }
+            };
+            tokio::pin!(serve);
+            tokio::select! {
+                () = &mut serve => {}
+                () = deadline => {
+                    if started.load(Ordering::Relaxed) {
+                        serve.await;
+                    } else {
+                        limit.count("header_timeout");
+                        tracing::debug!(%peer, "no request head in time; connection closed");
+                    }
+                }
             }
-        }
+        });
     }
     drop(listener);
     tracing::info!(

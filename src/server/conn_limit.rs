@@ -1,0 +1,297 @@
+//! Bounds on client connections, so that sockets cannot take the gateway offline:
+//!
+//! - a cap on open connections per listener (`server.max_connections`, by default derived from
+//!   the descriptor limit so that every client connection can still get an upstream connection
+//!   and the store, Redis and the probes keep their descriptors);
+//! - a deadline for a new connection to deliver its first request head (TLS handshake
+//!   included): a silent or trickling socket is closed;
+//! - a back-off when `accept` fails for want of descriptors or memory, instead of a spin.
+//!
+//! At the cap the listener stops accepting: new connections wait in the kernel's listen backlog
+//! until one closes (the way nginx behaves at `worker_connections`), and one warning says so.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Descriptors kept out of the client-connection budget: listeners, the key store and request
+/// log pools, Redis, probes, discovery, log files.
+const RESERVED_DESCRIPTORS: u64 = 128;
+/// Never derive a cap below this, even under a tiny descriptor limit.
+const MIN_DERIVED: usize = 16;
+
+/// Raise the soft descriptor limit to the hard one (what nginx's `worker_rlimit_nofile` and
+/// most servers do) and return the soft limit now in force, if it can be read.
+pub fn raise_descriptor_limit() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        use nix::sys::resource::{Resource, getrlimit, setrlimit};
+        let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).ok()?;
+        if soft < hard {
+            match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                Ok(()) => return Some(hard),
+                Err(e) => {
+                    tracing::debug!(error = %e, soft, hard, "cannot raise the descriptor limit")
+                }
+            }
+        }
+        Some(soft)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
+/// The cap used when `server.max_connections` is 0: half of what the descriptor limit leaves
+/// after the reserve, since a proxied request holds a client and an upstream connection.
+pub fn derived_max_connections(descriptor_limit: Option<u64>) -> usize {
+    match descriptor_limit {
+        Some(n) => {
+            let per_pair = n.saturating_sub(RESERVED_DESCRIPTORS) / 2;
+            usize::try_from(per_pair)
+                .unwrap_or(usize::MAX)
+                .clamp(MIN_DERIVED, 1 << 20)
+        }
+        None => 4096,
+    }
+}
+
+/// Metrics of the client listeners, labelled by listener (`api`, `admin`).
+#[derive(Clone, Debug)]
+pub struct ConnMetrics {
+    open: IntGaugeVec,
+    events: IntCounterVec,
+}
+
+impl ConnMetrics {
+    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let open = IntGaugeVec::new(
+            Opts::new(
+                "fleetgate_client_connections",
+                "Client connections open now, per listener.",
+            ),
+            &["listener"],
+        )?;
+        let events = IntCounterVec::new(
+            Opts::new(
+                "fleetgate_client_connection_events_total",
+                "Client connections closed or held back by the gateway's own bounds: \
+                 header_timeout (no complete request head in time), limit_reached (the \
+                 listener stopped accepting at server.max_connections), accept_error \
+                 (accept failed, e.g. out of descriptors).",
+            ),
+            &["listener", "event"],
+        )?;
+        registry.register(Box::new(open.clone()))?;
+        registry.register(Box::new(events.clone()))?;
+        Ok(Self { open, events })
+    }
+}
+
+/// One listener's bounds, shared by the workers accepting on it.
+#[derive(Debug)]
+pub struct ConnLimit {
+    listener: &'static str,
+    max: usize,
+    permits: Arc<Semaphore>,
+    /// A new connection must deliver its first request head within this.
+    pub header_timeout: Duration,
+    /// When the last "limit reached" warning was logged (ms since `epoch`), to log once per
+    /// episode rather than once per refused accept.
+    last_warned_ms: AtomicU64,
+    epoch: Instant,
+    metrics: Option<ConnMetrics>,
+}
+
+/// A connection's place under the cap; dropping it frees the place.
+#[derive(Debug)]
+pub struct ConnPermit {
+    _permit: OwnedSemaphorePermit,
+    gauge: Option<prometheus::IntGauge>,
+}
+
+impl Drop for ConnPermit {
+    fn drop(&mut self) {
+        if let Some(g) = &self.gauge {
+            g.dec();
+        }
+    }
+}
+
+impl ConnLimit {
+    pub fn new(
+        listener: &'static str,
+        max: usize,
+        header_timeout: Duration,
+        metrics: Option<ConnMetrics>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            listener,
+            max,
+            permits: Arc::new(Semaphore::new(max.max(1))),
+            header_timeout,
+            last_warned_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            metrics,
+        })
+    }
+
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    pub fn listener(&self) -> &'static str {
+        self.listener
+    }
+
+    fn permit(&self, p: OwnedSemaphorePermit) -> ConnPermit {
+        let gauge = self
+            .metrics
+            .as_ref()
+            .map(|m| m.open.with_label_values(&[self.listener]));
+        if let Some(g) = &gauge {
+            g.inc();
+        }
+        ConnPermit { _permit: p, gauge }
+    }
+
+    /// A place for the next connection, at once if there is one.
+    pub fn try_acquire(&self) -> Option<ConnPermit> {
+        let p = self.permits.clone().try_acquire_owned().ok()?;
+        Some(self.permit(p))
+    }
+
+    /// Wait for a place; says once per episode (at most every 10 s) that the cap is reached.
+    pub async fn acquire(&self) -> Option<ConnPermit> {
+        self.count("limit_reached");
+        let now_ms = self.epoch.elapsed().as_millis() as u64 + 10_000;
+        let last = self.last_warned_ms.load(Ordering::Relaxed);
+        if now_ms.saturating_sub(last) >= 10_000
+            && self
+                .last_warned_ms
+                .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                listener = self.listener,
+                max_connections = self.max,
+                "connection limit reached: {} client connections are open (server.max_connections); \
+                 new connections wait in the listen backlog until one closes",
+                self.max
+            );
+        }
+        // `None` only if the semaphore were closed, which nothing does.
+        let p = self.permits.clone().acquire_owned().await.ok()?;
+        Some(self.permit(p))
+    }
+
+    pub fn count(&self, event: &str) {
+        if let Some(m) = &self.metrics {
+            m.events.with_label_values(&[self.listener, event]).inc();
+        }
+    }
+}
+
+/// Back-off for failed accepts: out of descriptors or memory, retrying at once only spins.
+#[derive(Debug, Default)]
+pub struct AcceptBackoff {
+    delay: Duration,
+    failures: u64,
+    last_log: Option<Instant>,
+}
+
+impl AcceptBackoff {
+    const FIRST: Duration = Duration::from_millis(10);
+    const MAX: Duration = Duration::from_secs(1);
+
+    /// An accept succeeded: the next failure starts from the shortest delay again.
+    pub fn reset(&mut self) {
+        self.delay = Duration::ZERO;
+    }
+
+    /// How long to wait after `e` before accepting again (zero for errors that concern only
+    /// the one connection, such as a peer that reset before it was accepted). Logs at most
+    /// every 5 s, with the number of failures since the last line.
+    pub fn on_error(&mut self, e: &io::Error, listener: &str) -> Duration {
+        let resource = matches!(
+            e.raw_os_error(),
+            Some(code) if code == libc_codes::EMFILE
+                || code == libc_codes::ENFILE
+                || code == libc_codes::ENOBUFS
+                || code == libc_codes::ENOMEM
+        );
+        self.failures += 1;
+        let now = Instant::now();
+        if self
+            .last_log
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(5))
+        {
+            tracing::warn!(
+                listener,
+                error = %e,
+                failures = self.failures,
+                "accept failed{}",
+                if resource {
+                    "; backing off (raise the descriptor limit or lower server.max_connections)"
+                } else {
+                    ""
+                }
+            );
+            self.last_log = Some(now);
+            self.failures = 0;
+        }
+        if !resource {
+            return Duration::ZERO;
+        }
+        self.delay = if self.delay.is_zero() {
+            Self::FIRST
+        } else {
+            (self.delay * 2).min(Self::MAX)
+        };
+        self.delay
+    }
+}
+
+/// The errno values the back-off looks at.
+#[cfg(target_os = "linux")]
+mod libc_codes {
+    pub use nix::libc::{EMFILE, ENFILE, ENOBUFS, ENOMEM};
+}
+#[cfg(not(target_os = "linux"))]
+mod libc_codes {
+    pub const ENOMEM: i32 = 12;
+    pub const ENFILE: i32 = 23;
+    pub const EMFILE: i32 = 24;
+    pub const ENOBUFS: i32 = 55;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_derived_cap_leaves_a_reserve_and_a_descriptor_per_upstream() {
+        assert_eq!(derived_max_connections(Some(1024)), 448);
+        assert_eq!(derived_max_connections(Some(65_536)), 32_704);
+        assert_eq!(derived_max_connections(Some(100)), MIN_DERIVED);
+    }
+
+    #[test]
+    fn descriptor_exhaustion_backs_off_exponentially_up_to_a_second() {
+        let mut b = AcceptBackoff::default();
+        let emfile = io::Error::from_raw_os_error(libc_codes::EMFILE);
+        let waits: Vec<_> = (0..10).map(|_| b.on_error(&emfile, "api")).collect();
+        assert_eq!(waits[0], Duration::from_millis(10));
+        assert_eq!(waits[1], Duration::from_millis(20));
+        assert_eq!(waits[9], Duration::from_secs(1));
+        b.reset();
+        assert_eq!(b.on_error(&emfile, "api"), Duration::from_millis(10));
+        let aborted = io::Error::from(io::ErrorKind::ConnectionAborted);
+        assert_eq!(b.on_error(&aborted, "api"), Duration::ZERO);
+    }
+}

@@ -1,0 +1,170 @@
+//! Client connections cannot take the gateway offline: silent and trickling sockets are closed
+//! after the header timeout, idle kept-alive ones after the keep-alive timeout, and at
+//! `server.max_connections` the listener stops accepting until a place frees (raw TCP against a
+//! real gateway on 127.0.0.1:0).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test: a failure here is a test failure"
+)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Generous: the behaviour is "closed at all", the timeouts under test are 0.5 s.
+const CLOSED_WITHIN: Duration = Duration::from_secs(8);
+
+/// Reads until the server closes; `None` if it is still open after `limit`.
+async fn closed_by_server(s: &mut TcpStream, limit: Duration) -> Option<Vec<u8>> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let end = Instant::now() + limit;
+    loop {
+        let left = end.checked_duration_since(Instant::now())?;
+        match tokio::time::timeout(left, s.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(got),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+async fn short_timeouts(max_connections: usize) -> (Gateway, sim::SimServer) {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.server.max_connections = max_connections;
+        c.server.header_timeout = Duration::from_millis(500);
+        c.server.keepalive_timeout = Duration::from_millis(500);
+    })
+    .await;
+    (gw, sim)
+}
+
+fn metric(gw: &Gateway, event: &str) -> f64 {
+    let text = metrics_text(gw);
+    let prefix =
+        format!("fleetgate_client_connection_events_total{{event=\"{event}\",listener=\"api\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+use fleetgate::sim;
+
+#[tokio::test]
+async fn silent_connections_are_closed_and_the_cap_lets_the_next_client_in() {
+    let (gw, _sim) = short_timeouts(3).await;
+    let addr = gw.server.local_addr;
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    // A fourth client: at the cap the gateway does not accept it yet; it is served once a
+    // silent one has been closed.
+    let mut next = TcpStream::connect(addr).await.unwrap();
+    next.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    for s in &mut silent {
+        let got = closed_by_server(s, CLOSED_WITHIN).await;
+        assert_eq!(
+            got.as_deref(),
+            Some(&b""[..]),
+            "a connection that sends nothing is closed, without an answer"
+        );
+    }
+    let answer = closed_by_server(&mut next, CLOSED_WITHIN)
+        .await
+        .expect("the client waiting at the cap is served");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        metric(&gw, "header_timeout") >= 3.0,
+        "{}",
+        metrics_text(&gw)
+    );
+    assert!(metric(&gw, "limit_reached") >= 1.0, "{}", metrics_text(&gw));
+    // And the gateway serves as before.
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        fleetgate::client::chat_body("qwen32b", "hi", 4, true),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+}
+
+#[tokio::test]
+async fn a_head_sent_a_byte_at_a_time_is_cut_at_the_header_timeout() {
+    let (gw, _sim) = short_timeouts(0).await;
+    let mut s = TcpStream::connect(gw.server.local_addr).await.unwrap();
+    let started = Instant::now();
+    let head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let mut cut = false;
+    for b in head {
+        if s.write_all(&[*b]).await.is_err() {
+            cut = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if started.elapsed() > CLOSED_WITHIN {
+            break;
+        }
+    }
+    if !cut {
+        // The writes may still succeed into a closed socket's buffer; the read tells.
+        cut = closed_by_server(&mut s, Duration::from_millis(500))
+            .await
+            .is_some();
+    }
+    assert!(
+        cut,
+        "a trickled head is cut (it would take {} s to send)",
+        head.len() / 10
+    );
+    assert!(started.elapsed() < CLOSED_WITHIN);
+}
+
+#[tokio::test]
+async fn an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout() {
+    let (gw, _sim) = short_timeouts(0).await;
+    let mut s = TcpStream::connect(gw.server.local_addr).await.unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let got = closed_by_server(&mut s, CLOSED_WITHIN)
+        .await
+        .expect("the idle connection is closed after its answer");
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+}
+
+#[tokio::test]
+async fn a_stream_longer_than_the_header_timeout_is_not_cut() {
+    let sim = sim(|a| a.decode_step_ms = 30.0).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.server.header_timeout = Duration::from_millis(300);
+        c.server.keepalive_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let started = Instant::now();
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        fleetgate::client::chat_body("qwen32b", "hi", 40, true),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+    assert!(
+        started.elapsed() > Duration::from_millis(600),
+        "the stream outlived both timeouts"
+    );
+    let body = String::from_utf8_lossy(m.body.as_deref().unwrap());
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+}
