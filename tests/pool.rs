@@ -137,6 +137,66 @@ async fn a_refused_connection_is_retried_on_another_backend() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_refused_connection_waits_for_a_slot_when_the_others_are_full() {
+    let live = sim(|_| {}).await;
+    let doomed = sim(|_| {}).await;
+    let one_slot = |url: String| BackendConfig {
+        capacity: Some(1),
+        ..backend(url, 1)
+    };
+    let mut p = PoolConfig::new("qwen32b", vec![]);
+    p.backends = vec![one_slot(doomed.url()), one_slot(live.url())];
+    // Probed once at start (both up), then not again during the test: the gateway learns
+    // that `doomed` died only from the refused connection.
+    let gw = gateway_with(vec![p], |c| {
+        c.server.health_interval = Duration::from_secs(3600);
+    })
+    .await;
+    let pools = gw.server.pools();
+    let backends = &pools.get("qwen32b").unwrap().backends;
+    assert!(
+        eventually(Duration::from_secs(5), || backends
+            .iter()
+            .all(|b| b.state().as_str() == "healthy"))
+        .await
+    );
+    doomed.shutdown().await;
+    let url = gw.url("/v1/chat/completions");
+    // The live backend's one slot is taken for 0.3 s...
+    let pool = pools.get("qwen32b").unwrap();
+    let held = pool
+        .balancer
+        .try_acquire_excluding(fleetgate::pool::bit(0))
+        .expect("the live backend's slot");
+    assert_eq!(held.backend().base.as_ref(), live.url().as_str());
+    let busy = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(held);
+    });
+    // ...so this request goes to the only free slot, on the dead backend: refused, it waits
+    // for the live one instead of failing.
+    let m = post(
+        &url,
+        &[("x-request-id", "after-refusal")],
+        chat("qwen32b", 2, true),
+    )
+    .await;
+    assert_eq!(m.status, 200, "{:?}", m.body);
+    busy.await.unwrap();
+    let records = gw.records.lock().unwrap().clone();
+    let r = records
+        .iter()
+        .find(|r| r.request_id == "after-refusal")
+        .unwrap();
+    assert_eq!(r.retries, 1);
+    assert_eq!(r.backend.as_deref(), Some(live.url().as_str()));
+    assert!(
+        r.timeline.queue_wait() > Duration::ZERO,
+        "the wait for the slot is queue wait"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_backend_is_ejected() {
     let good = sim(|_| {}).await;
     let bad = sim(|a| a.fail_rate = 1.0).await;

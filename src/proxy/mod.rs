@@ -314,6 +314,12 @@ async fn wait_and_send(
     ex: &mut Exchange,
 ) -> Result<Sent, ApiError> {
     let body_read = prepared.body_read;
+    let env = ex
+        .record
+        .key
+        .as_ref()
+        .map_or(Environment::Stress, |k| k.environment);
+    let max_wait = state.queue.max_wait[env.index()];
     let slot = match claim {
         // Tokenization never queues: it has no queue wait to record (not even a zero one).
         Claim::Now(slot) if !slot.is_counted() => slot,
@@ -322,12 +328,6 @@ async fn wait_and_send(
             slot
         }
         Claim::Wait(waiting) => {
-            let env = ex
-                .record
-                .key
-                .as_ref()
-                .map_or(Environment::Stress, |k| k.environment);
-            let max_wait = state.queue.max_wait[env.index()];
             let queued_at = Instant::now();
             let result = queue::wait(waiting, max_wait, &asker(state, pool, &ex.record)).await;
             ex.record
@@ -336,10 +336,14 @@ async fn wait_and_send(
             result.map_err(|e| queue_error(e, pool))?
         }
     };
-    upstream::send_with_retries(pool, slot, prepared, ex).await
+    let requeue = upstream::Requeue {
+        max_wait,
+        metrics: state.queue_metrics.as_ref(),
+    };
+    upstream::send_with_retries(pool, slot, prepared, ex, requeue).await
 }
 
-fn queue_error(e: QueueError, pool: &Pool) -> ApiError {
+pub(super) fn queue_error(e: QueueError, pool: &Pool) -> ApiError {
     match e {
         QueueError::NoUsableBackend => no_backend(pool),
         QueueError::Refused(r) => ApiError::QueueRefused(r),

@@ -148,6 +148,7 @@ pub async fn send_with_retries(
     mut slot: InFlight,
     prepared: Prepared,
     ex: &mut Exchange,
+    requeue: Requeue<'_>,
 ) -> Result<Sent, ApiError> {
     // Retries draw from the generation the slot came from (a queued request may have been
     // handed a slot by a newer one), so the exclusion bits name the same backends.
@@ -195,12 +196,23 @@ pub async fn send_with_retries(
         } else {
             balancer.pick_uncounted(tried)
         };
-        let Some(next) = next else {
+        if next.is_none() && !counted {
             return result;
-        };
+        }
         if !balancer.retry_budget.try_spend() {
             return result;
         }
+        let next = match next {
+            Some(next) => next,
+            // Every other backend is at capacity: the retry waits for a slot in the pool's
+            // queue, as a new request would, rather than failing a request that a free slot
+            // a moment later would serve.
+            None if counted => match requeue.wait(pool, balancer, tried, ex).await {
+                Ok(next) => next,
+                Err(e) => return Err(super::queue_error(e, pool)),
+            },
+            None => return result,
+        };
         tracing::debug!(request_id = ?ex.record.request_id, from = ?ex.record.backend, to = %next.backend().base, "retrying on another backend");
         // The failed attempt's stamps are forgotten: the Timeline describes the one that
         // answers.
@@ -209,6 +221,44 @@ pub async fn send_with_retries(
         ex.record.retries = ex.record.retries.saturating_add(1);
         slot = next;
         attempt += 1;
+    }
+}
+
+/// What a retry needs to wait in the pool's queue: the key's environment's longest wait.
+pub struct Requeue<'a> {
+    pub max_wait: Duration,
+    pub metrics: Option<&'a crate::queue::QueueMetrics>,
+}
+
+impl Requeue<'_> {
+    /// A slot on a backend not yet `tried` when one is free, else the next one the queue
+    /// hands out; the wait joins the Timeline's queue wait.
+    async fn wait(
+        &self,
+        pool: &Pool,
+        balancer: &Arc<crate::pool::Balancer>,
+        tried: u64,
+        ex: &mut Exchange,
+    ) -> Result<InFlight, crate::queue::QueueError> {
+        use crate::queue::{self, Asker, Claim};
+        let key = ex.record.key.clone();
+        let asker = Asker {
+            key: key.as_deref(),
+            model: &pool.model,
+            metrics: self.metrics,
+        };
+        let started = Instant::now();
+        let claimed = queue::claim(balancer, || balancer.try_acquire_excluding(tried), &asker)?;
+        let slot = match claimed {
+            Claim::Now(slot) => slot,
+            Claim::Wait(waiting) => queue::wait(waiting, self.max_wait, &asker).await?,
+        };
+        let waited = started.elapsed();
+        let timeline = &mut ex.record.timeline;
+        if let Some(admitted) = timeline.admitted() {
+            timeline.stamp_admitted(admitted + waited);
+        }
+        Ok(slot)
     }
 }
 
