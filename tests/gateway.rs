@@ -515,6 +515,67 @@ async fn graceful_shutdown_lets_streams_finish() {
     );
 }
 
+/// Streams still open when the grace period ends are not cut silently: a relayed stream, a
+/// stream waiting in the queue (answered with `: queued` comments) and a request waiting for
+/// its backend's head each get an error the client can read (`gateway_shutdown`, then
+/// `[DONE]` and a clean end of the chunked body for the streams), and are recorded as
+/// `shutdown`, not as a client that left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_open_when_the_grace_period_ends_get_an_error_event_and_done() {
+    let sim = sim(|a| a.decode_step_ms = 50.0).await;
+    let mut p = pool("qwen32b", &[sim.url()]);
+    p.backends[0].capacity = Some(1);
+    let gw = gateway_with(vec![p], |c| {
+        c.server.shutdown_grace = Duration::from_millis(300);
+        c.queue.keepalive_interval = Some(Duration::from_millis(100));
+    })
+    .await;
+    let uri = gw.url("/v1/chat/completions");
+    let relayed = {
+        let uri = uri.clone();
+        tokio::spawn(
+            async move { post(&uri, &[("x-request-id", "relayed")], stream_body(200)).await },
+        )
+    };
+    let stats = sim.stats().clone();
+    assert!(
+        eventually(Duration::from_secs(5), || stats
+            .running
+            .load(Ordering::SeqCst)
+            == 1)
+        .await
+    );
+    let queued = {
+        let uri = uri.clone();
+        tokio::spawn(async move { post(&uri, &[("x-request-id", "queued")], stream_body(5)).await })
+    };
+    let pools = gw.server.pools();
+    let queue = pools.get("qwen32b").unwrap().balancer.queue.clone();
+    assert!(eventually(Duration::from_secs(5), || queue.has_waiters()).await);
+    let records = gw.records.clone();
+    gw.server.shutdown().await;
+    for (name, task) in [("relayed", relayed), ("queued", queued)] {
+        let m = task.await.unwrap();
+        assert_eq!(m.status, 200, "{name}");
+        assert!(
+            m.body_error.is_none(),
+            "{name}: the body ended cleanly: {:?}",
+            m.body_error
+        );
+        let body = String::from_utf8_lossy(m.body.as_deref().unwrap()).into_owned();
+        assert!(
+            body.contains("\"code\":\"gateway_shutdown\""),
+            "{name}: an error event says why: {body}"
+        );
+        assert!(body.trim_end().ends_with("data: [DONE]"), "{name}: {body}");
+    }
+    let seen = records.lock().unwrap().clone();
+    for id in ["relayed", "queued"] {
+        let r = seen.iter().find(|r| r.request_id == id).unwrap();
+        assert_eq!(r.error, Some("shutdown"), "{id}");
+    }
+}
+
 fn tempdir() -> std::path::PathBuf {
     use std::hash::{BuildHasher, RandomState};
     let suffix = RandomState::new().hash_one(std::time::SystemTime::now());

@@ -29,11 +29,12 @@ pub enum ErrorKind {
     RateLimited,
     QueueFull,
     QueueTimeout,
+    Shutdown,
     Internal,
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 21] = [
+    pub const ALL: [ErrorKind; 22] = [
         ErrorKind::RouteNotFound,
         ErrorKind::MethodNotAllowed,
         ErrorKind::UnsupportedMediaType,
@@ -54,6 +55,7 @@ impl ErrorKind {
         ErrorKind::RateLimited,
         ErrorKind::QueueFull,
         ErrorKind::QueueTimeout,
+        ErrorKind::Shutdown,
         ErrorKind::Internal,
     ];
 
@@ -78,9 +80,11 @@ impl ErrorKind {
             ErrorKind::Unauthenticated => StatusCode::UNAUTHORIZED,
             ErrorKind::Forbidden => StatusCode::FORBIDDEN,
             ErrorKind::AuthThrottled | ErrorKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
-            ErrorKind::NoBackend | ErrorKind::QueueFull | ErrorKind::QueueTimeout => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            // The gateway stopping: the client should retry elsewhere or a moment later.
+            ErrorKind::NoBackend
+            | ErrorKind::QueueFull
+            | ErrorKind::QueueTimeout
+            | ErrorKind::Shutdown => StatusCode::SERVICE_UNAVAILABLE,
             // A backend's own error status is relayed as it is; the kind alone says 502.
             ErrorKind::BackendUnreachable
             | ErrorKind::UpstreamError
@@ -112,6 +116,7 @@ impl ErrorKind {
             ErrorKind::RateLimited => "rate_limited",
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::QueueTimeout => "queue_timeout",
+            ErrorKind::Shutdown => "shutdown",
             ErrorKind::Internal => "internal",
         }
     }

@@ -97,6 +97,9 @@ pub enum ApiError {
     UpstreamStreamCut { backend: String },
     #[error("backend {backend} failed mid-stream: {detail}")]
     UpstreamStreamFailed { backend: String, detail: String },
+    /// The gateway is stopping and its grace period ran out while this stream was open.
+    #[error("gateway shut down mid-stream")]
+    Shutdown { grace_ms: u128 },
     #[error("authentication: {}", .0.reason())]
     Auth(AuthFailure),
     #[error("limit: {}", .0.code())]
@@ -130,6 +133,7 @@ impl ApiError {
             ApiError::UpstreamStreamCut { .. } | ApiError::UpstreamStreamFailed { .. } => {
                 ErrorKind::UpstreamStreamError
             }
+            ApiError::Shutdown { .. } => ErrorKind::Shutdown,
             ApiError::Auth(f) => f.kind(),
             ApiError::Limited(r) => r.kind.error_kind(),
             ApiError::QueueRefused(r) => r.kind.error_kind(),
@@ -274,6 +278,14 @@ impl ApiError {
                 "upstream_error",
                 None,
                 "upstream_stream_error",
+            ),
+            ApiError::Shutdown { grace_ms } => (
+                format!(
+                    "The gateway is shutting down and its grace period of {grace_ms} ms ended before this response did; the response is incomplete. Retry the request (another replica, or this one once restarted, will take it)."
+                ),
+                "server_error",
+                None,
+                "gateway_shutdown",
             ),
             ApiError::Auth(f) => {
                 let (kind, code, message) = f.describe();

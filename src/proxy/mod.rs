@@ -59,6 +59,26 @@ pub struct ProxyState {
     pub limits: Arc<crate::limits::Limits>,
     pub queue: crate::config::QueueConfig,
     pub queue_metrics: Option<queue::QueueMetrics>,
+    /// Cancelled when the shutdown grace period has run out: what is still open ends now,
+    /// with an error the client can read (`ApiError::Shutdown`).
+    pub closing: Closing,
+}
+
+/// The end of the shutdown grace period, as the request path sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Closing {
+    /// This worker's own child of the server's token (its waiters never share a lock with
+    /// another worker's).
+    pub token: tokio_util::sync::CancellationToken,
+    pub grace: Duration,
+}
+
+impl Closing {
+    pub fn error(&self) -> ApiError {
+        ApiError::Shutdown {
+            grace_ms: self.grace.as_millis(),
+        }
+    }
 }
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -137,7 +157,14 @@ pub async fn forward(
         record,
     };
     ex.record.endpoint = Some(endpoint);
-    match phases(state, endpoint, req, &mut ex).await {
+    // A request still waiting for its backend's answer when the grace period ends is answered
+    // 503 `gateway_shutdown` rather than cut.
+    let phased = tokio::select! {
+        biased;
+        r = phases(state, endpoint, req, &mut ex) => r,
+        () = state.closing.token.cancelled() => Err(state.closing.error()),
+    };
+    match phased {
         Ok(Forwarded::Sent(sent)) => answer(state, sent, ex).await,
         Ok(Forwarded::Queued(queued)) => answer_queued(state, queued, ex),
         Err(err) => answer_error(&err, ex),
@@ -472,6 +499,7 @@ fn relay_body(
         itl,
         rx,
         timing_trailer,
+        closing: state.closing.clone(),
     };
     RelayBody::new(upstream, options, slot, ex, first)
 }
@@ -489,7 +517,11 @@ async fn continue_queued(
         generation,
     } = queued;
     let result = match generation.at(prepared.pool) {
-        Some(pool) => wait_and_send(&state, pool, Claim::Wait(waiting), prepared, &mut ex).await,
+        Some(pool) => tokio::select! {
+            biased;
+            r = wait_and_send(&state, pool, Claim::Wait(waiting), prepared, &mut ex) => r,
+            () = state.closing.token.cancelled() => Err(state.closing.error()),
+        },
         None => Err(ApiError::Internal),
     };
     match result {

@@ -13,6 +13,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::Exchange;
 use super::error::{ApiError, TimeoutKind};
@@ -115,6 +116,10 @@ pin_project! {
         itl: Option<prometheus::Histogram>,
         rx: Option<UpstreamRx>,
         timing_trailer: bool,
+        // The end of the shutdown grace period: the stream ends with an error event.
+        #[pin]
+        closing: WaitForCancellationFutureOwned,
+        grace: Duration,
         // Declared before `ex` so the slot is released before the request is recorded.
         slot: InFlight,
         ex: Exchange,
@@ -137,6 +142,7 @@ impl RelayBody {
             itl,
             rx,
             timing_trailer,
+            closing,
         } = options;
         let now = Instant::now();
         let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
@@ -181,6 +187,8 @@ impl RelayBody {
             itl,
             rx,
             timing_trailer,
+            closing: closing.token.cancelled_owned(),
+            grace: closing.grace,
             slot,
             ex,
         }
@@ -247,6 +255,8 @@ pub struct RelayOptions {
     pub rx: Option<UpstreamRx>,
     /// End a finished stream with a `Server-Timing` trailer (the client sent `TE: trailers`).
     pub timing_trailer: bool,
+    /// The end of the shutdown grace period.
+    pub closing: super::Closing,
 }
 
 /// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
@@ -549,6 +559,9 @@ impl RelayBody {
     /// Upstream is quiet: pending until the current timeout; when it fires, an error event
     /// for a stream, a timed-out I/O error otherwise.
     fn on_quiet(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<Out> {
+        if self.as_mut().project().closing.poll(cx).is_ready() {
+            return self.on_closing();
+        }
         if self.as_mut().project().timer.poll(cx).is_pending() {
             return Some(Poll::Pending);
         }
@@ -579,6 +592,25 @@ impl RelayBody {
             std::io::ErrorKind::TimedOut,
             err.message(),
         )))))
+    }
+
+    /// The shutdown grace period ended with the stream still open: a stream ends with an error
+    /// event and `[DONE]` (then the chunked terminator), a whole answer is cut; the record says
+    /// `shutdown`, not that the client left.
+    fn on_closing(self: Pin<&mut Self>) -> Option<Out> {
+        let this = self.project();
+        this.ex.record.error = Some(ErrorKind::Shutdown);
+        let err = ApiError::Shutdown {
+            grace_ms: this.grace.as_millis(),
+        };
+        if *this.sse {
+            let partial = this.scanner.has_partial_line();
+            *this.state = State::Closing(err.sse_event(partial));
+            return None;
+        }
+        *this.state = State::Ended;
+        this.ex.record.finish(Instant::now());
+        Some(Poll::Ready(Some(Err(std::io::Error::other(err.message())))))
     }
 
     /// Hand the gathered frames to the client connection, stamping the first token.

@@ -76,6 +76,16 @@ pub enum StartError {
     Admin(#[from] crate::admin::jwt::KeyConfigError),
 }
 
+/// How a listener stops: the grace period for in-flight requests, and the signal that ends
+/// the streams still open after it (the API listener's).
+struct Drain {
+    grace: Duration,
+    streams_end: Option<CancellationToken>,
+}
+
+/// After the grace period: how long the streams still open get to write their last events.
+const FINAL_WRITES: Duration = Duration::from_secs(1);
+
 /// Client connections open at once on the admin listener.
 const ADMIN_MAX_CONNECTIONS: usize = 256;
 
@@ -344,13 +354,19 @@ impl Server {
                 admin_listener,
                 None,
                 shutdown.clone(),
-                grace,
+                Drain {
+                    grace,
+                    streams_end: None,
+                },
                 admin_limit,
                 config.server.keepalive_timeout,
                 move |req, _peer, _arrival| crate::admin::handle(admin.clone(), req),
             ));
         }
         let is_tls = tls.is_some();
+        // Cancelled by the workers when the grace period runs out: the streams still open end
+        // with an error event.
+        let streams_end = CancellationToken::new();
         // Each worker's own state: its own copy of the pools (its own upstream clients), the
         // rest shared.
         let worker_state = || -> Result<ProxyState, StartError> {
@@ -362,9 +378,21 @@ impl Server {
                 limits: limits.clone(),
                 queue: config.queue.clone(),
                 queue_metrics: Some(crate::queue::QueueMetrics::new(&metrics.rejections)),
+                closing: proxy::Closing {
+                    token: streams_end.child_token(),
+                    grace,
+                },
             })
         };
-        let worker_done = spawn_workers(listener, config, worker_state, tls, api_limit, &shutdown)?;
+        let worker_done = spawn_workers(
+            listener,
+            config,
+            worker_state,
+            tls,
+            api_limit,
+            &shutdown,
+            &streams_end,
+        )?;
         tasks.close();
         Ok(Server {
             local_addr,
@@ -461,6 +489,7 @@ fn spawn_workers(
     tls: Option<TlsAcceptor>,
     limit: Arc<ConnLimit>,
     shutdown: &CancellationToken,
+    streams_end: &CancellationToken,
 ) -> Result<Vec<tokio::sync::oneshot::Receiver<()>>, StartError> {
     let keepalive = config.server.keepalive_timeout;
     let workers = match config.server.workers {
@@ -488,6 +517,7 @@ fn spawn_workers(
         let tls = tls.clone();
         let limit = limit.clone();
         let stop = shutdown.clone();
+        let streams_end = streams_end.clone();
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -502,7 +532,10 @@ fn spawn_workers(
                                 listener,
                                 tls,
                                 stop,
-                                grace,
+                                Drain {
+                                    grace,
+                                    streams_end: Some(streams_end),
+                                },
                                 limit,
                                 keepalive,
                                 move |req, peer, arrival| route(state.clone(), req, peer, arrival),
@@ -533,7 +566,7 @@ async fn accept_loop<H, F>(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
-    grace: Duration,
+    drain: Drain,
     limit: Arc<ConnLimit>,
     keepalive_timeout: Duration,
     handler: H,
@@ -656,16 +689,31 @@ async fn accept_loop<H, F>(
         });
     }
     drop(listener);
+    let grace = drain.grace;
     tracing::info!(
         grace_s = grace.as_secs_f64(),
         "stopped accepting; draining in-flight requests"
     );
-    match tokio::time::timeout(grace, graceful.shutdown()).await {
-        Ok(()) => tracing::info!("all connections drained"),
-        Err(_) => tracing::warn!(
+    let drained = graceful.shutdown();
+    tokio::pin!(drained);
+    if tokio::time::timeout(grace, &mut drained).await.is_ok() {
+        tracing::info!("all connections drained");
+    } else {
+        tracing::warn!(
             open = conns.len(),
-            "grace period over; closing the remaining connections"
-        ),
+            "grace period over; ending the remaining streams with a `gateway_shutdown` error"
+        );
+        // Each stream still open writes its error event, `[DONE]` and its chunked terminator
+        // (HTTP/1.1 connections then close); what has not finished in a moment is cut.
+        if let Some(end) = &drain.streams_end {
+            end.cancel();
+            if tokio::time::timeout(FINAL_WRITES, &mut drained)
+                .await
+                .is_err()
+            {
+                tracing::warn!(open = conns.len(), "closing the remaining connections");
+            }
+        }
     }
     conns.abort_all();
     while conns.join_next().await.is_some() {}
