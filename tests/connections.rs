@@ -168,3 +168,55 @@ async fn a_stream_longer_than_the_header_timeout_is_not_cut() {
     let body = String::from_utf8_lossy(m.body.as_deref().unwrap());
     assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
 }
+
+#[tokio::test]
+async fn a_body_trickled_past_the_body_timeout_gets_408() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.server.body_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let mut s = TcpStream::connect(gw.server.local_addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"model\":",
+        gw.key
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let got = closed_by_server(&mut s, CLOSED_WITHIN)
+        .await
+        .expect("answered and closed");
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(got.contains("\"code\":\"body_timeout\""), "{got}");
+    let seen = gw.records.lock().unwrap().clone();
+    assert_eq!(seen.last().unwrap().error, Some("body_timeout"));
+}
+
+#[tokio::test]
+async fn a_header_flood_is_refused_before_it_costs_anything() {
+    let (gw, _sim) = short_timeouts(0).await;
+    let mut s = TcpStream::connect(gw.server.local_addr).await.unwrap();
+    let mut req = String::from("GET /healthz HTTP/1.1\r\nHost: x\r\n");
+    for i in 0..2_000 {
+        req.push_str(&format!("X-Flood-{i}: {}\r\n", "v".repeat(64)));
+    }
+    req.push_str("\r\n");
+    // The server may stop reading once it has refused the head.
+    let _ = s.write_all(req.as_bytes()).await;
+    let got = closed_by_server(&mut s, CLOSED_WITHIN)
+        .await
+        .expect("refused and closed");
+    let got = String::from_utf8_lossy(&got);
+    assert!(
+        got.is_empty() || got.starts_with("HTTP/1.1 431"),
+        "a 2 000-line head is refused: {got}"
+    );
+    // The gateway serves as before.
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        fleetgate::client::chat_body("qwen32b", "hi", 4, true),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+}

@@ -360,6 +360,12 @@ pub(super) struct RawServer {
     pub(super) header_timeout_seconds: f64,
     #[serde(default = "default_keepalive_timeout")]
     pub(super) keepalive_timeout_seconds: f64,
+    #[serde(default = "default_body_timeout")]
+    pub(super) body_timeout_seconds: f64,
+}
+
+fn default_body_timeout() -> f64 {
+    30.0
 }
 
 fn default_header_timeout() -> f64 {
@@ -385,6 +391,7 @@ impl Default for RawServer {
             max_connections: 0,
             header_timeout_seconds: default_header_timeout(),
             keepalive_timeout_seconds: default_keepalive_timeout(),
+            body_timeout_seconds: default_body_timeout(),
         }
     }
 }

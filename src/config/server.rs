@@ -44,6 +44,8 @@ pub struct ServerConfig {
     /// An HTTP/1.1 connection idle between requests (or sending the next head) is closed after
     /// this.
     pub keepalive_timeout: Duration,
+    /// A request's whole body must arrive within this (408 `body_timeout`).
+    pub body_timeout: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +69,7 @@ impl Default for ServerConfig {
             max_connections: 0,
             header_timeout: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(60),
+            body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -96,6 +99,7 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
             "server.keepalive_timeout_seconds",
             s.keepalive_timeout_seconds,
         ),
+        ("server.body_timeout_seconds", s.body_timeout_seconds),
     ] {
         if !(v.is_finite() && v > 0.0 && v <= 3600.0) {
             return Err(err.at(
@@ -124,5 +128,6 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
         max_connections: s.max_connections,
         header_timeout: Duration::from_secs_f64(s.header_timeout_seconds),
         keepalive_timeout: Duration::from_secs_f64(s.keepalive_timeout_seconds),
+        body_timeout: Duration::from_secs_f64(s.body_timeout_seconds),
     })
 }

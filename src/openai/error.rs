@@ -14,6 +14,7 @@ pub enum ErrorKind {
     UnsupportedMediaType,
     BodyTooLarge,
     BodyRead,
+    BodyTimeout,
     InvalidJson,
     InvalidRequest,
     ModelNotFound,
@@ -34,12 +35,13 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 22] = [
+    pub const ALL: [ErrorKind; 23] = [
         ErrorKind::RouteNotFound,
         ErrorKind::MethodNotAllowed,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::BodyTooLarge,
         ErrorKind::BodyRead,
+        ErrorKind::BodyTimeout,
         ErrorKind::InvalidJson,
         ErrorKind::InvalidRequest,
         ErrorKind::ModelNotFound,
@@ -72,6 +74,7 @@ impl ErrorKind {
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::BodyRead | ErrorKind::InvalidJson | ErrorKind::InvalidRequest => {
                 StatusCode::BAD_REQUEST
             }
@@ -101,6 +104,7 @@ impl ErrorKind {
             ErrorKind::UnsupportedMediaType => "unsupported_media_type",
             ErrorKind::BodyTooLarge => "body_too_large",
             ErrorKind::BodyRead => "body_read",
+            ErrorKind::BodyTimeout => "body_timeout",
             ErrorKind::InvalidJson => "invalid_json",
             ErrorKind::InvalidRequest => "invalid_request",
             ErrorKind::ModelNotFound => "model_not_found",

@@ -1,6 +1,9 @@
 //! The body phase: a JSON body within the size limit, read whole (requests are small).
 
+use std::time::Duration;
+
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::HeaderMap;
 use http::header::{self, HeaderValue};
 use http_body_util::{BodyExt, Limited};
@@ -9,7 +12,14 @@ use hyper::body::Incoming;
 use super::error::ApiError;
 
 /// The request body, or why it is refused: not JSON, too large, or unreadable.
-pub async fn read(headers: &HeaderMap, body: Incoming, limit: usize) -> Result<Bytes, ApiError> {
+/// The whole body must arrive within `timeout` (a client trickling it cannot hold its
+/// connection); no timer is armed when it is already there.
+pub async fn read(
+    headers: &HeaderMap,
+    body: Incoming,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, ApiError> {
     if let Some(ct) = headers.get(header::CONTENT_TYPE)
         && !is_json_content_type(ct)
     {
@@ -23,7 +33,18 @@ pub async fn read(headers: &HeaderMap, body: Incoming, limit: usize) -> Result<B
     {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
+    let mut collect = std::pin::pin!(Limited::new(body, limit).collect());
+    let collected = match collect.as_mut().now_or_never() {
+        Some(done) => done,
+        None => {
+            tokio::time::timeout(timeout, collect)
+                .await
+                .map_err(|_| ApiError::BodyTimeout {
+                    after_ms: timeout.as_millis(),
+                })?
+        }
+    };
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             Err(ApiError::BodyTooLarge { limit })

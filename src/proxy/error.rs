@@ -74,6 +74,8 @@ pub enum ApiError {
     BodyTooLarge { limit: usize },
     #[error("could not read the request body: {0}")]
     BodyRead(String),
+    #[error("request body not received within {after_ms} ms")]
+    BodyTimeout { after_ms: u128 },
     /// The body is not the JSON the endpoint takes (the view's own error, kept whole).
     #[error("{0}")]
     View(ViewError),
@@ -123,6 +125,7 @@ impl ApiError {
             ApiError::UnsupportedMediaType { .. } => ErrorKind::UnsupportedMediaType,
             ApiError::BodyTooLarge { .. } => ErrorKind::BodyTooLarge,
             ApiError::BodyRead(_) => ErrorKind::BodyRead,
+            ApiError::BodyTimeout { .. } => ErrorKind::BodyTimeout,
             ApiError::View(ViewError::InvalidJson(_)) => ErrorKind::InvalidJson,
             ApiError::View(ViewError::InvalidRequest { .. }) => ErrorKind::InvalidRequest,
             ApiError::View(ViewError::Unlocatable) => ErrorKind::Internal,
@@ -205,6 +208,14 @@ impl ApiError {
                 "invalid_request_error",
                 None,
                 "request_too_large",
+            ),
+            ApiError::BodyTimeout { after_ms } => (
+                format!(
+                    "The request body did not arrive within {after_ms} ms (server.body_timeout_seconds): send the whole body at once, as the Content-Length says."
+                ),
+                "invalid_request_error",
+                None,
+                "body_timeout",
             ),
             ApiError::BodyRead(detail) => (
                 format!("The request body could not be read: {detail}."),

@@ -54,6 +54,8 @@ pub struct ProxyState {
     /// This worker's pools, swapped by a reload (`pool::fleet`).
     pub generation: crate::pool::fleet::CurrentGeneration,
     pub max_body_bytes: usize,
+    /// The whole request body must arrive within this.
+    pub body_timeout: Duration,
     pub recorder: Arc<crate::telemetry::Recorder>,
     pub auth: Arc<crate::auth::Authenticator>,
     pub limits: Arc<crate::limits::Limits>,
@@ -179,7 +181,13 @@ async fn phases(
     ex: &mut Exchange,
 ) -> Result<Forwarded, ApiError> {
     let (parts, body) = req.into_parts();
-    let body = body::read(&parts.headers, body, state.max_body_bytes).await?;
+    let body = body::read(
+        &parts.headers,
+        body,
+        state.max_body_bytes,
+        state.body_timeout,
+    )
+    .await?;
     let body_read = Instant::now();
     ex.record.timeline.stamp_body_read(body_read);
 

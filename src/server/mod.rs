@@ -373,6 +373,7 @@ impl Server {
             Ok(ProxyState {
                 generation: fleet.for_worker()?,
                 max_body_bytes: config.server.max_body_bytes,
+                body_timeout: config.server.body_timeout,
                 recorder: recorder.clone(),
                 auth: auth.clone(),
                 limits: limits.clone(),
