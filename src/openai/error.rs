@@ -13,6 +13,7 @@ pub enum ErrorKind {
     MethodNotAllowed,
     UnsupportedMediaType,
     BodyTooLarge,
+    HeadersTooLarge,
     BodyRead,
     InvalidJson,
     InvalidRequest,
@@ -33,11 +34,12 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 21] = [
+    pub const ALL: [ErrorKind; 22] = [
         ErrorKind::RouteNotFound,
         ErrorKind::MethodNotAllowed,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::BodyTooLarge,
+        ErrorKind::HeadersTooLarge,
         ErrorKind::BodyRead,
         ErrorKind::InvalidJson,
         ErrorKind::InvalidRequest,
@@ -70,6 +72,7 @@ impl ErrorKind {
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ErrorKind::BodyRead | ErrorKind::InvalidJson | ErrorKind::InvalidRequest => {
                 StatusCode::BAD_REQUEST
             }
@@ -96,6 +99,7 @@ impl ErrorKind {
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::UnsupportedMediaType => "unsupported_media_type",
             ErrorKind::BodyTooLarge => "body_too_large",
+            ErrorKind::HeadersTooLarge => "headers_too_large",
             ErrorKind::BodyRead => "body_read",
             ErrorKind::InvalidJson => "invalid_json",
             ErrorKind::InvalidRequest => "invalid_request",

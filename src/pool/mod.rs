@@ -155,6 +155,9 @@ pub struct Generation {
     pub model_list: String,
     /// The `/v1/models` body, built once.
     pub models_body: Bytes,
+    /// The largest part of a request head any backend decides (`Backend::head_bytes`): the
+    /// head limit is checked before routing, against every backend it could go to.
+    pub max_backend_head: usize,
 }
 
 impl Generation {
@@ -216,6 +219,11 @@ impl Generation {
             .collect::<Vec<_>>()
             .join(", ");
         let models_body = models_list_body(pools.iter());
+        let max_backend_head = pools
+            .iter()
+            .flat_map(|p| p.backends.iter().map(|b| b.head_bytes))
+            .max()
+            .unwrap_or(0);
         // Everything is built: kept backends take their new weights, capacities and labels.
         for p in &pools {
             for (b, c) in p.backends.iter().zip(&p.config.backends) {
@@ -228,6 +236,7 @@ impl Generation {
             by_model,
             model_list,
             models_body,
+            max_backend_head,
         })
     }
 
@@ -281,6 +290,7 @@ impl Generation {
             by_model: self.by_model.clone(),
             model_list: self.model_list.clone(),
             models_body: self.models_body.clone(),
+            max_backend_head: self.max_backend_head,
         })
     }
 

@@ -8,8 +8,25 @@ use hyper::body::Incoming;
 
 use super::error::ApiError;
 
-/// The request body, or why it is refused: not JSON, too large, or unreadable.
-pub async fn read(headers: &HeaderMap, body: Incoming, limit: usize) -> Result<Bytes, ApiError> {
+/// The length a request's `Content-Length` declares (read before the header is cleaned away
+/// for the backend, which gets the length of what is really sent).
+pub fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// The request body, or why it is refused: not JSON, too large (by `declared` length before
+/// reading, or while reading), or unreadable.
+pub async fn read(
+    headers: &HeaderMap,
+    declared: Option<u64>,
+    body: Incoming,
+    limit: usize,
+) -> Result<Bytes, ApiError> {
     if let Some(ct) = headers.get(header::CONTENT_TYPE)
         && !is_json_content_type(ct)
     {
@@ -17,10 +34,7 @@ pub async fn read(headers: &HeaderMap, body: Incoming, limit: usize) -> Result<B
             got: String::from_utf8_lossy(ct.as_bytes()).into_owned(),
         });
     }
-    if let Some(len) = headers.get(header::CONTENT_LENGTH)
-        && let Some(len) = len.to_str().ok().and_then(|s| s.parse::<u64>().ok())
-        && len > limit as u64
-    {
+    if declared.is_some_and(|len| len > limit as u64) {
         return Err(ApiError::BodyTooLarge { limit });
     }
     match Limited::new(body, limit).collect().await {

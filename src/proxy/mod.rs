@@ -1,7 +1,9 @@
 //! Forwarding of completion requests. `forward` runs the request path's phases in order, each
 //! a call into its own room, and answers with what they give:
 //!
-//! 1. body (`body`): JSON within the size limit, read whole;
+//! 1. body (`body`): the headers first cleaned for the backend and held to the head limits
+//!    (`upstream::outgoing`, `upstream::check_head`), then JSON within the size limit, read
+//!    whole;
 //! 2. view (`openai::view`): parsed once, the bytes kept;
 //! 3. route (`route`): model → pool, the key's rights, long-prompt pool, backend preferences;
 //! 4. limits (`limits`): the key's rates, token budget and concurrency, its environment's caps;
@@ -54,6 +56,8 @@ pub struct ProxyState {
     /// This worker's pools, swapped by a reload (`pool::fleet`).
     pub generation: crate::pool::fleet::CurrentGeneration,
     pub max_body_bytes: usize,
+    /// What a forwarded request's head may come to (`server.max_upstream_*`).
+    pub head_limits: upstream::HeadLimits,
     pub recorder: Arc<crate::telemetry::Recorder>,
     pub auth: Arc<crate::auth::Authenticator>,
     pub limits: Arc<crate::limits::Limits>,
@@ -152,7 +156,19 @@ async fn phases(
     ex: &mut Exchange,
 ) -> Result<Forwarded, ApiError> {
     let (parts, body) = req.into_parts();
-    let body = body::read(&parts.headers, body, state.max_body_bytes).await?;
+    // The head as a backend would get it, refused here when a backend would refuse it: before
+    // the body is read, and without a backend charged for the client's headers.
+    let declared = body::declared_length(&parts.headers);
+    let outgoing = upstream::outgoing(parts.headers);
+    let backend_part = state.generation.load().max_backend_head;
+    upstream::check_head(
+        &outgoing.headers,
+        &ex.record.request_id,
+        backend_part,
+        state.head_limits,
+    )
+    .map_err(ApiError::HeadersTooLarge)?;
+    let body = body::read(&outgoing.headers, declared, body, state.max_body_bytes).await?;
     let body_read = Instant::now();
     ex.record.timeline.stamp_body_read(body_read);
 
@@ -184,7 +200,7 @@ async fn phases(
     };
 
     let prepared = upstream::prepare(
-        parts.headers,
+        outgoing,
         &body,
         &view,
         &route,

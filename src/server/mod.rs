@@ -314,6 +314,7 @@ impl Server {
                 None,
                 shutdown.clone(),
                 grace,
+                config.server.max_request_head_bytes,
                 move |req, _peer, _arrival| crate::admin::handle(admin.clone(), req),
             ));
         }
@@ -324,6 +325,10 @@ impl Server {
             Ok(ProxyState {
                 generation: fleet.for_worker()?,
                 max_body_bytes: config.server.max_body_bytes,
+                head_limits: crate::proxy::upstream::HeadLimits {
+                    max_head: config.server.max_upstream_head_bytes,
+                    max_value: config.server.max_upstream_header_value_bytes,
+                },
                 recorder: recorder.clone(),
                 auth: auth.clone(),
                 limits: limits.clone(),
@@ -433,6 +438,7 @@ fn spawn_workers(
         n => n,
     };
     let grace = config.server.shutdown_grace;
+    let max_head = config.server.max_request_head_bytes;
     let std_listener = listener.into_std()?;
     // Accepted sockets inherit the option: each request's first bytes carry the kernel's
     // arrival stamp, the start of the hop cost.
@@ -462,9 +468,14 @@ fn spawn_workers(
                 runtime.block_on(async move {
                     match TcpListener::from_std(sock) {
                         Ok(listener) => {
-                            accept_loop(listener, tls, stop, grace, move |req, peer, arrival| {
-                                route(state.clone(), req, peer, arrival)
-                            })
+                            accept_loop(
+                                listener,
+                                tls,
+                                stop,
+                                grace,
+                                max_head,
+                                move |req, peer, arrival| route(state.clone(), req, peer, arrival),
+                            )
                             .await
                         }
                         Err(e) => tracing::error!(error = %e, "worker cannot use the listener"),
@@ -487,26 +498,36 @@ impl Drop for Server {
     }
 }
 
+/// Serve `listener` until `shutdown`. `max_head`: the largest request head read, the same for
+/// HTTP/1.1 and HTTP/2 (`server.max_request_head_bytes`).
 async fn accept_loop<H, F>(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
     grace: Duration,
+    max_head: usize,
     handler: H,
 ) where
     H: Fn(Request<Incoming>, SocketAddr, Option<Instant>) -> F + Clone + Send + Sync + 'static,
     F: std::future::Future<Output = Response<GatewayBody>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // One head limit for both protocols, above what is forwarded (`proxy::upstream::check_head`
+    // answers a head the backends would refuse with its own 431): HTTP/1.1 reads the head into
+    // a buffer of at most `max_buf_size` (hyper's default ~400 KiB, at most 100 fields), HTTP/2
+    // announces `SETTINGS_MAX_HEADER_LIST_SIZE` (h2's default 16 KiB). Beyond it, hyper and h2
+    // answer a bare 431 themselves.
     builder
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30))
+        .max_buf_size(max_head)
         .keep_alive(true);
     builder
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(1024)
+        .max_header_list_size(u32::try_from(max_head).unwrap_or(u32::MAX))
         .keep_alive_interval(Some(Duration::from_secs(30)));
     let graceful = GracefulShutdown::new();
     // Connection tasks live in a set so that the ones still open after the grace period can be
