@@ -413,3 +413,86 @@ async fn headers_the_backends_would_refuse_get_431() {
         "{records:?}"
     );
 }
+
+/// The models a `model_not_found` offers a key are exactly the ones `GET /v1/models` shows it:
+/// never a pool its environment may not use, or a model it is not allowed; aliases included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_not_found_offers_what_models_shows_the_key() {
+    let sim = sim(|_| {}).await;
+    let mut open = pool("qwen32b", &[sim.url()]);
+    open.aliases = vec!["qwen".into()];
+    let mut prod_only = pool("llama70b", &[sim.url()]);
+    prod_only.environments = Some(vec![fleetgate::key::Environment::Prod]);
+    let other = pool("mistral", &[sim.url()]);
+    let gw = gateway(vec![open, prod_only, other]).await;
+    let (limited, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+        k.allowed_models = Some(vec!["llama70b".into()]);
+    })
+    .await;
+    let c = client::http_client();
+    let models = |key: String| {
+        let req = http::Request::get(gw.url("/v1/models"))
+            .header("authorization", format!("Bearer {key}"))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        let c = c.clone();
+        async move {
+            let body = c
+                .request(req)
+                .await
+                .unwrap()
+                .into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes();
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let mut ids: Vec<String> = v["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["id"].as_str().unwrap().to_owned())
+                .collect();
+            ids.sort();
+            ids
+        }
+    };
+    let chat = gw.url("/v1/chat/completions");
+    let offered = |key: String| {
+        let chat = chat.clone();
+        async move {
+            let m = post(
+                &chat,
+                &[
+                    ("content-type", "application/json"),
+                    ("authorization", &format!("Bearer {key}")),
+                ],
+                chat_body("qwen-old", "hi", 3, false),
+            )
+            .await;
+            assert_eq!(m.status, 404);
+            let err = openai_error(&m);
+            assert_eq!(err["code"], "model_not_found");
+            let msg = err["message"].as_str().unwrap().to_owned();
+            let list = msg
+                .split("Available models: ")
+                .nth(1)
+                .and_then(|rest| rest.split(". ").next())
+                .unwrap_or_else(|| panic!("no list in {msg}"));
+            let mut ids: Vec<String> = list
+                .split(", ")
+                .filter_map(|s| s.strip_prefix('`')?.strip_suffix('`'))
+                .map(str::to_owned)
+                .collect();
+            ids.sort();
+            (ids, msg)
+        }
+    };
+    // The harness key is a stress key: the prod-only pool is not for it.
+    let (stress, msg) = offered(gw.key.clone()).await;
+    assert_eq!(stress, ["mistral", "qwen", "qwen32b"], "{msg}");
+    assert_eq!(stress, models(gw.key.clone()).await);
+    let (only, msg) = offered(limited.clone()).await;
+    assert_eq!(only, ["llama70b"], "{msg}");
+    assert_eq!(only, models(limited).await);
+}
