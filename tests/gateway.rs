@@ -338,14 +338,47 @@ async fn models_health_and_readiness() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(ready, "/readyz never became ready with a live backend");
+    // Open to anyone who reaches the listener: ready or not, nothing about the backends or
+    // the key store.
+    let open_get = |gw: &Gateway| {
+        let req = http::Request::get(gw.url("/readyz"))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        let c = c.clone();
+        async move {
+            let resp = c.request(req).await.unwrap();
+            let status = resp.status().as_u16();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8(body.to_vec()).unwrap())
+        }
+    };
+    assert_eq!(open_get(&gw).await, (200, r#"{"ready":true}"#.to_owned()));
 
     let dead = closed_port().await;
-    let gw2 = gateway(vec![pool("qwen32b", &[format!("http://{dead}")])]).await;
+    let gw2 = gateway_with(vec![pool("qwen32b", &[format!("http://{dead}")])], |c| {
+        c.admin = admin_cfg();
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let req = http::Request::get(gw2.url("/readyz"))
-        .body(http_body_util::Full::new(Bytes::new()))
-        .unwrap();
-    assert_eq!(c.request(req).await.unwrap().status(), 503);
+    let (status, body) = open_get(&gw2).await;
+    assert_eq!(status, 503);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["ready"], false);
+    for secret in [dead.port().to_string(), "key".into(), "backend\"".into()] {
+        assert!(!body.contains(&secret), "/readyz shows `{secret}`: {body}");
+    }
+    // The details are on the admin listener, for a token holder.
+    let (s, _) = admin(&gw2, "GET", "/admin/ready", None, None).await;
+    assert_eq!(s, 401);
+    let viewer = token(fleetgate::admin::jwt::Role::Viewer);
+    let (s, v) = admin(&gw2, "GET", "/admin/ready", Some(&viewer), None).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["ready"], false);
+    assert_eq!(v["backends"][0]["backend"], format!("http://{dead}"), "{v}");
+    assert_eq!(v["backends"][0]["state"], "down", "{v}");
+    assert!(v["backends"][0]["last_error"].is_string(), "{v}");
+    assert_eq!(v["key_store"]["state"], "up", "{v}");
+    assert!(v["key_store"]["keys"].as_u64().unwrap() >= 1, "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -92,7 +92,7 @@ fn head_bytes(uris: [&Uri; 4], auth: Option<&HeaderValue>) -> usize {
         + auth.map_or(0, |a| line("authorization".len(), a.len()))
 }
 
-/// A backend's state as the admin API and `/readyz` show it.
+/// A backend's state as the admin API shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendState {
     Healthy,

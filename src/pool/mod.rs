@@ -339,7 +339,7 @@ impl Generation {
         self.pools.iter().find(|p| *p.model == *model)
     }
 
-    /// Every backend with its state, as `/readyz` and `GET /admin/backends` show them.
+    /// Every backend with its state, as `GET /admin/ready` and `GET /admin/backends` show them.
     pub fn backends_json(&self) -> Vec<serde_json::Value> {
         self.pools
             .iter()
