@@ -328,3 +328,171 @@ async fn html_error_from_a_load_balancer_is_wrapped() {
     assert_eq!(err["type"], "upstream_error");
     server.abort();
 }
+
+/// A head the backends would refuse is the gateway's to refuse: 431 in OpenAI format, before
+/// any backend is contacted and without a failure charged to one. What is not forwarded (a
+/// cookie) does not count; a head beyond what the listener reads gets the listener's own 431.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_the_backends_would_refuse_get_431() {
+    let (sim, gw) = setup().await;
+    let chat = gw.url("/v1/chat/completions");
+    let json = ("content-type", "application/json");
+    let body = || chat_body("qwen32b", "hi", 3, false);
+
+    // One value over the per-header limit (nginx's 8 KiB line buffer would refuse it).
+    let big = "v".repeat(9 * 1024);
+    let m = post(&chat, &[json, ("x-trace-context", &big)], body()).await;
+    assert_eq!(m.status, 431, "{:?}", m.body);
+    let err = openai_error(&m);
+    assert_eq!(err["code"], "request_header_fields_too_large", "{err}");
+    assert_eq!(err["type"], "invalid_request_error");
+    let msg = err["message"].as_str().unwrap();
+    assert!(
+        msg.contains("`x-trace-context`") && msg.contains("server.max_upstream_header_value_bytes"),
+        "{msg}"
+    );
+    assert!(m.headers.contains_key("x-request-id"));
+
+    // Values each within that limit, together over the head limit (h11's 16 KiB).
+    let part = "w".repeat(4 * 1024);
+    let hdrs = [
+        json,
+        ("x-a", part.as_str()),
+        ("x-b", part.as_str()),
+        ("x-c", part.as_str()),
+        ("x-d", part.as_str()),
+    ];
+    let m = post(&chat, &hdrs, body()).await;
+    assert_eq!(m.status, 431, "{:?}", m.body);
+    let err = openai_error(&m);
+    assert_eq!(err["code"], "request_header_fields_too_large");
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .contains("server.max_upstream_head_bytes"),
+        "{err}"
+    );
+    assert_eq!(
+        sim.stats().requests.load(Ordering::SeqCst),
+        0,
+        "a refused head reached the backend"
+    );
+
+    // A large cookie is dropped on the way, not counted.
+    let cookie = format!("session={}", "c".repeat(20 * 1024));
+    let m = post(&chat, &[json, ("cookie", &cookie)], body()).await;
+    assert_eq!(m.status, 200, "{:?}", m.body);
+
+    // 480 KB: beyond what the listener reads at all (server.max_request_head_bytes). It
+    // answers 431 itself, or closes while the client is still writing.
+    let c = client::http_client();
+    let req = authed(&gw, "POST", "/v1/chat/completions")
+        .header("content-type", "application/json")
+        .header("x-huge", "h".repeat(480 * 1024))
+        .body(http_body_util::Full::new(body()))
+        .unwrap();
+    if let Ok(resp) = c.request(req).await {
+        assert_eq!(resp.status(), 431);
+    }
+    assert_eq!(
+        sim.stats().requests.load(Ordering::SeqCst),
+        1,
+        "only the request with the cookie reached the backend"
+    );
+    // The backend answered for itself only: no failure is charged to it.
+    let backends = gw.server.pools().backends_json();
+    assert_eq!(backends[0]["state"], "healthy", "{backends:?}");
+    assert!(backends[0]["last_error"].is_null(), "{backends:?}");
+    let records = gw.records.lock().unwrap().clone();
+    assert!(
+        records
+            .iter()
+            .filter(|r| r.status == 431)
+            .all(|r| r.error == Some("headers_too_large") && r.backend.is_none()),
+        "{records:?}"
+    );
+}
+
+/// The models a `model_not_found` offers a key are exactly the ones `GET /v1/models` shows it:
+/// never a pool its environment may not use, or a model it is not allowed; aliases included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_not_found_offers_what_models_shows_the_key() {
+    let sim = sim(|_| {}).await;
+    let mut open = pool("qwen32b", &[sim.url()]);
+    open.aliases = vec!["qwen".into()];
+    let mut prod_only = pool("llama70b", &[sim.url()]);
+    prod_only.environments = Some(vec![fleetgate::key::Environment::Prod]);
+    let other = pool("mistral", &[sim.url()]);
+    let gw = gateway(vec![open, prod_only, other]).await;
+    let (limited, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+        k.allowed_models = Some(vec!["llama70b".into()]);
+    })
+    .await;
+    let c = client::http_client();
+    let models = |key: String| {
+        let req = http::Request::get(gw.url("/v1/models"))
+            .header("authorization", format!("Bearer {key}"))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        let c = c.clone();
+        async move {
+            let body = c
+                .request(req)
+                .await
+                .unwrap()
+                .into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes();
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let mut ids: Vec<String> = v["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["id"].as_str().unwrap().to_owned())
+                .collect();
+            ids.sort();
+            ids
+        }
+    };
+    let chat = gw.url("/v1/chat/completions");
+    let offered = |key: String| {
+        let chat = chat.clone();
+        async move {
+            let m = post(
+                &chat,
+                &[
+                    ("content-type", "application/json"),
+                    ("authorization", &format!("Bearer {key}")),
+                ],
+                chat_body("qwen-old", "hi", 3, false),
+            )
+            .await;
+            assert_eq!(m.status, 404);
+            let err = openai_error(&m);
+            assert_eq!(err["code"], "model_not_found");
+            let msg = err["message"].as_str().unwrap().to_owned();
+            let list = msg
+                .split("Available models: ")
+                .nth(1)
+                .and_then(|rest| rest.split(". ").next())
+                .unwrap_or_else(|| panic!("no list in {msg}"));
+            let mut ids: Vec<String> = list
+                .split(", ")
+                .filter_map(|s| s.strip_prefix('`')?.strip_suffix('`'))
+                .map(str::to_owned)
+                .collect();
+            ids.sort();
+            (ids, msg)
+        }
+    };
+    // The harness key is a stress key: the prod-only pool is not for it.
+    let (stress, msg) = offered(gw.key.clone()).await;
+    assert_eq!(stress, ["mistral", "qwen", "qwen32b"], "{msg}");
+    assert_eq!(stress, models(gw.key.clone()).await);
+    let (only, msg) = offered(limited.clone()).await;
+    assert_eq!(only, ["llama70b"], "{msg}");
+    assert_eq!(only, models(limited).await);
+}

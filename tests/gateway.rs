@@ -338,14 +338,47 @@ async fn models_health_and_readiness() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(ready, "/readyz never became ready with a live backend");
+    // Open to anyone who reaches the listener: ready or not, nothing about the backends or
+    // the key store.
+    let open_get = |gw: &Gateway| {
+        let req = http::Request::get(gw.url("/readyz"))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        let c = c.clone();
+        async move {
+            let resp = c.request(req).await.unwrap();
+            let status = resp.status().as_u16();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8(body.to_vec()).unwrap())
+        }
+    };
+    assert_eq!(open_get(&gw).await, (200, r#"{"ready":true}"#.to_owned()));
 
     let dead = closed_port().await;
-    let gw2 = gateway(vec![pool("qwen32b", &[format!("http://{dead}")])]).await;
+    let gw2 = gateway_with(vec![pool("qwen32b", &[format!("http://{dead}")])], |c| {
+        c.admin = admin_cfg();
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let req = http::Request::get(gw2.url("/readyz"))
-        .body(http_body_util::Full::new(Bytes::new()))
-        .unwrap();
-    assert_eq!(c.request(req).await.unwrap().status(), 503);
+    let (status, body) = open_get(&gw2).await;
+    assert_eq!(status, 503);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["ready"], false);
+    for secret in [dead.port().to_string(), "key".into(), "backend\"".into()] {
+        assert!(!body.contains(&secret), "/readyz shows `{secret}`: {body}");
+    }
+    // The details are on the admin listener, for a token holder.
+    let (s, _) = admin(&gw2, "GET", "/admin/ready", None, None).await;
+    assert_eq!(s, 401);
+    let viewer = token(fleetgate::admin::jwt::Role::Viewer);
+    let (s, v) = admin(&gw2, "GET", "/admin/ready", Some(&viewer), None).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["ready"], false);
+    assert_eq!(v["backends"][0]["backend"], format!("http://{dead}"), "{v}");
+    assert_eq!(v["backends"][0]["state"], "down", "{v}");
+    assert!(v["backends"][0]["last_error"].is_string(), "{v}");
+    assert_eq!(v["key_store"]["state"], "up", "{v}");
+    assert!(v["key_store"]["keys"].as_u64().unwrap() >= 1, "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -942,4 +975,87 @@ async fn a_backend_without_tokenization_says_so() {
     let rec = gw.record_of("no-tok").await;
     assert_eq!((rec.status, rec.error), (404, Some("upstream_error")));
     server.abort();
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) stay on their own connection: the ones a client's
+/// `Connection` names and the hop-by-hop ones by definition never reach the backend, and the
+/// backend's never reach the client; end-to-end headers pass both ways. `TE: trailers`, named
+/// in `Connection` as HTTP/1.1 asks, still gets a stream its `Server-Timing` trailer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hop_by_hop_headers_stay_on_their_connection() {
+    let backend = HeadRecorder::start(&[
+        ("connection", "x-backend-hop"),
+        ("x-backend-hop", "internal"),
+        ("keep-alive", "timeout=5"),
+        ("proxy-authenticate", "Basic"),
+        ("x-backend-end", "kept"),
+    ])
+    .await;
+    let gw = gateway(vec![pool("qwen32b", &[backend.url()])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[
+            ("content-type", "application/json"),
+            ("connection", "keep-alive, X-Client-Hop ,x-other-hop"),
+            ("x-client-hop", "for the gateway only"),
+            ("x-other-hop", "2"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+            ("x-end-to-end", "kept"),
+        ],
+        chat_body("qwen32b", "hi", 3, false),
+    )
+    .await;
+    assert_eq!(m.status, 200, "{:?}", m.body);
+    let heads = backend.heads();
+    let upstream = heads
+        .iter()
+        .find(|h| h.contains_key("x-end-to-end"))
+        .expect("the request reached the backend");
+    for hop in [
+        "connection",
+        "x-client-hop",
+        "x-other-hop",
+        "keep-alive",
+        "proxy-connection",
+    ] {
+        assert!(
+            !upstream.contains_key(hop),
+            "`{hop}` went upstream: {upstream:?}"
+        );
+    }
+    assert_eq!(upstream["x-end-to-end"], "kept");
+    for hop in ["x-backend-hop", "keep-alive", "proxy-authenticate"] {
+        assert!(
+            !m.headers.contains_key(hop),
+            "`{hop}` came back: {:?}",
+            m.headers
+        );
+    }
+    assert_eq!(m.headers["x-backend-end"], "kept");
+
+    // `Connection: TE` + `TE: trailers`: TE goes (hop-by-hop), its meaning stays.
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let req = authed(&gw, "POST", "/v1/chat/completions")
+        .header("content-type", "application/json")
+        .header("connection", "TE")
+        .header("te", "trailers")
+        .body(http_body_util::Full::new(stream_body(3)))
+        .unwrap();
+    let resp = client::http_client().request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["trailer"], "server-timing");
+    let collected = resp.into_body().collect().await.unwrap();
+    let trailers = collected
+        .trailers()
+        .cloned()
+        .expect("a Server-Timing trailer");
+    assert!(
+        trailers["server-timing"]
+            .to_str()
+            .unwrap()
+            .starts_with("gw;dur="),
+        "{trailers:?}"
+    );
 }

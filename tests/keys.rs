@@ -714,6 +714,7 @@ async fn database_outage_keeps_cached_keys_working_and_recovers() {
         c.database.url = Some(Secret::new(via_proxy.clone()));
         c.database.connect_timeout = Duration::from_millis(500);
         c.auth.resync_interval = Duration::from_millis(300);
+        c.admin = admin_cfg();
     })
     .await;
     assert_eq!(chat(&gw, &gw.key).await.status, 200);
@@ -731,21 +732,9 @@ async fn database_outage_keeps_cached_keys_working_and_recovers() {
         200,
         "cached key still accepted while the store is down"
     );
-    let c = client::http_client();
-    let req = http::Request::get(gw.url("/readyz"))
-        .body(http_body_util::Full::new(Bytes::new()))
-        .unwrap();
-    let ready: serde_json::Value = serde_json::from_slice(
-        &c.request(req)
-            .await
-            .unwrap()
-            .into_body()
-            .collect()
-            .await
-            .unwrap()
-            .to_bytes(),
-    )
-    .unwrap();
+    let viewer = token(fleetgate::admin::jwt::Role::Viewer);
+    let (status, ready) = admin(&gw, "GET", "/admin/ready", Some(&viewer), None).await;
+    assert_eq!(status, 200, "{ready}");
     assert_eq!(ready["key_store"]["state"], "degraded", "{ready}");
 
     let _proxy = Cuttable::start(port, upstream).await;

@@ -3,7 +3,9 @@
 //!
 //! Routes: `GET /metrics`, `GET /healthz` (open); `GET /admin/keys[?env=E]`,
 //! `POST /admin/keys`, `GET /admin/keys/{id}`, `POST /admin/keys/{id}/revoke`,
-//! `POST /admin/keys/{id}/rotate`, `GET /admin/audit[?key=ID&limit=N]` (JWT).
+//! `POST /admin/keys/{id}/rotate`, `GET /admin/audit[?key=ID&limit=N]`, `GET /admin/usage`,
+//! `GET /admin/ready` (the details the public `/readyz` does not show), `GET /admin/backends`,
+//! `POST /admin/backends/drain|undrain` (JWT).
 
 pub mod jwt;
 
@@ -267,6 +269,7 @@ async fn keys_api(
             rotate_key(state, req, &caller, id).await
         }
         (Method::GET, ["admin", "usage"]) => usage_report(state, &req).await,
+        (Method::GET, ["admin", "ready"]) => Ok((StatusCode::OK, readiness(state))),
         (Method::GET, ["admin", "backends"]) => Ok((
             StatusCode::OK,
             to_json(
@@ -281,7 +284,7 @@ async fn keys_api(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "unknown_url",
-            "Unknown admin route. Routes: GET/POST /admin/keys, GET /admin/keys/{id}, POST /admin/keys/{id}/revoke, POST /admin/keys/{id}/rotate, GET /admin/audit, GET /admin/usage, GET /admin/backends, POST /admin/backends/drain, POST /admin/backends/undrain, GET /metrics.",
+            "Unknown admin route. Routes: GET/POST /admin/keys, GET /admin/keys/{id}, POST /admin/keys/{id}/revoke, POST /admin/keys/{id}/rotate, GET /admin/audit, GET /admin/usage, GET /admin/ready, GET /admin/backends, POST /admin/backends/drain, POST /admin/backends/undrain, GET /metrics.",
         )),
     }
 }
@@ -434,6 +437,30 @@ async fn usage_report(
         StatusCode::OK,
         to_json(&serde_json::json!({"object": "list", "from": from, "to": to, "data": rows})),
     ))
+}
+
+/// `GET /admin/ready`: what the public `/readyz` decides by and does not show — every
+/// backend with its state and last error, and the key store's.
+fn readiness(state: &AdminState) -> Bytes {
+    let pools = state.fleet.current();
+    let ready = pools.any_reachable();
+    let auth = &state.auth;
+    let store_up = auth.store_health() == crate::auth::StoreHealth::Up;
+    to_json(&serde_json::json!({
+        "ready": ready,
+        "detail": if ready { "at least one backend is reachable" } else { "no backend is reachable yet" },
+        "backends": pools.backends_json(),
+        "key_store": {
+            "state": if store_up { "up" } else { "degraded" },
+            "detail": if store_up {
+                "keys are current".to_owned()
+            } else {
+                format!("the key store is unreachable: authenticating from the last snapshot ({} keys, {:.0} s old)", auth.key_count(), auth.snapshot_age().as_secs_f64())
+            },
+            "keys": auth.key_count(),
+            "snapshot_age_seconds": auth.snapshot_age().as_secs_f64(),
+        },
+    }))
 }
 
 /// `POST /admin/backends/drain` and `/undrain`

@@ -10,7 +10,10 @@ use serde::Deserialize;
 use super::admin::JwtAlgorithm;
 use super::limits::SharedLimits;
 use super::pools::AffinityBy;
-use super::server::{DEFAULT_MAX_BODY_BYTES, LogFormat};
+use super::server::{
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_HEAD_BYTES, DEFAULT_MAX_UPSTREAM_HEAD_BYTES,
+    DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES, LogFormat,
+};
 use super::{ConfigError, Environment, FileErrors};
 
 /// Deserialize interpolated TOML text, naming the path of the first field that does not fit
@@ -341,6 +344,12 @@ pub(super) struct RawServer {
     pub(super) listen: String,
     #[serde(default = "default_max_body")]
     pub(super) max_body_bytes: u64,
+    #[serde(default = "default_max_request_head")]
+    pub(super) max_request_head_bytes: u64,
+    #[serde(default = "default_max_upstream_head")]
+    pub(super) max_upstream_head_bytes: u64,
+    #[serde(default = "default_max_upstream_header_value")]
+    pub(super) max_upstream_header_value_bytes: u64,
     #[serde(default = "default_grace")]
     pub(super) shutdown_grace_seconds: f64,
     pub(super) tls: Option<RawTls>,
@@ -381,6 +390,9 @@ impl Default for RawServer {
         Self {
             listen: default_listen(),
             max_body_bytes: default_max_body(),
+            max_request_head_bytes: default_max_request_head(),
+            max_upstream_head_bytes: default_max_upstream_head(),
+            max_upstream_header_value_bytes: default_max_upstream_header_value(),
             shutdown_grace_seconds: default_grace(),
             tls: None,
             log_format: LogFormat::Text,
@@ -401,6 +413,15 @@ fn default_listen() -> String {
 }
 fn default_max_body() -> u64 {
     DEFAULT_MAX_BODY_BYTES as u64
+}
+fn default_max_request_head() -> u64 {
+    DEFAULT_MAX_REQUEST_HEAD_BYTES as u64
+}
+fn default_max_upstream_head() -> u64 {
+    DEFAULT_MAX_UPSTREAM_HEAD_BYTES as u64
+}
+fn default_max_upstream_header_value() -> u64 {
+    DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES as u64
 }
 fn default_grace() -> f64 {
     30.0

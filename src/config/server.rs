@@ -11,6 +11,29 @@ use super::{ConfigError, FileErrors};
 
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 
+/// The largest request head the listener reads (HTTP/1.1: request line and headers; HTTP/2:
+/// the header list as HTTP/2 counts it, each field's name and value plus 32 bytes). Well above
+/// what is forwarded (`DEFAULT_MAX_UPSTREAM_HEAD_BYTES`), so that a head the backends would
+/// refuse still reaches the gateway's own 431 with its explanation; beyond it the listener
+/// answers a bare 431 itself.
+pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
+
+/// The largest request head forwarded to a backend (request line, `Host`, the client's headers
+/// that go on, the gateway's own). A little below 16 KiB: h11, the HTTP/1.1 parser of uvicorn
+/// (vLLM's server), refuses a head over its `max_incomplete_event_size`, 16 KiB by default
+/// (`h11/_connection.py`, `DEFAULT_MAX_INCOMPLETE_EVENT_SIZE = 16 * 1024`); Node's
+/// `--max-http-header-size` is 16 KiB too. (Recent vLLM launchers raise h11's limit to 4 MiB,
+/// `vllm/entrypoints/constants.py`; other servers and proxies in front of a backend do not.)
+pub const DEFAULT_MAX_UPSTREAM_HEAD_BYTES: usize = 15 * 1024;
+
+/// The largest single header value forwarded to a backend: a little below nginx's default
+/// `large_client_header_buffers 4 8k` (a header line must fit in 8 KiB) and Apache's
+/// `LimitRequestFieldSize 8190`, the common proxies in front of a backend.
+pub const DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES: usize = 7 * 1024 + 512;
+
+/// hyper's smallest HTTP/1.1 buffer: a smaller `max_request_head_bytes` could not be applied.
+const MIN_REQUEST_HEAD_BYTES: usize = 8192;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -23,6 +46,12 @@ pub enum LogFormat {
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub max_body_bytes: usize,
+    /// The largest request head the listener accepts (see `DEFAULT_MAX_REQUEST_HEAD_BYTES`).
+    pub max_request_head_bytes: usize,
+    /// The largest request head, and single header value, forwarded to a backend: a larger
+    /// one is refused with 431 before any backend is contacted.
+    pub max_upstream_head_bytes: usize,
+    pub max_upstream_header_value_bytes: usize,
     pub shutdown_grace: Duration,
     pub tls: Option<TlsConfig>,
     pub log_format: LogFormat,
@@ -59,6 +88,9 @@ impl Default for ServerConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_request_head_bytes: DEFAULT_MAX_REQUEST_HEAD_BYTES,
+            max_upstream_head_bytes: DEFAULT_MAX_UPSTREAM_HEAD_BYTES,
+            max_upstream_header_value_bytes: DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES,
             shutdown_grace: Duration::from_secs(30),
             tls: None,
             log_format: LogFormat::Text,
@@ -86,6 +118,34 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
     })?;
     if s.max_body_bytes < 1024 {
         return Err(err.at("server.max_body_bytes", "must be at least 1024"));
+    }
+    let head = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+    let (listener_head, upstream_head, upstream_value) = (
+        head(s.max_request_head_bytes),
+        head(s.max_upstream_head_bytes),
+        head(s.max_upstream_header_value_bytes),
+    );
+    if !(MIN_REQUEST_HEAD_BYTES..=u32::MAX as usize).contains(&listener_head) {
+        return Err(err.at(
+            "server.max_request_head_bytes",
+            format!("must be between {MIN_REQUEST_HEAD_BYTES} and {}", u32::MAX),
+        ));
+    }
+    if upstream_head < 1024 || upstream_head > listener_head {
+        return Err(err.at(
+            "server.max_upstream_head_bytes",
+            format!(
+                "must be at least 1024 and at most server.max_request_head_bytes ({listener_head}): the listener must accept every head the gateway would forward, so that a larger one gets the gateway's own 431"
+            ),
+        ));
+    }
+    if upstream_value < 64 || upstream_value > upstream_head {
+        return Err(err.at(
+            "server.max_upstream_header_value_bytes",
+            format!(
+                "must be at least 64 and at most server.max_upstream_head_bytes ({upstream_head})"
+            ),
+        ));
     }
     if !(s.shutdown_grace_seconds.is_finite() && s.shutdown_grace_seconds >= 0.0) {
         return Err(err.at(
@@ -118,6 +178,9 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
     Ok(ServerConfig {
         listen,
         max_body_bytes: usize::try_from(s.max_body_bytes).unwrap_or(usize::MAX),
+        max_request_head_bytes: listener_head,
+        max_upstream_head_bytes: upstream_head,
+        max_upstream_header_value_bytes: upstream_value,
         shutdown_grace: Duration::from_secs_f64(s.shutdown_grace_seconds),
         tls,
         log_format: s.log_format,

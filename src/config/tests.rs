@@ -107,6 +107,36 @@ fn a_changed_secret_alone_needs_a_restart() {
 }
 
 #[test]
+fn head_limits_keep_the_listener_above_what_is_forwarded() {
+    let pool = "[[pools]]\nmodel='m'\nbackends=['http://a:1']\n";
+    let c = parse(pool).unwrap();
+    assert_eq!(c.server.max_request_head_bytes, 64 * 1024);
+    assert_eq!(c.server.max_upstream_head_bytes, 15 * 1024);
+    assert_eq!(c.server.max_upstream_header_value_bytes, 7 * 1024 + 512);
+    for (server, field, says) in [
+        (
+            "max_request_head_bytes=4096",
+            "server.max_request_head_bytes",
+            "between 8192",
+        ),
+        (
+            "max_request_head_bytes=16384\nmax_upstream_head_bytes=32768",
+            "server.max_upstream_head_bytes",
+            "at most server.max_request_head_bytes",
+        ),
+        (
+            "max_upstream_head_bytes=4096\nmax_upstream_header_value_bytes=8192",
+            "server.max_upstream_header_value_bytes",
+            "at most server.max_upstream_head_bytes",
+        ),
+    ] {
+        let e = parse(&format!("[server]\n{server}\n{pool}")).unwrap_err();
+        assert_eq!(e.field, field, "{server}");
+        assert!(e.message.contains(says), "{server}: {}", e.message);
+    }
+}
+
+#[test]
 fn unknown_field_names_its_path() {
     let e =
         parse("[server]\nlisen='x'\n[[pools]]\nmodel='m'\nbackends=['http://a']\n").unwrap_err();

@@ -13,6 +13,7 @@ pub enum ErrorKind {
     MethodNotAllowed,
     UnsupportedMediaType,
     BodyTooLarge,
+    HeadersTooLarge,
     BodyRead,
     BodyTimeout,
     InvalidJson,
@@ -35,11 +36,12 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 23] = [
+    pub const ALL: [ErrorKind; 24] = [
         ErrorKind::RouteNotFound,
         ErrorKind::MethodNotAllowed,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::BodyTooLarge,
+        ErrorKind::HeadersTooLarge,
         ErrorKind::BodyRead,
         ErrorKind::BodyTimeout,
         ErrorKind::InvalidJson,
@@ -75,6 +77,7 @@ impl ErrorKind {
             ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            ErrorKind::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ErrorKind::BodyRead | ErrorKind::InvalidJson | ErrorKind::InvalidRequest => {
                 StatusCode::BAD_REQUEST
             }
@@ -103,6 +106,7 @@ impl ErrorKind {
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::UnsupportedMediaType => "unsupported_media_type",
             ErrorKind::BodyTooLarge => "body_too_large",
+            ErrorKind::HeadersTooLarge => "headers_too_large",
             ErrorKind::BodyRead => "body_read",
             ErrorKind::BodyTimeout => "body_timeout",
             ErrorKind::InvalidJson => "invalid_json",

@@ -50,6 +50,9 @@ pub struct Backend {
     pub(super) removed: AtomicBool,
     /// `Authorization` sent to this backend (its own key, else the pool's).
     pub upstream_auth: Option<HeaderValue>,
+    /// The part of a forwarded request's head that this backend decides: the longest request
+    /// line of its endpoints, `Host` and `Authorization` (the head limit counts it).
+    pub head_bytes: usize,
     reachability: AtomicU8,
     /// Consecutive connect errors / 5xx answers.
     failures: AtomicU32,
@@ -72,7 +75,24 @@ pub struct Backend {
     last_error: ArcSwapOption<String>,
 }
 
-/// A backend's state as the admin API and `/readyz` show it.
+/// `POST <path> HTTP/1.1`, `host: <authority>` and `authorization: <value>`, each with its
+/// line end, for the longest of `uris`.
+fn head_bytes(uris: [&Uri; 4], auth: Option<&HeaderValue>) -> usize {
+    let line = |name: usize, value: usize| name + 2 + value + 2;
+    let path = uris
+        .iter()
+        .map(|u| u.path_and_query().map_or(1, |p| p.as_str().len()))
+        .max()
+        .unwrap_or(1);
+    let host = uris[0].authority().map_or(0, |a| a.as_str().len());
+    "POST ".len()
+        + path
+        + " HTTP/1.1\r\n".len()
+        + line("host".len(), host)
+        + auth.map_or(0, |a| line("authorization".len(), a.len()))
+}
+
+/// A backend's state as the admin API shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendState {
     Healthy,
@@ -118,13 +138,21 @@ impl Backend {
             Some(k) => Some(bearer(k.expose(), model)?),
             None => pool_auth.cloned(),
         };
+        let chat_uri = join("/v1/chat/completions")?;
+        let completions_uri = join("/v1/completions")?;
+        let tokenize_uri = join("/tokenize")?;
+        let detokenize_uri = join("/detokenize")?;
+        let head_bytes = head_bytes(
+            [&chat_uri, &completions_uri, &tokenize_uri, &detokenize_uri],
+            upstream_auth.as_ref(),
+        );
         Ok(Self {
             base: Arc::from(trimmed),
             slot,
-            chat_uri: join("/v1/chat/completions")?,
-            completions_uri: join("/v1/completions")?,
-            tokenize_uri: join("/tokenize")?,
-            detokenize_uri: join("/detokenize")?,
+            chat_uri,
+            completions_uri,
+            tokenize_uri,
+            detokenize_uri,
             health_uri: join(&pool.health.path)?,
             metrics_uri: join(
                 pool.load_aware
@@ -139,6 +167,7 @@ impl Backend {
             labels: ArcSwap::from_pointee(cfg.labels.clone()),
             removed: AtomicBool::new(false),
             upstream_auth,
+            head_bytes,
             reachability: AtomicU8::new(Reachability::Unknown as u8),
             failures: AtomicU32::new(0),
             ejections: AtomicU32::new(0),

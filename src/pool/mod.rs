@@ -126,21 +126,46 @@ impl Pool {
     }
 }
 
+/// The model names clients may send to these pools: each pool's model and its aliases. The one
+/// list behind `/v1/models` and the `model_not_found` message, so both always agree.
+fn model_ids<'a>(pools: impl Iterator<Item = &'a Pool>) -> impl Iterator<Item = &'a str> {
+    pools
+        .flat_map(|p| std::iter::once(&*p.model).chain(p.config.aliases.iter().map(String::as_str)))
+}
+
 /// A `/v1/models` body (OpenAI list shape) naming these pools' models.
 fn models_list_body<'a>(pools: impl Iterator<Item = &'a Pool>) -> Bytes {
-    let data: Vec<serde_json::Value> = pools
-        .flat_map(|p| {
-            std::iter::once(&*p.model)
-                .chain(p.config.aliases.iter().map(String::as_str))
-                .map(|id| {
-                    serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "fleetgate"})
-                })
+    let data: Vec<serde_json::Value> = model_ids(pools)
+        .map(|id| {
+            serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "fleetgate"})
         })
         .collect();
     Bytes::from(
         serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
             .unwrap_or_default(),
     )
+}
+
+/// "`a`, `b`": the names for a message.
+fn model_list<'a>(pools: impl Iterator<Item = &'a Pool>) -> String {
+    let list = model_ids(pools)
+        .map(|id| format!("`{id}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if list.is_empty() {
+        "none for this key".to_owned()
+    } else {
+        list
+    }
+}
+
+/// The key may use the pool: its model rights, and the pool's environments. (Routing refuses
+/// a request by the same two rules, each with its own message.)
+fn usable_by(key: &crate::key::KeyRecord, p: &Pool) -> bool {
+    key.allows_model(&p.model)
+        && p.environments
+            .as_ref()
+            .is_none_or(|e| e.contains(&key.environment))
 }
 
 /// All pools of one configuration generation, by the model name clients send. A reload
@@ -151,10 +176,14 @@ pub struct Generation {
     /// The next pool metrics slot to hand out.
     next_slot: usize,
     by_model: HashMap<Arc<str>, usize>,
-    /// "`a`, `b`" — for the model-not-found message.
-    pub model_list: String,
+    /// "`a`, `b`": every model name (aliases too), for the model-not-found message of a
+    /// key that may use them all.
+    model_list: String,
     /// The `/v1/models` body, built once.
     pub models_body: Bytes,
+    /// The largest part of a request head any backend decides (`Backend::head_bytes`): the
+    /// head limit is checked before routing, against every backend it could go to.
+    pub max_backend_head: usize,
 }
 
 impl Generation {
@@ -210,12 +239,13 @@ impl Generation {
                     .map(move |name| (name, i))
             })
             .collect();
-        let model_list = pools
-            .iter()
-            .map(|p| format!("`{}`", p.model))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let model_list = model_list(pools.iter());
         let models_body = models_list_body(pools.iter());
+        let max_backend_head = pools
+            .iter()
+            .flat_map(|p| p.backends.iter().map(|b| b.head_bytes))
+            .max()
+            .unwrap_or(0);
         // Everything is built: kept backends take their new weights, capacities and labels.
         for p in &pools {
             for (b, c) in p.backends.iter().zip(&p.config.backends) {
@@ -228,21 +258,27 @@ impl Generation {
             by_model,
             model_list,
             models_body,
+            max_backend_head,
         })
     }
 
     /// The `/v1/models` body for one key: only the models it may use.
     pub fn models_for(&self, key: &crate::key::KeyRecord) -> Bytes {
-        let usable = |p: &Pool| {
-            key.allows_model(&p.model)
-                && p.environments
-                    .as_ref()
-                    .is_none_or(|e| e.contains(&key.environment))
-        };
-        if self.pools.iter().all(usable) {
+        if self.pools.iter().all(|p| usable_by(key, p)) {
             return self.models_body.clone();
         }
-        models_list_body(self.pools.iter().filter(|p| usable(p)))
+        models_list_body(self.pools.iter().filter(|p| usable_by(key, p)))
+    }
+
+    /// The models a `model_not_found` offers: exactly the ones `/v1/models` shows the key
+    /// (all of them without a key).
+    pub fn model_list_for(&self, key: Option<&crate::key::KeyRecord>) -> String {
+        match key {
+            Some(k) if !self.pools.iter().all(|p| usable_by(k, p)) => {
+                model_list(self.pools.iter().filter(|p| usable_by(k, p)))
+            }
+            _ => self.model_list.clone(),
+        }
     }
 
     /// The same pools and backends (shared in-flight counts and reachability) with upstream
@@ -281,6 +317,7 @@ impl Generation {
             by_model: self.by_model.clone(),
             model_list: self.model_list.clone(),
             models_body: self.models_body.clone(),
+            max_backend_head: self.max_backend_head,
         })
     }
 
@@ -302,7 +339,7 @@ impl Generation {
         self.pools.iter().find(|p| *p.model == *model)
     }
 
-    /// Every backend with its state, as `/readyz` and `GET /admin/backends` show them.
+    /// Every backend with its state, as `GET /admin/ready` and `GET /admin/backends` show them.
     pub fn backends_json(&self) -> Vec<serde_json::Value> {
         self.pools
             .iter()

@@ -11,11 +11,23 @@ use hyper::body::Incoming;
 
 use super::error::ApiError;
 
-/// The request body, or why it is refused: not JSON, too large, or unreadable.
-/// The whole body must arrive within `timeout` (a client trickling it cannot hold its
-/// connection); no timer is armed when it is already there.
+/// The length a request's `Content-Length` declares (read before the header is cleaned away
+/// for the backend, which gets the length of what is really sent).
+pub fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// The request body, or why it is refused: not JSON, too large (by `declared` length before
+/// reading, or while reading), or unreadable. The whole body must arrive within `timeout` (a
+/// client trickling it cannot hold its connection); no timer is armed when it is already there.
 pub async fn read(
     headers: &HeaderMap,
+    declared: Option<u64>,
     body: Incoming,
     limit: usize,
     timeout: Duration,
@@ -27,10 +39,7 @@ pub async fn read(
             got: String::from_utf8_lossy(ct.as_bytes()).into_owned(),
         });
     }
-    if let Some(len) = headers.get(header::CONTENT_LENGTH)
-        && let Some(len) = len.to_str().ok().and_then(|s| s.parse::<u64>().ok())
-        && len > limit as u64
-    {
+    if declared.is_some_and(|len| len > limit as u64) {
         return Err(ApiError::BodyTooLarge { limit });
     }
     let mut collect = std::pin::pin!(Limited::new(body, limit).collect());

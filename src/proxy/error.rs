@@ -58,6 +58,21 @@ impl TimeoutKind {
     }
 }
 
+/// What about a request's head is more than the backends accept, as it would be forwarded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeadExcess {
+    /// The whole head: request line, `Host`, the headers that go on, the gateway's own.
+    Total { bytes: usize, limit: usize },
+    /// One header's value (the name cut to 64 characters).
+    Value {
+        name: String,
+        bytes: usize,
+        limit: usize,
+    },
+    /// More header fields than the listener takes over HTTP/1.1 (HTTP/2 bounds only the size).
+    Fields { count: usize, limit: usize },
+}
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     #[error("unknown route {method} {path}")]
@@ -72,6 +87,8 @@ pub enum ApiError {
     UnsupportedMediaType { got: String },
     #[error("body larger than {limit} bytes")]
     BodyTooLarge { limit: usize },
+    #[error("request head too large for the backends: {0:?}")]
+    HeadersTooLarge(HeadExcess),
     #[error("could not read the request body: {0}")]
     BodyRead(String),
     #[error("request body not received within {after_ms} ms")]
@@ -124,6 +141,7 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => ErrorKind::MethodNotAllowed,
             ApiError::UnsupportedMediaType { .. } => ErrorKind::UnsupportedMediaType,
             ApiError::BodyTooLarge { .. } => ErrorKind::BodyTooLarge,
+            ApiError::HeadersTooLarge(_) => ErrorKind::HeadersTooLarge,
             ApiError::BodyRead(_) => ErrorKind::BodyRead,
             ApiError::BodyTimeout { .. } => ErrorKind::BodyTimeout,
             ApiError::View(ViewError::InvalidJson(_)) => ErrorKind::InvalidJson,
@@ -216,6 +234,22 @@ impl ApiError {
                 "invalid_request_error",
                 None,
                 "body_timeout",
+            ),
+            ApiError::HeadersTooLarge(excess) => (
+                match excess {
+                    HeadExcess::Total { bytes, limit } => format!(
+                        "The request's headers are too large to forward: as the backend would get them they come to {bytes} bytes, over the gateway's limit of {limit} (server.max_upstream_head_bytes, just below what the backends' HTTP servers accept). Send fewer or shorter headers; nothing was sent to a backend."
+                    ),
+                    HeadExcess::Value { name, bytes, limit } => format!(
+                        "The header `{name}` is too large to forward: its value is {bytes} bytes, over the gateway's limit of {limit} per header (server.max_upstream_header_value_bytes, just below what the backends and the proxies in front of them accept). Shorten or drop it; nothing was sent to a backend."
+                    ),
+                    HeadExcess::Fields { count, limit } => format!(
+                        "The request has {count} header fields; the gateway forwards at most {limit}. Send fewer headers; nothing was sent to a backend."
+                    ),
+                },
+                "invalid_request_error",
+                None,
+                "request_header_fields_too_large",
             ),
             ApiError::BodyRead(detail) => (
                 format!("The request body could not be read: {detail}."),

@@ -1,7 +1,9 @@
 //! Forwarding of completion requests. `forward` runs the request path's phases in order, each
 //! a call into its own room, and answers with what they give:
 //!
-//! 1. body (`body`): JSON within the size limit, read whole;
+//! 1. body (`body`): the headers first cleaned for the backend and held to the head limits
+//!    (`upstream::outgoing`, `upstream::check_head`), then JSON within the size limit, read
+//!    whole;
 //! 2. view (`openai::view`): parsed once, the bytes kept;
 //! 3. route (`route`): model → pool, the key's rights, long-prompt pool, backend preferences;
 //! 4. limits (`limits`): the key's rates, token budget and concurrency, its environment's caps;
@@ -56,6 +58,8 @@ pub struct ProxyState {
     pub max_body_bytes: usize,
     /// The whole request body must arrive within this.
     pub body_timeout: Duration,
+    /// What a forwarded request's head may come to (`server.max_upstream_*`).
+    pub head_limits: upstream::HeadLimits,
     pub recorder: Arc<crate::telemetry::Recorder>,
     pub auth: Arc<crate::auth::Authenticator>,
     pub limits: Arc<crate::limits::Limits>,
@@ -181,8 +185,21 @@ async fn phases(
     ex: &mut Exchange,
 ) -> Result<Forwarded, ApiError> {
     let (parts, body) = req.into_parts();
+    // The head as a backend would get it, refused here when a backend would refuse it: before
+    // the body is read, and without a backend charged for the client's headers.
+    let declared = body::declared_length(&parts.headers);
+    let outgoing = upstream::outgoing(parts.headers);
+    let backend_part = state.generation.load().max_backend_head;
+    upstream::check_head(
+        &outgoing.headers,
+        &ex.record.request_id,
+        backend_part,
+        state.head_limits,
+    )
+    .map_err(ApiError::HeadersTooLarge)?;
     let body = body::read(
-        &parts.headers,
+        &outgoing.headers,
+        declared,
         body,
         state.max_body_bytes,
         state.body_timeout,
@@ -219,7 +236,7 @@ async fn phases(
     };
 
     let prepared = upstream::prepare(
-        parts.headers,
+        outgoing,
         &body,
         &view,
         &route,

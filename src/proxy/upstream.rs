@@ -12,7 +12,7 @@ use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
-use super::error::{ApiError, ConnectCause, TimeoutKind};
+use super::error::{ApiError, ConnectCause, HeadExcess, TimeoutKind};
 use super::{APPLICATION_JSON, Exchange, X_REQUEST_ID};
 use crate::openai::Endpoint;
 use crate::openai::error::{ErrorKind, error_body};
@@ -29,39 +29,145 @@ static SERVER_TIMING_VALUE: HeaderValue = HeaderValue::from_static("server-timin
 /// Largest error body read from a backend to rewrap it.
 const MAX_UPSTREAM_ERROR_BODY: usize = 64 * 1024;
 
-/// Headers never passed upstream: hop-by-hop ones, the client's credentials (the pool's own
-/// upstream key is sent instead), and `accept-encoding` (the relay must see plain SSE).
+/// Headers of the client's never passed upstream besides the hop-by-hop ones: its credentials
+/// (the pool's own upstream key is sent instead), `host` (the backend's own), `content-length`
+/// and `x-request-id` (the gateway sets both), `accept-encoding` (the relay must see plain
+/// SSE), `expect` and `cookie`.
 const STRIP_UPSTREAM: &[HeaderName] = &[
     header::HOST,
     header::AUTHORIZATION,
-    header::PROXY_AUTHORIZATION,
-    header::CONNECTION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
     header::CONTENT_LENGTH,
     header::ACCEPT_ENCODING,
     header::EXPECT,
     header::COOKIE,
 ];
 
-fn strip_upstream_headers(h: &mut HeaderMap) {
-    for name in STRIP_UPSTREAM {
+/// Hop-by-hop headers by definition (RFC 9110 §7.6.1, and the older `Keep-Alive` and
+/// `Proxy-Connection` it names), removed in both directions with the ones `Connection` names.
+/// `Trailer` too: the gateway frames every body anew.
+static HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+];
+
+/// Remove `Connection`, every header it names, and the hop-by-hop ones (RFC 9110 §7.6.1).
+/// Without a `Connection` header (every HTTP/2 request, most HTTP/1.1 ones) this is a few
+/// lookups; one `Connection` line is taken out and read in place; only several lines are
+/// copied out first (their names cannot be removed while the map is borrowed).
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let (one, more) = {
+        let mut lines = h.get_all(header::CONNECTION).iter();
+        (lines.next().is_some(), lines.next().is_some())
+    };
+    if more {
+        let lines: Vec<HeaderValue> = h.get_all(header::CONNECTION).iter().cloned().collect();
+        for line in &lines {
+            remove_named(h, line);
+        }
+    } else if one && let Some(line) = h.remove(header::CONNECTION) {
+        remove_named(h, &line);
+    }
+    for name in &HOP_BY_HOP {
         h.remove(name);
     }
-    h.remove("x-api-key");
-    h.remove("keep-alive");
-    h.remove("proxy-connection");
 }
 
-/// Hop-by-hop headers of the upstream response, not passed to the client.
-fn strip_downstream_headers(h: &mut HeaderMap) {
-    h.remove(header::CONNECTION);
-    h.remove(header::TRANSFER_ENCODING);
-    h.remove(header::TRAILER);
-    h.remove(header::UPGRADE);
-    h.remove("keep-alive");
+/// Remove the headers a `Connection` value names (a comma-separated list of field names).
+fn remove_named(h: &mut HeaderMap, connection: &HeaderValue) {
+    for token in connection.as_bytes().split(|b| *b == b',') {
+        if let Ok(name) = std::str::from_utf8(token.trim_ascii())
+            && !name.is_empty()
+        {
+            h.remove(name);
+        }
+    }
+}
+
+/// The client's headers as they will go upstream, with what the gateway read of the ones
+/// that do not.
+pub struct Outgoing {
+    pub headers: HeaderMap,
+    /// The client accepts trailers (`TE: trailers`): a stream's `Server-Timing`, with the hop
+    /// cost known only after its first token, comes as a trailer.
+    pub trailers: bool,
+}
+
+/// Clean the client's headers for the backend: done first, so that the head limit measures
+/// what would really be forwarded. `TE` is read before it goes (it is hop-by-hop, and often
+/// named in `Connection` as RFC 9110 asks).
+pub fn outgoing(mut headers: HeaderMap) -> Outgoing {
+    let trailers = accepts_trailers(&headers);
+    strip_hop_by_hop(&mut headers);
+    for name in STRIP_UPSTREAM {
+        headers.remove(name);
+    }
+    headers.remove("x-api-key");
+    headers.remove(&X_REQUEST_ID);
+    Outgoing { headers, trailers }
+}
+
+/// The head limits (`server.max_upstream_*`).
+#[derive(Debug, Clone, Copy)]
+pub struct HeadLimits {
+    pub max_head: usize,
+    pub max_value: usize,
+}
+
+/// Header fields forwarded at most: the listener's own HTTP/1.1 limit (hyper's default of 100),
+/// so an HTTP/2 client, bounded by size only, is held to the same; vLLM's server takes 256.
+pub const MAX_FORWARDED_FIELDS: usize = 100;
+
+/// Whether the request's head, as a backend would get it, is within what backends accept:
+/// its headers (already `outgoing`), the gateway's own (`x-request-id`, `content-length` at
+/// its widest, the blank line) and the largest part a backend decides (`backend_part`:
+/// request line, `Host`, `Authorization`). Counts only; no allocation unless it refuses.
+pub fn check_head(
+    headers: &HeaderMap,
+    request_id: &HeaderValue,
+    backend_part: usize,
+    limits: HeadLimits,
+) -> Result<(), HeadExcess> {
+    let line = |name: usize, value: usize| name + 2 + value + 2;
+    let mut bytes = backend_part
+        + line(X_REQUEST_ID.as_str().len(), request_id.len())
+        + line("content-length".len(), 20)
+        + 2;
+    let mut fields = 2;
+    let mut largest: Option<(&HeaderName, usize)> = None;
+    for (name, value) in headers {
+        bytes += line(name.as_str().len(), value.len());
+        fields += 1;
+        if value.len() > limits.max_value && largest.is_none_or(|(_, n)| value.len() > n) {
+            largest = Some((name, value.len()));
+        }
+    }
+    if let Some((name, n)) = largest {
+        return Err(HeadExcess::Value {
+            name: name.as_str().chars().take(64).collect(),
+            bytes: n,
+            limit: limits.max_value,
+        });
+    }
+    if fields > MAX_FORWARDED_FIELDS {
+        return Err(HeadExcess::Fields {
+            count: fields,
+            limit: MAX_FORWARDED_FIELDS,
+        });
+    }
+    if bytes > limits.max_head {
+        return Err(HeadExcess::Total {
+            bytes,
+            limit: limits.max_head,
+        });
+    }
+    Ok(())
 }
 
 /// The request as it goes upstream, owned: it may wait in the queue past the handler.
@@ -82,7 +188,7 @@ pub struct Prepared {
 /// stream that did not ask for usage gets it anyway upstream (the relay hides it from the
 /// client), so every stream's token counts are real.
 pub fn prepare(
-    mut headers: HeaderMap,
+    outgoing: Outgoing,
     body: &Bytes,
     view: &RequestView<'_>,
     route: &Route<'_>,
@@ -92,8 +198,11 @@ pub fn prepare(
 ) -> Prepared {
     let inject_usage = view.stream && view.include_usage != Some(true);
     let upstream_body = view::upstream_body(body, view, route.rename, inject_usage);
-    let timing_trailer = view.stream && accepts_trailers(&headers);
-    strip_upstream_headers(&mut headers);
+    let Outgoing {
+        mut headers,
+        trailers,
+    } = outgoing;
+    let timing_trailer = view.stream && trailers;
     headers.insert(X_REQUEST_ID.clone(), request_id.clone());
     headers.insert(
         header::CONTENT_LENGTH,
@@ -319,7 +428,8 @@ async fn send(
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    strip_downstream_headers(&mut head.headers);
+    // The response's hop-by-hop headers stay on the upstream connection.
+    strip_hop_by_hop(&mut head.headers);
     head.headers
         .insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
     if let Some(a) = &ex.admission

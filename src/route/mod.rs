@@ -56,7 +56,7 @@ pub fn resolve<'p>(
         .get(&view.model)
         .ok_or_else(|| RouteError::ModelNotFound {
             model: view.model.clone().into_owned(),
-            available: pools.model_list.clone(),
+            available: pools.model_list_for(key),
         })?;
     if let Some(key) = key
         && let Err(failure) = check_rights(key, pool)

@@ -101,6 +101,10 @@ pub struct ConnLimit {
     permits: Arc<Semaphore>,
     /// A new connection must deliver its first request head within this.
     pub header_timeout: Duration,
+    /// An HTTP/1.1 connection idle between requests closes after this.
+    pub keepalive_timeout: Duration,
+    /// The largest request head read (`server.max_request_head_bytes`), both protocols.
+    pub max_head: usize,
     /// When the last "limit reached" warning was logged (ms since `epoch`), to log once per
     /// episode rather than once per refused accept.
     last_warned_ms: AtomicU64,
@@ -127,14 +131,16 @@ impl ConnLimit {
     pub fn new(
         listener: &'static str,
         max: usize,
-        header_timeout: Duration,
+        server: &crate::config::ServerConfig,
         metrics: Option<ConnMetrics>,
     ) -> Arc<Self> {
         Arc::new(Self {
             listener,
             max,
             permits: Arc::new(Semaphore::new(max.max(1))),
-            header_timeout,
+            header_timeout: server.header_timeout,
+            keepalive_timeout: server.keepalive_timeout,
+            max_head: server.max_request_head_bytes,
             last_warned_ms: AtomicU64::new(0),
             epoch: Instant::now(),
             metrics,

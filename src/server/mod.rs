@@ -188,35 +188,18 @@ pub async fn route(
     }
 }
 
+/// The public readiness probe says ready or not, nothing more: anyone who can reach the
+/// listener may ask, so the backends, their errors and the key store's state are for the
+/// admin listener (`GET /admin/ready`).
 fn readyz(state: &AppState) -> Response<GatewayBody> {
-    let pools = state.pools();
-    let backends = pools.backends_json();
-    let ready = pools.any_reachable();
-    let auth = state.auth();
-    let store_up = auth.store_health() == crate::auth::StoreHealth::Up;
-    let body = serde_json::json!({
-        "ready": ready,
-        "detail": if ready { "at least one backend is reachable" } else { "no backend is reachable yet" },
-        "backends": backends,
-        "key_store": {
-            "state": if store_up { "up" } else { "degraded" },
-            "detail": if store_up {
-                "keys are current".to_owned()
-            } else {
-                format!("the key store is unreachable: authenticating from the last snapshot ({} keys, {:.0} s old)", auth.key_count(), auth.snapshot_age().as_secs_f64())
-            },
-            "keys": auth.key_count(),
-            "snapshot_age_seconds": auth.snapshot_age().as_secs_f64(),
-        },
-    });
-    json(
-        if ready {
-            StatusCode::OK
-        } else {
-            StatusCode::SERVICE_UNAVAILABLE
-        },
-        serde_json::to_vec(&body).unwrap_or_default(),
-    )
+    if state.pools().any_reachable() {
+        json(StatusCode::OK, r#"{"ready":true}"#)
+    } else {
+        json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            r#"{"ready":false,"detail":"no backend is reachable yet; the admin listener's GET /admin/ready says more"}"#,
+        )
+    }
 }
 
 /// A running gateway: the API listener, the admin listener and their background tasks.
@@ -315,7 +298,7 @@ impl Server {
         let api_limit = ConnLimit::new(
             "api",
             max_connections,
-            config.server.header_timeout,
+            &config.server,
             Some(conn_metrics.clone()),
         );
         let local_addr = listener.local_addr()?;
@@ -347,7 +330,7 @@ impl Server {
             let admin_limit = ConnLimit::new(
                 "admin",
                 ADMIN_MAX_CONNECTIONS,
-                config.server.header_timeout,
+                &config.server,
                 Some(conn_metrics),
             );
             tasks.spawn(accept_loop(
@@ -359,7 +342,6 @@ impl Server {
                     streams_end: None,
                 },
                 admin_limit,
-                config.server.keepalive_timeout,
                 move |req, _peer, _arrival| crate::admin::handle(admin.clone(), req),
             ));
         }
@@ -374,6 +356,10 @@ impl Server {
                 generation: fleet.for_worker()?,
                 max_body_bytes: config.server.max_body_bytes,
                 body_timeout: config.server.body_timeout,
+                head_limits: crate::proxy::upstream::HeadLimits {
+                    max_head: config.server.max_upstream_head_bytes,
+                    max_value: config.server.max_upstream_header_value_bytes,
+                },
                 recorder: recorder.clone(),
                 auth: auth.clone(),
                 limits: limits.clone(),
@@ -492,7 +478,6 @@ fn spawn_workers(
     shutdown: &CancellationToken,
     streams_end: &CancellationToken,
 ) -> Result<Vec<tokio::sync::oneshot::Receiver<()>>, StartError> {
-    let keepalive = config.server.keepalive_timeout;
     let workers = match config.server.workers {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
@@ -538,7 +523,6 @@ fn spawn_workers(
                                     streams_end: Some(streams_end),
                                 },
                                 limit,
-                                keepalive,
                                 move |req, peer, arrival| route(state.clone(), req, peer, arrival),
                             )
                             .await
@@ -563,30 +547,37 @@ impl Drop for Server {
     }
 }
 
+/// Serve `listener` until `shutdown`, within `limit`'s bounds (connections, timeouts, the
+/// largest request head read, the same for HTTP/1.1 and HTTP/2).
 async fn accept_loop<H, F>(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
     drain: Drain,
     limit: Arc<ConnLimit>,
-    keepalive_timeout: Duration,
     handler: H,
 ) where
     H: Fn(Request<Incoming>, SocketAddr, Option<Instant>) -> F + Clone + Send + Sync + 'static,
     F: std::future::Future<Output = Response<GatewayBody>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // Between requests on a kept-alive HTTP/1.1 connection, hyper's header timer runs from
-    // the end of the last response: it is the idle timeout as well.
+    // One head limit for both protocols, above what is forwarded (`proxy::upstream::check_head`
+    // answers a head the backends would refuse with its own 431): HTTP/1.1 reads the head into
+    // a buffer of at most `max_buf_size` (hyper's default ~400 KiB, at most 100 fields), HTTP/2
+    // announces `SETTINGS_MAX_HEADER_LIST_SIZE` (h2's default 16 KiB). Beyond it, hyper and h2
+    // answer a bare 431 themselves. Between requests on a kept-alive HTTP/1.1 connection,
+    // hyper's header timer runs from the end of the last response: it is the idle timeout too.
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(keepalive_timeout)
+        .header_read_timeout(limit.keepalive_timeout)
+        .max_buf_size(limit.max_head)
         .keep_alive(true);
     builder
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(1024)
+        .max_header_list_size(u32::try_from(limit.max_head).unwrap_or(u32::MAX))
         .keep_alive_interval(Some(Duration::from_secs(30)));
     let graceful = GracefulShutdown::new();
     // Connection tasks live in a set so that the ones still open after the grace period can be

@@ -595,3 +595,68 @@ pub async fn stub_backend(
     });
     (addr, server)
 }
+
+/// A backend that keeps the head of every request it gets and answers each with a small chat
+/// completion whose response head carries `extra` headers as they are.
+pub struct HeadRecorder {
+    pub addr: SocketAddr,
+    pub heads: Arc<Mutex<Vec<HeaderMap>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HeadRecorder {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl HeadRecorder {
+    pub async fn start(extra: &'static [(&'static str, &'static str)]) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let seen = heads.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(
+                        move |req: http::Request<hyper::body::Incoming>| {
+                            seen.lock().unwrap().push(req.headers().clone());
+                            async move {
+                                let mut resp = http::Response::builder()
+                                    .status(200)
+                                    .header("content-type", "application/json");
+                                for (k, v) in extra {
+                                    resp = resp.header(*k, *v);
+                                }
+                                Ok::<_, std::convert::Infallible>(
+                                    resp.body(http_body_util::Full::new(Bytes::from_static(
+                                        br#"{"id":"c","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#,
+                                    )))
+                                    .unwrap(),
+                                )
+                            }
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Self { addr, heads, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The heads received so far.
+    pub fn heads(&self) -> Vec<HeaderMap> {
+        self.heads.lock().unwrap().clone()
+    }
+}
