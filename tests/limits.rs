@@ -680,3 +680,122 @@ async fn tokenize_counts_in_the_shared_rate_but_not_in_the_shared_tokens() {
     assert_eq!(m.status, 429);
     assert_eq!(openai_error(&m)["code"], "requests_per_minute_exceeded");
 }
+
+/// A failover between Redis and the local limits hands no key a fresh burst, in either
+/// direction: the local limits start from what Redis counted for the key, and Redis, once back,
+/// counts what the local limits admitted while it was away. Each key gets about its limit
+/// across the failover: its burst plus what its rate refills while the test runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_failover_hands_no_key_a_fresh_burst() {
+    let Some(redis) = redis_url("a_redis_failover_hands_no_key_a_fresh_burst").await else {
+        return;
+    };
+    let upstream: std::net::SocketAddr = redis
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap_or_else(|_| "127.0.0.1:6379".parse().unwrap());
+    let proxy = Cuttable::start(0, upstream).await;
+    let port = proxy.port;
+    let sim = sim(|_| {}).await;
+    let prefix = unique_prefix("failover");
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        shared_limits(c, &format!("redis://127.0.0.1:{port}"), &prefix, 1)
+    })
+    .await;
+    let started = std::time::Instant::now();
+    // Requests: 4 a minute (a burst of 4, then one per 15 s). Tokens: 100 a minute, each
+    // request reserving about 45 (two at once, then one per ~27 s).
+    let rate_key = || {
+        issue_key(&gw, Environment::Prod, |k| {
+            k.requests_per_minute = Some(4);
+        })
+    };
+    let token_key = || {
+        issue_key(&gw, Environment::Prod, |k| {
+            k.tokens_per_minute = Some(100);
+        })
+    };
+    let (rate_before, _) = rate_key().await;
+    let (rate_during, _) = rate_key().await;
+    let (tokens_before, _) = token_key().await;
+    let (tokens_during, _) = token_key().await;
+    let url = gw.url("/v1/chat/completions");
+    let admitted = |key: String, max_tokens: u32, n: usize| {
+        let url = url.clone();
+        async move {
+            let mut ok = 0;
+            for _ in 0..n {
+                let m = post(
+                    &url,
+                    &[("authorization", &bearer(&key))],
+                    chat(max_tokens, false),
+                )
+                .await;
+                match m.status {
+                    200 => ok += 1,
+                    429 => {}
+                    s => panic!("status {s}: {:?}", m.body),
+                }
+            }
+            ok
+        }
+    };
+    let metric = |name: &str| {
+        metrics_text(&gw)
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+
+    // Through Redis: the bursts.
+    let mut rate_before_n = admitted(rate_before.clone(), 2, 6).await;
+    let mut tokens_before_n = admitted(tokens_before.clone(), 40, 4).await;
+    assert_eq!((rate_before_n, tokens_before_n), (4, 2));
+
+    // Redis goes away. The local limits know what those keys used; the other keys, untouched
+    // so far, get their local share (replicas = 1: the whole limit).
+    let port = proxy.cut();
+    rate_before_n += admitted(rate_before.clone(), 2, 4).await;
+    tokens_before_n += admitted(tokens_before.clone(), 40, 3).await;
+    assert_eq!(metric("fleetgate_limits_redis_up"), Some(0.0));
+    let mut rate_during_n = admitted(rate_during.clone(), 2, 6).await;
+    let mut tokens_during_n = admitted(tokens_during.clone(), 40, 4).await;
+    assert_eq!((rate_during_n, tokens_during_n), (4, 2));
+
+    // Redis comes back: it counts what the local limits admitted.
+    let _proxy = Cuttable::start(port, upstream).await;
+    assert!(
+        eventually(Duration::from_secs(10), || metric(
+            "fleetgate_limits_redis_up"
+        ) == Some(1.0))
+        .await,
+        "Redis was not found again"
+    );
+    rate_during_n += admitted(rate_during.clone(), 2, 4).await;
+    tokens_during_n += admitted(tokens_during.clone(), 40, 3).await;
+    rate_before_n += admitted(rate_before.clone(), 2, 2).await;
+
+    // What the rates refill while the test runs (generously rounded up) is all a key may
+    // have beyond its burst.
+    let secs = started.elapsed().as_secs();
+    let rate_refill = 1 + secs / 15;
+    let token_refill = 1 + secs / 27;
+    assert!(
+        rate_before_n <= 4 + rate_refill,
+        "requests admitted across the fallback: {rate_before_n} in {secs} s (limit 4/min)"
+    );
+    assert!(
+        rate_during_n <= 4 + rate_refill,
+        "requests admitted across the recovery: {rate_during_n} in {secs} s (limit 4/min)"
+    );
+    assert!(
+        tokens_before_n <= 2 + token_refill,
+        "requests of ~45 tokens admitted across the fallback: {tokens_before_n} in {secs} s (limit 100 tokens/min)"
+    );
+    assert!(
+        tokens_during_n <= 2 + token_refill,
+        "requests of ~45 tokens admitted across the recovery: {tokens_during_n} in {secs} s (limit 100 tokens/min)"
+    );
+}

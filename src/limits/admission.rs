@@ -5,10 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use governor::clock::Clock;
-
 use super::bucket::{Shortfall, TokenBucket};
-use super::limiter::{EnvLimiter, KeyLimiter, KeyQuota, TokioClock, div_ceil_u32};
+use super::limiter::{EnvLimiter, Floors, KeyLimiter, KeyQuota, div_ceil_u32};
 use super::refusal::{LimitKind, RateHeaders, Refusal, Window};
 use super::{Demand, Limits, shared};
 use crate::key::{Environment, KeyRecord};
@@ -87,9 +85,42 @@ impl Limits {
         if let Some(shared) = &self.shared
             && shared.is_up()
         {
-            let check = shared::Check::new(key, &checked, e.per_second, requested);
+            // What the local limits admitted while Redis was away goes along as floors, so
+            // Redis does not admit it again.
+            let key_unsynced = limiter.unsynced.load(Ordering::Acquire);
+            let env_unsynced = e.unsynced.load(Ordering::Acquire);
+            let check = shared::Check::new(key, &checked, e.per_second, requested).with_floors(
+                if key_unsynced {
+                    limiter.floors()
+                } else {
+                    Floors::default()
+                },
+                if env_unsynced {
+                    e.floor()
+                } else {
+                    Duration::ZERO
+                },
+            );
             match shared.admit(&check).await {
-                Ok(shared::Outcome::Admitted { requests, tokens }) => {
+                Ok(shared::Outcome::Admitted {
+                    requests,
+                    tokens,
+                    env,
+                }) => {
+                    // Redis's view, floors included, is the local limits' from now on: a
+                    // fallback starts from what the key has used.
+                    limiter.sync(requests.map(|r| r.1), tokens.map(|t| t.1));
+                    e.sync(env);
+                    // (A check without the key's token budget, tokenization, did not carry
+                    // the bucket's floor: the key stays unsynced until one does.)
+                    if key_unsynced
+                        && (checked.tokens_per_minute.is_some() || limiter.tokens.is_none())
+                    {
+                        limiter.unsynced.store(false, Ordering::Release);
+                    }
+                    if env_unsynced {
+                        e.unsynced.store(false, Ordering::Release);
+                    }
                     adm.headers = shared_headers(&checked, requests, tokens);
                     if checked.tokens_per_minute.is_some() {
                         adm.reserved = requested;
@@ -164,19 +195,15 @@ impl Limits {
         if let Some(g) = &limiter.requests {
             let rpm = u64::from(div_ceil_u32(quota.requests_per_minute.unwrap_or(1), d));
             match g.check() {
-                Ok(snap) => {
-                    let q = snap.quota();
-                    let remaining = snap.remaining_burst_capacity();
-                    let missing = q.burst_size().get().saturating_sub(remaining);
+                Ok(room) => {
                     headers.requests = Some(Window {
                         limit: rpm,
-                        remaining: u64::from(remaining),
-                        reset: q.replenish_interval() * missing,
+                        remaining: u64::from(room.remaining),
+                        reset: room.reset,
                     });
                 }
-                Err(not_until) => {
+                Err(wait) => {
                     adm.set_used(0);
-                    let wait = not_until.wait_time_from(TokioClock.now());
                     headers.requests = Some(Window {
                         limit: rpm,
                         remaining: 0,
@@ -192,12 +219,17 @@ impl Limits {
             }
         }
         if let Some(g) = &e.requests
-            && let Err(not_until) = g.check()
+            && let Err(wait) = g.check()
         {
             adm.set_used(0);
-            let wait = not_until.wait_time_from(TokioClock.now());
             let limit = u64::from(div_ceil_u32(e.per_second.map_or(1, |p| p.0), d));
             return Err(self.refuse(refusal(LimitKind::EnvRequests, limit, Some(wait), headers)));
+        }
+        // In shared mode Redis has not seen this admission: its next check for the key (and
+        // the environment) takes the local view along.
+        if self.shared.is_some() {
+            limiter.unsynced.store(true, Ordering::Release);
+            e.unsynced.store(true, Ordering::Release);
         }
         adm.headers = headers;
         Ok(adm)

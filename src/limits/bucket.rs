@@ -1,6 +1,6 @@
 //! A token bucket that can give back: token budgets reserve an estimate at admission and
-//! settle against the backend's real usage when the response ends. (governor's GCRA, used for
-//! request rates, cannot refund, so token budgets keep their own bucket.)
+//! settle against the backend's real usage when the response ends. (A GCRA, used for request
+//! rates, cannot refund, so token budgets keep their own bucket.)
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -100,6 +100,24 @@ impl TokenBucket {
         let mut l = self.state.lock().unwrap_or_else(|p| p.into_inner());
         self.refill(&mut l, now);
         l.tokens = (l.tokens + delta as f64).min(self.per_minute as f64);
+    }
+
+    /// How long the bucket needs to be full again at its refill rate (its debt included).
+    pub fn until_full(&self) -> Duration {
+        let now = Instant::now();
+        let mut l = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.refill(&mut l, now);
+        let missing = self.per_minute as f64 - l.tokens;
+        Duration::from_secs_f64((missing / self.rate_per_sec()).max(0.0))
+    }
+
+    /// Set the level to what leaves the bucket `until_full` from full (a debt when that is
+    /// more than a minute): another store's view of the key, in this bucket's own measure.
+    pub fn set_until_full(&self, until_full: Duration) {
+        let now = Instant::now();
+        let mut l = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        l.tokens = self.per_minute as f64 - until_full.as_secs_f64() * self.rate_per_sec();
+        l.at = now;
     }
 
     /// The bucket as it is now (for response headers when no tokens are reserved).

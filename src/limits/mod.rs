@@ -1,6 +1,6 @@
 //! Rate limits, token budgets and concurrency caps, checked after auth and before routing.
 //!
-//! Per key: requests per minute with a burst (governor's GCRA), tokens per minute (a bucket
+//! Per key: requests per minute with a burst (GCRA, `limiter::Gcra`), tokens per minute (a bucket
 //! that reserves an estimate at admission and settles against the backend's usage when the
 //! response ends, see `bucket`), and concurrent requests. Per environment: an aggregate request
 //! rate and concurrency over all of its keys. A key's own values win over its environment's
@@ -17,7 +17,7 @@ mod refusal;
 pub mod shared;
 
 pub use admission::Admission;
-pub use limiter::{KeyQuota, TokioClock};
+pub use limiter::{Floors, KeyQuota};
 pub use refusal::{LimitKind, LimitMetrics, RateHeaders, Refusal, Window, reset_value};
 
 use std::sync::Arc;

@@ -7,6 +7,14 @@
 //! local limits of limit/replicas (so N replicas together still enforce about the limit), logs
 //! the switch once, counts it (`fleetgate_limits_fallback_total`) and shows it
 //! (`fleetgate_limits_redis_up` 0), and probes Redis every second until it answers again.
+//!
+//! A failover hands no key a fresh burst, either way. While Redis answers, each admission
+//! carries Redis's view of the key (how long each limit needs to be whole again) into the
+//! local limits, so a fallback starts from what the key has used. While it does not, what the
+//! local limits admit is remembered per key, and the key's first admission when Redis is back
+//! sends that local view along as floors the script applies before it decides, so Redis does
+//! not admit again what was admitted here. (Time to be whole again is the same measure for the
+//! whole limit and for a replica's share of limit/replicas at its share of the rate.)
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,31 +27,36 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::KeyQuota;
+use super::{Floors, KeyQuota};
 use crate::config::RedisConfig;
 use crate::key::KeyRecord;
 
 /// KEYS: key request TAT, key token bucket, environment request TAT.
 /// ARGV: key emission interval µs, key tolerance µs (0 0: no limit), token capacity, tokens to
-/// reserve (0 0: no budget), environment emission interval µs, environment tolerance µs.
-/// Returns {0, req_remaining, req_reset_us, tok_remaining, tok_reset_us} (-1: no such limit)
-/// or {which, retry_us} with which = 1 key requests, 2 key tokens, 3 environment requests,
-/// 4 more tokens than the whole budget. Times are Redis's own (`TIME`), so replicas' clocks
-/// do not matter. A missing key means a full bucket: every key expires when it would be full.
+/// reserve (0 0: no budget), environment emission interval µs, environment tolerance µs, then
+/// the floors (µs; 0: none): how long the key's request rate, its token bucket and the
+/// environment's rate need to be whole again by what a replica admitted on its own while Redis
+/// was away — the stored state is taken as at least that used.
+/// Returns {0, req_remaining, req_reset_us, tok_remaining, tok_reset_us, env_reset_us} (-1: no
+/// such limit; a reset is the time until the limit is whole again) or {which, retry_us} with
+/// which = 1 key requests, 2 key tokens, 3 environment requests, 4 more tokens than the whole
+/// budget. Times are Redis's own (`TIME`), so replicas' clocks do not matter. A missing key
+/// means a full bucket: every key expires when it would be full.
 const ADMIT: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local kt, ktau = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cap, need = tonumber(ARGV[3]), tonumber(ARGV[4])
 local et, etau = tonumber(ARGV[5]), tonumber(ARGV[6])
+local kfloor, tfloor, efloor = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local ktat = now
 if kt > 0 then
-  ktat = tonumber(redis.call('GET', KEYS[1])) or now
+  ktat = math.max(tonumber(redis.call('GET', KEYS[1])) or now, now + kfloor)
   if now < ktat - ktau then return {1, ktat - ktau - now} end
 end
 local etat = now
 if et > 0 then
-  etat = tonumber(redis.call('GET', KEYS[3])) or now
+  etat = math.max(tonumber(redis.call('GET', KEYS[3])) or now, now + efloor)
   if now < etat - etau then return {3, etat - etau - now} end
 end
 local level = 0
@@ -53,9 +66,10 @@ if cap > 0 then
   level = tonumber(b[1]) or cap
   local at = tonumber(b[2]) or now
   if now > at then level = math.min(cap, level + (now - at) * cap / 60000000) end
+  level = math.min(level, cap - tfloor * cap / 60000000)
   if level < need then return {2, math.ceil((need - level) * 60000000 / cap)} end
 end
-local out = {0, -1, 0, -1, 0}
+local out = {0, -1, 0, -1, 0, -1}
 if kt > 0 then
   local nxt = math.max(ktat, now) + kt
   redis.call('SET', KEYS[1], string.format('%.0f', nxt), 'PX', math.ceil((nxt - now) / 1000) + 1000)
@@ -65,6 +79,7 @@ end
 if et > 0 then
   local nxt = math.max(etat, now) + et
   redis.call('SET', KEYS[3], string.format('%.0f', nxt), 'PX', math.ceil((nxt - now) / 1000) + 1000)
+  out[6] = nxt - now
 end
 if cap > 0 then
   level = level - need
@@ -108,6 +123,8 @@ pub struct Check {
     reserve: u64,
     env_t_us: u64,
     env_tau_us: u64,
+    key_floor: Floors,
+    env_floor: Duration,
 }
 
 impl Check {
@@ -144,7 +161,17 @@ impl Check {
             reserve,
             env_t_us,
             env_tau_us,
+            key_floor: Floors::default(),
+            env_floor: Duration::ZERO,
         }
+    }
+
+    /// What this replica admitted on its own while Redis was away, for Redis to count
+    /// (`KeyLimiter::floors`, `EnvLimiter::floor`).
+    pub fn with_floors(mut self, key: Floors, env: Duration) -> Self {
+        self.key_floor = key;
+        self.env_floor = env;
+        self
     }
 }
 
@@ -159,10 +186,13 @@ pub enum Which {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
-    /// (remaining, reset) of the request and token windows that apply.
+    /// (remaining, reset) of the request and token windows that apply, and the time the
+    /// environment's rate needs to be whole again. A reset is the time until the limit is
+    /// whole again: the key's state that a later fallback starts from.
     Admitted {
         requests: Option<(u64, Duration)>,
         tokens: Option<(u64, Duration)>,
+        env: Option<Duration>,
     },
     Refused {
         which: Which,
@@ -328,7 +358,10 @@ impl Shared {
             .arg(c.token_capacity)
             .arg(c.reserve)
             .arg(c.env_t_us)
-            .arg(c.env_tau_us);
+            .arg(c.env_tau_us)
+            .arg(micros(c.key_floor.requests))
+            .arg(micros(c.key_floor.tokens))
+            .arg(micros(c.env_floor));
         let reply: Vec<i64> =
             match tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn)).await {
                 Ok(Ok(r)) => r,
@@ -347,6 +380,7 @@ impl Shared {
             0 => Outcome::Admitted {
                 requests: (get(1) >= 0).then(|| (get(1) as u64, us(get(2)))),
                 tokens: (get(3) >= 0).then(|| (get(3) as u64, us(get(4)))),
+                env: (get(5) >= 0).then(|| us(get(5))),
             },
             which => Outcome::Refused {
                 which: match which {
@@ -377,6 +411,10 @@ impl Shared {
             self.metrics.dropped_settlements.inc();
         }
     }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 async fn connect(

@@ -312,3 +312,44 @@ fn reset_header_format() {
     assert_eq!(f(360_000), "6m0s");
     assert_eq!(f(61_500), "1m1s");
 }
+
+/// What a failover carries over: how long a rate or a bucket needs to be whole again, read on
+/// one limiter and applied to another (of a different share: the time is the same).
+#[tokio::test(start_paused = true)]
+async fn rates_and_buckets_carry_their_state_as_time_to_be_whole() {
+    use super::bucket::TokenBucket;
+    use super::limiter::Gcra;
+    use std::num::NonZeroU32;
+    let four = NonZeroU32::new(4).unwrap();
+    let g = Gcra::new(Duration::from_secs(60), four, four);
+    assert_eq!(g.debt(), Duration::ZERO);
+    for left in (0..4).rev() {
+        assert_eq!(g.check().unwrap().remaining, left);
+    }
+    assert_eq!(g.debt(), Duration::from_secs(60));
+    assert_eq!(g.check(), Err(Duration::from_secs(15)));
+    // A fresh limiter told what was used elsewhere starts from there, not from a full burst.
+    let fresh = Gcra::new(Duration::from_secs(60), four, four);
+    fresh.owe_at_least(g.debt());
+    assert_eq!(fresh.check(), Err(Duration::from_secs(15)));
+    // It never forgets what it used itself, and owes at most what one admission can.
+    g.owe_at_least(Duration::ZERO);
+    assert_eq!(g.debt(), Duration::from_secs(60));
+    let other = Gcra::new(Duration::from_secs(60), four, four);
+    other.owe_at_least(Duration::from_secs(3600));
+    assert_eq!(other.debt(), Duration::from_secs(60));
+    tokio::time::advance(Duration::from_secs(15)).await;
+    assert_eq!(g.check().unwrap().remaining, 0);
+
+    let whole = TokenBucket::new(600);
+    whole.reserve(300).unwrap();
+    assert_eq!(whole.until_full(), Duration::from_secs(30));
+    // Half the limit (a replica's share of two) at half the rate: half the tokens missing.
+    let share = TokenBucket::new(300);
+    share.set_until_full(whole.until_full());
+    assert_eq!(share.peek().remaining, 150);
+    // A debt carries over as a debt.
+    share.set_until_full(Duration::from_secs(90));
+    assert_eq!(share.peek().remaining, 0);
+    assert_eq!(share.until_full(), Duration::from_secs(90));
+}
