@@ -494,6 +494,7 @@ async fn admin_api_checks_its_tokens() {
             sub: None,
             role: Role::Admin,
             exp: 1_000_000,
+            nbf: None,
             aud: None,
             iss: None,
         },
@@ -516,6 +517,7 @@ async fn admin_api_checks_its_tokens() {
             sub: None,
             role: Role::Admin,
             exp: u64::MAX / 4,
+            nbf: None,
             aud: None,
             iss: None,
         },
@@ -596,6 +598,43 @@ async fn admin_api_checks_its_tokens() {
         text.contains("fleetgate_auth_failures_total{reason=\"missing\"}"),
         "{text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_tokens_not_valid_yet_are_refused_saying_when_they_become_valid() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.admin = admin_cfg()
+    })
+    .await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // Claims as any issuer writes them (the `nbf` claim of RFC 7519).
+    let signed = |nbf: u64| {
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &serde_json::json!({"sub": "early", "role": "admin", "exp": nbf.max(now) + 3600, "nbf": nbf}),
+            &jsonwebtoken::EncodingKey::from_secret(JWT_SECRET.as_bytes()),
+        )
+        .unwrap()
+    };
+    // An hour early: refused, and the message says when the token becomes valid.
+    let nbf = 2_000_000_000;
+    let (s, body) = admin(&gw, "GET", "/admin/keys", Some(&signed(nbf)), None).await;
+    assert_eq!(s, 401, "{body}");
+    assert_eq!(body["error"]["code"], "invalid_admin_token");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("not valid yet"), "{message}");
+    assert!(message.contains("2033-05-18T03:33:20Z"), "{message}");
+    let (s, body) = admin(&gw, "GET", "/admin/keys", Some(&signed(now + 3600)), None).await;
+    assert_eq!(s, 401, "{body}");
+    // Within the same leeway as `exp` (5 s), and in the past: accepted.
+    let (s, body) = admin(&gw, "GET", "/admin/keys", Some(&signed(now + 2)), None).await;
+    assert_eq!(s, 200, "{body}");
+    let (s, body) = admin(&gw, "GET", "/admin/keys", Some(&signed(now - 60)), None).await;
+    assert_eq!(s, 200, "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
