@@ -73,10 +73,15 @@ impl Shared {
                 return;
             }
             let now = Instant::now();
-            while state.due.peek().is_some_and(|Reverse(e)| e.at <= now) {
-                if let Some(Reverse(e)) = state.due.pop() {
+            if state.due.peek().is_some_and(|Reverse(e)| e.at <= now) {
+                let due = state.due.pop();
+                // Woken outside the lock: whatever waking runs (or drops) cannot reach it.
+                drop(state);
+                if let Some(Reverse(e)) = due {
                     e.waker.wake();
                 }
+                state = self.lock();
+                continue;
             }
             state = match state.due.peek() {
                 None => self
@@ -139,7 +144,9 @@ impl Drop for Alarm {
     fn drop(&mut self) {
         self.shared.lock().stop = true;
         self.shared.changed.notify_one();
-        if let Some(Some(thread)) = self.thread.take() {
+        if let Some(Some(thread)) = self.thread.take()
+            && thread.thread().id() != std::thread::current().id()
+        {
             let _ = thread.join();
         }
     }
