@@ -1,10 +1,14 @@
-//! Key-check cost on the request path and revocation propagation between two gateways.
+//! Key-check cost on the request path, the timing of refusals, and revocation propagation
+//! between two gateways.
 //!
 //!   cargo bench --bench auth [-- --keys 10000 --iterations 1000000 --revocations 200]
 //!
 //! Part 1 times `Authenticator::authenticate` (header parse, checksum, snapshot lookup,
 //! SHA-256 and constant-time compare, revocation/expiry checks) with a snapshot of many keys.
-//! Part 2 starts two gateways on one store (PostgreSQL from FLEETGATE_TEST_PG or the local
+//! Part 2 sends paced, interleaved refusals through a real gateway: an unknown public id
+//! against a known id with a wrong secret, p50/p90 of each, without and with the
+//! `auth.failure_delay_ms` floor (`--timing-pairs 200 --timing-pace-ms 25`).
+//! Part 3 starts two gateways on one store (PostgreSQL from FLEETGATE_TEST_PG or the local
 //! server, and the embedded SQLite file), revokes keys through one and measures how long the
 //! other takes to refuse them (its snapshot shows the revocation).
 #![allow(
@@ -66,7 +70,7 @@ async fn key_check(n_keys: usize, iterations: usize) {
     let peer = IpAddr::V4(Ipv4Addr::LOCALHOST);
     // Warm up, then time batches to get a distribution of per-check cost.
     for h in &headers {
-        auth.authenticate(h, peer).await.unwrap();
+        auth.authenticate(h, peer, Instant::now()).await.unwrap();
     }
     let batch = 1000;
     let mut per_check_ns = Vec::new();
@@ -76,7 +80,7 @@ async fn key_check(n_keys: usize, iterations: usize) {
         let t = Instant::now();
         for i in 0..batch {
             let h = &headers[(done + i) % headers.len()];
-            std::hint::black_box(auth.authenticate(h, peer).await.unwrap());
+            std::hint::black_box(auth.authenticate(h, peer, Instant::now()).await.unwrap());
         }
         per_check_ns.push(t.elapsed().as_nanos() as f64 / batch as f64);
         done += batch;
@@ -139,6 +143,10 @@ fn record_cost(iterations: usize) {
 }
 
 async fn start_gateway(db: &DatabaseConfig) -> Server {
+    start_gateway_with(db, |_| {}).await
+}
+
+async fn start_gateway_with(db: &DatabaseConfig, f: impl FnOnce(&mut Config)) -> Server {
     let mut config = Config::with_pools(vec![PoolConfig::new(
         "m",
         vec!["http://127.0.0.1:9".parse().unwrap()],
@@ -147,6 +155,7 @@ async fn start_gateway(db: &DatabaseConfig) -> Server {
     config.admin.listen = None;
     config.server.request_log_events = false;
     config.server.health_interval = Duration::from_secs(3600);
+    f(&mut config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     Server::start_on(listener, &config, Recorder::new(false))
         .await
@@ -204,13 +213,114 @@ async fn propagation(name: &str, db: DatabaseConfig, n: usize) {
     b.shutdown().await;
 }
 
+/// Paced, interleaved refusals through a real gateway: a well-formed key whose public id does
+/// not exist (a new one each time, so the store is asked within its lookup budget) against the
+/// gateway's own public id with a wrong secret. Prints one table row: p50 and p90 of each as
+/// the client sees them, and how many lookups reached the store.
+async fn refusal_timing(name: &str, pairs: usize, pace: Duration, f: impl FnOnce(&mut Config)) {
+    let dir = std::env::temp_dir().join(format!(
+        "fleetgate-bench-timing-{}-{}",
+        std::process::id(),
+        name.len()
+    ));
+    let db = DatabaseConfig {
+        sqlite_path: dir.join("keys.db"),
+        ..DatabaseConfig::default()
+    };
+    let gw = start_gateway_with(&db, |c| {
+        // Every refusal here is a measurement, none a reason to throttle.
+        c.auth.failures_per_minute = 1_000_000;
+        c.server.workers = 1;
+        f(c);
+    })
+    .await;
+    let (_, rec) = gw
+        .auth
+        .store()
+        .create(
+            &CreateKey {
+                name: "timing".into(),
+                environment: Some(Environment::Prod),
+                ..CreateKey::default()
+            },
+            "bench",
+        )
+        .await
+        .unwrap();
+    gw.auth.apply(&rec.public_id, Some(rec.clone()));
+    let wrong_secret = key::generate(Environment::Prod, Some(&rec.public_id)).full;
+    let uri: http::Uri = format!("http://{}/v1/chat/completions", gw.local_addr)
+        .parse()
+        .unwrap();
+    let client = fleetgate::client::http_client();
+    let body = fleetgate::client::chat_body("m", "hi", 1, false);
+    let send = async |key: &str| {
+        let mut h = HeaderMap::new();
+        h.insert(
+            http::header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {key}")).unwrap(),
+        );
+        let t = Instant::now();
+        let m = fleetgate::client::send(&client, &uri, &h, body.clone(), false)
+            .await
+            .unwrap();
+        assert_eq!(m.status, 401);
+        t.elapsed().as_secs_f64() * 1e6
+    };
+    // Warm the connection and both paths.
+    send(&wrong_secret).await;
+    send(&key::generate(Environment::Prod, None).full).await;
+    let lookups_before = gw.auth.db_lookups();
+    let (mut unknown_us, mut wrong_us) = (Vec::new(), Vec::new());
+    for i in 0..pairs {
+        let unknown = key::generate(Environment::Prod, None).full;
+        // Alternate which goes first, so neither always follows the other.
+        if i % 2 == 0 {
+            unknown_us.push(send(&unknown).await);
+            tokio::time::sleep(pace).await;
+            wrong_us.push(send(&wrong_secret).await);
+        } else {
+            wrong_us.push(send(&wrong_secret).await);
+            tokio::time::sleep(pace).await;
+            unknown_us.push(send(&unknown).await);
+        }
+        tokio::time::sleep(pace).await;
+    }
+    let lookups = gw.auth.db_lookups() - lookups_before;
+    let (u50, w50) = (pct(&mut unknown_us, 50.0), pct(&mut wrong_us, 50.0));
+    println!(
+        "| {name} | {pairs} | {u50:.0} µs | {:.0} µs | {w50:.0} µs | {:.0} µs | {:+.0} µs | {lookups} |",
+        pct(&mut unknown_us, 90.0),
+        pct(&mut wrong_us, 90.0),
+        u50 - w50,
+    );
+    gw.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let n_keys = arg("--keys", 10_000);
     let iterations = arg("--iterations", 1_000_000);
     let revocations = arg("--revocations", 200);
+    let pairs = arg("--timing-pairs", 200);
+    let pace = Duration::from_millis(arg("--timing-pace-ms", 25) as u64);
     key_check(n_keys, iterations).await;
     record_cost(iterations);
+
+    println!(
+        "\n## Refusal timing: unknown public id vs known id with a wrong secret ({} ms apart, interleaved)\n",
+        pace.as_millis()
+    );
+    println!(
+        "| gateway | pairs | unknown p50 | unknown p90 | wrong secret p50 | wrong secret p90 | p50 difference | store lookups |\n|---|---|---|---|---|---|---|---|"
+    );
+    refusal_timing("`failure_delay_ms = 0` (no floor)", pairs, pace, |c| {
+        c.auth.failure_delay = Duration::ZERO;
+        c.auth.throttle_delay = Duration::ZERO;
+    })
+    .await;
+    refusal_timing("`failure_delay_ms = 100` (default)", pairs, pace, |_| {}).await;
 
     println!("\n## Revocation propagation: revoked through gateway A, refused by gateway B\n");
     println!("| store | revocations | p50 | p99 | max | mean |\n|---|---|---|---|---|---|");

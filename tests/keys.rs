@@ -415,34 +415,235 @@ async fn every_refusal_has_its_own_message_and_never_reaches_a_backend() {
     assert_eq!(gw.server.auth.failure_count("environment_not_allowed"), 1);
 }
 
+/// One HTTP/1.1 keep-alive connection from a chosen loopback address, written and read by
+/// hand so the test sees exactly what the server does with the connection.
+struct RawConn {
+    stream: tokio::net::TcpStream,
+    buf: Vec<u8>,
+}
+
+/// A response read off a `RawConn`.
+struct RawAnswer {
+    status: u16,
+    /// Header names lower-cased.
+    headers: Vec<(String, String)>,
+    body: serde_json::Value,
+    took: Duration,
+}
+
+impl RawAnswer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+impl RawConn {
+    /// Connect to the gateway from `from` (any 127.x.y.z address reaches the loopback
+    /// listener, so tests can act as several client addresses).
+    async fn connect(gw: &Gateway, from: [u8; 4]) -> Self {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(std::net::SocketAddr::from((from, 0))).unwrap();
+        let stream = socket.connect(gw.server.local_addr).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        Self {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    /// `GET /v1/models` with `key`, and its whole answer.
+    async fn models(&mut self, key: &str) -> RawAnswer {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let t = Instant::now();
+        let req = format!(
+            "GET /v1/models HTTP/1.1\r\nhost: gateway\r\nauthorization: Bearer {key}\r\n\r\n"
+        );
+        self.stream.write_all(req.as_bytes()).await.unwrap();
+        let head_end = loop {
+            if let Some(i) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let mut chunk = [0u8; 4096];
+            let n = self.stream.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "connection closed before an answer");
+            self.buf.extend_from_slice(&chunk[..n]);
+        };
+        let head = String::from_utf8(self.buf[..head_end].to_vec()).unwrap();
+        let mut lines = head.split("\r\n");
+        let status = lines
+            .next()
+            .unwrap()
+            .split(' ')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .collect();
+        let len: usize = headers
+            .iter()
+            .find(|(n, _)| n == "content-length")
+            .map_or(0, |(_, v)| v.parse().unwrap());
+        while self.buf.len() < head_end + len {
+            let mut chunk = [0u8; 4096];
+            let n = self.stream.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "connection closed inside the body");
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+        let body = serde_json::from_slice(&self.buf[head_end..head_end + len]).unwrap();
+        self.buf.drain(..head_end + len);
+        RawAnswer {
+            status,
+            headers,
+            body,
+            took: t.elapsed(),
+        }
+    }
+
+    /// Whether the server closes the connection (end of stream) within `limit`.
+    async fn closed_by_server(&mut self, limit: Duration) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut chunk = [0u8; 64];
+        matches!(
+            tokio::time::timeout(limit, self.stream.read(&mut chunk)).await,
+            Ok(Ok(0) | Err(_))
+        )
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn repeated_failures_from_one_address_are_slowed_down() {
+async fn a_throttled_address_is_refused_unchecked_after_a_delay_and_its_connection_closed() {
     let sim = sim(|_| {}).await;
+    let throttle_delay = Duration::from_millis(400);
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-        c.auth.failures_per_minute = 5;
+        c.auth.failures_per_minute = 3;
+        c.auth.throttle_delay = throttle_delay;
     })
     .await;
-    let bad = fleetgate::key::generate(Environment::Prod, None).full;
-    let mut statuses = Vec::new();
-    for _ in 0..8 {
-        statuses.push(chat(&gw, &bad).await.status);
+    let bad = fleetgate::key::generate(Environment::Stress, None).full;
+    // One keep-alive connection guessing: the allowance is answered 401 and the connection
+    // stays open.
+    let mut conn = RawConn::connect(&gw, [127, 0, 0, 1]).await;
+    for i in 0..3 {
+        let a = conn.models(&bad).await;
+        assert_eq!(a.status, 401, "guess {i}: {}", a.body);
+        assert_eq!(a.header("connection"), None, "guess {i}");
     }
-    assert_eq!(&statuses[..5], &[401; 5]);
-    assert!(statuses[5..].iter().all(|s| *s == 429), "{statuses:?}");
-    let m = chat(&gw, &bad).await;
-    assert_eq!(openai_error(&m)["code"], "too_many_auth_failures");
+    // Past it: refused after the throttle delay, and the server closes the connection.
+    let a = conn.models(&bad).await;
+    assert_eq!(a.status, 429, "{}", a.body);
+    assert_eq!(a.body["error"]["code"], "too_many_auth_failures");
+    assert!(a.header("retry-after").unwrap().parse::<u64>().unwrap() >= 1);
+    assert_eq!(a.header("connection"), Some("close"));
+    assert!(a.took >= throttle_delay, "answered after {:?}", a.took);
     assert!(
-        m.headers["retry-after"]
-            .to_str()
-            .unwrap()
-            .parse::<u64>()
-            .unwrap()
-            >= 1
+        conn.closed_by_server(Duration::from_secs(5)).await,
+        "the server kept the throttled connection open"
     );
-    // A valid key from the same address still works: the limit slows guessing only.
-    assert_eq!(chat(&gw, &gw.key).await.status, 200);
+    // The correct key from the throttled address is refused too: while throttled, no key is
+    // checked at all.
+    let mut again = RawConn::connect(&gw, [127, 0, 0, 1]).await;
+    let a = again.models(&gw.key).await;
+    assert_eq!(
+        a.status, 429,
+        "a throttled address had its key checked: {}",
+        a.body
+    );
+    assert_eq!(a.header("connection"), Some("close"));
+    assert!(again.closed_by_server(Duration::from_secs(5)).await);
+    // Other addresses are served as before.
+    let mut other = RawConn::connect(&gw, [127, 0, 0, 2]).await;
+    let a = other.models(&gw.key).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(other.models(&gw.key).await.status, 200, "kept alive");
+    assert!(gw.server.auth.failure_count("too_many_failures") >= 2);
     // The unknown-key lookups that reached the store stayed within the budget.
-    assert!(gw.server.auth.db_lookups() <= 8);
+    assert!(gw.server.auth.db_lookups() <= 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_id_and_a_wrong_secret_are_answered_alike_no_sooner_than_the_floor() {
+    let sim = sim(|_| {}).await;
+    let floor = Duration::from_millis(300);
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.auth.failures_per_minute = 1000;
+        c.auth.failure_delay = floor;
+        c.auth.throttle_delay = floor;
+    })
+    .await;
+    let known = fleetgate::key::parse(&gw.key).unwrap().public_id.to_owned();
+    let wrong_secret = fleetgate::key::generate(Environment::Stress, Some(&known)).full;
+    let wrong_env = fleetgate::key::generate(Environment::Prod, Some(&known)).full;
+    let unknown = fleetgate::key::generate(Environment::Stress, None).full;
+    // The unknown id twice: once looked up in the store, once from the negative cache.
+    let mut bodies = Vec::new();
+    for (what, key) in [
+        ("unknown id (store lookup)", &unknown),
+        ("known id, wrong secret", &wrong_secret),
+        ("unknown id (negative cache)", &unknown),
+        ("known id, wrong environment", &wrong_env),
+    ] {
+        let t = Instant::now();
+        let m = chat(&gw, key).await;
+        let took = t.elapsed();
+        assert_eq!(m.status, 401, "{what}");
+        assert!(
+            took >= floor,
+            "{what} answered after {took:?}, before the floor"
+        );
+        let err = openai_error(&m);
+        assert_eq!(err["code"], "invalid_api_key", "{what}");
+        bodies.push(err["message"].clone());
+    }
+    assert!(bodies.windows(2).all(|w| w[0] == w[1]), "{bodies:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_waiting_out_their_delay_are_bounded() {
+    let sim = sim(|_| {}).await;
+    let delay = Duration::from_secs(3);
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.auth.failures_per_minute = 1000;
+        c.auth.failure_delay = delay;
+        c.auth.throttle_delay = delay;
+        c.auth.max_delayed_answers = 1;
+    })
+    .await;
+    let bad = fleetgate::key::generate(Environment::Stress, None).full;
+    let waiting = |gw: &Gateway| {
+        gw.server.auth.update_gauges();
+        metrics_text(gw).contains("fleetgate_auth_delayed_answers 1")
+    };
+    let url = gw.url("/v1/chat/completions");
+    let first_key = bad.clone();
+    let started = Instant::now();
+    let first = tokio::spawn(async move {
+        post(
+            &url,
+            &[("authorization", &format!("Bearer {first_key}"))],
+            chat_body("qwen32b", "hi", 3, false),
+        )
+        .await
+    });
+    assert!(eventually(Duration::from_secs(5), || waiting(&gw)).await);
+    // The one slot is taken: the next refusal is answered without waiting, and counted.
+    let second = chat(&gw, &bad).await;
+    assert_eq!(second.status, 401);
+    assert!(
+        !first.is_finished(),
+        "the second refusal waited for the first's delay"
+    );
+    assert!(metrics_text(&gw).contains("fleetgate_auth_delays_skipped_total 1"));
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 401);
+    assert!(started.elapsed() >= delay);
+    gw.server.auth.update_gauges();
+    assert!(metrics_text(&gw).contains("fleetgate_auth_delayed_answers 0"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -494,6 +695,7 @@ async fn admin_api_checks_its_tokens() {
             sub: None,
             role: Role::Admin,
             exp: 1_000_000,
+            nbf: None,
             aud: None,
             iss: None,
         },
@@ -516,6 +718,7 @@ async fn admin_api_checks_its_tokens() {
             sub: None,
             role: Role::Admin,
             exp: u64::MAX / 4,
+            nbf: None,
             aud: None,
             iss: None,
         },
@@ -596,6 +799,43 @@ async fn admin_api_checks_its_tokens() {
         text.contains("fleetgate_auth_failures_total{reason=\"missing\"}"),
         "{text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_tokens_not_valid_yet_are_refused_saying_when_they_become_valid() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.admin = admin_cfg()
+    })
+    .await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // Claims as any issuer writes them (the `nbf` claim of RFC 7519).
+    let signed = |nbf: u64| {
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &serde_json::json!({"sub": "early", "role": "admin", "exp": nbf.max(now) + 3600, "nbf": nbf}),
+            &jsonwebtoken::EncodingKey::from_secret(JWT_SECRET.as_bytes()),
+        )
+        .unwrap()
+    };
+    // An hour early: refused, and the message says when the token becomes valid.
+    let nbf = 2_000_000_000;
+    let (s, body) = admin(&gw, "GET", "/admin/keys", Some(&signed(nbf)), None).await;
+    assert_eq!(s, 401, "{body}");
+    assert_eq!(body["error"]["code"], "invalid_admin_token");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("not valid yet"), "{message}");
+    assert!(message.contains("2033-05-18T03:33:20Z"), "{message}");
+    let (s, body) = admin(&gw, "GET", "/admin/keys", Some(&signed(now + 3600)), None).await;
+    assert_eq!(s, 401, "{body}");
+    // Within the same leeway as `exp` (5 s), and in the past: accepted.
+    let (s, body) = admin(&gw, "GET", "/admin/keys", Some(&signed(now + 2)), None).await;
+    assert_eq!(s, 200, "{body}");
+    let (s, body) = admin(&gw, "GET", "/admin/keys", Some(&signed(now - 60)), None).await;
+    assert_eq!(s, 200, "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

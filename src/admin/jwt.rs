@@ -1,13 +1,18 @@
 //! Admin API tokens: JWTs verified with the algorithm fixed by config (a token with another
-//! `alg` is refused), `exp` required, `role` admin|viewer, audience and issuer checked when
-//! configured. `fleetgate admin-token` mints HS256 tokens for operators.
+//! `alg` is refused), `exp` required, `nbf` honoured when present (both with the same leeway),
+//! `role` admin|viewer, audience and issuer checked when configured. `fleetgate admin-token`
+//! mints HS256 tokens for operators.
 
 use std::time::Duration;
 
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation, errors::ErrorKind};
 use serde::{Deserialize, Serialize};
 
+use crate::clock::format_wall_ms;
 use crate::config::{AdminConfig, JwtAlgorithm, JwtKey};
+
+/// Clock skew tolerated on `exp` and `nbf`, in seconds.
+const LEEWAY_SECONDS: u64 = 5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -23,6 +28,9 @@ pub struct Claims {
     pub sub: Option<String>,
     pub role: Role,
     pub exp: u64,
+    /// Not before (epoch seconds): the token is refused until then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbf: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aud: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -34,8 +42,15 @@ pub enum JwtError {
     NotConfigured,
     Missing,
     Malformed,
-    WrongAlgorithm { expected: &'static str },
+    WrongAlgorithm {
+        expected: &'static str,
+    },
     Expired,
+    /// `nbf` is later than now (beyond the leeway): epoch seconds of `nbf` and of now.
+    NotYetValid {
+        nbf: u64,
+        now: u64,
+    },
     BadSignature,
     BadAudience,
     BadIssuer,
@@ -50,12 +65,21 @@ impl JwtError {
             JwtError::Malformed => "The admin token is not a well-formed JWT.".into(),
             JwtError::WrongAlgorithm { expected } => format!("The admin token is not signed with {expected}, the algorithm this gateway is configured for."),
             JwtError::Expired => "The admin token has expired: mint a new one.".into(),
+            JwtError::NotYetValid { nbf, now } => format!(
+                "The admin token is not valid yet: it becomes valid at {} (its `nbf`), and this gateway's clock reads {}. Retry then, or check the clock of whatever minted it.",
+                format_wall_ms(epoch_ms(*nbf)),
+                format_wall_ms(epoch_ms(*now))
+            ),
             JwtError::BadSignature => "The admin token's signature does not verify with the configured key.".into(),
             JwtError::BadAudience => "The admin token's audience (`aud`) is not the configured one.".into(),
             JwtError::BadIssuer => "The admin token's issuer (`iss`) is not the configured one.".into(),
             JwtError::BadClaims(m) => format!("The admin token's claims are not usable: {m} (needs `exp` and `role` admin|viewer)."),
         }
     }
+}
+
+fn epoch_ms(seconds: u64) -> i64 {
+    i64::try_from(seconds.saturating_mul(1000)).unwrap_or(i64::MAX)
 }
 
 fn algorithm(a: JwtAlgorithm) -> Algorithm {
@@ -123,7 +147,9 @@ impl Verifier {
         };
         let mut validation = Validation::new(alg);
         validation.set_required_spec_claims(&["exp"]);
-        validation.leeway = 5;
+        validation.leeway = LEEWAY_SECONDS;
+        // `nbf` is checked in `verify`, where its value is at hand for the message.
+        validation.validate_nbf = false;
         match &cfg.jwt_audience {
             Some(a) => validation.set_audience(&[a]),
             None => validation.validate_aud = false,
@@ -139,8 +165,16 @@ impl Verifier {
     }
 
     pub fn verify(&self, token: &str) -> Result<Claims, JwtError> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        self.verify_at(token, now)
+    }
+
+    /// `verify` with the clock reading `now` (epoch seconds).
+    fn verify_at(&self, token: &str, now: u64) -> Result<Claims, JwtError> {
         let key = self.key.as_ref().ok_or(JwtError::NotConfigured)?;
-        jsonwebtoken::decode::<Claims>(token, key, &self.validation)
+        let claims = jsonwebtoken::decode::<Claims>(token, key, &self.validation)
             .map(|d| d.claims)
             .map_err(|e| match e.kind() {
                 ErrorKind::InvalidAlgorithm => JwtError::WrongAlgorithm {
@@ -158,7 +192,13 @@ impl Verifier {
                     JwtError::Malformed
                 }
                 other => JwtError::BadClaims(format!("{other:?}")),
-            })
+            })?;
+        match claims.nbf {
+            Some(nbf) if nbf > now.saturating_add(self.validation.leeway) => {
+                Err(JwtError::NotYetValid { nbf, now })
+            }
+            _ => Ok(claims),
+        }
     }
 }
 
@@ -180,6 +220,7 @@ pub fn mint(
         sub: Some(subject.to_owned()),
         role,
         exp,
+        nbf: None,
         aud: cfg.jwt_audience.clone(),
         iss: cfg.jwt_issuer.clone(),
     };
@@ -227,6 +268,7 @@ mod tests {
                 sub: None,
                 role: Role::Admin,
                 exp: u64::MAX / 2,
+                nbf: None,
                 aud: None,
                 iss: None,
             },
@@ -243,6 +285,7 @@ mod tests {
                 sub: None,
                 role: Role::Admin,
                 exp: 1000,
+                nbf: None,
                 aud: None,
                 iss: None,
             },
@@ -283,6 +326,7 @@ mod tests {
                     sub: Some("sso-user".into()),
                     role: Role::Admin,
                     exp: u64::MAX / 4,
+                    nbf: None,
                     aud: Some(aud.into()),
                     iss: None,
                 },
@@ -304,6 +348,49 @@ mod tests {
             v.verify(&hs).unwrap_err(),
             JwtError::WrongAlgorithm { .. }
         ));
+    }
+
+    #[test]
+    fn nbf_is_honoured_with_the_leeway_of_exp() {
+        let c = cfg_hs();
+        let v = Verifier::new(&c).unwrap();
+        let now = 1_800_000_000;
+        let signed = |nbf: Option<u64>| {
+            jsonwebtoken::encode(
+                &Header::new(Algorithm::HS256),
+                &Claims {
+                    sub: None,
+                    role: Role::Admin,
+                    exp: u64::MAX / 4,
+                    nbf,
+                    aud: None,
+                    iss: None,
+                },
+                &EncodingKey::from_secret(b"0123456789abcdef0123456789abcdef"),
+            )
+            .unwrap()
+        };
+        assert!(v.verify_at(&signed(None), now).is_ok());
+        assert!(v.verify_at(&signed(Some(now - 1)), now).is_ok());
+        assert!(
+            v.verify_at(&signed(Some(now + LEEWAY_SECONDS)), now)
+                .is_ok()
+        );
+        let e = v
+            .verify_at(&signed(Some(now + LEEWAY_SECONDS + 1)), now)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            JwtError::NotYetValid {
+                nbf: now + LEEWAY_SECONDS + 1,
+                now
+            }
+        );
+        assert!(
+            e.message().contains("2027-01-15T08:00:06Z"),
+            "{}",
+            e.message()
+        );
     }
 
     fn cfg_hs() -> AdminConfig {

@@ -188,8 +188,8 @@ impl AuthFailure {
                 allowed.iter().map(|e| e.as_str()).collect::<Vec<_>>().join(", ")
             ),
             AuthFailure::TooManyFailures { retry_after } => format!(
-                "Too many failed authentication attempts from your address; retry in {} s with a valid key.",
-                retry_after.as_secs().max(1)
+                "Too many failed authentication attempts from your address: no key from it is checked for the next {} s, not even a valid one. Fix the key, then retry after that.",
+                retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0)
             ),
         }
     }

@@ -2,10 +2,17 @@
 //! `x-api-key`, checked against an in-memory snapshot of all keys (lock-free read). The
 //! database is never touched for a known key; an unknown key may be looked up, within a
 //! per-second budget and behind a short negative cache. Every failure has its own message.
+//!
+//! Guessing is braked three ways (`throttle`): an address past its failure allowance is
+//! refused before its key is looked at; every refusal is answered no sooner than
+//! `auth.failure_delay` after the request arrived, so an unknown public id and a wrong secret
+//! take the same time; a throttled address waits `auth.throttle_delay`.
 
+mod alarm;
 mod credentials;
 mod failure;
 pub mod sync;
+mod throttle;
 
 pub use credentials::credentials;
 pub use failure::{AuthFailure, FAILURE_REASONS};
@@ -18,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use governor::{DefaultDirectRateLimiter, DefaultKeyedRateLimiter, Quota, RateLimiter};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use http::HeaderMap;
 use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
@@ -27,6 +34,8 @@ use crate::config::AuthConfig;
 use crate::key::KeyRecord;
 use crate::key::{self, KeyFormatError};
 use crate::store::KeyStore;
+use alarm::Alarm;
+use throttle::{DelayedAnswers, FailureThrottle, TRACKED_ADDRESSES_CAP};
 
 /// All keys, by public id.
 #[derive(Debug, Default)]
@@ -50,7 +59,9 @@ pub struct Authenticator {
     config: AuthConfig,
     lookup_budget: DefaultDirectRateLimiter,
     negative: Mutex<HashMap<Box<str>, Instant>>,
-    failures_by_peer: DefaultKeyedRateLimiter<IpAddr>,
+    throttle: FailureThrottle,
+    delayed: DelayedAnswers,
+    alarm: Alarm,
     store_health: AtomicU8,
     /// Epoch ms of the last successful full load.
     loaded_at: AtomicI64,
@@ -64,6 +75,9 @@ struct AuthMetrics {
     keys: IntGauge,
     snapshot_age: Gauge,
     db_lookups: IntCounter,
+    delayed: IntGauge,
+    delays_skipped: IntCounter,
+    throttle_tracked: IntGauge,
 }
 
 impl AuthMetrics {
@@ -89,16 +103,34 @@ impl AuthMetrics {
             "fleetgate_key_store_lookups_total",
             "Unknown keys looked up in the store (bounded by auth.lookups_per_second)",
         )?;
+        let delayed = IntGauge::new(
+            "fleetgate_auth_delayed_answers",
+            "Refused authentications waiting out their delay (auth.failure_delay_ms, auth.throttle_delay_ms)",
+        )?;
+        let delays_skipped = IntCounter::new(
+            "fleetgate_auth_delays_skipped_total",
+            "Refused authentications answered without their delay because auth.max_delayed_answers were already waiting",
+        )?;
+        let throttle_tracked = IntGauge::new(
+            "fleetgate_auth_failure_addresses",
+            "Client addresses (IPv6: /64s) with recent authentication failures being counted",
+        )?;
         registry.register(Box::new(store_up.clone()))?;
         registry.register(Box::new(keys.clone()))?;
         registry.register(Box::new(snapshot_age.clone()))?;
         registry.register(Box::new(db_lookups.clone()))?;
+        registry.register(Box::new(delayed.clone()))?;
+        registry.register(Box::new(delays_skipped.clone()))?;
+        registry.register(Box::new(throttle_tracked.clone()))?;
         Ok(Self {
             failures: std::array::from_fn(|i| failures.with_label_values(&[FAILURE_REASONS[i]])),
             store_up,
             keys,
             snapshot_age,
             db_lookups,
+            delayed,
+            delays_skipped,
+            throttle_tracked,
         })
     }
 }
@@ -127,7 +159,9 @@ impl Authenticator {
             snapshot: ArcSwap::from_pointee(KeySnapshot::default()),
             store,
             lookup_budget: RateLimiter::direct(Quota::per_second(nz(config.lookups_per_second))),
-            failures_by_peer: RateLimiter::keyed(Quota::per_minute(nz(config.failures_per_minute))),
+            throttle: FailureThrottle::new(config.failures_per_minute, TRACKED_ADDRESSES_CAP),
+            delayed: DelayedAnswers::new(config.max_delayed_answers),
+            alarm: Alarm::default(),
             config,
             negative: Mutex::new(HashMap::new()),
             store_health: AtomicU8::new(StoreHealth::Up as u8),
@@ -145,6 +179,10 @@ impl Authenticator {
             .snapshot_age
             .set(self.snapshot_age().as_secs_f64());
         self.metrics.keys.set(self.key_count() as i64);
+        self.metrics.delayed.set(self.delayed.waiting() as i64);
+        self.metrics
+            .throttle_tracked
+            .set(self.throttle.tracked() as i64);
     }
 
     pub fn store(&self) -> &KeyStore {
@@ -246,36 +284,70 @@ impl Authenticator {
         }
     }
 
-    /// Count a failure; past the per-address allowance it becomes a 429.
+    /// Count a failure against the metrics and `peer`'s allowance.
     fn fail(&self, failure: AuthFailure, peer: IpAddr) -> AuthFailure {
-        let failure = match self.failures_by_peer.check_key(&peer) {
-            Ok(()) => failure,
-            Err(not_until) => AuthFailure::TooManyFailures {
-                retry_after: not_until.wait_time_from(governor::clock::Clock::now(
-                    &governor::clock::DefaultClock::default(),
-                )),
-            },
-        };
+        self.throttle.record(peer, Instant::now());
         self.metrics.failures[failure.index()].inc();
         failure
     }
 
     /// Drop failure counters of addresses that went quiet (bounded memory).
     pub fn prune(&self) {
-        self.failures_by_peer.retain_recent();
-        self.failures_by_peer.shrink_to_fit();
+        self.throttle.prune(Instant::now());
         if let Ok(mut n) = self.negative.lock() {
             let now = Instant::now();
             n.retain(|_, until| *until > now);
         }
     }
 
-    /// Authenticate a request. Known keys are decided from the snapshot without I/O.
+    /// Authenticate a request that arrived at `arrived`. Known keys are decided from the
+    /// snapshot without I/O; a refusal is answered no sooner than its delay after `arrived`.
     pub async fn authenticate(
         &self,
         headers: &HeaderMap,
         peer: IpAddr,
+        arrived: Instant,
     ) -> Result<Arc<KeyRecord>, AuthFailure> {
+        let decided = self.decide(headers, peer).await;
+        if let Err(failure) = &decided {
+            self.hold(failure, arrived).await;
+        }
+        decided
+    }
+
+    /// Wait until `arrived` + the failure's delay: the request's own future waits for the
+    /// shared `Alarm` (precise to well under a millisecond, unlike the runtime's timer); past
+    /// `auth.max_delayed_answers` waiting (half of it for throttled addresses), the answer goes
+    /// out at once (counted).
+    async fn hold(&self, failure: &AuthFailure, arrived: Instant) {
+        let throttled = matches!(failure, AuthFailure::TooManyFailures { .. });
+        let delay = if throttled {
+            self.config.throttle_delay
+        } else {
+            self.config.failure_delay
+        };
+        let until = arrived + delay;
+        if until <= Instant::now() {
+            return;
+        }
+        match self.delayed.try_hold(throttled) {
+            Some(_waiting) => self.alarm.at(until).await,
+            None => self.metrics.delays_skipped.inc(),
+        }
+    }
+
+    async fn decide(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+    ) -> Result<Arc<KeyRecord>, AuthFailure> {
+        // Before anything about the key is looked at: a throttled address gets no key checked,
+        // a correct one included, so guessing faster than the allowance gains nothing.
+        if let Some(retry_after) = self.throttle.throttled(peer, Instant::now()) {
+            let failure = AuthFailure::TooManyFailures { retry_after };
+            self.metrics.failures[failure.index()].inc();
+            return Err(failure);
+        }
         let text = credentials(headers).map_err(|f| self.fail(f, peer))?;
         let parsed = key::parse(text).map_err(|e| {
             let f = match e {
@@ -292,7 +364,10 @@ impl Authenticator {
             Some(r) => r,
             None => match self.lookup(parsed.public_id).await {
                 Some(r) => r,
-                None => return Err(self.fail(AuthFailure::UnknownKey, peer)),
+                None => {
+                    check_unknown(&parsed);
+                    return Err(self.fail(AuthFailure::UnknownKey, peer));
+                }
             },
         };
         check(&record, &parsed, wall_ms()).map_err(|f| self.fail(f, peer))?;
@@ -342,15 +417,13 @@ impl Authenticator {
     }
 }
 
-/// Secret, revocation, expiry and rotation checks of a known key.
+/// Secret, revocation, expiry and rotation checks of a known key. The secret is hashed and
+/// compared whatever else is wrong, so every `UnknownKey` costs the same.
 fn check(record: &KeyRecord, parsed: &key::ParsedKey<'_>, now: i64) -> Result<(), AuthFailure> {
-    if record.environment != parsed.env {
-        return Err(AuthFailure::UnknownKey);
-    }
     let hash = key::hash_secret(parsed.secret);
     let current = key::ct_eq(&hash, &record.secret_hash);
     let previous = record.previous.filter(|(h, _)| key::ct_eq(&hash, h));
-    if !current && previous.is_none() {
+    if record.environment != parsed.env || (!current && previous.is_none()) {
         return Err(AuthFailure::UnknownKey);
     }
     if let Some(at) = record.revoked_at {
@@ -371,4 +444,12 @@ fn check(record: &KeyRecord, parsed: &key::ParsedKey<'_>, now: i64) -> Result<()
         return Err(AuthFailure::RotatedOut { at: until });
     }
     Ok(())
+}
+
+/// What `check` does for a wrong secret, done for a public id that does not exist (hash the
+/// secret, compare it against a hash): refusing an unknown id is no cheaper.
+fn check_unknown(parsed: &key::ParsedKey<'_>) {
+    const NO_KEY: [u8; 32] = [0; 32];
+    let hash = key::hash_secret(parsed.secret);
+    std::hint::black_box(key::ct_eq(&hash, std::hint::black_box(&NO_KEY)));
 }

@@ -279,6 +279,12 @@ pub(super) struct RawAuth {
     pub(super) negative_cache_seconds: u64,
     #[serde(default = "default_failures")]
     pub(super) failures_per_minute: u32,
+    #[serde(default = "default_failure_delay")]
+    pub(super) failure_delay_ms: u64,
+    #[serde(default = "default_throttle_delay")]
+    pub(super) throttle_delay_ms: u64,
+    #[serde(default = "default_max_delayed")]
+    pub(super) max_delayed_answers: usize,
     #[serde(default = "default_resync")]
     pub(super) resync_interval_seconds: u64,
 }
@@ -289,6 +295,9 @@ impl Default for RawAuth {
             lookups_per_second: default_lookups(),
             negative_cache_seconds: default_negative_cache(),
             failures_per_minute: default_failures(),
+            failure_delay_ms: default_failure_delay(),
+            throttle_delay_ms: default_throttle_delay(),
+            max_delayed_answers: default_max_delayed(),
             resync_interval_seconds: default_resync(),
         }
     }
@@ -302,6 +311,15 @@ fn default_negative_cache() -> u64 {
 }
 fn default_failures() -> u32 {
     30
+}
+fn default_failure_delay() -> u64 {
+    100
+}
+fn default_throttle_delay() -> u64 {
+    1000
+}
+fn default_max_delayed() -> usize {
+    10_000
 }
 fn default_resync() -> u64 {
     30

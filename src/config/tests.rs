@@ -213,3 +213,30 @@ fn example_config_is_valid() {
     assert_eq!(c.server.listen, SocketAddr::from(([127, 0, 0, 1], 8080)));
     assert_eq!(c.pools[0].backends.len(), 2);
 }
+
+#[test]
+fn auth_brake_defaults_and_its_mistakes() {
+    const POOLS: &str = "[[pools]]\nmodel='m'\nbackends=['http://a']\n";
+    let c = parse(POOLS).unwrap();
+    assert_eq!(c.auth, AuthConfig::default());
+    let c = parse(&format!(
+        "[auth]\nfailure_delay_ms=250\nthrottle_delay_ms=2000\nmax_delayed_answers=50\n{POOLS}"
+    ))
+    .unwrap();
+    assert_eq!(c.auth.failure_delay, Duration::from_millis(250));
+    assert_eq!(c.auth.throttle_delay, Duration::from_secs(2));
+    assert_eq!(c.auth.max_delayed_answers, 50);
+    for (auth, field) in [
+        ("failures_per_minute=0", "auth.failures_per_minute"),
+        ("failure_delay_ms=60000", "auth.failure_delay_ms"),
+        ("throttle_delay_ms=600000", "auth.throttle_delay_ms"),
+        (
+            "failure_delay_ms=500\nthrottle_delay_ms=100",
+            "auth.throttle_delay_ms",
+        ),
+        ("max_delayed_answers=0", "auth.max_delayed_answers"),
+    ] {
+        let e = parse(&format!("[auth]\n{auth}\n{POOLS}")).unwrap_err();
+        assert_eq!(e.field, field, "{auth}: {e}");
+    }
+}

@@ -371,10 +371,9 @@ impl ApiError {
             ApiError::MethodNotAllowed { allow, .. } => {
                 Some((header::ALLOW, HeaderValue::from_static(allow)))
             }
-            ApiError::Auth(AuthFailure::TooManyFailures { retry_after }) => Some((
-                header::RETRY_AFTER,
-                HeaderValue::from(retry_after.as_secs().max(1)),
-            )),
+            ApiError::Auth(AuthFailure::TooManyFailures { retry_after }) => {
+                Some(self::retry_after(*retry_after))
+            }
             ApiError::Limited(r) => r.retry_after.map(retry_after),
             ApiError::QueueRefused(r) => Some(retry_after(r.retry_after)),
             ApiError::Auth(f) if f.kind() == ErrorKind::Unauthenticated => Some((

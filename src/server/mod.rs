@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use http::header::{self, HeaderValue};
-use http::{Method, Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::AdminState;
-use crate::auth::Authenticator;
+use crate::auth::{AuthFailure, Authenticator};
 use crate::config::Config;
 use crate::key::KeyRecord;
 use crate::openai::Endpoint;
@@ -140,10 +140,26 @@ pub async fn route(
         record.finish(Instant::now());
         proxy::error_response(&err, &record.request_id)
     };
-    // Everything but the open routes above needs a key.
-    match state.auth().authenticate(req.headers(), peer.ip()).await {
+    // Everything but the open routes above needs a key. A refusal comes back only after its
+    // delay (`auth::Authenticator::authenticate`).
+    match state
+        .auth()
+        .authenticate(req.headers(), peer.ip(), received)
+        .await
+    {
         Ok(key) => record.key = Some(key),
-        Err(failure) => return fail(ApiError::Auth(failure), record),
+        Err(failure) => {
+            let throttled = matches!(failure, AuthFailure::TooManyFailures { .. });
+            let mut resp = fail(ApiError::Auth(failure), record);
+            // A throttled address gets no more attempts on this connection: hyper closes an
+            // HTTP/1 connection after a response that says `Connection: close` (HTTP/2 has no
+            // such header; there the delay is the brake).
+            if throttled && req.version() <= Version::HTTP_11 {
+                resp.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            return resp;
+        }
     }
     let path = req.uri().path();
     match (endpoint, path) {
