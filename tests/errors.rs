@@ -248,6 +248,87 @@ async fn timeouts_are_504_or_a_final_error_event() {
     assert_eq!(rec.error, Some("upstream_timeout"));
 }
 
+/// A backend whose streams send their head, then two tokens, then go silent for `silence` (the
+/// connection stays open) and close. `/health` answers 200. Raw HTTP/1.1, so nothing between
+/// it and the gateway buffers or times out.
+#[expect(
+    clippy::unwrap_used,
+    reason = "test backend: failing to bind is a test failure"
+)]
+async fn silent_after_two_tokens(silence: Duration) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                if head.starts_with(b"GET /health") {
+                    let _ = conn
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        )
+                        .await;
+                    return;
+                }
+                // The head alone first, as vLLM sends it: the tokens come after the gateway
+                // started relaying, so the first token is one the relay reads itself.
+                let head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                if conn.write_all(head).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let mut out = Vec::new();
+                for word in ["Hello", " there"] {
+                    let event = format!(
+                        "data: {{\"id\":\"s\",\"object\":\"chat.completion.chunk\",\"model\":\"qwen32b\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{word}\"}},\"finish_reason\":null}}]}}\n\n"
+                    );
+                    out.extend_from_slice(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes());
+                }
+                let _ = conn.write_all(&out).await;
+                tokio::time::sleep(silence).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_silent_after_its_first_token_ends_at_the_idle_timeout() {
+    // The idle limit (300 ms) is far below the first-token limit (120 s by default): once the
+    // first token is in, a silence longer than the idle limit ends the stream with a timeout
+    // event, not whenever the backend gives up (here: after 20 s, with a cut stream).
+    let backend = silent_after_two_tokens(Duration::from_secs(20)).await;
+    let mut p = pool("qwen32b", &[format!("http://{backend}")]);
+    p.timeouts.idle = Duration::from_millis(300);
+    let gw = gateway(vec![p]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("x-request-id", "idle-1")],
+        chat_body("qwen32b", "hi", 50, true),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+    assert_eq!(m.metrics.content_events, 2, "both tokens relayed");
+    assert!(
+        m.metrics.error && m.metrics.done,
+        "error event, then [DONE]"
+    );
+    let body = String::from_utf8_lossy(m.body.as_ref().unwrap()).into_owned();
+    assert!(body.contains("\"upstream_timeout\""), "{body}");
+    assert_eq!(gw.record_of("idle-1").await.error, Some("upstream_timeout"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_after_the_stream_started_end_with_an_error_event() {
     // Connection dropped mid-stream.

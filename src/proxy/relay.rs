@@ -449,8 +449,13 @@ impl RelayBody {
                 *this.strip_usage,
                 this.itl.as_ref(),
             );
-            if !had_first {
+            if !had_first && this.ex.record.timeline.upstream_first_token().is_some() {
                 observe_first_token(this.slot, &mut this.ex.record, this.rx.as_ref());
+                // The timer is re-armed lazily, which only works for deadlines that move later;
+                // the first token moves it from the first-token limit to the idle limit, which
+                // is usually earlier, so it is re-armed here, once per stream.
+                let idle = deadline(*this.sent_at, now, true, true, this.timeouts);
+                this.timer.reset(idle.into());
             }
             match scanned {
                 Some(rest) => data = rest,
