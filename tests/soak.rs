@@ -48,7 +48,7 @@ const REQUEST_BOUND: Duration = Duration::from_secs(60);
 /// the peak concurrency per backend, which the faults raise) and a PostgreSQL pool connection
 /// or two; far below a leak of one per request, per fault or per reload.
 const FD_SLACK: usize = 16;
-/// Resident memory gateway A may gain from warm-up to idle after the load. Seen: +2.0 MiB
+/// Resident memory gateway A may gain from warm-up to idle after the load. Seen: about +2 MiB
 /// (debug, 20 s) and +2.3 MiB (release, 600 s, 12 000 requests), flat over the last third:
 /// allocator arenas and per-backend, per-key state settling, not a function of the request
 /// count. 16 MiB is seven times that; a leak of 1.4 KiB per request shows up in the second
