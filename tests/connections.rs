@@ -46,6 +46,16 @@ async fn short_timeouts(max_connections: usize) -> (Gateway, sim::SimServer) {
     (gw, sim)
 }
 
+/// A streamed chat of `max_tokens` through the gateway, with its key.
+async fn stream(gw: &Gateway, max_tokens: u32) -> fleetgate::client::Measured {
+    post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        fleetgate::client::chat_body("qwen32b", "hi", max_tokens, true),
+    )
+    .await
+}
+
 fn metric(gw: &Gateway, event: &str) -> f64 {
     let text = metrics_text(gw);
     let prefix =
@@ -91,13 +101,7 @@ async fn silent_connections_are_closed_and_the_cap_lets_the_next_client_in() {
     );
     assert!(metric(&gw, "limit_reached") >= 1.0, "{}", metrics_text(&gw));
     // And the gateway serves as before.
-    let m = post(
-        &gw.url("/v1/chat/completions"),
-        &[],
-        fleetgate::client::chat_body("qwen32b", "hi", 4, true),
-    )
-    .await;
-    assert_eq!(m.status, 200);
+    assert_eq!(stream(&gw, 4).await.status, 200);
 }
 
 #[tokio::test]
@@ -154,12 +158,7 @@ async fn a_stream_longer_than_the_header_timeout_is_not_cut() {
     })
     .await;
     let started = Instant::now();
-    let m = post(
-        &gw.url("/v1/chat/completions"),
-        &[],
-        fleetgate::client::chat_body("qwen32b", "hi", 40, true),
-    )
-    .await;
+    let m = stream(&gw, 40).await;
     assert_eq!(m.status, 200);
     assert!(
         started.elapsed() > Duration::from_millis(600),
@@ -212,11 +211,5 @@ async fn a_header_flood_is_refused_before_it_costs_anything() {
         "a 2 000-line head is refused: {got}"
     );
     // The gateway serves as before.
-    let m = post(
-        &gw.url("/v1/chat/completions"),
-        &[],
-        fleetgate::client::chat_body("qwen32b", "hi", 4, true),
-    )
-    .await;
-    assert_eq!(m.status, 200);
+    assert_eq!(stream(&gw, 4).await.status, 200);
 }

@@ -110,6 +110,8 @@ pub struct ConnLimit {
     last_warned_ms: AtomicU64,
     epoch: Instant,
     metrics: Option<ConnMetrics>,
+    /// This listener's open-connections gauge, resolved once (not per connection).
+    open: Option<prometheus::IntGauge>,
 }
 
 /// A connection's place under the cap; dropping it frees the place.
@@ -143,6 +145,9 @@ impl ConnLimit {
             max_head: server.max_request_head_bytes,
             last_warned_ms: AtomicU64::new(0),
             epoch: Instant::now(),
+            open: metrics
+                .as_ref()
+                .map(|m| m.open.with_label_values(&[listener])),
             metrics,
         })
     }
@@ -156,10 +161,7 @@ impl ConnLimit {
     }
 
     fn permit(&self, p: OwnedSemaphorePermit) -> ConnPermit {
-        let gauge = self
-            .metrics
-            .as_ref()
-            .map(|m| m.open.with_label_values(&[self.listener]));
+        let gauge = self.open.clone();
         if let Some(g) = &gauge {
             g.inc();
         }
