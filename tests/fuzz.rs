@@ -57,12 +57,14 @@ fn cfg_algo() -> proptest::test_runner::RngAlgorithm {
     proptest::test_runner::RngAlgorithm::ChaCha
 }
 
-fn report(target: &str, started: std::time::Instant) {
-    let n = cases();
+/// Print what a target ran: `cases()` cases for each of its `strategies`.
+fn report(target: &str, strategies: u32, started: std::time::Instant) {
+    let n = u64::from(cases()) * u64::from(strategies);
     let s = started.elapsed().as_secs_f64();
     eprintln!(
-        "fuzz {target}: {n} cases in {s:.1} s ({:.0}/s)",
-        f64::from(n) / s.max(1e-9)
+        "fuzz {target}: {n} executions ({strategies} strategies x {} cases) in {s:.1} s ({:.0}/s)",
+        cases(),
+        n as f64 / s.max(1e-9)
     );
 }
 
@@ -306,7 +308,7 @@ fn fuzz_request_body_view_and_upstream_body() {
             check_body(&b)
         })
         .unwrap();
-    report("request body (3 strategies)", started);
+    report("request body", 3, started);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -413,7 +415,7 @@ fn fuzz_sse_scanner_sees_the_same_events_however_the_reads_split() {
             Ok(())
         })
         .unwrap();
-    report("sse scanner", started);
+    report("sse scanner", 1, started);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -453,7 +455,7 @@ fn fuzz_key_parser() {
             Ok(())
         })
         .unwrap();
-    report("key parser (2 strategies)", started);
+    report("key parser", 2, started);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -569,5 +571,5 @@ fn fuzz_config_parser() {
     let started = std::time::Instant::now();
     runner().run(&config_text(), |t| check_config(&t)).unwrap();
     runner().run(&"\\PC{0,200}", |t| check_config(&t)).unwrap();
-    report("config parser (2 strategies)", started);
+    report("config parser", 2, started);
 }
