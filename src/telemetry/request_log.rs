@@ -593,7 +593,7 @@ const WIDTH: usize = 26;
 
 /// Rows per SQLite statement, largest first: a batch is cut into statements of these sizes,
 /// so at most a few distinct statements exist, each prepared once and then cached.
-const SQLITE_ROWS: [usize; 4] = [64, 16, 4, 1];
+const SQLITE_ROWS: [usize; 5] = [256, 64, 16, 4, 1];
 
 /// Fresh batches into the store, in the engine's own bulk form (replayed spill rows take
 /// `insert`, which skips rows already stored).
@@ -626,7 +626,7 @@ impl Sink {
                 pool,
                 statements: SQLITE_ROWS
                     .iter()
-                    .map(|&n| insert_sql("INSERT OR IGNORE", n, ""))
+                    .map(|&n| insert_sql(DbKind::Sqlite, "INSERT OR IGNORE", n, ""))
                     .collect(),
             },
         }
@@ -754,9 +754,8 @@ fn encode_copy(buf: &mut Vec<u8>, prefix: &str, rows: &[Pending]) {
     buf.extend_from_slice(&(-1i16).to_be_bytes());
 }
 
-/// Insert a batch in one transaction. PostgreSQL takes it as one multi-row statement; SQLite's
-/// statement preparation grows badly with thousands of placeholders, so it gets statements of
-/// 50 rows (still one commit, one fsync).
+/// Insert replayed rows in one transaction (one commit, one fsync), skipping rows already
+/// stored: multi-row statements of 1000 rows on PostgreSQL, 50 on SQLite.
 async fn insert(store: &KeyStore, rows: &[LogRow]) -> Result<(), sqlx::Error> {
     let per_statement = match store.kind() {
         DbKind::Postgres => 1000,
@@ -764,14 +763,16 @@ async fn insert(store: &KeyStore, rows: &[LogRow]) -> Result<(), sqlx::Error> {
     };
     let mut tx = store.pool().begin().await?;
     for chunk in rows.chunks(per_statement) {
-        insert_rows(&mut tx, chunk).await?;
+        insert_rows(&mut tx, store.kind(), chunk).await?;
     }
     tx.commit().await
 }
 
-/// `<verb> INTO request_log (…) VALUES (…), …` for `rows` rows with numbered placeholders
-/// (`$1`, `$2`, … — what both PostgreSQL and SQLite accept).
-fn insert_sql(verb: &str, rows: usize, tail: &str) -> String {
+/// `<verb> INTO request_log (…) VALUES (…), …` for `rows` rows. PostgreSQL gets numbered
+/// placeholders (`$1`, `$2`, …); SQLite anonymous ones (`?`): sqlx looks each numbered one up
+/// by name, and SQLite's name lookup walks the statement's parameter list, which made a
+/// 64-row statement cost ~50 µs per row.
+fn insert_sql(kind: DbKind, verb: &str, rows: usize, tail: &str) -> String {
     let mut sql = String::with_capacity(120 + rows * WIDTH * 6);
     sql.push_str(verb);
     sql.push_str(" INTO request_log (");
@@ -785,8 +786,13 @@ fn insert_sql(verb: &str, rows: usize, tail: &str) -> String {
             if c > 0 {
                 sql.push(',');
             }
-            sql.push('$');
-            sql.push_str(itoa::Buffer::new().format(n));
+            match kind {
+                DbKind::Postgres => {
+                    sql.push('$');
+                    sql.push_str(itoa::Buffer::new().format(n));
+                }
+                DbKind::Sqlite => sql.push('?'),
+            }
         }
         sql.push(')');
     }
@@ -794,13 +800,14 @@ fn insert_sql(verb: &str, rows: usize, tail: &str) -> String {
     sql
 }
 
-/// One multi-row INSERT with numbered placeholders (`$1`, `$2`, ... — what both PostgreSQL and
-/// SQLite accept); rows already stored (same row id) are skipped.
+/// One multi-row INSERT (placeholders as `insert_sql` writes them for the engine); rows already
+/// stored (same row id) are skipped.
 async fn insert_rows(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    kind: DbKind,
     rows: &[LogRow],
 ) -> Result<(), sqlx::Error> {
-    let sql = insert_sql("INSERT", rows.len(), " ON CONFLICT DO NOTHING");
+    let sql = insert_sql(kind, "INSERT", rows.len(), " ON CONFLICT DO NOTHING");
     let mut q = sqlx::query(&sql);
     for r in rows {
         q = q
