@@ -332,3 +332,59 @@ async fn usage_reads_the_log_back() {
     assert_eq!(stress["requests"], 4);
     assert_eq!(stress["errors"], 1);
 }
+
+/// The writer does not wake for every row: a partial batch waits for the flush interval, a
+/// full one is written at once, and what is still queued at shutdown is written then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_batch_is_written_at_once_a_partial_one_at_the_interval_or_at_shutdown() {
+    for (db, _guard) in stores("request_log_batches").await {
+        let kind = db.kind().as_str();
+        let sim = sim(|a| a.decode_step_ms = 0.0).await;
+        let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+            c.database = db.clone();
+            c.request_log.batch_rows = 4;
+            c.request_log.flush_interval = Duration::from_secs(3600);
+        })
+        .await;
+        let store = gw.server.auth.store().clone();
+        let chat = gw.url("/v1/chat/completions");
+        let send = |id: String| {
+            let chat = chat.clone();
+            async move {
+                let r = post(
+                    &chat,
+                    &[("x-request-id", &id)],
+                    chat_body("qwen32b", "hi", 2, true),
+                )
+                .await;
+                assert_eq!(r.status, 200);
+            }
+        };
+        for i in 0..4 {
+            send(format!("full-{i}")).await;
+        }
+        assert_eq!(
+            wait_rows(&store, 4).await.len(),
+            4,
+            "{kind}: a full batch is written without waiting an hour"
+        );
+        send("partial".to_owned()).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            rows(&store).await.len(),
+            4,
+            "{kind}: one row waits for its batch to fill or the interval to pass"
+        );
+        gw.server.shutdown().await;
+        let all = rows(&store).await;
+        assert_eq!(
+            all.len(),
+            5,
+            "{kind}: the queued row is written at shutdown"
+        );
+        assert!(
+            all.iter()
+                .any(|r| r.get::<String, _>("request_id") == "partial")
+        );
+    }
+}

@@ -71,8 +71,18 @@ pub struct AuditEntry {
 #[derive(Debug, Clone)]
 pub struct KeyStore {
     pool: AnyPool,
+    /// A pool of the engine's own driver for bulk writes (the request log): `Any` converts and
+    /// copies every bound value and cannot `COPY`. Connects on first use.
+    bulk: BulkPool,
     kind: DbKind,
     config: DatabaseConfig,
+}
+
+/// The store's engine-specific pool, for writers that need what `Any` cannot do.
+#[derive(Debug, Clone)]
+pub enum BulkPool {
+    Postgres(sqlx::PgPool),
+    Sqlite(sqlx::SqlitePool),
 }
 
 const KEY_COLUMNS: &str = "id, public_id, name, environment, secret_hash, previous_secret_hash, \
@@ -127,6 +137,30 @@ fn key_from_row(row: &AnyRow) -> Result<KeyRecord, StoreError> {
     })
 }
 
+/// One lazily connected connection of the engine's own driver, to the same database.
+fn bulk_pool(config: &DatabaseConfig, kind: DbKind) -> Result<BulkPool, StoreError> {
+    use std::str::FromStr;
+    let url = config.connect_url();
+    Ok(match kind {
+        DbKind::Postgres => BulkPool::Postgres(
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(config.connect_timeout)
+                .connect_lazy_with(sqlx::postgres::PgConnectOptions::from_str(&url)?),
+        ),
+        DbKind::Sqlite => BulkPool::Sqlite(
+            sqlx::sqlite::SqlitePoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(config.connect_timeout)
+                .connect_lazy_with(
+                    sqlx::sqlite::SqliteConnectOptions::from_str(&url)?
+                        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                        .busy_timeout(Duration::from_secs(5)),
+                ),
+        ),
+    })
+}
+
 impl KeyStore {
     /// Connect (creating the SQLite file if needed). Does not migrate.
     pub async fn connect(config: &DatabaseConfig) -> Result<Self, StoreError> {
@@ -159,11 +193,18 @@ impl KeyStore {
                 .execute(&pool)
                 .await?;
         }
+        let bulk = bulk_pool(config, kind)?;
         Ok(Self {
             pool,
+            bulk,
             kind,
             config: config.clone(),
         })
+    }
+
+    /// The engine's own pool (one connection, opened on first use) for bulk writes.
+    pub fn bulk(&self) -> &BulkPool {
+        &self.bulk
     }
 
     pub fn kind(&self) -> DbKind {

@@ -1,9 +1,14 @@
 //! The request log: one row per request in the store's `request_log` table, written by a
-//! background task in multi-row batches. A request only hands its row to a bounded channel
-//! (`try_send`, never awaited). When the database is slow or down, batches go to a local
-//! append-only spill file (JSON lines) and are replayed in order when it is back; a row has a
-//! unique id, so a replayed batch that had in fact landed is not stored twice. A row is lost
-//! only when the channel is full or the disk is, and each such drop is counted.
+//! background task on the control-plane runtime in batches. A request only hands its row to a
+//! bounded channel (`try_send`, never awaited, no wake-up: the writer sleeps out
+//! `flush_interval`, or until a full batch is queued, then takes everything queued at once).
+//! The writer encodes rows straight from what the request handed over, with no per-row string
+//! formatting or JSON: PostgreSQL gets one binary `COPY` per batch from a reused buffer, SQLite
+//! prepared multi-row statements in one transaction. When the database is slow or down,
+//! batches go to a local append-only spill file (JSON lines) and are replayed in order when it
+//! is back; a row has a unique id and replay skips ids already stored, so a batch whose write
+//! timed out after landing is not stored twice. A row is lost only when the channel is full or
+//! the disk is, and each such drop is counted.
 
 use std::io::{BufRead, Write};
 use std::path::Path;
@@ -13,13 +18,13 @@ use std::time::Duration;
 
 use prometheus::{IntCounter, IntGauge, Registry};
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use super::RequestRecord;
 use crate::clock::wall_ms;
 use crate::config::{DbKind, RequestLogConfig};
-use crate::store::KeyStore;
+use crate::store::{BulkPool, KeyStore};
 
 /// One row, as stored (and as spilled).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -82,43 +87,144 @@ struct RecordCopy {
     client_addr: Option<std::net::SocketAddr>,
 }
 
+/// A row's values, borrowed from its `Pending` (nothing allocated, except a request id that
+/// is not UTF-8). Every store encoding reads this, in `COLUMNS` order.
+struct Fields<'a> {
+    at: i64,
+    request_id: std::borrow::Cow<'a, str>,
+    key_id: Option<&'a str>,
+    environment: Option<&'static str>,
+    model: Option<&'a str>,
+    backend: Option<&'a str>,
+    status: i32,
+    error: Option<&'static str>,
+    stream: bool,
+    prompt_tokens: Option<i64>,
+    completion_tokens: Option<i64>,
+    usage_source: &'static str,
+    /// `queue_wait_us` … `itl_max_us`, in `COLUMNS` order.
+    times: [Option<i64>; 10],
+    content_events: i32,
+    client_addr: Option<std::net::IpAddr>,
+    hop_us: Option<i64>,
+}
+
+fn count(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 impl Pending {
-    fn into_row(self, prefix: &str) -> LogRow {
-        let r = self.record;
+    fn fields(&self) -> Fields<'_> {
+        let r = &self.record;
         let t = &r.timeline;
         let (tokens, source) = t.stream().output_tokens();
-        LogRow {
-            row_id: format!("{prefix}-{:x}", self.row_id),
+        Fields {
             at: self.at,
-            request_id: String::from_utf8_lossy(r.request_id.as_bytes()).into_owned(),
-            key_id: r.key.as_ref().map(|k| k.public_id.to_string()),
-            environment: r.key.as_ref().map(|k| k.environment.as_str().to_owned()),
-            model: r.model.as_deref().map(str::to_owned),
-            backend: r.backend.as_deref().map(str::to_owned),
+            request_id: String::from_utf8_lossy(r.request_id.as_bytes()),
+            key_id: r.key.as_ref().map(|k| &*k.public_id),
+            environment: r.key.as_ref().map(|k| k.environment.as_str()),
+            model: r.model.as_deref(),
+            backend: r.backend.as_deref(),
             status: i32::from(r.status),
-            error: r.error.map(|e| e.as_str().to_owned()),
+            error: r.error.map(|e| e.as_str()),
             stream: r.stream,
-            prompt_tokens: t
-                .stream()
-                .usage
-                .map(|u| i64::try_from(u.prompt_tokens).unwrap_or(i64::MAX)),
-            completion_tokens: tokens.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
-            usage_source: source.as_str().to_owned(),
-            queue_wait_us: us(t.admitted().map(|_| t.queue_wait())),
-            upstream_ttft_us: us(t.upstream_ttft()),
-            client_ttft_us: us(t.client_ttft()),
-            overhead_pre_us: us(t.overhead_pre()),
-            overhead_relay_us: us(t.overhead_relay()),
-            hop_us: us(t.hop()),
-            e2el_us: us(t.e2el()),
-            tpot_us: us(t.tpot()),
-            itl_mean_us: us(t.stream().itl_mean()),
-            itl_p99_us: us(t.stream().itl_p99()),
-            itl_max_us: us(t.stream().itl_max()),
+            prompt_tokens: t.stream().usage.map(|u| count(u.prompt_tokens)),
+            completion_tokens: tokens.map(count),
+            usage_source: source.as_str(),
+            times: [
+                us(t.admitted().map(|_| t.queue_wait())),
+                us(t.upstream_ttft()),
+                us(t.client_ttft()),
+                us(t.overhead_pre()),
+                us(t.overhead_relay()),
+                us(t.e2el()),
+                us(t.tpot()),
+                us(t.stream().itl_mean()),
+                us(t.stream().itl_p99()),
+                us(t.stream().itl_max()),
+            ],
             content_events: i32::try_from(t.stream().content_events).unwrap_or(i32::MAX),
-            client_addr: r.client_addr.map(|a| a.ip().to_string()),
+            client_addr: r.client_addr.map(|a| a.ip()),
+            hop_us: us(t.hop()),
         }
     }
+
+    /// The row as spilled (and replayed).
+    fn into_row(self, prefix: &str) -> LogRow {
+        let f = self.fields();
+        let [
+            queue_wait_us,
+            upstream_ttft_us,
+            client_ttft_us,
+            overhead_pre_us,
+            overhead_relay_us,
+            e2el_us,
+            tpot_us,
+            itl_mean_us,
+            itl_p99_us,
+            itl_max_us,
+        ] = f.times;
+        LogRow {
+            row_id: row_id(prefix, self.row_id).as_str().to_owned(),
+            at: f.at,
+            request_id: f.request_id.into_owned(),
+            key_id: f.key_id.map(str::to_owned),
+            environment: f.environment.map(str::to_owned),
+            model: f.model.map(str::to_owned),
+            backend: f.backend.map(str::to_owned),
+            status: f.status,
+            error: f.error.map(str::to_owned),
+            stream: f.stream,
+            prompt_tokens: f.prompt_tokens,
+            completion_tokens: f.completion_tokens,
+            usage_source: f.usage_source.to_owned(),
+            queue_wait_us,
+            upstream_ttft_us,
+            client_ttft_us,
+            overhead_pre_us,
+            overhead_relay_us,
+            hop_us: f.hop_us,
+            e2el_us,
+            tpot_us,
+            itl_mean_us,
+            itl_p99_us,
+            itl_max_us,
+            content_events: f.content_events,
+            client_addr: f.client_addr.map(|a| a.to_string()),
+        }
+    }
+}
+
+/// A row id, `<process prefix>-<sequence in hex>`, formatted on the stack.
+struct RowId {
+    buf: [u8; 48],
+    len: usize,
+}
+
+impl RowId {
+    fn as_str(&self) -> &str {
+        // Only ASCII (the prefix is hex) is ever written.
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("")
+    }
+}
+
+fn row_id(prefix: &str, n: u64) -> RowId {
+    let mut id = RowId {
+        buf: [0; 48],
+        len: 0,
+    };
+    let p = prefix.as_bytes();
+    let p = &p[..p.len().min(30)];
+    id.buf[..p.len()].copy_from_slice(p);
+    id.buf[p.len()] = b'-';
+    let mut at = p.len() + 1;
+    let digits = (64 - n.leading_zeros()).div_ceil(4).max(1) as usize;
+    for i in (0..digits).rev() {
+        id.buf[at] = b"0123456789abcdef"[((n >> (i * 4)) & 0xf) as usize];
+        at += 1;
+    }
+    id.len = at;
+    id
 }
 
 /// The request side of the log: hands rows to the writer.
@@ -127,6 +233,9 @@ pub struct RequestLog {
     next_id: AtomicU64,
     dropped: IntCounter,
     pub(crate) backlog: IntGauge,
+    /// Rows queued at which the writer is woken before its flush interval ends (a full batch).
+    wake_at: i64,
+    wake: Arc<Notify>,
 }
 
 impl std::fmt::Debug for RequestLog {
@@ -136,7 +245,9 @@ impl std::fmt::Debug for RequestLog {
 }
 
 impl RequestLog {
-    /// Queue the row of a finished request. Never waits.
+    /// Queue the row of a finished request. Never waits, and does not wake the writer for
+    /// each row: the writer sleeps out its flush interval (or until a full batch is queued)
+    /// and then takes everything at once.
     pub fn record(&self, r: &RequestRecord) {
         let pending = Pending {
             row_id: self.next_id.fetch_add(1, Ordering::Relaxed),
@@ -154,7 +265,12 @@ impl RequestLog {
             },
         };
         match self.tx.try_send(pending) {
-            Ok(()) => self.backlog.inc(),
+            Ok(()) => {
+                self.backlog.inc();
+                if self.backlog.get() >= self.wake_at {
+                    self.wake.notify_one();
+                }
+            }
             Err(_) => self.dropped.inc(),
         }
     }
@@ -197,12 +313,18 @@ pub fn start(
     ] {
         registry.register(m)?;
     }
-    let (tx, rx) = mpsc::channel(config.channel_capacity.max(1));
+    let capacity = config.channel_capacity.max(1);
+    let (tx, rx) = mpsc::channel(capacity);
+    let wake = Arc::new(Notify::new());
     let log = Arc::new(RequestLog {
         tx,
         next_id: AtomicU64::new(0),
         dropped: dropped.clone(),
         backlog: backlog.clone(),
+        // A full batch, or half the channel when that is smaller: never wait into drops.
+        wake_at: i64::try_from(config.batch_rows.clamp(1, capacity.div_ceil(2)))
+            .unwrap_or(i64::MAX),
+        wake: wake.clone(),
     });
     let prefix = format!(
         "{:08x}{:04x}",
@@ -210,6 +332,7 @@ pub fn start(
         std::process::id() & 0xffff
     );
     let writer = Writer {
+        sink: Sink::new(store.bulk().clone(), config.batch_rows),
         store,
         config,
         prefix,
@@ -218,6 +341,7 @@ pub fn start(
         spilled,
         written,
         spill_rows: 0,
+        wake,
     };
     tasks.spawn(writer.run(rx, stop));
     Ok(log)
@@ -225,6 +349,7 @@ pub fn start(
 
 struct Writer {
     store: KeyStore,
+    sink: Sink,
     config: RequestLogConfig,
     prefix: String,
     dropped: IntCounter,
@@ -232,6 +357,7 @@ struct Writer {
     spilled: IntGauge,
     written: IntCounter,
     spill_rows: usize,
+    wake: Arc<Notify>,
 }
 
 impl Writer {
@@ -241,7 +367,7 @@ impl Writer {
             .await
             .unwrap_or(0);
         self.spilled.set(self.spill_rows as i64);
-        let mut batch: Vec<LogRow> = Vec::with_capacity(self.config.batch_rows);
+        let mut batch: Vec<Pending> = Vec::with_capacity(self.config.batch_rows);
         let mut maintenance = tokio::time::interval(Duration::from_secs(60));
         let mut retry = tokio::time::interval(Duration::from_secs(1));
         loop {
@@ -249,58 +375,47 @@ impl Writer {
                 biased;
                 got = rx.recv() => match got {
                     Some(p) => {
-                        self.backlog.dec();
-                        batch.push(p.into_row(&self.prefix));
-                        // Take what is already queued, up to a batch, then write.
-                        while batch.len() < self.config.batch_rows {
-                            match rx.try_recv() {
-                                Ok(p) => {
-                                    self.backlog.dec();
-                                    batch.push(p.into_row(&self.prefix));
-                                }
-                                Err(_) => break,
-                            }
+                        batch.push(p);
+                        // Let rows gather without a wake-up per row: the channel is not
+                        // polled while this waits, so a request's `try_send` wakes nobody.
+                        tokio::select! {
+                            () = tokio::time::sleep(self.config.flush_interval) => {}
+                            () = self.wake.notified() => {}
+                            () = stop.cancelled() => {}
                         }
-                        if batch.len() >= self.config.batch_rows {
-                            self.flush(&mut batch).await;
-                        } else {
-                            // Let a partial batch fill a little, without holding it long.
-                            let until = tokio::time::sleep(self.config.flush_interval);
-                            tokio::pin!(until);
-                            loop {
-                                tokio::select! {
-                                    _ = &mut until => break,
-                                    more = rx.recv() => match more {
-                                        Some(p) => {
-                                            self.backlog.dec();
-                                            batch.push(p.into_row(&self.prefix));
-                                            if batch.len() >= self.config.batch_rows { break; }
-                                        }
-                                        None => break,
-                                    },
-                                }
-                            }
-                            self.flush(&mut batch).await;
-                        }
+                        self.drain(&mut rx, &mut batch).await;
                     }
                     None => break,
                 },
                 _ = retry.tick(), if self.spill_rows > 0 => self.replay().await,
                 _ = maintenance.tick() => self.maintain().await,
-                _ = stop.cancelled() => break,
+                () = stop.cancelled() => break,
             }
         }
         // Shutdown: what is queued goes to the database, or to the spill file.
-        while let Ok(p) = rx.try_recv() {
-            self.backlog.dec();
-            batch.push(p.into_row(&self.prefix));
-        }
-        if !batch.is_empty() {
-            self.flush(&mut batch).await;
+        self.drain(&mut rx, &mut batch).await;
+    }
+
+    /// Write what is queued, a batch at a time, until the channel is empty.
+    async fn drain(&mut self, rx: &mut mpsc::Receiver<Pending>, batch: &mut Vec<Pending>) {
+        loop {
+            while batch.len() < self.config.batch_rows {
+                match rx.try_recv() {
+                    Ok(p) => batch.push(p),
+                    Err(_) => break,
+                }
+            }
+            // Every row leaves the backlog here, in the one batch that writes (or spills) it.
+            self.backlog.sub(batch.len() as i64);
+            let full = batch.len() >= self.config.batch_rows;
+            self.flush(batch).await;
+            if !full {
+                return;
+            }
         }
     }
 
-    async fn flush(&mut self, batch: &mut Vec<LogRow>) {
+    async fn flush(&mut self, batch: &mut Vec<Pending>) {
         if batch.is_empty() {
             return;
         }
@@ -309,7 +424,8 @@ impl Writer {
             self.replay().await;
         }
         if self.spill_rows == 0 {
-            match tokio::time::timeout(Duration::from_secs(5), insert(&self.store, batch)).await {
+            let write = self.sink.write(&self.prefix, batch);
+            match tokio::time::timeout(Duration::from_secs(5), write).await {
                 Ok(Ok(())) => {
                     self.written.inc_by(batch.len() as u64);
                     batch.clear();
@@ -324,8 +440,8 @@ impl Writer {
                 ),
             }
         }
-        self.spill(batch).await;
-        batch.clear();
+        let rows: Vec<LogRow> = batch.drain(..).map(|p| p.into_row(&self.prefix)).collect();
+        self.spill(&rows).await;
     }
 
     async fn spill(&mut self, batch: &[LogRow]) {
@@ -357,6 +473,8 @@ impl Writer {
     }
 
     /// Send the spill file to the database, in order; remove it when all of it is stored.
+    /// Replayed rows go through `INSERT … ON CONFLICT DO NOTHING`: a batch whose write timed
+    /// out may have landed after all, and is not stored twice.
     async fn replay(&mut self) {
         let path = self.config.spill_path.clone();
         let read = {
@@ -473,9 +591,171 @@ fn count_lines(path: &Path) -> usize {
 /// Columns per row.
 const WIDTH: usize = 26;
 
-/// Insert a batch in one transaction. PostgreSQL takes it as one multi-row statement; SQLite's
-/// statement preparation grows badly with thousands of placeholders, so it gets statements of
-/// 50 rows (still one commit, one fsync).
+/// Rows per SQLite statement, largest first: a batch is cut into statements of these sizes,
+/// so at most a few distinct statements exist, each prepared once and then cached.
+const SQLITE_ROWS: [usize; 5] = [256, 64, 16, 4, 1];
+
+/// Fresh batches into the store, in the engine's own bulk form (replayed spill rows take
+/// `insert`, which skips rows already stored).
+enum Sink {
+    /// One `COPY … FROM STDIN (FORMAT binary)` per batch: a single statement (all or
+    /// nothing), its rows encoded into one buffer that is reused.
+    Postgres {
+        pool: sqlx::PgPool,
+        buf: Vec<u8>,
+        statement: String,
+    },
+    /// Prepared multi-row `INSERT OR IGNORE` statements of `SQLITE_ROWS` sizes, one transaction
+    /// (one commit) per batch.
+    Sqlite {
+        pool: sqlx::SqlitePool,
+        /// One statement per entry of `SQLITE_ROWS`.
+        statements: Vec<String>,
+    },
+}
+
+impl Sink {
+    fn new(pool: BulkPool, batch_rows: usize) -> Self {
+        match pool {
+            BulkPool::Postgres(pool) => Sink::Postgres {
+                pool,
+                buf: Vec::with_capacity(batch_rows.min(10_000) * 256),
+                statement: format!("COPY request_log ({COLUMNS}) FROM STDIN (FORMAT binary)"),
+            },
+            BulkPool::Sqlite(pool) => Sink::Sqlite {
+                pool,
+                statements: SQLITE_ROWS
+                    .iter()
+                    .map(|&n| insert_sql(DbKind::Sqlite, "INSERT OR IGNORE", n, ""))
+                    .collect(),
+            },
+        }
+    }
+
+    async fn write(&mut self, prefix: &str, rows: &[Pending]) -> Result<(), sqlx::Error> {
+        match self {
+            Sink::Postgres {
+                pool,
+                buf,
+                statement,
+            } => {
+                buf.clear();
+                encode_copy(buf, prefix, rows);
+                let mut conn = pool.acquire().await?;
+                let mut copy = conn.copy_in_raw(statement).await?;
+                copy.send(buf.as_slice()).await?;
+                copy.finish().await?;
+                Ok(())
+            }
+            Sink::Sqlite { pool, statements } => {
+                let mut tx = pool.begin().await?;
+                let mut rest = rows;
+                while !rest.is_empty() {
+                    let i = SQLITE_ROWS
+                        .iter()
+                        .position(|&n| n <= rest.len())
+                        .unwrap_or(SQLITE_ROWS.len() - 1);
+                    let (chunk, tail) = rest.split_at(SQLITE_ROWS[i].min(rest.len()));
+                    let mut q = sqlx::query::<sqlx::Sqlite>(&statements[i]);
+                    for p in chunk {
+                        let f = p.fields();
+                        q = q
+                            .bind(row_id(prefix, p.row_id).as_str().to_owned())
+                            .bind(f.at)
+                            .bind(f.request_id)
+                            .bind(f.key_id)
+                            .bind(f.environment)
+                            .bind(f.model)
+                            .bind(f.backend)
+                            .bind(f.status)
+                            .bind(f.error)
+                            .bind(i32::from(f.stream))
+                            .bind(f.prompt_tokens)
+                            .bind(f.completion_tokens)
+                            .bind(f.usage_source);
+                        for t in f.times {
+                            q = q.bind(t);
+                        }
+                        q = q
+                            .bind(f.content_events)
+                            .bind(f.client_addr.map(|a| a.to_string()))
+                            .bind(f.hop_us);
+                    }
+                    q.execute(&mut *tx).await?;
+                    rest = tail;
+                }
+                tx.commit().await
+            }
+        }
+    }
+}
+
+/// PostgreSQL's binary `COPY` format: signature, flags and header extension, then per row
+/// the field count and each field as a length (−1 for NULL) and its bytes in network order,
+/// then −1 as the trailer.
+fn encode_copy(buf: &mut Vec<u8>, prefix: &str, rows: &[Pending]) {
+    fn text(buf: &mut Vec<u8>, v: Option<&[u8]>) {
+        match v {
+            Some(b) => {
+                buf.extend_from_slice(&i32::try_from(b.len()).unwrap_or(i32::MAX).to_be_bytes());
+                buf.extend_from_slice(b);
+            }
+            None => buf.extend_from_slice(&(-1i32).to_be_bytes()),
+        }
+    }
+    fn int8(buf: &mut Vec<u8>, v: Option<i64>) {
+        match v {
+            Some(v) => {
+                buf.extend_from_slice(&8i32.to_be_bytes());
+                buf.extend_from_slice(&v.to_be_bytes());
+            }
+            None => buf.extend_from_slice(&(-1i32).to_be_bytes()),
+        }
+    }
+    fn int4(buf: &mut Vec<u8>, v: i32) {
+        buf.extend_from_slice(&4i32.to_be_bytes());
+        buf.extend_from_slice(&v.to_be_bytes());
+    }
+    buf.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
+    buf.extend_from_slice(&[0; 8]);
+    for p in rows {
+        let f = p.fields();
+        buf.extend_from_slice(&(WIDTH as i16).to_be_bytes());
+        text(buf, Some(row_id(prefix, p.row_id).as_str().as_bytes()));
+        int8(buf, Some(f.at));
+        text(buf, Some(f.request_id.as_bytes()));
+        text(buf, f.key_id.map(str::as_bytes));
+        text(buf, f.environment.map(str::as_bytes));
+        text(buf, f.model.map(str::as_bytes));
+        text(buf, f.backend.map(str::as_bytes));
+        int4(buf, f.status);
+        text(buf, f.error.map(str::as_bytes));
+        int4(buf, i32::from(f.stream));
+        int8(buf, f.prompt_tokens);
+        int8(buf, f.completion_tokens);
+        text(buf, Some(f.usage_source.as_bytes()));
+        for t in f.times {
+            int8(buf, t);
+        }
+        int4(buf, f.content_events);
+        match f.client_addr {
+            Some(ip) => {
+                // The length goes before the text: written after it, in its place.
+                let at = buf.len();
+                buf.extend_from_slice(&[0; 4]);
+                let _ = write!(buf, "{ip}");
+                let len = i32::try_from(buf.len() - at - 4).unwrap_or(0);
+                buf[at..at + 4].copy_from_slice(&len.to_be_bytes());
+            }
+            None => text(buf, None),
+        }
+        int8(buf, f.hop_us);
+    }
+    buf.extend_from_slice(&(-1i16).to_be_bytes());
+}
+
+/// Insert replayed rows in one transaction (one commit, one fsync), skipping rows already
+/// stored: multi-row statements of 1000 rows on PostgreSQL, 50 on SQLite.
 async fn insert(store: &KeyStore, rows: &[LogRow]) -> Result<(), sqlx::Error> {
     let per_statement = match store.kind() {
         DbKind::Postgres => 1000,
@@ -483,35 +763,51 @@ async fn insert(store: &KeyStore, rows: &[LogRow]) -> Result<(), sqlx::Error> {
     };
     let mut tx = store.pool().begin().await?;
     for chunk in rows.chunks(per_statement) {
-        insert_rows(&mut tx, chunk).await?;
+        insert_rows(&mut tx, store.kind(), chunk).await?;
     }
     tx.commit().await
 }
 
-/// One multi-row INSERT with numbered placeholders (`$1`, `$2`, ... — what both PostgreSQL and
-/// SQLite accept); rows already stored (same row id) are skipped.
-async fn insert_rows(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    rows: &[LogRow],
-) -> Result<(), sqlx::Error> {
-    let mut sql = String::with_capacity(120 + rows.len() * WIDTH * 6);
-    sql.push_str("INSERT INTO request_log (");
+/// `<verb> INTO request_log (…) VALUES (…), …` for `rows` rows. PostgreSQL gets numbered
+/// placeholders (`$1`, `$2`, …); SQLite anonymous ones (`?`): sqlx looks each numbered one up
+/// by name, and SQLite's name lookup walks the statement's parameter list, which made a
+/// 64-row statement cost ~50 µs per row.
+fn insert_sql(kind: DbKind, verb: &str, rows: usize, tail: &str) -> String {
+    let mut sql = String::with_capacity(120 + rows * WIDTH * 6);
+    sql.push_str(verb);
+    sql.push_str(" INTO request_log (");
     sql.push_str(COLUMNS);
     sql.push_str(") VALUES ");
     let mut n = 0usize;
-    for i in 0..rows.len() {
+    for i in 0..rows {
         sql.push_str(if i == 0 { "(" } else { ", (" });
         for c in 0..WIDTH {
             n += 1;
             if c > 0 {
                 sql.push(',');
             }
-            sql.push('$');
-            sql.push_str(itoa::Buffer::new().format(n));
+            match kind {
+                DbKind::Postgres => {
+                    sql.push('$');
+                    sql.push_str(itoa::Buffer::new().format(n));
+                }
+                DbKind::Sqlite => sql.push('?'),
+            }
         }
         sql.push(')');
     }
-    sql.push_str(" ON CONFLICT DO NOTHING");
+    sql.push_str(tail);
+    sql
+}
+
+/// One multi-row INSERT (placeholders as `insert_sql` writes them for the engine); rows already
+/// stored (same row id) are skipped.
+async fn insert_rows(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    kind: DbKind,
+    rows: &[LogRow],
+) -> Result<(), sqlx::Error> {
+    let sql = insert_sql(kind, "INSERT", rows.len(), " ON CONFLICT DO NOTHING");
     let mut q = sqlx::query(&sql);
     for r in rows {
         q = q
