@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Where the gateway's CPU goes on streamed requests: a perf profile of the release gateway
+# under a steady load of streams with real token gaps (docs/benchmarks.md, "Profile").
+#
+#   scripts/profile-stream.sh            # 100 streams/s, 64 tokens 10 ms apart, 20 s
+#
+# Starts on 127.0.0.1 a sim (one token per 10 ms step), the gateway as shipped (SQLite key store,
+# request log on, per-request log events off) and `fleetgate bench` at RATE streams/s; records
+# `perf record --call-graph dwarf` of the gateway for SECS seconds in the middle of the run; writes under
+# bench-out/profile-<UTC time>/:
+#   perf.data, report.txt  (top symbols, self time; and by caller chains)
+#   flame.svg              (when inferno-collapse-perf and inferno-flamegraph are installed:
+#                           cargo install inferno)
+#   categories.md          (the samples by what they were spent on: scripts/profile-categories.py)
+#   cpu.txt                (gateway CPU time per stream over the recorded window, perf's own
+#                           cost included; bench-hop.sh gives the clean figure)
+#
+# Environment: RATE (100), TOKENS (64), STEP_MS (10), SECS (20), FREQ (perf sampling Hz, 999),
+# MINWIDTH (flame graph: frames under this percentage left out, 0.5).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+RATE=${RATE:-100}
+TOKENS=${TOKENS:-64}
+STEP_MS=${STEP_MS:-10}
+SECS=${SECS:-20}
+FREQ=${FREQ:-999}
+OUT="$ROOT/bench-out/profile-$(date -u +%Y%m%dT%H%M%SZ)"
+BIN="$ROOT/target/release/fleetgate"
+
+log() { echo "profile-stream: $*" >&2; }
+die() {
+    log "$*"
+    exit 1
+}
+
+command -v perf >/dev/null || die "perf is missing (Debian: apt-get install linux-perf)"
+perf stat -e task-clock true >/dev/null 2>&1 || die "perf cannot count here (perf_event_paranoid?)"
+
+log "building (release)"
+cargo build --release -q
+mkdir -p "$OUT"
+TMP=$(mktemp -d /tmp/profile-stream.XXXXXX)
+PIDS=()
+cleanup() {
+    local p
+    for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+
+wait_url() {
+    local file=$1 pid=$2 url
+    for _ in $(seq 1 100); do
+        url=$(grep listening "$file" 2>/dev/null | grep -oE 'http://127\.0\.0\.1:[0-9]+' | head -n1 || true)
+        [ -n "$url" ] && { echo "$url"; return 0; }
+        kill -0 "$pid" 2>/dev/null || { cat "$file" >&2; die "a process exited during start"; }
+        sleep 0.1
+    done
+    die "no address reported in $file"
+}
+
+export NO_COLOR=1 RUST_LOG=${RUST_LOG:-info}
+"$BIN" sim --host 127.0.0.1 --port 0 --served-model-name qwen32b --decode-step-ms "$STEP_MS" \
+    --decode-ms-per-seq 0 --prefill-us-per-token 0 --max-num-seqs 1024 >"$TMP/sim.log" 2>&1 &
+PIDS+=($!)
+SIM_URL=$(wait_url "$TMP/sim.log" "$!")
+
+cat >"$TMP/fleetgate.toml" <<EOF
+[server]
+listen = "127.0.0.1:0"
+log_format = "text"
+request_log_events = false
+
+[database]
+sqlite_path = "$TMP/fleetgate.db"
+
+[request_log]
+spill_path = "$TMP/request-log.spill"
+
+[admin]
+listen = ""
+
+[[pools]]
+model = "qwen32b"
+backends = ["$SIM_URL"]
+max_in_flight_per_backend = 0
+EOF
+"$BIN" migrate --config "$TMP/fleetgate.toml" >/dev/null
+KEY=$("$BIN" keys --config "$TMP/fleetgate.toml" create --env stress --name profile 2>/dev/null |
+    grep -oE 'fg-stress-[A-Za-z0-9_-]+' | head -n1)
+[ -n "$KEY" ] || die "could not create a key"
+"$BIN" serve --config "$TMP/fleetgate.toml" >"$TMP/gateway.log" 2>&1 &
+GW_PID=$!
+PIDS+=("$GW_PID")
+GW_URL=$(wait_url "$TMP/gateway.log" "$GW_PID")
+
+# The load: long enough to cover warm-up, the recorded window and a tail.
+PROMPTS=$((RATE * (SECS + 10)))
+log "load: $RATE streams/s x $TOKENS tokens, $STEP_MS ms apart, $PROMPTS requests"
+OPENAI_API_KEY=$KEY "$BIN" bench --base-url "$GW_URL" --model qwen32b --request-rate "$RATE" \
+    --num-prompts "$PROMPTS" --random-input-len 32 --random-output-len "$TOKENS" --ignore-eos \
+    --no-progress --output "$OUT/bench.json" >"$OUT/bench.txt" 2>&1 &
+BENCH_PID=$!
+sleep 5
+ticks() { awk '{print $14 + $15}' "/proc/$GW_PID/stat"; }
+T0=$(ticks)
+log "recording $SECS s of the gateway (pid $GW_PID)"
+perf record -F "$FREQ" --call-graph dwarf,16384 -p "$GW_PID" -o "$OUT/perf.data" -- sleep "$SECS" 2>"$TMP/perf.log" ||
+    { cat "$TMP/perf.log" >&2; die "perf record failed"; }
+T1=$(ticks)
+HZ=$(getconf CLK_TCK)
+# Open loop at a steady rate: the window sees RATE x SECS streams start and as many finish.
+awk -v t="$((T1 - T0))" -v hz="$HZ" -v n="$((RATE * SECS))" 'BEGIN {
+    printf "gateway CPU over the window: %.3f s for ~%d streams: %.0f us per stream (perf running)\n",
+        t / hz, n, t / hz * 1e6 / n }' | tee "$OUT/cpu.txt"
+wait "$BENCH_PID" || die "the bench failed (see $OUT/bench.txt)"
+grep -iE "failed|successful" "$OUT/bench.txt" | head -n 3 | tee -a "$OUT/cpu.txt"
+
+perf report -i "$OUT/perf.data" --no-children --sort dso,sym --percent-limit 0.5 --stdio \
+    >"$OUT/report.txt" 2>/dev/null
+perf report -i "$OUT/perf.data" --children --sort sym --percent-limit 2 --stdio -g none \
+    >"$OUT/report-children.txt" 2>/dev/null
+if command -v inferno-collapse-perf >/dev/null && command -v inferno-flamegraph >/dev/null; then
+    perf script -i "$OUT/perf.data" 2>/dev/null | inferno-collapse-perf >"$OUT/stacks.folded"
+    inferno-flamegraph --minwidth "${MINWIDTH:-0.5}" \
+        --title "fleetgate: $RATE streams/s, $TOKENS tokens, $STEP_MS ms apart (release, request log on)" \
+        <"$OUT/stacks.folded" >"$OUT/flame.svg"
+    log "flame graph: $OUT/flame.svg"
+    python3 "$ROOT/scripts/profile-categories.py" "$OUT/stacks.folded" | tee "$OUT/categories.md"
+else
+    log "no flame graph: cargo install inferno"
+fi
+log "results in $OUT"
