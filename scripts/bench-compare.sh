@@ -20,37 +20,15 @@ BIN="$ROOT/target/release/fleetgate"
 OUT="$ROOT/bench-out/compare-$(date -u +%Y%m%dT%H%M%SZ)"
 TMP=$(mktemp -d)
 mkdir -p "$OUT" "$TMP/nginx"
-log() { echo "bench-compare: $*" >&2; }
-die() { log "$*"; exit 1; }
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
+SCRIPT_NAME=bench-compare
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
+trap 'stop_started; rm -rf "$TMP"' EXIT
 
-NGINX_BIN=$(command -v nginx 2>/dev/null || { [ -x /usr/sbin/nginx ] && echo /usr/sbin/nginx; } || true)
-if [ -z "$NGINX_BIN" ]; then
-    log "installing Debian's nginx"
-    SUDO=""
-    [ "$(id -u)" = 0 ] || SUDO=sudo
-    $SUDO apt-get update -q
-    $SUDO env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light ||
-        $SUDO env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx
-    NGINX_BIN=$(command -v nginx 2>/dev/null || echo /usr/sbin/nginx)
-fi
+find_nginx
 log "building (release)"
 cargo build --release -q
 
-wait_url() { # logfile pid name
-    for _ in $(seq 1 100); do
-        url=$(grep listening "$1" 2>/dev/null | grep -oE 'http://127\.0\.0\.1:[0-9]+' | head -n1 || true)
-        [ -n "$url" ] && { echo "$url"; return 0; }
-        kill -0 "$2" 2>/dev/null || { cat "$1" >&2; die "$3 exited during start"; }
-        sleep 0.1
-    done
-    die "$3 did not report its address"
-}
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
@@ -58,8 +36,8 @@ free_port() {
 export NO_COLOR=1 RUST_LOG=info
 # shellcheck disable=SC2086 # SIM_FLAGS is a list of flags
 "$BIN" sim --host 127.0.0.1 --port 0 --max-num-seqs 256 $SIM_FLAGS >"$TMP/sim.log" 2>&1 &
-PIDS+=($!)
-SIM_URL=$(wait_url "$TMP/sim.log" "${PIDS[-1]}" sim)
+STARTED+=($!)
+SIM_URL=$(wait_url "$TMP/sim.log" "${STARTED[-1]}" sim)
 
 cat >"$TMP/fleetgate.toml" <<EOF
 [server]
@@ -81,8 +59,8 @@ FLEETGATE_BENCH_KEY=$("$BIN" keys --config "$TMP/fleetgate.toml" create --env pr
     python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])')
 export FLEETGATE_BENCH_KEY
 "$BIN" serve --config "$TMP/fleetgate.toml" >"$TMP/fleetgate.log" 2>&1 &
-PIDS+=($!)
-GW_URL=$(wait_url "$TMP/fleetgate.log" "${PIDS[-1]}" fleetgate)
+STARTED+=($!)
+GW_URL=$(wait_url "$TMP/fleetgate.log" "${STARTED[-1]}" fleetgate)
 
 NGINX_PORT=$(free_port)
 cat >"$TMP/nginx/nginx.conf" <<EOF
@@ -109,7 +87,7 @@ http {
 }
 EOF
 "$NGINX_BIN" -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf" 2>"$TMP/nginx/stderr.log" &
-PIDS+=($!)
+STARTED+=($!)
 for _ in $(seq 1 50); do
     curl -sf -o /dev/null "http://127.0.0.1:$NGINX_PORT/health" && break
     sleep 0.1

@@ -37,11 +37,9 @@ PACED=${PACED:-1}
 PACED_ARGS=${PACED_ARGS:---rounds 150 --warmup-rounds 10 --slice-secs 3}
 BIN="$ROOT/target/release/fleetgate"
 
-log() { echo "bench-hop: $*" >&2; }
-die() {
-    log "$*"
-    exit 1
-}
+SCRIPT_NAME=bench-hop
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
 
 # 5000 streams need ~10000 sockets in a proxy (client side + upstream side) and 5000 in the
 # driver and the sim; every process started below inherits this limit: 65536 where the hard
@@ -51,19 +49,7 @@ NOFILE=$(ulimit -n)
 [ "$NOFILE" -ge 12000 ] || die "open-file limit $NOFILE is too low for 5000 streams (need >= 12000)"
 
 # --- nginx ------------------------------------------------------------------------------------
-find_nginx() { command -v nginx 2>/dev/null || { [ -x /usr/sbin/nginx ] && echo /usr/sbin/nginx; } || true; }
-NGINX_BIN=$(find_nginx)
-if [ -z "$NGINX_BIN" ]; then
-    SUDO=""
-    [ "$(id -u)" = 0 ] || SUDO=sudo
-    log "installing Debian's nginx"
-    $SUDO apt-get update -q
-    # RUNLEVEL=1 keeps the package's init script from starting a system nginx on port 80.
-    $SUDO env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light ||
-        $SUDO env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx
-    NGINX_BIN=$(find_nginx)
-    [ -n "$NGINX_BIN" ] || die "nginx is still missing after apt-get install"
-fi
+find_nginx
 
 # --- build ------------------------------------------------------------------------------------
 log "building (release)"
@@ -73,41 +59,15 @@ cargo bench --bench hop --no-run -q 2>/dev/null || cargo bench --bench hop --no-
 # --- processes --------------------------------------------------------------------------------
 TMP=$(mktemp -d /tmp/bench-hop.XXXXXX)
 mkdir -p "$RUN_DIR" "$TMP/nginx"
-STARTED=()
 
 cleanup() {
-    local pid alive
-    for pid in "${STARTED[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for _ in $(seq 1 50); do
-        alive=0
-        for pid in "${STARTED[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-        [ "$alive" = 0 ] && break
-        sleep 0.1
-    done
-    for pid in "${STARTED[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+    stop_started
     mkdir -p "$RUN_DIR/logs"
     cp "$TMP"/*.log "$TMP"/*.toml "$TMP"/nginx/*.conf "$TMP"/nginx/*.log "$RUN_DIR/logs/" 2>/dev/null || true
     rm -rf "$TMP"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-
-# The URL a process logs once it listens ("... listening url=http://127.0.0.1:PORT"), waited
-# for at most 10 s.
-wait_url() {
-    local file=$1 pid=$2 name=$3 url
-    for _ in $(seq 1 100); do
-        url=$(grep listening "$file" 2>/dev/null | grep -oE 'http://127\.0\.0\.1:[0-9]+' | head -n1 || true)
-        if [ -n "$url" ]; then
-            echo "$url"
-            return 0
-        fi
-        kill -0 "$pid" 2>/dev/null || { cat "$file" >&2; die "$name exited during start"; }
-        sleep 0.1
-    done
-    cat "$file" >&2
-    die "$name did not report its address within 10 s"
-}
 
 # A free port on 127.0.0.1 for nginx (which cannot bind port 0 and report it), distinct from
 # the ones already handed out.

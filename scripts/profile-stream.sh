@@ -29,11 +29,9 @@ FREQ=${FREQ:-999}
 OUT="$ROOT/bench-out/profile-$(date -u +%Y%m%dT%H%M%SZ)"
 BIN="$ROOT/target/release/fleetgate"
 
-log() { echo "profile-stream: $*" >&2; }
-die() {
-    log "$*"
-    exit 1
-}
+SCRIPT_NAME=profile-stream
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
 
 command -v perf >/dev/null || die "perf is missing (Debian: apt-get install linux-perf)"
 perf stat -e task-clock true >/dev/null 2>&1 || die "perf cannot count here (perf_event_paranoid?)"
@@ -42,31 +40,13 @@ log "building (release)"
 cargo build --release -q
 mkdir -p "$OUT"
 TMP=$(mktemp -d /tmp/profile-stream.XXXXXX)
-PIDS=()
-cleanup() {
-    local p
-    for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-
-wait_url() {
-    local file=$1 pid=$2 url
-    for _ in $(seq 1 100); do
-        url=$(grep listening "$file" 2>/dev/null | grep -oE 'http://127\.0\.0\.1:[0-9]+' | head -n1 || true)
-        [ -n "$url" ] && { echo "$url"; return 0; }
-        kill -0 "$pid" 2>/dev/null || { cat "$file" >&2; die "a process exited during start"; }
-        sleep 0.1
-    done
-    die "no address reported in $file"
-}
+trap 'stop_started; rm -rf "$TMP"' EXIT
 
 export NO_COLOR=1 RUST_LOG=${RUST_LOG:-info}
 "$BIN" sim --host 127.0.0.1 --port 0 --served-model-name qwen32b --decode-step-ms "$STEP_MS" \
     --decode-ms-per-seq 0 --prefill-us-per-token 0 --max-num-seqs 1024 >"$TMP/sim.log" 2>&1 &
-PIDS+=($!)
-SIM_URL=$(wait_url "$TMP/sim.log" "$!")
+STARTED+=($!)
+SIM_URL=$(wait_url "$TMP/sim.log" "$!" sim)
 
 cat >"$TMP/fleetgate.toml" <<EOF
 [server]
@@ -94,8 +74,8 @@ KEY=$("$BIN" keys --config "$TMP/fleetgate.toml" create --env stress --name prof
 [ -n "$KEY" ] || die "could not create a key"
 "$BIN" serve --config "$TMP/fleetgate.toml" >"$TMP/gateway.log" 2>&1 &
 GW_PID=$!
-PIDS+=("$GW_PID")
-GW_URL=$(wait_url "$TMP/gateway.log" "$GW_PID")
+STARTED+=("$GW_PID")
+GW_URL=$(wait_url "$TMP/gateway.log" "$GW_PID" fleetgate)
 
 # The load: long enough to cover warm-up, the recorded window and a tail.
 PROMPTS=$((RATE * (SECS + 10)))
