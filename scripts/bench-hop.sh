@@ -19,6 +19,8 @@
 #   GATEWAY_WORKERS      request-path worker threads of the gateway (server.workers; default 0 =
 #                        one per core)
 #   GATEWAY_THREADS      tokio worker threads of the gateway's control plane (default: tokio's)
+#   REQUEST_LOG          1: the request log on, as shipped (SQLite store); default 0, like
+#                        nginx's access_log off
 #   NGINX_WORKERS        nginx worker_processes (default 1, see docs/benchmarks.md)
 #   SIM_FLAGS            timing flags of the main-pass sim (default --zero-delay)
 #   PACED                1 (default) runs the paced pass, 0 skips it
@@ -137,10 +139,12 @@ shutdown_grace_seconds = 1
 health_interval_ms = 5000
 workers = ${GATEWAY_WORKERS:-0}
 
-# Like nginx (access_log off): no request log here (its cost per request and its writer's
-# throughput are measured on their own by cargo bench --bench telemetry).
+# By default like nginx (access_log off): no request log (its cost per row is measured on its
+# own by cargo bench --bench telemetry). REQUEST_LOG=1: as shipped, one row per request into
+# the SQLite store above.
 [request_log]
-enabled = false
+enabled = $([ "${REQUEST_LOG:-0}" = 1 ] && echo true || echo false)
+spill_path = "$TMP/request-log.spill"
 
 # A throw-away key store for this run; no admin listener (its default port is fixed).
 [database]
