@@ -10,7 +10,8 @@
 #     tokens arriving one by one (skip with PACED=0);
 #   - fleetgate in front of all three (one pool per model) and nginx in front of all three
 #     (one port per sim).
-# Then it runs the driver (benches/hop.rs), stops everything it started, and leaves the JSON and
+# Then it runs the driver (benches/hop.rs), then the not-streamed throughput pass (wrk, closed
+# loop; THROUGHPUT=0 skips it), stops everything it started, and leaves the JSON and
 # markdown under bench-out/hop-<UTC time>/ (bench-out/ is git-ignored), also copied to
 # bench-out/hop-latest.{md,json}. The markdown summary is printed at the end. Flags given to the
 # script go to the main pass of the driver.
@@ -25,6 +26,9 @@
 #   SIM_FLAGS            timing flags of the main-pass sim (default --zero-delay)
 #   PACED                1 (default) runs the paced pass, 0 skips it
 #   PACED_ARGS           driver flags of the paced pass (default below)
+#   THROUGHPUT           1 (default) runs the not-streamed throughput pass with wrk (installed
+#                        from Debian when missing), 0 skips it; TP_CONNECTIONS (64),
+#                        TP_SECS_EACH (5), TP_ROUNDS (2) shape it
 #   FLEETGATE_BENCH_KEY  API key the driver sends (default: one created in the run's own store)
 set -euo pipefail
 
@@ -35,6 +39,10 @@ RUN_DIR="$ROOT/bench-out/hop-$STAMP"
 NGINX_WORKERS=${NGINX_WORKERS:-1}
 SIM_FLAGS=${SIM_FLAGS:---zero-delay}
 PACED=${PACED:-1}
+THROUGHPUT=${THROUGHPUT:-1}
+TP_CONNECTIONS=${TP_CONNECTIONS:-64}
+TP_SECS_EACH=${TP_SECS_EACH:-5}
+TP_ROUNDS=${TP_ROUNDS:-2}
 # 150 rounds of ~135 ms streams at concurrency 1 take about a minute per pass.
 PACED_ARGS=${PACED_ARGS:---rounds 150 --warmup-rounds 10 --slice-secs 3}
 BIN="$ROOT/target/release/fleetgate"
@@ -50,8 +58,15 @@ ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 NOFILE=$(ulimit -n)
 [ "$NOFILE" -ge 12000 ] || die "open-file limit $NOFILE is too low for 5000 streams (need >= 12000)"
 
-# --- nginx ------------------------------------------------------------------------------------
+# --- nginx, wrk -------------------------------------------------------------------------------
 find_nginx
+if [ "$THROUGHPUT" = 1 ] && ! command -v wrk >/dev/null; then
+    log "installing Debian's wrk"
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q wrk ||
+        die "cannot install wrk (THROUGHPUT=0 skips its pass)"
+fi
 
 # --- build ------------------------------------------------------------------------------------
 log "building (release)"
@@ -293,6 +308,70 @@ if [ "$PACED" = 1 ]; then
         --label "paced sim (one token per ~2 ms step)" --direct "$PACED_URL" --nginx "$NGINX_PACED_URL" \
         --model paced --sim-pid "$PACED_PID" --phases latency,openloop --no-targets \
         --out "$RUN_DIR/hop-paced.json" $PACED_ARGS >>"$RUN_DIR/summary.md"
+fi
+
+if [ "$THROUGHPUT" = 1 ]; then
+    log "throughput pass (not streamed, wrk -c $TP_CONNECTIONS)"
+    cat >"$TMP/post.lua" <<LUA
+wrk.method = "POST"
+wrk.body = '{"model":"qwen32b","max_tokens":16,"messages":[{"role":"user","content":"hello"}]}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer $FLEETGATE_BENCH_KEY"
+LUA
+    # ticks PIDS: utime+stime of the comma-separated pids, in clock ticks, summed.
+    ticks() {
+        local t=0 pid
+        for pid in ${1//,/ }; do t=$((t + $(awk '{print $14 + $15}' "/proc/$pid/stat"))); done
+        echo "$t"
+    }
+    declare -A TP_REQ TP_SECS TP_GW TP_NGX TP_SIM TP_ERR
+    for name in direct fleetgate nginx; do
+        TP_REQ[$name]=0 TP_SECS[$name]=0 TP_GW[$name]=0 TP_NGX[$name]=0 TP_SIM[$name]=0 TP_ERR[$name]=0
+    done
+    for round in $(seq 1 "$TP_ROUNDS"); do
+        for name in direct fleetgate nginx; do
+            case $name in
+                direct) url=$SIM_URL ;;
+                fleetgate) url=$GW_URL ;;
+                nginx) url=$NGINX_URL ;;
+            esac
+            out="$TMP/wrk-$name-$round.txt"
+            g0=$(ticks "$GW_PID") n0=$(ticks "$NGINX_WORKER_PIDS") s0=$(ticks "$SIM_PID")
+            wrk -t 1 -c "$TP_CONNECTIONS" -d "${TP_SECS_EACH}s" -s "$TMP/post.lua" \
+                "$url/v1/chat/completions" >"$out" 2>&1 || die "wrk failed against $name: $(cat "$out")"
+            g1=$(ticks "$GW_PID") n1=$(ticks "$NGINX_WORKER_PIDS") s1=$(ticks "$SIM_PID")
+            # "  123456 requests in 5.00s, 51.2MB read"; errors: "Non-2xx or 3xx responses: N",
+            # "Socket errors: connect N, read N, write N, timeout N".
+            req=$(awk '/requests in/ {print $1}' "$out")
+            secs=$(awk '/requests in/ {v = $4; sub(/s,$/, "", v); print v}' "$out")
+            err=$(awk '/Non-2xx/ {e += $NF} /Socket errors/ {for (i = 4; i <= NF; i += 2) {v = $i; gsub(/,/, "", v); e += v}} END {print e + 0}' "$out")
+            TP_REQ[$name]=$((TP_REQ[$name] + req))
+            TP_ERR[$name]=$((TP_ERR[$name] + err))
+            TP_SECS[$name]=$(awk -v a="${TP_SECS[$name]}" -v b="$secs" 'BEGIN {print a + b}')
+            TP_GW[$name]=$((TP_GW[$name] + g1 - g0))
+            TP_NGX[$name]=$((TP_NGX[$name] + n1 - n0))
+            TP_SIM[$name]=$((TP_SIM[$name] + s1 - s0))
+        done
+    done
+    HZ=$(getconf CLK_TCK)
+    {
+        echo "### 4. Non-streamed throughput, closed loop (wrk, $TP_CONNECTIONS connections, $TP_SECS_EACH s x $TP_ROUNDS rotations)"
+        echo
+        echo "| target | requests | errors | req/s | gateway CPU/req | nginx CPU/req | sim CPU/req |"
+        echo "|---|---|---|---|---|---|---|"
+        for name in direct fleetgate nginx; do
+            awk -v n="$name" -v r="${TP_REQ[$name]}" -v e="${TP_ERR[$name]}" -v s="${TP_SECS[$name]}" \
+                -v g="${TP_GW[$name]}" -v x="${TP_NGX[$name]}" -v m="${TP_SIM[$name]}" -v hz="$HZ" 'BEGIN {
+                    us = 1e6 / hz / (r > 0 ? r : 1)
+                    printf "| %s | %d | %d | %.0f | %.1f µs | %.1f µs | %.1f µs |\n", n, r, e, r / (s > 0 ? s : 1), g * us, x * us, m * us
+                }'
+        done
+        echo
+        echo "Each request: a chat completion of max_tokens 16, not streamed, to the zero-delay sim."
+        echo "CPU per request = the process's utime+stime over its target's slices / requests, in"
+        echo "clock ticks of 1/$HZ s. wrk shares the two cores with the proxy and the sim."
+        echo
+    } >>"$RUN_DIR/summary.md"
 fi
 
 cp "$RUN_DIR/summary.md" "$ROOT/bench-out/hop-latest.md"
