@@ -16,7 +16,9 @@
 #                           cost included; bench-hop.sh gives the clean figure)
 #
 # Environment: RATE (100), TOKENS (64), STEP_MS (10), SECS (20), FREQ (perf sampling Hz, 999),
-# MINWIDTH (flame graph: frames under this percentage left out, 0.5).
+# MINWIDTH (flame graph: frames under this percentage left out, 0.5), LOAD (stream; plain: wrk
+# with 64 connections of requests not streamed to a zero-delay sim instead, as bench-hop.sh's
+# throughput pass).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,6 +28,7 @@ TOKENS=${TOKENS:-64}
 STEP_MS=${STEP_MS:-10}
 SECS=${SECS:-20}
 FREQ=${FREQ:-999}
+LOAD=${LOAD:-stream}
 OUT="$ROOT/bench-out/profile-$(date -u +%Y%m%dT%H%M%SZ)"
 BIN="$ROOT/target/release/fleetgate"
 
@@ -43,8 +46,13 @@ TMP=$(mktemp -d /tmp/profile-stream.XXXXXX)
 trap 'stop_started; rm -rf "$TMP"' EXIT
 
 export NO_COLOR=1 RUST_LOG=${RUST_LOG:-info}
-"$BIN" sim --host 127.0.0.1 --port 0 --served-model-name qwen32b --decode-step-ms "$STEP_MS" \
-    --decode-ms-per-seq 0 --prefill-us-per-token 0 --max-num-seqs 1024 >"$TMP/sim.log" 2>&1 &
+if [ "$LOAD" = plain ]; then
+    SIM_TIMING=(--zero-delay)
+else
+    SIM_TIMING=(--decode-step-ms "$STEP_MS" --decode-ms-per-seq 0 --prefill-us-per-token 0)
+fi
+"$BIN" sim --host 127.0.0.1 --port 0 --served-model-name qwen32b "${SIM_TIMING[@]}" \
+    --max-num-seqs 1024 >"$TMP/sim.log" 2>&1 &
 STARTED+=($!)
 SIM_URL=$(wait_url "$TMP/sim.log" "$!" sim)
 
@@ -78,12 +86,27 @@ STARTED+=("$GW_PID")
 GW_URL=$(wait_url "$TMP/gateway.log" "$GW_PID" fleetgate)
 
 # The load: long enough to cover warm-up, the recorded window and a tail.
-PROMPTS=$((RATE * (SECS + 10)))
-log "load: $RATE streams/s x $TOKENS tokens, $STEP_MS ms apart, $PROMPTS requests"
-OPENAI_API_KEY=$KEY "$BIN" bench --base-url "$GW_URL" --model qwen32b --request-rate "$RATE" \
-    --num-prompts "$PROMPTS" --random-input-len 32 --random-output-len "$TOKENS" --ignore-eos \
-    --no-progress --output "$OUT/bench.json" >"$OUT/bench.txt" 2>&1 &
-BENCH_PID=$!
+if [ "$LOAD" = plain ]; then
+    command -v wrk >/dev/null || die "wrk is missing (Debian: apt-get install wrk)"
+    cat >"$TMP/post.lua" <<LUA
+wrk.method = "POST"
+wrk.body = '{"model":"qwen32b","max_tokens":16,"messages":[{"role":"user","content":"hello"}]}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer $KEY"
+LUA
+    WHAT="requests not streamed (wrk -c 64, max_tokens 16, zero-delay sim)"
+    log "load: $WHAT for $((SECS + 8)) s"
+    wrk -t 1 -c 64 -d "$((SECS + 8))s" -s "$TMP/post.lua" "$GW_URL/v1/chat/completions" \
+        >"$OUT/wrk.txt" 2>&1 &
+else
+    PROMPTS=$((RATE * (SECS + 10)))
+    WHAT="$RATE streams/s x $TOKENS tokens, $STEP_MS ms apart"
+    log "load: $WHAT, $PROMPTS requests"
+    OPENAI_API_KEY=$KEY "$BIN" bench --base-url "$GW_URL" --model qwen32b --request-rate "$RATE" \
+        --num-prompts "$PROMPTS" --random-input-len 32 --random-output-len "$TOKENS" --ignore-eos \
+        --no-progress --output "$OUT/bench.json" >"$OUT/bench.txt" 2>&1 &
+fi
+LOAD_PID=$!
 sleep 5
 ticks() { awk '{print $14 + $15}' "/proc/$GW_PID/stat"; }
 T0=$(ticks)
@@ -92,12 +115,19 @@ perf record -F "$FREQ" --call-graph dwarf,16384 -p "$GW_PID" -o "$OUT/perf.data"
     { cat "$TMP/perf.log" >&2; die "perf record failed"; }
 T1=$(ticks)
 HZ=$(getconf CLK_TCK)
-# Open loop at a steady rate: the window sees RATE x SECS streams start and as many finish.
-awk -v t="$((T1 - T0))" -v hz="$HZ" -v n="$((RATE * SECS))" 'BEGIN {
-    printf "gateway CPU over the window: %.3f s for ~%d streams: %.0f us per stream (perf running)\n",
-        t / hz, n, t / hz * 1e6 / n }' | tee "$OUT/cpu.txt"
-wait "$BENCH_PID" || die "the bench failed (see $OUT/bench.txt)"
-grep -iE "failed|successful" "$OUT/bench.txt" | head -n 3 | tee -a "$OUT/cpu.txt"
+wait "$LOAD_PID" || die "the load failed (see $OUT/)"
+if [ "$LOAD" = plain ]; then
+    # wrk's rate over its whole run stands for the window's.
+    N=$(awk -v secs="$SECS" '/Requests\/sec/ {printf "%d", $2 * secs}' "$OUT/wrk.txt")
+    grep -E "requests in|Non-2xx|Socket errors" "$OUT/wrk.txt" | tee "$OUT/cpu.txt"
+else
+    # Open loop at a steady rate: the window sees RATE x SECS streams start and as many finish.
+    N=$((RATE * SECS))
+    grep -iE "failed|successful" "$OUT/bench.txt" | head -n 3 | tee "$OUT/cpu.txt"
+fi
+awk -v t="$((T1 - T0))" -v hz="$HZ" -v n="$N" 'BEGIN {
+    printf "gateway CPU over the window: %.3f s for ~%d requests: %.1f us per request (perf running)\n",
+        t / hz, n, t / hz * 1e6 / n }' | tee -a "$OUT/cpu.txt"
 
 perf report -i "$OUT/perf.data" --no-children --sort dso,sym --percent-limit 0.5 --stdio \
     >"$OUT/report.txt" 2>/dev/null
@@ -106,7 +136,7 @@ perf report -i "$OUT/perf.data" --children --sort sym --percent-limit 2 --stdio 
 if command -v inferno-collapse-perf >/dev/null && command -v inferno-flamegraph >/dev/null; then
     perf script -i "$OUT/perf.data" 2>/dev/null | inferno-collapse-perf >"$OUT/stacks.folded"
     inferno-flamegraph --minwidth "${MINWIDTH:-0.5}" \
-        --title "fleetgate: $RATE streams/s, $TOKENS tokens, $STEP_MS ms apart (release, request log on)" \
+        --title "fleetgate: $WHAT (release, request log on)" \
         <"$OUT/stacks.folded" >"$OUT/flame.svg"
     log "flame graph: $OUT/flame.svg"
     python3 "$ROOT/scripts/profile-categories.py" "$OUT/stacks.folded" | tee "$OUT/categories.md"
