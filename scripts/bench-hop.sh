@@ -86,7 +86,8 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# A free port on 127.0.0.1 for nginx (which cannot bind port 0 and report it), distinct from
+# A port on 127.0.0.1 that no socket uses in any state (a connection's ephemeral port would make
+# nginx's bind fail), for nginx (which cannot bind port 0 and report it), distinct from
 # the ones already handed out.
 TAKEN=" "
 free_port() {
@@ -94,7 +95,7 @@ free_port() {
     for _ in $(seq 1 200); do
         p=$((20000 + RANDOM % 40000))
         case "$TAKEN" in *" $p "*) continue ;; esac
-        if [ -z "$(ss -Hltn "sport = :$p" 2>/dev/null)" ]; then
+        if [ -z "$(ss -Htan "sport = :$p" 2>/dev/null)" ]; then
             TAKEN="$TAKEN$p "
             echo "$p"
             return 0
