@@ -528,11 +528,17 @@ async fn a_waiting_stream_that_times_out_ends_with_an_error_event() {
     assert_eq!(waiting(&gw), 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn losing_redis_mid_run_falls_back_and_recovers() {
-    let Some(redis) = redis_url("losing_redis_mid_run_falls_back_and_recovers").await else {
-        return;
-    };
+/// A gateway whose shared limits reach Redis through a proxy the test can cut and restore
+/// (`Cuttable::start(port, upstream)` again on the same port), in front of a sim.
+struct BehindCut {
+    upstream: std::net::SocketAddr,
+    proxy: Cuttable,
+    sim: fleetgate::sim::SimServer,
+    gw: Gateway,
+}
+
+async fn behind_cuttable_redis(test: &str, tag: &str, replicas: u32) -> Option<BehindCut> {
+    let redis = redis_url(test).await?;
     let upstream: std::net::SocketAddr = redis
         .trim_start_matches("redis://")
         .trim_end_matches('/')
@@ -541,11 +547,30 @@ async fn losing_redis_mid_run_falls_back_and_recovers() {
     let proxy = Cuttable::start(0, upstream).await;
     let port = proxy.port;
     let sim = sim(|_| {}).await;
-    let prefix = unique_prefix("recover");
+    let prefix = unique_prefix(tag);
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-        shared_limits(c, &format!("redis://127.0.0.1:{port}"), &prefix, 2)
+        shared_limits(c, &format!("redis://127.0.0.1:{port}"), &prefix, replicas)
     })
     .await;
+    Some(BehindCut {
+        upstream,
+        proxy,
+        sim,
+        gw,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_redis_mid_run_falls_back_and_recovers() {
+    let Some(BehindCut {
+        upstream,
+        proxy,
+        sim: _sim,
+        gw,
+    }) = behind_cuttable_redis("losing_redis_mid_run_falls_back_and_recovers", "recover", 2).await
+    else {
+        return;
+    };
     let (key, _) = issue_key(&gw, Environment::Prod, |k| {
         k.requests_per_minute = Some(100)
     })
@@ -687,22 +712,15 @@ async fn tokenize_counts_in_the_shared_rate_but_not_in_the_shared_tokens() {
 /// across the failover: its burst plus what its rate refills while the test runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_failover_hands_no_key_a_fresh_burst() {
-    let Some(redis) = redis_url("a_redis_failover_hands_no_key_a_fresh_burst").await else {
+    let Some(BehindCut {
+        upstream,
+        proxy,
+        sim: _sim,
+        gw,
+    }) = behind_cuttable_redis("a_redis_failover_hands_no_key_a_fresh_burst", "failover", 1).await
+    else {
         return;
     };
-    let upstream: std::net::SocketAddr = redis
-        .trim_start_matches("redis://")
-        .trim_end_matches('/')
-        .parse()
-        .unwrap_or_else(|_| "127.0.0.1:6379".parse().unwrap());
-    let proxy = Cuttable::start(0, upstream).await;
-    let port = proxy.port;
-    let sim = sim(|_| {}).await;
-    let prefix = unique_prefix("failover");
-    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-        shared_limits(c, &format!("redis://127.0.0.1:{port}"), &prefix, 1)
-    })
-    .await;
     let started = std::time::Instant::now();
     // Requests: 4 a minute (a burst of 4, then one per 15 s). Tokens: 100 a minute, each
     // request reserving about 45 (two at once, then one per ~27 s).
