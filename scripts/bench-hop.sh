@@ -313,12 +313,7 @@ fi
 
 if [ "$THROUGHPUT" = 1 ]; then
     log "throughput pass (not streamed, wrk -c $TP_CONNECTIONS)"
-    cat >"$TMP/post.lua" <<LUA
-wrk.method = "POST"
-wrk.body = '{"model":"qwen32b","max_tokens":16,"messages":[{"role":"user","content":"hello"}]}'
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer $FLEETGATE_BENCH_KEY"
-LUA
+    chat_lua "$TMP/post.lua" "$FLEETGATE_BENCH_KEY"
     # ticks PIDS: utime+stime of the comma-separated pids, in clock ticks, summed.
     ticks() {
         local t=0 pid

@@ -59,3 +59,14 @@ find_nginx() {
     NGINX_BIN=$(command -v nginx 2>/dev/null || { [ -x /usr/sbin/nginx ] && echo /usr/sbin/nginx; } || true)
     [ -n "$NGINX_BIN" ] || die "nginx is still missing after apt-get install"
 }
+
+# chat_lua FILE KEY: a wrk script sending a chat completion of max_tokens 16, not streamed, to
+# model qwen32b with KEY (the throughput pass of bench-hop.sh, LOAD=plain of profile-stream.sh).
+chat_lua() {
+    cat >"$1" <<LUA
+wrk.method = "POST"
+wrk.body = '{"model":"qwen32b","max_tokens":16,"messages":[{"role":"user","content":"hello"}]}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer $2"
+LUA
+}

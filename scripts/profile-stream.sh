@@ -88,12 +88,7 @@ GW_URL=$(wait_url "$TMP/gateway.log" "$GW_PID" fleetgate)
 # The load: long enough to cover warm-up, the recorded window and a tail.
 if [ "$LOAD" = plain ]; then
     command -v wrk >/dev/null || die "wrk is missing (Debian: apt-get install wrk)"
-    cat >"$TMP/post.lua" <<LUA
-wrk.method = "POST"
-wrk.body = '{"model":"qwen32b","max_tokens":16,"messages":[{"role":"user","content":"hello"}]}'
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer $KEY"
-LUA
+    chat_lua "$TMP/post.lua" "$KEY"
     WHAT="requests not streamed (wrk -c 64, max_tokens 16, zero-delay sim)"
     log "load: $WHAT for $((SECS + 8)) s"
     wrk -t 1 -c 64 -d "$((SECS + 8))s" -s "$TMP/post.lua" "$GW_URL/v1/chat/completions" \

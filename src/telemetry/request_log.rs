@@ -165,7 +165,7 @@ impl Pending {
             itl_max_us,
         ] = f.times;
         LogRow {
-            row_id: row_id(prefix, self.row_id).as_str().to_owned(),
+            row_id: RowId(prefix, self.row_id).to_string(),
             at: f.at,
             request_id: f.request_id.into_owned(),
             key_id: f.key_id.map(str::to_owned),
@@ -195,36 +195,13 @@ impl Pending {
     }
 }
 
-/// A row id, `<process prefix>-<sequence in hex>`, formatted on the stack.
-struct RowId {
-    buf: [u8; 48],
-    len: usize,
-}
+/// A row id: `<process prefix>-<sequence in hex>`.
+struct RowId<'a>(&'a str, u64);
 
-impl RowId {
-    fn as_str(&self) -> &str {
-        // Only ASCII (the prefix is hex) is ever written.
-        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("")
+impl std::fmt::Display for RowId<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{:x}", self.0, self.1)
     }
-}
-
-fn row_id(prefix: &str, n: u64) -> RowId {
-    let mut id = RowId {
-        buf: [0; 48],
-        len: 0,
-    };
-    let p = prefix.as_bytes();
-    let p = &p[..p.len().min(30)];
-    id.buf[..p.len()].copy_from_slice(p);
-    id.buf[p.len()] = b'-';
-    let mut at = p.len() + 1;
-    let digits = (64 - n.leading_zeros()).div_ceil(4).max(1) as usize;
-    for i in (0..digits).rev() {
-        id.buf[at] = b"0123456789abcdef"[((n >> (i * 4)) & 0xf) as usize];
-        at += 1;
-    }
-    id.len = at;
-    id
 }
 
 /// The request side of the log: hands rows to the writer.
@@ -660,7 +637,7 @@ impl Sink {
                     for p in chunk {
                         let f = p.fields();
                         q = q
-                            .bind(row_id(prefix, p.row_id).as_str().to_owned())
+                            .bind(RowId(prefix, p.row_id).to_string())
                             .bind(f.at)
                             .bind(f.request_id)
                             .bind(f.key_id)
@@ -716,12 +693,20 @@ fn encode_copy(buf: &mut Vec<u8>, prefix: &str, rows: &[Pending]) {
         buf.extend_from_slice(&4i32.to_be_bytes());
         buf.extend_from_slice(&v.to_be_bytes());
     }
+    /// Text formatted straight into the buffer; its length, known only after, goes before it.
+    fn text_fmt(buf: &mut Vec<u8>, v: std::fmt::Arguments<'_>) {
+        let at = buf.len();
+        buf.extend_from_slice(&[0; 4]);
+        let _ = buf.write_fmt(v);
+        let len = i32::try_from(buf.len() - at - 4).unwrap_or(0);
+        buf[at..at + 4].copy_from_slice(&len.to_be_bytes());
+    }
     buf.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
     buf.extend_from_slice(&[0; 8]);
     for p in rows {
         let f = p.fields();
         buf.extend_from_slice(&(WIDTH as i16).to_be_bytes());
-        text(buf, Some(row_id(prefix, p.row_id).as_str().as_bytes()));
+        text_fmt(buf, format_args!("{}", RowId(prefix, p.row_id)));
         int8(buf, Some(f.at));
         text(buf, Some(f.request_id.as_bytes()));
         text(buf, f.key_id.map(str::as_bytes));
@@ -739,14 +724,7 @@ fn encode_copy(buf: &mut Vec<u8>, prefix: &str, rows: &[Pending]) {
         }
         int4(buf, f.content_events);
         match f.client_addr {
-            Some(ip) => {
-                // The length goes before the text: written after it, in its place.
-                let at = buf.len();
-                buf.extend_from_slice(&[0; 4]);
-                let _ = write!(buf, "{ip}");
-                let len = i32::try_from(buf.len() - at - 4).unwrap_or(0);
-                buf[at..at + 4].copy_from_slice(&len.to_be_bytes());
-            }
+            Some(ip) => text_fmt(buf, format_args!("{ip}")),
             None => text(buf, None),
         }
         int8(buf, f.hop_us);
