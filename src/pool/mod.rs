@@ -11,6 +11,7 @@
 
 mod backend;
 mod balance;
+pub mod driven;
 pub mod fleet;
 mod health;
 pub mod upstream_client;

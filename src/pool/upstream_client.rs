@@ -12,8 +12,8 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::Uri;
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tower::Service;
 
@@ -22,8 +22,36 @@ use crate::rx_time::{self, RxClock, Side, StampedStream};
 use crate::config::PoolConfig;
 
 use super::Pool;
+use super::driven::{Conns, SendError, UpstreamBody};
 
-pub type UpstreamClient = Client<HttpsConnector<StampingConnector>, Full<Bytes>>;
+/// A pool's upstream client: requests through `send` drive their connection from their own
+/// task (`driven`); probes and load scrapes go through hyper's pooled client.
+#[derive(Clone, Debug)]
+pub struct UpstreamClient {
+    probes: Client<HttpsConnector<StampingConnector>, Full<Bytes>>,
+    conns: Conns,
+}
+
+impl UpstreamClient {
+    /// A probe or scrape (not on the request path).
+    pub fn request(&self, req: http::Request<Full<Bytes>>) -> ResponseFuture {
+        self.probes.request(req)
+    }
+
+    /// A client's request to the backend in metrics slot `backend`.
+    pub async fn send(
+        &self,
+        backend: usize,
+        req: http::Request<Full<Bytes>>,
+    ) -> Result<http::Response<UpstreamBody>, SendError> {
+        self.conns.send(backend, req).await
+    }
+
+    /// Idle connections kept for requests.
+    pub fn idle_connections(&self) -> usize {
+        self.conns.idle()
+    }
+}
 
 /// The receive stamps of the upstream connection an answer came on, in its extensions.
 #[derive(Debug, Clone)]
@@ -116,15 +144,22 @@ fn build_client(cfg: &PoolConfig, idle: Duration) -> io::Result<UpstreamClient> 
         .https_or_http()
         .enable_http1()
         .wrap_connector(StampingConnector(http));
-    Ok(Client::builder(TokioExecutor::new())
+    let probes = Client::builder(TokioExecutor::new())
         // The timer makes the idle timeout run without traffic: without it, idle connections
         // are only found expired when the pool is next used (after a burst, thousands of
         // descriptors stayed open).
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(idle)
-        .pool_max_idle_per_host(1024)
-        .build(https))
+        .pool_max_idle_per_host(MAX_IDLE_PER_BACKEND)
+        .build(https.clone());
+    Ok(UpstreamClient {
+        probes,
+        conns: Conns::new(https, idle, MAX_IDLE_PER_BACKEND),
+    })
 }
+
+/// Most idle connections kept to one backend.
+const MAX_IDLE_PER_BACKEND: usize = 1024;
 
 #[cfg(test)]
 mod tests {
@@ -176,5 +211,199 @@ mod tests {
             "closed after {after:?}"
         );
         drop(client);
+    }
+
+    /// A backend that counts its connections and the ones that ended: `/len` answers with a
+    /// length, `/chunked` with three chunks, `/hang` with one chunk and then nothing.
+    struct Counting {
+        addr: std::net::SocketAddr,
+        opened: Arc<std::sync::atomic::AtomicUsize>,
+        closed: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    async fn counting_backend() -> Counting {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let opened = Arc::new(AtomicUsize::new(0));
+        let closed = Arc::new(AtomicUsize::new(0));
+        let (o, c) = (opened.clone(), closed.clone());
+        tokio::spawn(async move {
+            loop {
+                let (sock, _) = listener.accept().await.unwrap();
+                o.fetch_add(1, Ordering::SeqCst);
+                let c = c.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(
+                        |req: http::Request<hyper::body::Incoming>| async move {
+                            let path = req.uri().path().to_owned();
+                            let (tx, rx) = tokio::sync::mpsc::channel::<
+                                Result<http_body::Frame<Bytes>, std::io::Error>,
+                            >(4);
+                            let body = http_body_util::StreamBody::new(tokio_stream_rx(rx));
+                            match path.as_str() {
+                                "/len" => {
+                                    return Ok::<_, std::convert::Infallible>(http::Response::new(
+                                        http_body_util::Either::Left(Full::new(
+                                            Bytes::from_static(b"ok"),
+                                        )),
+                                    ));
+                                }
+                                "/chunked" => {
+                                    tokio::spawn(async move {
+                                        for part in ["a", "b", "c"] {
+                                            let _ = tx
+                                                .send(Ok(http_body::Frame::data(Bytes::from(part))))
+                                                .await;
+                                        }
+                                    });
+                                }
+                                _ => {
+                                    tokio::spawn(async move {
+                                        let _ = tx
+                                            .send(Ok(http_body::Frame::data(Bytes::from("x"))))
+                                            .await;
+                                        tx.closed().await;
+                                    });
+                                }
+                            }
+                            Ok(http::Response::new(http_body_util::Either::Right(body)))
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(sock), svc)
+                        .await;
+                    c.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        });
+        Counting {
+            addr,
+            opened,
+            closed,
+        }
+    }
+
+    fn tokio_stream_rx<T: Send + 'static>(
+        mut rx: tokio::sync::mpsc::Receiver<T>,
+    ) -> impl futures_util::Stream<Item = T> {
+        futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    }
+
+    fn get(addr: std::net::SocketAddr, path: &str) -> http::Request<Full<Bytes>> {
+        http::Request::get(format!("http://{addr}{path}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    }
+
+    async fn until(what: &str, mut f: impl FnMut() -> bool) {
+        for _ in 0..200 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("not within 2 s: {what}");
+    }
+
+    /// Requests driven by their own task reuse one connection when each answer was read to the
+    /// end (also when the reader stopped at the known length, or read nothing of an answer
+    /// that had all arrived), and close the connection of an answer dropped before its end
+    /// arrived.
+    #[tokio::test]
+    async fn driven_connections_are_reused_and_closed_when_they_must() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let b = counting_backend().await;
+        let cfg = PoolConfig::new("m", vec![]);
+        let client = build_client(&cfg, Duration::from_secs(60)).unwrap();
+        for path in ["/len", "/chunked", "/len", "/chunked"] {
+            let resp = client.send(0, get(b.addr, path)).await.unwrap();
+            let body = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            assert!(matches!(&body[..], b"ok" | b"abc"), "{body:?}");
+        }
+        // Read up to the length only, then dropped: still reusable.
+        let mut resp = client.send(0, get(b.addr, "/len")).await.unwrap();
+        let frame = http_body_util::BodyExt::frame(resp.body_mut())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(frame.into_data().unwrap(), "ok");
+        drop(resp);
+        assert_eq!(b.opened.load(SeqCst), 1, "one connection for five answers");
+        assert_eq!(client.idle_connections(), 1);
+
+        // Dropped half-read: that connection closes, the next request opens another.
+        let mut resp = client.send(0, get(b.addr, "/hang")).await.unwrap();
+        let frame = http_body_util::BodyExt::frame(resp.body_mut())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(frame.into_data().unwrap(), "x");
+        drop(resp);
+        until("the half-read answer's connection closes", || {
+            b.closed.load(SeqCst) == 1
+        })
+        .await;
+        assert_eq!(client.idle_connections(), 0);
+        let resp = client.send(0, get(b.addr, "/len")).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(resp);
+        assert_eq!(
+            client.idle_connections(),
+            1,
+            "the unread answer was drained"
+        );
+        drop(client.send(0, get(b.addr, "/len")).await.unwrap());
+        assert_eq!(b.opened.load(SeqCst), 2);
+    }
+
+    /// A connection the backend closes while idle is noticed (the sweep) and not used again;
+    /// an idle connection past the timeout is closed without traffic.
+    #[tokio::test]
+    async fn idle_driven_connections_close_when_the_backend_or_the_timeout_says() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            // First connection: one answer, then the server closes it.
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let _ = sock.read(&mut buf).await.unwrap();
+            sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            drop(sock);
+            // Second connection: one answer, then wait for the client to close it.
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let _ = sock.read(&mut buf).await.unwrap();
+            sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            let started = std::time::Instant::now();
+            let n = tokio::time::timeout(Duration::from_secs(10), sock.read(&mut buf))
+                .await
+                .expect("the idle connection was closed within 10 s")
+                .unwrap();
+            (n, started.elapsed())
+        });
+        let cfg = PoolConfig::new("m", vec![]);
+        let client = build_client(&cfg, Duration::from_millis(1500)).unwrap();
+        drop(client.send(0, get(addr, "/")).await.unwrap());
+        until("the closed connection leaves the idle list", || {
+            client.idle_connections() == 0
+        })
+        .await;
+        // The request goes on a new connection, with no error.
+        drop(client.send(0, get(addr, "/")).await.unwrap());
+        assert_eq!(client.idle_connections(), 1);
+        let (n, after) = server.await.unwrap();
+        assert_eq!(n, 0, "closed, not reused");
+        assert!(
+            after >= Duration::from_millis(1000),
+            "closed after {after:?}"
+        );
+        assert_eq!(client.idle_connections(), 0);
     }
 }

@@ -422,20 +422,13 @@ async fn answer(state: &ProxyState, sent: Sent, mut ex: Exchange) -> Response<Ga
             let (head, ()) = resp.into_parts();
             ex.record.status = head.status.as_u16();
             ex.record.timeline.stamp_client_first_byte(Instant::now());
-            // When the first frame came in the same read as the head, send them together:
-            // a few scheduler turns for the upstream connection to hand it over, no waiting.
+            // When the first frame came in the same read as the head, send them together
+            // (the upstream connection is driven by this poll: no waiting).
             let mut first = None;
-            if relay_parts.sse {
-                for _ in 0..relay::GATHER_TURNS {
-                    match relay_parts.upstream.frame().now_or_never() {
-                        Some(Some(Ok(frame))) => {
-                            first = frame.into_data().ok();
-                            break;
-                        }
-                        Some(_) => break,
-                        None => tokio::task::yield_now().await,
-                    }
-                }
+            if relay_parts.sse
+                && let Some(Some(Ok(frame))) = relay_parts.upstream.frame().now_or_never()
+            {
+                first = frame.into_data().ok();
             }
             let relay = relay_body(state, relay_parts, ex, first);
             Response::from_parts(head, GatewayBody::relay(relay))

@@ -8,9 +8,9 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use crate::pool::driven::UpstreamBody;
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tokio_util::sync::WaitForCancellationFutureOwned;
@@ -99,7 +99,7 @@ enum State {
 pin_project! {
     pub struct RelayBody {
         #[pin]
-        upstream: Incoming,
+        upstream: UpstreamBody,
         #[pin]
         timer: Sleep,
         sse: bool,
@@ -111,7 +111,6 @@ pin_project! {
         ready: Ready,
         // Non-streaming bodies: the last two frames, where the `usage` object is.
         tail: [Option<Bytes>; 2],
-        yielded: u8,
         strip_usage: bool,
         itl: Option<prometheus::Histogram>,
         rx: Option<UpstreamRx>,
@@ -129,7 +128,7 @@ pin_project! {
 impl RelayBody {
     /// `ex.record.timeline.upstream_sent()` must be set.
     pub fn new(
-        upstream: Incoming,
+        upstream: UpstreamBody,
         options: RelayOptions,
         slot: InFlight,
         mut ex: Exchange,
@@ -182,7 +181,6 @@ impl RelayBody {
             timeouts,
             ready,
             tail: [None, None],
-            yielded: 0,
             strip_usage,
             itl,
             rx,
@@ -364,7 +362,7 @@ impl Body for RelayBody {
                 Poll::Ready(Some(Ok(frame))) => self.as_mut().on_frame(frame),
                 Poll::Ready(None) => self.as_mut().on_end(),
                 Poll::Ready(Some(Err(e))) => self.as_mut().on_error(&e),
-                Poll::Pending => match self.as_mut().on_pending(cx) {
+                Poll::Pending => match self.as_mut().on_pending() {
                     Some(out) => Some(out),
                     // Upstream has nothing now: is a timeout due?
                     None => self.as_mut().on_quiet(cx),
@@ -462,8 +460,6 @@ impl RelayBody {
                 None => return None, // only the hidden usage event: nothing to send
             }
         }
-        // Something new came in this turn: the upstream connection may have more.
-        *this.yielded = 0;
         if !*this.sse {
             this.tail[0] = this.tail[1].replace(data.clone());
         }
@@ -528,7 +524,7 @@ impl RelayBody {
     }
 
     /// Upstream failed after the head: an error event for a stream, an I/O error otherwise.
-    fn on_error(self: Pin<&mut Self>, e: &hyper::Error) -> Option<Out> {
+    fn on_error(self: Pin<&mut Self>, e: &std::io::Error) -> Option<Out> {
         let this = self.project();
         this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
         let err = ApiError::UpstreamStreamFailed {
@@ -544,19 +540,12 @@ impl RelayBody {
         Some(Poll::Ready(Some(Err(std::io::Error::other(err.message())))))
     }
 
-    /// Nothing more right now. With frames gathered, give the upstream connection a few
-    /// scheduler turns to hand over frames it has already read (they then leave in this same
-    /// write); if they bring nothing, write what we have. No syscall and no timer: nothing is
-    /// ever held waiting for bytes that have not arrived. `None`: nothing gathered.
-    fn on_pending(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<Out> {
-        let this = self.as_mut().project();
-        if this.ready.is_empty() {
+    /// Nothing more right now: what was gathered goes out. The upstream connection is driven
+    /// by this poll, so "nothing more" means its socket has nothing more: nothing is ever held
+    /// waiting for bytes that have not arrived. `None`: nothing gathered.
+    fn on_pending(self: Pin<&mut Self>) -> Option<Out> {
+        if self.ready.is_empty() {
             return None;
-        }
-        if *this.yielded < GATHER_TURNS {
-            *this.yielded += 1;
-            cx.waker().wake_by_ref();
-            return Some(Poll::Pending);
         }
         Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))))
     }
@@ -621,7 +610,6 @@ impl RelayBody {
     /// Hand the gathered frames to the client connection, stamping the first token.
     fn deliver(self: Pin<&mut Self>) -> Bytes {
         let this = self.project();
-        *this.yielded = 0;
         let out = this.ready.take().unwrap_or_default();
         this.ex.record.timeline.stamp_delivered(Instant::now());
         out
@@ -635,11 +623,6 @@ struct Ready {
     first: Option<Bytes>,
     more: Option<BytesMut>,
 }
-
-/// Scheduler turns given to the upstream connection task to hand over frames it has already
-/// read, before what was gathered is written. hyper's client needs two turns per frame (one
-/// to see the body was taken, one to decode and send the next); one more is margin.
-pub const GATHER_TURNS: u8 = 3;
 
 /// Most bytes gathered for one write; past it they go at once.
 const MAX_GATHER: usize = 32 * 1024;

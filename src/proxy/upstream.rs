@@ -10,13 +10,13 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
 
 use super::error::{ApiError, ConnectCause, HeadExcess, TimeoutKind};
 use super::{APPLICATION_JSON, Exchange, X_REQUEST_ID};
 use crate::openai::Endpoint;
 use crate::openai::error::{ErrorKind, error_body};
 use crate::openai::view::{self, RequestView};
+use crate::pool::driven::{SendError, UpstreamBody};
 use crate::pool::upstream_client::UpstreamRx;
 use crate::pool::{Backend, InFlight, Pool, Reachability};
 use crate::route::Route;
@@ -229,7 +229,7 @@ fn accepts_trailers(h: &HeaderMap) -> bool {
 }
 
 pub struct RelayParts {
-    pub upstream: Incoming,
+    pub upstream: UpstreamBody,
     pub sse: bool,
     pub timeouts: crate::config::Timeouts,
     pub slot: InFlight,
@@ -393,7 +393,7 @@ async fn send(
     let head_deadline = sent + t.first_token.min(t.total);
     let resp = match tokio::time::timeout_at(
         head_deadline.into(),
-        pool.client.request(upstream_req),
+        pool.client.send(backend.slot, upstream_req),
     )
     .await
     {
@@ -414,7 +414,7 @@ async fn send(
     }
 
     let (mut head, upstream) = resp.into_parts();
-    let rx = head.extensions.remove::<UpstreamRx>();
+    let rx = upstream.rx().cloned();
     if head.status.is_client_error() || head.status.is_server_error() {
         let deadline = head_deadline.max(head_at + t.idle);
         let answer = error_answer(pool, &backend, &head, upstream, deadline, ex).await;
@@ -497,7 +497,7 @@ fn upstream_request(backend: &Backend, prepared: Prepared) -> Request<Full<Bytes
 
 /// The backend could not be reached: counted against it (and marked down when nothing
 /// listens there), named with the cause.
-fn unreachable(pool: &Pool, backend: &Backend, e: &hyper_util::client::legacy::Error) -> ApiError {
+fn unreachable(pool: &Pool, backend: &Backend, e: &SendError) -> ApiError {
     let (cause, detail) = classify_client_error(e);
     if matches!(
         cause,
@@ -543,7 +543,7 @@ async fn error_answer(
     pool: &Pool,
     backend: &Backend,
     head: &http::response::Parts,
-    upstream: Incoming,
+    upstream: UpstreamBody,
     deadline: Instant,
     ex: &mut Exchange,
 ) -> Response<Bytes> {
@@ -641,9 +641,9 @@ fn put_ms(buf: &mut [u8], at: usize, d: Duration) -> usize {
 }
 
 /// Name the cause of an upstream client error from its source chain.
-fn classify_client_error(e: &hyper_util::client::legacy::Error) -> (ConnectCause, String) {
+fn classify_client_error(e: &SendError) -> (ConnectCause, String) {
     let mut detail = e.to_string();
-    let mut cause = if e.is_connect() {
+    let mut cause = if e.connect {
         ConnectCause::Other
     } else {
         ConnectCause::Reset
@@ -683,7 +683,7 @@ fn classify_client_error(e: &hyper_util::client::legacy::Error) -> (ConnectCause
     (cause, detail)
 }
 
-async fn read_error_body(body: Incoming, deadline: Instant) -> Bytes {
+async fn read_error_body(body: UpstreamBody, deadline: Instant) -> Bytes {
     let limited = Limited::new(body, MAX_UPSTREAM_ERROR_BODY);
     match tokio::time::timeout_at(deadline.into(), limited.collect()).await {
         Ok(Ok(c)) => c.to_bytes(),
