@@ -164,21 +164,32 @@ impl StampedStream {
             std::task::ready!(self.io.poll_read_ready(cx))?;
             let room = buf.remaining().min(STAMPED_READ_MAX);
             let dst = buf.initialize_unfilled_to(room);
-            match self
-                .io
-                .try_io(tokio::io::Interest::READABLE, || recv_stamped(fd, dst))
-            {
-                Ok((n, stamp)) => {
-                    buf.advance(n);
-                    if let Some(ns) = stamp
-                        && n > 0
-                    {
-                        self.clock.on_read_stamp(ns);
-                    }
-                    return Poll::Ready(Ok(()));
+            // A short read emptied the socket: its readiness is forgotten in the same step (a
+            // `WouldBlock` from the closure clears the readiness seen before the read, as
+            // tokio's own reads do), instead of learning it from one more `recvmsg` that
+            // fails with EAGAIN.
+            let mut got = None;
+            let read = self.io.try_io(tokio::io::Interest::READABLE, || {
+                let (n, stamp) = recv_stamped(fd, dst)?;
+                got = Some((n, stamp));
+                if n > 0 && n < room {
+                    return Err(io::ErrorKind::WouldBlock.into());
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
+                Ok(())
+            });
+            if let Some((n, stamp)) = got {
+                buf.advance(n);
+                if let Some(ns) = stamp
+                    && n > 0
+                {
+                    self.clock.on_read_stamp(ns);
+                }
+                return Poll::Ready(Ok(()));
+            }
+            match read {
+                Err(e) if e.kind() != io::ErrorKind::WouldBlock => return Poll::Ready(Err(e)),
+                // Not ready after all (the readiness was cleared): wait for the next.
+                _ => continue,
             }
         }
     }
