@@ -25,7 +25,11 @@
 #   NGINX_WORKERS        nginx worker_processes (default 1, see docs/benchmarks.md)
 #   SIM_FLAGS            timing flags of the main-pass sim (default --zero-delay)
 #   PACED                1 (default) runs the paced pass, 0 skips it
-#   PACED_ARGS           driver flags of the paced pass (default below)
+#   PACED_ARGS           driver flags of the paced pass (default below); e.g. the streamed-CPU
+#                        case of issue 16: PACED_STEP_MS=10 PACED_ARGS="--rate 100 --rounds 30
+#                        --warmup-rounds 5 --slice-secs 5 --repeats 3"
+#   PACED_STEP_MS        the paced sim's decode step in ms (default 1: ~2 ms per token with the
+#                        timer's granularity)
 #   THROUGHPUT           1 (default) runs the not-streamed throughput pass with wrk (installed
 #                        from Debian when missing), 0 skips it; TP_CONNECTIONS (64),
 #                        TP_SECS_EACH (5), TP_ROUNDS (2) shape it
@@ -45,6 +49,12 @@ TP_SECS_EACH=${TP_SECS_EACH:-5}
 TP_ROUNDS=${TP_ROUNDS:-2}
 # 150 rounds of ~135 ms streams at concurrency 1 take about a minute per pass.
 PACED_ARGS=${PACED_ARGS:---rounds 150 --warmup-rounds 10 --slice-secs 3}
+PACED_STEP_MS=${PACED_STEP_MS:-1}
+if [ "$PACED_STEP_MS" = 1 ]; then
+    PACED_LABEL="paced sim (one token per ~2 ms step)"
+else
+    PACED_LABEL="paced sim (one token per $PACED_STEP_MS ms step)"
+fi
 BIN="$ROOT/target/release/fleetgate"
 
 SCRIPT_NAME=bench-hop
@@ -139,8 +149,8 @@ if [ "$PACED" = 1 ]; then
     # One token per scheduler step of 1 ms (about 2 ms with the timer's granularity): every
     # SSE frame arrives in its own read, as from a real server. Room for the ~60 streams that
     # 400 req/s keeps open, so the sim never queues.
-    start_sim sim-paced paced --decode-step-ms 1 --decode-ms-per-seq 0 --prefill-us-per-token 0 \
-        --max-num-seqs 256
+    start_sim sim-paced paced --decode-step-ms "$PACED_STEP_MS" --decode-ms-per-seq 0 \
+        --prefill-us-per-token 0 --max-num-seqs 256
     PACED_PID=$SIM_STARTED_PID PACED_URL=$SIM_STARTED_URL
 else
     PACED_PID="" PACED_URL=$SIM_URL
@@ -306,7 +316,7 @@ if [ "$PACED" = 1 ]; then
     log "paced pass (tokens one by one)"
     # shellcheck disable=SC2086 # PACED_ARGS is a list of flags
     cargo bench -q --bench hop -- "${COMMON[@]}" \
-        --label "paced sim (one token per ~2 ms step)" --direct "$PACED_URL" --nginx "$NGINX_PACED_URL" \
+        --label "$PACED_LABEL" --direct "$PACED_URL" --nginx "$NGINX_PACED_URL" \
         --model paced --sim-pid "$PACED_PID" --phases latency,openloop --no-targets \
         --out "$RUN_DIR/hop-paced.json" $PACED_ARGS >>"$RUN_DIR/summary.md"
 fi

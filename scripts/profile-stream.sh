@@ -18,7 +18,8 @@
 # Environment: RATE (100), TOKENS (64), STEP_MS (10), SECS (20), FREQ (perf sampling Hz, 999),
 # MINWIDTH (flame graph: frames under this percentage left out, 0.5), LOAD (stream; plain: wrk
 # with 64 connections of requests not streamed to a zero-delay sim instead, as bench-hop.sh's
-# throughput pass).
+# throughput pass), TOOL (perf; strace: count the gateway's system calls per request instead,
+# into syscalls.txt).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,6 +30,7 @@ STEP_MS=${STEP_MS:-10}
 SECS=${SECS:-20}
 FREQ=${FREQ:-999}
 LOAD=${LOAD:-stream}
+TOOL=${TOOL:-perf}
 OUT="$ROOT/bench-out/profile-$(date -u +%Y%m%dT%H%M%SZ)"
 BIN="$ROOT/target/release/fleetgate"
 
@@ -105,9 +107,18 @@ LOAD_PID=$!
 sleep 5
 ticks() { awk '{print $14 + $15}' "/proc/$GW_PID/stat"; }
 T0=$(ticks)
-log "recording $SECS s of the gateway (pid $GW_PID)"
-perf record -F "$FREQ" --call-graph dwarf,16384 -p "$GW_PID" -o "$OUT/perf.data" -- sleep "$SECS" 2>"$TMP/perf.log" ||
-    { cat "$TMP/perf.log" >&2; die "perf record failed"; }
+log "recording $SECS s of the gateway (pid $GW_PID, $TOOL)"
+# Requests the backend finished (its vLLM counter): the window's own count under strace.
+served() { curl -fsS "$SIM_URL/metrics" | awk '/^vllm:request_success_total/ {n += $NF} END {printf "%d", n}'; }
+if [ "$TOOL" = strace ]; then
+    S0=$(served)
+    timeout -s INT "$SECS" strace -c -f -p "$GW_PID" -o "$OUT/strace.txt" 2>"$TMP/strace.log" || true
+    S1=$(served)
+    [ -s "$OUT/strace.txt" ] || { cat "$TMP/strace.log" >&2; die "strace failed"; }
+else
+    perf record -F "$FREQ" --call-graph dwarf,16384 -p "$GW_PID" -o "$OUT/perf.data" -- sleep "$SECS" 2>"$TMP/perf.log" ||
+        { cat "$TMP/perf.log" >&2; die "perf record failed"; }
+fi
 T1=$(ticks)
 HZ=$(getconf CLK_TCK)
 wait "$LOAD_PID" || die "the load failed (see $OUT/)"
@@ -124,6 +135,18 @@ awk -v t="$((T1 - T0))" -v hz="$HZ" -v n="$N" 'BEGIN {
     printf "gateway CPU over the window: %.3f s for ~%d requests: %.1f us per request (perf running)\n",
         t / hz, n, t / hz * 1e6 / n }' | tee -a "$OUT/cpu.txt"
 
+if [ "$TOOL" = strace ]; then
+    # System calls per request over the window (strace slows the gateway: counts, not times).
+    N=$((S1 - S0))
+    [ "$N" -gt 0 ] || die "no request finished while strace was attached"
+    log "$N requests finished in the window"
+    awk -v n="$N" '$NF ~ /^[a-z_0-9]+$/ && $4 ~ /^[0-9]+$/ {
+        calls = $4; errs = ($5 ~ /^[0-9]+$/) ? $5 : 0
+        printf "%-16s %8.2f per request (%.2f failed)\n", $NF, calls / n, errs / n }' \
+        "$OUT/strace.txt" | sort -k2 -rn | tee "$OUT/syscalls.txt"
+    log "results in $OUT"
+    exit 0
+fi
 perf report -i "$OUT/perf.data" --no-children --sort dso,sym --percent-limit 0.5 --stdio \
     >"$OUT/report.txt" 2>/dev/null
 perf report -i "$OUT/perf.data" --children --sort sym --percent-limit 2 --stdio -g none \

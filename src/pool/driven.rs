@@ -454,7 +454,10 @@ impl Conns {
         loop {
             let (mut conn, reused) = match self.shared.take(backend) {
                 Some(c) => (c, true),
-                None => (self.connect(req.uri().clone()).await?, false),
+                // Boxed: the connect future (DNS, TCP, TLS) is large, and an inline one would
+                // grow every request's future — which the client connection keeps allocated
+                // for its whole life — for the rare request that opens a connection.
+                None => (Box::pin(self.connect(req.uri().clone())).await?, false),
             };
             let mut answer = std::pin::pin!(conn.sender.try_send_request(req));
             let got = poll_fn(|cx| conn.drive_with(cx, |fcx| answer.as_mut().poll(fcx))).await;
