@@ -166,6 +166,30 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// A raw backend's next connection: its request read, `ok` answered with a length.
+    async fn answer_once(listener: &tokio::net::TcpListener) -> (tokio::net::TcpStream, Vec<u8>) {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = sock.read(&mut buf).await.unwrap();
+        buf.truncate(n);
+        sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+        (sock, buf)
+    }
+
+    /// Wait (at most 10 s) for the client to close `sock`: the last read's length and how long
+    /// it took.
+    async fn until_closed(mut sock: tokio::net::TcpStream) -> (usize, Duration) {
+        let mut buf = vec![0u8; 4096];
+        let started = std::time::Instant::now();
+        let n = tokio::time::timeout(Duration::from_secs(10), sock.read(&mut buf))
+            .await
+            .expect("the idle connection was closed within 10 s")
+            .unwrap();
+        (n, started.elapsed())
+    }
+
     /// An idle connection is closed by the client's own timer, with no further traffic.
     #[tokio::test]
     async fn idle_connections_close_without_traffic() {
@@ -174,20 +198,9 @@ mod tests {
         let cfg = PoolConfig::new("m", vec![]);
         let client = build_client(&cfg, Duration::from_millis(200)).unwrap();
         let server = tokio::spawn(async move {
-            let (mut sock, _) = listener.accept().await.unwrap();
-            let mut buf = vec![0u8; 4096];
-            let n = sock.read(&mut buf).await.unwrap();
-            assert!(buf[..n].starts_with(b"GET / HTTP/1.1"));
-            sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                .await
-                .unwrap();
-            // The next read ends when the client closes the idle connection.
-            let started = std::time::Instant::now();
-            let n = tokio::time::timeout(Duration::from_secs(10), sock.read(&mut buf))
-                .await
-                .expect("the idle connection was closed within 10 s")
-                .unwrap();
-            (n, started.elapsed())
+            let (sock, request) = answer_once(&listener).await;
+            assert!(request.starts_with(b"GET / HTTP/1.1"));
+            until_closed(sock).await
         });
         let uri: hyper::Uri = format!("http://{addr}/").parse().unwrap();
         let resp = client
@@ -367,26 +380,11 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
             // First connection: one answer, then the server closes it.
-            let (mut sock, _) = listener.accept().await.unwrap();
-            let _ = sock.read(&mut buf).await.unwrap();
-            sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                .await
-                .unwrap();
-            drop(sock);
+            drop(answer_once(&listener).await);
             // Second connection: one answer, then wait for the client to close it.
-            let (mut sock, _) = listener.accept().await.unwrap();
-            let _ = sock.read(&mut buf).await.unwrap();
-            sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                .await
-                .unwrap();
-            let started = std::time::Instant::now();
-            let n = tokio::time::timeout(Duration::from_secs(10), sock.read(&mut buf))
-                .await
-                .expect("the idle connection was closed within 10 s")
-                .unwrap();
-            (n, started.elapsed())
+            let (sock, _) = answer_once(&listener).await;
+            until_closed(sock).await
         });
         let cfg = PoolConfig::new("m", vec![]);
         let client = build_client(&cfg, Duration::from_millis(1500)).unwrap();

@@ -501,7 +501,6 @@ fn relay_body(
         timeouts,
         slot,
         strip_usage,
-        rx,
         timing_trailer,
     } = parts;
     let itl = sse.then(|| state.recorder.metrics()).flatten().map(|m| {
@@ -515,7 +514,6 @@ fn relay_body(
         timeouts,
         strip_usage: sse && strip_usage,
         itl,
-        rx,
         timing_trailer,
         closing: state.closing.clone(),
     };

@@ -113,7 +113,6 @@ pin_project! {
         tail: [Option<Bytes>; 2],
         strip_usage: bool,
         itl: Option<prometheus::Histogram>,
-        rx: Option<UpstreamRx>,
         timing_trailer: bool,
         // The end of the shutdown grace period: the stream ends with an error event.
         #[pin]
@@ -139,7 +138,6 @@ impl RelayBody {
             timeouts,
             strip_usage,
             itl,
-            rx,
             timing_trailer,
             closing,
         } = options;
@@ -167,7 +165,7 @@ impl RelayBody {
         }
         let first_token = ex.record.timeline.upstream_first_token().is_some();
         if first_token && sse {
-            observe_first_token(&slot, &mut ex.record, rx.as_ref());
+            observe_first_token(&slot, &mut ex.record, upstream.rx());
         }
         let deadline = deadline(sent_at, now, sse, first_token, &timeouts);
         Self {
@@ -183,7 +181,6 @@ impl RelayBody {
             tail: [None, None],
             strip_usage,
             itl,
-            rx,
             timing_trailer,
             closing: closing.token.cancelled_owned(),
             grace: closing.grace,
@@ -249,8 +246,6 @@ pub struct RelayOptions {
     pub strip_usage: bool,
     /// Every gap between content events is observed here.
     pub itl: Option<prometheus::Histogram>,
-    /// The upstream connection's receive stamps, read at the first token.
-    pub rx: Option<UpstreamRx>,
     /// End a finished stream with a `Server-Timing` trailer (the client sent `TE: trailers`).
     pub timing_trailer: bool,
     /// The end of the shutdown grace period.
@@ -448,7 +443,7 @@ impl RelayBody {
                 this.itl.as_ref(),
             );
             if !had_first && this.ex.record.timeline.upstream_first_token().is_some() {
-                observe_first_token(this.slot, &mut this.ex.record, this.rx.as_ref());
+                observe_first_token(this.slot, &mut this.ex.record, this.upstream.rx());
                 // The timer is re-armed lazily, which only works for deadlines that move later;
                 // the first token moves it from the first-token limit to the idle limit, which
                 // is usually earlier, so it is re-armed here, once per stream.

@@ -17,7 +17,6 @@ use crate::openai::Endpoint;
 use crate::openai::error::{ErrorKind, error_body};
 use crate::openai::view::{self, RequestView};
 use crate::pool::driven::{SendError, UpstreamBody};
-use crate::pool::upstream_client::UpstreamRx;
 use crate::pool::{Backend, InFlight, Pool, Reachability};
 use crate::route::Route;
 use crate::telemetry::RequestRecord;
@@ -235,8 +234,6 @@ pub struct RelayParts {
     pub slot: InFlight,
     /// The gateway injected `include_usage`: hide the usage event from the client.
     pub strip_usage: bool,
-    /// The upstream connection's receive stamps (up to the first token).
-    pub rx: Option<UpstreamRx>,
     /// End the stream with a `Server-Timing` trailer.
     pub timing_trailer: bool,
 }
@@ -414,7 +411,6 @@ async fn send(
     }
 
     let (mut head, upstream) = resp.into_parts();
-    let rx = upstream.rx().cloned();
     if head.status.is_client_error() || head.status.is_server_error() {
         let deadline = head_deadline.max(head_at + t.idle);
         let answer = error_answer(pool, &backend, &head, upstream, deadline, ex).await;
@@ -442,7 +438,7 @@ async fn send(
     if !sse && inference {
         // The whole answer is in this head's body: the first token is the head, handed to the
         // client now.
-        if let Some(rx) = &rx {
+        if let Some(rx) = upstream.rx() {
             let (written, arrived) = rx.0.first_token_arrival();
             ex.record.timeline.stamp_upstream_wire(written, arrived);
         }
@@ -465,7 +461,6 @@ async fn send(
             timeouts: t,
             slot,
             strip_usage,
-            rx,
             timing_trailer: sse && timing_trailer,
         },
     ))
