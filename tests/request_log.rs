@@ -388,3 +388,173 @@ async fn a_full_batch_is_written_at_once_a_partial_one_at_the_interval_or_at_shu
         );
     }
 }
+
+/// One spilled row, as an older process would have written it to its spill file (a minute
+/// ago: well inside the log's retention, which the writer applies as it starts).
+fn spilled_row(i: i64) -> fleetgate::telemetry::request_log::LogRow {
+    let minute_ago = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+        - 60_000;
+    fleetgate::telemetry::request_log::LogRow {
+        row_id: format!("0a1b2c3d0042-{i:x}"),
+        at: minute_ago + i,
+        request_id: format!("spilled-{i}"),
+        key_id: Some("AbCdEfGhIjKl".into()),
+        environment: Some("prod".into()),
+        model: Some("qwen32b".into()),
+        backend: Some("http://10.0.0.5:8000".into()),
+        status: 200,
+        error: None,
+        stream: true,
+        prompt_tokens: Some(5),
+        completion_tokens: Some(16),
+        usage_source: "backend".into(),
+        queue_wait_us: Some(0),
+        upstream_ttft_us: Some(1000),
+        client_ttft_us: Some(1100),
+        overhead_pre_us: Some(40),
+        overhead_relay_us: Some(20),
+        hop_us: Some(90),
+        e2el_us: Some(9000),
+        tpot_us: Some(500),
+        itl_mean_us: Some(500),
+        itl_p99_us: Some(700),
+        itl_max_us: Some(800),
+        content_events: 16,
+        client_addr: Some("10.1.2.3".into()),
+    }
+}
+
+/// Start a writer on `db` with `rows` in its spill file; return when the file is replayed.
+async fn replay_spill(
+    store: &fleetgate::store::KeyStore,
+    dir: &std::path::Path,
+    rows: &[fleetgate::telemetry::request_log::LogRow],
+) {
+    let spill = dir.join("request-log.spill");
+    let mut text = String::new();
+    for r in rows {
+        text.push_str(&serde_json::to_string(r).unwrap());
+        text.push('\n');
+    }
+    // What a full disk leaves behind: a row cut short. Counted as dropped, not skipped.
+    text.push_str("{\"row_id\":\"0a1b2c3d0042-ff\",\"at\":17");
+    std::fs::write(&spill, text).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let tasks = tokio_util::task::TaskTracker::new();
+    let config = fleetgate::config::RequestLogConfig {
+        spill_path: spill.clone(),
+        ..Default::default()
+    };
+    let log = fleetgate::telemetry::request_log::start(
+        store.clone(),
+        config,
+        &prometheus::Registry::new(),
+        stop.clone(),
+        &tasks,
+    )
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || !spill.exists()).await,
+        "the spill file was not replayed"
+    );
+    assert_eq!(
+        log.dropped(),
+        1,
+        "the unreadable line is counted as dropped"
+    );
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
+}
+
+/// A spill file replayed twice (the process stopped between the replay's commit and the file's
+/// removal) stores each row once, on both stores; SQLite finds stored rows without a unique
+/// index on the row id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spill_file_replayed_twice_stores_each_row_once() {
+    for (db, _guard) in stores("request_log_replay_twice").await {
+        let store = fleetgate::store::KeyStore::connect(&db).await.unwrap();
+        store.migrate().await.unwrap();
+        let dir = TempDir(temp_dir("replay-twice"));
+        let first: Vec<_> = (0..3).map(spilled_row).collect();
+        replay_spill(&store, &dir.0, &first).await;
+        assert_eq!(rows(&store).await.len(), 3, "{}", db.kind().as_str());
+        // The same three again, and two new ones (one at the same millisecond as a stored one).
+        let mut again = first.clone();
+        let mut same_ms = spilled_row(7);
+        same_ms.at = first[1].at;
+        again.push(same_ms);
+        again.push(spilled_row(8));
+        replay_spill(&store, &dir.0, &again).await;
+        let stored = rows(&store).await;
+        let mut ids: Vec<String> = stored.iter().map(|r| r.get("request_id")).collect();
+        ids.sort();
+        assert_eq!(
+            ids,
+            [
+                "spilled-0",
+                "spilled-1",
+                "spilled-2",
+                "spilled-7",
+                "spilled-8"
+            ],
+            "{}",
+            db.kind().as_str()
+        );
+        let r = &stored[0];
+        assert_eq!(r.get::<i64, _>("hop_us"), 90);
+        assert_eq!(
+            r.get::<Option<String>, _>("client_addr").as_deref(),
+            Some("10.1.2.3")
+        );
+    }
+}
+
+/// Upgrading an SQLite store whose request log still has the row-id primary key keeps every
+/// row, and leaves the table with only its two time indexes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrading_the_sqlite_request_log_keeps_its_rows() {
+    let dir = TempDir(temp_dir("log-upgrade"));
+    let db = fleetgate::config::DatabaseConfig {
+        sqlite_path: dir.0.join("old.db"),
+        ..Default::default()
+    };
+    let store = fleetgate::store::KeyStore::connect(&db).await.unwrap();
+    // The store as the release before this migration left it.
+    let mut before = sqlx::migrate!("./migrations/sqlite");
+    let upto = before
+        .migrations
+        .iter()
+        .position(|m| m.description == "request log rowid")
+        .expect("the migration that drops the row-id index");
+    before.migrations = std::borrow::Cow::Owned(before.migrations[..upto].to_vec());
+    before.run(store.pool()).await.unwrap();
+    for i in 0..2i64 {
+        sqlx::query(
+            "INSERT INTO request_log (row_id, at, request_id, status, stream, usage_source, \
+             content_events, hop_us) VALUES (?, ?, ?, 200, 1, 'backend', 3, 77)",
+        )
+        .bind(format!("old-{i}"))
+        .bind(1_700_000_000_000 + i)
+        .bind(format!("old-request-{i}"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    }
+    store.migrate().await.unwrap();
+    let stored = rows(&store).await;
+    assert_eq!(stored.len(), 2);
+    assert_eq!(stored[1].get::<String, _>("request_id"), "old-request-1");
+    assert_eq!(stored[1].get::<i64, _>("hop_us"), 77);
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'request_log' \
+         ORDER BY name",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(indexes, ["request_log_at", "request_log_key_at"]);
+}

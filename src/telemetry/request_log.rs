@@ -450,24 +450,30 @@ impl Writer {
     }
 
     /// Send the spill file to the database, in order; remove it when all of it is stored.
-    /// Replayed rows go through `INSERT … ON CONFLICT DO NOTHING`: a batch whose write timed
-    /// out may have landed after all, and is not stored twice.
+    /// Replayed rows skip row ids already stored (`insert_sql`): a batch whose write timed out
+    /// may have landed after all, and is not stored twice.
     async fn replay(&mut self) {
         let path = self.config.spill_path.clone();
         let read = {
             let path = path.clone();
             tokio::task::spawn_blocking(move || read_spill(&path)).await
         };
-        let Ok(Ok(rows)) = read else {
+        let Ok(Ok((rows, unreadable))) = read else {
             self.spill_rows = 0;
             self.spilled.set(0);
             return;
         };
+
         for chunk in rows.chunks(self.config.batch_rows.max(1)) {
             match tokio::time::timeout(Duration::from_secs(5), insert(&self.store, chunk)).await {
                 Ok(Ok(())) => self.written.inc_by(chunk.len() as u64),
                 _ => return, // still down: keep the file, try again later
             }
+        }
+        // Counted once, when the file goes (a failed replay reads it again later).
+        if unreadable > 0 {
+            tracing::error!(lines = unreadable, path = %path.display(), "request log: spill-file lines that are not rows; counted as dropped");
+            self.dropped.inc_by(unreadable as u64);
         }
         if let Err(e) = tokio::fs::remove_file(&path).await {
             tracing::warn!(error = %e, "request log: cannot remove the replayed spill file");
@@ -550,13 +556,19 @@ fn append(path: &Path, buf: &[u8]) -> std::io::Result<()> {
 
 /// The spilled rows, in order; a line that does not parse is skipped, and reading stops at the
 /// first line that cannot be read.
-fn read_spill(path: &Path) -> std::io::Result<Vec<LogRow>> {
+/// The spilled rows, and how many lines could not be read back as rows (a line cut short when
+/// the disk filled up, or edited by hand): those are counted as dropped, never skipped silently.
+fn read_spill(path: &Path) -> std::io::Result<(Vec<LogRow>, usize)> {
     let f = std::fs::File::open(path)?;
-    Ok(std::io::BufReader::new(f)
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|l| serde_json::from_str(&l).ok())
-        .collect())
+    let mut rows = Vec::new();
+    let mut unreadable = 0;
+    for line in std::io::BufReader::new(f).split(b'\n') {
+        match serde_json::from_slice(&line?) {
+            Ok(row) => rows.push(row),
+            Err(_) => unreadable += 1,
+        }
+    }
+    Ok((rows, unreadable))
 }
 
 fn count_lines(path: &Path) -> usize {
@@ -582,8 +594,8 @@ enum Sink {
         buf: Vec<u8>,
         statement: String,
     },
-    /// Prepared multi-row `INSERT OR IGNORE` statements of `SQLITE_ROWS` sizes, one transaction
-    /// (one commit) per batch.
+    /// Prepared multi-row `INSERT` statements of `SQLITE_ROWS` sizes, one transaction (one
+    /// commit) per batch. Fresh rows cannot be stored already: only the replay checks.
     Sqlite {
         pool: sqlx::SqlitePool,
         /// One statement per entry of `SQLITE_ROWS`.
@@ -603,7 +615,7 @@ impl Sink {
                 pool,
                 statements: SQLITE_ROWS
                     .iter()
-                    .map(|&n| insert_sql(DbKind::Sqlite, "INSERT OR IGNORE", n, ""))
+                    .map(|&n| insert_sql(DbKind::Sqlite, n, false))
                     .collect(),
             },
         }
@@ -746,16 +758,24 @@ async fn insert(store: &KeyStore, rows: &[LogRow]) -> Result<(), sqlx::Error> {
     tx.commit().await
 }
 
-/// `<verb> INTO request_log (…) VALUES (…), …` for `rows` rows. PostgreSQL gets numbered
-/// placeholders (`$1`, `$2`, …); SQLite anonymous ones (`?`): sqlx looks each numbered one up
-/// by name, and SQLite's name lookup walks the statement's parameter list, which made a
-/// 64-row statement cost ~50 µs per row.
-fn insert_sql(kind: DbKind, verb: &str, rows: usize, tail: &str) -> String {
-    let mut sql = String::with_capacity(120 + rows * WIDTH * 6);
-    sql.push_str(verb);
-    sql.push_str(" INTO request_log (");
+/// `INSERT INTO request_log (…) VALUES (…), …` for `rows` rows; `replay` makes it skip rows
+/// already stored (same row id). PostgreSQL gets numbered placeholders (`$1`, `$2`, …) and
+/// `ON CONFLICT DO NOTHING` on its row-id key; SQLite anonymous ones (`?`) — sqlx looks each
+/// numbered one up by name, and SQLite's name lookup walks the statement's parameter list,
+/// which made a 64-row statement cost ~50 µs per row — and, as its table has no unique index
+/// on the row id (one B-tree fewer for every row written), a `NOT EXISTS` check that finds a
+/// stored row through the `at` index.
+fn insert_sql(kind: DbKind, rows: usize, replay: bool) -> String {
+    let mut sql = String::with_capacity(240 + rows * WIDTH * 6);
+    sql.push_str("INSERT INTO request_log (");
     sql.push_str(COLUMNS);
-    sql.push_str(") VALUES ");
+    sql.push(')');
+    let sqlite_replay = replay && kind == DbKind::Sqlite;
+    sql.push_str(if sqlite_replay {
+        " SELECT * FROM (VALUES "
+    } else {
+        " VALUES "
+    });
     let mut n = 0usize;
     for i in 0..rows {
         sql.push_str(if i == 0 { "(" } else { ", (" });
@@ -774,7 +794,15 @@ fn insert_sql(kind: DbKind, verb: &str, rows: usize, tail: &str) -> String {
         }
         sql.push(')');
     }
-    sql.push_str(tail);
+    if sqlite_replay {
+        // VALUES names its columns column1, column2, …: row_id and at are the first two.
+        sql.push_str(
+            ") AS v WHERE NOT EXISTS \
+             (SELECT 1 FROM request_log r WHERE r.at = v.column2 AND r.row_id = v.column1)",
+        );
+    } else if replay {
+        sql.push_str(" ON CONFLICT DO NOTHING");
+    }
     sql
 }
 
@@ -785,7 +813,7 @@ async fn insert_rows(
     kind: DbKind,
     rows: &[LogRow],
 ) -> Result<(), sqlx::Error> {
-    let sql = insert_sql(kind, "INSERT", rows.len(), " ON CONFLICT DO NOTHING");
+    let sql = insert_sql(kind, rows.len(), true);
     let mut q = sqlx::query(&sql);
     for r in rows {
         q = q
