@@ -54,7 +54,7 @@ pub async fn run(
     let gateway = server.base_url();
     let (demo_key, record) = issue_demo_key(&server.auth).await?;
 
-    println!("fleetgate demo: 2 simulated vLLM backends + the gateway, one process\n");
+    outln!("fleetgate demo: 2 simulated vLLM backends + the gateway, one process\n");
     let c = client::http_client();
     let headers = bearer(&demo_key)?;
     let body = chat_body(args.max_tokens);
@@ -73,7 +73,7 @@ pub async fn run(
     );
 
     if !args.no_wait {
-        println!("\nServing until Ctrl-C.");
+        outln!("\nServing until Ctrl-C.");
         until.await;
     }
     server.shutdown().await;
@@ -89,7 +89,7 @@ async fn bind(port: u16) -> std::io::Result<TcpListener> {
     match TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await {
         Ok(l) => Ok(l),
         Err(e) => {
-            println!("port {port} is busy ({e}); using a free port instead");
+            outln!("port {port} is busy ({e}); using a free port instead");
             TcpListener::bind("127.0.0.1:0").await
         }
     }
@@ -192,9 +192,13 @@ async fn compare(
     body: &Bytes,
     requests: usize,
 ) -> std::io::Result<Vec<f64>> {
-    println!(
+    outln!(
         "{:>3}  {:>12}  {:>14}  {:>11}  {:>9}",
-        "#", "direct TTFT", "gateway TTFT", "difference", "tokens"
+        "#",
+        "direct TTFT",
+        "gateway TTFT",
+        "difference",
+        "tokens"
     );
     let mut diffs = Vec::new();
     for i in 0..requests {
@@ -213,7 +217,7 @@ async fn compare(
             (Ok(d), Ok(g)) if d.status == 200 && g.status == 200 => {
                 let (dt, gt) = (ttft_ms(&d), ttft_ms(&g));
                 diffs.push(gt - dt);
-                println!(
+                outln!(
                     "{:>3}  {:>9.2} ms  {:>11.2} ms  {:>+8.2} ms  {:>9}",
                     i + 1,
                     dt,
@@ -222,7 +226,7 @@ async fn compare(
                     g.metrics.usage.map_or(0, |u| u.completion_tokens)
                 );
             }
-            (d, g) => println!(
+            (d, g) => outln!(
                 "{:>3}  failed: direct {:?} / gateway {:?}",
                 i + 1,
                 status(&d),
@@ -239,11 +243,11 @@ fn print_median(mut diffs: Vec<f64>) {
     }
     diffs.sort_by(|a, b| a.total_cmp(b));
     let median = diffs[diffs.len() / 2];
-    println!(
+    outln!(
         "\nmedian TTFT difference through the gateway: {median:+.3} ms over {} pairs",
         diffs.len()
     );
-    println!(
+    outln!(
         "(the simulated backends batch like vLLM, so single pairs vary by a step; docs/benchmarks.md has the careful measurement)"
     );
 }
@@ -251,22 +255,22 @@ fn print_median(mut diffs: Vec<f64>) {
 /// Everything needed to try the running gateway by hand.
 fn print_try_it(gateway: &str, sims: &[SimServer], db: &Path, demo_key: &str, id: &str) {
     let db = db.display();
-    println!("\nGateway:   {gateway}/v1   (OpenAI base URL; model `{MODEL}`)");
+    outln!("\nGateway:   {gateway}/v1   (OpenAI base URL; model `{MODEL}`)");
     for (i, s) in sims.iter().enumerate() {
-        println!(
+        outln!(
             "Backend {}: {}/v1   (direct, for comparison)",
             i + 1,
             s.url()
         );
     }
-    println!("Key:       {demo_key}   (environment stress, id {id}; shown once)");
-    println!("           export OPENAI_API_KEY={demo_key} OPENAI_BASE_URL={gateway}/v1");
-    println!(
+    outln!("Key:       {demo_key}   (environment stress, id {id}; shown once)");
+    outln!("           export OPENAI_API_KEY={demo_key} OPENAI_BASE_URL={gateway}/v1");
+    outln!(
         "Try:\n  curl -N {gateway}/v1/chat/completions \\\n    -H 'Authorization: Bearer {demo_key}' -H 'Content-Type: application/json' \\\n    -d '{{\"model\":\"{MODEL}\",\"stream\":true,\"max_tokens\":16,\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'"
     );
-    println!("Keys (embedded store {db}):");
-    println!("  fleetgate keys create --sqlite {db} --env prod --name 'my service'");
-    println!(
+    outln!("Keys (embedded store {db}):");
+    outln!("  fleetgate keys create --sqlite {db} --env prod --name 'my service'");
+    outln!(
         "  fleetgate keys revoke {id} --sqlite {db} --reason 'demo over'   # refused within ~1 s"
     );
 }

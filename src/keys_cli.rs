@@ -15,17 +15,24 @@ use crate::key::KeyRecord;
 use crate::secret::Secret;
 use crate::store::{CreateKey, KeyStore};
 
-/// Where the key store is: a config file's `[database]`, or given directly.
+/// Where the key store is: a config file's `[database]`, or given directly. Global: accepted
+/// before or after the subcommand (`fleetgate keys --sqlite DB create …` and `fleetgate keys
+/// create --sqlite DB …` are the same).
 #[derive(Args, Debug, Clone)]
 pub struct StoreArgs {
     /// Config file whose `[database]` section names the store.
-    #[arg(long, short, default_value = "config/fleetgate.toml")]
+    #[arg(long, short, global = true, default_value = "config/fleetgate.toml")]
     pub config: PathBuf,
     /// PostgreSQL URL (overrides the config).
-    #[arg(long, env = "FLEETGATE_DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        global = true,
+        env = "FLEETGATE_DATABASE_URL",
+        hide_env_values = true
+    )]
     pub database_url: Option<String>,
     /// SQLite file (overrides the config).
-    #[arg(long, conflicts_with = "database_url")]
+    #[arg(long, global = true, conflicts_with = "database_url")]
     pub sqlite: Option<PathBuf>,
 }
 
@@ -75,8 +82,13 @@ pub enum KeysCommand {
         /// Free-form JSON object stored with the key.
         #[arg(long)]
         metadata: Option<String>,
-        #[arg(long)]
+        /// Print the key and its record as JSON.
+        #[arg(long, conflicts_with = "quiet")]
         json: bool,
+        /// Print only the key (for scripts:
+        /// `export OPENAI_API_KEY=$(fleetgate keys create --env prod --name x -q)`).
+        #[arg(long, short)]
+        quiet: bool,
     },
     /// List keys (never their secrets).
     List {
@@ -152,18 +164,18 @@ fn when(ms: Option<i64>) -> String {
 
 fn print_key(k: &KeyRecord) {
     let v = k.view();
-    println!("id:           {}", v.public_id);
-    println!("name:         {}", v.name);
-    println!("environment:  {}", v.environment);
-    println!("status:       {}", v.status);
-    println!(
+    outln!("id:           {}", v.public_id);
+    outln!("name:         {}", v.name);
+    outln!("environment:  {}", v.environment);
+    outln!("status:       {}", v.status);
+    outln!(
         "created:      {} by {}",
         format_wall_ms(v.created_at),
         v.created_by
     );
-    println!("expires:      {}", when(v.expires_at));
+    outln!("expires:      {}", when(v.expires_at));
     if let Some(at) = v.revoked_at {
-        println!(
+        outln!(
             "revoked:      {} by {} ({})",
             format_wall_ms(at),
             v.revoked_by.unwrap_or("-"),
@@ -171,15 +183,15 @@ fn print_key(k: &KeyRecord) {
         );
     }
     if let Some(until) = v.previous_secret_valid_until {
-        println!("old secret:   valid until {}", format_wall_ms(until));
+        outln!("old secret:   valid until {}", format_wall_ms(until));
     }
-    println!(
+    outln!(
         "models:       {}",
         v.allowed_models
             .map_or_else(|| "all".into(), |m| m.join(", "))
     );
     let limit = |v: Option<i64>| v.map_or_else(|| "default".into(), |v| v.to_string());
-    println!(
+    outln!(
         "limits:       {} req/min, {} tokens/min, {} concurrent streams",
         limit(v.requests_per_minute),
         limit(v.tokens_per_minute),
@@ -188,7 +200,7 @@ fn print_key(k: &KeyRecord) {
 }
 
 fn print_json<T: serde::Serialize>(v: &T) -> Result<(), String> {
-    println!(
+    outln!(
         "{}",
         serde_json::to_string_pretty(v).map_err(|e| e.to_string())?
     );
@@ -209,6 +221,7 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
             expires,
             metadata,
             json,
+            quiet,
         } => {
             let req = CreateKey {
                 name,
@@ -220,7 +233,14 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
                 expires_in_seconds: lifetime_seconds(expires.as_deref())?,
                 metadata: metadata_json(metadata.as_deref())?,
             };
-            create(&store, &req, &who, json).await
+            let print = if json {
+                Print::Json
+            } else if quiet {
+                Print::KeyOnly
+            } else {
+                Print::Text
+            };
+            create(&store, &req, &who, print).await
         }
         KeysCommand::List { env, json } => list(&store, env, json).await,
         KeysCommand::Show { id, json } => show(&store, &id, json).await,
@@ -251,18 +271,34 @@ fn metadata_json(metadata: Option<&str>) -> Result<Option<serde_json::Value>, St
     }
 }
 
+/// How `keys create` prints what it made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Print {
+    Text,
+    Json,
+    KeyOnly,
+}
+
 /// `fleetgate keys create`.
-async fn create(store: &KeyStore, req: &CreateKey, who: &str, json: bool) -> Result<(), String> {
+async fn create(store: &KeyStore, req: &CreateKey, who: &str, print: Print) -> Result<(), String> {
     let (full, record) = store.create(req, who).await.map_err(|e| e.to_string())?;
-    if json {
-        return print_json(&serde_json::json!({"key": full, "record": record.view()}));
+    match print {
+        Print::Json => {
+            return print_json(&serde_json::json!({"key": full, "record": record.view()}));
+        }
+        Print::KeyOnly => {
+            outln!("{full}");
+            return Ok(());
+        }
+        Print::Text => {}
     }
-    println!(
+    outln!(
         "Created key {} ({}). It is shown only this once:\n",
-        record.public_id, record.environment
+        record.public_id,
+        record.environment
     );
-    println!("  {full}\n");
-    println!("  export FLEETGATE_API_KEY={full}\n");
+    outln!("  {full}\n");
+    outln!("  export FLEETGATE_API_KEY={full}\n");
     print_key(&record);
     Ok(())
 }
@@ -275,12 +311,16 @@ async fn list(store: &KeyStore, env: Option<Environment>, json: bool) -> Result<
         return print_json(&views);
     }
     let now = wall_ms();
-    println!(
+    outln!(
         "{:<12}  {:<6}  {:<7}  {:<20}  {:<20}  NAME",
-        "ID", "ENV", "STATUS", "CREATED", "EXPIRES"
+        "ID",
+        "ENV",
+        "STATUS",
+        "CREATED",
+        "EXPIRES"
     );
     for k in &keys {
-        println!(
+        outln!(
             "{:<12}  {:<6}  {:<7}  {:<20}  {:<20}  {}",
             k.public_id,
             k.environment,
@@ -291,7 +331,7 @@ async fn list(store: &KeyStore, env: Option<Environment>, json: bool) -> Result<
         );
     }
     if keys.is_empty() {
-        println!("(no keys — create one with `fleetgate keys create --env stress --name ...`)");
+        outln!("(no keys — create one with `fleetgate keys create --env stress --name ...`)");
     }
     Ok(())
 }
@@ -316,7 +356,7 @@ async fn revoke(store: &KeyStore, id: &str, reason: &str, who: &str) -> Result<(
         .revoke(id, reason, who)
         .await
         .map_err(|e| e.to_string())?;
-    println!(
+    outln!(
         "Revoked {} at {}: every gateway refuses it from now on.",
         k.public_id,
         when(k.revoked_at)
@@ -331,11 +371,11 @@ async fn rotate(store: &KeyStore, id: &str, grace: &str, who: &str) -> Result<()
         .rotate(id, grace, who)
         .await
         .map_err(|e| e.to_string())?;
-    println!(
+    outln!(
         "New secret for {} (shown only this once):\n\n  {full}\n",
         k.public_id
     );
-    println!(
+    outln!(
         "The old secret keeps working until {}.",
         when(k.previous.map(|(_, until)| until))
     );
@@ -352,7 +392,7 @@ async fn audit(store: &KeyStore, id: Option<&str>, limit: i64, json: bool) -> Re
         return print_json(&entries);
     }
     for e in entries {
-        println!(
+        outln!(
             "{}  {:<8}  {:<12}  {:<20}  {}",
             format_wall_ms(e.at),
             e.action,
@@ -372,7 +412,7 @@ pub async fn run_migrate(store: StoreArgs) -> Result<(), String> {
         .migrate()
         .await
         .map_err(|e| format!("{}: {e}", db.describe()))?;
-    println!(
+    outln!(
         "{}: {n} migration(s) applied; schema is current.",
         db.describe()
     );
@@ -404,7 +444,7 @@ pub fn run_admin_token(args: AdminTokenArgs) -> Result<(), String> {
     let ttl = parse_duration(&args.ttl).map_err(|e| e.to_string())?;
     let sub = args.sub.unwrap_or_else(|| actor(&None));
     let token = jwt::mint(&cfg.admin, role, &sub, ttl).map_err(|e| e.to_string())?;
-    println!("{token}");
+    outln!("{token}");
     Ok(())
 }
 
@@ -453,8 +493,8 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
     if args.json {
         return print_json(&serde_json::json!({"from": from, "to": to, "groups": rows}));
     }
-    println!("{} .. {}", format_wall_ms(from), format_wall_ms(to));
-    println!(
+    outln!("{} .. {}", format_wall_ms(from), format_wall_ms(to));
+    outln!(
         "{:<24} {:>9} {:>7} {:>12} {:>12}  {:>24}  {:>24}",
         "GROUP",
         "REQUESTS",
@@ -477,7 +517,7 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
         )
     };
     for r in &rows {
-        println!(
+        outln!(
             "{:<24} {:>9} {:>7} {:>12} {:>12}  {:>24}  {:>24}",
             r.group,
             r.requests,
@@ -489,7 +529,7 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
         );
     }
     if rows.is_empty() {
-        println!("(no requests in this window)");
+        outln!("(no requests in this window)");
     }
     Ok(())
 }

@@ -4,7 +4,10 @@
 //! Modules are listed by layer, lowest first; a module imports its own layer or lower ones,
 //! never in a circle (tests/layering.rs keeps it so). docs/architecture.md draws the map.
 
-// Layer 0: shared by everything.
+// Layer 0: shared by everything. `cli_out` first: its `outln!`/`out!` macros are in scope in
+// every module declared after it.
+#[macro_use]
+pub mod cli_out;
 pub mod clock;
 pub mod openai;
 pub mod rx_time;

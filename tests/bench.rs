@@ -410,9 +410,16 @@ async fn sla_violations_exit_2_with_a_table() {
     assert_eq!(violated.len(), 2);
     // A misspelt objective is refused before anything is sent.
     let mut bad = common.to_vec();
-    bad.extend(["--sla", "ttft_p90_ms=5"]);
+    bad.extend(["--sla", "ttft_q90_ms=5"]);
     let err = bench::plan(args(&bad)).await.unwrap_err();
-    assert!(err.contains("not measured"), "{err}");
+    assert!(err.contains("not a statistic"), "{err}");
+    // A percentile the objective names is measured, though --metric-percentiles omits it (the
+    // docs' own example: `--sla ttft_p99_ms=1500,e2el_p95_ms=60000`).
+    let mut p90 = common.to_vec();
+    p90.extend(["--sla", "ttft_p90_ms=0.0001"]);
+    let (_, report) = run(&p90).await;
+    assert_eq!(report.exit, bench::EXIT_SLA, "{}", report.text);
+    assert!(report.text.contains("P90 TTFT (ms)"), "{}", report.text);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -581,3 +581,139 @@ async fn bench_ctrl_c_prints_what_was_measured() {
         .unwrap();
     assert!((4..40).contains(&done), "{stdout}");
 }
+
+/// Run the binary; (exit code, stdout, stderr).
+fn fleetgate(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The store flags go anywhere on the command line (the demo prints `keys create --sqlite DB
+/// …`), `-q` prints the key alone for scripts, and `keys list` lines its columns up for every
+/// environment.
+#[test]
+fn store_flags_go_anywhere_and_the_key_table_lines_up() {
+    let dir = TempDir(temp_dir("cli-flags"));
+    let db = dir.0.join("keys.db");
+    let db = db.to_str().unwrap();
+    let (code, out, err) = fleetgate(&[
+        "keys", "create", "--sqlite", db, "--env", "prod", "--name", "after",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("fg-prod-"), "{out}");
+    let (code, _, err) = fleetgate(&[
+        "keys", "--sqlite", db, "create", "--env", "gray", "--name", "before",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, key, err) = fleetgate(&[
+        "keys", "create", "--env", "stress", "--name", "last", "-q", "--sqlite", db,
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        key.starts_with("fg-stress-") && key.trim_end().lines().count() == 1,
+        "-q prints the key alone: {key}"
+    );
+    let id = fleetgate::key::parse(key.trim())
+        .unwrap()
+        .public_id
+        .to_owned();
+    let (code, _, err) = fleetgate(&[
+        "keys",
+        "revoke",
+        &id,
+        "--sqlite",
+        db,
+        "--reason",
+        "demo over",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = fleetgate(&["keys", "list", "--sqlite", db]);
+    assert_eq!(code, Some(0), "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4, "{out}");
+    for column in ["STATUS", "CREATED", "NAME"] {
+        let at = lines[0].find(column).unwrap();
+        for l in &lines[1..] {
+            assert!(
+                l.as_bytes()[at - 2..at] == *b"  " && l.as_bytes()[at] != b' ',
+                "column {column} is not lined up:\n{out}"
+            );
+        }
+    }
+    // The config flag too, after the subcommand.
+    let (code, _, err) = fleetgate(&["keys", "list", "--config", "/nonexistent/fleetgate.toml"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("/nonexistent/fleetgate.toml"), "{err}");
+}
+
+/// Every command that prints survives a reader that stopped reading: no panic, no backtrace,
+/// status 0 (the work was done; only its output went unread). The reading end of the pipe is
+/// closed before the command writes, so every write finds it closed.
+#[test]
+fn printing_commands_survive_a_closed_pipe() {
+    let dir = TempDir(temp_dir("cli-pipe"));
+    let db = dir.0.join("keys.db");
+    let db = db.to_str().unwrap();
+    let (code, key, err) = fleetgate(&[
+        "keys", "create", "--sqlite", db, "--env", "prod", "--name", "x", "-q",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let id = fleetgate::key::parse(key.trim())
+        .unwrap()
+        .public_id
+        .to_owned();
+    let config = temp_config(
+        "[admin]\njwt_secret = \"pipe-test-secret-0123456789abcdef\"\n\n[[pools]]\nmodel = \"m\"\nbackends = [\"http://127.0.0.1:9\"]\n",
+    );
+    let config = config.0.to_str().unwrap().to_owned();
+    let commands: Vec<Vec<&str>> = vec![
+        vec![
+            "keys", "create", "--sqlite", db, "--env", "gray", "--name", "y",
+        ],
+        vec![
+            "keys", "create", "--sqlite", db, "--env", "gray", "--name", "y", "--json",
+        ],
+        vec!["keys", "list", "--sqlite", db],
+        vec!["keys", "list", "--sqlite", db, "--json"],
+        vec!["keys", "show", &id, "--sqlite", db],
+        vec!["keys", "audit", "--sqlite", db],
+        vec!["keys", "rotate", &id, "--sqlite", db],
+        vec!["usage", "--sqlite", db, "--since", "1h"],
+        vec!["usage", "--sqlite", db, "--since", "1h", "--json"],
+        vec!["check-config", "--config", &config],
+        vec!["admin-token", "--config", &config],
+        vec![
+            "demo",
+            "--port",
+            "0",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "4",
+            "--no-wait",
+        ],
+        vec!["--help"],
+        vec!["keys", "create", "--help"],
+        vec!["--version"],
+    ];
+    for args in commands {
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take()); // the reader is gone before the first write
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !err.contains("panicked") && !err.contains("Broken pipe"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+    }
+}

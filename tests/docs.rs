@@ -179,6 +179,7 @@ fn the_messages_operations_md_quotes_are_the_gateways() {
         "src/limits/mod.rs",
         "src/limits/refusal.rs",
         "src/server/reload.rs",
+        "src/pool/cause.rs",
     ]
     .iter()
     .map(|p| read(p))

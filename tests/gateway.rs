@@ -399,8 +399,8 @@ async fn served_model_name_rename_and_upstream_key() {
     )
     .await;
     assert_eq!(
-        m.status, 401,
-        "no upstream key: the backend refuses the gateway"
+        m.status, 502,
+        "no upstream key: the backend refuses the gateway, which is the gateway's fault (not a 401 the client's SDK would blame on its key)"
     );
     let err = openai_error(&m);
     let msg = err["message"].as_str().unwrap();
@@ -408,6 +408,8 @@ async fn served_model_name_rename_and_upstream_key() {
         msg.contains("Unauthorized") && msg.contains("upstream_api_key"),
         "{msg}"
     );
+    assert_eq!(err["code"], "backend_auth_failed");
+    assert_eq!(err["type"], "upstream_error");
 
     p.upstream_api_key = Some(fleetgate::secret::Secret::new("backend-secret"));
     let gw = gateway(vec![p]).await;
@@ -1058,4 +1060,90 @@ async fn hop_by_hop_headers_stay_on_their_connection() {
             .starts_with("gw;dur="),
         "{trailers:?}"
     );
+}
+
+/// Health probes name why a backend cannot be used — a closed port, a certificate no CA vouches
+/// for, a certificate for another name — with when it happened, the request path names the
+/// same cause, and the reason is cleared when the backend is healthy again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_name_the_cause_and_clear_it_when_healthy() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // A TLS backend: a gateway with a self-signed certificate for `localhost`, before a sim.
+    let sim_behind = sim(|_| {}).await;
+    let dir = tempdir();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let cert_path = dir.join("cert.pem");
+    let key_path = dir.join("key.pem");
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let tls_backend = gateway_with(vec![pool("qwen32b", &[sim_behind.url()])], |c| {
+        c.server.tls = Some(fleetgate::config::TlsConfig {
+            cert: cert_path.clone(),
+            key: key_path.clone(),
+        })
+    })
+    .await;
+    let port = tls_backend.server.local_addr.port();
+    let dead = closed_port().await;
+    let untrusted = pool("untrusted", &[format!("https://localhost:{port}")]);
+    let mut mismatch = pool("mismatch", &[format!("https://127.0.0.1:{port}")]);
+    mismatch.ca_file = Some(cert_path.clone());
+    let refused = pool("refused", &[format!("http://{dead}")]);
+    let gw = gateway(vec![untrusted, mismatch, refused]).await;
+    let want = [
+        ("untrusted", "certificate not trusted"),
+        ("mismatch", "certificate name mismatch"),
+        ("refused", "connection refused"),
+    ];
+    let named = || {
+        let b = gw.server.pools().backends_json();
+        want.iter().all(|(model, cause)| {
+            b.iter().any(|v| {
+                v["model"] == *model
+                    && v["last_error"]
+                        .as_str()
+                        .is_some_and(|e| e.starts_with("/health failed: ") && e.contains(cause))
+                    && v["last_error_at"].is_string()
+            })
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(10), named).await,
+        "{:#?}",
+        gw.server.pools().backends_json()
+    );
+    // A request meets the same cause, in its 502.
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[],
+        chat_body("untrusted", "hi", 2, false),
+    )
+    .await;
+    let e = openai_error(&m);
+    if m.status == 502 {
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .contains("certificate not trusted"),
+            "{e}"
+        );
+    } else {
+        // Already marked down by its probes: no backend to try.
+        assert_eq!(m.status, 503, "{e}");
+    }
+
+    // The closed port starts listening: healthy again, and the old reason is gone.
+    let _back = sim(|a| a.port = dead.port()).await;
+    let cleared = || {
+        gw.server.pools().backends_json().iter().any(|v| {
+            v["model"] == "refused" && v["state"] == "healthy" && v["last_error"].is_null()
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(10), cleared).await,
+        "{:#?}",
+        gw.server.pools().backends_json()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

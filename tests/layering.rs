@@ -14,6 +14,7 @@ use std::path::Path;
 /// The layers of docs/architecture.md. Tools sit beside the gateway: they may use layer 0,
 /// the measuring client and the Timeline's figures (telemetry), never the request path.
 const LAYERS: &[(&str, u8)] = &[
+    ("cli_out", 0),
     ("clock", 0),
     ("openai", 0),
     ("rx_time", 0),
@@ -35,7 +36,14 @@ const LAYERS: &[(&str, u8)] = &[
 ];
 
 const TOOLS: &[&str] = &["bench", "client", "sim"];
-const TOOLS_MAY_USE: &[&str] = &["clock", "openai", "secret", "client", "telemetry"];
+const TOOLS_MAY_USE: &[&str] = &[
+    "cli_out",
+    "clock",
+    "openai",
+    "secret",
+    "client",
+    "telemetry",
+];
 
 /// Top-level module → the other top-level modules its files name as `crate::<module>`.
 fn imports() -> BTreeMap<String, BTreeSet<String>> {

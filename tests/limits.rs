@@ -101,6 +101,10 @@ async fn token_budget_settles_against_the_backends_usage() {
     assert_eq!(err["code"], "request_exceeds_token_budget");
     assert_eq!(err["param"], "max_tokens");
     assert!(big.headers.get("retry-after").is_none());
+    // Like every refusal, it says where the budget stands (docs/errors.md).
+    assert_eq!(big.headers["x-ratelimit-limit-tokens"], "3000");
+    assert_eq!(big.headers["x-ratelimit-remaining-tokens"], "3000");
+    assert!(big.headers.contains_key("x-ratelimit-reset-tokens"));
 
     // A request the backend refuses (max_tokens beyond its context) reserves 2500 + prompt
     // and gives it all back: the same request passes the budget again right after.

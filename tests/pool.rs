@@ -807,6 +807,12 @@ async fn dns_discovery_makes_each_address_a_backend() {
             .labels()
             .contains(&"discovered".to_owned())
     );
+    // The failure counter is exported from the first answer on, at 0.
+    assert!(
+        metrics_text(&gw).contains("fleetgate_dns_discovery_failures_total{model=\"qwen32b\"} 0"),
+        "{}",
+        metrics_text(&gw)
+    );
 
     // A name that does not resolve leaves its pool without backends: a clear 503.
     let mut p = PoolConfig::new("ghost", vec![]);
@@ -825,6 +831,15 @@ async fn dns_discovery_makes_each_address_a_backend() {
             .unwrap()
             .contains("no backends right now"),
         "{e}"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || metrics_text(&gw)
+            .lines()
+            .any(|l| l.starts_with(
+                "fleetgate_dns_discovery_failures_total{model=\"ghost\"}"
+            ) && !l.ends_with(" 0")))
+        .await,
+        "failed lookups are counted"
     );
 }
 

@@ -60,7 +60,7 @@ pub async fn run(args: BenchArgs, stop: CancellationToken) -> u8 {
         };
         return match read(a).and_then(|x| read(b).and_then(|y| report::diff(&x, &y))) {
             Ok(text) => {
-                print!("{text}");
+                out!("{text}");
                 0
             }
             Err(e) => {
@@ -120,7 +120,7 @@ pub async fn run(args: BenchArgs, stop: CancellationToken) -> u8 {
             }
         }
     };
-    print!("{}", report.text);
+    out!("{}", report.text);
     if let Some(path) = result_path(&args, &plan) {
         let text = serde_json::to_vec_pretty(&report.json).unwrap_or_default();
         match std::fs::write(&path, text) {

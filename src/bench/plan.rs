@@ -137,9 +137,9 @@ async fn plan_with(
     let (thresholds, added_percentiles) = verdict_thresholds(&args, &mut percentiles)?;
     let sweep = sweep_series(&args, &mut percentiles)?;
     let capacity = capacity(&args)?;
-    // For SLA names, every percentile counts as measured.
+    // A percentile an SLA objective names is measured (added to the percentiles).
     let sla = match &args.sla {
-        Some(s) => parse_sla(s, &percentiles)?,
+        Some(s) => parse_sla(s, &mut percentiles)?,
         None => Vec::new(),
     };
     let (prompts, dataset_note) = prompts(&args, classes)?;

@@ -13,8 +13,9 @@ pub struct Objective {
     pub limit: f64,
 }
 
-/// Parse `ttft_p99_ms=1500,e2el_p95_ms=60000`. `percentiles` are the ones measured.
-pub fn parse_sla(text: &str, percentiles: &[f64]) -> Result<Vec<Objective>, String> {
+/// Parse `ttft_p99_ms=1500,e2el_p95_ms=60000`. A percentile an objective names is measured:
+/// it is added to `percentiles` (the `--metric-percentiles`) when missing.
+pub fn parse_sla(text: &str, percentiles: &mut Vec<f64>) -> Result<Vec<Objective>, String> {
     let mut out = Vec::new();
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (name, value) = part
@@ -37,20 +38,20 @@ pub fn parse_sla(text: &str, percentiles: &[f64]) -> Result<Vec<Objective>, Stri
                     "--sla `{name}`: `{metric}` is not one of ttft, tpot, itl, e2el"
                 ));
             }
-            let known = matches!(stat, "mean" | "median" | "max")
-                || stat
+            if !matches!(stat, "mean" | "median" | "max") {
+                let p = stat
                     .strip_prefix('p')
                     .and_then(|p| p.parse::<f64>().ok())
-                    .is_some_and(|p| p == 50.0 || percentiles.iter().any(|q| (q - p).abs() < 1e-9));
-            if !known {
-                return Err(format!(
-                    "--sla `{name}`: `{stat}` is not measured; use mean, median, max or one of the --metric-percentiles ({})",
-                    percentiles
-                        .iter()
-                        .map(|p| format!("p{}", p_word(*p)))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ));
+                    .filter(|p| (0.0..=100.0).contains(p) && p_word(*p) == stat[1..])
+                    .ok_or_else(|| {
+                        format!(
+                            "--sla `{name}`: `{stat}` is not a statistic; use mean, median, max or a percentile such as p95 or p99.9"
+                        )
+                    })?;
+                if !percentiles.iter().any(|q| (q - p).abs() < 1e-9) {
+                    percentiles.push(p);
+                    percentiles.sort_by(f64::total_cmp);
+                }
             }
         }
         out.push(Objective { name, limit });
@@ -403,20 +404,27 @@ mod tests {
 
     #[test]
     fn sla_names_are_checked() {
+        let mut measured = vec![99.0];
         let ok = parse_sla(
-            "ttft_p99_ms=1500, e2el_p95_ms=60000,error_rate=0.01",
-            &[95.0, 99.0],
+            "ttft_p99_ms=1500, e2el_p95_ms=60000,itl_p99.9_ms=80,error_rate=0.01",
+            &mut measured,
         )
         .unwrap();
-        assert_eq!(ok.len(), 3);
+        assert_eq!(ok.len(), 4);
+        assert_eq!(
+            measured,
+            [95.0, 99.0, 99.9],
+            "what an objective names is measured"
+        );
         for (bad, says) in [
             ("ttft_p99=1", "_ms"),
             ("foo_p99_ms=1", "not one of"),
-            ("ttft_p90_ms=1", "not measured"),
+            ("ttft_p900_ms=1", "not a statistic"),
+            ("ttft_pfast_ms=1", "not a statistic"),
             ("ttft_p99_ms=fast", "not a number"),
             ("ttft", "name=value"),
         ] {
-            let e = parse_sla(bad, &[95.0, 99.0]).unwrap_err();
+            let e = parse_sla(bad, &mut vec![95.0, 99.0]).unwrap_err();
             assert!(e.contains(says), "{bad}: {e}");
         }
     }

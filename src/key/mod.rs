@@ -62,8 +62,9 @@ impl Environment {
 }
 
 impl fmt::Display for Environment {
+    /// Honours width and alignment (`{:<6}` in `fleetgate keys list`).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        f.pad(self.as_str())
     }
 }
 

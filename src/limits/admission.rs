@@ -258,7 +258,14 @@ impl Limits {
                 LimitKind::KeyTokensTooLarge,
                 bucket.per_minute(),
                 None,
-                RateHeaders::default(),
+                RateHeaders {
+                    tokens: Some(Window {
+                        limit: bucket.per_minute(),
+                        remaining: bucket.peek().remaining,
+                        reset: bucket.peek().reset,
+                    }),
+                    requests: None,
+                },
             ))),
             Err(Shortfall::Wait(wait)) => {
                 let h = RateHeaders {
@@ -329,7 +336,7 @@ fn refusal_headers(kind: LimitKind, quota: &KeyQuota, retry: Duration) -> RateHe
             }),
             tokens: None,
         },
-        LimitKind::KeyTokens => RateHeaders {
+        LimitKind::KeyTokens | LimitKind::KeyTokensTooLarge => RateHeaders {
             requests: None,
             tokens: quota.tokens_per_minute.map(|t| Window {
                 limit: t,

@@ -20,6 +20,14 @@ pub enum Reachability {
     Down = 2,
 }
 
+/// A backend's last failure, as `GET /admin/backends` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LastError {
+    pub message: String,
+    /// Wall-clock epoch milliseconds.
+    pub at_ms: i64,
+}
+
 #[derive(Debug)]
 pub struct Backend {
     /// Base URL as configured (log and error text; never a label from a client).
@@ -72,7 +80,7 @@ pub struct Backend {
     slow_start_ms: u64,
     /// Exponentially weighted mean upstream TTFT in µs (f64 bits; 0: none yet).
     ewma_ttft_us: AtomicU64,
-    last_error: ArcSwapOption<String>,
+    last_error: ArcSwapOption<LastError>,
 }
 
 /// `POST <path> HTTP/1.1`, `host: <authority>` and `authorization: <value>`, each with its
@@ -320,7 +328,7 @@ impl Backend {
     /// ejected for base × 2^(ejections − 1) (± 20 % jitter, at most `max`). Returns whether
     /// this failure ejected it.
     pub fn record_failure(&self, cfg: &EjectionConfig, why: &str) -> bool {
-        self.last_error.store(Some(Arc::new(why.to_owned())));
+        self.set_last_error(why);
         if cfg.consecutive_failures == 0 {
             return false;
         }
@@ -354,12 +362,21 @@ impl Backend {
         (v > 0.0).then(|| std::time::Duration::from_secs_f64(v / 1e6))
     }
 
-    pub fn last_error(&self) -> Option<Arc<String>> {
+    /// The last failure seen (request, probe or warm-up) and when; cleared when the backend
+    /// comes back up.
+    pub fn last_error(&self) -> Option<Arc<LastError>> {
         self.last_error.load_full()
     }
 
     pub fn set_last_error(&self, why: &str) {
-        self.last_error.store(Some(Arc::new(why.to_owned())));
+        self.last_error.store(Some(Arc::new(LastError {
+            message: why.to_owned(),
+            at_ms: crate::clock::wall_ms(),
+        })));
+    }
+
+    pub fn clear_last_error(&self) {
+        self.last_error.store(None);
     }
 
     /// KV-cache usage (0..1) from the last scrape, if the pool is load-aware.

@@ -574,6 +574,10 @@ impl Fleet {
         model: &str,
         host: &str,
     ) {
+        if let Some(c) = &self.counters {
+            // The pool's series exists (at 0) from its first answer, not from its first failure.
+            c.dns_failures.with_label_values(&[model]);
+        }
         let mut inner = lock(&self.inner);
         // A reload in between may have moved or removed the entry.
         let Some(k) = inner.discovered.iter().position(|d| {

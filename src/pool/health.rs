@@ -72,7 +72,15 @@ async fn probe(pool: &Pool, backend: &Backend) {
         let bad = backend.probes_bad.fetch_add(1, Ordering::Relaxed) + 1;
         let why = match &result {
             Ok(Ok(_)) => format!("{} answered an error", health.path),
-            Ok(Err(e)) => format!("{} failed: {e}", health.path),
+            Ok(Err(e)) => {
+                let fallback = if e.is_connect() {
+                    super::cause::ConnectCause::Other
+                } else {
+                    super::cause::ConnectCause::Reset
+                };
+                let (cause, detail) = super::cause::classify(e, fallback);
+                format!("{} failed: {} ({detail})", health.path, cause.describe())
+            }
             Err(_) => format!(
                 "{} did not answer within {} ms",
                 health.path,
@@ -106,6 +114,8 @@ async fn probe(pool: &Pool, backend: &Backend) {
     }
     if state != Reachability::Up {
         tracing::info!(backend = %backend.base, "backend reachable");
+        // Healthy again: what took it down is history (the log keeps it).
+        backend.clear_last_error();
     }
     backend.mark(Reachability::Up);
     // Waiting requests may be served by a backend that came back.

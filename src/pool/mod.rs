@@ -11,6 +11,7 @@
 
 mod backend;
 mod balance;
+pub mod cause;
 pub mod driven;
 pub mod fleet;
 mod health;
@@ -27,7 +28,7 @@ use http::HeaderValue;
 use crate::config::{PoolConfig, QueueConfig, Timeouts};
 use crate::queue::AdmissionQueue;
 
-pub use backend::{Backend, BackendState, Reachability};
+pub use backend::{Backend, BackendState, LastError, Reachability};
 pub use balance::{Balancer, InFlight, RetryBudget, bit, fnv1a, mix64};
 pub use health::vllm_load;
 pub use upstream_client::UpstreamClient;
@@ -357,7 +358,8 @@ impl Generation {
                         "ewma_ttft_ms": b.ewma_ttft().map(|d| d.as_secs_f64() * 1e3),
                         "remote_load": p.config.load_aware.as_ref().map(|_| b.remote_load.load(Ordering::Relaxed)),
                         "kv_cache_usage": p.config.load_aware.as_ref().map(|_| b.kv_usage()),
-                        "last_error": b.last_error().as_deref().cloned(),
+                        "last_error": b.last_error().map(|e| e.message.clone()),
+                        "last_error_at": b.last_error().map(|e| crate::clock::format_wall_ms(e.at_ms)),
                     })
                 })
             })

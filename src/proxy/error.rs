@@ -12,33 +12,8 @@ use crate::openai::view::ViewError;
 use crate::queue::QueueRefusal;
 use http::{HeaderValue, StatusCode, header};
 
-/// Why a backend could not be reached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ConnectCause {
-    Refused,
-    Dns,
-    Tls,
-    ConnectTimeout,
-    Reset,
-    Other,
-}
-
-impl ConnectCause {
-    pub fn describe(self) -> &'static str {
-        match self {
-            ConnectCause::Refused => {
-                "connection refused (is the server running and listening on that port?)"
-            }
-            ConnectCause::Dns => "DNS lookup failed (check the host name)",
-            ConnectCause::Tls => {
-                "TLS handshake failed (check https vs http, the certificate and pools[].ca_file)"
-            }
-            ConnectCause::ConnectTimeout => "connect timed out (host unreachable or firewalled?)",
-            ConnectCause::Reset => "the connection was closed before a response arrived",
-            ConnectCause::Other => "connection failed",
-        }
-    }
-}
+/// Why a backend could not be reached (named the same way for the health probes).
+pub use crate::pool::cause::ConnectCause;
 
 /// Which upstream timeout fired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

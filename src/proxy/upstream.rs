@@ -552,7 +552,14 @@ async fn error_answer(
         ex.record.endpoint,
     );
     let mut resp = Response::new(body);
-    *resp.status_mut() = head.status;
+    // The backend refusing the gateway's credentials is the gateway's configuration at fault:
+    // a 502, so clients do not read it as their own key being wrong (OpenAI SDKs raise
+    // AuthenticationError on a 401).
+    *resp.status_mut() = if backend_refused_gateway(head.status) {
+        StatusCode::BAD_GATEWAY
+    } else {
+        head.status
+    };
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
     h.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
@@ -637,45 +644,12 @@ fn put_ms(buf: &mut [u8], at: usize, d: Duration) -> usize {
 
 /// Name the cause of an upstream client error from its source chain.
 fn classify_client_error(e: &SendError) -> (ConnectCause, String) {
-    let mut detail = e.to_string();
-    let mut cause = if e.connect {
+    let fallback = if e.connect {
         ConnectCause::Other
     } else {
         ConnectCause::Reset
     };
-    let mut src: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
-    while let Some(s) = src {
-        detail = s.to_string();
-        if let Some(io) = s.downcast_ref::<std::io::Error>() {
-            cause = match io.kind() {
-                std::io::ErrorKind::ConnectionRefused => ConnectCause::Refused,
-                std::io::ErrorKind::TimedOut => ConnectCause::ConnectTimeout,
-                std::io::ErrorKind::ConnectionReset
-                | std::io::ErrorKind::ConnectionAborted
-                | std::io::ErrorKind::BrokenPipe
-                | std::io::ErrorKind::UnexpectedEof => ConnectCause::Reset,
-                _ if io
-                    .get_ref()
-                    .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some()) =>
-                {
-                    ConnectCause::Tls
-                }
-                _ => cause,
-            };
-        }
-        if s.downcast_ref::<rustls::Error>().is_some() {
-            cause = ConnectCause::Tls;
-        }
-        let text = s.to_string();
-        if text.contains("dns error") || text.contains("failed to lookup address") {
-            cause = ConnectCause::Dns;
-        }
-        if text.contains("connect timed out") || text.contains("deadline has elapsed") {
-            cause = ConnectCause::ConnectTimeout;
-        }
-        src = s.source();
-    }
-    (cause, detail)
+    crate::pool::cause::classify(e, fallback)
 }
 
 async fn read_error_body(body: UpstreamBody, deadline: Instant) -> Bytes {
@@ -684,6 +658,16 @@ async fn read_error_body(body: UpstreamBody, deadline: Instant) -> Bytes {
         Ok(Ok(c)) => c.to_bytes(),
         _ => Bytes::new(),
     }
+}
+
+/// The backend refused the gateway's own credentials (`pools[].upstream_api_key`).
+fn backend_refused_gateway(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::UNAUTHORIZED
+            | StatusCode::FORBIDDEN
+            | StatusCode::PROXY_AUTHENTICATION_REQUIRED
+    )
 }
 
 /// Keep a backend's OpenAI-shaped error body as it is; wrap anything else (vLLM's
@@ -706,17 +690,23 @@ fn openai_error_body(
         code: Option<serde_json::Value>,
     }
     let parsed: Option<Probe> = serde_json::from_slice(body).ok();
-    if let Some(Probe {
-        error: Some(serde_json::Value::Object(obj)),
-        ..
-    }) = &parsed
-        && obj.get("message").is_some_and(|m| m.is_string())
-    {
+    // A backend's 401/403 is about the gateway's own credentials, never the client's key: it
+    // is always rewrapped (as a 502, `backend_auth_failed`), even when OpenAI-shaped.
+    let gateway_credentials = backend_refused_gateway(status);
+    let inner_message = match &parsed {
+        Some(Probe {
+            error: Some(serde_json::Value::Object(obj)),
+            ..
+        }) => obj.get("message").and_then(|m| m.as_str()),
+        _ => None,
+    };
+    if inner_message.is_some() && !gateway_credentials {
         return (Bytes::copy_from_slice(body), false);
     }
     let reason = status.canonical_reason().unwrap_or("error");
     let code = status.as_u16().to_string();
     let inner = match parsed {
+        _ if inner_message.is_some() => inner_message.unwrap_or_default().to_owned(),
         Some(Probe {
             error: Some(serde_json::Value::String(s)),
             ..
@@ -768,12 +758,13 @@ fn openai_error_body(
         "Backend {backend} answered {} {reason}: {inner}.{hint}",
         status.as_u16()
     );
-    let kind = if status.is_server_error() {
+    let kind = if status.is_server_error() || gateway_credentials {
         "upstream_error"
     } else {
         "invalid_request_error"
     };
     let code = match (status.as_u16(), tokenizer) {
+        _ if gateway_credentials => "backend_auth_failed",
         (404, Some(_)) => "tokenization_unavailable",
         _ => &code,
     };
@@ -803,7 +794,19 @@ mod tests {
             msg.contains("Unauthorized") && msg.contains("upstream_api_key"),
             "{msg}"
         );
-        assert_eq!(v["error"]["code"], "401");
+        assert_eq!(v["error"]["code"], "backend_auth_failed");
+        assert_eq!(v["error"]["type"], "upstream_error");
+        // Rewrapped even when OpenAI-shaped: its code would read as the client's key.
+        let v = wrap(
+            401,
+            r#"{"error":{"message":"Incorrect API key provided","type":"invalid_request_error","param":null,"code":"invalid_api_key"}}"#,
+        );
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("Incorrect API key provided") && msg.contains("not about your key"),
+            "{msg}"
+        );
+        assert_eq!(v["error"]["code"], "backend_auth_failed");
         let v = wrap(
             400,
             r#"{"object":"error","message":"too long","type":"BadRequestError","param":null,"code":400}"#,
