@@ -252,9 +252,14 @@ fn print_median(mut diffs: Vec<f64>) {
     );
 }
 
-/// Everything needed to try the running gateway by hand.
+/// Everything needed to try the running gateway by hand: the newcomer's path, each command
+/// runnable as printed (the binary by its full path: `cargo run` puts none on the PATH).
+/// tests/docs_commands.rs runs these lines exactly as printed.
 fn print_try_it(gateway: &str, sims: &[SimServer], db: &Path, demo_key: &str, id: &str) {
     let db = db.display();
+    let exe = std::env::current_exe()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| "fleetgate".to_owned());
     outln!("\nGateway:   {gateway}/v1   (OpenAI base URL; model `{MODEL}`)");
     for (i, s) in sims.iter().enumerate() {
         outln!(
@@ -264,15 +269,20 @@ fn print_try_it(gateway: &str, sims: &[SimServer], db: &Path, demo_key: &str, id
         );
     }
     outln!("Key:       {demo_key}   (environment stress, id {id}; shown once)");
-    outln!("           export OPENAI_API_KEY={demo_key} OPENAI_BASE_URL={gateway}/v1");
-    outln!(
-        "Try:\n  curl -N {gateway}/v1/chat/completions \\\n    -H 'Authorization: Bearer {demo_key}' -H 'Content-Type: application/json' \\\n    -d '{{\"model\":\"{MODEL}\",\"stream\":true,\"max_tokens\":16,\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'"
+    outln!("Store:     {db}   (embedded SQLite: keys and the request log)");
+    outln!("\nNext, in another terminal (each command runs as printed):");
+    outln!("  export OPENAI_API_KEY={demo_key} OPENAI_BASE_URL={gateway}/v1");
+    let curl = format!(
+        "curl -sN $OPENAI_BASE_URL/chat/completions -H \"Authorization: Bearer $OPENAI_API_KEY\" \\\n    -H 'Content-Type: application/json' \\\n    -d '{{\"model\":\"{MODEL}\",\"stream\":true,\"max_tokens\":16,\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'"
     );
-    outln!("Keys (embedded store {db}):");
-    outln!("  fleetgate keys create --sqlite {db} --env prod --name 'my service'");
+    outln!("  {curl}   # streams, ends with data: [DONE]");
     outln!(
-        "  fleetgate keys revoke {id} --sqlite {db} --reason 'demo over'   # refused within ~1 s"
+        "  python3 -c 'from openai import OpenAI; s = OpenAI().chat.completions.create(model=\"{MODEL}\", stream=True, max_tokens=16, messages=[{{\"role\": \"user\", \"content\": \"hello\"}}]); print(\"\".join(c.choices[0].delta.content or \"\" for c in s if c.choices))'   # needs pip install openai"
     );
+    outln!("  {exe} usage --sqlite {db} --since 1h   # the requests above, from the request log");
+    outln!("  {exe} keys create --sqlite {db} --env prod --name 'my service'");
+    outln!("  {exe} keys revoke {id} --sqlite {db} --reason 'demo over'");
+    outln!("  {curl}   # answers 401 key_revoked (within ~1 s of the revoke)");
 }
 
 fn demo_sim_args(seed: u64) -> SimArgs {
