@@ -1,6 +1,11 @@
 //! The `fleetgate` binary as a user runs it: config checking and its exit code, `serve` with
 //! SIGTERM draining, and the demo.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
+
 mod common;
 
 use std::io::Write;
