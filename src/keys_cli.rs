@@ -59,6 +59,9 @@ impl StoreArgs {
 #[derive(Subcommand, Debug)]
 pub enum KeysCommand {
     /// Issue a key (printed once).
+    #[command(
+        after_help = "Examples:\n  fleetgate keys create --env stress --name 'nightly load test' --rpm 600 --tpm 2000000 --max-streams 64\n  fleetgate keys create --env prod --name 'chat frontend' --models qwen32b --expires 90d\n  export OPENAI_API_KEY=$(fleetgate keys create --env gray --name canary -q)"
+    )]
     Create {
         #[arg(long)]
         env: Environment,
@@ -91,6 +94,9 @@ pub enum KeysCommand {
         quiet: bool,
     },
     /// List keys (never their secrets).
+    #[command(
+        after_help = "Examples:\n  fleetgate keys list --env prod\n  fleetgate keys list --json --sqlite fleetgate.db"
+    )]
     List {
         #[arg(long)]
         env: Option<Environment>,
@@ -98,24 +104,32 @@ pub enum KeysCommand {
         json: bool,
     },
     /// Show one key.
+    #[command(after_help = "Examples:\n  fleetgate keys show AbCdEfGhIjKl --json")]
     Show {
         id: String,
         #[arg(long)]
         json: bool,
     },
     /// Revoke a key at once, on every gateway.
+    #[command(
+        after_help = "Examples:\n  fleetgate keys revoke AbCdEfGhIjKl --reason 'leaked in CI log'"
+    )]
     Revoke {
         id: String,
         #[arg(long)]
         reason: String,
     },
     /// Give a key a new secret; the old one keeps working for the grace period.
+    #[command(after_help = "Examples:\n  fleetgate keys rotate AbCdEfGhIjKl --grace 10m")]
     Rotate {
         id: String,
         #[arg(long, default_value = "10m")]
         grace: String,
     },
     /// The audit trail (of one key, or all).
+    #[command(
+        after_help = "Examples:\n  fleetgate keys audit AbCdEfGhIjKl\n  fleetgate keys audit --limit 200 --json"
+    )]
     Audit {
         id: Option<String>,
         #[arg(long, default_value_t = 50)]

@@ -7,11 +7,25 @@ use clap::{Parser, Subcommand};
 use fleetgate::config::{Config, LogFormat};
 use fleetgate::server::Server;
 
+/// Exit codes, shown by `fleetgate --help` (the README has the same table).
+const EXIT_CODES: &str = "Exit codes:
+  0    done (also when the reader of the output stopped reading, e.g. `| head -1`)
+  1    the command failed: the message on stderr says why (store unreachable, unknown key,
+       a revoked key rotated, a server that could not start, no bench request succeeded, ...)
+  2    bench: an --sla objective was violated
+  3    bench: the --compare verdict failed
+  64   bad command line or invalid config (the field and what to write instead)
+  74   stdout could not be written (a full disk, ...)
+  130  bench: interrupted by Ctrl-C (what finished is printed and saved)
+
+Try: fleetgate demo";
+
 #[derive(Parser)]
 #[command(
     name = "fleetgate",
     version,
-    about = "Authenticating gateway for fleets of OpenAI-compatible inference servers"
+    about = "Authenticating gateway for fleets of OpenAI-compatible inference servers",
+    after_help = EXIT_CODES
 )]
 struct Cli {
     #[command(subcommand)]
@@ -21,33 +35,61 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the gateway.
+    #[command(after_help = "Examples:\n  fleetgate serve --config config/fleetgate.toml")]
     Serve {
         #[arg(long, short, default_value = "config/fleetgate.toml")]
         config: PathBuf,
     },
     /// Run a simulated vLLM server (OpenAI-compatible, continuous-batching timing model).
+    #[command(
+        after_help = "Examples:\n  fleetgate sim --port 8001\n  fleetgate sim --port 8002 --zero-delay          # pure hop-cost measurements\n  fleetgate sim --port 8003 --fail-rate 0.1       # fault injection"
+    )]
     Sim(fleetgate::sim::SimArgs),
     /// Two simulated backends and the gateway in one process; compares TTFT direct vs via.
+    #[command(
+        after_help = "Examples:\n  fleetgate demo                  # serves on 127.0.0.1:8080 until Ctrl-C, prints the next steps\n  fleetgate demo --no-wait        # print the TTFT table and exit"
+    )]
     Demo(fleetgate::demo::DemoArgs),
     /// Manage API keys in the key store.
+    #[command(
+        after_help = "Examples:\n  fleetgate keys create --env prod --name 'chat frontend' --models qwen32b --expires 90d\n  fleetgate keys list --env prod --sqlite fleetgate.db\n  fleetgate keys revoke ID --reason 'leaked in CI log'"
+    )]
     Keys(fleetgate::keys_cli::KeysArgs),
     /// Requests, errors, tokens and TTFT/overhead percentiles from the request log.
+    #[command(
+        after_help = "Examples:\n  fleetgate usage --env prod --since 24h --by key\n  fleetgate usage --month 2026-11 --by model --json"
+    )]
     Usage(fleetgate::keys_cli::UsageArgs),
     /// Apply pending database migrations.
+    #[command(
+        after_help = "Examples:\n  fleetgate migrate --config config/fleetgate.toml\n  fleetgate migrate --database-url postgres://fleetgate@db/fleetgate"
+    )]
     Migrate(fleetgate::keys_cli::StoreArgs),
     /// Mint an admin API token from the configured HS256 secret.
+    #[command(
+        after_help = "Examples:\n  fleetgate admin-token --role viewer --ttl 8h\n  curl -H \"Authorization: Bearer $(fleetgate admin-token)\" http://127.0.0.1:8081/admin/backends"
+    )]
     AdminToken(fleetgate::keys_cli::AdminTokenArgs),
     /// Load generator compatible with `vllm bench serve`; `--compare direct=URL gateway=URL`
     /// measures the gateway's cost against direct calls in one interleaved run.
+    #[command(
+        after_help = "Examples:\n  fleetgate bench --base-url http://127.0.0.1:8080 --api-key-env FLEETGATE_API_KEY --num-prompts 200 --request-rate 8\n  fleetgate bench --compare direct=http://127.0.0.1:8001 gateway=http://127.0.0.1:8080 --api-key-env FLEETGATE_API_KEY --sla ttft_p99_ms=1500\n  fleetgate bench diff yesterday.json today.json\n(docs/bench.md has every flag)"
+    )]
     Bench(Box<fleetgate::bench::BenchArgs>),
     /// GET a URL and exit 0 on a 2xx answer, 1 otherwise: a container health check without
     /// curl (e.g. `fleetgate probe http://127.0.0.1:8080/readyz`).
+    #[command(
+        after_help = "Examples:\n  fleetgate probe http://127.0.0.1:8080/readyz --timeout-seconds 1"
+    )]
     Probe {
         url: String,
         #[arg(long, default_value_t = 2.0)]
         timeout_seconds: f64,
     },
     /// Check a config file and print what it configures.
+    #[command(
+        after_help = "Examples:\n  fleetgate check-config --config config/fleetgate.toml   # exit 64 naming the field on error"
+    )]
     CheckConfig {
         #[arg(long, short, default_value = "config/fleetgate.toml")]
         config: PathBuf,
@@ -72,7 +114,15 @@ fn init_logging_default(format: LogFormat, default: &str) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // A bad command line exits 64 (EX_USAGE), not clap's 2: 2 is bench's "SLA violated".
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let code = if e.use_stderr() { EXIT_CONFIG } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

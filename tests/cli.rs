@@ -241,7 +241,10 @@ fn demo_prints_the_table_and_how_to_try_it() {
     );
     assert!(stdout.contains("median TTFT difference"), "{stdout}");
     assert!(stdout.matches(" ms ").count() >= 4, "{stdout}");
-    assert!(stdout.contains("curl -N http://127.0.0.1:"), "{stdout}");
+    assert!(
+        stdout.contains("OPENAI_BASE_URL=http://127.0.0.1:") && stdout.contains("curl -sN "),
+        "{stdout}"
+    );
     assert!(!stdout.contains("failed"), "{stdout}");
 }
 
@@ -721,4 +724,58 @@ fn printing_commands_survive_a_closed_pipe() {
         );
         assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
     }
+}
+
+/// Every command's `--help` ends with examples; `fleetgate --help` has the exit codes; a bad
+/// command line exits 64 (never 2, which is bench's "SLA violated").
+#[test]
+fn every_command_has_help_with_examples_and_usage_errors_exit_64() {
+    let (code, out, _) = fleetgate(&["--help"]);
+    assert_eq!(code, Some(0));
+    for line in [
+        "Exit codes:",
+        "64   bad command line",
+        "2    bench: an --sla",
+    ] {
+        assert!(out.contains(line), "{out}");
+    }
+    for cmd in [
+        &["serve"][..],
+        &["sim"],
+        &["demo"],
+        &["keys"],
+        &["keys", "create"],
+        &["keys", "list"],
+        &["keys", "show"],
+        &["keys", "revoke"],
+        &["keys", "rotate"],
+        &["keys", "audit"],
+        &["usage"],
+        &["migrate"],
+        &["admin-token"],
+        &["bench"],
+        &["probe"],
+        &["check-config"],
+    ] {
+        let mut args = cmd.to_vec();
+        args.push("--help");
+        let (code, out, err) = fleetgate(&args);
+        assert_eq!(code, Some(0), "{cmd:?}: {err}");
+        let examples = out
+            .split_once("Examples:\n")
+            .unwrap_or_else(|| panic!("{cmd:?} --help has no examples:\n{out}"))
+            .1;
+        assert!(
+            examples
+                .lines()
+                .next()
+                .is_some_and(|l| l.trim_start().starts_with("fleetgate ")),
+            "{cmd:?}: {examples}"
+        );
+    }
+    let (code, _, err) = fleetgate(&["keys", "create", "--env", "prod", "--bogus"]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("--bogus"), "{err}");
+    let (code, _, _) = fleetgate(&["no-such-command"]);
+    assert_eq!(code, Some(64));
 }
