@@ -422,7 +422,42 @@ async fn served_model_name_rename_and_upstream_key() {
     .await;
     assert_eq!(m.status, 200, "{:?}", m.body);
     let v: serde_json::Value = serde_json::from_slice(m.body.as_ref().unwrap()).unwrap();
-    assert_eq!(v["model"], "Qwen/Qwen2.5-32B");
+    // The answer names the model as the client did (OpenAI clients compare it), not as the
+    // backend serves it; the body's new length is framed correctly.
+    assert_eq!(v["model"], "qwen32b", "{v}");
+    assert!(
+        m.headers
+            .get("content-length")
+            .is_none_or(|l| l.to_str().unwrap() == m.body.as_ref().unwrap().len().to_string())
+    );
+
+    // Streamed, by an alias: every chunk says `qwen`; nothing else in the stream changes.
+    let mut p2 = pool("qwen32b", &[sim.url()]);
+    p2.served_model_name = Some("Qwen/Qwen2.5-32B".into());
+    p2.aliases = vec!["qwen".into()];
+    p2.upstream_api_key = Some(fleetgate::secret::Secret::new("backend-secret"));
+    let gw = gateway(vec![p2]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("x-request-id", "renamed-stream")],
+        Bytes::from(
+            serde_json::json!({"model":"qwen","stream":true,"max_tokens":8,
+                "stream_options":{"include_usage":true},
+                "messages":[{"role":"user","content":"hi"}]})
+            .to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(m.status, 200);
+    let got = String::from_utf8(m.body.clone().unwrap().to_vec()).unwrap();
+    let sent = String::from_utf8(sim.stats().captured("renamed-stream").unwrap().to_vec()).unwrap();
+    assert!(sent.contains("\"model\":\"Qwen/Qwen2.5-32B\""), "{sent}");
+    assert_eq!(
+        got,
+        sent.replace("\"model\":\"Qwen/Qwen2.5-32B\"", "\"model\":\"qwen\""),
+        "only the model's name changes"
+    );
+    assert!(m.metrics.done && m.metrics.usage.is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

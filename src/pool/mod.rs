@@ -49,6 +49,10 @@ pub struct Pool {
     /// (a request naming an alias gets it spliced in).
     pub served_name: Arc<str>,
     pub served_json: Bytes,
+    /// `"model":<served_json>` as the backends write it in their answers (compact JSON, as
+    /// vLLM's): an answer to a client that named the model otherwise gets the client's name
+    /// back in its place.
+    pub served_field: Arc<memchr::memmem::Finder<'static>>,
     pub upstream_auth: Option<HeaderValue>,
     pub timeouts: Timeouts,
     pub backends: Vec<Arc<Backend>>,
@@ -92,6 +96,9 @@ impl Pool {
         }
         let served = cfg.served_model_name.as_deref().unwrap_or(&cfg.model);
         let served_json = Bytes::from(serde_json::to_vec(served).map_err(io::Error::other)?);
+        let mut field = b"\"model\":".to_vec();
+        field.extend_from_slice(&served_json);
+        let served_field = Arc::new(memchr::memmem::Finder::new(&field).into_owned());
         let queue = match prev {
             Some(p) => p.balancer.queue.clone(),
             None => Arc::new(AdmissionQueue::new(queue.max_size, queue.max_per_key)),
@@ -105,6 +112,7 @@ impl Pool {
             next_backend_slot,
             served_name: Arc::from(served),
             served_json,
+            served_field,
             upstream_auth,
             timeouts: cfg.timeouts,
             backends,
@@ -301,6 +309,7 @@ impl Generation {
                     next_backend_slot: p.next_backend_slot,
                     served_name: p.served_name.clone(),
                     served_json: p.served_json.clone(),
+                    served_field: p.served_field.clone(),
                     upstream_auth: p.upstream_auth.clone(),
                     timeouts: p.timeouts,
                     backends: p.backends.clone(),

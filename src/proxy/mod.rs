@@ -24,6 +24,7 @@
 pub mod body;
 pub mod error;
 pub mod relay;
+pub mod rename;
 pub mod upstream;
 
 use std::sync::Arc;
@@ -502,6 +503,7 @@ fn relay_body(
         slot,
         strip_usage,
         timing_trailer,
+        rename,
     } = parts;
     let itl = sse.then(|| state.recorder.metrics()).flatten().map(|m| {
         m.itl(
@@ -516,6 +518,7 @@ fn relay_body(
         itl,
         timing_trailer,
         closing: state.closing.clone(),
+        rename,
     };
     RelayBody::new(upstream, options, slot, ex, first)
 }

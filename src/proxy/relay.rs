@@ -114,6 +114,8 @@ pin_project! {
         strip_usage: bool,
         itl: Option<prometheus::Histogram>,
         timing_trailer: bool,
+        // The client's name for the model, back in the answer (`None`: it needs no change).
+        rename: Option<Box<super::rename::Rename>>,
         // The end of the shutdown grace period: the stream ends with an error event.
         #[pin]
         closing: WaitForCancellationFutureOwned,
@@ -140,6 +142,7 @@ impl RelayBody {
             itl,
             timing_trailer,
             closing,
+            mut rename,
         } = options;
         let now = Instant::now();
         let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
@@ -158,6 +161,10 @@ impl RelayBody {
                 )
             } else {
                 Some(data)
+            };
+            let data = match (data, rename.as_mut()) {
+                (Some(d), Some(r)) => Some(r.apply(d)).filter(|d| !d.is_empty()),
+                (d, _) => d,
             };
             if let Some(data) = data {
                 ready.push(data);
@@ -182,6 +189,7 @@ impl RelayBody {
             strip_usage,
             itl,
             timing_trailer,
+            rename,
             closing: closing.token.cancelled_owned(),
             grace: closing.grace,
             slot,
@@ -250,6 +258,8 @@ pub struct RelayOptions {
     pub timing_trailer: bool,
     /// The end of the shutdown grace period.
     pub closing: super::Closing,
+    /// The client's name for the model, back in the answer.
+    pub rename: Option<Box<super::rename::Rename>>,
 }
 
 /// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
@@ -375,7 +385,10 @@ impl Body for RelayBody {
 
     fn size_hint(&self) -> SizeHint {
         match self.state {
-            State::Relaying if !self.sse && self.ready.is_empty() => self.upstream.size_hint(),
+            // (A renamed model changes the length: no exact size then.)
+            State::Relaying if !self.sse && self.ready.is_empty() && self.rename.is_none() => {
+                self.upstream.size_hint()
+            }
             _ => SizeHint::default(),
         }
     }
@@ -455,6 +468,12 @@ impl RelayBody {
                 None => return None, // only the hidden usage event: nothing to send
             }
         }
+        if let Some(r) = this.rename.as_mut() {
+            data = r.apply(data);
+            if data.is_empty() {
+                return None; // held: the start of a field the next frame completes
+            }
+        }
         if !*this.sse {
             this.tail[0] = this.tail[1].replace(data.clone());
         }
@@ -477,6 +496,9 @@ impl RelayBody {
     fn on_end(mut self: Pin<&mut Self>) -> Option<Out> {
         let this = self.as_mut().project();
         let now = Instant::now();
+        if let Some(rest) = this.rename.as_mut().and_then(|r| r.finish()) {
+            this.ready.push(rest);
+        }
         if *this.sse {
             let tl = &mut this.ex.record.timeline;
             let at = tl.offset(now);

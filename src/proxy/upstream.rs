@@ -181,6 +181,8 @@ pub struct Prepared {
     /// The client accepts trailers (`TE: trailers`): a stream's `Server-Timing`, with the hop
     /// cost known only after its first token, comes as a trailer.
     pub timing_trailer: bool,
+    /// The client named the model otherwise than the backends: its name goes back in the answer.
+    pub rename: Option<Box<super::rename::Rename>>,
 }
 
 /// The request for the route's pool: the original bytes unless the model must be renamed. A
@@ -215,6 +217,10 @@ pub fn prepare(
         strip_usage: inject_usage,
         body_read,
         timing_trailer,
+        rename: route
+            .rename
+            .and_then(|_| super::rename::Rename::new(route.pool.served_field.clone(), &view.model))
+            .map(Box::new),
     }
 }
 
@@ -236,6 +242,7 @@ pub struct RelayParts {
     pub strip_usage: bool,
     /// End the stream with a `Server-Timing` trailer.
     pub timing_trailer: bool,
+    pub rename: Option<Box<super::rename::Rename>>,
 }
 
 /// What sending upstream gave.
@@ -286,6 +293,7 @@ pub async fn send_with_retries(
         let this = Prepared {
             headers: prepared.headers.clone(),
             body: prepared.body.clone(),
+            rename: prepared.rename.clone(),
             ..prepared
         };
         let result = send(pool, slot, this, ex).await;
@@ -378,8 +386,10 @@ async fn send(
     let backend = slot.backend().clone();
     ex.record.backend = Some(backend.base.clone());
     ex.record.backend_slot = Some(backend.slot);
+    let mut prepared = prepared;
     let strip_usage = prepared.strip_usage;
     let timing_trailer = prepared.timing_trailer;
+    let rename = prepared.rename.take();
     let inference = prepared.endpoint.is_inference();
     let upstream_req = upstream_request(&backend, prepared);
 
@@ -434,6 +444,11 @@ async fn send(
         a.headers.write(&mut head.headers);
     }
     head.version = Version::HTTP_11;
+    if rename.is_some() && !sse {
+        // The client's name may be longer or shorter than the backend's: the body is sent
+        // chunked (HTTP/1.1) or framed (HTTP/2) instead of with the backend's length.
+        head.headers.remove(header::CONTENT_LENGTH);
+    }
     // (Tokenization has no first token: its answer feeds neither TTFT figure.)
     if !sse && inference {
         // The whole answer is in this head's body: the first token is the head, handed to the
@@ -462,6 +477,7 @@ async fn send(
             slot,
             strip_usage,
             timing_trailer: sse && timing_trailer,
+            rename,
         },
     ))
 }
