@@ -271,7 +271,10 @@ fn print_try_it(gateway: &str, sims: &[SimServer], db: &Path, demo_key: &str, id
     outln!("Key:       {demo_key}   (environment stress, id {id}; shown once)");
     outln!("Store:     {db}   (embedded SQLite: keys and the request log)");
     outln!("\nNext, in another terminal (each command runs as printed):");
-    outln!("  export OPENAI_API_KEY={demo_key} OPENAI_BASE_URL={gateway}/v1");
+    outln!("  export OPENAI_BASE_URL={gateway}/v1");
+    outln!(
+        "  export OPENAI_API_KEY=$({exe} keys create --sqlite {db} --env prod --name 'my service' -q)   # issue a key; -q prints it alone"
+    );
     let curl = format!(
         "curl -sN $OPENAI_BASE_URL/chat/completions -H \"Authorization: Bearer $OPENAI_API_KEY\" \\\n    -H 'Content-Type: application/json' \\\n    -d '{{\"model\":\"{MODEL}\",\"stream\":true,\"max_tokens\":16,\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'"
     );
@@ -279,9 +282,10 @@ fn print_try_it(gateway: &str, sims: &[SimServer], db: &Path, demo_key: &str, id
     outln!(
         "  python3 -c 'from openai import OpenAI; s = OpenAI().chat.completions.create(model=\"{MODEL}\", stream=True, max_tokens=16, messages=[{{\"role\": \"user\", \"content\": \"hello\"}}]); print(\"\".join(c.choices[0].delta.content or \"\" for c in s if c.choices))'   # needs pip install openai"
     );
-    outln!("  {exe} usage --sqlite {db} --since 1h   # the requests above, from the request log");
-    outln!("  {exe} keys create --sqlite {db} --env prod --name 'my service'");
-    outln!("  {exe} keys revoke {id} --sqlite {db} --reason 'demo over'");
+    outln!(
+        "  {exe} usage --sqlite {db} --since 1h --by env   # lists prod: the requests above, from the request log"
+    );
+    outln!("  {exe} keys revoke \"$OPENAI_API_KEY\" --sqlite {db} --reason 'demo over'");
     outln!("  {curl}   # answers 401 key_revoked (within ~1 s of the revoke)");
 }
 

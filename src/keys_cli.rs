@@ -103,7 +103,7 @@ pub enum KeysCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show one key.
+    /// Show one key (by its id, or the whole key).
     #[command(after_help = "Examples:\n  fleetgate keys show AbCdEfGhIjKl --json")]
     Show {
         id: String,
@@ -257,11 +257,18 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
             create(&store, &req, &who, print).await
         }
         KeysCommand::List { env, json } => list(&store, env, json).await,
-        KeysCommand::Show { id, json } => show(&store, &id, json).await,
-        KeysCommand::Revoke { id, reason } => revoke(&store, &id, &reason, &who).await,
-        KeysCommand::Rotate { id, grace } => rotate(&store, &id, &grace, &who).await,
-        KeysCommand::Audit { id, limit, json } => audit(&store, id.as_deref(), limit, json).await,
+        KeysCommand::Show { id, json } => show(&store, key_id(&id), json).await,
+        KeysCommand::Revoke { id, reason } => revoke(&store, key_id(&id), &reason, &who).await,
+        KeysCommand::Rotate { id, grace } => rotate(&store, key_id(&id), &grace, &who).await,
+        KeysCommand::Audit { id, limit, json } => {
+            audit(&store, id.as_deref().map(key_id), limit, json).await
+        }
     }
+}
+
+/// A key's public id, given as the id or as the whole key (`keys revoke "$OPENAI_API_KEY"`).
+fn key_id(given: &str) -> &str {
+    crate::key::parse(given.trim()).map_or(given, |k| k.public_id)
 }
 
 /// `--expires` (e.g. `7d`) in seconds.

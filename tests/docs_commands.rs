@@ -98,12 +98,14 @@ fn expectations(comment: Option<&str>) -> Vec<Expect> {
             }
             "answers" if words.get(i + 1).is_some_and(|s| s.parse::<u16>().is_ok()) => {
                 if let Some(code) = words.get(i + 2) {
-                    out.push(Expect::Contains(code.to_string()));
+                    let code = code.trim_end_matches([':', ',', ';', '.']);
+                    out.push(Expect::Contains(code.to_owned()));
                 }
             }
             "lists" => {
                 if let Some(what) = words.get(i + 1) {
-                    out.push(Expect::Contains(what.to_string()));
+                    let what = what.trim_end_matches([':', ',', ';', '.']);
+                    out.push(Expect::Contains(what.to_owned()));
                 }
             }
             _ => {}
@@ -564,7 +566,7 @@ fn the_comment_conventions_parse() {
         "  -H y   # answers 401 key_revoked",
         "fleetgate keys rotate <id>   # exit 1: revoked",
         "curl -N z   # ends with data: [DONE] (streamed)",
-        "fleetgate keys list",
+        "fleetgate keys list   # lists prod: the keys",
     ]);
     assert_eq!(s.len(), 4);
     assert!(
@@ -581,5 +583,8 @@ fn the_comment_conventions_parse() {
         s[2].expect,
         [Expect::EndsWith("data: [DONE]".into()), Expect::Exit(0)]
     );
-    assert_eq!(s[3].expect, [Expect::Exit(0)]);
+    assert_eq!(
+        s[3].expect,
+        [Expect::Contains("prod".into()), Expect::Exit(0)]
+    );
 }
