@@ -538,8 +538,13 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
         )
     };
     for r in &rows {
+        // Grouped by key: its environment and name follow the figures.
+        let key = match (&r.key_environment, &r.key_name) {
+            (Some(env), Some(name)) => format!("  {env:<6}  {name}"),
+            _ => String::new(),
+        };
         outln!(
-            "{:<24} {:>9} {:>7} {:>12} {:>12}  {:>24}  {:>24}",
+            "{:<24} {:>9} {:>7} {:>12} {:>12}  {:>24}  {:>24}{key}",
             r.group,
             r.requests,
             r.errors,

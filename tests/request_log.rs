@@ -331,6 +331,43 @@ async fn usage_reads_the_log_back() {
         .unwrap();
     assert_eq!(stress["requests"], 4);
     assert_eq!(stress["errors"], 1);
+    assert!(stress.get("key_name").is_none(), "only grouped by key");
+
+    // By key: each key's name and environment beside its id.
+    let req = http::Request::get(format!(
+        "http://{}/admin/usage?by=key&since=1h",
+        gw.server.admin_addr.unwrap()
+    ))
+    .header("authorization", format!("Bearer {token}"))
+    .body(http_body_util::Full::new(Bytes::new()))
+    .unwrap();
+    let resp = c.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: serde_json::Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let id = fleetgate::key::parse(&gw.key).unwrap().public_id.to_owned();
+    let mine = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["group"] == id.as_str())
+        .unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(mine["key_environment"], "stress", "{mine}");
+    assert!(mine["key_name"].is_string(), "{mine}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fleetgate"))
+        .args(["usage", "--by", "key", "--since", "1h", "--sqlite"])
+        .arg(gw.db_dir.0.join("keys.db"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&id))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line.contains(&format!("  stress  {}", mine["key_name"].as_str().unwrap())),
+        "{text}"
+    );
 }
 
 /// The writer does not wake for every row: a partial batch waits for the flush interval, a

@@ -61,6 +61,11 @@ pub struct Percentiles {
 #[derive(Debug, Clone, Serialize)]
 pub struct UsageRow {
     pub group: String,
+    /// Grouped by key: the key's name and environment (absent for a key no longer in the store).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_environment: Option<String>,
     pub requests: u64,
     pub errors: u64,
     pub prompt_tokens: i64,
@@ -141,9 +146,16 @@ pub async fn usage(store: &KeyStore, q: &UsageQuery) -> Result<Vec<UsageRow>, St
             acc.overhead.push((a + b) as f64 / 1000.0);
         }
     }
+    let names = if q.by == GroupBy::Key {
+        key_names(store, groups.keys()).await?
+    } else {
+        BTreeMap::new()
+    };
     Ok(groups
         .into_iter()
         .map(|(group, a)| UsageRow {
+            key_name: names.get(&group).map(|(n, _)| n.clone()),
+            key_environment: names.get(&group).map(|(_, e)| e.clone()),
             group,
             requests: a.requests,
             errors: a.errors,
@@ -154,6 +166,33 @@ pub async fn usage(store: &KeyStore, q: &UsageQuery) -> Result<Vec<UsageRow>, St
             overhead_ms: percentiles(a.overhead),
         })
         .collect())
+}
+
+/// Name and environment of each key id (one query per 500 ids).
+async fn key_names<'a>(
+    store: &KeyStore,
+    ids: impl Iterator<Item = &'a String>,
+) -> Result<BTreeMap<String, (String, String)>, StoreError> {
+    let ids: Vec<&String> = ids.filter(|id| id.as_str() != "-").collect();
+    let mut out = BTreeMap::new();
+    for chunk in ids.chunks(500) {
+        let placeholders: Vec<String> = (1..=chunk.len()).map(|i| format!("${i}")).collect();
+        let sql = format!(
+            "SELECT public_id, name, environment FROM api_keys WHERE public_id IN ({})",
+            placeholders.join(", ")
+        );
+        let mut query = sqlx::query(&sql);
+        for id in chunk {
+            query = query.bind(id.as_str());
+        }
+        for r in query.fetch_all(store.pool()).await? {
+            out.insert(
+                r.try_get::<String, _>("public_id")?,
+                (r.try_get("name")?, r.try_get("environment")?),
+            );
+        }
+    }
+    Ok(out)
 }
 
 /// A month an operator typed that is not one.
