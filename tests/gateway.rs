@@ -503,23 +503,42 @@ async fn http2_prior_knowledge() {
     assert_eq!(got, sim.stats().captured("h2-1").unwrap());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tls_listener_with_alpn() {
+/// A gateway serving TLS with a fresh self-signed certificate for `localhost`, in front of
+/// `backend`: the gateway, the certificate, its PEM file, and the directory holding both.
+async fn tls_gateway(
+    backend: &str,
+) -> (
+    Gateway,
+    rcgen::CertifiedKey<rcgen::KeyPair>,
+    std::path::PathBuf,
+    std::path::PathBuf,
+) {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let sim = sim(|_| {}).await;
     let dir = tempdir();
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()])
+        .unwrap_or_else(|e| panic!("certificate: {e}"));
     let cert_path = dir.join("cert.pem");
     let key_path = dir.join("key.pem");
-    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
-    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
-    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+    for (path, pem) in [
+        (&cert_path, cert.cert.pem()),
+        (&key_path, cert.signing_key.serialize_pem()),
+    ] {
+        std::fs::write(path, pem).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    }
+    let gw = gateway_with(vec![pool("qwen32b", &[backend.to_owned()])], |c| {
         c.server.tls = Some(fleetgate::config::TlsConfig {
             cert: cert_path.clone(),
-            key: key_path.clone(),
+            key: key_path,
         })
     })
     .await;
+    (gw, cert, cert_path, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_listener_with_alpn() {
+    let sim = sim(|_| {}).await;
+    let (gw, cert, _cert_path, dir) = tls_gateway(&sim.url()).await;
     assert!(gw.server.base_url().starts_with("https://"));
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.cert.der().clone()).unwrap();
@@ -1102,22 +1121,9 @@ async fn hop_by_hop_headers_stay_on_their_connection() {
 /// same cause, and the reason is cleared when the backend is healthy again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probes_name_the_cause_and_clear_it_when_healthy() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
     // A TLS backend: a gateway with a self-signed certificate for `localhost`, before a sim.
     let sim_behind = sim(|_| {}).await;
-    let dir = tempdir();
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-    let cert_path = dir.join("cert.pem");
-    let key_path = dir.join("key.pem");
-    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
-    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
-    let tls_backend = gateway_with(vec![pool("qwen32b", &[sim_behind.url()])], |c| {
-        c.server.tls = Some(fleetgate::config::TlsConfig {
-            cert: cert_path.clone(),
-            key: key_path.clone(),
-        })
-    })
-    .await;
+    let (tls_backend, _cert, cert_path, dir) = tls_gateway(&sim_behind.url()).await;
     let port = tls_backend.server.local_addr.port();
     let dead = closed_port().await;
     let untrusted = pool("untrusted", &[format!("https://localhost:{port}")]);

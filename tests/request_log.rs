@@ -241,6 +241,21 @@ async fn rows_written_during_an_outage_are_spilled_and_replayed_exactly_once() {
     drop(db);
 }
 
+/// `GET /admin/usage?<query>` with `token`: the JSON of a 200.
+async fn admin_usage(gw: &Gateway, token: &str, query: &str) -> serde_json::Value {
+    use http_body_util::BodyExt;
+    let req = http::Request::get(format!(
+        "http://{}/admin/usage?{query}",
+        gw.server.admin_addr.unwrap()
+    ))
+    .header("authorization", format!("Bearer {token}"))
+    .body(http_body_util::Full::new(Bytes::new()))
+    .unwrap();
+    let resp = fleetgate::client::http_client().request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap()
+}
+
 /// Reading the log back, through the CLI and the admin API.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_reads_the_log_back() {
@@ -310,19 +325,7 @@ async fn usage_reads_the_log_back() {
         Duration::from_secs(60),
     )
     .unwrap();
-    let c = fleetgate::client::http_client();
-    let req = http::Request::get(format!(
-        "http://{}/admin/usage?by=env&since=1h",
-        gw.server.admin_addr.unwrap()
-    ))
-    .header("authorization", format!("Bearer {token}"))
-    .body(http_body_util::Full::new(Bytes::new()))
-    .unwrap();
-    let resp = c.request(req).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    use http_body_util::BodyExt;
-    let v: serde_json::Value =
-        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let v = admin_usage(&gw, &token, "by=env&since=1h").await;
     let stress = v["data"]
         .as_array()
         .unwrap()
@@ -334,17 +337,7 @@ async fn usage_reads_the_log_back() {
     assert!(stress.get("key_name").is_none(), "only grouped by key");
 
     // By key: each key's name and environment beside its id.
-    let req = http::Request::get(format!(
-        "http://{}/admin/usage?by=key&since=1h",
-        gw.server.admin_addr.unwrap()
-    ))
-    .header("authorization", format!("Bearer {token}"))
-    .body(http_body_util::Full::new(Bytes::new()))
-    .unwrap();
-    let resp = c.request(req).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let v: serde_json::Value =
-        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let v = admin_usage(&gw, &token, "by=key&since=1h").await;
     let id = fleetgate::key::parse(&gw.key).unwrap().public_id.to_owned();
     let mine = v["data"]
         .as_array()
