@@ -258,32 +258,28 @@ impl Limits {
                 LimitKind::KeyTokensTooLarge,
                 bucket.per_minute(),
                 None,
-                RateHeaders {
-                    tokens: Some(Window {
-                        limit: bucket.per_minute(),
-                        remaining: bucket.peek().remaining,
-                        reset: bucket.peek().reset,
-                    }),
-                    requests: None,
-                },
+                bucket_headers(bucket),
             ))),
-            Err(Shortfall::Wait(wait)) => {
-                let h = RateHeaders {
-                    tokens: Some(Window {
-                        limit: bucket.per_minute(),
-                        remaining: bucket.peek().remaining,
-                        reset: bucket.peek().reset,
-                    }),
-                    requests: None,
-                };
-                Err(self.refuse(refusal(
-                    LimitKind::KeyTokens,
-                    bucket.per_minute(),
-                    Some(wait),
-                    h,
-                )))
-            }
+            Err(Shortfall::Wait(wait)) => Err(self.refuse(refusal(
+                LimitKind::KeyTokens,
+                bucket.per_minute(),
+                Some(wait),
+                bucket_headers(bucket),
+            ))),
         }
+    }
+}
+
+/// The tokens window of a refusal by the key's local bucket, as it stands.
+fn bucket_headers(bucket: &TokenBucket) -> RateHeaders {
+    let now = bucket.peek();
+    RateHeaders {
+        tokens: Some(Window {
+            limit: bucket.per_minute(),
+            remaining: now.remaining,
+            reset: now.reset,
+        }),
+        requests: None,
     }
 }
 

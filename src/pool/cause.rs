@@ -46,14 +46,16 @@ impl ConnectCause {
     }
 }
 
-/// Name the cause from `e`'s source chain; `fallback` when nothing in it says more. Returns
-/// the cause and the innermost error's own text (the detail an operator can search for).
-pub fn classify(
-    e: &(dyn std::error::Error + 'static),
-    fallback: ConnectCause,
-) -> (ConnectCause, String) {
+/// Name the cause from `e`'s source chain; when nothing in it says more, a failure while
+/// `connecting` is `Other`, one after it `Reset`. Returns the cause and the innermost error's
+/// own text (the detail an operator can search for).
+pub fn classify(e: &(dyn std::error::Error + 'static), connecting: bool) -> (ConnectCause, String) {
     let mut detail = e.to_string();
-    let mut cause = fallback;
+    let mut cause = if connecting {
+        ConnectCause::Other
+    } else {
+        ConnectCause::Reset
+    };
     let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(s) = src {
         detail = s.to_string();

@@ -73,12 +73,7 @@ async fn probe(pool: &Pool, backend: &Backend) {
         let why = match &result {
             Ok(Ok(_)) => format!("{} answered an error", health.path),
             Ok(Err(e)) => {
-                let fallback = if e.is_connect() {
-                    super::cause::ConnectCause::Other
-                } else {
-                    super::cause::ConnectCause::Reset
-                };
-                let (cause, detail) = super::cause::classify(e, fallback);
+                let (cause, detail) = super::cause::classify(e, e.is_connect());
                 format!("{} failed: {} ({detail})", health.path, cause.describe())
             }
             Err(_) => format!(

@@ -162,9 +162,9 @@ impl RelayBody {
             } else {
                 Some(data)
             };
-            let data = match (data, rename.as_mut()) {
-                (Some(d), Some(r)) => Some(r.apply(d)).filter(|d| !d.is_empty()),
-                (d, _) => d,
+            let data = match rename.as_mut() {
+                Some(r) => data.and_then(|d| r.pass(d)),
+                None => data,
             };
             if let Some(data) = data {
                 ready.push(data);
@@ -469,10 +469,8 @@ impl RelayBody {
             }
         }
         if let Some(r) = this.rename.as_mut() {
-            data = r.apply(data);
-            if data.is_empty() {
-                return None; // held: the start of a field the next frame completes
-            }
+            // `None`: held, the start of a field the next frame completes.
+            data = r.pass(data)?;
         }
         if !*this.sse {
             this.tail[0] = this.tail[1].replace(data.clone());

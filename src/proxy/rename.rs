@@ -73,6 +73,11 @@ impl Rename {
         }
     }
 
+    /// `apply`, with `None` when everything is held (nothing to send yet).
+    pub fn pass(&mut self, data: Bytes) -> Option<Bytes> {
+        Some(self.apply(data)).filter(|d| !d.is_empty())
+    }
+
     /// What is still held at the end of the body (a field's start that never completed).
     pub fn finish(&mut self) -> Option<Bytes> {
         self.held.take()

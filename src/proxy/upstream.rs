@@ -509,7 +509,7 @@ fn upstream_request(backend: &Backend, prepared: Prepared) -> Request<Full<Bytes
 /// The backend could not be reached: counted against it (and marked down when nothing
 /// listens there), named with the cause.
 fn unreachable(pool: &Pool, backend: &Backend, e: &SendError) -> ApiError {
-    let (cause, detail) = classify_client_error(e);
+    let (cause, detail) = crate::pool::cause::classify(e, e.connect);
     if matches!(
         cause,
         ConnectCause::Refused | ConnectCause::Dns | ConnectCause::ConnectTimeout
@@ -658,16 +658,6 @@ fn put_ms(buf: &mut [u8], at: usize, d: Duration) -> usize {
     n
 }
 
-/// Name the cause of an upstream client error from its source chain.
-fn classify_client_error(e: &SendError) -> (ConnectCause, String) {
-    let fallback = if e.connect {
-        ConnectCause::Other
-    } else {
-        ConnectCause::Reset
-    };
-    crate::pool::cause::classify(e, fallback)
-}
-
 async fn read_error_body(body: UpstreamBody, deadline: Instant) -> Bytes {
     let limited = Limited::new(body, MAX_UPSTREAM_ERROR_BODY);
     match tokio::time::timeout_at(deadline.into(), limited.collect()).await {
@@ -709,30 +699,37 @@ fn openai_error_body(
     // A backend's 401/403 is about the gateway's own credentials, never the client's key: it
     // is always rewrapped (as a 502, `backend_auth_failed`), even when OpenAI-shaped.
     let gateway_credentials = backend_refused_gateway(status);
-    let inner_message = match &parsed {
+    let openai_message = match &parsed {
         Some(Probe {
             error: Some(serde_json::Value::Object(obj)),
             ..
         }) => obj.get("message").and_then(|m| m.as_str()),
         _ => None,
     };
-    if inner_message.is_some() && !gateway_credentials {
-        return (Bytes::copy_from_slice(body), false);
-    }
+    let openai_message = match openai_message {
+        Some(_) if !gateway_credentials => return (Bytes::copy_from_slice(body), false),
+        m => m.map(str::to_owned),
+    };
     let reason = status.canonical_reason().unwrap_or("error");
     let code = status.as_u16().to_string();
-    let inner = match parsed {
-        _ if inner_message.is_some() => inner_message.unwrap_or_default().to_owned(),
-        Some(Probe {
-            error: Some(serde_json::Value::String(s)),
-            ..
-        }) => s,
-        Some(Probe {
-            message: Some(m),
-            kind,
-            code: c,
-            ..
-        }) => {
+    let inner = match (openai_message, parsed) {
+        (Some(m), _) => m,
+        (
+            None,
+            Some(Probe {
+                error: Some(serde_json::Value::String(s)),
+                ..
+            }),
+        ) => s,
+        (
+            None,
+            Some(Probe {
+                message: Some(m),
+                kind,
+                code: c,
+                ..
+            }),
+        ) => {
             // The old flat vLLM shape: keep its type/code in the message.
             let extra = [kind, c.map(|c| c.to_string())]
                 .into_iter()
@@ -762,7 +759,7 @@ fn openai_error_body(
             " The backend does not offer tokenization: it has no POST {} (vLLM serves /tokenize and /detokenize at its root; other OpenAI-compatible servers may not). Tokenize for model `{model}` with its own tokenizer instead, or ask the operator for a vLLM backend.",
             e.path()
         ),
-        (401 | 403, _) => format!(
+        _ if gateway_credentials => format!(
             " The backend refused the gateway's own credentials: check pools[].upstream_api_key for model `{model}` (this is not about your key)."
         ),
         (404, None) => format!(

@@ -463,7 +463,6 @@ impl Writer {
             self.spilled.set(0);
             return;
         };
-
         for chunk in rows.chunks(self.config.batch_rows.max(1)) {
             match tokio::time::timeout(Duration::from_secs(5), insert(&self.store, chunk)).await {
                 Ok(Ok(())) => self.written.inc_by(chunk.len() as u64),
@@ -554,9 +553,7 @@ fn append(path: &Path, buf: &[u8]) -> std::io::Result<()> {
     f.flush()
 }
 
-/// The spilled rows, in order; a line that does not parse is skipped, and reading stops at the
-/// first line that cannot be read.
-/// The spilled rows, and how many lines could not be read back as rows (a line cut short when
+/// The spilled rows, in order, and how many lines could not be read back as rows (a line cut short when
 /// the disk filled up, or edited by hand): those are counted as dropped, never skipped silently.
 fn read_spill(path: &Path) -> std::io::Result<(Vec<LogRow>, usize)> {
     let f = std::fs::File::open(path)?;
