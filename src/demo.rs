@@ -47,7 +47,22 @@ pub async fn run(
     ];
     let listener = bind(args.port).await?;
     let data_dir = std::env::temp_dir().join(format!("fleetgate-demo-{}", std::process::id()));
-    let config = demo_config(&listener, &sims, &data_dir)?;
+    let mut config = demo_config(&listener, &sims, &data_dir)?;
+    // The console on the admin listener (8081 beside a gateway on 8080, else a free port), with
+    // a secret made for this run: the demo prints a sign-in link.
+    let admin_port = match args.port {
+        0 => 0,
+        _ if std::net::TcpListener::bind(("127.0.0.1", 8081)).is_ok() => 8081,
+        _ => 0,
+    };
+    config.admin.listen = Some(SocketAddr::from(([127, 0, 0, 1], admin_port)));
+    let secret: [u8; 24] = rand::random();
+    config.admin.jwt_key = Some(crate::config::JwtKey::Secret(crate::secret::Secret::new(
+        secret
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>(),
+    )));
     let server = Server::start_on(listener, &config, Recorder::new(false))
         .await
         .map_err(std::io::Error::other)?;
@@ -64,12 +79,26 @@ pub async fn run(
     warm_up(&c, &sims, &via, &headers, &body).await?;
     let diffs = compare(&c, &sims, &via, &headers, &body, args.requests).await?;
     print_median(diffs);
+    let console = match server.admin_addr {
+        Some(admin) => {
+            let token = crate::admin::console::session::mint_login(
+                &config.admin,
+                crate::admin::jwt::Role::Admin,
+                "demo",
+                Duration::from_secs(8 * 3600),
+            )
+            .map_err(std::io::Error::other)?;
+            Some(format!("http://{admin}/console/login?token={token}"))
+        }
+        None => None,
+    };
     print_try_it(
         &gateway,
         &sims,
         &config.database.sqlite_path,
         &demo_key,
         &record.public_id,
+        console.as_deref(),
     );
 
     if !args.no_wait {
@@ -95,8 +124,8 @@ async fn bind(port: u16) -> std::io::Result<TcpListener> {
     }
 }
 
-/// One pool over the simulated backends, the embedded SQLite store in `data_dir`, no admin
-/// listener, and health checks quick enough for a short demo.
+/// One pool over the simulated backends, the embedded SQLite store in `data_dir`, and health
+/// checks quick enough for a short demo (the caller adds the admin listener).
 fn demo_config(
     listener: &TcpListener,
     sims: &[SimServer],
@@ -255,7 +284,14 @@ fn print_median(mut diffs: Vec<f64>) {
 /// Everything needed to try the running gateway by hand: the newcomer's path, each command
 /// runnable as printed (the binary by its full path: `cargo run` puts none on the PATH).
 /// tests/docs_commands.rs runs these lines exactly as printed.
-fn print_try_it(gateway: &str, sims: &[SimServer], db: &Path, demo_key: &str, id: &str) {
+fn print_try_it(
+    gateway: &str,
+    sims: &[SimServer],
+    db: &Path,
+    demo_key: &str,
+    id: &str,
+    console: Option<&str>,
+) {
     let db = db.display();
     let exe = std::env::current_exe()
         .map(|p| p.display().to_string())
@@ -270,6 +306,11 @@ fn print_try_it(gateway: &str, sims: &[SimServer], db: &Path, demo_key: &str, id
     }
     outln!("Key:       {demo_key}   (environment stress, id {id}; shown once)");
     outln!("Store:     {db}   (embedded SQLite: keys and the request log)");
+    if let Some(link) = console {
+        outln!(
+            "Console:   {link}   (the web console: a one-time sign-in link, valid 10 minutes; docs/console.md)"
+        );
+    }
     outln!("\nNext, in another terminal (each command runs as printed):");
     outln!("  export OPENAI_BASE_URL={gateway}/v1");
     outln!(

@@ -70,6 +70,11 @@ enum Command {
         after_help = "Examples:\n  fleetgate admin-token --role viewer --ttl 8h\n  curl -H \"Authorization: Bearer $(fleetgate admin-token)\" http://127.0.0.1:8081/admin/backends"
     )]
     AdminToken(fleetgate::keys_cli::AdminTokenArgs),
+    /// Print a one-time sign-in link to the console (the admin listener's web pages).
+    #[command(
+        after_help = "Examples:\n  fleetgate console-login --ttl 8h\n  fleetgate console-login --role viewer --ttl 1h --sub alice\n  fleetgate console-login --url https://gateway-admin.example.com   # behind a TLS proxy\n(docs/console.md)"
+    )]
+    ConsoleLogin(fleetgate::keys_cli::ConsoleLoginArgs),
     /// Load generator compatible with `vllm bench serve`; `--compare direct=URL gateway=URL`
     /// measures the gateway's cost against direct calls in one interleaved run.
     #[command(
@@ -189,6 +194,7 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Usage(args) => report(fleetgate::keys_cli::run_usage(args).await),
         Command::Migrate(args) => report(fleetgate::keys_cli::run_migrate(args).await),
         Command::AdminToken(args) => report(fleetgate::keys_cli::run_admin_token(args)),
+        Command::ConsoleLogin(args) => report(fleetgate::keys_cli::run_console_login(args)),
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(c) => {
                 // Written with errors ignored: `check-config | head -1` must not panic.

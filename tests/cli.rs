@@ -694,6 +694,7 @@ fn printing_commands_survive_a_closed_pipe() {
         vec!["usage", "--sqlite", db, "--since", "1h", "--json"],
         vec!["check-config", "--config", &config],
         vec!["admin-token", "--config", &config],
+        vec!["console-login", "--config", &config],
         vec![
             "demo",
             "--port",
@@ -753,6 +754,7 @@ fn every_command_has_help_with_examples_and_usage_errors_exit_64() {
         &["usage"],
         &["migrate"],
         &["admin-token"],
+        &["console-login"],
         &["bench"],
         &["probe"],
         &["check-config"],

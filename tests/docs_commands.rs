@@ -342,6 +342,24 @@ impl Session {
         let gateway = find("Gateway:");
         let key = find("Key:");
         let store = find("Store:");
+        // The console's one-time link signs in (a session cookie), once.
+        let console = find("Console:");
+        let open = || {
+            let out = Command::new("curl")
+                .args(["-s", "-o", "/dev/null", "-D", "-", &console])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).to_lowercase()
+        };
+        let first = open();
+        assert!(
+            first.starts_with("http/1.1 200") && first.contains("set-cookie: fleetgate_console="),
+            "the demo's console link: {first}"
+        );
+        assert!(
+            open().starts_with("http/1.1 401"),
+            "a second use is refused"
+        );
         let addr = gateway
             .trim_start_matches("http://")
             .trim_end_matches("/v1")

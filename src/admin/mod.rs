@@ -3,10 +3,12 @@
 //!
 //! Routes: `GET /metrics`, `GET /healthz` (open); `GET /admin/keys[?env=E]`,
 //! `POST /admin/keys`, `GET /admin/keys/{id}`, `POST /admin/keys/{id}/revoke`,
-//! `POST /admin/keys/{id}/rotate`, `GET /admin/audit[?key=ID&limit=N]`, `GET /admin/usage`,
+//! `POST /admin/keys/{id}/rotate`, `GET /admin/audit[?key=ID&actor=&action=&limit=N]`, `GET /admin/usage`,
 //! `GET /admin/ready` (the details the public `/readyz` does not show), `GET /admin/backends`,
-//! `POST /admin/backends/drain|undrain` (JWT).
+//! `POST /admin/backends/drain|undrain` (JWT). `/` and `/console/…`: the console (its own
+//! sign-in, see `console`).
 
+pub mod console;
 pub mod jwt;
 
 use std::sync::Arc;
@@ -32,6 +34,9 @@ pub struct AdminState {
     pub registry: prometheus::Registry,
     pub fleet: Arc<crate::pool::fleet::Fleet>,
     pub metrics: Arc<crate::telemetry::metrics::RequestMetrics>,
+    pub console: crate::admin::console::Console,
+    /// The admin listener serves TLS (the console's cookie is then `Secure`).
+    pub tls: bool,
 }
 
 static JSON: HeaderValue = HeaderValue::from_static("application/json");
@@ -229,6 +234,9 @@ pub async fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<
             return r;
         }
         (Method::GET, "/healthz") => return json(StatusCode::OK, r#"{"status":"ok"}"#),
+        (_, p) if p == "/" || p == "/console" || p.starts_with("/console/") => {
+            return crate::admin::console::handle(&state, req).await;
+        }
         _ => {}
     }
     match keys_api(&state, req, &path).await {
@@ -463,6 +471,44 @@ fn readiness(state: &AdminState) -> Bytes {
     }))
 }
 
+/// Drain or undrain a backend (the admin API and the console), recorded in the audit trail.
+/// Returns the backend's base URL, state and in-flight count, or why there is no such backend.
+pub(crate) async fn set_drain(
+    state: &AdminState,
+    actor: &str,
+    model: &str,
+    backend: &str,
+    drain: bool,
+) -> Result<(String, &'static str, u32), String> {
+    let pools = state.fleet.current();
+    let Some(b) = pools.find_backend(model, backend) else {
+        return Err(format!(
+            "No backend {backend} in the pool of `{model}`; GET /admin/backends lists them."
+        ));
+    };
+    b.set_draining(drain);
+    tracing::info!(backend = %b.base, by = %actor, drain, "backend drain changed");
+    let action = if drain { "drain" } else { "undrain" };
+    if let Err(e) = state
+        .auth
+        .store()
+        .audit_event(
+            actor,
+            action,
+            None,
+            serde_json::json!({"model": model, "backend": &*b.base}),
+        )
+        .await
+    {
+        tracing::warn!(error = %e, action, "cannot write the audit entry");
+    }
+    Ok((
+        b.base.to_string(),
+        b.state().as_str(),
+        b.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+    ))
+}
+
 /// `POST /admin/backends/drain` and `/undrain`
 async fn drain_backend(
     state: &AdminState,
@@ -471,33 +517,34 @@ async fn drain_backend(
     action: &str,
 ) -> Result<(StatusCode, Bytes), AdminError> {
     need_admin(caller)?;
-    let drain = action == "drain";
     let body: DrainBody = read_json(req.into_body()).await?;
-    let pools = state.fleet.current();
-    let Some(b) = pools.find_backend(&body.model, &body.backend) else {
-        return Err(error(
+    let (base, backend_state, in_flight) = set_drain(
+        state,
+        &caller.subject,
+        &body.model,
+        &body.backend,
+        action == "drain",
+    )
+    .await
+    .map_err(|m| {
+        error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "backend_not_found",
-            &format!(
-                "No backend {} in the pool of `{}`; GET /admin/backends lists them.",
-                body.backend, body.model
-            ),
-        ));
-    };
-    b.set_draining(drain);
-    tracing::info!(backend = %b.base, by = %caller.subject, drain, "backend drain changed");
+            &m,
+        )
+    })?;
     Ok((
         StatusCode::OK,
         to_json(&serde_json::json!({
-            "backend": &*b.base,
-            "state": b.state().as_str(),
-            "in_flight": b.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+            "backend": base,
+            "state": backend_state,
+            "in_flight": in_flight,
         })),
     ))
 }
 
-/// `GET /admin/audit[?key=&limit=]`
+/// `GET /admin/audit[?key=&actor=&action=&limit=]`
 async fn audit_log(
     state: &AdminState,
     req: &Request<Incoming>,
@@ -509,7 +556,12 @@ async fn audit_log(
         .unwrap_or(100)
         .clamp(1, 10_000);
     let entries = store
-        .audit_log(key, limit)
+        .audit_search(&crate::store::AuditSearch {
+            key,
+            actor: query_param(req.uri().query(), "actor"),
+            action: query_param(req.uri().query(), "action"),
+            limit,
+        })
         .await
         .map_err(|e| store_error(&e))?;
     Ok((

@@ -36,6 +36,8 @@ pub struct AdminConfig {
     pub jwt_key: Option<JwtKey>,
     pub jwt_audience: Option<String>,
     pub jwt_issuer: Option<String>,
+    /// TLS on the admin listener (`None`: plain HTTP, for loopback or behind a TLS proxy).
+    pub tls: Option<super::TlsConfig>,
 }
 
 impl Default for AdminConfig {
@@ -46,6 +48,7 @@ impl Default for AdminConfig {
             jwt_key: None,
             jwt_audience: None,
             jwt_issuer: None,
+            tls: None,
         }
     }
 }
@@ -102,5 +105,9 @@ pub(super) fn validate(ad: RawAdmin, err: FileErrors<'_>) -> Result<AdminConfig,
         jwt_key,
         jwt_audience: ad.jwt_audience,
         jwt_issuer: ad.jwt_issuer,
+        tls: ad.tls.map(|t| super::TlsConfig {
+            cert: t.cert,
+            key: t.key,
+        }),
     })
 }

@@ -336,6 +336,9 @@ pub(super) struct RawAdmin {
     pub(super) jwt_public_key_file: Option<PathBuf>,
     pub(super) jwt_audience: Option<String>,
     pub(super) jwt_issuer: Option<String>,
+    /// TLS on the admin listener (the API, `/metrics` and the console).
+    #[serde(default)]
+    pub(super) tls: Option<RawTls>,
 }
 
 impl Default for RawAdmin {
@@ -347,6 +350,7 @@ impl Default for RawAdmin {
             jwt_public_key_file: None,
             jwt_audience: None,
             jwt_issuer: None,
+            tls: None,
         }
     }
 }

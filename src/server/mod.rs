@@ -300,6 +300,10 @@ impl Server {
             None => None,
         };
         let admin_listener = bind_admin(config).await?;
+        let admin_tls = match &config.admin.tls {
+            Some(t) => Some(tls::acceptor(&t.cert, &t.key)?),
+            None => None,
+        };
         let conn_metrics = conn_limit::ConnMetrics::new(&registry)?;
         let descriptors = conn_limit::raise_descriptor_limit();
         let max_connections = match config.server.max_connections {
@@ -340,6 +344,22 @@ impl Server {
                 registry: registry.clone(),
                 fleet: fleet.clone(),
                 metrics: metrics.clone(),
+                tls: config.admin.tls.is_some(),
+                console: crate::admin::console::Console::new(
+                    &config.admin,
+                    crate::admin::console::ApiAddress {
+                        scheme: if config.server.tls.is_some() {
+                            "https"
+                        } else {
+                            "http"
+                        },
+                        host: (!local_addr.ip().is_unspecified()).then(|| match local_addr.ip() {
+                            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+                            ip @ std::net::IpAddr::V4(_) => ip.to_string(),
+                        }),
+                        port: local_addr.port(),
+                    },
+                ),
             });
             // The admin listener has its own places, so operators get in when the API
             // listener is full.
@@ -351,7 +371,7 @@ impl Server {
             );
             tasks.spawn(accept_loop(
                 admin_listener,
-                None,
+                admin_tls,
                 shutdown.clone(),
                 Drain {
                     grace,

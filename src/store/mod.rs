@@ -68,6 +68,15 @@ pub struct AuditEntry {
     pub detail: serde_json::Value,
 }
 
+/// What `audit_search` looks for (`None`: any).
+#[derive(Debug, Clone, Copy)]
+pub struct AuditSearch<'a> {
+    pub key: Option<&'a str>,
+    pub actor: Option<&'a str>,
+    pub action: Option<&'a str>,
+    pub limit: i64,
+}
+
 #[derive(Debug, Clone)]
 pub struct KeyStore {
     pool: AnyPool,
@@ -468,27 +477,37 @@ impl KeyStore {
         public_id: Option<&str>,
         limit: i64,
     ) -> Result<Vec<AuditEntry>, StoreError> {
-        let rows = match public_id {
-            Some(id) => {
-                sqlx::query(
-                    "SELECT id, at, actor, action, key_public_id, detail FROM key_audit \
-                     WHERE key_public_id = $1 ORDER BY id DESC LIMIT $2",
-                )
-                .bind(id)
-                .bind(limit)
-                .fetch_all(&self.pool)
-                .await?
+        self.audit_search(&AuditSearch {
+            key: public_id,
+            actor: None,
+            action: None,
+            limit,
+        })
+        .await
+    }
+
+    /// The audit trail, newest first, filtered by key, actor and action (each exact).
+    pub async fn audit_search(&self, s: &AuditSearch<'_>) -> Result<Vec<AuditEntry>, StoreError> {
+        let mut sql = String::from(
+            "SELECT id, at, actor, action, key_public_id, detail FROM key_audit WHERE 1 = 1",
+        );
+        let mut binds = Vec::new();
+        for (column, value) in [
+            ("key_public_id", s.key),
+            ("actor", s.actor),
+            ("action", s.action),
+        ] {
+            if let Some(v) = value {
+                binds.push(v.to_owned());
+                sql.push_str(&format!(" AND {column} = ${}", binds.len()));
             }
-            None => {
-                sqlx::query(
-                    "SELECT id, at, actor, action, key_public_id, detail FROM key_audit \
-                     ORDER BY id DESC LIMIT $1",
-                )
-                .bind(limit)
-                .fetch_all(&self.pool)
-                .await?
-            }
-        };
+        }
+        sql.push_str(&format!(" ORDER BY id DESC LIMIT ${}", binds.len() + 1));
+        let mut q = sqlx::query(&sql);
+        for b in binds {
+            q = q.bind(b);
+        }
+        let rows = q.bind(s.limit).fetch_all(&self.pool).await?;
         rows.iter()
             .map(|r| {
                 let detail: String = r.try_get("detail")?;
