@@ -454,14 +454,19 @@ pub struct AdminTokenArgs {
     pub sub: Option<String>,
 }
 
-/// `fleetgate admin-token`: print a token minted from the configured HS256 secret.
-pub fn run_admin_token(args: AdminTokenArgs) -> Result<(), String> {
-    let cfg = Config::load(&args.config).map_err(|e| e.to_string())?;
-    let role = if args.role == "viewer" {
+/// `--role admin|viewer` (clap has checked the value).
+fn role(name: &str) -> Role {
+    if name == "viewer" {
         Role::Viewer
     } else {
         Role::Admin
-    };
+    }
+}
+
+/// `fleetgate admin-token`: print a token minted from the configured HS256 secret.
+pub fn run_admin_token(args: AdminTokenArgs) -> Result<(), String> {
+    let cfg = Config::load(&args.config).map_err(|e| e.to_string())?;
+    let role = role(&args.role);
     let ttl = parse_duration(&args.ttl).map_err(|e| e.to_string())?;
     let sub = args.sub.unwrap_or_else(|| actor(&None));
     let token = jwt::mint(&cfg.admin, role, &sub, ttl).map_err(|e| e.to_string())?;
@@ -490,11 +495,7 @@ pub struct ConsoleLoginArgs {
 /// `fleetgate console-login`: print a one-time sign-in link to the console.
 pub fn run_console_login(args: ConsoleLoginArgs) -> Result<(), String> {
     let cfg = Config::load(&args.config).map_err(|e| e.to_string())?;
-    let role = if args.role == "viewer" {
-        Role::Viewer
-    } else {
-        Role::Admin
-    };
+    let role = role(&args.role);
     let ttl = parse_duration(&args.ttl).map_err(|e| e.to_string())?;
     if ttl > crate::admin::console::session::MAX_SESSION {
         return Err(format!(

@@ -342,15 +342,21 @@ async fn record(
     }
 }
 
+/// What the admin API would answer for a store error: the same status and message.
 fn store_message(e: &StoreError) -> String {
-    match e {
-        StoreError::Db(_) | StoreError::Migrate(_) => {
-            tracing::error!(error = %e, "console: key store error");
-            "The key store (database) is unreachable; nothing was changed. Retry when it is back."
-                .into()
-        }
-        other => other.to_string(),
-    }
+    super::store_error(e).message
+}
+
+/// A key change the store refused: the key's page again, with the reason and the admin API's
+/// status for it.
+async fn key_refused(
+    state: &AdminState,
+    f: &Frame<'_>,
+    id: &str,
+    e: &StoreError,
+) -> Response<GatewayBody> {
+    let e = super::store_error(e);
+    key_page(state, f, id, &BTreeMap::new(), Some(&e.message), e.status).await
 }
 
 async fn overview(state: &AdminState, f: &Frame<'_>) -> Response<GatewayBody> {
@@ -490,10 +496,10 @@ async fn key_page(
             )),
         ),
     };
-    let audit = store.audit_log(Some(id), 200).await.unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "console: cannot read the audit trail");
-        Vec::new()
-    });
+    let audit = store
+        .audit_log(Some(id), 200)
+        .await
+        .map_err(|e| format!("Cannot read the audit trail: {}", store_message(&e)));
     let notice = match q.get("done").map(String::as_str) {
         Some("revoked") => Some("Key revoked: clients using it now get 401 key_revoked."),
         _ => None,
@@ -508,7 +514,7 @@ async fn key_page(
                     .as_ref()
                     .map(|s| pages::KeyUsage { since, series: s }),
                 usage_error: usage_error.as_deref(),
-                audit: &audit,
+                audit: audit.as_deref().map_err(String::as_str),
                 notice,
                 error,
                 now: crate::clock::wall_ms(),
@@ -756,16 +762,13 @@ async fn issue(
             )
         }
         Err(e) => {
-            let status = match e {
-                StoreError::Db(_) | StoreError::Migrate(_) => StatusCode::SERVICE_UNAVAILABLE,
-                _ => StatusCode::BAD_REQUEST,
-            };
+            let e = super::store_error(&e);
             keys_page(
                 state,
                 f,
                 &BTreeMap::new(),
                 values,
-                Some((status, store_message(&e))),
+                Some((e.status, e.message)),
             )
             .await
         }
@@ -807,23 +810,7 @@ async fn revoke(
             state.auth.apply(id, Some(record));
             redirect(&format!("/console/keys/{id}?done=revoked"))
         }
-        Err(e) => {
-            let status = match e {
-                StoreError::NotFound(_) => StatusCode::NOT_FOUND,
-                StoreError::AlreadyRevoked(_) => StatusCode::CONFLICT,
-                StoreError::Invalid(_) => StatusCode::BAD_REQUEST,
-                StoreError::Db(_) | StoreError::Migrate(_) => StatusCode::SERVICE_UNAVAILABLE,
-            };
-            key_page(
-                state,
-                f,
-                id,
-                &BTreeMap::new(),
-                Some(&store_message(&e)),
-                status,
-            )
-            .await
-        }
+        Err(e) => key_refused(state, f, id, &e).await,
     }
 }
 
@@ -879,23 +866,7 @@ async fn rotate(
                 ),
             )
         }
-        Err(e) => {
-            let status = match e {
-                StoreError::NotFound(_) => StatusCode::NOT_FOUND,
-                StoreError::AlreadyRevoked(_) => StatusCode::CONFLICT,
-                StoreError::Invalid(_) => StatusCode::BAD_REQUEST,
-                StoreError::Db(_) | StoreError::Migrate(_) => StatusCode::SERVICE_UNAVAILABLE,
-            };
-            key_page(
-                state,
-                f,
-                id,
-                &BTreeMap::new(),
-                Some(&store_message(&e)),
-                status,
-            )
-            .await
-        }
+        Err(e) => key_refused(state, f, id, &e).await,
     }
 }
 

@@ -517,7 +517,8 @@ pub struct KeyUsage<'a> {
 pub struct KeyPage<'a> {
     pub usage: Option<KeyUsage<'a>>,
     pub usage_error: Option<&'a str>,
-    pub audit: &'a [AuditEntry],
+    /// The key's audit trail, or why it could not be read.
+    pub audit: Result<&'a [AuditEntry], &'a str>,
     pub notice: Option<&'a str>,
     pub error: Option<&'a str>,
     pub now: i64,
@@ -583,7 +584,10 @@ pub fn key_page(f: &Frame<'_>, k: &KeyRecord, p: KeyPage<'_>) -> Markup {
             @if let Some(e) = usage_error { p.error { (e) } }
             @if let Some(u) = usage { (key_usage(&u)) }
             h2 { "Audit trail" }
-            (audit_table(audit, false))
+            @match audit {
+                Ok(entries) => (audit_table(entries, false)),
+                Err(e) => p.error { (e) },
+            }
         },
     )
 }
