@@ -180,6 +180,7 @@ fn the_messages_operations_md_quotes_are_the_gateways() {
         "src/limits/refusal.rs",
         "src/server/reload.rs",
         "src/pool/cause.rs",
+        "src/pool/health.rs",
     ]
     .iter()
     .map(|p| read(p))

@@ -388,8 +388,15 @@ async fn served_model_name_rename_and_upstream_key() {
         a.api_key = Some("backend-secret".into());
     })
     .await;
-    // Without the upstream key: the backend's bare {"error":"Unauthorized"} comes back wrapped.
-    let mut p = pool("qwen32b", &[sim.url()]);
+    // A backend that refuses the gateway on a request (its probes passed: vLLM's `/health` and
+    // this one's `/v1/models` need no key): its bare {"error":"Unauthorized"} comes back
+    // wrapped. (A backend whose `/v1/models` refuses the key never gets requests: tests/pool.rs.)
+    let (stub, stub_task) = stub_backend(|path| match path {
+        "/v1/chat/completions" => (401, "application/json", br#"{"error":"Unauthorized"}"#),
+        _ => (200, "application/json", br#"{"object":"list","data":[]}"#),
+    })
+    .await;
+    let mut p = pool("qwen32b", &[format!("http://{stub}")]);
     p.served_model_name = Some("Qwen/Qwen2.5-32B".into());
     let gw = gateway(vec![p.clone()]).await;
     let m = post(
@@ -410,7 +417,9 @@ async fn served_model_name_rename_and_upstream_key() {
     );
     assert_eq!(err["code"], "backend_auth_failed");
     assert_eq!(err["type"], "upstream_error");
+    stub_task.abort();
 
+    p.backends = pool("qwen32b", &[sim.url()]).backends;
     p.upstream_api_key = Some(fleetgate::secret::Secret::new("backend-secret"));
     let gw = gateway(vec![p]).await;
     // The client's own key is not forwarded: the backend accepts only its key.

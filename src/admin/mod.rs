@@ -458,6 +458,11 @@ fn readiness(state: &AdminState) -> Bytes {
         "ready": ready,
         "detail": if ready { "at least one backend is reachable" } else { "no backend is reachable yet" },
         "backends": pools.backends_json(),
+        "pools": pools.iter().map(|p| serde_json::json!({
+            "model": &*p.model,
+            "backends": p.backends.len(),
+            "reachable": p.backends.iter().filter(|b| b.reachability() == crate::pool::Reachability::Up).count(),
+        })).collect::<Vec<_>>(),
         "key_store": {
             "state": if store_up { "up" } else { "degraded" },
             "detail": if store_up {

@@ -305,6 +305,13 @@ pub fn upstream_body(
                 let mut obj: serde_json::Map<String, serde_json::Value> =
                     serde_json::from_slice(&body[span.clone()]).unwrap_or_default();
                 obj.insert("include_usage".into(), serde_json::Value::Bool(true));
+                // vLLM reports no usage at all for `continuous_usage_stats` without
+                // `include_usage`; with the injected `include_usage` it would put usage on
+                // every chunk, and only the final usage chunk is cut out. Asked for the final
+                // one only, the client's stream is what it would get directly.
+                if let Some(c) = obj.get_mut("continuous_usage_stats") {
+                    *c = serde_json::Value::Bool(false);
+                }
                 let text = serde_json::to_vec(&obj)
                     .unwrap_or_else(|_| b"{\"include_usage\":true}".to_vec());
                 edits.push((span.clone(), text));
@@ -651,6 +658,28 @@ mod tests {
             upstream_body(&body, &v, None, false).as_ptr(),
             body.as_ptr()
         );
+    }
+
+    /// `continuous_usage_stats` without `include_usage` gets no usage from vLLM: with the
+    /// injected `include_usage` it must not turn into usage on every chunk (issue 19).
+    #[test]
+    fn continuous_usage_without_include_usage_stays_without_usage() {
+        let body = Bytes::from_static(
+            br#"{"model":"m","stream":true,"stream_options":{"continuous_usage_stats":true},"messages":[]}"#,
+        );
+        let v = parse(&body, Endpoint::Chat).unwrap();
+        let out = upstream_body(&body, &v, None, true);
+        let sent: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(
+            sent["stream_options"],
+            serde_json::json!({"include_usage": true, "continuous_usage_stats": false})
+        );
+        // Asked for by the client: nothing injected, nothing changed.
+        let both = Bytes::from_static(
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},"messages":[]}"#,
+        );
+        let v = parse(&both, Endpoint::Chat).unwrap();
+        assert_eq!(upstream_body(&both, &v, None, false), both);
     }
 
     /// `"stream_options": null` is replaced, never joined by a second `stream_options` key

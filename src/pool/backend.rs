@@ -81,6 +81,15 @@ pub struct Backend {
     /// Exponentially weighted mean upstream TTFT in µs (f64 bits; 0: none yet).
     ewma_ttft_us: AtomicU64,
     last_error: ArcSwapOption<LastError>,
+    pub(super) models_uri: Uri,
+    /// `GET /v1/models` refused the gateway's upstream key: the backend stays down (whatever
+    /// its `/health` says, which needs no key) until the check passes.
+    pub(super) misconfigured: AtomicBool,
+    /// `GET /v1/models` was read since the backend was configured or came back from down.
+    pub(super) card_checked: AtomicBool,
+    /// What the backend says about the pool's model (vLLM's ModelCard: `max_model_len`,
+    /// `root`, `created`, …), served by the gateway's `/v1/models`.
+    model_card: ArcSwapOption<serde_json::Value>,
 }
 
 /// `POST <path> HTTP/1.1`, `host: <authority>` and `authorization: <value>`, each with its
@@ -110,6 +119,8 @@ pub enum BackendState {
     Ejected,
     Draining,
     Removed,
+    /// Refuses the gateway's upstream key (`GET /v1/models` answered 401/403).
+    Misconfigured,
 }
 
 impl BackendState {
@@ -122,6 +133,7 @@ impl BackendState {
             BackendState::Ejected => "ejected",
             BackendState::Draining => "draining",
             BackendState::Removed => "removed",
+            BackendState::Misconfigured => "misconfigured",
         }
     }
 }
@@ -189,6 +201,10 @@ impl Backend {
             slow_start_ms: u64::try_from(pool.warmup.slow_start.as_millis()).unwrap_or(u64::MAX),
             ewma_ttft_us: AtomicU64::new(0),
             last_error: ArcSwapOption::empty(),
+            models_uri: join("/v1/models")?,
+            misconfigured: AtomicBool::new(false),
+            card_checked: AtomicBool::new(false),
+            model_card: ArcSwapOption::empty(),
         })
     }
 
@@ -218,6 +234,8 @@ impl Backend {
 
     /// Take the weight, capacity and labels of `cfg` (a reload), and count as configured.
     pub(super) fn configure(&self, cfg: &BackendConfig, pool: &PoolConfig) {
+        // A reload checks the key and reads the card again (the served name may have changed).
+        self.card_checked.store(false, Ordering::Relaxed);
         self.weight.store(weight_of(cfg), Ordering::Relaxed);
         self.capacity
             .store(capacity_of(cfg, pool), Ordering::Relaxed);
@@ -242,9 +260,14 @@ impl Backend {
 
     pub fn mark(&self, r: Reachability) {
         let was = self.reachability.swap(r as u8, Ordering::Relaxed);
-        if r == Reachability::Down && self.warmup_required {
-            // Back from down means warm-up again.
-            self.warming.store(true, Ordering::Relaxed);
+        if r == Reachability::Down {
+            // Back from down means warm-up again, and a restarted server may serve another
+            // model length: its card is read again. (One comparison on the request path's
+            // `mark(Up)`, as before.)
+            if self.warmup_required {
+                self.warming.store(true, Ordering::Relaxed);
+            }
+            self.card_checked.store(false, Ordering::Relaxed);
         }
         if r == Reachability::Up && was != Reachability::Up as u8 && self.slow_start_ms > 0 {
             self.up_since.store(mono_ms(), Ordering::Relaxed);
@@ -289,9 +312,20 @@ impl Backend {
         true
     }
 
+    /// The backend's card for the pool's model, from its last `GET /v1/models`.
+    pub fn model_card(&self) -> Option<Arc<serde_json::Value>> {
+        self.model_card.load_full()
+    }
+
+    pub(super) fn set_model_card(&self, card: Option<serde_json::Value>) {
+        self.model_card.store(card.map(Arc::new));
+    }
+
     pub fn state(&self) -> BackendState {
         if self.removed.load(Ordering::Relaxed) {
             BackendState::Removed
+        } else if self.misconfigured.load(Ordering::Relaxed) {
+            BackendState::Misconfigured
         } else if self.draining.load(Ordering::Relaxed) {
             BackendState::Draining
         } else if self.warming.load(Ordering::Relaxed) {

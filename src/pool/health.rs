@@ -49,6 +49,14 @@ impl Generation {
 /// the backend down; `healthy_threshold` successes in a row bring it back — through warm-up
 /// when the pool has one.
 async fn probe(pool: &Pool, backend: &Backend) {
+    // vLLM's `/health` needs no key: whether the backend takes the gateway's key is asked of
+    // `/v1/models`, when the backend is new (start, reload) or back from down, and again at
+    // every probe while it refuses.
+    if !backend.card_checked.load(Ordering::Relaxed)
+        || backend.misconfigured.load(Ordering::Relaxed)
+    {
+        check_models(pool, backend).await;
+    }
     let mut req = Request::get(backend.health_uri.clone());
     if let Some(auth) = &backend.upstream_auth {
         req = req.header(http::header::AUTHORIZATION, auth.clone());
@@ -90,6 +98,10 @@ async fn probe(pool: &Pool, backend: &Backend) {
         return;
     }
     backend.probes_bad.store(0, Ordering::Relaxed);
+    if backend.misconfigured.load(Ordering::Relaxed) {
+        // Reachable, but every request would fail with the backend's 401.
+        return;
+    }
     let good = backend.probes_ok.fetch_add(1, Ordering::Relaxed) + 1;
     let warming = backend.warming.load(Ordering::Relaxed);
     if state == Reachability::Up && !warming {
@@ -115,6 +127,72 @@ async fn probe(pool: &Pool, backend: &Backend) {
     backend.mark(Reachability::Up);
     // Waiting requests may be served by a backend that came back.
     pool.balancer.dispatch();
+}
+
+/// `GET /v1/models` with the gateway's upstream key: a 401/403/407 marks the backend
+/// misconfigured (down, with the reason); a list keeps the card of the pool's model for the
+/// gateway's own `/v1/models`. Anything else (no answer, a server without the route) changes
+/// nothing: reachability is the health probe's business.
+async fn check_models(pool: &Pool, backend: &Backend) {
+    let mut req = Request::get(backend.models_uri.clone());
+    if let Some(auth) = &backend.upstream_auth {
+        req = req.header(http::header::AUTHORIZATION, auth.clone());
+    }
+    let Ok(req) = req.body(Full::new(Bytes::new())) else {
+        return;
+    };
+    let answer = tokio::time::timeout(pool.config.health.timeout, async {
+        let resp = pool.client.request(req).await.ok()?;
+        let status = resp.status();
+        let body = http_body_util::Limited::new(resp.into_body(), 1 << 20)
+            .collect()
+            .await
+            .ok()?
+            .to_bytes();
+        Some((status, body))
+    })
+    .await
+    .ok()
+    .flatten();
+    let Some((status, body)) = answer else {
+        return;
+    };
+    let code = status.as_u16();
+    if matches!(code, 401 | 403 | 407) {
+        let why = format!(
+            "misconfigured: GET /v1/models answered {status} to the gateway's {}: the backend refuses it (check upstream_api_key for this pool or backend); it takes no requests until this check passes",
+            if backend.upstream_auth.is_some() {
+                "upstream_api_key"
+            } else {
+                "request without a key (no upstream_api_key is configured)"
+            }
+        );
+        if !backend.misconfigured.swap(true, Ordering::Relaxed) {
+            tracing::warn!(backend = %backend.base, status = code, "backend refuses the gateway's upstream key");
+        }
+        backend.set_last_error(&why);
+        backend.mark(Reachability::Down);
+        return;
+    }
+    backend.card_checked.store(true, Ordering::Relaxed);
+    if backend.misconfigured.swap(false, Ordering::Relaxed) {
+        tracing::info!(backend = %backend.base, "backend accepts the gateway's upstream key again");
+        backend.clear_last_error();
+    }
+    if status.is_success() {
+        backend.set_model_card(model_card(&body, &pool.served_name));
+    }
+}
+
+/// The card of `served` in an OpenAI `/v1/models` list (the only card when the list has one).
+pub fn model_card(body: &[u8], served: &str) -> Option<serde_json::Value> {
+    let list: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let data = list.get("data")?.as_array()?;
+    data.iter()
+        .find(|c| c.get("id").and_then(|i| i.as_str()) == Some(served))
+        .or_else(|| (data.len() == 1).then(|| &data[0]))
+        .filter(|c| c.is_object())
+        .cloned()
 }
 
 /// Read a backend's own load from its Prometheus text: vLLM's running + waiting requests and
@@ -225,6 +303,17 @@ async fn warm_up(pool: &Pool, backend: &Backend) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn picks_the_pool_models_card() {
+        let list = br#"{"object":"list","data":[{"id":"a","max_model_len":1024},{"id":"b","root":"/m/b"}]}"#;
+        assert_eq!(model_card(list, "b").unwrap()["root"], "/m/b");
+        assert!(model_card(list, "c").is_none());
+        let one = br#"{"object":"list","data":[{"id":"x","max_model_len":8}]}"#;
+        assert_eq!(model_card(one, "other").unwrap()["max_model_len"], 8);
+        assert!(model_card(b"not json", "a").is_none());
+        assert!(model_card(br#"{"data":[1]}"#, "a").is_none());
+    }
 
     #[test]
     fn reads_vllm_load() {

@@ -143,13 +143,30 @@ fn model_ids<'a>(pools: impl Iterator<Item = &'a Pool>) -> impl Iterator<Item = 
         .flat_map(|p| std::iter::once(&*p.model).chain(p.config.aliases.iter().map(String::as_str)))
 }
 
-/// A `/v1/models` body (OpenAI list shape) naming these pools' models.
+/// A `/v1/models` body (OpenAI list shape) naming these pools' models: each with what its
+/// backends say about it (vLLM's card: `max_model_len`, `root`, `created`, … from the probes'
+/// `GET /v1/models`, a healthy backend's first) under the name clients use, or a plain entry
+/// before any backend has answered.
 fn models_list_body<'a>(pools: impl Iterator<Item = &'a Pool>) -> Bytes {
-    let data: Vec<serde_json::Value> = model_ids(pools)
-        .map(|id| {
-            serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "fleetgate"})
-        })
-        .collect();
+    let mut data = Vec::new();
+    for p in pools {
+        let card = p
+            .backends
+            .iter()
+            .filter(|b| b.reachability() == Reachability::Up)
+            .chain(p.backends.iter())
+            .find_map(|b| b.model_card());
+        for id in model_ids(std::iter::once(p)) {
+            data.push(match &card {
+                Some(c) => {
+                    let mut c = (**c).clone();
+                    c["id"] = serde_json::Value::from(id);
+                    c
+                }
+                None => serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "fleetgate"}),
+            });
+        }
+    }
     Bytes::from(
         serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
             .unwrap_or_default(),
@@ -189,8 +206,6 @@ pub struct Generation {
     /// "`a`, `b`": every model name (aliases too), for the model-not-found message of a
     /// key that may use them all.
     model_list: String,
-    /// The `/v1/models` body, built once.
-    pub models_body: Bytes,
     /// The largest part of a request head any backend decides (`Backend::head_bytes`): the
     /// head limit is checked before routing, against every backend it could go to.
     pub max_backend_head: usize,
@@ -250,7 +265,6 @@ impl Generation {
             })
             .collect();
         let model_list = model_list(pools.iter());
-        let models_body = models_list_body(pools.iter());
         let max_backend_head = pools
             .iter()
             .flat_map(|p| p.backends.iter().map(|b| b.head_bytes))
@@ -267,15 +281,20 @@ impl Generation {
             next_slot,
             by_model,
             model_list,
-            models_body,
             max_backend_head,
         })
+    }
+
+    /// The `/v1/models` body for a caller who may use every pool (built per call: the cards
+    /// change with the probes, and the route is not on any request's path).
+    pub fn models_body(&self) -> Bytes {
+        models_list_body(self.pools.iter())
     }
 
     /// The `/v1/models` body for one key: only the models it may use.
     pub fn models_for(&self, key: &crate::key::KeyRecord) -> Bytes {
         if self.pools.iter().all(|p| usable_by(key, p)) {
-            return self.models_body.clone();
+            return self.models_body();
         }
         models_list_body(self.pools.iter().filter(|p| usable_by(key, p)))
     }
@@ -327,7 +346,6 @@ impl Generation {
             next_slot: self.next_slot,
             by_model: self.by_model.clone(),
             model_list: self.model_list.clone(),
-            models_body: self.models_body.clone(),
             max_backend_head: self.max_backend_head,
         })
     }

@@ -591,6 +591,9 @@ fn no_backend(pool: &Pool) -> ApiError {
                         crate::pool::BackendState::Ejected => "ejected after consecutive failures",
                         crate::pool::BackendState::Warming => "warming up",
                         crate::pool::BackendState::Removed => "removed by a reload",
+                        crate::pool::BackendState::Misconfigured => {
+                            "refuses the gateway's upstream_api_key: see GET /admin/backends"
+                        }
                         _ => "at capacity",
                     };
                     format!("{} ({why})", b.base)

@@ -177,7 +177,7 @@ pub async fn route(
         (None, "/v1/models") if method == Method::GET || method == Method::HEAD => {
             let body = match &record.key {
                 Some(k) => state.pools().models_for(k),
-                None => state.pools().models_body.clone(),
+                None => state.pools().models_body(),
             };
             let mut resp = json(StatusCode::OK, body);
             resp.headers_mut()

