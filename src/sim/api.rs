@@ -19,10 +19,17 @@ pub(crate) enum ApiError {
     RouteNotFound,
     /// Known route, wrong method (FastAPI's body).
     MethodNotAllowed,
-    /// The request names a model this sim does not serve.
-    ModelNotFound(String),
-    /// Malformed JSON, bad parameters, prompt too long.
+    /// The request names a model this sim does not serve: the model, and the names it does.
+    ModelNotFound(String, String),
+    /// Bad parameters, prompt too long: vLLM's `BadRequestError`, with the parameter it names.
     BadRequest(String),
+    BadParam {
+        message: String,
+        param: &'static str,
+    },
+    /// A body FastAPI's validation refuses (malformed JSON, a missing or mistyped field):
+    /// type `Bad Request`, `param` the pydantic location (`body.messages`, `body.31`).
+    Validation { message: String, loc: String },
     /// Request body over the sim's limit.
     PayloadTooLarge,
     /// `--fail-rate` picked this request.
@@ -47,9 +54,11 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
-            ApiError::RouteNotFound | ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::RouteNotFound | ApiError::ModelNotFound(..) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_) | ApiError::BadParam { .. } | ApiError::Validation { .. } => {
+                StatusCode::BAD_REQUEST
+            }
             ApiError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::InjectedFailure => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -73,12 +82,16 @@ impl ApiError {
             ApiError::Unauthorized => Bytes::from_static(br#"{"error":"Unauthorized"}"#),
             ApiError::RouteNotFound => Bytes::from_static(br#"{"detail":"Not Found"}"#),
             ApiError::MethodNotAllowed => Bytes::from_static(br#"{"detail":"Method Not Allowed"}"#),
-            ApiError::ModelNotFound(model) => openai(
-                &format!("The model `{model}` does not exist."),
+            ApiError::ModelNotFound(model, served) => openai(
+                &format!("The model `{model}` does not exist. Valid aliases: {served}."),
                 "NotFoundError",
                 Some("model"),
             ),
             ApiError::BadRequest(msg) => openai(msg, "BadRequestError", None),
+            ApiError::BadParam { message, param } => {
+                openai(message, "BadRequestError", Some(param))
+            }
+            ApiError::Validation { message, loc } => openai(message, "Bad Request", Some(loc)),
             ApiError::PayloadTooLarge => openai(
                 "Request body too large for the simulator.",
                 "BadRequestError",
@@ -176,6 +189,67 @@ fn bad(msg: impl Into<String>) -> ApiError {
     ApiError::BadRequest(msg.into())
 }
 
+/// A request body as FastAPI and pydantic take it: malformed JSON is refused at its byte
+/// offset (`body.31`), a missing or mistyped field at its path (`body.messages`), as vLLM's
+/// `Bad Request` errors.
+fn validate<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+        // Python's decoder names the 0-based index of the offending character (the end of the
+        // body when it ends too soon); serde_json its 1-based line and column.
+        let offset = if e.is_eof() {
+            body.len()
+        } else {
+            byte_offset(body, e.line(), e.column()).saturating_sub(1)
+        };
+        let loc = format!("body.{offset}");
+        return Err(ApiError::Validation {
+            message: format!(
+                "1 validation error:\n  {{'type': 'json_invalid', 'loc': '{loc}', 'msg': 'JSON decode error', 'input': {{}}, 'ctx': {{'error': '{e}'}}}}"
+            ),
+            loc,
+        });
+    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize::<_, T>(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let text = inner.to_string();
+        // A missing field is reported at its parent; pydantic names the field itself.
+        let missing = text
+            .strip_prefix("missing field `")
+            .and_then(|r| r.split('`').next());
+        let mut loc = String::from("body");
+        for part in path.split('.').filter(|p| !p.is_empty() && *p != "?") {
+            loc.push('.');
+            loc.push_str(part.trim_start_matches('[').trim_end_matches(']'));
+        }
+        let kind = match missing {
+            Some(field) => {
+                loc.push('.');
+                loc.push_str(field);
+                "missing"
+            }
+            None => "invalid",
+        };
+        ApiError::Validation {
+            message: format!(
+                "1 validation error:\n  {{'type': '{kind}', 'loc': '{loc}', 'msg': '{text}'}}"
+            ),
+            loc,
+        }
+    })
+}
+
+/// The byte offset of serde_json's 1-based line and column in `body`.
+fn byte_offset(body: &[u8], line: usize, column: usize) -> usize {
+    let start: usize = body
+        .split_inclusive(|b| *b == b'\n')
+        .take(line.saturating_sub(1))
+        .map(<[u8]>::len)
+        .sum();
+    (start + column).min(body.len())
+}
+
 /// Prompt tokens of `text` by the sim's tokenizer (about four characters per token for English
 /// text), at least one.
 fn prompt_tokens(text: &str) -> u32 {
@@ -190,10 +264,9 @@ pub(crate) fn parse_generation(
     body: &[u8],
     cfg: &SimConfig,
 ) -> Result<GenRequest, ApiError> {
-    let json_err = |e: serde_json::Error| bad(format!("JSON decode error: {e}"));
     let (prompt_tokens, prompt_hash, params) = match endpoint {
         Endpoint::Chat => {
-            let r: ChatRequest = serde_json::from_slice(body).map_err(json_err)?;
+            let r: ChatRequest = validate(body)?;
             let mut prompt = String::new();
             let mut hash = cfg.seed;
             for t in chat_texts(&r.messages) {
@@ -203,7 +276,7 @@ pub(crate) fn parse_generation(
             (prompt_tokens(&prompt), hash, r.params)
         }
         Endpoint::Completions => {
-            let r: CompletionRequest = serde_json::from_slice(body).map_err(json_err)?;
+            let r: CompletionRequest = validate(body)?;
             let (tokens, hash) = prompt_size(&r.prompt, cfg.seed)?;
             (tokens, hash, r.params)
         }
@@ -220,7 +293,10 @@ pub(crate) fn parse_generation(
     let max_tokens = max_completion_tokens.or(max_tokens);
     if let Some(m) = model.as_deref() {
         if !cfg.serves(m) {
-            return Err(ApiError::ModelNotFound(m.to_owned()));
+            return Err(ApiError::ModelNotFound(
+                m.to_owned(),
+                cfg.served_names.join(", "),
+            ));
         }
     }
     if let Some(n) = n {
@@ -247,14 +323,30 @@ pub(crate) fn parse_generation(
             .min(limit.saturating_sub(prompt_tokens))
             .max(1),
     };
-    let requested = u64::from(prompt_tokens) + u64::from(max_tokens);
-    if requested > u64::from(limit) {
-        return Err(bad(format!(
-            "This model's maximum context length is {limit} tokens. However, you requested \
-             {requested} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). \
-             Please reduce the length of the messages or completion."
-        )));
+    // vLLM 0.32: a prompt that leaves no room, or max_tokens alone over the context, is
+    // refused naming the parameter; prompt + max_tokens over the context is clamped (the
+    // answer ends with finish_reason "length").
+    if prompt_tokens >= limit {
+        return Err(ApiError::BadParam {
+            message: format!(
+                "This model's maximum context length is {limit} tokens. However, your prompt \
+                 contains at least {prompt_tokens} input tokens, which exceeds this limit even \
+                 without any output tokens. Please reduce the length of the input prompt. \
+                 (parameter=input_tokens, value={prompt_tokens})"
+            ),
+            param: "input_tokens",
+        });
     }
+    if max_tokens > limit {
+        return Err(ApiError::BadParam {
+            message: format!(
+                "max_tokens={max_tokens} cannot be greater than max_model_len={limit}. Please \
+                 request fewer output tokens. (parameter=max_tokens, value={max_tokens})"
+            ),
+            param: "max_tokens",
+        });
+    }
+    let max_tokens = max_tokens.min(limit - prompt_tokens);
     let token_seed = match seed {
         Some(s) => mix64(prompt_hash ^ mix64(s as u64)),
         None => prompt_hash,
@@ -331,7 +423,10 @@ struct DetokenizeResponse {
 
 fn check_model(model: Option<&str>, cfg: &SimConfig) -> Result<(), ApiError> {
     match model {
-        Some(m) if !cfg.serves(m) => Err(ApiError::ModelNotFound(m.to_owned())),
+        Some(m) if !cfg.serves(m) => Err(ApiError::ModelNotFound(
+            m.to_owned(),
+            cfg.served_names.join(", "),
+        )),
         _ => Ok(()),
     }
 }

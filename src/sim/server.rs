@@ -189,7 +189,17 @@ async fn route(
             );
             Ok(r)
         }
-        "/health" | "/metrics" => Err(ApiError::MethodNotAllowed),
+        // The vLLM release whose behaviour the sim follows (tests/fixtures/vllm-<version>/).
+        "/version" if get => {
+            let mut r = Response::new(SimBody::full(
+                bytes::Bytes::from_static(br#"{"version":"0.32.0"}"#),
+                None,
+            ));
+            r.headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            Ok(r)
+        }
+        "/health" | "/metrics" | "/version" => Err(ApiError::MethodNotAllowed),
         // vLLM's tokenizer sits at the root, and its `--api-key` guards only /v1 paths.
         "/tokenize" | "/detokenize" if req.method() == Method::POST => {
             let tokenize = path == "/tokenize";

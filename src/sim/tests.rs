@@ -400,7 +400,10 @@ async fn client_errors_in_vllm_shape() {
     assert_eq!(r.status(), StatusCode::NOT_FOUND);
     let body = read_all(r).await;
     let (msg, kind, param, code) = openai_error(&body);
-    assert_eq!(msg, "The model `gpt-4` does not exist.");
+    assert_eq!(
+        msg,
+        "The model `gpt-4` does not exist. Valid aliases: qwen32b."
+    );
     assert_eq!(
         (kind.as_str(), param, code),
         ("NotFoundError", json!("model"), 404)
@@ -414,19 +417,52 @@ async fn client_errors_in_vllm_shape() {
         .unwrap();
     let r = c.request(bad).await.unwrap();
     assert_eq!(r.status(), StatusCode::BAD_REQUEST);
-    let (_, kind, _, code) = openai_error(&read_all(r).await);
-    assert_eq!((kind.as_str(), code), ("BadRequestError", 400));
+    // FastAPI's validation error, at the byte where the JSON breaks (vLLM 0.32).
+    let (_, kind, param, code) = openai_error(&read_all(r).await);
+    assert_eq!(
+        (kind.as_str(), param, code),
+        ("Bad Request", json!("body.1"), 400)
+    );
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions",
+        Some(json!({"model": "qwen32b", "messages": "hello"})),
+        &[],
+    )
+    .await;
+    let (_, kind, param, _) = openai_error(&read_all(r).await);
+    assert_eq!(
+        (kind.as_str(), param),
+        ("Bad Request", json!("body.messages"))
+    );
 
+    // A prompt that leaves no room, and max_tokens alone over the context, are refused naming
+    // the parameter; prompt + max_tokens over it is clamped.
     let long = json!({"prompt": "x".repeat(400), "max_tokens": 10});
     let r = send(&c, &sim, "POST", "/v1/completions", Some(long), &[]).await;
     assert_eq!(r.status(), StatusCode::BAD_REQUEST);
-    let (msg, ..) = openai_error(&read_all(r).await);
+    let (msg, _, param, _) = openai_error(&read_all(r).await);
+    assert_eq!(param, json!("input_tokens"));
     assert!(
-        msg.starts_with(
-            "This model's maximum context length is 100 tokens. However, you requested 110 tokens"
-        ),
+        msg.starts_with("This model's maximum context length is 100 tokens. However, your prompt contains at least 100 input tokens"),
         "{msg}"
     );
+    let over = json!({"prompt": "hello", "max_tokens": 101});
+    let r = send(&c, &sim, "POST", "/v1/completions", Some(over), &[]).await;
+    let (msg, _, param, _) = openai_error(&read_all(r).await);
+    assert_eq!(param, json!("max_tokens"));
+    assert!(
+        msg.starts_with("max_tokens=101 cannot be greater than max_model_len=100"),
+        "{msg}"
+    );
+    let clamped = json!({"prompt": "x".repeat(360), "max_tokens": 50});
+    let r = send(&c, &sim, "POST", "/v1/completions", Some(clamped), &[]).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: serde_json::Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 10, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
 
     let r = send(&c, &sim, "GET", "/v1/nope", None, &[]).await;
     assert_eq!(r.status(), StatusCode::NOT_FOUND);
