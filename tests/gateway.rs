@@ -381,6 +381,56 @@ async fn models_health_and_readiness() {
     assert!(v["key_store"]["keys"].as_u64().unwrap() >= 1, "{v}");
 }
 
+/// Usage reaches a client exactly as it asked (issue 19, found against vLLM 0.32): the
+/// gateway asks the backend for `include_usage` to count tokens and removes that usage chunk,
+/// but `continuous_usage_stats` alone (which gets no usage from vLLM) must not turn into usage
+/// on every chunk; with both, every chunk keeps its usage and the final chunk stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_usage_reaches_the_client_as_asked() {
+    let sim = sim(|a| a.zero_delay = true).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let url = gw.url("/v1/chat/completions");
+    let stream = |options: serde_json::Value| {
+        let mut body = serde_json::json!({"model":"qwen32b","stream":true,"max_tokens":4,
+            "messages":[{"role":"user","content":"hi"}]});
+        if !options.is_null() {
+            body["stream_options"] = options;
+        }
+        Bytes::from(body.to_string())
+    };
+    let with_usage = |m: &fleetgate::client::Measured| {
+        String::from_utf8_lossy(m.body.as_ref().unwrap())
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|p| p.contains("\"usage\""))
+            .count()
+    };
+    for (options, chunks_with_usage) in [
+        (serde_json::Value::Null, 0),
+        (serde_json::json!({"continuous_usage_stats": true}), 0),
+        (serde_json::json!({"include_usage": true}), 1),
+        // The role chunk, four tokens, and the final usage chunk.
+        (
+            serde_json::json!({"include_usage": true, "continuous_usage_stats": true}),
+            6,
+        ),
+    ] {
+        let m = post(&url, &[], stream(options.clone())).await;
+        assert_eq!(m.status, 200);
+        assert_eq!(with_usage(&m), chunks_with_usage, "{options}");
+        // Directly, the backend answers the same.
+        let direct = post(
+            &format!("{}/v1/chat/completions", sim.url())
+                .parse()
+                .unwrap(),
+            &[("x-no-auth", "1")],
+            stream(options.clone()),
+        )
+        .await;
+        assert_eq!(with_usage(&direct), chunks_with_usage, "direct, {options}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn served_model_name_rename_and_upstream_key() {
     let sim = sim(|a| {

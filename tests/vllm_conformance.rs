@@ -10,7 +10,10 @@
 //! - `/v1/models`: the card's keys; `/health`: an empty 200 without a key; `/version`;
 //! - `/metrics`: the families the gateway reads (load-aware balancing) with vLLM's label names.
 //!
-//! Not yet compared (issue 19 continues): the keys of every stream chunk and non-stream body.
+//! - a stream's chunks by kind (the role chunk, content, the finish chunk, the usage chunk):
+//!   their keys, their choice's keys and their delta's keys;
+//! - a whole answer's keys, at every depth.
+//!
 //! When vLLM changes, re-recording the captures is the one step that updates this target.
 
 #![allow(
@@ -79,6 +82,52 @@ fn keys(v: &Value) -> BTreeSet<String> {
     v.as_object()
         .map(|o| o.keys().cloned().collect())
         .unwrap_or_default()
+}
+
+/// A stream's `data:` payloads as JSON (`[DONE]` as a string).
+fn events(body: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(body)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|p| serde_json::from_str(p).unwrap_or_else(|_| Value::String(p.to_owned())))
+        .collect()
+}
+
+/// Chunk kind → (keys, the first choice's keys, its delta's keys), the first of each kind.
+fn chunk_kinds(
+    events: &[Value],
+) -> std::collections::BTreeMap<&'static str, [BTreeSet<String>; 3]> {
+    let mut out = std::collections::BTreeMap::new();
+    for e in events.iter().filter(|e| e.is_object()) {
+        let choice = &e["choices"][0];
+        let kind = if e["choices"].as_array().is_some_and(Vec::is_empty) {
+            "usage"
+        } else if choice["delta"].get("role").is_some() {
+            "role"
+        } else if !choice["finish_reason"].is_null() {
+            "finish"
+        } else {
+            "content"
+        };
+        out.entry(kind)
+            .or_insert_with(|| [keys(e), keys(choice), keys(&choice["delta"])]);
+    }
+    out
+}
+
+/// Every key path of a JSON value (the first element standing for an array's).
+fn paths(v: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    match v {
+        Value::Object(o) => {
+            for (k, x) in o {
+                let p = format!("{prefix}{k}");
+                out.insert(p.clone());
+                paths(x, &format!("{p}."), out);
+            }
+        }
+        Value::Array(a) if !a.is_empty() => paths(&a[0], &format!("{prefix}0."), out),
+        _ => {}
+    }
 }
 
 /// Metric family → its label names, from Prometheus text (sample lines only).
@@ -170,6 +219,32 @@ async fn the_sim_answers_like_vllm_0_32() {
                 };
                 if !same {
                     differ(format!("body {got_body:?}, vLLM {want_body:?}"));
+                }
+            }
+            _ if vb.is_array() => {
+                let (ours, theirs) = (
+                    chunk_kinds(&events(&body)),
+                    chunk_kinds(vb.as_array().unwrap()),
+                );
+                for (kind, want_keys) in &theirs {
+                    match ours.get(kind) {
+                        Some(got_keys) if got_keys == want_keys => {}
+                        other => {
+                            differ(format!("{kind} chunk: keys {other:?}, vLLM {want_keys:?}"))
+                        }
+                    }
+                }
+            }
+            _ if status == 200 && vb.get("choices").is_some() => {
+                let (mut ours, mut theirs) = (BTreeSet::new(), BTreeSet::new());
+                paths(&got, "", &mut ours);
+                paths(vb, "", &mut theirs);
+                if ours != theirs {
+                    differ(format!(
+                        "body keys: sim only {:?}, vLLM only {:?}",
+                        ours.difference(&theirs).collect::<Vec<_>>(),
+                        theirs.difference(&ours).collect::<Vec<_>>()
+                    ));
                 }
             }
             "metrics" => {

@@ -109,6 +109,7 @@ impl ApiError {
 #[derive(Deserialize)]
 struct StreamOptions {
     include_usage: Option<bool>,
+    continuous_usage_stats: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -181,6 +182,8 @@ pub(crate) struct GenRequest {
     pub max_tokens: u32,
     pub stream: bool,
     pub include_usage: bool,
+    /// `continuous_usage_stats` with `include_usage`: usage on every chunk.
+    pub continuous_usage: bool,
     /// Seed of the token texts: the sim seed folded with the prompt (and the request seed).
     pub token_seed: u64,
 }
@@ -312,7 +315,10 @@ pub(crate) fn parse_generation(
             "Stream options can only be defined when `stream=True`.",
         ));
     }
-    let include_usage = opts.and_then(|o| o.include_usage).unwrap_or(false);
+    let include_usage = opts.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    // vLLM: without include_usage, continuous_usage_stats adds nothing.
+    let continuous_usage =
+        include_usage && opts.and_then(|o| o.continuous_usage_stats).unwrap_or(false);
     let limit = cfg.max_model_len;
     let max_tokens = match max_tokens {
         Some(m) if m < 1 => return Err(bad(format!("max_tokens must be at least 1, got {m}."))),
@@ -356,6 +362,7 @@ pub(crate) fn parse_generation(
         max_tokens,
         stream,
         include_usage,
+        continuous_usage,
         token_seed,
     })
 }
@@ -467,12 +474,16 @@ pub(crate) fn detokenize(body: &[u8], cfg: &SimConfig) -> Result<Vec<u8>, ApiErr
     Ok(serde_json::to_vec(&DetokenizeResponse { prompt }).unwrap_or_default())
 }
 
+/// The `system_fingerprint` the sim reports (vLLM's is `vllm-<version>-<hash>`).
+pub(crate) const SYSTEM_FINGERPRINT: &str = "vllm-0.32.0-fleetgatesim";
+
 #[derive(Serialize)]
 struct Usage {
     prompt_tokens: u32,
     total_tokens: u64,
     completion_tokens: u32,
     prompt_tokens_details: Option<()>,
+    completion_tokens_details: Option<()>,
 }
 
 impl Usage {
@@ -482,16 +493,21 @@ impl Usage {
             total_tokens: u64::from(prompt) + u64::from(completion),
             completion_tokens: completion,
             prompt_tokens_details: None,
+            completion_tokens_details: None,
         }
     }
 }
 
+/// vLLM 0.32's assistant message, every optional field present as `null`.
 #[derive(Serialize)]
 struct ChatMessageOut<'a> {
     role: &'static str,
-    reasoning_content: Option<()>,
     content: &'a str,
-    tool_calls: [(); 0],
+    refusal: Option<()>,
+    annotations: Option<()>,
+    audio: Option<()>,
+    function_call: Option<()>,
+    reasoning: Option<()>,
 }
 
 #[derive(Serialize)]
@@ -501,6 +517,8 @@ struct ChatChoice<'a> {
     logprobs: Option<()>,
     finish_reason: &'a str,
     stop_reason: Option<()>,
+    token_ids: Option<()>,
+    routed_experts: Option<()>,
 }
 
 #[derive(Serialize)]
@@ -510,7 +528,18 @@ struct TextChoice<'a> {
     logprobs: Option<()>,
     finish_reason: &'a str,
     stop_reason: Option<()>,
+    token_ids: Option<()>,
     prompt_logprobs: Option<()>,
+    prompt_token_ids: Option<()>,
+    routed_experts: Option<()>,
+}
+
+/// The fields after `usage` that only chat answers carry.
+#[derive(Serialize)]
+struct ChatExtras {
+    prompt_logprobs: Option<()>,
+    prompt_token_ids: Option<()>,
+    prompt_text: Option<()>,
 }
 
 #[derive(Serialize)]
@@ -520,9 +549,14 @@ struct Completion<'a, C> {
     created: u64,
     model: &'a str,
     choices: [C; 1],
+    service_tier: Option<()>,
+    system_fingerprint: &'static str,
     usage: Usage,
-    prompt_logprobs: Option<()>,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    chat: Option<ChatExtras>,
     kv_transfer_params: Option<()>,
+    ec_transfer_params: Option<()>,
+    metrics: Option<()>,
 }
 
 /// The non-streaming answer: one `chat.completion` or `text_completion` object.
@@ -550,17 +584,30 @@ impl FinalAnswer<'_> {
                     index: 0,
                     message: ChatMessageOut {
                         role: "assistant",
-                        reasoning_content: None,
                         content: self.text,
-                        tool_calls: [],
+                        refusal: None,
+                        annotations: None,
+                        audio: None,
+                        function_call: None,
+                        reasoning: None,
                     },
                     logprobs: None,
                     finish_reason: self.finish_reason,
                     stop_reason: None,
+                    token_ids: None,
+                    routed_experts: None,
                 }],
+                service_tier: None,
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 usage,
-                prompt_logprobs: None,
+                chat: Some(ChatExtras {
+                    prompt_logprobs: None,
+                    prompt_token_ids: None,
+                    prompt_text: None,
+                }),
                 kv_transfer_params: None,
+                ec_transfer_params: None,
+                metrics: None,
             }),
             Endpoint::Completions => serde_json::to_vec(&Completion {
                 id: self.id,
@@ -573,11 +620,18 @@ impl FinalAnswer<'_> {
                     logprobs: None,
                     finish_reason: self.finish_reason,
                     stop_reason: None,
+                    token_ids: None,
                     prompt_logprobs: None,
+                    prompt_token_ids: None,
+                    routed_experts: None,
                 }],
+                service_tier: None,
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 usage,
-                prompt_logprobs: None,
+                chat: None,
                 kv_transfer_params: None,
+                ec_transfer_params: None,
+                metrics: None,
             }),
         };
         out.unwrap_or_default()

@@ -150,7 +150,8 @@ impl TokenStream {
                     } else {
                         None
                     };
-                    return Poll::Ready(Some(Ok(self.frames.token(text, finish))));
+                    let fingerprint = !self.include_usage;
+                    return Poll::Ready(Some(Ok(self.frames.token(text, finish, fingerprint))));
                 }
                 Phase::Usage => {
                     self.phase = Phase::Done;

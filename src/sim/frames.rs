@@ -30,8 +30,11 @@ impl Endpoint {
 
 pub(crate) const DONE: &[u8] = b"data: [DONE]\n\n";
 
+/// vLLM 0.32's first chat chunk: the role, then (after any usage) the prompt fields, null
+/// unless asked for.
 const ROLE_CHOICE: &[u8] =
-    br#"{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#;
+    br#"{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]"#;
+const ROLE_END: &[u8] = br#","prompt_token_ids":null,"prompt_text":null}"#;
 
 /// Formats the frames of one stream.
 pub(crate) struct FrameWriter {
@@ -39,6 +42,10 @@ pub(crate) struct FrameWriter {
     /// `data: {"id":..,"object":..,"created":..,"model":..,"choices":[` — shared by every frame.
     head: Bytes,
     buf: BytesMut,
+    /// `continuous_usage_stats`: the prompt's tokens, to put usage on every chunk.
+    continuous: Option<u32>,
+    /// Tokens written so far (for continuous usage).
+    tokens: u32,
 }
 
 impl FrameWriter {
@@ -57,7 +64,32 @@ impl FrameWriter {
             endpoint,
             head: head.freeze(),
             buf: BytesMut::with_capacity(4096),
+            continuous: None,
+            tokens: 0,
         }
+    }
+
+    /// Usage on every chunk (`stream_options.continuous_usage_stats` with `include_usage`).
+    pub fn continuous_usage(&mut self, prompt_tokens: u32) {
+        self.continuous = Some(prompt_tokens);
+    }
+
+    /// `,"usage":{…}` of a continuous-usage chunk.
+    fn put_running_usage(&mut self) {
+        let Some(prompt) = self.continuous else {
+            return;
+        };
+        let mut n = itoa::Buffer::new();
+        self.buf.put_slice(br#","usage":{"prompt_tokens":"#);
+        self.buf.put_slice(n.format(prompt).as_bytes());
+        self.buf.put_slice(br#","total_tokens":"#);
+        self.buf.put_slice(
+            n.format(u64::from(prompt) + u64::from(self.tokens))
+                .as_bytes(),
+        );
+        self.buf.put_slice(br#","completion_tokens":"#);
+        self.buf.put_slice(n.format(self.tokens).as_bytes());
+        self.buf.put_slice(br#","completion_tokens_details":null}"#);
     }
 
     fn take(&mut self) -> Bytes {
@@ -75,12 +107,16 @@ impl FrameWriter {
     pub fn role(&mut self) -> Bytes {
         self.begin(ROLE_CHOICE.len());
         self.buf.put_slice(ROLE_CHOICE);
+        self.put_running_usage();
+        self.buf.put_slice(ROLE_END);
         self.buf.put_slice(b"\n\n");
         self.take()
     }
 
-    /// One token; `finish` marks the last one with its finish reason.
-    pub fn token(&mut self, text: &str, finish: Option<&str>) -> Bytes {
+    /// One token; `finish` marks the last one with its finish reason. vLLM puts the
+    /// `system_fingerprint` on the last chunk before `[DONE]`: this one without a usage chunk
+    /// (`fingerprint`), else the usage chunk.
+    pub fn token(&mut self, text: &str, finish: Option<&str>, fingerprint: bool) -> Bytes {
         self.begin(text.len() * 2);
         match self.endpoint {
             Endpoint::Chat => {
@@ -99,12 +135,25 @@ impl FrameWriter {
             Some(reason) => {
                 self.buf.put_u8(b'"');
                 self.buf.put_slice(reason.as_bytes());
-                self.buf.put_slice(br#"","stop_reason":null}]}"#);
+                self.buf.put_slice(br#"","stop_reason":null"#);
             }
-            None if self.endpoint == Endpoint::Chat => self.buf.put_slice(b"null}]}"),
+            None if self.endpoint == Endpoint::Chat => self.buf.put_slice(b"null"),
             // vLLM sets stop_reason explicitly on every completions chunk.
-            None => self.buf.put_slice(br#"null,"stop_reason":null}]}"#),
+            None => self.buf.put_slice(br#"null,"stop_reason":null"#),
         }
+        if self.endpoint == Endpoint::Completions {
+            self.buf.put_slice(br#","prompt_token_ids":null"#);
+        }
+        self.buf.put_slice(br#","token_ids":null}]"#);
+        self.tokens += 1;
+        self.put_running_usage();
+        if finish.is_some() && fingerprint {
+            self.buf.put_slice(br#","system_fingerprint":""#);
+            self.buf
+                .put_slice(super::api::SYSTEM_FINGERPRINT.as_bytes());
+            self.buf.put_u8(b'"');
+        }
+        self.buf.put_u8(b'}');
         self.buf.put_slice(b"\n\n");
         self.take()
     }
@@ -122,7 +171,10 @@ impl FrameWriter {
         );
         self.buf.put_slice(br#","completion_tokens":"#);
         self.buf.put_slice(n.format(completion).as_bytes());
-        self.buf.put_slice(b"}}\n\n");
+        self.buf.put_slice(br#"},"system_fingerprint":""#);
+        self.buf
+            .put_slice(super::api::SYSTEM_FINGERPRINT.as_bytes());
+        self.buf.put_slice(b"\"}\n\n");
         self.take()
     }
 }
@@ -157,17 +209,31 @@ mod tests {
         let role = json(&w.role());
         assert_eq!(role["id"], "chatcmpl-a\"b");
         assert_eq!(role["choices"][0]["delta"]["role"], "assistant");
-        let tok = json(&w.token(" 日本\n", None));
+        assert!(role["prompt_token_ids"].is_null() && role.get("prompt_text").is_some());
+        let tok = json(&w.token(" 日本\n", None, false));
         assert_eq!(tok["choices"][0]["delta"]["content"], " 日本\n");
         assert!(tok["choices"][0]["finish_reason"].is_null());
-        let last = json(&w.token(" end", Some("length")));
+        let last = json(&w.token(" end", Some("length"), false));
         assert_eq!(last["choices"][0]["finish_reason"], "length");
+        assert!(
+            last.get("system_fingerprint").is_none(),
+            "on the usage chunk then"
+        );
+        let alone = json(&w.token(" end", Some("length"), true));
+        assert_eq!(
+            alone["system_fingerprint"],
+            crate::sim::api::SYSTEM_FINGERPRINT
+        );
         let usage = json(&w.usage(3, 4));
+        assert_eq!(
+            usage["system_fingerprint"],
+            crate::sim::api::SYSTEM_FINGERPRINT
+        );
         assert_eq!(usage["choices"].as_array().unwrap().len(), 0);
         assert_eq!(usage["usage"]["total_tokens"], 7);
 
         let mut c = FrameWriter::new(Endpoint::Completions, "cmpl-x", 1, "m");
-        let t = json(&c.token(" \"q\"", None));
+        let t = json(&c.token(" \"q\"", None, false));
         assert_eq!(t["object"], "text_completion");
         assert_eq!(t["choices"][0]["text"], " \"q\"");
         assert!(t["choices"][0]["stop_reason"].is_null());

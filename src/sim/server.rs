@@ -318,7 +318,10 @@ async fn generate(
     let capture = Capture::new(&ctx.stats, request_id);
 
     if parsed.stream {
-        let frames = FrameWriter::new(endpoint, &id, created, model);
+        let mut frames = FrameWriter::new(endpoint, &id, created, model);
+        if parsed.continuous_usage {
+            frames.continuous_usage(parsed.prompt_tokens);
+        }
         let stream = TokenStream::new(
             generation,
             frames,
