@@ -80,13 +80,18 @@ fn percentiles(mut v: Vec<f64>) -> Option<Percentiles> {
         return None;
     }
     v.sort_by(|a, b| a.total_cmp(b));
-    // Nearest rank.
-    let at = |p: f64| v[((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+    let at = |p: f64| nearest_rank(&v, p).unwrap_or(0.0);
     Some(Percentiles {
         p50: at(50.0),
         p95: at(95.0),
         p99: at(99.0),
     })
+}
+
+/// The nearest-rank percentile `p` of sorted samples (`None`: no samples).
+pub fn nearest_rank(sorted: &[f64], p: f64) -> Option<f64> {
+    let rank = ((p / 100.0 * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len().max(1));
+    sorted.get(rank - 1).copied()
 }
 
 #[derive(Default)]

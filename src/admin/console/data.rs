@@ -134,14 +134,8 @@ impl Acc {
     }
 }
 
-/// Nearest-rank percentile of sorted samples.
-pub fn pct(sorted: &[f64], p: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = ((p / 100.0 * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    Some(sorted[rank - 1])
-}
+/// Nearest-rank percentile of sorted samples (the one `fleetgate usage` reads with).
+pub use crate::telemetry::usage::nearest_rank as pct;
 
 /// A window cut into equal buckets, per group.
 pub struct Series {
