@@ -2,6 +2,12 @@
 //! errors in OpenAI format, cancellation, the Timeline, HTTP/2, TLS and graceful shutdown, and
 //! vLLM's tokenizer endpoints passed through.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test helpers: a failure here is a test failure"
+)]
+
 mod common;
 
 use std::sync::atomic::Ordering;
@@ -431,6 +437,135 @@ async fn stream_usage_reaches_the_client_as_asked() {
     }
 }
 
+/// A vLLM-like backend whose streams are written as `writes`, `gap` apart: the finish chunk and
+/// the usage chunk in one write or in two.
+async fn scripted_stream_backend(
+    writes: &'static [&'static str],
+    gap: Duration,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    move |req: http::Request<hyper::body::Incoming>| async move {
+                        let (content_type, body) = if req.uri().path() == "/v1/chat/completions" {
+                            let frames = futures_util::stream::unfold(0, move |i| async move {
+                                let text = writes.get(i)?;
+                                if i > 0 {
+                                    tokio::time::sleep(gap).await;
+                                }
+                                let frame =
+                                    hyper::body::Frame::data(Bytes::from_static(text.as_bytes()));
+                                Some((Ok::<_, std::convert::Infallible>(frame), i + 1))
+                            });
+                            (
+                                "text/event-stream",
+                                http_body_util::StreamBody::new(frames).boxed(),
+                            )
+                        } else {
+                            let models =
+                                r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#;
+                            (
+                                "application/json",
+                                http_body_util::Full::new(Bytes::from_static(models.as_bytes()))
+                                    .boxed(),
+                            )
+                        };
+                        Ok::<_, std::convert::Infallible>(
+                            http::Response::builder()
+                                .header("content-type", content_type)
+                                .body(body)
+                                .unwrap(),
+                        )
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, task)
+}
+
+const ROLE: &str = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n";
+const TOKEN: &str = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" a\"},\"finish_reason\":null}]}\n\n";
+const FINISH: &str = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" b\"},\"finish_reason\":\"length\",\"stop_reason\":null}]}\n\n";
+const USAGE_FP: &str = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"total_tokens\":5,\"completion_tokens\":2},\"system_fingerprint\":\"vllm-0.32.0-2048\"}\n\n";
+const DONE: &str = "data: [DONE]\n\n";
+
+/// vLLM stamps `system_fingerprint` on the usage chunk when it sends one, else on the finish
+/// chunk (issue 19, fix 2). The gateway asks for usage and removes the chunk: the client that
+/// asked for no usage still finds the fingerprint on the finish chunk, whether the two chunks
+/// came in one read or apart (then from the value the backend sent last); a client that asked
+/// for usage gets the backend's bytes untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn system_fingerprint_survives_the_removed_usage_chunk() {
+    let fp = "\"system_fingerprint\":\"vllm-0.32.0-2048\"";
+    let finish_chunk = |body: &str| -> String {
+        body.lines()
+            .find(|l| l.contains("\"finish_reason\":\"length\""))
+            .unwrap_or_else(|| panic!("no finish chunk in {body}"))
+            .to_owned()
+    };
+    let request = |usage: bool| {
+        let mut body = serde_json::json!({"model":"m","stream":true,"max_tokens":2,
+            "messages":[{"role":"user","content":"hi"}]});
+        if usage {
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        Bytes::from(body.to_string())
+    };
+    // One write: the fingerprint comes from the usage chunk of the same read.
+    static ONE_READ: std::sync::LazyLock<Vec<&'static str>> = std::sync::LazyLock::new(|| {
+        let tail: &'static str = Box::leak(format!("{FINISH}{USAGE_FP}{DONE}").into_boxed_str());
+        vec![ROLE, TOKEN, tail]
+    });
+    // Apart: the finish chunk leaves before the usage chunk is read.
+    const APART: &[&str] = &[ROLE, TOKEN, FINISH, USAGE_FP, DONE];
+    for (writes, gap) in [
+        (ONE_READ.as_slice(), Duration::ZERO),
+        (APART, Duration::from_millis(150)),
+    ] {
+        let (addr, task) = scripted_stream_backend(writes, gap).await;
+        let gw = gateway(vec![pool("m", &[format!("http://{addr}")])]).await;
+        let url = gw.url("/v1/chat/completions");
+        if gap > Duration::ZERO {
+            // The first stream teaches the gateway this backend's fingerprint.
+            let first = post(&url, &[], request(false)).await;
+            assert_eq!(first.status, 200);
+        }
+        let m = post(&url, &[], request(false)).await;
+        assert_eq!(m.status, 200);
+        let body = String::from_utf8_lossy(m.body.as_ref().unwrap()).into_owned();
+        assert!(!body.contains("\"usage\""), "usage leaked: {body}");
+        let finish = finish_chunk(&body);
+        assert!(
+            finish.ends_with(&format!(",{fp}}}")),
+            "gap {gap:?}: {finish}"
+        );
+        // The rest of the chunk is the backend's.
+        assert_eq!(
+            finish.replace(&format!(",{fp}"), ""),
+            FINISH.trim_end(),
+            "gap {gap:?}"
+        );
+        assert!(body.ends_with(DONE), "{body}");
+        // Asked for usage: the backend's bytes, untouched.
+        let m = post(&url, &[], request(true)).await;
+        let body = String::from_utf8_lossy(m.body.as_ref().unwrap()).into_owned();
+        assert_eq!(
+            body,
+            format!("{ROLE}{TOKEN}{FINISH}{USAGE_FP}{DONE}"),
+            "gap {gap:?}"
+        );
+        task.abort();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn served_model_name_rename_and_upstream_key() {
     let sim = sim(|a| {
@@ -765,11 +900,16 @@ async fn paced_tokens_are_relayed_one_by_one() {
 }
 
 /// A stream that did not ask for usage: the gateway asks upstream, learns the real counts, and
-/// the client receives exactly the backend's stream minus that one usage event.
+/// the client receives exactly the backend's stream minus that one usage event, its
+/// `system_fingerprint` moved to the finish chunk (where vLLM puts it without a usage chunk).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_is_learned_on_every_stream_and_hidden_from_the_client() {
     let sim = sim(|_| {}).await;
     let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    // One stream first: it teaches the gateway the backend's fingerprint, which the next ones
+    // get even when the finish and usage chunks are read apart.
+    let first = post(&gw.url("/v1/chat/completions"), &[], stream_body(2)).await;
+    assert_eq!(first.status, 200);
     for (id, body) in [
         (
             "u-absent",
@@ -794,7 +934,21 @@ async fn usage_is_learned_on_every_stream_and_hidden_from_the_client() {
             .split_inclusive("\n\n")
             .find(|e| e.contains("\"usage\""))
             .expect("the backend sent usage: the gateway asked for it");
-        let expected = sent_text.replacen(usage_event, "", 1);
+        let fingerprint = usage_event
+            .find(",\"system_fingerprint\":")
+            .map(|at| usage_event[at..].trim_end().trim_end_matches('}'))
+            .expect("the sim's usage chunk has a fingerprint");
+        let finish = sent_text
+            .split_inclusive("\n\n")
+            .find(|e| e.contains("\"finish_reason\":\"length\""))
+            .unwrap();
+        let stamped = format!(
+            "{}{fingerprint}}}\n\n",
+            &finish.trim_end()[..finish.trim_end().len() - 1]
+        );
+        let expected = sent_text
+            .replacen(usage_event, "", 1)
+            .replacen(finish, &stamped, 1);
         assert_eq!(
             String::from_utf8(got.to_vec()).unwrap(),
             expected,

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
+use bytes::Bytes;
 use http::{HeaderValue, Uri};
 
 use crate::clock::mono_ms;
@@ -90,6 +91,9 @@ pub struct Backend {
     /// What the backend says about the pool's model (vLLM's ModelCard: `max_model_len`,
     /// `root`, `created`, …), served by the gateway's `/v1/models`.
     model_card: ArcSwapOption<serde_json::Value>,
+    /// The `system_fingerprint` of the last usage chunk seen from this backend: put into the
+    /// finish chunks of streams whose usage chunk the gateway removes (the relay).
+    fingerprint: ArcSwapOption<Bytes>,
 }
 
 /// `POST <path> HTTP/1.1`, `host: <authority>` and `authorization: <value>`, each with its
@@ -205,6 +209,7 @@ impl Backend {
             misconfigured: AtomicBool::new(false),
             card_checked: AtomicBool::new(false),
             model_card: ArcSwapOption::empty(),
+            fingerprint: ArcSwapOption::empty(),
         })
     }
 
@@ -268,6 +273,8 @@ impl Backend {
                 self.warming.store(true, Ordering::Relaxed);
             }
             self.card_checked.store(false, Ordering::Relaxed);
+            // A restarted server may be another version: its fingerprint is learned again.
+            self.fingerprint.store(None);
         }
         if r == Reachability::Up && was != Reachability::Up as u8 && self.slow_start_ms > 0 {
             self.up_since.store(mono_ms(), Ordering::Relaxed);
@@ -319,6 +326,20 @@ impl Backend {
 
     pub(super) fn set_model_card(&self, card: Option<serde_json::Value>) {
         self.model_card.store(card.map(Arc::new));
+    }
+
+    /// The `system_fingerprint` this backend's last usage chunk carried.
+    pub fn fingerprint(&self) -> Option<Bytes> {
+        self.fingerprint.load().as_deref().cloned()
+    }
+
+    /// What a usage chunk said (`None`: no fingerprint); stored only when it changed, so a
+    /// stream pays a comparison, not an allocation.
+    pub fn learn_fingerprint(&self, seen: Option<&[u8]>) {
+        if self.fingerprint.load().as_deref().map(|b| &b[..]) != seen {
+            self.fingerprint
+                .store(seen.map(|v| Arc::new(Bytes::copy_from_slice(v))));
+        }
     }
 
     pub fn state(&self) -> BackendState {

@@ -23,6 +23,7 @@
 
 pub mod body;
 pub mod error;
+mod fingerprint;
 pub mod relay;
 pub mod rename;
 pub mod upstream;

@@ -17,11 +17,12 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::Exchange;
 use super::error::{ApiError, TimeoutKind};
+use super::fingerprint;
 use crate::config::Timeouts;
 use crate::openai::error::ErrorKind;
 use crate::openai::sse::{DataKind, SseScanner};
-use crate::pool::InFlight;
 use crate::pool::upstream_client::UpstreamRx;
+use crate::pool::{Backend, InFlight};
 use crate::queue::QueuedBody;
 use crate::telemetry::RequestRecord;
 
@@ -158,6 +159,7 @@ impl RelayBody {
                     now,
                     strip_usage,
                     itl.as_ref(),
+                    slot.backend(),
                 )
             } else {
                 Some(data)
@@ -264,7 +266,8 @@ pub struct RelayOptions {
 
 /// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
 /// ITL histogram, stamp the upstream first token, flag an in-stream error, and cut out the
-/// usage event the gateway asked for (`strip_usage`). Returns what to hand on (`None`: nothing).
+/// usage event the gateway asked for (`strip_usage`), keeping its `system_fingerprint` on the
+/// finish chunks (see `fingerprint`). Returns what to hand on (`None`: nothing).
 fn scan_frame(
     scanner: &mut SseScanner,
     record: &mut RequestRecord,
@@ -272,13 +275,26 @@ fn scan_frame(
     now: Instant,
     strip_usage: bool,
     itl: Option<&prometheus::Histogram>,
+    backend: &Backend,
 ) -> Option<Bytes> {
     let tl = &mut record.timeline;
     let at = tl.offset(now);
     let mut cut = None;
+    // Finish chunks in this frame that want the fingerprint.
+    let mut finish_at = Vec::new();
     scanner.feed(&data, |line| {
-        if strip_usage && is_usage(&line) {
-            cut = line.event_span.clone();
+        if is_usage(&line) {
+            // Every usage chunk says what the backend's fingerprint is now.
+            backend.learn_fingerprint(fingerprint::value_of(line.payload));
+            if strip_usage {
+                cut = line.event_span.clone();
+            }
+        } else if strip_usage
+            && line.event_span.is_some()
+            && matches!(line.kind, DataKind::Content | DataKind::NoOutput)
+            && let Some(at) = fingerprint::wanted_at(&data, line.payload)
+        {
+            finish_at.push(at);
         }
         if let Some(gap) = tl.on_upstream_event(line.kind, line.payload, now, at)
             && let Some(h) = itl
@@ -289,32 +305,21 @@ fn scan_frame(
     if tl.stream().error && record.error.is_none() {
         record.error = Some(ErrorKind::UpstreamStreamError);
     }
-    match cut {
-        Some(r) => without(data, r),
-        None => Some(data),
+    if cut.is_none() && finish_at.is_empty() {
+        return Some(data);
     }
+    // The usage chunk of this very frame, if it came with the finish chunk, was learned above.
+    let value = if finish_at.is_empty() {
+        None
+    } else {
+        backend.fingerprint()
+    };
+    fingerprint::edit(data, &finish_at, value.as_deref(), cut)
 }
 
 /// The usage chunk: `choices: []` with a `usage` object.
 fn is_usage(line: &crate::openai::sse::DataLine<'_>) -> bool {
     line.kind == DataKind::NoChoices && crate::openai::sse::USAGE.find(line.payload).is_some()
-}
-
-/// `data` without the bytes in `cut`; `None` when nothing is left.
-fn without(data: Bytes, cut: std::ops::Range<usize>) -> Option<Bytes> {
-    if cut.start == 0 && cut.end >= data.len() {
-        return None;
-    }
-    if cut.start == 0 {
-        return Some(data.slice(cut.end..));
-    }
-    if cut.end >= data.len() {
-        return Some(data.slice(..cut.start));
-    }
-    let mut out = BytesMut::with_capacity(data.len() - cut.len());
-    out.extend_from_slice(&data[..cut.start]);
-    out.extend_from_slice(&data[cut.end..]);
-    Some(out.freeze())
 }
 
 /// The `Server-Timing` trailer of a finished stream, when the client accepts one.
@@ -454,6 +459,7 @@ impl RelayBody {
                 now,
                 *this.strip_usage,
                 this.itl.as_ref(),
+                this.slot.backend(),
             );
             if !had_first && this.ex.record.timeline.upstream_first_token().is_some() {
                 observe_first_token(this.slot, &mut this.ex.record, this.upstream.rx());
@@ -683,24 +689,6 @@ impl Ready {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cutting_an_event_out_of_a_frame() {
-        let d = Bytes::from_static(b"aaXXbb");
-        assert_eq!(
-            without(d.clone(), 2..4).unwrap(),
-            Bytes::from_static(b"aabb")
-        );
-        assert_eq!(
-            without(d.clone(), 0..2).unwrap(),
-            Bytes::from_static(b"XXbb")
-        );
-        assert_eq!(
-            without(d.clone(), 4..6).unwrap(),
-            Bytes::from_static(b"aaXX")
-        );
-        assert!(without(d, 0..6).is_none());
-    }
 
     #[test]
     fn error_tail_parses_as_one_error_event() {
