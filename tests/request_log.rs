@@ -168,7 +168,9 @@ async fn rows_written_during_an_outage_are_spilled_and_replayed_exactly_once() {
     let sim = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
         c.database.url = Some(Secret::new(via_proxy.clone()));
-        c.database.connect_timeout = Duration::from_millis(500);
+        // Short, so the outage is noticed soon, but room for the first connect and the
+        // migrations through the proxy on a loaded machine (500 ms timed out in a full run).
+        c.database.connect_timeout = Duration::from_secs(2);
     })
     .await;
     let spill = gw.db_dir.0.join("request-log.spill");

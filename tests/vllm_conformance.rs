@@ -250,11 +250,24 @@ async fn the_sim_answers_like_vllm_0_32() {
             "metrics" => {
                 let ours = families(&String::from_utf8_lossy(&body));
                 let theirs = families(vb["raw"].as_str().unwrap());
-                // What the gateway reads for load-aware balancing (src/pool/health.rs).
+                let raw = String::from_utf8_lossy(&body);
+                let theirs_raw = vb["raw"].as_str().unwrap();
+                // What the gateway reads for load-aware balancing (src/pool/health.rs), and
+                // what dashboards and autoscalers built for vLLM read.
                 for family in [
                     "vllm:num_requests_running",
                     "vllm:num_requests_waiting",
                     "vllm:kv_cache_usage_perc",
+                    "vllm:num_requests_waiting_by_reason",
+                    "vllm:num_preemptions_total",
+                    "vllm:prefix_cache_queries_total",
+                    "vllm:prefix_cache_hits_total",
+                    "vllm:request_success_total",
+                    "vllm:time_to_first_token_seconds_bucket",
+                    "vllm:inter_token_latency_seconds_bucket",
+                    "vllm:e2e_request_latency_seconds_bucket",
+                    "vllm:request_queue_time_seconds_bucket",
+                    "vllm:request_prompt_tokens_bucket",
                 ] {
                     if ours.get(family) != theirs.get(family) {
                         differ(format!(
@@ -262,6 +275,33 @@ async fn the_sim_answers_like_vllm_0_32() {
                             ours.get(family),
                             theirs.get(family)
                         ));
+                    }
+                }
+                // Nothing vLLM 0.32 does not export (`vllm:gpu_cache_usage_perc` is gone), with
+                // its type and labels.
+                for (sample, labels) in &ours {
+                    if theirs.get(sample) != Some(labels) {
+                        differ(format!(
+                            "{sample}: labels {labels:?}, vLLM {:?}",
+                            theirs.get(sample)
+                        ));
+                    }
+                }
+                let types = |text: &str| -> BTreeSet<String> {
+                    text.lines()
+                        .filter_map(|l| l.strip_prefix("# TYPE "))
+                        .map(str::to_owned)
+                        .collect()
+                };
+                let their_types = types(theirs_raw);
+                for t in types(&raw).difference(&their_types) {
+                    differ(format!("# TYPE {t}: not vLLM's"));
+                }
+                // Values as Python prints floats (`0.0`, not `0`).
+                for line in raw.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+                    let value = line.rsplit(' ').next().unwrap_or("");
+                    if !(value.contains(['.', 'e', 'E']) || value.ends_with("Inf")) {
+                        differ(format!("{line}: vLLM prints a float"));
                     }
                 }
             }

@@ -30,9 +30,16 @@ pub(crate) struct SeqShared {
     produced: AtomicU32,
     abandoned: AtomicBool,
     waker: AtomicWaker,
+    /// When the scheduler took it from the waiting queue (`vllm:request_queue_time_seconds`).
+    admitted: std::sync::OnceLock<Instant>,
 }
 
 impl SeqShared {
+    /// The waiting time ends now (the first time only).
+    fn admit(&self) {
+        let _ = self.admitted.set(Instant::now());
+    }
+
     fn publish(&self, produced: u32) {
         self.produced.store(produced, Ordering::Release);
         self.waker.wake();
@@ -161,6 +168,7 @@ impl BatchModel {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
+            s.shared.admit();
             give(&mut s, &mut budget);
             self.running.push(s);
         }
@@ -260,6 +268,7 @@ impl Engine {
             max_tokens: max_tokens.max(1),
             emitted: 0,
             arrived,
+            last_token: arrived,
             stats,
             state: GenState::Live,
         }
@@ -340,6 +349,8 @@ pub(crate) struct Generation {
     pub max_tokens: u32,
     emitted: u32,
     arrived: Instant,
+    /// When the last token was handed out (`vllm:inter_token_latency_seconds`).
+    last_token: Instant,
     stats: Arc<SimStats>,
     state: GenState,
 }
@@ -373,9 +384,21 @@ impl Generation {
         }
         self.emitted += 1;
         let m = &self.stats.engine;
+        let now = Instant::now();
         if self.emitted == 1 {
-            m.ttft.observe(self.arrived.elapsed());
+            m.ttft.observe(now - self.arrived);
+            let admitted = match &self.feed {
+                Feed::Scheduled(s) => s.admitted.get().copied().unwrap_or(self.arrived),
+                Feed::Instant => self.arrived,
+            };
+            m.queue_time
+                .observe(admitted.saturating_duration_since(self.arrived));
+            m.prefix_cache_queries
+                .fetch_add(u64::from(self.prompt_tokens), Ordering::Relaxed);
+        } else {
+            m.itl.observe(now - self.last_token);
         }
+        self.last_token = now;
         m.generation_tokens.fetch_add(1, Ordering::Relaxed);
         Poll::Ready(Some(self.tokens.next_token()))
     }
@@ -395,7 +418,12 @@ impl Generation {
         if self.leave(GenState::Finished) {
             self.stats.completed.fetch_add(1, Ordering::Relaxed);
             self.stats.engine.record_finish(FinishReason::Length);
-            self.stats.engine.e2e.observe(self.arrived.elapsed());
+            let m = &self.stats.engine;
+            m.e2e.observe(self.arrived.elapsed());
+            m.request_prompt_tokens
+                .observe_count(u64::from(self.prompt_tokens));
+            m.request_generation_tokens
+                .observe_count(u64::from(self.emitted));
         }
     }
 

@@ -117,7 +117,11 @@ pub async fn start(args: SimArgs) -> io::Result<SimServer> {
     // A plausible KV-cache size for the usage gauge: room for a full batch of quarter-length
     // sequences, which like a real deployment is less than max_num_seqs × max_model_len.
     let kv_capacity = u64::from(cfg.max_model_len) * u64::from(cfg.max_num_seqs.div_ceil(4)).max(1);
-    let stats = Arc::new(SimStats::new(cfg.capture, kv_capacity));
+    let stats = Arc::new(SimStats::new(
+        cfg.capture,
+        kv_capacity,
+        u64::from(cfg.max_model_len),
+    ));
     let cancel = CancellationToken::new();
     let (engine, scheduler) = Engine::spawn(&cfg, stats.clone(), cancel.clone());
     let ctx = Arc::new(SimContext::new(cfg, stats.clone(), engine));

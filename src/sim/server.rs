@@ -132,20 +132,17 @@ async fn serve_connection(stream: TcpStream, ctx: Arc<SimContext>) {
 }
 
 async fn handle(req: Request<Incoming>, ctx: &SimContext) -> Response<SimBody> {
-    let request_id = req.headers().get(X_REQUEST_ID).cloned();
-    let capture_key = request_id
-        .as_ref()
+    // vLLM 0.32 builds the answer's id from the caller's `X-Request-Id` (`chatcmpl-<it>`) and
+    // does not echo the header.
+    let capture_key = req
+        .headers()
+        .get(X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let mut resp = match route(req, ctx, capture_key.as_deref()).await {
+    match route(req, ctx, capture_key.as_deref()).await {
         Ok(r) => r,
         Err(e) => error_response(&e, ctx, capture_key.as_deref()),
-    };
-    // vLLM echoes the caller's id so logs on both sides line up.
-    if let Some(id) = request_id {
-        resp.headers_mut().insert(X_REQUEST_ID, id);
     }
-    resp
 }
 
 fn error_response(e: &ApiError, ctx: &SimContext, capture_key: Option<&str>) -> Response<SimBody> {
@@ -299,7 +296,8 @@ async fn generate(
 
     let request_id = match capture_key {
         Some(id) => id.to_owned(),
-        None => format!("{:032x}", rand::random::<u128>()),
+        // vLLM's ids: 16 hex characters.
+        None => format!("{:016x}", rand::random::<u64>()),
     };
     let id = format!("{}{request_id}", endpoint.id_prefix());
     let created = unix_now();

@@ -31,7 +31,7 @@ pub struct SimStats {
 }
 
 impl SimStats {
-    pub(crate) fn new(capture: bool, kv_capacity_tokens: u64) -> Self {
+    pub(crate) fn new(capture: bool, kv_capacity_tokens: u64, max_model_len: u64) -> Self {
         Self {
             requests: AtomicU64::new(0),
             tokenizations: AtomicU64::new(0),
@@ -40,7 +40,7 @@ impl SimStats {
             failed_injected: AtomicU64::new(0),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
-            engine: EngineMetrics::new(kv_capacity_tokens),
+            engine: EngineMetrics::new(kv_capacity_tokens, max_model_len),
             captures: capture.then(|| Mutex::new(HashMap::new())),
         }
     }
@@ -95,32 +95,66 @@ const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
+/// Also `vllm:request_queue_time_seconds`'s.
 const E2E_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
 ];
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+
+/// vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, … up to the context length.
+fn one_two_five(max: u64) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut decade = 1u64;
+    'outer: loop {
+        for m in [1, 2, 5] {
+            let b = decade.saturating_mul(m);
+            if b > max.max(1) {
+                break 'outer;
+            }
+            out.push(b as f64);
+        }
+        decade = decade.saturating_mul(10);
+    }
+    out
+}
 
 /// Counters behind the vLLM metric names.
 #[derive(Debug)]
 pub(crate) struct EngineMetrics {
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache (the sim has none: never a hit).
+    pub prefix_cache_queries: AtomicU64,
     finished: [AtomicU64; 2],
     pub ttft: Histogram,
     pub e2e: Histogram,
+    pub itl: Histogram,
+    pub queue_time: Histogram,
+    pub request_prompt_tokens: Histogram,
+    pub request_generation_tokens: Histogram,
     /// Tokens held by running sequences; the KV-cache usage gauge is this over the capacity.
     pub kv_tokens: AtomicU64,
     kv_capacity_tokens: u64,
 }
 
 impl EngineMetrics {
-    fn new(kv_capacity_tokens: u64) -> Self {
+    fn new(kv_capacity_tokens: u64, max_model_len: u64) -> Self {
+        let token_buckets = one_two_five(max_model_len);
         Self {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            prefix_cache_queries: AtomicU64::new(0),
             finished: [AtomicU64::new(0), AtomicU64::new(0)],
-            ttft: Histogram::new(TTFT_BUCKETS),
-            e2e: Histogram::new(E2E_BUCKETS),
+            ttft: Histogram::seconds(TTFT_BUCKETS),
+            e2e: Histogram::seconds(E2E_BUCKETS),
+            itl: Histogram::seconds(ITL_BUCKETS),
+            queue_time: Histogram::seconds(E2E_BUCKETS),
+            request_prompt_tokens: Histogram::counts(token_buckets.clone()),
+            request_generation_tokens: Histogram::counts(token_buckets),
             kv_tokens: AtomicU64::new(0),
             kv_capacity_tokens: kv_capacity_tokens.max(1),
         }
@@ -131,52 +165,84 @@ impl EngineMetrics {
     }
 }
 
-/// A fixed-bucket histogram of seconds; counts are kept per bucket and summed on render.
+/// A fixed-bucket histogram (of seconds, or of counts); counts are kept per bucket and summed
+/// on render.
 #[derive(Debug)]
 pub(crate) struct Histogram {
-    bounds: &'static [f64],
+    bounds: Box<[f64]>,
     /// One slot per bound plus the +Inf slot.
     counts: Box<[AtomicU64]>,
-    sum_micros: AtomicU64,
+    /// The sum of observations in `1 / unit` (µs for seconds).
+    sum: AtomicU64,
+    unit: f64,
 }
 
 impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
+    fn new(bounds: Vec<f64>, unit: f64) -> Self {
         Self {
-            bounds,
             counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_micros: AtomicU64::new(0),
+            bounds: bounds.into_boxed_slice(),
+            sum: AtomicU64::new(0),
+            unit,
         }
     }
 
-    pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        let slot = self.bounds.partition_point(|&b| b < secs);
+    fn seconds(bounds: &[f64]) -> Self {
+        Self::new(bounds.to_vec(), 1e6)
+    }
+
+    fn counts(bounds: Vec<f64>) -> Self {
+        Self::new(bounds, 1.0)
+    }
+
+    fn put(&self, value: f64, sum_units: u64) {
+        let slot = self.bounds.partition_point(|&b| b < value);
         if let Some(c) = self.counts.get(slot) {
             c.fetch_add(1, Relaxed);
         }
-        let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-        self.sum_micros.fetch_add(micros, Relaxed);
+        self.sum.fetch_add(sum_units, Relaxed);
     }
 
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
+    pub fn observe(&self, d: Duration) {
+        self.put(
+            d.as_secs_f64(),
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
+        );
+    }
+
+    pub fn observe_count(&self, n: u64) {
+        self.put(n as f64, n);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} histogram");
         let mut cumulative = 0u64;
         for (i, c) in self.counts.iter().enumerate() {
             cumulative += c.load(Relaxed);
+            let n = py_float(cumulative as f64);
             match self.bounds.get(i) {
                 Some(b) => {
-                    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b:?}\"}} {cumulative}");
+                    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b:?}\"}} {n}");
                 }
                 None => {
-                    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cumulative}");
+                    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {n}");
                 }
             }
         }
-        let sum = self.sum_micros.load(Relaxed) as f64 / 1e6;
+        let sum = py_float(self.sum.load(Relaxed) as f64 / self.unit);
+        let _ = writeln!(
+            out,
+            "{name}_count{{{labels}}} {}",
+            py_float(cumulative as f64)
+        );
         let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
     }
+}
+
+/// A sample value as vLLM's Python client prints it: `0.0`, `12.0`, `0.42`.
+fn py_float(v: f64) -> String {
+    format!("{v:?}")
 }
 
 /// Escapes a Prometheus label value (backslash, quote, newline).
@@ -193,85 +259,162 @@ fn label_value(v: &str) -> String {
     s
 }
 
-/// Renders the Prometheus text exposition. Only scrapes pay for formatting.
+/// Renders the Prometheus text exposition: vLLM 0.32's families that a gateway, a dashboard or
+/// an autoscaler reads, with its label names, HELP texts and value format. Only scrapes pay for
+/// formatting.
 pub(crate) fn render_metrics(stats: &SimStats, model_name: &str) -> String {
     let m = &stats.engine;
     let labels = format!("engine=\"0\",model_name=\"{}\"", label_value(model_name));
-    let mut out = String::with_capacity(8192);
-    let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+    let mut out = String::with_capacity(16384);
+    // One family: HELP, TYPE, and one sample per (extra label, value).
+    let family = |out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, f64)]| {
         let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} gauge");
-        let _ = writeln!(out, "{name}{{{labels}}} {v}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (extra, v) in samples {
+            let sep = if extra.is_empty() { "" } else { "," };
+            let _ = writeln!(out, "{name}{{{labels}{sep}{extra}}} {}", py_float(*v));
+        }
     };
-    gauge(
+    let waiting = stats.waiting.load(Relaxed) as f64;
+    family(
         &mut out,
         "vllm:num_requests_running",
+        "gauge",
         "Number of requests in model execution batches.",
-        stats.running.load(Relaxed) as f64,
+        &[("", stats.running.load(Relaxed) as f64)],
     );
-    gauge(
+    family(
         &mut out,
         "vllm:num_requests_waiting",
+        "gauge",
         "Number of requests waiting to be processed.",
-        stats.waiting.load(Relaxed) as f64,
+        &[("", waiting)],
     );
+    family(
+        &mut out,
+        "vllm:num_requests_waiting_by_reason",
+        "gauge",
+        "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling \
+         capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, \
+         blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+        &[
+            ("reason=\"capacity\"", waiting),
+            ("reason=\"deferred\"", 0.0),
+        ],
+    );
+    family(
+        &mut out,
+        "vllm:engine_sleep_state",
+        "gauge",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is \
+         awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        &[
+            ("sleep_state=\"awake\"", 1.0),
+            ("sleep_state=\"weights_offloaded\"", 0.0),
+            ("sleep_state=\"discard_all\"", 0.0),
+        ],
+    );
+    // (`vllm:gpu_cache_usage_perc` is gone since vLLM 0.10; the gateway still reads it from
+    // older servers.)
     let usage = (m.kv_tokens.load(Relaxed) as f64 / m.kv_capacity_tokens as f64).min(1.0);
-    // Both names: vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc, and dashboards in
-    // the wild read either.
-    gauge(
+    family(
         &mut out,
         "vllm:kv_cache_usage_perc",
+        "gauge",
         "KV-cache usage. 1 means 100 percent usage.",
-        usage,
+        &[("", usage)],
     );
-    gauge(
+    let count = |a: &AtomicU64| a.load(Relaxed) as f64;
+    family(
         &mut out,
-        "vllm:gpu_cache_usage_perc",
-        "GPU KV-cache usage. 1 means 100 percent usage.",
-        usage,
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        &[("", count(&m.prefix_cache_queries))],
     );
-    let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} counter");
-        let _ = writeln!(out, "{name}{{{labels}}} {v}");
-    };
-    counter(
+    family(
+        &mut out,
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        &[("", 0.0)],
+    );
+    family(
+        &mut out,
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemption from the engine.",
+        &[("", 0.0)],
+    );
+    family(
         &mut out,
         "vllm:prompt_tokens_total",
+        "counter",
         "Number of prefill tokens processed.",
-        m.prompt_tokens.load(Relaxed),
+        &[("", count(&m.prompt_tokens))],
     );
-    counter(
+    family(
         &mut out,
         "vllm:generation_tokens_total",
+        "counter",
         "Number of generation tokens processed.",
-        m.generation_tokens.load(Relaxed),
+        &[("", count(&m.generation_tokens))],
     );
-    let name = "vllm:request_success_total";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Count of successfully processed requests."
+    // vLLM lists every reason, at 0 when none finished so.
+    let finished = |r: &str| {
+        FinishReason::ALL
+            .iter()
+            .find(|f| f.as_str() == r)
+            .map_or(0.0, |f| count(&m.finished[f.index()]))
+    };
+    family(
+        &mut out,
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+        &[
+            ("finished_reason=\"stop\"", finished("stop")),
+            ("finished_reason=\"length\"", finished("length")),
+            ("finished_reason=\"abort\"", finished("abort")),
+            ("finished_reason=\"error\"", finished("error")),
+            ("finished_reason=\"repetition\"", finished("repetition")),
+        ],
     );
-    let _ = writeln!(out, "# TYPE {name} counter");
-    for reason in FinishReason::ALL {
-        let v = m.finished[reason.index()].load(Relaxed);
-        let _ = writeln!(
-            out,
-            "{name}{{{labels},finished_reason=\"{}\"}} {v}",
-            reason.as_str()
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds."
+    m.request_prompt_tokens.render(
+        &mut out,
+        "vllm:request_prompt_tokens",
+        "Number of prefill tokens processed.",
+        &labels,
     );
-    m.ttft
-        .render(&mut out, "vllm:time_to_first_token_seconds", &labels);
-    let _ = writeln!(
-        out,
-        "# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency in seconds."
+    m.request_generation_tokens.render(
+        &mut out,
+        "vllm:request_generation_tokens",
+        "Number of generation tokens processed.",
+        &labels,
     );
-    m.e2e
-        .render(&mut out, "vllm:e2e_request_latency_seconds", &labels);
+    m.ttft.render(
+        &mut out,
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        &labels,
+    );
+    m.itl.render(
+        &mut out,
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        &labels,
+    );
+    m.e2e.render(
+        &mut out,
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        &labels,
+    );
+    m.queue_time.render(
+        &mut out,
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        &labels,
+    );
     out
 }
