@@ -59,6 +59,10 @@ struct Args {
     /// Completion tokens per request (the sim answers exactly this many content chunks).
     #[arg(long, default_value_t = 64)]
     max_tokens: u32,
+    /// Streams without `stream_options.include_usage`: fleetgate then asks for usage upstream
+    /// and removes the usage chunk (the relay's other path).
+    #[arg(long)]
+    no_include_usage: bool,
     /// Sent as `Authorization: Bearer <key>` when given.
     #[arg(long, env = "FLEETGATE_BENCH_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -168,17 +172,17 @@ fn chat_uri(base: &str) -> Res<Uri> {
     Ok(format!("{base}/v1/chat/completions").parse()?)
 }
 
-fn request_body(model: &str, max_tokens: u32) -> Bytes {
-    Bytes::from(
-        json!({
-            "model": model,
-            "messages": [{"role": "user", "content": "Write a short poem about the sea."}],
-            "max_tokens": max_tokens,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        })
-        .to_string(),
-    )
+fn request_body(model: &str, max_tokens: u32, include_usage: bool) -> Bytes {
+    let mut body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Write a short poem about the sea."}],
+        "max_tokens": max_tokens,
+        "stream": true,
+    });
+    if include_usage {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    Bytes::from(body.to_string())
 }
 
 fn request_headers(api_key: Option<&str>) -> Res<HeaderMap> {
@@ -898,7 +902,7 @@ async fn mem_one(
     headers: &HeaderMap,
 ) -> Res<Value> {
     let uri = chat_uri(base)?;
-    let body = request_body(&args.mem_model, args.mem_max_tokens);
+    let body = request_body(&args.mem_model, args.mem_max_tokens, !args.no_include_usage);
     let c = client::http_client();
     let n = args.mem_streams;
     let (rss_before, hwm_before) = rss_kib(pids)?;
@@ -1104,7 +1108,7 @@ async fn run(args: Args) -> Res<()> {
         });
     }
     let headers = Arc::new(request_headers(args.api_key.as_deref())?);
-    let body = request_body(&args.model, args.max_tokens);
+    let body = request_body(&args.model, args.max_tokens, !args.no_include_usage);
     let watched = Watched {
         groups: vec![
             ("gateway", args.gateway_pid.into_iter().collect()),
@@ -1127,7 +1131,7 @@ async fn run(args: Args) -> Res<()> {
             "model": args.model,
             "max_tokens": args.max_tokens,
             "stream": true,
-            "include_usage": true,
+            "include_usage": !args.no_include_usage,
             "body_bytes": body.len(),
         },
         "targets": {"direct": args.direct, "fleetgate": args.fleetgate, "nginx": args.nginx},
@@ -1137,14 +1141,19 @@ async fn run(args: Args) -> Res<()> {
     });
     let _ = writeln!(
         md,
-        "## fleetgate hop cost{}{}\n\n{} × {}, kernel {}; streamed chat, max_tokens {}, include_usage. \
+        "## fleetgate hop cost{}{}\n\n{} × {}, kernel {}; streamed chat, max_tokens {}, {}. \
          Times in µs; \"added\" = via − direct in the same run.\n",
         if args.label.is_empty() { "" } else { ": " },
         args.label,
         env["nproc"],
         env["cpu_model"].as_str().unwrap_or(""),
         env["kernel"].as_str().unwrap_or(""),
-        args.max_tokens
+        args.max_tokens,
+        if args.no_include_usage {
+            "no include_usage (fleetgate asks for usage upstream and removes the usage chunk)"
+        } else {
+            "include_usage"
+        }
     );
 
     let mut added_p50 = None;

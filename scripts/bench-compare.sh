@@ -29,10 +29,6 @@ find_nginx
 log "building (release)"
 cargo build --release -q
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
-
 export NO_COLOR=1 RUST_LOG=info
 # shellcheck disable=SC2086 # SIM_FLAGS is a list of flags
 "$BIN" sim --host 127.0.0.1 --port 0 --max-num-seqs 256 $SIM_FLAGS >"$TMP/sim.log" 2>&1 &
@@ -63,29 +59,7 @@ STARTED+=($!)
 GW_URL=$(wait_url "$TMP/fleetgate.log" "${STARTED[-1]}" fleetgate)
 
 NGINX_PORT=$(free_port)
-cat >"$TMP/nginx/nginx.conf" <<EOF
-worker_processes 1;
-daemon off;
-pid $TMP/nginx/nginx.pid;
-error_log $TMP/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off;
-    client_body_temp_path $TMP/nginx/client_body;
-    proxy_temp_path $TMP/nginx/proxy;
-    tcp_nodelay on;
-    upstream sim { server ${SIM_URL#http://}; keepalive 256; }
-    server {
-        listen 127.0.0.1:$NGINX_PORT;
-        location / {
-            proxy_pass http://sim;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }
-    }
-}
-EOF
+nginx_proxy_conf "$TMP/nginx" "$NGINX_PORT" "$SIM_URL" 4096 256
 "$NGINX_BIN" -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf" 2>"$TMP/nginx/stderr.log" &
 STARTED+=($!)
 for _ in $(seq 1 50); do

@@ -1,5 +1,6 @@
 # Shared by the benchmark and profiling scripts (sourced, not run): messages, the processes a
-# script starts (stopped when it exits), waiting for a process's address, Debian's nginx.
+# script starts (stopped when it exits), waiting for a process's address, Debian's nginx and
+# its configuration as a plain streaming proxy, a free port.
 #
 #   SCRIPT_NAME=bench-hop
 #   . "$ROOT/scripts/lib.sh"
@@ -58,6 +59,43 @@ find_nginx() {
         $sudo env RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx
     NGINX_BIN=$(command -v nginx 2>/dev/null || { [ -x /usr/sbin/nginx ] && echo /usr/sbin/nginx; } || true)
     [ -n "$NGINX_BIN" ] || die "nginx is still missing after apt-get install"
+}
+
+# A port on 127.0.0.1 free at this moment (for nginx, which cannot bind port 0 and say which).
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}
+
+# nginx_proxy_conf DIR PORT UPSTREAM [WORKER_CONNECTIONS] [KEEPALIVE]: writes DIR/nginx.conf, one
+# worker proxying 127.0.0.1:PORT to UPSTREAM (http://host:port) as a plain streaming reverse
+# proxy (no buffering, keep-alive upstream, no access log): the floor a hop costs. Start it with
+#   "$NGINX_BIN" -p "DIR/" -c "DIR/nginx.conf"
+nginx_proxy_conf() {
+    local dir=$1 port=$2 upstream=${3#http://} conns=${4:-1024} keepalive=${5:-64}
+    mkdir -p "$dir"
+    cat >"$dir/nginx.conf" <<EOF
+worker_processes 1;
+daemon off;
+pid $dir/nginx.pid;
+error_log $dir/error.log warn;
+events { worker_connections $conns; }
+http {
+    access_log off;
+    client_body_temp_path $dir/client_body;
+    proxy_temp_path $dir/proxy;
+    tcp_nodelay on;
+    upstream backend { server $upstream; keepalive $keepalive; }
+    server {
+        listen 127.0.0.1:$port;
+        location / {
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }
+    }
+}
+EOF
 }
 
 # chat_lua FILE KEY: a wrk script sending a chat completion of max_tokens 16, not streamed, to

@@ -84,33 +84,9 @@ GW_URL=$(wait_url "$TMP/fleetgate.log" "$GW_PID" fleetgate)
 for _ in $(seq 1 100); do curl -sf -o /dev/null "$GW_URL/readyz" && break; sleep 0.1; done
 curl -sf -o /dev/null "$GW_URL/readyz" || die "fleetgate is not ready: $(tail -5 "$TMP/fleetgate.log")"
 
-# nginx on a free port (it cannot bind port 0 and say which), plain streaming proxy.
-NGINX_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-mkdir -p "$TMP/nginx"
-cat >"$TMP/nginx.conf" <<EOF
-worker_processes 1;
-daemon off;
-pid $TMP/nginx/nginx.pid;
-error_log $TMP/nginx/error.log warn;
-events { worker_connections 1024; }
-http {
-    access_log off;
-    client_body_temp_path $TMP/nginx/client_body;
-    proxy_temp_path $TMP/nginx/proxy;
-    tcp_nodelay on;
-    upstream vllm { server ${VLLM_URL#http://}; keepalive 64; }
-    server {
-        listen 127.0.0.1:$NGINX_PORT;
-        location / {
-            proxy_pass http://vllm;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }
-    }
-}
-EOF
-"$NGINX_BIN" -p "$TMP/nginx/" -c "$TMP/nginx.conf" -e "$TMP/nginx/error.log" >"$TMP/nginx.log" 2>&1 &
+NGINX_PORT=$(free_port)
+nginx_proxy_conf "$TMP/nginx" "$NGINX_PORT" "$VLLM_URL"
+"$NGINX_BIN" -p "$TMP/nginx/" -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" >"$TMP/nginx.log" 2>&1 &
 NGINX_PID=$!
 STARTED+=("$NGINX_PID")
 NGINX_URL="http://127.0.0.1:$NGINX_PORT"
