@@ -39,8 +39,8 @@ struct Real {
 async fn real(test: &str) -> Option<Real> {
     let Ok(url) = std::env::var("FLEETGATE_TEST_VLLM") else {
         eprintln!(
-            "SKIPPED {test}: FLEETGATE_TEST_VLLM is not set (scripts/real-vllm.sh start prints \
-             it; docs/testing.md)"
+            "\n*** SKIPPED {test} against real vLLM: FLEETGATE_TEST_VLLM is not set \
+             (scripts/real-vllm.sh start prints it; docs/testing.md). ***\n"
         );
         return None;
     };

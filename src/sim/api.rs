@@ -672,8 +672,10 @@ struct ModelList<'a> {
     data: Vec<ModelCard<'a>>,
 }
 
-/// `GET /v1/models`: one card per served name, as vLLM lists them.
+/// `GET /v1/models`: one card per served name, as vLLM lists them. `root` is the model vLLM
+/// loaded (its path), the same on every card: the sim's stand-in is its first served name.
 pub(crate) fn model_list(cfg: &SimConfig, created: u64) -> Vec<u8> {
+    let root = cfg.served_names.first().map_or("", String::as_str);
     let data = cfg
         .served_names
         .iter()
@@ -682,11 +684,11 @@ pub(crate) fn model_list(cfg: &SimConfig, created: u64) -> Vec<u8> {
             object: "model",
             created,
             owned_by: "vllm",
-            root: name,
+            root,
             parent: None,
             max_model_len: cfg.max_model_len,
             permission: [ModelPermission {
-                id: format!("modelperm-{:032x}", rand::random::<u128>()),
+                id: format!("modelperm-{:016x}", rand::random::<u64>()),
                 object: "model_permission",
                 created,
                 allow_create_engine: false,

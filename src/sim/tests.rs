@@ -494,6 +494,10 @@ async fn models_and_metrics() {
     assert_eq!(v["data"][0]["owned_by"], "vllm");
     assert_eq!(v["data"][0]["max_model_len"], 32768);
     assert!(v["data"][0]["parent"].is_null());
+    // vLLM's root is the model it loaded, the same on every card.
+    assert_eq!(v["data"][1]["root"], "a");
+    let perm = v["data"][0]["permission"][0]["id"].as_str().unwrap();
+    assert_eq!(perm.len(), "modelperm-".len() + 16, "{perm}");
 
     let req =
         json!({"model": "b", "messages": [{"role": "user", "content": "abcd"}], "max_tokens": 3});
