@@ -137,14 +137,7 @@ async fn a_backend_refusing_the_upstream_key_is_misconfigured_until_it_is_fixed(
     let mut p = pool("qwen32b", &[sim.url()]);
     p.upstream_api_key = Some(fleetgate::secret::Secret::new("a-wrong-key"));
     let gw = gateway_with(vec![p.clone()], |c| c.admin = admin_cfg()).await;
-    let mut state = Vec::new();
-    for _ in 0..100 {
-        state = admin_backends(&gw, "state").await;
-        if state == ["misconfigured"] {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let state = backend_states_become(&gw, &["misconfigured"]).await;
     assert_eq!(state, ["misconfigured"]);
     let why = admin_backends(&gw, "last_error").await;
     assert!(

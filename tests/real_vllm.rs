@@ -316,14 +316,7 @@ async fn a_wrong_upstream_key_is_found() {
     };
     let _turn = SERIAL.lock().await;
     let gw = gateway_to(&r, &r.model, "fg-wrong-key", false).await;
-    let mut state = Vec::new();
-    for _ in 0..100 {
-        state = admin_backends(&gw, "state").await;
-        if state == ["misconfigured"] {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let state = backend_states_become(&gw, &["misconfigured"]).await;
     assert_eq!(state, ["misconfigured"]);
     let (ready, _) = get(&gw.url("/readyz").to_string(), None).await;
     assert_eq!(ready, 503);

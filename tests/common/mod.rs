@@ -563,6 +563,19 @@ pub async fn admin_backends(gw: &Gateway, field: &str) -> Vec<String> {
         .collect()
 }
 
+/// The backends' states from `GET /admin/backends`, polled until they are `want` (at most 5 s).
+pub async fn backend_states_become(gw: &Gateway, want: &[&str]) -> Vec<String> {
+    let mut state = Vec::new();
+    for _ in 0..100 {
+        state = admin_backends(gw, "state").await;
+        if state == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    state
+}
+
 /// A backend that is not the sim (a load balancer's error page, a server without vLLM's
 /// routes): every request is answered by `answer(path)` = (status, content type, body).
 /// Returns its address and its task (abort it when done).
