@@ -164,6 +164,9 @@ request_log_events = false
 shutdown_grace_seconds = 1
 health_interval_ms = 5000
 workers = ${GATEWAY_WORKERS:-0}
+# Every client of this run is one address (the load generator on 127.0.0.1), and the memory
+# phase holds 5000 connections: more than its default share (half of max_connections).
+max_connections_per_address = 12000
 
 # By default like nginx (access_log off): no request log (its cost per row is measured on its
 # own by cargo bench --bench telemetry). REQUEST_LOG=1: as shipped, one row per request into

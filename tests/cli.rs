@@ -86,6 +86,36 @@ fn check_config_accepts_the_example() {
     );
 }
 
+/// A backend URL with credentials (`http://user:pass@host`) is refused, pointing to
+/// `upstream_api_key`, and the message never shows the password: the gateway would have put
+/// them in the request line and never sent them as credentials.
+#[test]
+fn a_backend_url_with_credentials_is_refused_without_showing_them() {
+    for backend in [
+        "\"http://vllm:s3cret-pw@127.0.0.1:8000\"",
+        "{ url = \"https://vllm:s3cret-pw@gpu.example:8443/v1\" }",
+    ] {
+        let cfg = temp_config(&format!(
+            "[[pools]]\nmodel = \"m\"\nbackends = [{backend}]\n"
+        ));
+        for cmd in ["check-config", "serve"] {
+            let out = Command::new(BIN)
+                .args([cmd, "--config"])
+                .arg(&cfg.0)
+                .output()
+                .unwrap();
+            assert_eq!(out.status.code(), Some(64), "{cmd}");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                stderr.contains("pools[0].backends[0]") && stderr.contains("upstream_api_key"),
+                "{cmd}: {stderr}"
+            );
+            assert!(!stderr.contains("s3cret-pw"), "{cmd}: {stderr}");
+            assert!(stderr.contains("***@"), "{cmd}: {stderr}");
+        }
+    }
+}
+
 #[test]
 fn bad_config_exits_64_naming_the_field() {
     let cfg = temp_config("[[pools]]\nmodel = \"m\"\nbackends = [\"10.0.0.1:8000\"]\n");

@@ -39,6 +39,9 @@ async fn short_timeouts(max_connections: usize) -> (Gateway, sim::SimServer) {
     let sim = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
         c.server.max_connections = max_connections;
+        // These tests come from one address: its share is the whole cap here (the share has
+        // a test of its own).
+        c.server.max_connections_per_address = u32::try_from(max_connections).unwrap();
         c.server.header_timeout = Duration::from_millis(500);
         c.server.keepalive_timeout = Duration::from_millis(500);
     })
@@ -212,4 +215,77 @@ async fn a_header_flood_is_refused_before_it_costs_anything() {
     );
     // The gateway serves as before.
     assert_eq!(stream(&gw, 4).await.status, 200);
+}
+
+/// Silent sockets from one address hold at most its share of the places
+/// (`server.max_connections_per_address`): its further connections are closed at once and
+/// counted, a client from another address (127.0.0.2) is served at once, and the admin
+/// listener's `/healthz` — where liveness is asked — answers throughout. Before the share,
+/// 448 sockets from one address kept every other client waiting for as long as they came back.
+#[tokio::test]
+async fn one_address_cannot_take_every_connection_place() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.server.max_connections = 8;
+        c.server.max_connections_per_address = 4;
+        // The silent ones stay for the whole test.
+        c.server.header_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let addr = gw.server.local_addr;
+    let mut silent = Vec::new();
+    for _ in 0..20 {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    // Those past the share were closed as soon as they were accepted.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut open = 0;
+    for s in &mut silent {
+        if closed_by_server(s, Duration::from_millis(200))
+            .await
+            .is_none()
+        {
+            open += 1;
+        }
+    }
+    assert_eq!(open, 4, "one address holds its share, no more");
+    assert!(
+        metric(&gw, "address_limit") >= 16.0,
+        "{}",
+        metrics_text(&gw)
+    );
+
+    // Another address gets a place at once.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut other = tokio::time::timeout(Duration::from_secs(2), sock.connect(addr))
+        .await
+        .unwrap()
+        .unwrap();
+    other
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = closed_by_server(&mut other, Duration::from_secs(2))
+        .await
+        .expect("another address is served at once");
+    assert!(
+        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+
+    // Liveness on the admin listener, whatever the API listener's clients do.
+    let mut admin = TcpStream::connect(gw.server.admin_addr.unwrap())
+        .await
+        .unwrap();
+    admin
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = closed_by_server(&mut admin, Duration::from_secs(2))
+        .await
+        .expect("the admin listener answers");
+    assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
+    drop(silent);
 }

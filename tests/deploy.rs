@@ -239,6 +239,17 @@ fn the_configmap_is_a_valid_config_the_pods_can_fill_in() {
     assert_eq!(c.limits.redis.as_ref().unwrap().replicas as f64, replicas);
     // The probes use the gateway's own endpoints.
     assert!(deployment.contains("path: /readyz") && deployment.contains("path: /healthz"));
+    // Liveness is asked on the admin port: clients filling the API listener's places cannot
+    // get a healthy gateway restarted.
+    for probe in ["livenessProbe:", "startupProbe:"] {
+        let block = deployment.split(probe).nth(1).unwrap();
+        let port = block
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("port:"))
+            .unwrap()
+            .trim();
+        assert_eq!(port, "admin", "{probe}");
+    }
 }
 
 #[test]
@@ -300,7 +311,7 @@ fn the_dockerfile_builds_what_ci_builds() {
     let _ = std::fs::remove_dir_all(&dir);
     // The health check's command exists and answers like the endpoint.
     assert!(
-        docker.contains(r#""/usr/local/bin/fleetgate", "probe", "http://127.0.0.1:8080/healthz""#)
+        docker.contains(r#""/usr/local/bin/fleetgate", "probe", "http://127.0.0.1:8081/healthz""#)
     );
 }
 

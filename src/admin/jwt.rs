@@ -31,10 +31,20 @@ pub struct Claims {
     /// Not before (epoch seconds): the token is refused until then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbf: Option<u64>,
+    /// One audience or several (RFC 7519 §4.1.3: a token whose list contains the configured
+    /// audience is accepted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub aud: Option<String>,
+    pub aud: Option<Audience>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub iss: Option<String>,
+}
+
+/// A token's `aud`: a string or a list of strings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Audience {
+    One(String),
+    Many(Vec<String>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +64,12 @@ pub enum JwtError {
     BadSignature,
     BadAudience,
     BadIssuer,
+    /// A claim the configuration requires (`aud`, `iss`) is absent.
+    MissingClaim(&'static str),
+    /// `exp` lies further ahead than `admin.jwt_max_lifetime_s` allows.
+    TooLong {
+        max_s: u64,
+    },
     BadClaims(String),
 }
 
@@ -73,6 +89,8 @@ impl JwtError {
             JwtError::BadSignature => "The admin token's signature does not verify with the configured key.".into(),
             JwtError::BadAudience => "The admin token's audience (`aud`) is not the configured one.".into(),
             JwtError::BadIssuer => "The admin token's issuer (`iss`) is not the configured one.".into(),
+            JwtError::MissingClaim(c) => format!("The admin token carries no `{c}`: this gateway requires it (admin.jwt_{}), so a token minted for another service cannot be used here.", if *c == "aud" { "audience" } else { "issuer" }),
+            JwtError::TooLong { max_s } => format!("The admin token's `exp` lies more than {max_s} s ahead (admin.jwt_max_lifetime_s): mint one with a shorter lifetime."),
             JwtError::BadClaims(m) => format!("The admin token's claims are not usable: {m} (needs `exp` and `role` admin|viewer)."),
         }
     }
@@ -103,6 +121,7 @@ pub struct Verifier {
     key: Option<DecodingKey>,
     validation: Validation,
     alg: JwtAlgorithm,
+    max_lifetime_s: Option<u64>,
 }
 
 /// Why the admin settings cannot verify tokens.
@@ -123,6 +142,10 @@ pub enum MintError {
         "admin-token mints HS256 tokens: set admin.jwt_secret (for RS256/ES256, sign tokens with your own private key)"
     )]
     NoSecret,
+    #[error(
+        "--ttl {ttl_s}s is longer than admin.jwt_max_lifetime_s = {max_s}: the gateway would refuse the token"
+    )]
+    TooLong { ttl_s: u64, max_s: u64 },
     #[error("the system clock is before 1970: {0}")]
     Clock(#[from] std::time::SystemTimeError),
     #[error("{0}")]
@@ -146,7 +169,17 @@ impl Verifier {
             }),
         };
         let mut validation = Validation::new(alg);
-        validation.set_required_spec_claims(&["exp"]);
+        // jsonwebtoken checks `aud` and `iss` only when a token carries them: a configured
+        // audience or issuer must also be present, or a token minted for anything else with
+        // the same key would do.
+        let mut required = vec!["exp"];
+        if cfg.jwt_audience.is_some() {
+            required.push("aud");
+        }
+        if cfg.jwt_issuer.is_some() {
+            required.push("iss");
+        }
+        validation.set_required_spec_claims(&required);
         validation.leeway = LEEWAY_SECONDS;
         // `nbf` is checked in `verify`, where its value is at hand for the message.
         validation.validate_nbf = false;
@@ -161,6 +194,7 @@ impl Verifier {
             key,
             validation,
             alg: cfg.jwt_algorithm,
+            max_lifetime_s: cfg.jwt_max_lifetime.map(|d| d.as_secs()),
         })
     }
 
@@ -184,15 +218,25 @@ impl Verifier {
                 ErrorKind::InvalidSignature => JwtError::BadSignature,
                 ErrorKind::InvalidAudience => JwtError::BadAudience,
                 ErrorKind::InvalidIssuer => JwtError::BadIssuer,
-                ErrorKind::MissingRequiredClaim(c) => {
-                    JwtError::BadClaims(format!("`{c}` is missing"))
-                }
+                ErrorKind::MissingRequiredClaim(c) => match c.as_str() {
+                    "aud" => JwtError::MissingClaim("aud"),
+                    "iss" => JwtError::MissingClaim("iss"),
+                    _ => JwtError::BadClaims(format!("`{c}` is missing")),
+                },
                 ErrorKind::Json(e) => JwtError::BadClaims(e.to_string()),
                 ErrorKind::InvalidToken | ErrorKind::Base64(_) | ErrorKind::Utf8(_) => {
                     JwtError::Malformed
                 }
                 other => JwtError::BadClaims(format!("{other:?}")),
             })?;
+        if let Some(max_s) = self.max_lifetime_s
+            && claims.exp
+                > now
+                    .saturating_add(max_s)
+                    .saturating_add(self.validation.leeway)
+        {
+            return Err(JwtError::TooLong { max_s });
+        }
         match claims.nbf {
             Some(nbf) if nbf > now.saturating_add(self.validation.leeway) => {
                 Err(JwtError::NotYetValid { nbf, now })
@@ -212,6 +256,14 @@ pub fn mint(
     let Some(JwtKey::Secret(secret)) = &cfg.jwt_key else {
         return Err(MintError::NoSecret);
     };
+    if let Some(max) = cfg.jwt_max_lifetime
+        && ttl > max
+    {
+        return Err(MintError::TooLong {
+            ttl_s: ttl.as_secs(),
+            max_s: max.as_secs(),
+        });
+    }
     let exp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs()
@@ -221,7 +273,7 @@ pub fn mint(
         role,
         exp,
         nbf: None,
-        aud: cfg.jwt_audience.clone(),
+        aud: cfg.jwt_audience.clone().map(Audience::One),
         iss: cfg.jwt_issuer.clone(),
     };
     jsonwebtoken::encode(
@@ -327,7 +379,7 @@ mod tests {
                     role: Role::Admin,
                     exp: u64::MAX / 4,
                     nbf: None,
-                    aud: Some(aud.into()),
+                    aud: Some(Audience::One(aud.into())),
                     iss: None,
                 },
                 &EncodingKey::from_ec_pem(kp.serialize_pem().as_bytes()).unwrap(),
@@ -395,5 +447,89 @@ mod tests {
 
     fn cfg_hs() -> AdminConfig {
         cfg("0123456789abcdef0123456789abcdef")
+    }
+
+    /// Sign arbitrary claims with the test secret.
+    fn sign_json(claims: serde_json::Value) -> String {
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &EncodingKey::from_secret(b"0123456789abcdef0123456789abcdef"),
+        )
+        .unwrap()
+    }
+
+    /// With an audience and an issuer configured, a token lacking either is refused (it was
+    /// accepted before: jsonwebtoken checks them only when present); a list-valued `aud`
+    /// containing the audience is accepted, one without it is not.
+    #[test]
+    fn a_configured_audience_and_issuer_are_required() {
+        let c = AdminConfig {
+            jwt_audience: Some("fleetgate-admin".into()),
+            jwt_issuer: Some("sso".into()),
+            ..cfg_hs()
+        };
+        let v = Verifier::new(&c).unwrap();
+        let exp = u64::MAX / 4;
+        let bare = sign_json(serde_json::json!({"role": "admin", "exp": exp}));
+        let e = v.verify(&bare).unwrap_err();
+        assert!(matches!(e, JwtError::MissingClaim(_)), "{e:?}");
+        let no_iss =
+            sign_json(serde_json::json!({"role": "admin", "exp": exp, "aud": "fleetgate-admin"}));
+        assert_eq!(
+            v.verify(&no_iss).unwrap_err(),
+            JwtError::MissingClaim("iss")
+        );
+        assert!(
+            v.verify(&no_iss)
+                .unwrap_err()
+                .message()
+                .contains("admin.jwt_issuer")
+        );
+        let no_aud = sign_json(serde_json::json!({"role": "admin", "exp": exp, "iss": "sso"}));
+        assert_eq!(
+            v.verify(&no_aud).unwrap_err(),
+            JwtError::MissingClaim("aud")
+        );
+        let listed = sign_json(serde_json::json!({
+            "role": "admin", "exp": exp, "iss": "sso", "aud": ["other", "fleetgate-admin"]
+        }));
+        assert_eq!(v.verify(&listed).unwrap().role, Role::Admin);
+        let elsewhere = sign_json(serde_json::json!({
+            "role": "admin", "exp": exp, "iss": "sso", "aud": ["other", "another"]
+        }));
+        assert_eq!(v.verify(&elsewhere).unwrap_err(), JwtError::BadAudience);
+        // Minted tokens carry both and pass.
+        let t = mint(&c, Role::Viewer, "ops", Duration::from_secs(60)).unwrap();
+        assert_eq!(v.verify(&t).unwrap().role, Role::Viewer);
+    }
+
+    /// `admin.jwt_max_lifetime_s` refuses a token whose `exp` lies further ahead (an `exp` of
+    /// 2^63 was accepted); without it, any future `exp` is.
+    #[test]
+    fn a_maximum_lifetime_refuses_far_expiries() {
+        let c = AdminConfig {
+            jwt_max_lifetime: Some(Duration::from_secs(3600)),
+            ..cfg_hs()
+        };
+        let v = Verifier::new(&c).unwrap();
+        let now = 1_800_000_000;
+        let token = |exp: u64| sign_json(serde_json::json!({"role": "admin", "exp": exp}));
+        assert!(v.verify_at(&token(now + 3600), now).is_ok());
+        assert_eq!(
+            v.verify_at(&token(1 << 63), now).unwrap_err(),
+            JwtError::TooLong { max_s: 3600 }
+        );
+        assert_eq!(
+            v.verify_at(&token(now + 3600 + LEEWAY_SECONDS + 1), now)
+                .unwrap_err(),
+            JwtError::TooLong { max_s: 3600 }
+        );
+        assert!(
+            Verifier::new(&cfg_hs())
+                .unwrap()
+                .verify_at(&token(1 << 63), now)
+                .is_ok()
+        );
     }
 }

@@ -100,13 +100,30 @@ fn store_error(e: &StoreError) -> AdminError {
             "invalid_value",
             m,
         ),
-        StoreError::Db(_) | StoreError::Migrate(_) => {
+        StoreError::Db(db) => {
+            tracing::error!(error = %e, "admin: key store error");
+            // The operator needs the cause (a read-only file, a full disk, a lost connection):
+            // it is the database's own words, never a key's secret.
+            let what = match db {
+                sqlx::Error::Database(_) => "The key store (database) refused the change",
+                _ => "The key store (database) is unreachable",
+            };
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "key_store_unavailable",
+                &format!(
+                    "{what}: {db}. Nothing was changed, here or on disk; retry when the database accepts writes again."
+                ),
+            )
+        }
+        StoreError::NotDurable(_) | StoreError::Migrate(_) => {
             tracing::error!(error = %e, "admin: key store error");
             error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",
                 "key_store_unavailable",
-                "The key store (database) is unreachable; nothing was changed. Retry when it is back.",
+                &format!("The key store failed: {e}. Nothing was changed in this gateway; retry."),
             )
         }
     }

@@ -36,6 +36,8 @@ pub struct AdminConfig {
     pub jwt_key: Option<JwtKey>,
     pub jwt_audience: Option<String>,
     pub jwt_issuer: Option<String>,
+    /// Tokens whose `exp` lies further ahead are refused (`None`: no maximum).
+    pub jwt_max_lifetime: Option<std::time::Duration>,
     /// TLS on the admin listener (`None`: plain HTTP, for loopback or behind a TLS proxy).
     pub tls: Option<super::TlsConfig>,
 }
@@ -48,6 +50,7 @@ impl Default for AdminConfig {
             jwt_key: None,
             jwt_audience: None,
             jwt_issuer: None,
+            jwt_max_lifetime: None,
             tls: None,
         }
     }
@@ -105,6 +108,16 @@ pub(super) fn validate(ad: RawAdmin, err: FileErrors<'_>) -> Result<AdminConfig,
         jwt_key,
         jwt_audience: ad.jwt_audience,
         jwt_issuer: ad.jwt_issuer,
+        jwt_max_lifetime: match ad.jwt_max_lifetime_s {
+            None => None,
+            Some(0) => {
+                return Err(err.at(
+                    "admin.jwt_max_lifetime_s",
+                    "must be > 0 (seconds; leave it out for no maximum)",
+                ));
+            }
+            Some(s) => Some(std::time::Duration::from_secs(s)),
+        },
         tls: ad.tls.map(|t| super::TlsConfig {
             cert: t.cert,
             key: t.key,

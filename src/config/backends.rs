@@ -59,6 +59,10 @@ pub enum BackendUrlError {
     NoScheme(String),
     #[error("`{0}` has no host")]
     NoHost(String),
+    #[error(
+        "`{0}` carries credentials (user:password@): fleetgate never sends a URL's userinfo; put the backend's key in `upstream_api_key` (sent as `Authorization: Bearer`)"
+    )]
+    Userinfo(String),
     #[error("`{0}` must not carry a query string")]
     Query(String),
     #[error("`{text}`: {source}")]
@@ -86,6 +90,13 @@ pub fn parse_backend_url(text: &str) -> Result<Uri, BackendUrlError> {
     }
     if uri.host().is_none() {
         return Err(BackendUrlError::NoHost(text.to_owned()));
+    }
+    if let Some(a) = uri.authority()
+        && let Some((_, host)) = a.as_str().rsplit_once('@')
+    {
+        // Named without the secret: the message reaches logs and check-config's output.
+        let shown = text.replacen(a.as_str(), &format!("***@{host}"), 1);
+        return Err(BackendUrlError::Userinfo(shown));
     }
     if uri.query().is_some() {
         return Err(BackendUrlError::Query(text.to_owned()));

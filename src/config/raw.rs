@@ -336,6 +336,8 @@ pub(super) struct RawAdmin {
     pub(super) jwt_public_key_file: Option<PathBuf>,
     pub(super) jwt_audience: Option<String>,
     pub(super) jwt_issuer: Option<String>,
+    /// Longest accepted time from now to a token's `exp`, in seconds.
+    pub(super) jwt_max_lifetime_s: Option<u64>,
     /// TLS on the admin listener (the API, `/metrics` and the console).
     #[serde(default)]
     pub(super) tls: Option<RawTls>,
@@ -350,6 +352,7 @@ impl Default for RawAdmin {
             jwt_public_key_file: None,
             jwt_audience: None,
             jwt_issuer: None,
+            jwt_max_lifetime_s: None,
             tls: None,
         }
     }
@@ -387,6 +390,10 @@ pub(super) struct RawServer {
     pub(super) watch_config: bool,
     #[serde(default)]
     pub(super) max_connections: usize,
+    #[serde(default)]
+    pub(super) max_connections_per_address: u32,
+    #[serde(default = "default_max_stream_line")]
+    pub(super) max_stream_line_bytes: u64,
     #[serde(default = "default_header_timeout")]
     pub(super) header_timeout_seconds: f64,
     #[serde(default = "default_keepalive_timeout")]
@@ -423,6 +430,8 @@ impl Default for RawServer {
             workers: 0,
             watch_config: false,
             max_connections: 0,
+            max_connections_per_address: 0,
+            max_stream_line_bytes: default_max_stream_line(),
             header_timeout_seconds: default_header_timeout(),
             keepalive_timeout_seconds: default_keepalive_timeout(),
             body_timeout_seconds: default_body_timeout(),
@@ -444,6 +453,9 @@ fn default_max_upstream_head() -> u64 {
 }
 fn default_max_upstream_header_value() -> u64 {
     DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES as u64
+}
+fn default_max_stream_line() -> u64 {
+    crate::openai::sse::DEFAULT_MAX_LINE as u64
 }
 fn default_grace() -> f64 {
     30.0

@@ -67,6 +67,13 @@ pub struct ServerConfig {
     /// Client connections open at once on the API listener (0: derived from the descriptor
     /// limit at start, see `server::conn_limit`).
     pub max_connections: usize,
+    /// Client connections one address (IPv6: one /64) may hold open on a listener (0: half of
+    /// the listener's cap); a connection past it is closed at once.
+    pub max_connections_per_address: u32,
+    /// The longest SSE line relayed from a backend, carried across reads: past it the stream
+    /// ends with an `upstream_protocol_error` event (a backend that never ends a line cannot
+    /// grow the gateway's memory).
+    pub max_stream_line_bytes: usize,
     /// A new connection must deliver its first request head (TLS handshake included) within
     /// this, or it is closed.
     pub header_timeout: Duration,
@@ -99,6 +106,8 @@ impl Default for ServerConfig {
             workers: 0,
             watch_config: false,
             max_connections: 0,
+            max_connections_per_address: 0,
+            max_stream_line_bytes: crate::openai::sse::DEFAULT_MAX_LINE,
             header_timeout: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),
@@ -168,6 +177,12 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
             ));
         }
     }
+    if s.max_stream_line_bytes < 4096 {
+        return Err(err.at(
+            "server.max_stream_line_bytes",
+            "must be at least 4096 (vLLM's events with logprobs or tool calls run to hundreds of kilobytes; the default is 1048576)",
+        ));
+    }
     if s.health_interval_ms == 0 {
         return Err(err.at("server.health_interval_ms", "must be > 0"));
     }
@@ -189,6 +204,8 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
         workers: s.workers,
         watch_config: s.watch_config,
         max_connections: s.max_connections,
+        max_connections_per_address: s.max_connections_per_address,
+        max_stream_line_bytes: usize::try_from(s.max_stream_line_bytes).unwrap_or(usize::MAX),
         header_timeout: Duration::from_secs_f64(s.header_timeout_seconds),
         keepalive_timeout: Duration::from_secs_f64(s.keepalive_timeout_seconds),
         body_timeout: Duration::from_secs_f64(s.body_timeout_seconds),

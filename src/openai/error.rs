@@ -24,6 +24,8 @@ pub enum ErrorKind {
     UpstreamTimeout,
     UpstreamError,
     UpstreamStreamError,
+    /// A backend broke the wire protocol (an SSE line longer than the relay carries).
+    UpstreamProtocol,
     ClientDisconnected,
     Unauthenticated,
     Forbidden,
@@ -36,7 +38,7 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 24] = [
+    pub const ALL: [ErrorKind; 25] = [
         ErrorKind::RouteNotFound,
         ErrorKind::MethodNotAllowed,
         ErrorKind::UnsupportedMediaType,
@@ -52,6 +54,7 @@ impl ErrorKind {
         ErrorKind::UpstreamTimeout,
         ErrorKind::UpstreamError,
         ErrorKind::UpstreamStreamError,
+        ErrorKind::UpstreamProtocol,
         ErrorKind::ClientDisconnected,
         ErrorKind::Unauthenticated,
         ErrorKind::Forbidden,
@@ -94,7 +97,8 @@ impl ErrorKind {
             // A backend's own error status is relayed as it is; the kind alone says 502.
             ErrorKind::BackendUnreachable
             | ErrorKind::UpstreamError
-            | ErrorKind::UpstreamStreamError => StatusCode::BAD_GATEWAY,
+            | ErrorKind::UpstreamStreamError
+            | ErrorKind::UpstreamProtocol => StatusCode::BAD_GATEWAY,
             ErrorKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -117,6 +121,7 @@ impl ErrorKind {
             ErrorKind::UpstreamTimeout => "upstream_timeout",
             ErrorKind::UpstreamError => "upstream_error",
             ErrorKind::UpstreamStreamError => "upstream_stream_error",
+            ErrorKind::UpstreamProtocol => "upstream_protocol_error",
             ErrorKind::ClientDisconnected => "client_disconnected",
             ErrorKind::Unauthenticated => "unauthenticated",
             ErrorKind::Forbidden => "forbidden",

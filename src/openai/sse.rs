@@ -45,28 +45,81 @@ pub struct DataLine<'a> {
 }
 
 /// Line splitter and classifier; one per stream, reused across reads.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SseScanner {
     /// Bytes of a line whose end has not arrived yet.
     carry: Vec<u8>,
+    /// The longest line carried over; a longer one stops the scan (`overlong`).
+    max_line: usize,
+    /// A line grew past `max_line` without its end: nothing more is scanned.
+    overlong: bool,
 }
 
+impl Default for SseScanner {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The longest SSE line a relay carries across reads by default (`server.max_stream_line_bytes`):
+/// vLLM's longest events (a whole tool call's arguments, a usage chunk with logprobs) are a few
+/// hundred kilobytes at most.
+pub const DEFAULT_MAX_LINE: usize = 1 << 20;
+
 impl SseScanner {
+    /// A scanner with no line limit (trusted input: tests, the bench's own measurements).
     pub fn new() -> Self {
-        Self::default()
+        Self::with_line_limit(usize::MAX)
+    }
+
+    /// A scanner that carries at most `max_line` bytes of an unfinished line: a backend that
+    /// sends a line with no end (a hostile or broken one) cannot grow the memory it holds.
+    pub fn with_line_limit(max_line: usize) -> Self {
+        Self {
+            carry: Vec::new(),
+            max_line,
+            overlong: false,
+        }
+    }
+
+    /// The longest line carried.
+    pub fn max_line(&self) -> usize {
+        self.max_line
+    }
+
+    /// A line grew past the limit without its end; the scan stopped there.
+    pub fn overlong(&self) -> bool {
+        self.overlong
+    }
+
+    /// Carry `bytes` of an unfinished line, or stop the scan when that would pass the limit
+    /// (the carry's memory is given back).
+    fn carry_over(&mut self, bytes: &[u8]) {
+        if self.carry.len() + bytes.len() > self.max_line {
+            self.overlong = true;
+            self.carry = Vec::new();
+        } else {
+            self.carry.extend_from_slice(bytes);
+        }
     }
 
     /// Feed one read's bytes; `on_data` is called for every `data:` line completed in it.
     pub fn feed(&mut self, chunk: &[u8], mut on_data: impl FnMut(DataLine<'_>)) {
+        if self.overlong {
+            return;
+        }
         let mut pos = 0;
         if !self.carry.is_empty() {
             match memchr(b'\n', chunk) {
                 None => {
-                    self.carry.extend_from_slice(chunk);
+                    self.carry_over(chunk);
                     return;
                 }
                 Some(i) => {
-                    self.carry.extend_from_slice(&chunk[..i]);
+                    self.carry_over(&chunk[..i]);
+                    if self.overlong {
+                        return;
+                    }
                     let line = std::mem::take(&mut self.carry);
                     handle_line(&line, None, &mut on_data);
                     // Keep the allocation for the next split line.
@@ -83,7 +136,7 @@ impl SseScanner {
             pos = end;
         }
         if pos < chunk.len() {
-            self.carry.extend_from_slice(&chunk[pos..]);
+            self.carry_over(&chunk[pos..]);
         }
     }
 
@@ -230,6 +283,36 @@ mod tests {
         }
         s.finish(|d| out.push(d.kind));
         out
+    }
+
+    /// A line with no end stops the scan at the limit and gives its memory back; a line
+    /// of exactly the limit, split over reads, still passes.
+    #[test]
+    fn an_endless_line_stops_at_the_limit() {
+        let mut s = SseScanner::with_line_limit(1 << 20);
+        let mut seen = 0;
+        s.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"", |_| {
+            seen += 1
+        });
+        let junk = vec![b'a'; 256 * 1024];
+        for _ in 0..3 {
+            s.feed(&junk, |_| seen += 1);
+            assert!(!s.overlong());
+        }
+        s.feed(&junk, |_| seen += 1);
+        assert!(s.overlong(), "past 1 MiB");
+        assert_eq!(s.carry.capacity(), 0, "the carried bytes are freed");
+        s.feed(b"\"}}]}\n\ndata: [DONE]\n\n", |_| seen += 1);
+        assert_eq!(seen, 0, "nothing is scanned after the violation");
+
+        let mut s = SseScanner::with_line_limit(16);
+        let mut kinds = Vec::new();
+        s.feed(b"data: [DO", |l| kinds.push(l.kind));
+        s.feed(b"NE]1234\n", |l| kinds.push(l.kind));
+        assert!(!s.overlong());
+        s.feed(b"data: 12345678901", |l| kinds.push(l.kind));
+        assert!(s.overlong());
+        assert_eq!(kinds, [DataKind::NoChoices]);
     }
 
     #[test]

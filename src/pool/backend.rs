@@ -43,6 +43,8 @@ pub struct Backend {
     pub detokenize_uri: Uri,
     pub health_uri: Uri,
     pub metrics_uri: Uri,
+    /// The `Host` every request to it carries (its authority), made once.
+    pub host: HeaderValue,
     pub in_flight: AtomicU32,
     /// Requests running + waiting on the backend by its own `/metrics` (all gateways' and
     /// anyone else's), when the pool is load-aware; 0 otherwise or when unread.
@@ -170,8 +172,12 @@ impl Backend {
             [&chat_uri, &completions_uri, &tokenize_uri, &detokenize_uri],
             upstream_auth.as_ref(),
         );
+        let authority = chat_uri.authority().map_or("", |a| a.as_str());
+        let host = HeaderValue::from_str(authority)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{e}")))?;
         Ok(Self {
             base: Arc::from(trimmed),
+            host,
             slot,
             chat_uri,
             completions_uri,

@@ -451,13 +451,17 @@ impl Conns {
         backend: usize,
         mut req: Request<Full<Bytes>>,
     ) -> Result<Response<UpstreamBody>, SendError> {
+        // The request goes out in origin form (`POST /v1/chat/completions`) with the
+        // backend's `Host`, as RFC 9112 §3.2 asks of a request to an origin server: hyper's
+        // connection writes the URI as given, and nginx and h11 refuse a request without Host.
+        let target = origin_form(&mut req);
         loop {
             let (mut conn, reused) = match self.shared.take(backend) {
                 Some(c) => (c, true),
                 // Boxed: the connect future (DNS, TCP, TLS) is large, and an inline one would
                 // grow every request's future — which the client connection keeps allocated
                 // for its whole life — for the rare request that opens a connection.
-                None => (Box::pin(self.connect(req.uri().clone())).await?, false),
+                None => (Box::pin(self.connect(target.clone())).await?, false),
             };
             let mut answer = std::pin::pin!(conn.sender.try_send_request(req));
             let got = poll_fn(|cx| conn.drive_with(cx, |fcx| answer.as_mut().poll(fcx))).await;
@@ -489,6 +493,12 @@ impl Conns {
     }
 
     async fn connect(&self, uri: http::Uri) -> Result<Box<Conn>, SendError> {
+        if uri.authority().is_none() {
+            return Err(SendError {
+                connect: true,
+                source: "the request names no backend (its URI has no authority)".into(),
+            });
+        }
         let connect_error = |e: BoxError| SendError {
             connect: true,
             source: e,
@@ -519,4 +529,30 @@ impl Conns {
             ended: None,
         }))
     }
+}
+
+/// Put `req` in origin form: its URI becomes the path and query alone, and `Host` is set from
+/// the authority (without userinfo) unless the caller set it already (the request path sets
+/// the backend's precomputed value, so nothing is formatted per request). Returns the URI to
+/// connect to: the one given, scheme and authority included.
+fn origin_form<B>(req: &mut Request<B>) -> http::Uri {
+    let target = req.uri().clone();
+    let Some(authority) = target.authority() else {
+        return target;
+    };
+    if !req.headers().contains_key(http::header::HOST) {
+        let host = authority
+            .as_str()
+            .rsplit_once('@')
+            .map_or(authority.as_str(), |(_, h)| h);
+        if let Ok(v) = http::HeaderValue::from_str(host) {
+            req.headers_mut().insert(http::header::HOST, v);
+        }
+    }
+    let path = target
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    *req.uri_mut() = http::Uri::from(path);
+    target
 }

@@ -89,6 +89,8 @@ pub enum ApiError {
     },
     #[error("backend {backend} closed the stream before [DONE]")]
     UpstreamStreamCut { backend: String },
+    #[error("backend {backend} sent an SSE line longer than {limit} bytes")]
+    UpstreamLineTooLong { backend: String, limit: usize },
     #[error("backend {backend} failed mid-stream: {detail}")]
     UpstreamStreamFailed { backend: String, detail: String },
     /// The gateway is stopping and its grace period ran out while this stream was open.
@@ -129,6 +131,7 @@ impl ApiError {
             ApiError::UpstreamStreamCut { .. } | ApiError::UpstreamStreamFailed { .. } => {
                 ErrorKind::UpstreamStreamError
             }
+            ApiError::UpstreamLineTooLong { .. } => ErrorKind::UpstreamProtocol,
             ApiError::Shutdown { .. } => ErrorKind::Shutdown,
             ApiError::Auth(f) => f.kind(),
             ApiError::Limited(r) => r.kind.error_kind(),
@@ -292,6 +295,14 @@ impl ApiError {
                 "upstream_error",
                 None,
                 "upstream_stream_cut",
+            ),
+            ApiError::UpstreamLineTooLong { backend, limit } => (
+                format!(
+                    "Backend {backend} broke the SSE protocol: a line grew past {limit} bytes without its end (server.max_stream_line_bytes); the response is incomplete."
+                ),
+                "upstream_error",
+                None,
+                "upstream_protocol_error",
             ),
             ApiError::UpstreamStreamFailed { backend, detail } => (
                 format!("Backend {backend} failed after the response started: {detail}."),

@@ -67,6 +67,8 @@ pub struct ProxyState {
     pub limits: Arc<crate::limits::Limits>,
     pub queue: crate::config::QueueConfig,
     pub queue_metrics: Option<queue::QueueMetrics>,
+    /// The longest SSE line a relay carries across reads (`server.max_stream_line_bytes`).
+    pub max_stream_line: usize,
     /// Cancelled when the shutdown grace period has run out: what is still open ends now,
     /// with an error the client can read (`ApiError::Shutdown`).
     pub closing: Closing,
@@ -520,6 +522,7 @@ fn relay_body(
         timing_trailer,
         closing: state.closing.clone(),
         rename,
+        max_line: state.max_stream_line,
     };
     RelayBody::new(upstream, options, slot, ex, first)
 }

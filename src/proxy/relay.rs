@@ -144,10 +144,11 @@ impl RelayBody {
             timing_trailer,
             closing,
             mut rename,
+            max_line,
         } = options;
         let now = Instant::now();
         let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
-        let mut scanner = SseScanner::new();
+        let mut scanner = SseScanner::with_line_limit(max_line);
         let mut ready = Ready::default();
         if let Some(data) = first {
             // A frame read together with the head: account for it as if just relayed.
@@ -262,6 +263,8 @@ pub struct RelayOptions {
     pub closing: super::Closing,
     /// The client's name for the model, back in the answer.
     pub rename: Option<Box<super::rename::Rename>>,
+    /// The longest SSE line carried across reads (`server.max_stream_line_bytes`).
+    pub max_line: usize,
 }
 
 /// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
@@ -468,6 +471,19 @@ impl RelayBody {
                 // is usually earlier, so it is re-armed here, once per stream.
                 let idle = deadline(*this.sent_at, now, true, true, this.timeouts);
                 this.timer.reset(idle.into());
+            }
+            if this.scanner.overlong() {
+                // The backend broke the protocol: a line with no end, past the limit. What the
+                // scanner carried is freed; the stream ends with an error event, and dropping
+                // the upstream body closes the connection (the backend stops writing).
+                this.ex.record.error = Some(ErrorKind::UpstreamProtocol);
+                let err = ApiError::UpstreamLineTooLong {
+                    backend: this.slot.backend().base.to_string(),
+                    limit: this.scanner.max_line(),
+                };
+                tracing::warn!(backend = %this.slot.backend().base, limit = this.scanner.max_line(), "backend sent an SSE line past the limit: stream ended");
+                *this.state = State::Closing(err.sse_event(true));
+                return None;
             }
             match scanned {
                 Some(rest) => data = rest,

@@ -493,6 +493,7 @@ fn upstream_request(backend: &Backend, prepared: Prepared) -> Request<Full<Bytes
     if let Some(auth) = &backend.upstream_auth {
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
+    headers.insert(header::HOST, backend.host.clone());
     let mut req = Request::new(Full::new(body));
     *req.method_mut() = Method::POST;
     *req.uri_mut() = match endpoint {

@@ -3,6 +3,9 @@
 //! - a cap on open connections per listener (`server.max_connections`, by default derived from
 //!   the descriptor limit so that every client connection can still get an upstream connection
 //!   and the store, Redis and the probes keep their descriptors);
+//! - a cap per client address (`server.max_connections_per_address`, IPv6 by /64; by default
+//!   half the listener's cap), so one address cannot hold every place: a connection past it is
+//!   closed at once;
 //! - a deadline for a new connection to deliver its first request head (TLS handshake
 //!   included): a silent or trickling socket is closed;
 //! - a back-off when `accept` fails for want of descriptors or memory, instead of a spin.
@@ -10,9 +13,11 @@
 //! At the cap the listener stops accepting: new connections wait in the kernel's listen backlog
 //! until one closes (the way nginx behaves at `worker_connections`), and one warning says so.
 
+use std::collections::HashMap;
 use std::io;
-use std::sync::Arc;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
@@ -82,8 +87,10 @@ impl ConnMetrics {
                 "fleetgate_client_connection_events_total",
                 "Client connections closed or held back by the gateway's own bounds: \
                  header_timeout (no complete request head in time), limit_reached (the \
-                 listener stopped accepting at server.max_connections), accept_error \
-                 (accept failed, e.g. out of descriptors).",
+                 listener stopped accepting at server.max_connections), address_limit \
+                 (closed at once: its address, IPv6 by /64, already had \
+                 server.max_connections_per_address open), accept_error (accept failed, e.g. \
+                 out of descriptors).",
             ),
             &["listener", "event"],
         )?;
@@ -99,6 +106,11 @@ pub struct ConnLimit {
     listener: &'static str,
     max: usize,
     permits: Arc<Semaphore>,
+    /// Connections one address may hold open.
+    per_address: u32,
+    /// Open connections by address (IPv6 by /64); entries leave at zero.
+    by_address: Arc<Mutex<HashMap<IpKey, u32>>>,
+    last_address_warned_ms: AtomicU64,
     /// A new connection must deliver its first request head within this.
     pub header_timeout: Duration,
     /// An HTTP/1.1 connection idle between requests closes after this.
@@ -129,6 +141,56 @@ impl Drop for ConnPermit {
     }
 }
 
+/// What a client address is counted by: an IPv4 address, or an IPv6 /64 (one host usually
+/// has a whole /64 to pick addresses from). IPv4-mapped IPv6 addresses count as IPv4.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IpKey {
+    V4([u8; 4]),
+    V6Prefix([u8; 8]),
+}
+
+impl IpKey {
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => IpKey::V4(v4.octets()),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpKey::V4(v4.octets()),
+                None => {
+                    let o = v6.octets();
+                    let mut prefix = [0u8; 8];
+                    prefix.copy_from_slice(&o[..8]);
+                    IpKey::V6Prefix(prefix)
+                }
+            },
+        }
+    }
+}
+
+/// A connection's place in its address's share; dropping it frees the place.
+#[derive(Debug)]
+pub struct AddressPlace {
+    key: IpKey,
+    by_address: Arc<Mutex<HashMap<IpKey, u32>>>,
+}
+
+impl Drop for AddressPlace {
+    fn drop(&mut self) {
+        let mut map = self.by_address.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = map.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                map.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// The share of one address when `server.max_connections_per_address` is 0: half the
+/// listener's cap, so one address never holds every place.
+pub fn derived_per_address(max: usize) -> u32 {
+    u32::try_from((max / 2).max(1)).unwrap_or(u32::MAX)
+}
+
 impl ConnLimit {
     pub fn new(
         listener: &'static str,
@@ -136,10 +198,17 @@ impl ConnLimit {
         server: &crate::config::ServerConfig,
         metrics: Option<ConnMetrics>,
     ) -> Arc<Self> {
+        let per_address = match server.max_connections_per_address {
+            0 => derived_per_address(max),
+            n => n,
+        };
         Arc::new(Self {
             listener,
             max,
             permits: Arc::new(Semaphore::new(max.max(1))),
+            per_address,
+            by_address: Arc::new(Mutex::new(HashMap::new())),
+            last_address_warned_ms: AtomicU64::new(0),
             header_timeout: server.header_timeout,
             keepalive_timeout: server.keepalive_timeout,
             max_head: server.max_request_head_bytes,
@@ -160,6 +229,49 @@ impl ConnLimit {
         self.listener
     }
 
+    pub fn per_address(&self) -> u32 {
+        self.per_address
+    }
+
+    /// A place for one more connection from `ip`, or `None` when its address already holds
+    /// its share (the connection is to be closed; counted, and said once per episode).
+    pub fn admit(&self, ip: IpAddr) -> Option<AddressPlace> {
+        let key = IpKey::of(ip);
+        {
+            let mut map = self.by_address.lock().unwrap_or_else(|e| e.into_inner());
+            let n = map.entry(key).or_insert(0);
+            if *n < self.per_address {
+                *n += 1;
+                return Some(AddressPlace {
+                    key,
+                    by_address: self.by_address.clone(),
+                });
+            }
+        }
+        self.count("address_limit");
+        if self.once_per_episode(&self.last_address_warned_ms) {
+            tracing::warn!(
+                listener = self.listener,
+                client = %ip,
+                max_connections_per_address = self.per_address,
+                "a client address holds {} connections (server.max_connections_per_address): \
+                 its next connections are closed at once",
+                self.per_address
+            );
+        }
+        None
+    }
+
+    /// True at most once per 10 s for `last` (a warning's episode).
+    fn once_per_episode(&self, last: &AtomicU64) -> bool {
+        let now_ms = self.epoch.elapsed().as_millis() as u64 + 10_000;
+        let prev = last.load(Ordering::Relaxed);
+        now_ms.saturating_sub(prev) >= 10_000
+            && last
+                .compare_exchange(prev, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+
     fn permit(&self, p: OwnedSemaphorePermit) -> ConnPermit {
         let gauge = self.open.clone();
         if let Some(g) = &gauge {
@@ -177,14 +289,7 @@ impl ConnLimit {
     /// Wait for a place; says once per episode (at most every 10 s) that the cap is reached.
     pub async fn acquire(&self) -> Option<ConnPermit> {
         self.count("limit_reached");
-        let now_ms = self.epoch.elapsed().as_millis() as u64 + 10_000;
-        let last = self.last_warned_ms.load(Ordering::Relaxed);
-        if now_ms.saturating_sub(last) >= 10_000
-            && self
-                .last_warned_ms
-                .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        if self.once_per_episode(&self.last_warned_ms) {
             tracing::warn!(
                 listener = self.listener,
                 max_connections = self.max,
@@ -287,6 +392,34 @@ mod tests {
         assert_eq!(derived_max_connections(Some(1024)), 448);
         assert_eq!(derived_max_connections(Some(65_536)), 32_704);
         assert_eq!(derived_max_connections(Some(100)), MIN_DERIVED);
+    }
+
+    /// An address holds at most its share; IPv6 addresses of one /64 share one, and an
+    /// IPv4-mapped address counts as its IPv4 one; a closed connection frees its place.
+    #[test]
+    fn each_address_holds_at_most_its_share() {
+        let server = crate::config::ServerConfig {
+            max_connections_per_address: 2,
+            ..Default::default()
+        };
+        let limit = ConnLimit::new("api", 10, &server, None);
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        let p1 = limit.admit(a).unwrap();
+        let _p2 = limit.admit(mapped).unwrap();
+        assert!(limit.admit(a).is_none());
+        assert!(limit.admit("10.0.0.2".parse().unwrap()).is_some());
+        drop(p1);
+        assert!(limit.admit(a).is_some());
+        let v6 = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let _q1 = limit.admit(v6("2001:db8:1:2::1")).unwrap();
+        let _q2 = limit.admit(v6("2001:db8:1:2:ffff::9")).unwrap();
+        assert!(limit.admit(v6("2001:db8:1:2::77")).is_none(), "same /64");
+        assert!(limit.admit(v6("2001:db8:1:3::1")).is_some(), "another /64");
+        // The default share is half the cap.
+        let derived = ConnLimit::new("api", 448, &crate::config::ServerConfig::default(), None);
+        assert_eq!(derived.per_address(), 224);
+        assert_eq!(derived_per_address(1), 1);
     }
 
     #[test]

@@ -392,6 +392,7 @@ impl Server {
                 generation: fleet.for_worker()?,
                 max_body_bytes: config.server.max_body_bytes,
                 body_timeout: config.server.body_timeout,
+                max_stream_line: config.server.max_stream_line_bytes,
                 head_limits: crate::proxy::upstream::HeadLimits {
                     max_head: config.server.max_upstream_head_bytes,
                     max_value: config.server.max_upstream_header_value_bytes,
@@ -652,6 +653,12 @@ async fn accept_loop<H, F>(
                 }
             },
         };
+        // One address never holds more than its share of the places: past it the connection
+        // is closed at once, and the place stays for the next one.
+        let Some(address_place) = limit.admit(peer.ip()) else {
+            drop(stream);
+            continue;
+        };
         let Some(permit) = place.take() else {
             continue;
         };
@@ -674,7 +681,7 @@ async fn accept_loop<H, F>(
         let acceptor = tls.clone();
         let limit = limit.clone();
         conns.spawn(async move {
-            let _permit = permit;
+            let _permit = (permit, address_place);
             let deadline = tokio::time::sleep(limit.header_timeout);
             let serve = async move {
                 let result = match acceptor {

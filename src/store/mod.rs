@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sqlx::any::{AnyPoolOptions, AnyRow};
-use sqlx::{AnyPool, Row};
+use sqlx::pool::PoolConnection;
+use sqlx::{AnyPool, Connection as _, Database, Pool, Row};
 
 use crate::clock::wall_ms;
 use crate::config::{DatabaseConfig, DbKind};
@@ -34,6 +35,46 @@ pub enum StoreError {
     AlreadyRevoked(String),
     #[error("{0}")]
     Invalid(String),
+    /// The change was committed, yet reading it back shows the old state: it is not taken
+    /// as done (nothing is applied in memory).
+    #[error("the change to key `{0}` did not reach the database (read back unchanged)")]
+    NotDurable(String),
+}
+
+/// A connection taken from a pool for one write transaction. It goes back to the pool only
+/// when `keep` is called after the commit (or a clean rollback); dropped otherwise — the write
+/// failed, or was cancelled — it is closed, and the pool opens a fresh one. A connection whose
+/// write failed may still be inside its transaction: SQLite leaves it open when `COMMIT` fails
+/// (a read-only file, a full disk), sqlx then nests the next `begin` as a SAVEPOINT whose
+/// release commits nothing, and the open transaction holds the write lock, so every other
+/// writer gets "database is locked" until the process restarts.
+pub struct WriteConn<DB: Database>(Option<PoolConnection<DB>>);
+
+impl<DB: Database> WriteConn<DB> {
+    pub async fn acquire(pool: &Pool<DB>) -> Result<Self, sqlx::Error> {
+        Ok(Self(Some(pool.acquire().await?)))
+    }
+
+    /// The connection (present until `keep` or drop).
+    pub fn conn(&mut self) -> &mut DB::Connection {
+        match self.0.as_mut() {
+            Some(c) => c,
+            None => unreachable!("a WriteConn is used only before `keep` consumes it"),
+        }
+    }
+
+    /// The transaction ended cleanly: the connection goes back to the pool.
+    pub fn keep(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl<DB: Database> Drop for WriteConn<DB> {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            c.close_on_drop();
+        }
+    }
 }
 
 /// What `keys create` / `POST /admin/keys` ask for.
@@ -344,7 +385,8 @@ impl KeyStore {
             .metadata
             .as_ref()
             .map_or_else(|| "{}".to_owned(), |m| m.to_string());
-        let mut tx = self.pool.begin().await?;
+        let mut w = WriteConn::acquire(&self.pool).await?;
+        let mut tx = w.conn().begin().await?;
         sqlx::query(
             "INSERT INTO api_keys (public_id, name, environment, secret_hash, created_at, created_by, \
              expires_at, allowed_models, requests_per_minute, tokens_per_minute, max_concurrent_streams, \
@@ -374,6 +416,7 @@ impl KeyStore {
         )
         .await?;
         tx.commit().await?;
+        w.keep();
         let record = self
             .get(&new.public_id)
             .await?
@@ -395,7 +438,8 @@ impl KeyStore {
             ));
         }
         let now = wall_ms();
-        let mut tx = self.pool.begin().await?;
+        let mut w = WriteConn::acquire(&self.pool).await?;
+        let mut tx = w.conn().begin().await?;
         let done = sqlx::query(
             "UPDATE api_keys SET revoked_at = $1, revoked_by = $2, revoke_reason = $3, updated_at = $1 \
              WHERE public_id = $4 AND revoked_at IS NULL",
@@ -408,6 +452,7 @@ impl KeyStore {
         .await?;
         if done.rows_affected() == 0 {
             tx.rollback().await?;
+            w.keep();
             return Err(match self.get(public_id).await? {
                 Some(_) => StoreError::AlreadyRevoked(public_id.to_owned()),
                 None => StoreError::NotFound(public_id.to_owned()),
@@ -422,9 +467,16 @@ impl KeyStore {
         )
         .await?;
         tx.commit().await?;
-        self.get(public_id)
+        w.keep();
+        let record = self
+            .get(public_id)
             .await?
-            .ok_or_else(|| StoreError::NotFound(public_id.to_owned()))
+            .ok_or_else(|| StoreError::NotFound(public_id.to_owned()))?;
+        // Never report the old state as done: a revoke read back unrevoked did not happen.
+        if record.revoked_at.is_none() {
+            return Err(StoreError::NotDurable(public_id.to_owned()));
+        }
+        Ok(record)
     }
 
     /// Give a key a new secret; the old one keeps working for `grace`.
@@ -444,7 +496,8 @@ impl KeyStore {
         let now = wall_ms();
         let until = now.saturating_add(i64::try_from(grace.as_millis()).unwrap_or(i64::MAX));
         let new = key::generate(current.environment, Some(public_id));
-        let mut tx = self.pool.begin().await?;
+        let mut w = WriteConn::acquire(&self.pool).await?;
+        let mut tx = w.conn().begin().await?;
         sqlx::query(
             "UPDATE api_keys SET previous_secret_hash = secret_hash, previous_valid_until = $1, \
              secret_hash = $2, updated_at = $3 WHERE public_id = $4 AND revoked_at IS NULL",
@@ -464,10 +517,14 @@ impl KeyStore {
         )
         .await?;
         tx.commit().await?;
+        w.keep();
         let record = self
             .get(public_id)
             .await?
             .ok_or_else(|| StoreError::NotFound(public_id.to_owned()))?;
+        if record.previous.map(|(_, u)| u) != Some(until) {
+            return Err(StoreError::NotDurable(public_id.to_owned()));
+        }
         Ok((new.full, record))
     }
 
@@ -531,9 +588,11 @@ impl KeyStore {
         public_id: Option<&str>,
         detail: serde_json::Value,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut w = WriteConn::acquire(&self.pool).await?;
+        let mut tx = w.conn().begin().await?;
         audit(&mut tx, actor, action, public_id, detail).await?;
         tx.commit().await?;
+        w.keep();
         Ok(())
     }
 

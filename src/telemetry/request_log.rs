@@ -634,7 +634,11 @@ impl Sink {
                 Ok(())
             }
             Sink::Sqlite { pool, statements } => {
-                let mut tx = pool.begin().await?;
+                // A write that fails (or is cancelled by the timeout) closes its connection
+                // (`WriteConn`): one left inside its transaction would take every later batch
+                // and replay with it, committing nothing.
+                let mut w = crate::store::WriteConn::acquire(pool).await?;
+                let mut tx = sqlx::Connection::begin(w.conn()).await?;
                 let mut rest = rows;
                 while !rest.is_empty() {
                     let i = SQLITE_ROWS
@@ -670,7 +674,9 @@ impl Sink {
                     q.execute(&mut *tx).await?;
                     rest = tail;
                 }
-                tx.commit().await
+                tx.commit().await?;
+                w.keep();
+                Ok(())
             }
         }
     }
@@ -748,11 +754,14 @@ async fn insert(store: &KeyStore, rows: &[LogRow]) -> Result<(), sqlx::Error> {
         DbKind::Postgres => 1000,
         DbKind::Sqlite => 50,
     };
-    let mut tx = store.pool().begin().await?;
+    let mut w = crate::store::WriteConn::acquire(store.pool()).await?;
+    let mut tx = sqlx::Connection::begin(w.conn()).await?;
     for chunk in rows.chunks(per_statement) {
         insert_rows(&mut tx, store.kind(), chunk).await?;
     }
-    tx.commit().await
+    tx.commit().await?;
+    w.keep();
+    Ok(())
 }
 
 /// `INSERT INTO request_log (…) VALUES (…), …` for `rows` rows; `replay` makes it skip rows

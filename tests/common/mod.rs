@@ -673,3 +673,92 @@ impl HeadRecorder {
         self.heads.lock().unwrap().clone()
     }
 }
+
+/// Whether an outside tool a test needs is here; `None` (loudly) when it is not — except under
+/// `CI=true`, where `.ci/run` installs it and its absence is a failure.
+pub fn tool_or_skip(test: &str, what: &str, present: bool) -> Option<()> {
+    if present {
+        return Some(());
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{test}: {what} is required under CI=true (.ci/run installs it)");
+    }
+    eprintln!("\n*** SKIPPED {test}: {what} is not installed (.ci/run installs it). ***\n");
+    None
+}
+
+/// A child process stopped when dropped: SIGTERM first (nginx's master then stops its
+/// workers; SIGKILL would leave them running), SIGKILL after 2 s.
+pub struct Child(pub std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(self.0.id().to_string())
+            .status();
+        for _ in 0..200 {
+            if matches!(self.0.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Wait (at most 10 s) until something accepts connections on `addr`.
+pub async fn listening(addr: SocketAddr) {
+    for _ in 0..1000 {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("nothing listens on {addr} after 10 s");
+}
+
+/// Debian's nginx as a plain reverse proxy on a free port in front of `upstream` (it cannot
+/// bind port 0 and say which: the port is free at this moment), or `None` when nginx is not
+/// installed. nginx enforces HTTP/1.1: a request without `Host` gets 400.
+pub async fn nginx_in_front(
+    test: &str,
+    upstream: SocketAddr,
+) -> Option<(Child, SocketAddr, TempDir)> {
+    let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists());
+    tool_or_skip(test, "Debian's nginx", bin.is_some())?;
+    let dir = temp_dir("nginx");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let d = dir.display();
+    std::fs::write(
+        dir.join("nginx.conf"),
+        format!(
+            "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
+             events {{ worker_connections 256; }}\nhttp {{\n access_log off;\n \
+             client_body_temp_path {d}/client_body;\n proxy_temp_path {d}/proxy;\n \
+             upstream backend {{ server {upstream}; keepalive 16; }}\n \
+             server {{\n  listen 127.0.0.1:{port};\n  location / {{\n   proxy_pass http://backend;\n   \
+             proxy_http_version 1.1;\n   proxy_set_header Connection \"\";\n   proxy_buffering off;\n  }}\n }}\n}}\n"
+        ),
+    )
+    .unwrap();
+    let child = std::process::Command::new(bin.unwrap())
+        .arg("-p")
+        .arg(format!("{d}/"))
+        .arg("-c")
+        .arg(dir.join("nginx.conf"))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let child = Child(child);
+    listening(addr).await;
+    Some((child, addr, TempDir(dir)))
+}
