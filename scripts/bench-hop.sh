@@ -34,6 +34,8 @@
 #                        from Debian when missing), 0 skips it; TP_CONNECTIONS (64),
 #                        TP_SECS_EACH (5), TP_ROUNDS (2) shape it
 #   FLEETGATE_BENCH_KEY  API key the driver sends (default: one created in the run's own store)
+#   FLEETGATE_BIN        the fleetgate binary to measure (default: this checkout's, built
+#                        first); e.g. an earlier commit's for a before/after comparison
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -55,7 +57,8 @@ if [ "$PACED_STEP_MS" = 1 ]; then
 else
     PACED_LABEL="paced sim (one token per $PACED_STEP_MS ms step)"
 fi
-BIN="$ROOT/target/release/fleetgate"
+# FLEETGATE_BIN: another build to measure (a before/after comparison); default this checkout's.
+BIN=${FLEETGATE_BIN:-"$ROOT/target/release/fleetgate"}
 
 SCRIPT_NAME=bench-hop
 # shellcheck source=scripts/lib.sh
@@ -80,7 +83,7 @@ fi
 
 # --- build ------------------------------------------------------------------------------------
 log "building (release)"
-cargo build --release -q
+[ -n "${FLEETGATE_BIN:-}" ] || cargo build --release -q
 cargo bench --bench hop --no-run -q 2>/dev/null || cargo bench --bench hop --no-run
 
 # --- processes --------------------------------------------------------------------------------
@@ -156,6 +159,13 @@ else
     PACED_PID="" PACED_URL=$SIM_URL
 fi
 
+# Every client of this run is one address (the load generator on 127.0.0.1), and the memory
+# phase holds 5000 connections: more than its default share (half of max_connections). A
+# build from before the setting (FLEETGATE_BIN) has no share to raise.
+PER_ADDRESS="max_connections_per_address = 12000"
+printf '[server]\n%s\n[[pools]]\nmodel = "x"\nbackends = ["http://127.0.0.1:1"]\n' "$PER_ADDRESS" >"$TMP/per-address.toml"
+"$BIN" check-config --config "$TMP/per-address.toml" >/dev/null 2>&1 || PER_ADDRESS=""
+
 cat >"$TMP/fleetgate.toml" <<EOF
 [server]
 listen = "127.0.0.1:0"
@@ -164,9 +174,7 @@ request_log_events = false
 shutdown_grace_seconds = 1
 health_interval_ms = 5000
 workers = ${GATEWAY_WORKERS:-0}
-# Every client of this run is one address (the load generator on 127.0.0.1), and the memory
-# phase holds 5000 connections: more than its default share (half of max_connections).
-max_connections_per_address = 12000
+$PER_ADDRESS
 
 # By default like nginx (access_log off): no request log (its cost per row is measured on its
 # own by cargo bench --bench telemetry). REQUEST_LOG=1: as shipped, one row per request into

@@ -677,3 +677,109 @@ async fn an_sse_line_without_an_end_is_cut_at_the_limit() {
     assert_eq!(seen.error, Some("upstream_protocol_error"));
     backend.abort();
 }
+
+/// The forwarding headers a backend gets, as a reverse proxy sets them: a client's own
+/// `X-Forwarded-*`, `Forwarded` and `X-Real-IP` are replaced by the gateway's (the peer's
+/// address, the scheme, the Host it was asked for), and the path overrides
+/// `X-Original-URL`/`X-Rewrite-URL` never reach a backend. Before, all of them passed as the
+/// client sent them and the gateway added none.
+#[tokio::test]
+async fn forwarding_headers_are_the_gateways_unless_a_trusted_proxy_sent_them() {
+    let rec = HeadRecorder::start(&[]).await;
+    let claims: &[(&str, &str)] = &[
+        ("content-type", "application/json"),
+        ("x-forwarded-for", "6.6.6.6"),
+        ("x-forwarded-host", "evil.example"),
+        ("x-forwarded-proto", "https"),
+        ("forwarded", "for=6.6.6.6;host=evil.example"),
+        ("x-real-ip", "6.6.6.6"),
+        ("x-original-url", "/admin/keys"),
+        ("x-rewrite-url", "/admin/keys"),
+    ];
+    let stripped = ["forwarded", "x-real-ip", "x-original-url", "x-rewrite-url"];
+
+    // Anyone: replaced.
+    let gw = gateway(vec![pool("m", &[rec.url()])]).await;
+    let m = post(&gw.url("/v1/chat/completions"), claims, CHAT).await;
+    assert_eq!(m.status, 200);
+    let h = rec.heads().pop().unwrap();
+    assert_eq!(h["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(h["x-forwarded-proto"], "http");
+    assert_eq!(
+        h["x-forwarded-host"],
+        gw.server.local_addr.to_string().as_str(),
+        "the Host the client asked the gateway for"
+    );
+    for name in stripped {
+        assert!(!h.contains_key(name), "{name} reached the backend: {h:?}");
+    }
+    assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
+
+    // A trusted proxy in front: its chain is kept and extended, its host and scheme believed;
+    // path overrides still go.
+    let gw = gateway_with(vec![pool("m", &[rec.url()])], |c| {
+        c.server.trusted_proxies = vec!["127.0.0.0/8".parse().unwrap()];
+    })
+    .await;
+    let m = post(&gw.url("/v1/chat/completions"), claims, CHAT).await;
+    assert_eq!(m.status, 200);
+    let h = rec.heads().pop().unwrap();
+    assert_eq!(h["x-forwarded-for"], "6.6.6.6, 127.0.0.1");
+    assert_eq!(h["x-forwarded-host"], "evil.example");
+    assert_eq!(h["x-forwarded-proto"], "https");
+    assert!(h.contains_key("forwarded"));
+    assert!(!h.contains_key("x-original-url") && !h.contains_key("x-rewrite-url"));
+
+    // Switched off: the client's go, none are added.
+    let gw = gateway_with(vec![pool("m", &[rec.url()])], |c| {
+        c.server.forwarded_headers = false;
+    })
+    .await;
+    let m = post(&gw.url("/v1/chat/completions"), claims, CHAT).await;
+    assert_eq!(m.status, 200);
+    let h = rec.heads().pop().unwrap();
+    for name in ["x-forwarded-for", "x-forwarded-host", "x-forwarded-proto"]
+        .into_iter()
+        .chain(stripped)
+    {
+        assert!(!h.contains_key(name), "{name}: {h:?}");
+    }
+}
+
+/// Clients' error messages name a backend as `<model>#<number>`, not by its address (which
+/// the admin API, the logs and the metrics still show); `server.expose_backend_addresses`
+/// brings the address back.
+#[tokio::test]
+async fn clients_see_a_backends_name_not_its_address() {
+    let dead = closed_port().await;
+    let gw = gateway(vec![pool("m", &[format!("http://{dead}")])]).await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        CHAT,
+    )
+    .await;
+    assert!(m.status == 502 || m.status == 503, "{}", m.status);
+    let err = openai_error(&m);
+    let message = err["message"].as_str().unwrap();
+    assert!(message.contains("m#0"), "{message}");
+    assert!(!message.contains(&dead.to_string()), "{message}");
+    let text = metrics_text(&gw);
+    assert!(
+        text.contains(&dead.to_string()),
+        "operators still see the address"
+    );
+
+    let gw = gateway_with(vec![pool("m", &[format!("http://{dead}")])], |c| {
+        c.server.expose_backend_addresses = true;
+    })
+    .await;
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        CHAT,
+    )
+    .await;
+    let message = openai_error(&m)["message"].as_str().unwrap().to_owned();
+    assert!(message.contains(&dead.to_string()), "{message}");
+}

@@ -1238,7 +1238,7 @@ async fn a_backend_without_tokenization_says_so() {
     assert_eq!(err["code"], "tokenization_unavailable");
     let msg = err["message"].as_str().unwrap();
     assert!(
-        msg.contains(&addr.to_string()) && msg.contains("does not offer tokenization"),
+        msg.contains("qwen32b#0") && msg.contains("does not offer tokenization"),
         "{msg}"
     );
     let rec = gw.record_of("no-tok").await;

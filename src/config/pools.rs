@@ -46,6 +46,9 @@ pub struct PoolConfig {
     pub load_aware: Option<LoadAwareConfig>,
     /// Requests with the same `user` or prompt prefix prefer the same backend.
     pub affinity: Option<AffinityConfig>,
+    /// Clients' error messages name backends by address (`server.expose_backend_addresses`,
+    /// set on every pool by the server), else as `<model>#<number>`.
+    pub expose_backend_addresses: bool,
 }
 
 /// What makes two requests "the same" for backend affinity (prefix-cache reuse).
@@ -206,6 +209,7 @@ impl PoolConfig {
             warmup: WarmupConfig::default(),
             load_aware: None,
             affinity: None,
+            expose_backend_addresses: false,
         }
     }
 }
@@ -328,6 +332,7 @@ fn pool(
             prefix_bytes: a.prefix_bytes.max(1),
             slack: a.slack,
         }),
+        expose_backend_addresses: false,
     })
 }
 

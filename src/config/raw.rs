@@ -400,6 +400,12 @@ pub(super) struct RawServer {
     pub(super) keepalive_timeout_seconds: f64,
     #[serde(default = "default_body_timeout")]
     pub(super) body_timeout_seconds: f64,
+    #[serde(default = "default_true")]
+    pub(super) forwarded_headers: bool,
+    #[serde(default)]
+    pub(super) trusted_proxies: Vec<String>,
+    #[serde(default)]
+    pub(super) expose_backend_addresses: bool,
 }
 
 fn default_body_timeout() -> f64 {
@@ -435,6 +441,9 @@ impl Default for RawServer {
             header_timeout_seconds: default_header_timeout(),
             keepalive_timeout_seconds: default_keepalive_timeout(),
             body_timeout_seconds: default_body_timeout(),
+            forwarded_headers: true,
+            trusted_proxies: Vec::new(),
+            expose_backend_addresses: false,
         }
     }
 }

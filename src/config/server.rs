@@ -82,6 +82,16 @@ pub struct ServerConfig {
     pub keepalive_timeout: Duration,
     /// A request's whole body must arrive within this (408 `body_timeout`).
     pub body_timeout: Duration,
+    /// Set `X-Forwarded-For`, `-Proto` and `-Host` on forwarded requests, as a reverse proxy
+    /// does (false: the client's are removed and none are set).
+    pub forwarded_headers: bool,
+    /// Peers whose own forwarding headers are believed (load balancers, ingresses in front of
+    /// the gateway); anyone else's are replaced.
+    pub trusted_proxies: Vec<ipnet::IpNet>,
+    /// Name backends by their address in the error messages clients get (false: by the pool's
+    /// model and the backend's number, e.g. `qwen32b#1`; operators see addresses in
+    /// `GET /admin/backends`, the logs and the metrics).
+    pub expose_backend_addresses: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,6 +121,9 @@ impl Default for ServerConfig {
             header_timeout: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),
+            forwarded_headers: true,
+            trusted_proxies: Vec::new(),
+            expose_backend_addresses: false,
         }
     }
 }
@@ -186,6 +199,22 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
     if s.health_interval_ms == 0 {
         return Err(err.at("server.health_interval_ms", "must be > 0"));
     }
+    let mut trusted_proxies = Vec::with_capacity(s.trusted_proxies.len());
+    for (i, text) in s.trusted_proxies.iter().enumerate() {
+        let net = text
+            .trim()
+            .parse::<ipnet::IpNet>()
+            .or_else(|_| text.trim().parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+            .map_err(|_| {
+                err.at(
+                    format!("server.trusted_proxies[{i}]"),
+                    format!(
+                        "`{text}` is not an address or a CIDR range (for example \"10.0.0.0/8\", \"127.0.0.1\" or \"fd00::/8\")"
+                    ),
+                )
+            })?;
+        trusted_proxies.push(net.trunc());
+    }
     let tls = s.tls.map(|t| TlsConfig {
         cert: t.cert,
         key: t.key,
@@ -209,5 +238,8 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
         header_timeout: Duration::from_secs_f64(s.header_timeout_seconds),
         keepalive_timeout: Duration::from_secs_f64(s.keepalive_timeout_seconds),
         body_timeout: Duration::from_secs_f64(s.body_timeout_seconds),
+        forwarded_headers: s.forwarded_headers,
+        trusted_proxies,
+        expose_backend_addresses: s.expose_backend_addresses,
     })
 }

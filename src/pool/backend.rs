@@ -33,6 +33,12 @@ pub struct LastError {
 pub struct Backend {
     /// Base URL as configured (log and error text; never a label from a client).
     pub base: Arc<str>,
+    /// Its name, `<model>#<slot>`: what clients are told instead of its address.
+    pub name: Arc<str>,
+    /// How clients' error messages name it: `name`, or its address when the server says so
+    /// (`server.expose_backend_addresses`). Operators see `base` and `name` in the admin API,
+    /// `base` in the logs and the metrics.
+    pub shown: Arc<str>,
     /// Its metrics slot in the pool: stable across reloads (a request recorded after a reload
     /// still lands on its backend's series), never reused for another backend.
     pub slot: usize,
@@ -175,8 +181,16 @@ impl Backend {
         let authority = chat_uri.authority().map_or("", |a| a.as_str());
         let host = HeaderValue::from_str(authority)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{e}")))?;
+        let name: Arc<str> = Arc::from(format!("{model}#{slot}"));
+        let shown = if pool.expose_backend_addresses {
+            Arc::from(trimmed)
+        } else {
+            name.clone()
+        };
         Ok(Self {
             base: Arc::from(trimmed),
+            name,
+            shown,
             host,
             slot,
             chat_uri,

@@ -377,6 +377,7 @@ impl Generation {
                     serde_json::json!({
                         "model": &*p.model,
                         "backend": &*b.base,
+                        "name": &*b.name,
                         "state": b.state().as_str(),
                         "in_flight": b.in_flight.load(Ordering::Relaxed),
                         "capacity": b.capacity(),

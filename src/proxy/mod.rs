@@ -69,6 +69,8 @@ pub struct ProxyState {
     pub queue_metrics: Option<queue::QueueMetrics>,
     /// The longest SSE line a relay carries across reads (`server.max_stream_line_bytes`).
     pub max_stream_line: usize,
+    /// How forwarded requests say whom they came from.
+    pub forwarding: upstream::Forwarding,
     /// Cancelled when the shutdown grace period has run out: what is still open ends now,
     /// with an error the client can read (`ApiError::Shutdown`).
     pub closing: Closing,
@@ -192,7 +194,11 @@ async fn phases(
     // The head as a backend would get it, refused here when a backend would refuse it: before
     // the body is read, and without a backend charged for the client's headers.
     let declared = body::declared_length(&parts.headers);
-    let outgoing = upstream::outgoing(parts.headers);
+    let sender = upstream::Sender {
+        peer: ex.record.client_addr.map(|a| a.ip()),
+        authority: parts.uri.authority(),
+    };
+    let outgoing = upstream::outgoing(parts.headers, &state.forwarding, sender);
     let backend_part = state.generation.load().max_backend_head;
     upstream::check_head(
         &outgoing.headers,
@@ -600,7 +606,7 @@ fn no_backend(pool: &Pool) -> ApiError {
                         }
                         _ => "at capacity",
                     };
-                    format!("{} ({why})", b.base)
+                    format!("{} ({why})", b.shown)
                 })
                 .collect::<Vec<_>>()
                 .join(", ")

@@ -478,7 +478,7 @@ impl RelayBody {
                 // the upstream body closes the connection (the backend stops writing).
                 this.ex.record.error = Some(ErrorKind::UpstreamProtocol);
                 let err = ApiError::UpstreamLineTooLong {
-                    backend: this.slot.backend().base.to_string(),
+                    backend: this.slot.backend().shown.to_string(),
                     limit: this.scanner.max_line(),
                 };
                 tracing::warn!(backend = %this.slot.backend().base, limit = this.scanner.max_line(), "backend sent an SSE line past the limit: stream ended");
@@ -528,7 +528,7 @@ impl RelayBody {
             if !tl.stream().done && !tl.stream().error {
                 this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
                 let err = ApiError::UpstreamStreamCut {
-                    backend: this.slot.backend().base.to_string(),
+                    backend: this.slot.backend().shown.to_string(),
                 };
                 *this.state = State::Closing(err.sse_event(this.scanner.has_partial_line()));
                 return None;
@@ -565,7 +565,7 @@ impl RelayBody {
         let this = self.project();
         this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
         let err = ApiError::UpstreamStreamFailed {
-            backend: this.slot.backend().base.to_string(),
+            backend: this.slot.backend().shown.to_string(),
             detail: e.to_string(),
         };
         if *this.sse {
@@ -608,7 +608,7 @@ impl RelayBody {
         let this = self.project();
         this.ex.record.error = Some(ErrorKind::UpstreamTimeout);
         let err = ApiError::UpstreamTimeout {
-            backend: this.slot.backend().base.to_string(),
+            backend: this.slot.backend().shown.to_string(),
             kind,
             after_ms: limit.as_millis(),
         };

@@ -89,6 +89,130 @@ fn remove_named(h: &mut HeaderMap, connection: &HeaderValue) {
     }
 }
 
+/// How forwarded requests say whom they came from (`server.forwarded_headers`,
+/// `server.trusted_proxies`), made once from config.
+#[derive(Debug, Clone)]
+pub struct Forwarding {
+    /// Set `X-Forwarded-For`, `-Proto` and `-Host` (false: the client's go, none are set).
+    pub enabled: bool,
+    /// Peers whose own forwarding headers are kept (and extended).
+    pub trusted: Vec<ipnet::IpNet>,
+    /// `http` or `https`: how the client reached this listener.
+    pub proto: HeaderValue,
+}
+
+impl Forwarding {
+    pub fn new(server: &crate::config::ServerConfig) -> Self {
+        Self {
+            enabled: server.forwarded_headers,
+            trusted: server.trusted_proxies.clone(),
+            proto: HeaderValue::from_static(if server.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            }),
+        }
+    }
+}
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Headers by which a sender states another client address, host, scheme or prefix: believed
+/// only from a trusted proxy, else removed (and the gateway's own set).
+static CLIENT_CLAIMS: [HeaderName; 8] = [
+    header::FORWARDED,
+    HeaderName::from_static("x-forwarded-for"),
+    HeaderName::from_static("x-forwarded-host"),
+    HeaderName::from_static("x-forwarded-proto"),
+    HeaderName::from_static("x-forwarded-port"),
+    HeaderName::from_static("x-forwarded-prefix"),
+    HeaderName::from_static("x-real-ip"),
+    HeaderName::from_static("x-client-ip"),
+];
+
+/// Path overrides some frameworks obey instead of the request line: never forwarded, from
+/// anyone — the gateway forwards only the routes it knows, and a backend must see those.
+static PATH_OVERRIDES: [HeaderName; 2] = [
+    HeaderName::from_static("x-original-url"),
+    HeaderName::from_static("x-rewrite-url"),
+];
+
+/// Who sent the request, as the listener saw it.
+#[derive(Debug, Clone, Copy)]
+pub struct Sender<'a> {
+    pub peer: Option<std::net::IpAddr>,
+    /// The request's authority (HTTP/2's `:authority`; HTTP/1.1 has it in `Host`).
+    pub authority: Option<&'a http::uri::Authority>,
+}
+
+/// Replace (or, from a trusted proxy, extend) the forwarding headers: `X-Forwarded-For` ends
+/// with the peer's address, `X-Forwarded-Proto` and `-Host` say how the client reached the
+/// gateway. `host` is the client's `Host` (read before it was removed).
+fn forwarding(
+    headers: &mut HeaderMap,
+    fwd: &Forwarding,
+    sender: Sender<'_>,
+    host: Option<HeaderValue>,
+) {
+    for name in &PATH_OVERRIDES {
+        headers.remove(name);
+    }
+    let peer = sender.peer.map(|ip| ip.to_canonical());
+    let trusted = fwd.enabled && peer.is_some_and(|ip| fwd.trusted.iter().any(|n| n.contains(&ip)));
+    let prior = if trusted {
+        join_lines(headers, &X_FORWARDED_FOR)
+    } else {
+        for name in &CLIENT_CLAIMS {
+            headers.remove(name);
+        }
+        None
+    };
+    let (true, Some(ip)) = (fwd.enabled, peer) else {
+        return;
+    };
+    // One allocation: the peer's address (at most 39 bytes) after the trusted chain, if any.
+    let mut value = prior.unwrap_or_else(|| Vec::with_capacity(40));
+    if !value.is_empty() {
+        value.extend_from_slice(b", ");
+    }
+    {
+        use std::io::Write as _;
+        let _ = write!(value, "{ip}");
+    }
+    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(value)) {
+        headers.insert(X_FORWARDED_FOR.clone(), v);
+    }
+    if !headers.contains_key(&X_FORWARDED_PROTO) {
+        headers.insert(X_FORWARDED_PROTO.clone(), fwd.proto.clone());
+    }
+    if !headers.contains_key(&X_FORWARDED_HOST) {
+        let host = host.or_else(|| {
+            sender
+                .authority
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        if let Some(h) = host {
+            headers.insert(X_FORWARDED_HOST.clone(), h);
+        }
+    }
+}
+
+/// Every line of `name` joined with ", " (a list header may come in several lines); taken out.
+fn join_lines(headers: &mut HeaderMap, name: &HeaderName) -> Option<Vec<u8>> {
+    let mut out: Option<Vec<u8>> = None;
+    for v in headers.get_all(name) {
+        let o = out.get_or_insert_with(|| Vec::with_capacity(v.len() + 48));
+        if !o.is_empty() {
+            o.extend_from_slice(b", ");
+        }
+        o.extend_from_slice(v.as_bytes());
+    }
+    headers.remove(name);
+    out
+}
+
 /// The client's headers as they will go upstream, with what the gateway read of the ones
 /// that do not.
 pub struct Outgoing {
@@ -101,12 +225,14 @@ pub struct Outgoing {
 /// Clean the client's headers for the backend: done first, so that the head limit measures
 /// what would really be forwarded. `TE` is read before it goes (it is hop-by-hop, and often
 /// named in `Connection` as RFC 9110 asks).
-pub fn outgoing(mut headers: HeaderMap) -> Outgoing {
+pub fn outgoing(mut headers: HeaderMap, fwd: &Forwarding, sender: Sender<'_>) -> Outgoing {
     let trailers = accepts_trailers(&headers);
     strip_hop_by_hop(&mut headers);
+    let host = headers.remove(header::HOST);
     for name in STRIP_UPSTREAM {
         headers.remove(name);
     }
+    forwarding(&mut headers, fwd, sender, host);
     headers.remove("x-api-key");
     headers.remove(&X_REQUEST_ID);
     Outgoing { headers, trailers }
@@ -523,7 +649,7 @@ fn unreachable(pool: &Pool, backend: &Backend, e: &SendError) -> ApiError {
     );
     tracing::warn!(backend = %backend.base, cause = ?cause, %detail, "upstream request failed");
     ApiError::BackendUnreachable {
-        backend: backend.base.to_string(),
+        backend: backend.shown.to_string(),
         cause,
         detail,
     }
@@ -543,7 +669,7 @@ fn head_timeout(pool: &Pool, backend: &Backend) -> ApiError {
         &format!("no response head within {} ms", after.as_millis()),
     );
     ApiError::UpstreamTimeout {
-        backend: backend.base.to_string(),
+        backend: backend.shown.to_string(),
         kind,
         after_ms: after.as_millis(),
     }
@@ -564,7 +690,7 @@ async fn error_answer(
     let (body, wrapped) = openai_error_body(
         head.status,
         &bytes,
-        &backend.base,
+        &backend.shown,
         &pool.model,
         ex.record.endpoint,
     );

@@ -263,9 +263,8 @@ impl Server {
             keys,
             &registry,
         )?);
-        let fleet = Arc::new(
-            Fleet::start(config.pools.clone(), config.queue.clone(), Some(&registry)).await?,
-        );
+        let fleet =
+            Arc::new(Fleet::start(pools_of(config), config.queue.clone(), Some(&registry)).await?);
         let metrics = Arc::new(RequestMetrics::new(&registry, &fleet.current())?);
         let relayout = metrics.clone();
         fleet.on_relayout(Arc::new(move |generation, removed| {
@@ -393,6 +392,7 @@ impl Server {
                 max_body_bytes: config.server.max_body_bytes,
                 body_timeout: config.server.body_timeout,
                 max_stream_line: config.server.max_stream_line_bytes,
+                forwarding: crate::proxy::upstream::Forwarding::new(&config.server),
                 head_limits: crate::proxy::upstream::HeadLimits {
                     max_head: config.server.max_upstream_head_bytes,
                     max_value: config.server.max_upstream_header_value_bytes,
@@ -457,7 +457,7 @@ impl Server {
     /// backends they started on. Other sections need a restart; the caller is told which
     /// differ (`Config::restart_needed_for`).
     pub fn reload(&self, config: &Config) -> Result<ReloadSummary, ReloadError> {
-        self.fleet.reload(config.pools.clone())
+        self.fleet.reload(pools_of(config))
     }
 
     /// Resolves when shutdown has been requested.
@@ -752,4 +752,14 @@ async fn accept_loop<H, F>(
     }
     conns.abort_all();
     while conns.join_next().await.is_some() {}
+}
+
+/// The configured pools, with what the server section decides for every pool: how clients'
+/// error messages name backends.
+fn pools_of(config: &Config) -> Vec<crate::config::PoolConfig> {
+    let mut pools = config.pools.clone();
+    for p in &mut pools {
+        p.expose_backend_addresses = config.server.expose_backend_addresses;
+    }
+    pools
 }
