@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use clap::Parser;
 use fleetgate::client::{self, HttpClient, Measured};
-use fleetgate::openai::sse::{DataKind, SseScanner};
+use fleetgate::protocol::sse::{DataKind, SseScanner};
 use http::{HeaderMap, HeaderValue, Method, Request, Uri, header};
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};

@@ -13,7 +13,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::openai::sse::{DataKind, SseScanner};
+use crate::protocol::sse::{DataKind, SseScanner};
 use crate::telemetry::StreamMetrics;
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;

@@ -9,7 +9,7 @@
 #[macro_use]
 pub mod cli_out;
 pub mod clock;
-pub mod openai;
+pub mod protocol;
 pub mod rx_time;
 pub mod secret;
 

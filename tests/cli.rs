@@ -481,6 +481,11 @@ async fn serve_reloads_pools_on_sighup_and_when_the_file_changes() {
         "{logs}"
     );
     assert!(logs.contains("max_in_flight_per_backend"), "{logs}");
+    // Written to a pipe, as to a file: no ANSI colour codes.
+    assert!(
+        !logs.contains('\u{1b}'),
+        "colour codes in a log that is not a terminal: {logs}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use fleetgate::bench::measure::StreamTimer;
-use fleetgate::openai::sse::SseScanner;
+use fleetgate::protocol::sse::SseScanner;
 use fleetgate::telemetry::{Timeline, UsageSource};
 
 struct Stream {

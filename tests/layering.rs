@@ -16,7 +16,7 @@ use std::path::Path;
 const LAYERS: &[(&str, u8)] = &[
     ("cli_out", 0),
     ("clock", 0),
-    ("openai", 0),
+    ("protocol", 0),
     ("rx_time", 0),
     ("secret", 0),
     ("config", 1),
@@ -39,7 +39,7 @@ const TOOLS: &[&str] = &["bench", "client", "sim"];
 const TOOLS_MAY_USE: &[&str] = &[
     "cli_out",
     "clock",
-    "openai",
+    "protocol",
     "secret",
     "client",
     "telemetry",
@@ -171,7 +171,7 @@ fn the_lower_layers_never_name_the_proxy_or_the_server() {
         "telemetry",
         "config",
         "key",
-        "openai",
+        "protocol",
     ] {
         let used = graph.get(lower).cloned().unwrap_or_default();
         for upper in ["proxy", "server"] {

@@ -497,7 +497,7 @@ async fn a_waiting_stream_gets_queued_comments_then_its_tokens() {
         String::from_utf8_lossy(&got)
     );
     let mut metrics = fleetgate::telemetry::StreamMetrics::default();
-    let mut scanner = fleetgate::openai::sse::SseScanner::new();
+    let mut scanner = fleetgate::protocol::sse::SseScanner::new();
     scanner.feed(&got, |l| metrics.on_data(l.kind, l.payload, Duration::ZERO));
     assert_eq!(
         metrics.content_events, 5,

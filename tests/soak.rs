@@ -33,7 +33,7 @@ use bytes::{Bytes, BytesMut};
 use common::*;
 use fleetgate::admin::jwt::Role;
 use fleetgate::client::{self, BodyEnd, HttpClient};
-use fleetgate::openai::sse::{DataKind, SseScanner};
+use fleetgate::protocol::sse::{DataKind, SseScanner};
 use fleetgate::telemetry::StreamMetrics;
 use http::{HeaderMap, HeaderValue};
 

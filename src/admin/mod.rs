@@ -23,7 +23,7 @@ use serde::Deserialize;
 use crate::auth::Authenticator;
 use crate::key::Environment;
 use crate::key::KeyRecord;
-use crate::openai::error::error_body;
+use crate::protocol::error::error_body;
 use crate::proxy::relay::GatewayBody;
 use crate::store::{CreateKey, StoreError};
 use jwt::{JwtError, Role, Verifier};

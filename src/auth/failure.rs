@@ -7,7 +7,7 @@ use http::StatusCode;
 
 use crate::clock::format_wall_ms;
 use crate::key::Environment;
-use crate::openai::error::ErrorKind;
+use crate::protocol::error::ErrorKind;
 
 /// Why a request was not let in. Each cause has its own message and code.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,5 +1,5 @@
 //! One request of the load generator, timed by vLLM 0.33's `vllm bench serve` definitions (see
-//! `openai::sse::DataKind::Content`): TTFT at the first token event, one ITL per later token
+//! `protocol::sse::DataKind::Content`): TTFT at the first token event, one ITL per later token
 //! event (the gap to the one before), E2EL at the last token event, output tokens from
 //! `usage.completion_tokens`, TPOT = (E2EL − TTFT) / (output tokens − 1). An
 //! in-stream `{"error": ...}` event, a non-2xx status, a cut body or a stream without a token
@@ -13,7 +13,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Uri, header};
 
 use crate::client::{self, BodyEnd, HttpClient};
-use crate::openai::sse::{DataKind, SseScanner};
+use crate::protocol::sse::{DataKind, SseScanner};
 use crate::telemetry::StreamMetrics;
 
 /// What one request gave.

@@ -464,7 +464,7 @@ fn default_max_upstream_header_value() -> u64 {
     DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES as u64
 }
 fn default_max_stream_line() -> u64 {
-    crate::openai::sse::DEFAULT_MAX_LINE as u64
+    crate::protocol::sse::DEFAULT_MAX_LINE as u64
 }
 fn default_grace() -> f64 {
     30.0

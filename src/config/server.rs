@@ -117,7 +117,7 @@ impl Default for ServerConfig {
             watch_config: false,
             max_connections: 0,
             max_connections_per_address: 0,
-            max_stream_line_bytes: crate::openai::sse::DEFAULT_MAX_LINE,
+            max_stream_line_bytes: crate::protocol::sse::DEFAULT_MAX_LINE,
             header_timeout: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),

@@ -7,7 +7,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use prometheus::{IntCounter, IntCounterVec};
 
 use crate::key::Environment;
-use crate::openai::error::ErrorKind;
+use crate::protocol::error::ErrorKind;
 
 /// Which limit refused a request (a metric label and the error's code).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

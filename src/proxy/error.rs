@@ -7,8 +7,8 @@ use bytes::Bytes;
 
 use crate::auth::AuthFailure;
 use crate::limits::Refusal;
-use crate::openai::error::{ErrorKind, error_body, sse_error_event};
-use crate::openai::view::ViewError;
+use crate::protocol::error::{ErrorKind, error_body, sse_error_event};
+use crate::protocol::view::ViewError;
 use crate::queue::QueueRefusal;
 use http::{HeaderValue, StatusCode, header};
 

@@ -4,7 +4,7 @@
 //! 1. body (`body`): the headers first cleaned for the backend and held to the head limits
 //!    (`upstream::outgoing`, `upstream::check_head`), then JSON within the size limit, read
 //!    whole;
-//! 2. view (`openai::view`): parsed once, the bytes kept;
+//! 2. view (`protocol::view`): parsed once, the bytes kept;
 //! 3. route (`route`): model → pool, the key's rights, long-prompt pool, backend preferences;
 //! 4. limits (`limits`): the key's rates, token budget and concurrency, its environment's caps;
 //! 5. queue (`queue`): a backend slot now, or a wait in the pool's admission queue;
@@ -41,10 +41,10 @@ use hyper::body::Incoming;
 
 use crate::key::Environment;
 use crate::limits::Admission;
-use crate::openai::Endpoint;
-use crate::openai::error::{ErrorKind, sse_error_event};
-use crate::openai::view;
 use crate::pool::{Balancer, Generation, Pool};
+use crate::protocol::Endpoint;
+use crate::protocol::error::{ErrorKind, sse_error_event};
+use crate::protocol::view;
 use crate::queue::{self, Asker, Claim, QueueError, QueuedBody, Waiting};
 use crate::route::{self, Route, RouteError};
 use crate::telemetry::RequestRecord;

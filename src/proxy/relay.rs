@@ -19,10 +19,10 @@ use super::Exchange;
 use super::error::{ApiError, TimeoutKind};
 use super::fingerprint;
 use crate::config::Timeouts;
-use crate::openai::error::ErrorKind;
-use crate::openai::sse::{DataKind, SseScanner};
 use crate::pool::upstream_client::UpstreamRx;
 use crate::pool::{Backend, InFlight};
+use crate::protocol::error::ErrorKind;
+use crate::protocol::sse::{DataKind, SseScanner};
 use crate::queue::QueuedBody;
 use crate::telemetry::RequestRecord;
 
@@ -321,8 +321,8 @@ fn scan_frame(
 }
 
 /// The usage chunk: `choices: []` with a `usage` object.
-fn is_usage(line: &crate::openai::sse::DataLine<'_>) -> bool {
-    line.kind == DataKind::NoChoices && crate::openai::sse::USAGE.find(line.payload).is_some()
+fn is_usage(line: &crate::protocol::sse::DataLine<'_>) -> bool {
+    line.kind == DataKind::NoChoices && crate::protocol::sse::USAGE.find(line.payload).is_some()
 }
 
 /// The `Server-Timing` trailer of a finished stream, when the client accepts one.

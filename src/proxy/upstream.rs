@@ -13,11 +13,11 @@ use http_body_util::{BodyExt, Full, Limited};
 
 use super::error::{ApiError, ConnectCause, HeadExcess, TimeoutKind};
 use super::{APPLICATION_JSON, Exchange, X_REQUEST_ID};
-use crate::openai::Endpoint;
-use crate::openai::error::{ErrorKind, error_body};
-use crate::openai::view::{self, RequestView};
 use crate::pool::driven::{SendError, UpstreamBody};
 use crate::pool::{Backend, InFlight, Pool, Reachability};
+use crate::protocol::Endpoint;
+use crate::protocol::error::{ErrorKind, error_body};
+use crate::protocol::view::{self, RequestView};
 use crate::route::Route;
 use crate::telemetry::RequestRecord;
 

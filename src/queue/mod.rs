@@ -18,7 +18,7 @@ use http::StatusCode;
 use prometheus::{IntCounter, IntCounterVec};
 
 use crate::key::{Environment, KeyRecord};
-use crate::openai::error::ErrorKind;
+use crate::protocol::error::ErrorKind;
 
 pub use admission::{AdmissionQueue, JoinRefused, Place, Ticket, TimedOut};
 pub use body::{Continued, QueuedBody};

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use crate::auth::AuthFailure;
 use crate::config::AffinityBy;
 use crate::key::{Environment, KeyRecord};
-use crate::openai::Endpoint;
-use crate::openai::view::RequestView;
 use crate::pool::{Generation, Pool, fnv1a};
+use crate::protocol::Endpoint;
+use crate::protocol::view::RequestView;
 
 /// Where a request goes.
 #[derive(Debug)]

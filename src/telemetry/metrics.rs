@@ -16,9 +16,9 @@ use prometheus::{
 };
 
 use crate::key::Environment;
-use crate::openai::Endpoint;
-use crate::openai::error::ErrorKind;
 use crate::pool::Generation;
+use crate::protocol::Endpoint;
+use crate::protocol::error::ErrorKind;
 
 use super::{RequestRecord, UsageSource};
 

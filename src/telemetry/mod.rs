@@ -15,8 +15,8 @@ use http::HeaderValue;
 pub use timeline::{StreamMetrics, Timeline, Usage, UsageSource};
 
 use crate::key::KeyRecord;
-use crate::openai::Endpoint;
-use crate::openai::error::ErrorKind;
+use crate::protocol::Endpoint;
+use crate::protocol::error::ErrorKind;
 
 /// Where finished requests go: the per-request log event, and an optional observer (tests,
 /// and later the metrics registry and request-log writer).

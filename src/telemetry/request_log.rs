@@ -81,7 +81,7 @@ struct RecordCopy {
     model: Option<Arc<str>>,
     backend: Option<Arc<str>>,
     status: u16,
-    error: Option<crate::openai::error::ErrorKind>,
+    error: Option<crate::protocol::error::ErrorKind>,
     stream: bool,
     timeline: super::Timeline,
     client_addr: Option<std::net::SocketAddr>,

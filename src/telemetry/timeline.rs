@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-use crate::openai::sse::{DataKind, USAGE};
+use crate::protocol::sse::{DataKind, USAGE};
 
 /// Token counts reported by the backend in its usage chunk (or non-streaming body).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]

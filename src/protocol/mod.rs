@@ -1,0 +1,11 @@
+//! The wire protocols the gateway speaks, shared by every layer (layer 0): the endpoints, the
+//! OpenAI error body and the payload-free error kinds, the SSE scanner, and the request-body
+//! view (parsed once, the bytes kept). Nothing here knows about the
+//! request path; the proxy, telemetry, admin API and tools all build on it.
+
+pub mod endpoint;
+pub mod error;
+pub mod sse;
+pub mod view;
+
+pub use endpoint::Endpoint;
