@@ -135,7 +135,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
     }
     let model_span = span_of(body, model_raw.get().as_bytes()).ok_or(ViewError::Unlocatable)?;
 
-    let generation = if endpoint.is_inference() {
+    let generation = if endpoint.needs().generates {
         generation_fields(&raw, body)?
     } else {
         Generation::NONE

@@ -317,7 +317,7 @@ async fn admit(
     let Some(key) = &record.key else {
         return Ok(None);
     };
-    let admitted = if endpoint.is_inference() {
+    let admitted = if endpoint.needs().spends_tokens {
         let demand = state
             .limits
             .demand(view.prompt_chars, view.max_tokens, view.n);
@@ -347,7 +347,7 @@ fn claim(
     record: &RequestRecord,
 ) -> Result<Claim<Balancer>, QueueError> {
     let pool = route.pool;
-    if record.endpoint.is_some_and(|e| !e.is_inference()) {
+    if record.endpoint.is_some_and(|e| !e.needs().takes_slot) {
         return pool
             .balancer
             .try_acquire_uncounted(route.avoid)

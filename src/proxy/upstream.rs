@@ -323,7 +323,8 @@ pub fn prepare(
     request_id: &HeaderValue,
     body_read: Instant,
 ) -> Prepared {
-    let inject_usage = view.stream && view.include_usage != Some(true);
+    let inject_usage =
+        endpoint.needs().injects_usage && view.stream && view.include_usage != Some(true);
     let upstream_body = view::upstream_body(body, view, route.rename, inject_usage);
     let Outgoing {
         mut headers,
@@ -516,7 +517,7 @@ async fn send(
     let strip_usage = prepared.strip_usage;
     let timing_trailer = prepared.timing_trailer;
     let rename = prepared.rename.take();
-    let inference = prepared.endpoint.is_inference();
+    let inference = prepared.endpoint.needs().generates;
     let upstream_req = upstream_request(&backend, prepared);
 
     // Send; wait for the head within the first-token (and total) limit.
@@ -880,7 +881,7 @@ fn openai_error_body(
             }
         }
     };
-    let tokenizer = endpoint.filter(|e| !e.is_inference());
+    let tokenizer = endpoint.filter(|e| !e.needs().generates);
     let hint = match (status.as_u16(), tokenizer) {
         (404, Some(e)) => format!(
             " The backend does not offer tokenization: it has no POST {} (vLLM serves /tokenize and /detokenize at its root; other OpenAI-compatible servers may not). Tokenize for model `{model}` with its own tokenizer instead, or ask the operator for a vLLM backend.",

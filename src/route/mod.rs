@@ -127,7 +127,7 @@ fn long_prompt_pool<'p>(
 /// same backend (its prefix cache). Computed only for pools that ask for it, and never for
 /// tokenization, which leaves nothing in a cache.
 fn affinity(pool: &Pool, view: &RequestView<'_>, body: &[u8], endpoint: Endpoint) -> Option<u64> {
-    let a = pool.affinity.filter(|_| endpoint.is_inference())?;
+    let a = pool.affinity.filter(|_| endpoint.needs().generates)?;
     match a.by {
         AffinityBy::User => view.user.map(|u| fnv1a(u.as_bytes())),
         AffinityBy::Prefix => {

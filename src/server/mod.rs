@@ -2,7 +2,7 @@
 //! and HTTP/2 (prior knowledge or ALPN) on each connection, routes requests, and drains
 //! in-flight streams on shutdown within the grace period.
 //!
-//! Request path, in order (see `route`):
+//! Request path, in order (see `router::route`):
 //! 1. route by method and path; open routes (`/healthz`, `/readyz`) answer here;
 //! 2. `proxy::forward` — body, view, pool, backend, upstream, relay — stamping the Timeline;
 //! 3. the `RequestRecord` created here travels with the response body and records the
@@ -10,6 +10,7 @@
 
 pub mod conn_limit;
 pub mod reload;
+pub mod router;
 pub mod tls;
 
 use std::io;
@@ -18,8 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use http::header::{self, HeaderValue};
-use http::{Method, Request, Response, StatusCode, Version};
+use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -31,19 +31,17 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::AdminState;
-use crate::auth::{AuthFailure, Authenticator};
+use crate::auth::Authenticator;
 use crate::config::Config;
 use crate::key::KeyRecord;
 use crate::pool::Generation;
 use crate::pool::fleet::{Fleet, ReloadError, ReloadSummary};
-use crate::protocol::Endpoint;
-use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
 use crate::proxy::{self, ProxyState};
 use crate::rx_time::{self, RxClock, Side, StampedStream};
 use crate::store::{KeyStore, StoreError};
 use crate::telemetry::metrics::RequestMetrics;
-use crate::telemetry::{Recorder, RequestRecord};
+use crate::telemetry::Recorder;
 use conn_limit::{AcceptBackoff, ConnLimit, ConnPermit};
 
 /// Everything the request path reads, built once at start.
@@ -88,135 +86,6 @@ const FINAL_WRITES: Duration = Duration::from_secs(1);
 
 /// Client connections open at once on the admin listener.
 const ADMIN_MAX_CONNECTIONS: usize = 256;
-
-static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
-
-fn json(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<GatewayBody> {
-    let mut r = Response::new(GatewayBody::full(body));
-    *r.status_mut() = status;
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
-    r
-}
-
-/// Route one request from `peer`.
-/// `arrival`: when the request's first bytes reached the host (the kernel's stamp), where the
-/// platform stamps them.
-pub async fn route(
-    state: Arc<AppState>,
-    req: Request<Incoming>,
-    peer: SocketAddr,
-    arrival: Option<Instant>,
-) -> Response<GatewayBody> {
-    let received = Instant::now();
-    let path = req.uri().path();
-    let endpoint = match path {
-        "/v1/chat/completions" => Some(Endpoint::Chat),
-        "/v1/completions" => Some(Endpoint::Completions),
-        // vLLM's tokenizer, at the root as vLLM serves it (`vllm bench serve` aligns its
-        // prompts with `<base>/tokenize`).
-        "/tokenize" => Some(Endpoint::Tokenize),
-        "/detokenize" => Some(Endpoint::Detokenize),
-        _ => None,
-    };
-    // Open routes: no record, no auth.
-    match (path, req.method()) {
-        ("/healthz", &Method::GET | &Method::HEAD) => {
-            return json(StatusCode::OK, r#"{"status":"ok"}"#);
-        }
-        ("/readyz", &Method::GET | &Method::HEAD) => return readyz(&state),
-        _ => {}
-    }
-    let request_id = proxy::request_id(req.headers());
-    let mut record = RequestRecord::new(received, request_id, state.proxy.recorder.clone());
-    record.client_addr = Some(peer);
-    if let Some(at) = arrival {
-        record.timeline.stamp_kernel_arrival(at);
-    }
-    let method = req.method().clone();
-    let fail = |err: ApiError, mut record: RequestRecord| {
-        record.status = err.status().as_u16();
-        record.error = Some(err.kind());
-        record.finish(Instant::now());
-        proxy::error_response(&err, &record.request_id)
-    };
-    // Everything but the open routes above needs a key. A refusal comes back only after its
-    // delay (`auth::Authenticator::authenticate`).
-    match state
-        .auth()
-        .authenticate(req.headers(), peer.ip(), received)
-        .await
-    {
-        Ok(key) => record.key = Some(key),
-        Err(failure) => {
-            let throttled = matches!(failure, AuthFailure::TooManyFailures { .. });
-            let mut resp = fail(ApiError::Auth(failure), record);
-            // A throttled address gets no more attempts on this connection: hyper closes an
-            // HTTP/1 connection after a response that says `Connection: close` (HTTP/2 has no
-            // such header; there the delay is the brake).
-            if throttled && req.version() <= Version::HTTP_11 {
-                resp.headers_mut()
-                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            }
-            return resp;
-        }
-    }
-    let path = req.uri().path();
-    match (endpoint, path) {
-        (Some(ep), _) if method == Method::POST => {
-            proxy::forward(&state.proxy, ep, req, record).await
-        }
-        (Some(ep), _) => fail(
-            ApiError::MethodNotAllowed {
-                method: method.to_string(),
-                path: ep.path(),
-                allow: "POST",
-            },
-            record,
-        ),
-        (None, "/v1/models") if method == Method::GET || method == Method::HEAD => {
-            let body = match &record.key {
-                Some(k) => state.pools().models_for(k),
-                None => state.pools().models_body(),
-            };
-            let mut resp = json(StatusCode::OK, body);
-            resp.headers_mut()
-                .insert(proxy::X_REQUEST_ID.clone(), record.request_id.clone());
-            record.status = 200;
-            record.finish(Instant::now());
-            resp
-        }
-        (None, "/v1/models") => fail(
-            ApiError::MethodNotAllowed {
-                method: method.to_string(),
-                path: "/v1/models",
-                allow: "GET",
-            },
-            record,
-        ),
-        (None, _) => {
-            let err = ApiError::RouteNotFound {
-                method: method.to_string(),
-                path: path.chars().take(200).collect(),
-            };
-            fail(err, record)
-        }
-    }
-}
-
-/// The public readiness probe says ready or not, nothing more: anyone who can reach the
-/// listener may ask, so the backends, their errors and the key store's state are for the
-/// admin listener (`GET /admin/ready`).
-fn readyz(state: &AppState) -> Response<GatewayBody> {
-    if state.pools().any_reachable() {
-        json(StatusCode::OK, r#"{"ready":true}"#)
-    } else {
-        json(
-            StatusCode::SERVICE_UNAVAILABLE,
-            r#"{"ready":false,"detail":"no backend is reachable yet; the admin listener's GET /admin/ready says more"}"#,
-        )
-    }
-}
 
 /// A running gateway: the API listener, the admin listener and their background tasks.
 pub struct Server {
@@ -560,7 +429,9 @@ fn spawn_workers(
                                     streams_end: Some(streams_end),
                                 },
                                 limit,
-                                move |req, peer, arrival| route(state.clone(), req, peer, arrival),
+                                move |req, peer, arrival| {
+                                    router::route(state.clone(), req, peer, arrival)
+                                },
                             )
                             .await
                         }

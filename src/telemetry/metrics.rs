@@ -17,7 +17,6 @@ use prometheus::{
 
 use crate::key::Environment;
 use crate::pool::Generation;
-use crate::protocol::Endpoint;
 use crate::protocol::error::ErrorKind;
 
 use super::{RequestRecord, UsageSource};
@@ -431,7 +430,7 @@ impl RequestMetrics {
             s.queue_wait.observe(secs(t.queue_wait()));
         }
         // Tokenization is a request (counted below) but not inference: no latency or tokens.
-        if r.pool_slot.is_some() && r.endpoint.is_none_or(Endpoint::is_inference) {
+        if r.pool_slot.is_some() && r.endpoint.is_none_or(|e| e.needs().generates) {
             // Latency of completed requests only (as vLLM's benchmark reads them); tokens of
             // every request that produced some, cut streams included.
             if r.error.is_none() {
