@@ -40,8 +40,8 @@ use crate::proxy::relay::GatewayBody;
 use crate::proxy::{self, ProxyState};
 use crate::rx_time::{self, RxClock, Side, StampedStream};
 use crate::store::{KeyStore, StoreError};
-use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::Recorder;
+use crate::telemetry::metrics::RequestMetrics;
 use conn_limit::{AcceptBackoff, ConnLimit, ConnPermit};
 
 /// Everything the request path reads, built once at start.
