@@ -244,6 +244,35 @@ async fn a_strict_h11_backend_gets_every_request() {
     }
 }
 
+/// `POST /admin/keys` with an admin token: (status, body).
+async fn admin_create(
+    gw: &Gateway,
+    token: &str,
+    name: &str,
+    env: &str,
+) -> (u16, serde_json::Value) {
+    admin(
+        gw,
+        "POST",
+        "/admin/keys",
+        Some(token),
+        Some(serde_json::json!({"name": name, "environment": env})),
+    )
+    .await
+}
+
+/// `POST /admin/keys/{id}/revoke` with an admin token: (status, body).
+async fn admin_revoke(gw: &Gateway, token: &str, id: &str) -> (u16, serde_json::Value) {
+    admin(
+        gw,
+        "POST",
+        &format!("/admin/keys/{id}/revoke"),
+        Some(token),
+        Some(serde_json::json!({"reason": "leaked"})),
+    )
+    .await
+}
+
 /// A metric without labels, as `/metrics` shows it (0 when absent).
 fn metric(gw: &Gateway, name: &str) -> i64 {
     metrics_text(gw)
@@ -305,14 +334,7 @@ async fn a_sqlite_write_fault_fails_loudly_and_the_store_recovers() {
     let db = gw.db_dir.0.join("keys.db");
     let wal = gw.db_dir.0.join("keys.db-wal");
     let admin_token = token(Role::Admin);
-    let (status, created) = admin(
-        &gw,
-        "POST",
-        "/admin/keys",
-        Some(&admin_token),
-        Some(serde_json::json!({"name": "victim", "environment": "prod"})),
-    )
-    .await;
+    let (status, created) = admin_create(&gw, &admin_token, "victim", "prod").await;
     assert_eq!(status, 201, "{created}");
     let victim = created["key"].as_str().unwrap().to_owned();
     let id = created["record"]["public_id"].as_str().unwrap().to_owned();
@@ -344,14 +366,7 @@ async fn a_sqlite_write_fault_fails_loudly_and_the_store_recovers() {
         assert_eq!(chat_key(&gw, &victim).await.status, 200);
         sent += 1;
     }
-    let (status, body) = admin(
-        &gw,
-        "POST",
-        &format!("/admin/keys/{id}/revoke"),
-        Some(&admin_token),
-        Some(serde_json::json!({"reason": "leaked"})),
-    )
-    .await;
+    let (status, body) = admin_revoke(&gw, &admin_token, &id).await;
     assert!(
         status >= 500,
         "a revoke that cannot be stored fails loudly: {status} {body}"
@@ -373,14 +388,7 @@ async fn a_sqlite_write_fault_fails_loudly_and_the_store_recovers() {
         "nothing changed in memory: the key still works"
     );
     sent += 1;
-    let (status, body) = admin(
-        &gw,
-        "POST",
-        "/admin/keys",
-        Some(&admin_token),
-        Some(serde_json::json!({"name": "during the fault", "environment": "stress"})),
-    )
-    .await;
+    let (status, body) = admin_create(&gw, &admin_token, "during the fault", "stress").await;
     assert!(status >= 500, "{status} {body}");
     // The rows of the fault's requests were spilled (the writer flushes every 20 ms).
     let spilled = |gw: &Gateway| metric(gw, "fleetgate_request_log_spilled_rows");
@@ -399,14 +407,7 @@ async fn a_sqlite_write_fault_fails_loudly_and_the_store_recovers() {
     // The fault is over: the store recovers by itself (bounded), the revoke goes through.
     let started = std::time::Instant::now();
     let revoked = loop {
-        let (status, body) = admin(
-            &gw,
-            "POST",
-            &format!("/admin/keys/{id}/revoke"),
-            Some(&admin_token),
-            Some(serde_json::json!({"reason": "leaked"})),
-        )
-        .await;
+        let (status, body) = admin_revoke(&gw, &admin_token, &id).await;
         if status == 200 {
             break body;
         }
@@ -422,14 +423,7 @@ async fn a_sqlite_write_fault_fails_loudly_and_the_store_recovers() {
     );
     assert_eq!(revoked["status"], "revoked", "{revoked}");
     assert_eq!(chat_key(&gw, &victim).await.status, 401);
-    let (status, body) = admin(
-        &gw,
-        "POST",
-        "/admin/keys",
-        Some(&admin_token),
-        Some(serde_json::json!({"name": "after the fault", "environment": "stress"})),
-    )
-    .await;
+    let (status, body) = admin_create(&gw, &admin_token, "after the fault", "stress").await;
     assert_eq!(status, 201, "{body}");
 
     // On disk, read by another connection: the revoke, and every request's row.
@@ -493,30 +487,14 @@ async fn postgres_revoke_during_a_connection_loss_and_writes_after_a_restart() {
     })
     .await;
     let admin_token = token(Role::Admin);
-    let (status, created) = admin(
-        &gw,
-        "POST",
-        "/admin/keys",
-        Some(&admin_token),
-        Some(serde_json::json!({"name": "victim", "environment": "prod"})),
-    )
-    .await;
+    let (status, created) = admin_create(&gw, &admin_token, "victim", "prod").await;
     assert_eq!(status, 201, "{created}");
     let victim = created["key"].as_str().unwrap().to_owned();
     let id = created["record"]["public_id"].as_str().unwrap().to_owned();
     assert_eq!(chat_key(&gw, &victim).await.status, 200);
 
     let port = proxy.cut();
-    let revoke_path = format!("/admin/keys/{id}/revoke");
-    let revoke = || {
-        admin(
-            &gw,
-            "POST",
-            &revoke_path,
-            Some(&admin_token),
-            Some(serde_json::json!({"reason": "leaked"})),
-        )
-    };
+    let revoke = || admin_revoke(&gw, &admin_token, &id);
     let (status, body) = revoke().await;
     assert_eq!(status, 503, "{body}");
     assert!(
@@ -566,14 +544,7 @@ async fn postgres_revoke_during_a_connection_loss_and_writes_after_a_restart() {
     .await
     .unwrap();
     assert!(!killed.is_empty(), "the gateway held connections");
-    let (status, body) = admin(
-        &gw,
-        "POST",
-        "/admin/keys",
-        Some(&admin_token),
-        Some(serde_json::json!({"name": "after the restart", "environment": "stress"})),
-    )
-    .await;
+    let (status, body) = admin_create(&gw, &admin_token, "after the restart", "stress").await;
     assert_eq!(
         status, 201,
         "a write after the restart goes through: {body}"

@@ -35,6 +35,15 @@ async fn closed_by_server(s: &mut TcpStream, limit: Duration) -> Option<Vec<u8>>
     }
 }
 
+/// `GET /healthz` on an open connection: the whole answer, or `None` if none within 2 s.
+async fn healthz_on(s: &mut TcpStream) -> Option<String> {
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = closed_by_server(s, Duration::from_secs(2)).await?;
+    Some(String::from_utf8_lossy(&answer).into_owned())
+}
+
 async fn short_timeouts(max_connections: usize) -> (Gateway, sim::SimServer) {
     let sim = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
@@ -262,30 +271,18 @@ async fn one_address_cannot_take_every_connection_place() {
         .await
         .unwrap()
         .unwrap();
-    other
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let answer = closed_by_server(&mut other, Duration::from_secs(2))
+    let answer = healthz_on(&mut other)
         .await
         .expect("another address is served at once");
-    assert!(
-        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&answer)
-    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 
     // Liveness on the admin listener, whatever the API listener's clients do.
     let mut admin = TcpStream::connect(gw.server.admin_addr.unwrap())
         .await
         .unwrap();
-    admin
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let answer = closed_by_server(&mut admin, Duration::from_secs(2))
+    let answer = healthz_on(&mut admin)
         .await
         .expect("the admin listener answers");
-    assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
+    assert!(answer.starts_with("HTTP/1.1 200"));
     drop(silent);
 }

@@ -28,12 +28,11 @@ static SERVER_TIMING_VALUE: HeaderValue = HeaderValue::from_static("server-timin
 /// Largest error body read from a backend to rewrap it.
 const MAX_UPSTREAM_ERROR_BODY: usize = 64 * 1024;
 
-/// Headers of the client's never passed upstream besides the hop-by-hop ones: its credentials
-/// (the pool's own upstream key is sent instead), `host` (the backend's own), `content-length`
-/// and `x-request-id` (the gateway sets both), `accept-encoding` (the relay must see plain
-/// SSE), `expect` and `cookie`.
+/// Headers of the client's never passed upstream besides the hop-by-hop ones and `host` (taken
+/// out first by `outgoing`, for `X-Forwarded-Host`; the backend's own is sent): its credentials
+/// (the pool's own upstream key is sent instead), `content-length` and `x-request-id` (the
+/// gateway sets both), `accept-encoding` (the relay must see plain SSE), `expect` and `cookie`.
 const STRIP_UPSTREAM: &[HeaderName] = &[
-    header::HOST,
     header::AUTHORIZATION,
     header::CONTENT_LENGTH,
     header::ACCEPT_ENCODING,
@@ -115,17 +114,17 @@ impl Forwarding {
     }
 }
 
-static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// Headers by which a sender states another client address, host, scheme or prefix: believed
 /// only from a trusted proxy, else removed (and the gateway's own set).
 static CLIENT_CLAIMS: [HeaderName; 8] = [
     header::FORWARDED,
-    HeaderName::from_static("x-forwarded-for"),
-    HeaderName::from_static("x-forwarded-host"),
-    HeaderName::from_static("x-forwarded-proto"),
+    X_FORWARDED_FOR,
+    X_FORWARDED_HOST,
+    X_FORWARDED_PROTO,
     HeaderName::from_static("x-forwarded-port"),
     HeaderName::from_static("x-forwarded-prefix"),
     HeaderName::from_static("x-real-ip"),
@@ -182,10 +181,10 @@ fn forwarding(
         let _ = write!(value, "{ip}");
     }
     if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(value)) {
-        headers.insert(X_FORWARDED_FOR.clone(), v);
+        headers.insert(X_FORWARDED_FOR, v);
     }
     if !headers.contains_key(&X_FORWARDED_PROTO) {
-        headers.insert(X_FORWARDED_PROTO.clone(), fwd.proto.clone());
+        headers.insert(X_FORWARDED_PROTO, fwd.proto.clone());
     }
     if !headers.contains_key(&X_FORWARDED_HOST) {
         let host = host.or_else(|| {
@@ -194,7 +193,7 @@ fn forwarding(
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
         if let Some(h) = host {
-            headers.insert(X_FORWARDED_HOST.clone(), h);
+            headers.insert(X_FORWARDED_HOST, h);
         }
     }
 }
