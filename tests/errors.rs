@@ -137,7 +137,7 @@ async fn unknown_route_and_wrong_method() {
     for (method, path, status, code) in [
         ("POST", "/v1/v1/chat/completions", 404, "unknown_url"),
         ("POST", "/api/chat/completions", 404, "unknown_url"),
-        ("GET", "/", 404, "unknown_url"),
+        ("GET", "/index.html", 404, "unknown_url"),
         ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
         ("DELETE", "/v1/models", 405, "method_not_allowed"),
     ] {

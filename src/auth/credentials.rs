@@ -15,7 +15,15 @@ pub fn credentials(headers: &HeaderMap) -> Result<&str, AuthFailure> {
             None => (v, ""),
         };
         if scheme.eq_ignore_ascii_case("bearer") {
-            return token(rest);
+            let key = token(rest)?;
+            // Both headers, two keys: which one was meant is unknown (Anthropic's SDKs send
+            // `x-api-key`, its auth token as `Authorization`). The same key twice is fine.
+            if let Some(x) = headers.get("x-api-key")
+                && x.as_bytes().trim_ascii() != key.as_bytes()
+            {
+                return Err(AuthFailure::TwoKeys);
+            }
+            return Ok(key);
         }
         if scheme.len() > 6 && scheme[..6].eq_ignore_ascii_case("bearer") {
             return Err(AuthFailure::NoSpaceAfterBearer);

@@ -47,10 +47,12 @@ pub enum AuthFailure {
     TooManyFailures {
         retry_after: Duration,
     },
+    /// `Authorization: Bearer` and `x-api-key` name different keys.
+    TwoKeys,
 }
 
 /// Label for the failure counter: a fixed set.
-pub const FAILURE_REASONS: [&str; 17] = [
+pub const FAILURE_REASONS: [&str; 18] = [
     "missing",
     "no_space_after_bearer",
     "quoted",
@@ -68,6 +70,7 @@ pub const FAILURE_REASONS: [&str; 17] = [
     "model_not_allowed",
     "environment_not_allowed",
     "too_many_failures",
+    "two_keys",
 ];
 
 impl AuthFailure {
@@ -95,6 +98,7 @@ impl AuthFailure {
             AuthFailure::ModelNotAllowed { .. } => 14,
             AuthFailure::EnvironmentNotAllowed { .. } => 15,
             AuthFailure::TooManyFailures { .. } => 16,
+            AuthFailure::TwoKeys => 17,
         }
     }
 
@@ -121,7 +125,8 @@ impl AuthFailure {
             | AuthFailure::UnknownKey
             | AuthFailure::Revoked { .. }
             | AuthFailure::Expired { .. }
-            | AuthFailure::RotatedOut { .. } => ErrorKind::Unauthenticated,
+            | AuthFailure::RotatedOut { .. }
+            | AuthFailure::TwoKeys => ErrorKind::Unauthenticated,
         }
     }
 
@@ -146,7 +151,8 @@ impl AuthFailure {
             | AuthFailure::Quoted
             | AuthFailure::Whitespace
             | AuthFailure::BasicScheme
-            | AuthFailure::OtherScheme(_) => "invalid_authorization_header",
+            | AuthFailure::OtherScheme(_)
+            | AuthFailure::TwoKeys => "invalid_authorization_header",
             AuthFailure::OAuthToken => "oauth_not_supported",
             AuthFailure::NotFleetgate { .. }
             | AuthFailure::UnknownEnvironment
@@ -191,6 +197,7 @@ impl AuthFailure {
                 "Too many failed authentication attempts from your address: no key from it is checked for the next {} s, not even a valid one. Fix the key, then retry after that.",
                 retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0)
             ),
+            AuthFailure::TwoKeys => "`Authorization: Bearer` and `x-api-key` carry two different keys: send one key, in either header (check the client's environment: ANTHROPIC_AUTH_TOKEN and ANTHROPIC_API_KEY both set?).".into(),
         }
     }
 }
@@ -231,6 +238,7 @@ mod tests {
             AuthFailure::TooManyFailures {
                 retry_after: Duration::from_secs(3),
             },
+            AuthFailure::TwoKeys,
         ];
         let messages: std::collections::HashSet<String> =
             all.iter().map(|f| f.describe().2).collect();

@@ -99,7 +99,7 @@ impl StreamTimer {
                 }
                 _ => {}
             }
-            metrics.on_data(d.kind, d.payload, at);
+            metrics.on_data(d.kind, d.usage, at);
         });
     }
 
@@ -112,7 +112,7 @@ impl StreamTimer {
             token_at_ms,
             error_text,
         } = &mut self;
-        scanner.finish(|d| metrics.on_data(d.kind, d.payload, end));
+        scanner.finish(|d| metrics.on_data(d.kind, d.usage, end));
         let m = &*metrics;
         let error = if let Some(e) = error_text.take() {
             Some(format!("error event in the stream: {e}"))

@@ -394,6 +394,10 @@ pub(super) struct RawServer {
     pub(super) max_connections_per_address: u32,
     #[serde(default = "default_max_stream_line")]
     pub(super) max_stream_line_bytes: u64,
+    #[serde(default = "default_response_pin_capacity")]
+    pub(super) response_pin_capacity: usize,
+    #[serde(default = "default_response_pin_ttl")]
+    pub(super) response_pin_ttl_s: u64,
     #[serde(default = "default_header_timeout")]
     pub(super) header_timeout_seconds: f64,
     #[serde(default = "default_keepalive_timeout")]
@@ -438,6 +442,8 @@ impl Default for RawServer {
             max_connections: 0,
             max_connections_per_address: 0,
             max_stream_line_bytes: default_max_stream_line(),
+            response_pin_capacity: default_response_pin_capacity(),
+            response_pin_ttl_s: default_response_pin_ttl(),
             header_timeout_seconds: default_header_timeout(),
             keepalive_timeout_seconds: default_keepalive_timeout(),
             body_timeout_seconds: default_body_timeout(),
@@ -462,6 +468,12 @@ fn default_max_upstream_head() -> u64 {
 }
 fn default_max_upstream_header_value() -> u64 {
     DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES as u64
+}
+fn default_response_pin_capacity() -> usize {
+    100_000
+}
+fn default_response_pin_ttl() -> u64 {
+    24 * 3600
 }
 fn default_max_stream_line() -> u64 {
     crate::protocol::sse::DEFAULT_MAX_LINE as u64

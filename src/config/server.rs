@@ -74,6 +74,10 @@ pub struct ServerConfig {
     /// ends with an `upstream_protocol_error` event (a backend that never ends a line cannot
     /// grow the gateway's memory).
     pub max_stream_line_bytes: usize,
+    /// Stored responses whose backend is remembered (the oldest forgotten first), and for how
+    /// long (`proxy::pins`).
+    pub response_pin_capacity: usize,
+    pub response_pin_ttl: Duration,
     /// A new connection must deliver its first request head (TLS handshake included) within
     /// this, or it is closed.
     pub header_timeout: Duration,
@@ -118,6 +122,8 @@ impl Default for ServerConfig {
             max_connections: 0,
             max_connections_per_address: 0,
             max_stream_line_bytes: crate::protocol::sse::DEFAULT_MAX_LINE,
+            response_pin_capacity: 100_000,
+            response_pin_ttl: Duration::from_secs(24 * 3600),
             header_timeout: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),
@@ -196,6 +202,12 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
             "must be at least 4096 (vLLM's events with logprobs or tool calls run to hundreds of kilobytes; the default is 1048576)",
         ));
     }
+    if s.response_pin_capacity == 0 || s.response_pin_ttl_s == 0 {
+        return Err(err.at(
+            "server.response_pin_capacity",
+            "server.response_pin_capacity and server.response_pin_ttl_s must be > 0: without a pin, a stored response (GET /v1/responses/{id}, previous_response_id) cannot be found on the backend that holds it",
+        ));
+    }
     if s.health_interval_ms == 0 {
         return Err(err.at("server.health_interval_ms", "must be > 0"));
     }
@@ -235,6 +247,8 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
         max_connections: s.max_connections,
         max_connections_per_address: s.max_connections_per_address,
         max_stream_line_bytes: usize::try_from(s.max_stream_line_bytes).unwrap_or(usize::MAX),
+        response_pin_capacity: s.response_pin_capacity,
+        response_pin_ttl: Duration::from_secs(s.response_pin_ttl_s),
         header_timeout: Duration::from_secs_f64(s.header_timeout_seconds),
         keepalive_timeout: Duration::from_secs_f64(s.keepalive_timeout_seconds),
         body_timeout: Duration::from_secs_f64(s.body_timeout_seconds),

@@ -47,6 +47,10 @@ pub struct Backend {
     /// vLLM's tokenizer endpoints, at the server root.
     pub tokenize_uri: Uri,
     pub detokenize_uri: Uri,
+    /// The agents' protocols: OpenAI's Responses API and Anthropic's Messages API.
+    pub responses_uri: Uri,
+    pub messages_uri: Uri,
+    pub count_tokens_uri: Uri,
     pub health_uri: Uri,
     pub metrics_uri: Uri,
     /// The `Host` every request to it carries (its authority), made once.
@@ -106,7 +110,7 @@ pub struct Backend {
 
 /// `POST <path> HTTP/1.1`, `host: <authority>` and `authorization: <value>`, each with its
 /// line end, for the longest of `uris`.
-fn head_bytes(uris: [&Uri; 4], auth: Option<&HeaderValue>) -> usize {
+fn head_bytes(uris: [&Uri; 6], auth: Option<&HeaderValue>) -> usize {
     let line = |name: usize, value: usize| name + 2 + value + 2;
     let path = uris
         .iter()
@@ -174,8 +178,18 @@ impl Backend {
         let completions_uri = join("/v1/completions")?;
         let tokenize_uri = join("/tokenize")?;
         let detokenize_uri = join("/detokenize")?;
+        let responses_uri = join("/v1/responses")?;
+        let messages_uri = join("/v1/messages")?;
+        let count_tokens_uri = join("/v1/messages/count_tokens")?;
         let head_bytes = head_bytes(
-            [&chat_uri, &completions_uri, &tokenize_uri, &detokenize_uri],
+            [
+                &chat_uri,
+                &completions_uri,
+                &tokenize_uri,
+                &detokenize_uri,
+                &responses_uri,
+                &count_tokens_uri,
+            ],
             upstream_auth.as_ref(),
         );
         let authority = chat_uri.authority().map_or("", |a| a.as_str());
@@ -197,6 +211,9 @@ impl Backend {
             completions_uri,
             tokenize_uri,
             detokenize_uri,
+            responses_uri,
+            messages_uri,
+            count_tokens_uri,
             health_uri: join(&pool.health.path)?,
             metrics_uri: join(
                 pool.load_aware
@@ -360,6 +377,15 @@ impl Backend {
             self.fingerprint
                 .store(seen.map(|v| Arc::new(Bytes::copy_from_slice(v))));
         }
+    }
+
+    /// The URI of `path_and_query` on this backend (a path naming a stored response, or a
+    /// query string passed through): formatted per request, only for those.
+    pub fn uri_for(&self, path_and_query: &str) -> Option<Uri> {
+        let mut text = String::with_capacity(self.base.len() + path_and_query.len());
+        text.push_str(&self.base);
+        text.push_str(path_and_query);
+        text.parse().ok()
     }
 
     pub fn state(&self) -> BackendState {

@@ -175,6 +175,30 @@ impl Balancer {
         None
     }
 
+    /// A slot on backend `i` and no other (a request that must reach the backend holding the
+    /// response it names). Counted within the backend's capacity when `counted` (`None`: full
+    /// now); uncounted (a read or a cancel of a stored response) always. Whether the backend
+    /// may take it is the caller's question: it must be this one.
+    pub fn try_acquire_at(self: &Arc<Self>, i: usize, counted: bool) -> Option<InFlight> {
+        let b = self.backends.get(i)?;
+        if counted {
+            loop {
+                let f = b.has_room()?;
+                if b.in_flight
+                    .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+                {
+                    break;
+                }
+            }
+        }
+        Some(InFlight {
+            balancer: self.clone(),
+            index: i,
+            counted,
+        })
+    }
+
     /// Fewer in flight per unit of weight: n_a / w_a < n_b / w_b. Idle backends tie, and the
     /// first drawn wins a tie: idle traffic follows the weighted draw. With load-aware pools
     /// the backend's own count (all gateways') counts when larger.

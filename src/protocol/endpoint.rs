@@ -4,6 +4,8 @@
 
 use http::Method;
 
+use super::Dialect;
+
 /// One row of the endpoint table.
 #[derive(Debug)]
 pub struct Row {
@@ -14,8 +16,9 @@ pub struct Row {
 }
 
 /// Every forwarded route. vLLM serves its tokenizer at the server root, not under `/v1`
-/// (`vllm bench serve` aligns its prompts with `<base>/tokenize`).
-pub static TABLE: [Row; 4] = [
+/// (`vllm bench serve` aligns its prompts with `<base>/tokenize`). `{id}` stands for one path
+/// segment naming a stored response (`ID_CHARS`).
+pub static TABLE: [Row; 9] = [
     Row {
         method: Method::POST,
         path: "/v1/chat/completions",
@@ -36,11 +39,63 @@ pub static TABLE: [Row; 4] = [
         path: "/detokenize",
         endpoint: Endpoint::Detokenize,
     },
+    Row {
+        method: Method::POST,
+        path: "/v1/responses",
+        endpoint: Endpoint::Responses,
+    },
+    Row {
+        method: Method::GET,
+        path: "/v1/responses/{id}",
+        endpoint: Endpoint::ResponseGet,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v1/responses/{id}/cancel",
+        endpoint: Endpoint::ResponseCancel,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v1/messages",
+        endpoint: Endpoint::Messages,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v1/messages/count_tokens",
+        endpoint: Endpoint::CountTokens,
+    },
 ];
 
+/// The most characters of a response id in a path.
+pub const MAX_ID: usize = 128;
+
+/// A response id in a path: letters, digits, `_` and `-` (vLLM's `resp_<hex>`, OpenAI's
+/// `resp_<alnum>`); anything else (`.`, `%`, `/`) never names one.
+fn is_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_ID
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// A route found in the table, with the id its path names (for `{id}` rows).
+#[derive(Debug, Clone, Copy)]
+pub struct Found<'p> {
+    pub row: &'static Row,
+    pub id: Option<&'p str>,
+}
+
 /// The row of `path`, whatever the method (the router answers 405 for another method).
-pub fn lookup(path: &str) -> Option<&'static Row> {
-    TABLE.iter().find(|r| r.path == path)
+pub fn lookup(path: &str) -> Option<Found<'_>> {
+    if let Some(row) = TABLE.iter().find(|r| r.path == path) {
+        return Some(Found { row, id: None });
+    }
+    let rest = path.strip_prefix("/v1/responses/")?;
+    let (id, row) = match rest.strip_suffix("/cancel") {
+        Some(id) => (id, &TABLE[6]),
+        None => (rest, &TABLE[5]),
+    };
+    is_id(id).then_some(Found { row, id: Some(id) })
 }
 
 /// How an endpoint's request body is read.
@@ -48,6 +103,9 @@ pub fn lookup(path: &str) -> Option<&'static Row> {
 pub enum BodyKind {
     /// One JSON object, read whole (within `server.max_body_bytes`) and viewed once.
     Json,
+    /// None is needed (a GET, a cancel): whatever comes is read within the limit and not
+    /// forwarded.
+    None,
 }
 
 /// What an endpoint asks of the request path.
@@ -61,14 +119,16 @@ pub struct Needs {
     /// It reserves from the key's token budget (settled on the answer's usage).
     pub spends_tokens: bool,
     pub body: BodyKind,
-    /// It must reach the backend that holds what it names (a stored response): none yet.
+    /// It must reach the backend that holds what it names (a stored response): always for a
+    /// GET or cancel by id, and for a new response that continues one
+    /// (`previous_response_id`).
     pub pinned: bool,
     /// A stream that did not ask for usage gets it upstream, hidden from the client.
     pub injects_usage: bool,
 }
 
-/// Which endpoint a body was sent to: decides the required prompt field, and whether the
-/// request is inference (limits, queue, latency figures) or only uses the model's tokenizer.
+/// Which endpoint a request was sent to: decides the body's required fields, the dialect of
+/// its answer and errors, and whether it is inference (limits, queue, latency figures).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     Chat,
@@ -77,49 +137,110 @@ pub enum Endpoint {
     Tokenize,
     /// vLLM's `POST /detokenize`: token ids → text.
     Detokenize,
+    /// OpenAI's Responses API: `POST /v1/responses`.
+    Responses,
+    /// `GET /v1/responses/{id}`: a stored response, from the backend that holds it.
+    ResponseGet,
+    /// `POST /v1/responses/{id}/cancel`: a background response stopped, on its backend.
+    ResponseCancel,
+    /// Anthropic's Messages API: `POST /v1/messages`.
+    Messages,
+    /// `POST /v1/messages/count_tokens`.
+    CountTokens,
 }
 
 impl Endpoint {
     /// The path, the same on the gateway and on the backend (vLLM serves its tokenizer at the
-    /// server root, not under `/v1`).
+    /// server root, not under `/v1`); `{id}` for the routes that name a response.
     pub fn path(self) -> &'static str {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
             Endpoint::Tokenize => "/tokenize",
             Endpoint::Detokenize => "/detokenize",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::ResponseGet => "/v1/responses/{id}",
+            Endpoint::ResponseCancel => "/v1/responses/{id}/cancel",
+            Endpoint::Messages => "/v1/messages",
+            Endpoint::CountTokens => "/v1/messages/count_tokens",
         }
     }
 
+    /// The request log's name of the endpoint.
     pub fn as_str(self) -> &'static str {
         match self {
             Endpoint::Chat => "chat",
             Endpoint::Completions => "completions",
             Endpoint::Tokenize => "tokenize",
             Endpoint::Detokenize => "detokenize",
+            Endpoint::Responses => "responses",
+            Endpoint::ResponseGet => "responses_get",
+            Endpoint::ResponseCancel => "responses_cancel",
+            Endpoint::Messages => "messages",
+            Endpoint::CountTokens => "messages_count_tokens",
         }
     }
 
-    /// What it asks of the request path. The completions endpoints generate, take a slot and
-    /// spend tokens; the tokenizer endpoints do none of that (they count against the key's
-    /// requests per minute only, and never wait for a slot).
-    pub const fn needs(self) -> Needs {
+    /// The endpoint's family: a metric label (never the path).
+    pub fn family(self) -> &'static str {
         match self {
+            Endpoint::Chat => "chat",
+            Endpoint::Completions => "completions",
+            Endpoint::Tokenize | Endpoint::Detokenize | Endpoint::CountTokens => "tokenize",
+            Endpoint::Responses | Endpoint::ResponseGet | Endpoint::ResponseCancel => "responses",
+            Endpoint::Messages => "messages",
+        }
+    }
+
+    /// The wire protocol of its answers and of the gateway's errors on it.
+    pub const fn dialect(self) -> Dialect {
+        match self {
+            Endpoint::Chat | Endpoint::Completions => Dialect::Chat,
+            Endpoint::Tokenize | Endpoint::Detokenize => Dialect::Json,
+            Endpoint::Responses | Endpoint::ResponseGet | Endpoint::ResponseCancel => {
+                Dialect::Responses
+            }
+            Endpoint::Messages | Endpoint::CountTokens => Dialect::Anthropic,
+        }
+    }
+
+    /// What it asks of the request path. The generating endpoints take a slot and spend
+    /// tokens; the tokenizer endpoints and the routes by response id do neither (they count
+    /// against the key's requests per minute only, and never wait for a slot).
+    pub const fn needs(self) -> Needs {
+        const GENERATES: Needs = Needs {
+            generates: true,
+            takes_slot: true,
+            spends_tokens: true,
+            body: BodyKind::Json,
+            pinned: false,
+            injects_usage: false,
+        };
+        const TOKENIZES: Needs = Needs {
+            generates: false,
+            takes_slot: false,
+            spends_tokens: false,
+            body: BodyKind::Json,
+            pinned: false,
+            injects_usage: false,
+        };
+        match self {
+            // Chat chunks report usage only when asked: the gateway asks.
             Endpoint::Chat | Endpoint::Completions => Needs {
-                generates: true,
-                takes_slot: true,
-                spends_tokens: true,
-                body: BodyKind::Json,
-                pinned: false,
                 injects_usage: true,
+                ..GENERATES
             },
-            Endpoint::Tokenize | Endpoint::Detokenize => Needs {
-                generates: false,
-                takes_slot: false,
-                spends_tokens: false,
-                body: BodyKind::Json,
-                pinned: false,
-                injects_usage: false,
+            // Their final events always carry usage.
+            Endpoint::Messages => GENERATES,
+            Endpoint::Responses => Needs {
+                pinned: true,
+                ..GENERATES
+            },
+            Endpoint::Tokenize | Endpoint::Detokenize | Endpoint::CountTokens => TOKENIZES,
+            Endpoint::ResponseGet | Endpoint::ResponseCancel => Needs {
+                body: BodyKind::None,
+                pinned: true,
+                ..TOKENIZES
             },
         }
     }
@@ -134,7 +255,9 @@ mod tests {
     fn the_table_routes_each_endpoint_by_its_path() {
         for row in &TABLE {
             assert_eq!(row.path, row.endpoint.path());
-            assert_eq!(lookup(row.path).map(|r| r.endpoint), Some(row.endpoint));
+            if !row.path.contains("{id}") {
+                assert_eq!(lookup(row.path).map(|f| f.row.endpoint), Some(row.endpoint));
+            }
         }
         for path in [
             "/v1/chat/completions/",
@@ -142,8 +265,29 @@ mod tests {
             "/pause",
             "/v1/tokenize",
             "",
+            "/v1/responses/",
+            "/v1/responses//cancel",
+            "/v1/responses/../pause",
+            "/v1/responses/resp_1/../../pause",
+            "/v1/responses/resp%2e1",
+            "/v1/responses/resp_1/cancel/",
+            "/v1/responses/resp_1/input_items",
+            "/v1/messages/",
+            "/v1/messages/batches",
         ] {
             assert!(lookup(path).is_none(), "{path}");
         }
+        let f = lookup("/v1/responses/resp_0a1B-c").unwrap();
+        assert_eq!(
+            (f.row.endpoint, f.id),
+            (Endpoint::ResponseGet, Some("resp_0a1B-c"))
+        );
+        let f = lookup("/v1/responses/resp_9/cancel").unwrap();
+        assert_eq!(
+            (f.row.endpoint, f.id),
+            (Endpoint::ResponseCancel, Some("resp_9"))
+        );
+        let long = format!("/v1/responses/{}", "a".repeat(MAX_ID + 1));
+        assert!(lookup(&long).is_none());
     }
 }

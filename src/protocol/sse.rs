@@ -1,12 +1,16 @@
 //! Incremental SSE scanner: finds the `data:` lines of an event stream across arbitrary read
-//! boundaries and classifies each payload just enough to time it (content / usage / error /
-//! done). It never copies a line that arrives whole; only a line split across reads is
-//! carried over.
+//! boundaries and has its dialect (`protocol::dialect`) read each payload just enough to time
+//! it (token / no output / usage / error / clean end). It never copies a line that arrives
+//! whole; only a line split across reads is carried over. `event:` lines are not read: every
+//! dialect's payload names its own type.
 
 use std::sync::LazyLock;
 
 use memchr::{memchr, memmem};
 use serde_json::value::RawValue;
+
+use super::dialect::Dialect;
+use super::usage::UsagePart;
 
 /// Searchers built once: `memmem::find` would build one per call.
 static CHOICES: LazyLock<memmem::Finder<'static>> =
@@ -16,21 +20,25 @@ static ERROR: LazyLock<memmem::Finder<'static>> =
 pub(crate) static USAGE: LazyLock<memmem::Finder<'static>> =
     LazyLock::new(|| memmem::Finder::new(b"\"usage\""));
 
-/// What a `data:` payload is, by vLLM 0.33's `vllm bench serve` reading of a chat/completions
-/// stream (`_choice_has_streamed_output` in vllm/benchmarks/lib/endpoint_request_func.py).
+/// What a `data:` payload is. For chat and completions, by vLLM 0.33's `vllm bench serve`
+/// reading of a stream (`_choice_has_streamed_output` in
+/// vllm/benchmarks/lib/endpoint_request_func.py); the other dialects map their event types onto
+/// the same kinds (`protocol::dialect`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DataKind {
     /// A token event: TTFT, ITL and E2EL are measured on these. Chat: the first choice's
     /// `delta` has non-empty `content`, `reasoning`, `tool_calls` or `function_call`, or
     /// `content: ""` without a `role`. Completions: any chunk with non-empty `choices`.
     Content,
-    /// A chunk with choices that streams nothing: the opening `role` chunk, an empty delta.
+    /// An event that streams nothing: the opening `role` chunk, an empty delta; a Responses
+    /// `response.created`, an Anthropic `message_start` or `ping`.
     NoOutput,
-    /// A chunk with `choices: []` (the usage chunk) or without choices.
+    /// A chat chunk with `choices: []` (the usage chunk) or without choices.
     NoChoices,
-    /// `{"error": ...}` sent inside the stream.
+    /// An error sent inside the stream (`{"error": ...}`, an `error` event, `response.failed`).
     Error,
-    /// `[DONE]`.
+    /// The stream's clean end: `[DONE]`, `response.completed` / `response.incomplete`,
+    /// `message_stop`.
     Done,
 }
 
@@ -38,6 +46,8 @@ pub enum DataKind {
 #[derive(Debug, Clone)]
 pub struct DataLine<'a> {
     pub kind: DataKind,
+    /// The usage this event reports, if any.
+    pub usage: Option<UsagePart>,
     pub payload: &'a [u8],
     /// Where the event (this line, its newline and a blank line right after it) sits in the
     /// chunk just fed — `None` when the line began in an earlier chunk.
@@ -47,6 +57,8 @@ pub struct DataLine<'a> {
 /// Line splitter and classifier; one per stream, reused across reads.
 #[derive(Debug)]
 pub struct SseScanner {
+    /// How the stream's events read.
+    dialect: Dialect,
     /// Bytes of a line whose end has not arrived yet.
     carry: Vec<u8>,
     /// The longest line carried over; a longer one stops the scan (`overlong`).
@@ -75,11 +87,22 @@ impl SseScanner {
     /// A scanner that carries at most `max_line` bytes of an unfinished line: a backend that
     /// sends a line with no end (a hostile or broken one) cannot grow the memory it holds.
     pub fn with_line_limit(max_line: usize) -> Self {
+        Self::for_dialect(Dialect::Chat, max_line)
+    }
+
+    /// A scanner of a stream in `dialect`, with a line limit.
+    pub fn for_dialect(dialect: Dialect, max_line: usize) -> Self {
         Self {
+            dialect,
             carry: Vec::new(),
             max_line,
             overlong: false,
         }
+    }
+
+    /// How the stream's events read.
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
     }
 
     /// The longest line carried.
@@ -121,7 +144,7 @@ impl SseScanner {
                         return;
                     }
                     let line = std::mem::take(&mut self.carry);
-                    handle_line(&line, None, &mut on_data);
+                    handle_line(self.dialect, &line, None, &mut on_data);
                     // Keep the allocation for the next split line.
                     self.carry = line;
                     self.carry.clear();
@@ -132,7 +155,7 @@ impl SseScanner {
         while let Some(i) = memchr(b'\n', &chunk[pos..]) {
             let end = pos + i + 1;
             let span = pos..end + blank_line_at(&chunk[end..]);
-            handle_line(&chunk[pos..pos + i], Some(span), &mut on_data);
+            handle_line(self.dialect, &chunk[pos..pos + i], Some(span), &mut on_data);
             pos = end;
         }
         if pos < chunk.len() {
@@ -145,7 +168,7 @@ impl SseScanner {
         if !self.carry.is_empty() {
             let line = std::mem::take(&mut self.carry);
             let mut on_data = on_data;
-            handle_line(&line, None, &mut on_data);
+            handle_line(self.dialect, &line, None, &mut on_data);
         }
     }
 
@@ -165,6 +188,7 @@ fn blank_line_at(rest: &[u8]) -> usize {
 }
 
 fn handle_line(
+    dialect: Dialect,
     line: &[u8],
     event_span: Option<std::ops::Range<usize>>,
     on_data: &mut impl FnMut(DataLine<'_>),
@@ -174,14 +198,17 @@ fn handle_line(
         return; // comments (`: queued`), `event:`, `id:`, blank separators
     };
     let payload = rest.strip_prefix(b" ").unwrap_or(rest);
+    let event = dialect.event(payload);
     on_data(DataLine {
-        kind: classify(payload),
+        kind: event.kind,
+        usage: event.usage,
         payload,
         event_span,
     });
 }
 
-/// Classify a data payload without parsing the JSON: look for the top-level markers only.
+/// Classify a chat or completions payload without parsing the JSON: look for the top-level
+/// markers only.
 pub fn classify(payload: &[u8]) -> DataKind {
     let p = trim_ascii(payload);
     if p == b"[DONE]" {

@@ -47,6 +47,10 @@ pub struct RequestView<'a> {
     pub prompt_chars: usize,
     /// The `user` field's raw JSON text, when given (backend affinity).
     pub user: Option<&'a str>,
+    /// Responses: the stored response this one continues (it lives on one backend).
+    pub previous_response_id: Option<Cow<'a, str>>,
+    /// Responses: `background: true` (the POST answers while the backend still generates).
+    pub background: bool,
 }
 
 #[derive(Deserialize)]
@@ -59,6 +63,9 @@ struct RawBody<'a> {
     max_tokens: Option<&'a RawValue>,
     #[serde(borrow)]
     max_completion_tokens: Option<&'a RawValue>,
+    /// The Responses API's output limit.
+    #[serde(borrow)]
+    max_output_tokens: Option<&'a RawValue>,
     #[serde(borrow)]
     n: Option<&'a RawValue>,
     /// Kept even when it is `null` (a plain `Option` would read `null` as absent): a stream
@@ -67,6 +74,16 @@ struct RawBody<'a> {
     stream_options: Option<&'a RawValue>,
     messages: Option<Messages>,
     prompt: Option<Prompt>,
+    /// The Responses API's prompt: a string or a list of input items.
+    input: Option<Input>,
+    /// The Responses API's system text.
+    instructions: Option<Content>,
+    /// Anthropic's system prompt: a string or text blocks.
+    system: Option<Content>,
+    #[serde(borrow)]
+    previous_response_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    background: Option<&'a RawValue>,
     /// `/detokenize`'s token ids; read only there (another endpoint's body may carry a field of
     /// that name in any shape).
     #[serde(borrow)]
@@ -136,10 +153,12 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
     let model_span = span_of(body, model_raw.get().as_bytes()).ok_or(ViewError::Unlocatable)?;
 
     let generation = if endpoint.needs().generates {
-        generation_fields(&raw, body)?
+        generation_fields(&raw, body, endpoint)?
     } else {
         Generation::NONE
     };
+    let mut previous_response_id = None;
+    let mut background = false;
     let prompt_chars = match endpoint {
         Endpoint::Chat => {
             let Some(Messages(chars)) = raw.messages else {
@@ -187,6 +206,54 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
             // Sized like a completions prompt of token ids.
             ids.len() * 4
         }
+        Endpoint::Responses => {
+            let Some(Input(chars)) = raw.input else {
+                return Err(invalid(
+                    "input",
+                    "`input` is required on /v1/responses (a string, or a list of input items such as {\"role\": \"user\", \"content\": \"...\"}); for chat `messages` use /v1/chat/completions.",
+                ));
+            };
+            previous_response_id = match raw.previous_response_id.map(RawValue::get) {
+                None | Some("null") => None,
+                Some(text) => {
+                    let id: Cow<'_, str> = serde_json::from_str(text).map_err(|_| {
+                        invalid(
+                            "previous_response_id",
+                            format!(
+                                "`previous_response_id` must be the id of an earlier response (a string such as \"resp_...\"), got `{}`.",
+                                short(text)
+                            ),
+                        )
+                    })?;
+                    Some(id)
+                }
+            };
+            background = match raw.background.map(RawValue::get) {
+                None | Some("null") | Some("false") => false,
+                Some("true") => true,
+                Some(other) => {
+                    return Err(invalid(
+                        "background",
+                        format!("`background` must be a boolean, got `{}`.", short(other)),
+                    ));
+                }
+            };
+            chars + raw.instructions.map_or(0, |c| c.0)
+        }
+        Endpoint::Messages | Endpoint::CountTokens => {
+            let Some(Messages(chars)) = raw.messages else {
+                return Err(invalid(
+                    "messages",
+                    format!(
+                        "`messages` is required on {} (an array of {{\"role\", \"content\"}}).",
+                        endpoint.path()
+                    ),
+                ));
+            };
+            chars + raw.system.map_or(0, |c| c.0)
+        }
+        // No body is read for these.
+        Endpoint::ResponseGet | Endpoint::ResponseCancel => 0,
     };
     let Generation {
         stream,
@@ -205,6 +272,8 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
         stream_options_span,
         prompt_chars,
         user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
+        previous_response_id,
+        background,
     })
 }
 
@@ -228,7 +297,11 @@ impl Generation {
     };
 }
 
-fn generation_fields(raw: &RawBody<'_>, body: &[u8]) -> Result<Generation, ViewError> {
+fn generation_fields(
+    raw: &RawBody<'_>,
+    body: &[u8],
+    endpoint: Endpoint,
+) -> Result<Generation, ViewError> {
     let stream = match raw.stream.map(RawValue::get) {
         None | Some("null") | Some("false") => false,
         Some("true") => true,
@@ -239,6 +312,31 @@ fn generation_fields(raw: &RawBody<'_>, body: &[u8]) -> Result<Generation, ViewE
             ));
         }
     };
+    match endpoint {
+        // The Responses API names its limit `max_output_tokens`, and has no `n`.
+        Endpoint::Responses => {
+            return Ok(Generation {
+                stream,
+                max_tokens: opt_u64(raw.max_output_tokens, "max_output_tokens")?,
+                ..Generation::NONE
+            });
+        }
+        // Anthropic requires `max_tokens` (its API refuses a request without it).
+        Endpoint::Messages => {
+            let Some(max_tokens) = opt_u64(raw.max_tokens, "max_tokens")? else {
+                return Err(invalid(
+                    "max_tokens",
+                    "`max_tokens` is required on /v1/messages: the most tokens the answer may have, e.g. \"max_tokens\": 1024.",
+                ));
+            };
+            return Ok(Generation {
+                stream,
+                max_tokens: Some(max_tokens),
+                ..Generation::NONE
+            });
+        }
+        _ => {}
+    }
     let max_tokens = opt_u64(raw.max_tokens, "max_tokens")?;
     let max_completion_tokens = opt_u64(raw.max_completion_tokens, "max_completion_tokens")?;
     let n = match opt_u64(raw.n, "n")? {
@@ -390,6 +488,31 @@ fn span_of(body: &[u8], part: &[u8]) -> Option<Range<usize>> {
 struct Messages(usize);
 /// Length of a completions prompt (string, strings, or token ids ≈ 4 characters each).
 struct Prompt(usize);
+/// Length of a Responses `input`: a string, or the content text of its input items.
+struct Input(usize);
+
+impl<'de> Deserialize<'de> for Input {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Input;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or a list of input items")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Input, E> {
+                Ok(Input(s.chars().count()))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Input, A::Error> {
+                let mut total = 0;
+                while let Some(Message(n)) = seq.next_element()? {
+                    total += n;
+                }
+                Ok(Input(total))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
 
 impl<'de> Deserialize<'de> for Messages {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -424,7 +547,8 @@ impl<'de> Deserialize<'de> for Message {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Message, A::Error> {
                 let mut total = 0;
                 while let Some(key) = map.next_key::<Cow<'de, str>>()? {
-                    if key == "content" {
+                    // (`output` and `arguments`: a Responses function call's result and call.)
+                    if matches!(&*key, "content" | "output" | "arguments") {
                         total += map.next_value::<Content>()?.0;
                     } else {
                         map.next_value::<IgnoredAny>()?;
@@ -482,7 +606,8 @@ impl<'de> Deserialize<'de> for Part {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Part, A::Error> {
                 let mut total = 0;
                 while let Some(key) = map.next_key::<Cow<'de, str>>()? {
-                    if key == "text" {
+                    // (`content`: an Anthropic `tool_result` block's own blocks or text.)
+                    if key == "text" || key == "content" {
                         total += map.next_value::<Content>()?.0;
                     } else {
                         map.next_value::<IgnoredAny>()?;

@@ -7,7 +7,8 @@ use bytes::Bytes;
 
 use crate::auth::AuthFailure;
 use crate::limits::Refusal;
-use crate::protocol::error::{ErrorKind, error_body, sse_error_event};
+use crate::protocol::Dialect;
+use crate::protocol::error::{ErrorKind, Shaped, anthropic_status, error_body};
 use crate::protocol::view::ViewError;
 use crate::queue::QueueRefusal;
 use http::{HeaderValue, StatusCode, header};
@@ -73,6 +74,12 @@ pub enum ApiError {
     View(ViewError),
     #[error("model `{model}` not found")]
     ModelNotFound { model: String, available: String },
+    /// A response id this gateway has no pin for.
+    #[error("response `{id}` not pinned here")]
+    ResponseNotFound { id: String, ttl_s: u64 },
+    /// The backend holding a stored response cannot take requests.
+    #[error("response `{id}`: its backend is unavailable")]
+    ResponseUnavailable { id: String, why: String },
     #[error("no backend available for `{model}`")]
     NoBackend { model: String, detail: String },
     #[error("backend {backend} unreachable: {}", cause.describe())]
@@ -125,6 +132,8 @@ impl ApiError {
             ApiError::View(ViewError::InvalidRequest { .. }) => ErrorKind::InvalidRequest,
             ApiError::View(ViewError::Unlocatable) => ErrorKind::Internal,
             ApiError::ModelNotFound { .. } => ErrorKind::ModelNotFound,
+            ApiError::ResponseNotFound { .. } => ErrorKind::ResponseNotFound,
+            ApiError::ResponseUnavailable { .. } => ErrorKind::ResponseUnavailable,
             ApiError::NoBackend { .. } => ErrorKind::NoBackend,
             ApiError::BackendUnreachable { .. } => ErrorKind::BackendUnreachable,
             ApiError::UpstreamTimeout { .. } => ErrorKind::UpstreamTimeout,
@@ -146,9 +155,35 @@ impl ApiError {
         error_body(&message, kind, param, Some(code))
     }
 
-    /// The error as the last events of a stream whose head already went out.
-    pub fn sse_event(&self, partial_line: bool) -> Bytes {
-        sse_error_event(&self.body(), partial_line)
+    /// The error in `dialect`'s shape, with its status there; `f` gets it.
+    pub fn shaped<T>(&self, f: impl FnOnce(&Shaped<'_>) -> T) -> T {
+        let (message, kind, param, code) = self.parts();
+        f(&Shaped {
+            status: self.status(),
+            message: &message,
+            kind,
+            param,
+            code: Some(code),
+        })
+    }
+
+    /// The status the client gets in `dialect` (Anthropic's 529 for 503).
+    pub fn status_in(&self, dialect: Dialect) -> StatusCode {
+        if dialect.anthropic() {
+            anthropic_status(self.status())
+        } else {
+            self.status()
+        }
+    }
+
+    /// The whole-answer body in `dialect`.
+    pub fn body_in(&self, dialect: Dialect) -> Bytes {
+        self.shaped(|s| s.body_in(dialect))
+    }
+
+    /// The error as the last events of a stream in `dialect` whose head already went out.
+    pub fn sse_event(&self, dialect: Dialect, partial_line: bool) -> Bytes {
+        self.shaped(|s| s.sse_in(dialect, partial_line))
     }
 
     /// The message alone (a failed non-SSE body ends with it as its I/O error).
@@ -309,6 +344,22 @@ impl ApiError {
                 "upstream_error",
                 None,
                 "upstream_stream_error",
+            ),
+            ApiError::ResponseNotFound { id, ttl_s } => (
+                format!(
+                    "Response `{id}` is not known to this gateway: it was not created through it, or more than {ttl_s} s ago (server.response_pin_ttl_s), or through another replica that shares no state with this one (limits.shared = \"redis\" shares stored responses' backends). A stored response lives on the one backend that made it, and no other can answer for it."
+                ),
+                "invalid_request_error",
+                Some("response_id"),
+                "response_not_found",
+            ),
+            ApiError::ResponseUnavailable { id, why } => (
+                format!(
+                    "Response `{id}` is stored on a backend that {why}; no other backend holds it. Retry once that backend is back, or start over without `previous_response_id`."
+                ),
+                "server_error",
+                None,
+                "response_unavailable",
             ),
             ApiError::Shutdown { grace_ms } => (
                 format!(

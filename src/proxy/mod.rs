@@ -24,6 +24,7 @@
 pub mod body;
 pub mod error;
 mod fingerprint;
+pub mod pins;
 pub mod relay;
 pub mod rename;
 pub mod upstream;
@@ -42,9 +43,10 @@ use hyper::body::Incoming;
 use crate::key::Environment;
 use crate::limits::Admission;
 use crate::pool::{Balancer, Generation, Pool};
-use crate::protocol::Endpoint;
-use crate::protocol::error::{ErrorKind, sse_error_event};
+use crate::protocol::endpoint::BodyKind;
+use crate::protocol::error::{ErrorKind, Shaped};
 use crate::protocol::view;
+use crate::protocol::{Dialect, Endpoint};
 use crate::queue::{self, Asker, Claim, QueueError, QueuedBody, Waiting};
 use crate::route::{self, Route, RouteError};
 use crate::telemetry::RequestRecord;
@@ -71,6 +73,8 @@ pub struct ProxyState {
     pub max_stream_line: usize,
     /// How forwarded requests say whom they came from.
     pub forwarding: upstream::Forwarding,
+    /// Which backend holds each stored response (`pins`).
+    pub pins: Arc<pins::Pins>,
     /// Cancelled when the shutdown grace period has run out: what is still open ends now,
     /// with an error the client can read (`ApiError::Shutdown`).
     pub closing: Closing,
@@ -105,20 +109,43 @@ static NO_CACHE: HeaderValue = HeaderValue::from_static("no-cache");
 pub struct Exchange {
     pub admission: Option<Admission>,
     pub record: RequestRecord,
+    /// A background response (`background: true`): its answer ends while the backend still
+    /// generates, with no usage yet; it is settled once, at what was reserved.
+    pub background: bool,
+}
+
+impl Exchange {
+    pub fn new(record: RequestRecord) -> Self {
+        Self {
+            admission: None,
+            record,
+            background: false,
+        }
+    }
 }
 
 impl Drop for Exchange {
     fn drop(&mut self) {
         if let Some(mut adm) = self.admission.take() {
-            adm.set_used(self.record.used_tokens(adm.prompt_estimate()));
+            let used = if self.background && self.record.timeline.upstream_sent().is_some() {
+                adm.reserved()
+            } else {
+                self.record.used_tokens(adm.prompt_estimate())
+            };
+            adm.set_used(used);
         }
     }
 }
 
-/// An error response in OpenAI format, with the request id.
-pub fn error_response(err: &ApiError, request_id: &HeaderValue) -> Response<GatewayBody> {
-    let mut resp = Response::new(GatewayBody::full(err.body()));
-    *resp.status_mut() = err.status();
+/// An error response in its endpoint's dialect (OpenAI's shape, or Anthropic's on its
+/// routes), with the request id.
+pub fn error_response(
+    err: &ApiError,
+    dialect: Dialect,
+    request_id: &HeaderValue,
+) -> Response<GatewayBody> {
+    let mut resp = Response::new(GatewayBody::full(err.body_in(dialect)));
+    *resp.status_mut() = err.status_in(dialect);
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
     h.insert(X_REQUEST_ID.clone(), request_id.clone());
@@ -157,23 +184,22 @@ fn hex_into(out: &mut [u8], mut v: u64, digits: usize) {
     }
 }
 
-/// Forward one completion request. `record` already carries the request id and `received`.
+/// Forward one request of the endpoint table. `record` already carries the request id and
+/// `received`; `id` is the stored response a path names.
 pub async fn forward(
     state: &Arc<ProxyState>,
     endpoint: Endpoint,
+    id: Option<Box<str>>,
     req: Request<Incoming>,
     record: RequestRecord,
 ) -> Response<GatewayBody> {
-    let mut ex = Exchange {
-        admission: None,
-        record,
-    };
+    let mut ex = Exchange::new(record);
     ex.record.endpoint = Some(endpoint);
     // A request still waiting for its backend's answer when the grace period ends is answered
     // 503 `gateway_shutdown` rather than cut.
     let phased = tokio::select! {
         biased;
-        r = phases(state, endpoint, req, &mut ex) => r,
+        r = phases(state, endpoint, id, req, &mut ex) => r,
         () = state.closing.token.cancelled() => Err(state.closing.error()),
     };
     match phased {
@@ -187,10 +213,16 @@ pub async fn forward(
 async fn phases(
     state: &Arc<ProxyState>,
     endpoint: Endpoint,
+    id: Option<Box<str>>,
     req: Request<Incoming>,
     ex: &mut Exchange,
 ) -> Result<Forwarded, ApiError> {
     let (parts, body) = req.into_parts();
+    // Anthropic's routes pass their query string through (`?beta=true`).
+    let target: Option<Box<str>> = match (endpoint.dialect(), parts.uri.path_and_query()) {
+        (Dialect::Anthropic, Some(pq)) if pq.query().is_some() => Some(pq.as_str().into()),
+        _ => None,
+    };
     // The head as a backend would get it, refused here when a backend would refuse it: before
     // the body is read, and without a backend charged for the client's headers.
     let declared = body::declared_length(&parts.headers);
@@ -218,15 +250,57 @@ async fn phases(
     let body_read = Instant::now();
     ex.record.timeline.stamp_body_read(body_read);
 
+    if endpoint.needs().body == BodyKind::None {
+        let id = id.ok_or(ApiError::Internal)?;
+        return by_id(state, endpoint, &id, outgoing.headers, body_read, ex)
+            .await
+            .map(Forwarded::Sent);
+    }
+
     let view = view::parse(&body, endpoint)?;
     ex.record.stream = view.stream;
+    ex.background = view.background;
 
     // In the generation as it is now: a reload swaps it for the requests that follow, this
     // one keeps it to its end.
     let generation = state.generation.load_full();
     let route = route_phase(state, &view, &body, endpoint, &generation, &mut ex.record)?;
+    // A response that continues a stored one goes where that one is, or nowhere.
+    let pinned_at = match view.previous_response_id.as_deref() {
+        Some(prev) => Some(pinned_backend(state, prev, route.pool, false)?),
+        None => None,
+    };
 
     ex.admission = admit(state, endpoint, &view, &ex.record).await?;
+
+    if let Some(at) = pinned_at {
+        let mut prepared = upstream::prepare(
+            outgoing,
+            &body,
+            &view,
+            &route,
+            endpoint,
+            &ex.record.request_id,
+            body_read,
+        );
+        drop(view);
+        prepared.pinned = true;
+        prepared.pin = Some(pin_of(route.pool));
+        let env = ex
+            .record
+            .key
+            .as_ref()
+            .map_or(Environment::Stress, |k| k.environment);
+        let max_wait = state.queue.max_wait[env.index()];
+        let slot = wait_pinned(state, route.pool, at, prepared.body_read, max_wait, ex).await?;
+        let requeue = upstream::Requeue {
+            max_wait,
+            metrics: state.queue_metrics.as_ref(),
+        };
+        return upstream::send_with_retries(route.pool, slot, prepared, ex, requeue)
+            .await
+            .map(Forwarded::Sent);
+    }
 
     // A reload that retired every backend this request could use, between its routing and
     // its claim, is not the client's problem: it is routed once more, in the generation that
@@ -245,7 +319,7 @@ async fn phases(
         Err(e) => return Err(queue_error(e, route.pool)),
     };
 
-    let prepared = upstream::prepare(
+    let mut prepared = upstream::prepare(
         outgoing,
         &body,
         &view,
@@ -255,6 +329,10 @@ async fn phases(
         body_read,
     );
     drop(view);
+    prepared.target = target;
+    if endpoint == Endpoint::Responses {
+        prepared.pin = Some(pin_of(route.pool));
+    }
     // A stream that must wait answers at once, `: queued` comments keeping it alive; it
     // resumes at `wait_and_send` from its body.
     if ex.record.stream
@@ -270,6 +348,190 @@ async fn phases(
     wait_and_send(state, route.pool, claim, prepared, ex)
         .await
         .map(Forwarded::Sent)
+}
+
+/// What a new stored response's pin starts from (the backend is filled in by the attempt
+/// that answers).
+fn pin_of(pool: &Pool) -> pins::Pin {
+    pins::Pin {
+        model: pool.model.clone(),
+        backend: Arc::from(""),
+    }
+}
+
+/// The position of the backend holding stored response `id` in `pool`, when it can take the
+/// request: a read or a cancel (`reading`) still reaches a draining backend (the response is
+/// there until it stops), a new response does not.
+fn pinned_backend(
+    state: &ProxyState,
+    id: &str,
+    pool: &Pool,
+    reading: bool,
+) -> Result<usize, ApiError> {
+    let pin = state
+        .pins
+        .get(id)
+        .ok_or_else(|| ApiError::ResponseNotFound {
+            id: id.to_owned(),
+            ttl_s: state.pins.ttl().as_secs(),
+        })?;
+    let unavailable = |why: String| ApiError::ResponseUnavailable {
+        id: id.to_owned(),
+        why,
+    };
+    if pin.model != pool.model {
+        return Err(unavailable(format!(
+            "serves model `{}`, not `{}`: continue it with the model that made it",
+            pin.model, pool.model
+        )));
+    }
+    let Some(at) = pool.backends.iter().position(|b| *b.base == *pin.backend) else {
+        return Err(unavailable(
+            "is no longer in the pool (a reload or DNS removed it)".to_owned(),
+        ));
+    };
+    let backend = &pool.backends[at];
+    use crate::pool::BackendState as S;
+    let why = match backend.state() {
+        S::Draining if reading => None,
+        _ if backend.eligible() => None,
+        S::Draining => Some("is draining (it takes no new requests)"),
+        S::Removed => Some("was removed by a reload"),
+        S::Down => Some("is down (it failed its last health check or connection)"),
+        S::Ejected => Some("was ejected after consecutive failures"),
+        S::Warming => Some("is warming up after being down (a restart loses its stored responses)"),
+        S::Misconfigured => Some("refuses the gateway's upstream_api_key"),
+        _ => Some("cannot take requests now"),
+    };
+    match why {
+        Some(why) => Err(unavailable(format!("{} {why}", backend.shown))),
+        None => Ok(at),
+    }
+}
+
+/// A slot on the one backend that holds the continued response: it cannot take another's, so
+/// it waits for room there (the environment's longest wait), outside the pool's queue, which
+/// hands out any backend's slots.
+async fn wait_pinned(
+    state: &ProxyState,
+    pool: &Pool,
+    at: usize,
+    body_read: Instant,
+    max_wait: Duration,
+    ex: &mut Exchange,
+) -> Result<crate::pool::InFlight, ApiError> {
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(2);
+    loop {
+        if let Some(slot) = pool.balancer.try_acquire_at(at, true) {
+            ex.record
+                .timeline
+                .stamp_admitted(body_read + started.elapsed());
+            return Ok(slot);
+        }
+        if !pool.backends[at].eligible() {
+            return Err(ApiError::ResponseUnavailable {
+                id: String::new(),
+                why: format!(
+                    "{} stopped taking requests while this one waited",
+                    pool.backends[at].shown
+                ),
+            });
+        }
+        if started.elapsed() >= max_wait {
+            let limit = u64::try_from(max_wait.as_millis()).unwrap_or(u64::MAX);
+            let e = asker(state, pool, &ex.record).refuse(
+                crate::queue::RefusalKind::Timeout,
+                limit,
+                Duration::from_secs(2),
+            );
+            return Err(queue_error(e, pool));
+        }
+        tokio::time::sleep(pause.min(max_wait.saturating_sub(started.elapsed()))).await;
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// A request by response id (`GET /v1/responses/{id}`, its cancel): to the backend that holds
+/// it, with the key's rights on its model checked; no slot, no tokens.
+async fn by_id(
+    state: &ProxyState,
+    endpoint: Endpoint,
+    id: &str,
+    headers: HeaderMap,
+    body_read: Instant,
+    ex: &mut Exchange,
+) -> Result<upstream::Sent, ApiError> {
+    let generation = state.generation.load_full();
+    let pin = state
+        .pins
+        .get(id)
+        .ok_or_else(|| ApiError::ResponseNotFound {
+            id: id.to_owned(),
+            ttl_s: state.pins.ttl().as_secs(),
+        })?;
+    let Some(pool) = generation.get(&pin.model) else {
+        return Err(ApiError::ResponseUnavailable {
+            id: id.to_owned(),
+            why: format!(
+                "served model `{}`, which this gateway no longer serves",
+                pin.model
+            ),
+        });
+    };
+    ex.record.model = Some(pool.model.clone());
+    ex.record.pool_slot = Some(pool.slot);
+    if let Some(key) = ex.record.key.as_deref()
+        && let Err(failure) = crate::route::check_rights(key, pool)
+    {
+        state.auth.count(&failure);
+        return Err(ApiError::Auth(failure));
+    }
+    if let Some(key) = &ex.record.key {
+        match state.limits.admit_request(key).await {
+            Ok(adm) => ex.admission = Some(adm),
+            Err(refusal) => return Err(ApiError::Limited(Box::new(refusal))),
+        }
+    }
+    let at = pinned_backend(state, id, pool, true)?;
+    let slot = pool
+        .balancer
+        .try_acquire_at(at, false)
+        .ok_or(ApiError::Internal)?;
+    let mut headers = headers;
+    headers.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
+    headers.remove(header::CONTENT_LENGTH);
+    headers.remove(header::CONTENT_TYPE);
+    let method = if endpoint == Endpoint::ResponseGet {
+        http::Method::GET
+    } else {
+        http::Method::POST
+    };
+    let mut target = String::with_capacity(32 + id.len());
+    target.push_str("/v1/responses/");
+    target.push_str(id);
+    if endpoint == Endpoint::ResponseCancel {
+        target.push_str("/cancel");
+    }
+    let prepared = Prepared {
+        headers,
+        body: Bytes::new(),
+        endpoint,
+        pool: pool.index,
+        strip_usage: false,
+        body_read,
+        timing_trailer: false,
+        rename: None,
+        method,
+        target: Some(target.into()),
+        pinned: true,
+        pin: None,
+    };
+    let requeue = upstream::Requeue {
+        max_wait: Duration::ZERO,
+        metrics: state.queue_metrics.as_ref(),
+    };
+    upstream::send_with_retries(pool, slot, prepared, ex, requeue).await
 }
 
 /// Phase 3: the route, with the pool named in the record (even when the key may not use it).
@@ -485,13 +747,15 @@ fn answer_queued(
 }
 
 fn answer_error(err: &ApiError, mut ex: Exchange) -> Response<GatewayBody> {
-    ex.record.status = err.status().as_u16();
+    let dialect = ex.record.endpoint.map_or(Dialect::Chat, Endpoint::dialect);
+    ex.record.status = err.status_in(dialect).as_u16();
     ex.record.error = Some(err.kind());
     if err.kind() == ErrorKind::Internal {
         tracing::error!(request_id = ?ex.record.request_id, "internal error while forwarding");
     }
     ex.record.finish(Instant::now());
-    let mut resp = error_response(err, &ex.record.request_id);
+    let dialect = ex.record.endpoint.map_or(Dialect::Chat, Endpoint::dialect);
+    let mut resp = error_response(err, dialect, &ex.record.request_id);
     if let ApiError::Limited(r) = err {
         r.headers.write(resp.headers_mut());
     }
@@ -508,6 +772,8 @@ fn relay_body(
     let RelayParts {
         upstream,
         sse,
+        dialect,
+        pin,
         timeouts,
         slot,
         strip_usage,
@@ -522,6 +788,11 @@ fn relay_body(
     });
     let options = relay::RelayOptions {
         sse,
+        dialect,
+        pin: pin.map(|pin| pins::Learn {
+            pins: state.pins.clone(),
+            pin,
+        }),
         timeouts,
         strip_usage: sse && strip_usage,
         itl,
@@ -559,23 +830,39 @@ async fn continue_queued(
             queue::Continued::Relay(Box::pin(relay_body(&state, parts, ex, None)))
         }
         Ok(Sent::Full(resp)) => {
+            let status = resp.status();
             let body = resp.into_body();
-            queue::Continued::Tail(queued_error(
-                &mut ex.record,
-                &body,
-                ErrorKind::UpstreamError,
-            ))
+            let message = crate::protocol::error::message_of(&body).unwrap_or_default();
+            let shaped = Shaped {
+                status,
+                message: &message,
+                kind: "upstream_error",
+                param: None,
+                code: None,
+            };
+            let dialect = ex.record.endpoint.map_or(Dialect::Chat, Endpoint::dialect);
+            // A chat client gets the backend's own body, as it came.
+            let tail = if dialect == Dialect::Chat {
+                crate::protocol::error::sse_error_event(&body, false)
+            } else {
+                shaped.sse_in(dialect, false)
+            };
+            queue::Continued::Tail(queued_error(&mut ex.record, tail, ErrorKind::UpstreamError))
         }
-        Err(err) => queue::Continued::Tail(queued_error(&mut ex.record, &err.body(), err.kind())),
+        Err(err) => {
+            let dialect = ex.record.endpoint.map_or(Dialect::Chat, Endpoint::dialect);
+            let tail = err.sse_event(dialect, false);
+            queue::Continued::Tail(queued_error(&mut ex.record, tail, err.kind()))
+        }
     }
 }
 
-/// End a queued stream with `data: <error>` and `data: [DONE]`; the record is written as the
-/// tail is handed over.
-fn queued_error(record: &mut RequestRecord, body: &[u8], kind: ErrorKind) -> Bytes {
+/// End a queued stream with its error events; the record is written as the tail is handed
+/// over.
+fn queued_error(record: &mut RequestRecord, tail: Bytes, kind: ErrorKind) -> Bytes {
     record.error = Some(kind);
     record.finish(Instant::now());
-    sse_error_event(body, false)
+    tail
 }
 
 fn no_backend(pool: &Pool) -> ApiError {

@@ -21,6 +21,7 @@ use super::fingerprint;
 use crate::config::Timeouts;
 use crate::pool::upstream_client::UpstreamRx;
 use crate::pool::{Backend, InFlight};
+use crate::protocol::Dialect;
 use crate::protocol::error::ErrorKind;
 use crate::protocol::sse::{DataKind, SseScanner};
 use crate::queue::QueuedBody;
@@ -104,7 +105,10 @@ pin_project! {
         #[pin]
         timer: Sleep,
         sse: bool,
+        dialect: Dialect,
         scanner: SseScanner,
+        // A new stored response's id is learned from the answer (the backend holds it).
+        pin: Option<super::pins::Learn>,
         state: State,
         sent_at: Instant,
         last_read: Instant,
@@ -138,6 +142,8 @@ impl RelayBody {
     ) -> Self {
         let RelayOptions {
             sse,
+            dialect,
+            mut pin,
             timeouts,
             strip_usage,
             itl,
@@ -148,7 +154,7 @@ impl RelayBody {
         } = options;
         let now = Instant::now();
         let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
-        let mut scanner = SseScanner::with_line_limit(max_line);
+        let mut scanner = SseScanner::for_dialect(dialect, max_line);
         let mut ready = Ready::default();
         if let Some(data) = first {
             // A frame read together with the head: account for it as if just relayed.
@@ -158,11 +164,15 @@ impl RelayBody {
                     &mut ex.record,
                     data,
                     now,
-                    strip_usage,
-                    itl.as_ref(),
-                    slot.backend(),
+                    Scan {
+                        strip_usage,
+                        itl: itl.as_ref(),
+                        backend: slot.backend(),
+                        pin: &mut pin,
+                    },
                 )
             } else {
+                learn_whole(&mut pin, &data);
                 Some(data)
             };
             let data = match rename.as_mut() {
@@ -182,7 +192,9 @@ impl RelayBody {
             upstream,
             timer: tokio::time::sleep_until(deadline.into()),
             sse,
+            dialect,
             scanner,
+            pin,
             state: State::Relaying,
             sent_at,
             last_read: now,
@@ -251,6 +263,10 @@ fn deadline(
 pub struct RelayOptions {
     /// The body is an SSE stream (scanned for timing).
     pub sse: bool,
+    /// How the stream's events read, and how the gateway's own error events are shaped.
+    pub dialect: Dialect,
+    /// Learn the id of the stored response this answer creates.
+    pub pin: Option<super::pins::Learn>,
     pub timeouts: Timeouts,
     /// The gateway added `include_usage` upstream: remove the usage event from the client's
     /// stream (the Timeline keeps its counts).
@@ -276,17 +292,30 @@ fn scan_frame(
     record: &mut RequestRecord,
     data: Bytes,
     now: Instant,
-    strip_usage: bool,
-    itl: Option<&prometheus::Histogram>,
-    backend: &Backend,
+    scan: Scan<'_>,
 ) -> Option<Bytes> {
+    let Scan {
+        strip_usage,
+        itl,
+        backend,
+        pin,
+    } = scan;
     let tl = &mut record.timeline;
     let at = tl.offset(now);
     let mut cut = None;
     // Finish chunks in this frame that want the fingerprint.
     let mut finish_at = Vec::new();
+    // (Only chat chunks have a usage chunk to cut or a fingerprint to learn.)
+    let chat = scanner.dialect() == Dialect::Chat;
     scanner.feed(&data, |line| {
-        if is_usage(&line) {
+        if pin.is_some()
+            && line.kind == DataKind::NoOutput
+            && let Some(id) = crate::protocol::dialect::response_id(line.payload)
+            && let Some(learn) = pin.take()
+        {
+            learn.learned(id);
+        }
+        if chat && is_usage(&line) {
             // Every usage chunk says what the backend's fingerprint is now.
             backend.learn_fingerprint(fingerprint::value_of(line.payload));
             if strip_usage {
@@ -299,7 +328,7 @@ fn scan_frame(
         {
             finish_at.push(at);
         }
-        if let Some(gap) = tl.on_upstream_event(line.kind, line.payload, now, at)
+        if let Some(gap) = tl.on_upstream_event(line.kind, line.usage, now, at)
             && let Some(h) = itl
         {
             h.observe(gap.as_secs_f64());
@@ -320,9 +349,28 @@ fn scan_frame(
     fingerprint::edit(data, &finish_at, value.as_deref(), cut)
 }
 
-/// The usage chunk: `choices: []` with a `usage` object.
+/// What scanning a frame uses besides the scanner and the record.
+struct Scan<'a> {
+    strip_usage: bool,
+    itl: Option<&'a prometheus::Histogram>,
+    backend: &'a Backend,
+    pin: &'a mut Option<super::pins::Learn>,
+}
+
+/// The usage chunk of a chat stream: `choices: []` with a `usage` object.
 fn is_usage(line: &crate::protocol::sse::DataLine<'_>) -> bool {
-    line.kind == DataKind::NoChoices && crate::protocol::sse::USAGE.find(line.payload).is_some()
+    line.kind == DataKind::NoChoices && line.usage.is_some()
+}
+
+/// A whole answer that creates a stored response names it first (`{"id":"resp_...",...`):
+/// learned from the frame that holds the id.
+fn learn_whole(pin: &mut Option<super::pins::Learn>, data: &[u8]) {
+    if pin.is_some()
+        && let Some(id) = super::pins::leading_id(data)
+        && let Some(learn) = pin.take()
+    {
+        learn.learned(id);
+    }
 }
 
 /// The `Server-Timing` trailer of a finished stream, when the client accepts one.
@@ -460,9 +508,12 @@ impl RelayBody {
                 &mut this.ex.record,
                 data,
                 now,
-                *this.strip_usage,
-                this.itl.as_ref(),
-                this.slot.backend(),
+                Scan {
+                    strip_usage: *this.strip_usage,
+                    itl: this.itl.as_ref(),
+                    backend: this.slot.backend(),
+                    pin: this.pin,
+                },
             );
             if !had_first && this.ex.record.timeline.upstream_first_token().is_some() {
                 observe_first_token(this.slot, &mut this.ex.record, this.upstream.rx());
@@ -482,7 +533,7 @@ impl RelayBody {
                     limit: this.scanner.max_line(),
                 };
                 tracing::warn!(backend = %this.slot.backend().base, limit = this.scanner.max_line(), "backend sent an SSE line past the limit: stream ended");
-                *this.state = State::Closing(err.sse_event(true));
+                *this.state = State::Closing(err.sse_event(*this.dialect, true));
                 return None;
             }
             match scanned {
@@ -495,6 +546,7 @@ impl RelayBody {
             data = r.pass(data)?;
         }
         if !*this.sse {
+            learn_whole(this.pin, &data);
             this.tail[0] = this.tail[1].replace(data.clone());
         }
         let full = !this.ready.push(data);
@@ -523,14 +575,15 @@ impl RelayBody {
             let tl = &mut this.ex.record.timeline;
             let at = tl.offset(now);
             this.scanner.finish(|line| {
-                tl.on_upstream_event(line.kind, line.payload, now, at);
+                tl.on_upstream_event(line.kind, line.usage, now, at);
             });
             if !tl.stream().done && !tl.stream().error {
                 this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
                 let err = ApiError::UpstreamStreamCut {
                     backend: this.slot.backend().shown.to_string(),
                 };
-                *this.state = State::Closing(err.sse_event(this.scanner.has_partial_line()));
+                *this.state =
+                    State::Closing(err.sse_event(*this.dialect, this.scanner.has_partial_line()));
                 return None;
             }
         } else {
@@ -570,7 +623,7 @@ impl RelayBody {
         };
         if *this.sse {
             let partial = this.scanner.has_partial_line();
-            *this.state = State::Closing(err.sse_event(partial));
+            *this.state = State::Closing(err.sse_event(*this.dialect, partial));
             return None;
         }
         this.ex.record.finish(Instant::now());
@@ -614,7 +667,7 @@ impl RelayBody {
         };
         if *this.sse {
             let partial = this.scanner.has_partial_line();
-            *this.state = State::Closing(err.sse_event(partial));
+            *this.state = State::Closing(err.sse_event(*this.dialect, partial));
             return None;
         }
         *this.state = State::Ended;
@@ -636,7 +689,7 @@ impl RelayBody {
         };
         if *this.sse {
             let partial = this.scanner.has_partial_line();
-            *this.state = State::Closing(err.sse_event(partial));
+            *this.state = State::Closing(err.sse_event(*this.dialect, partial));
             return None;
         }
         *this.state = State::Ended;
@@ -712,7 +765,7 @@ mod tests {
             backend: "http://b:1".into(),
             detail: "boom".into(),
         }
-        .sse_event(true);
+        .sse_event(Dialect::Chat, true);
         let mut scanner = SseScanner::new();
         scanner.feed(b"data: {\"choi", |_| {});
         let mut kinds = Vec::new();

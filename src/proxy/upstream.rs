@@ -308,6 +308,15 @@ pub struct Prepared {
     pub timing_trailer: bool,
     /// The client named the model otherwise than the backends: its name goes back in the answer.
     pub rename: Option<Box<super::rename::Rename>>,
+    /// The request's method and, where it is not the endpoint's fixed path, its own target on
+    /// the backend (a path naming a stored response, a query string passed through).
+    pub method: Method,
+    pub target: Option<Box<str>>,
+    /// It must reach one backend (the one holding a stored response): never retried on
+    /// another.
+    pub pinned: bool,
+    /// Learn the id of the stored response the answer creates.
+    pub pin: Option<super::pins::Pin>,
 }
 
 /// The request for the route's pool: the original bytes unless the model must be renamed. A
@@ -347,6 +356,10 @@ pub fn prepare(
             .rename
             .and_then(|_| super::rename::Rename::new(route.pool.served_field.clone(), &view.model))
             .map(Box::new),
+        method: Method::POST,
+        target: None,
+        pinned: false,
+        pin: None,
     }
 }
 
@@ -362,6 +375,9 @@ fn accepts_trailers(h: &HeaderMap) -> bool {
 pub struct RelayParts {
     pub upstream: UpstreamBody,
     pub sse: bool,
+    pub dialect: crate::protocol::Dialect,
+    /// Where the stored response this answer creates lives (its id still to be read).
+    pub pin: Option<super::pins::Pin>,
     pub timeouts: crate::config::Timeouts,
     pub slot: InFlight,
     /// The gateway injected `include_usage`: hide the usage event from the client.
@@ -393,7 +409,7 @@ pub async fn send_with_retries(
     // handed a slot by a newer one), so the exclusion bits name the same backends.
     let can_retry = {
         let balancer = slot.balancer();
-        balancer.retries.max_retries > 0 && balancer.backends.len() > 1
+        balancer.retries.max_retries > 0 && balancer.backends.len() > 1 && !prepared.pinned
     };
     if !can_retry {
         return send(pool, slot, prepared, ex).await;
@@ -420,6 +436,9 @@ pub async fn send_with_retries(
             headers: prepared.headers.clone(),
             body: prepared.body.clone(),
             rename: prepared.rename.clone(),
+            method: prepared.method.clone(),
+            target: prepared.target.clone(),
+            pin: prepared.pin.clone(),
             ..prepared
         };
         let result = send(pool, slot, this, ex).await;
@@ -516,8 +535,10 @@ async fn send(
     let strip_usage = prepared.strip_usage;
     let timing_trailer = prepared.timing_trailer;
     let rename = prepared.rename.take();
-    let inference = prepared.endpoint.needs().generates;
-    let upstream_req = upstream_request(&backend, prepared);
+    let pin = prepared.pin.take();
+    let endpoint = prepared.endpoint;
+    let inference = endpoint.needs().generates;
+    let upstream_req = upstream_request(&backend, prepared)?;
 
     // Send; wait for the head within the first-token (and total) limit.
     let sent = Instant::now();
@@ -599,6 +620,11 @@ async fn send(
         RelayParts {
             upstream,
             sse,
+            dialect: endpoint.dialect(),
+            pin: pin.map(|mut pin| {
+                pin.backend = backend.base.clone();
+                pin
+            }),
             timeouts: t,
             slot,
             strip_usage,
@@ -608,29 +634,44 @@ async fn send(
     ))
 }
 
-/// The request as this backend gets it: its own URI and its own upstream key.
-fn upstream_request(backend: &Backend, prepared: Prepared) -> Request<Full<Bytes>> {
+/// The request as this backend gets it: its own URI and its own upstream key. A client's key
+/// in `x-api-key` never reaches a backend (the gateway's own goes as `Authorization`).
+fn upstream_request(
+    backend: &Backend,
+    prepared: Prepared,
+) -> Result<Request<Full<Bytes>>, ApiError> {
     let Prepared {
         mut headers,
         body,
         endpoint,
+        method,
+        target,
         ..
     } = prepared;
     if let Some(auth) = &backend.upstream_auth {
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
     headers.insert(header::HOST, backend.host.clone());
-    let mut req = Request::new(Full::new(body));
-    *req.method_mut() = Method::POST;
-    *req.uri_mut() = match endpoint {
-        Endpoint::Chat => backend.chat_uri.clone(),
-        Endpoint::Completions => backend.completions_uri.clone(),
-        Endpoint::Tokenize => backend.tokenize_uri.clone(),
-        Endpoint::Detokenize => backend.detokenize_uri.clone(),
+    let uri = match target {
+        Some(t) => backend.uri_for(&t).ok_or(ApiError::Internal)?,
+        None => match endpoint {
+            Endpoint::Chat => backend.chat_uri.clone(),
+            Endpoint::Completions => backend.completions_uri.clone(),
+            Endpoint::Tokenize => backend.tokenize_uri.clone(),
+            Endpoint::Detokenize => backend.detokenize_uri.clone(),
+            Endpoint::Responses => backend.responses_uri.clone(),
+            Endpoint::Messages => backend.messages_uri.clone(),
+            Endpoint::CountTokens => backend.count_tokens_uri.clone(),
+            // (Always given a target: the path names the response.)
+            Endpoint::ResponseGet | Endpoint::ResponseCancel => return Err(ApiError::Internal),
+        },
     };
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
     *req.version_mut() = Version::HTTP_11;
     *req.headers_mut() = headers;
-    req
+    Ok(req)
 }
 
 /// The backend could not be reached: counted against it (and marked down when nothing
@@ -687,22 +728,37 @@ async fn error_answer(
 ) -> Response<Bytes> {
     ex.record.error = Some(ErrorKind::UpstreamError);
     let bytes = read_error_body(upstream, deadline).await;
-    let (body, wrapped) = openai_error_body(
+    let (mut body, wrapped) = openai_error_body(
         head.status,
         &bytes,
         &backend.shown,
         &pool.model,
         ex.record.endpoint,
     );
-    let mut resp = Response::new(body);
     // The backend refusing the gateway's credentials is the gateway's configuration at fault:
     // a 502, so clients do not read it as their own key being wrong (OpenAI SDKs raise
     // AuthenticationError on a 401).
-    *resp.status_mut() = if backend_refused_gateway(head.status) {
+    let mut status = if backend_refused_gateway(head.status) {
         StatusCode::BAD_GATEWAY
     } else {
         head.status
     };
+    if ex.record.endpoint.is_some_and(|e| e.dialect().anthropic()) {
+        // An Anthropic client gets Anthropic's shape: the backend's own when it wrote one,
+        // else the message re-shaped, with Anthropic's status (529 for overloaded).
+        if !is_anthropic_error(&bytes) || backend_refused_gateway(head.status) {
+            let message = crate::protocol::error::message_of(&body).unwrap_or_default();
+            body = crate::protocol::error::anthropic_body(
+                crate::protocol::error::anthropic_type(status),
+                &message,
+            );
+        } else {
+            body = bytes.clone();
+        }
+        status = crate::protocol::error::anthropic_status(status);
+    }
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
     h.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
@@ -791,6 +847,25 @@ async fn read_error_body(body: UpstreamBody, deadline: Instant) -> Bytes {
         Ok(Ok(c)) => c.to_bytes(),
         _ => Bytes::new(),
     }
+}
+
+/// `{"type":"error","error":{"type":...,"message":...}}`: Anthropic's error shape.
+fn is_anthropic_error(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Inner {
+        #[serde(rename = "type")]
+        _kind: String,
+        #[serde(rename = "message")]
+        _message: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct Outer {
+        #[serde(rename = "type")]
+        kind: String,
+        #[serde(rename = "error")]
+        _error: Inner,
+    }
+    serde_json::from_slice::<Outer>(body).is_ok_and(|o| o.kind == "error")
 }
 
 /// The backend refused the gateway's own credentials (`pools[].upstream_api_key`).

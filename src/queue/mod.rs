@@ -165,7 +165,7 @@ pub struct Asker<'a> {
 }
 
 impl Asker<'_> {
-    fn refuse(&self, kind: RefusalKind, limit: u64, retry_after: Duration) -> QueueError {
+    pub fn refuse(&self, kind: RefusalKind, limit: u64, retry_after: Duration) -> QueueError {
         if let Some(m) = self.metrics {
             m.count(kind);
         }

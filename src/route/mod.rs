@@ -82,7 +82,7 @@ pub fn resolve<'p>(
 }
 
 /// The key may use the model, and its environment the pool.
-fn check_rights(key: &KeyRecord, pool: &Pool) -> Result<(), AuthFailure> {
+pub fn check_rights(key: &KeyRecord, pool: &Pool) -> Result<(), AuthFailure> {
     if !key.allows_model(&pool.model) {
         return Err(AuthFailure::ModelNotAllowed {
             model: pool.model.to_string(),
@@ -132,9 +132,14 @@ fn affinity(pool: &Pool, view: &RequestView<'_>, body: &[u8], endpoint: Endpoint
         AffinityBy::User => view.user.map(|u| fnv1a(u.as_bytes())),
         AffinityBy::Prefix => {
             let field: &[u8] = match endpoint {
-                Endpoint::Chat => b"\"messages\"",
+                Endpoint::Chat | Endpoint::Messages => b"\"messages\"",
                 Endpoint::Completions => b"\"prompt\"",
-                Endpoint::Tokenize | Endpoint::Detokenize => return None,
+                Endpoint::Responses => b"\"input\"",
+                Endpoint::Tokenize
+                | Endpoint::Detokenize
+                | Endpoint::CountTokens
+                | Endpoint::ResponseGet
+                | Endpoint::ResponseCancel => return None,
             };
             memchr::memmem::find(body, field).map(|at| {
                 let end = (at + field.len() + a.prefix_bytes).min(body.len());

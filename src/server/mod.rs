@@ -255,8 +255,15 @@ impl Server {
         let streams_end = CancellationToken::new();
         // Each worker's own state: its own copy of the pools (its own upstream clients), the
         // rest shared.
+        // One map of stored responses for every worker (each has its own copy of the pools;
+        // a pin names its backend by address).
+        let pins = Arc::new(crate::proxy::pins::Pins::new(
+            config.server.response_pin_capacity,
+            config.server.response_pin_ttl,
+        ));
         let worker_state = || -> Result<ProxyState, StartError> {
             Ok(ProxyState {
+                pins: pins.clone(),
                 generation: fleet.for_worker()?,
                 max_body_bytes: config.server.max_body_bytes,
                 body_timeout: config.server.body_timeout,

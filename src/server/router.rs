@@ -1,4 +1,4 @@
-//! The HTTP router of the API listener: the open routes (`/healthz`, `/readyz`), then the key,
+//! The HTTP router of the API listener: the open routes (`/healthz`, `/readyz`, `/`), then the key,
 //! then the endpoint table (`protocol::endpoint`) and `GET /v1/models`; anything else is 404.
 
 use std::net::SocketAddr;
@@ -11,7 +11,7 @@ use hyper::body::Incoming;
 
 use super::AppState;
 use crate::auth::AuthFailure;
-use crate::protocol::endpoint;
+use crate::protocol::{Dialect, endpoint};
 use crate::proxy;
 use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
@@ -39,13 +39,22 @@ pub async fn route(
     let received = Instant::now();
     let path = req.uri().path();
     // The endpoint table (`protocol::endpoint`): the only routes forwarded.
-    let endpoint = endpoint::lookup(path);
+    let found = endpoint::lookup(path);
+    let endpoint = found.map(|f| f.row);
+    let id: Option<Box<str>> = found.and_then(|f| f.id).map(Box::from);
+    // The gateway's own errors on a route speak its protocol (Anthropic's on /v1/messages).
+    let dialect = endpoint.map_or(Dialect::Chat, |r| r.endpoint.dialect());
     // Open routes: no record, no auth.
     match (path, req.method()) {
         ("/healthz", &Method::GET | &Method::HEAD) => {
             return json(StatusCode::OK, r#"{"status":"ok"}"#);
         }
         ("/readyz", &Method::GET | &Method::HEAD) => return readyz(&state),
+        // Claude Code warms its connection with `HEAD <base URL>` (no key): answered, not
+        // counted as a failed authentication of the address.
+        ("/", &Method::HEAD | &Method::GET) => {
+            return json(StatusCode::OK, r#"{"status":"ok"}"#);
+        }
         _ => {}
     }
     let request_id = proxy::request_id(req.headers());
@@ -56,10 +65,10 @@ pub async fn route(
     }
     let method = req.method().clone();
     let fail = |err: ApiError, mut record: RequestRecord| {
-        record.status = err.status().as_u16();
+        record.status = err.status_in(dialect).as_u16();
         record.error = Some(err.kind());
         record.finish(Instant::now());
-        proxy::error_response(&err, &record.request_id)
+        proxy::error_response(&err, dialect, &record.request_id)
     };
     // Everything but the open routes above needs a key. A refusal comes back only after its
     // delay (`auth::Authenticator::authenticate`).
@@ -85,7 +94,7 @@ pub async fn route(
     let path = req.uri().path();
     match (endpoint, path) {
         (Some(row), _) if method == row.method => {
-            proxy::forward(&state.proxy, row.endpoint, req, record).await
+            proxy::forward(&state.proxy, row.endpoint, id, req, record).await
         }
         (Some(row), _) => fail(
             ApiError::MethodNotAllowed {

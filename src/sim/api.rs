@@ -34,6 +34,17 @@ pub(crate) enum ApiError {
     PayloadTooLarge,
     /// `--fail-rate` picked this request.
     InjectedFailure,
+    /// Any other OpenAI-shaped error, as vLLM words it.
+    Flat {
+        status: StatusCode,
+        message: String,
+        kind: &'static str,
+        param: Option<&'static str>,
+    },
+    /// An error of `/v1/messages` that vLLM's Anthropic layer shapes as Anthropic's
+    /// (`{"type":"error","error":{"type":<its error class>,"message"}}`); request validation
+    /// and auth keep their own shapes.
+    Anthropic(Box<ApiError>),
 }
 
 #[derive(Serialize)]
@@ -61,6 +72,19 @@ impl ApiError {
             }
             ApiError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::InjectedFailure => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Flat { status, .. } => *status,
+            ApiError::Anthropic(inner) => inner.status(),
+        }
+    }
+
+    /// This error as `/v1/messages` answers it.
+    pub fn anthropic(self) -> ApiError {
+        match self {
+            e @ (ApiError::Unauthorized
+            | ApiError::Validation { .. }
+            | ApiError::RouteNotFound
+            | ApiError::MethodNotAllowed) => e,
+            e => ApiError::Anthropic(Box::new(e)),
         }
     }
 
@@ -102,6 +126,21 @@ impl ApiError {
                 "InternalServerError",
                 None,
             ),
+            ApiError::Flat {
+                message,
+                kind,
+                param,
+                ..
+            } => openai(message, kind, *param),
+            ApiError::Anthropic(inner) => {
+                let v: serde_json::Value =
+                    serde_json::from_slice(&inner.body()).unwrap_or_default();
+                let body = serde_json::json!({
+                    "type": "error",
+                    "error": {"type": v["error"]["type"], "message": v["error"]["message"]},
+                });
+                Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+            }
         }
     }
 }
@@ -175,6 +214,62 @@ struct CompletionRequest {
     params: SamplingParams,
 }
 
+/// `POST /v1/responses`: `input` is a string or a list of items (their `content` text counts).
+#[derive(Deserialize)]
+struct ResponsesRequest {
+    input: ResponsesInput,
+    instructions: Option<String>,
+    model: Option<String>,
+    max_output_tokens: Option<i64>,
+    stream: Option<bool>,
+    previous_response_id: Option<String>,
+    background: Option<bool>,
+    store: Option<bool>,
+    seed: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ResponsesInput {
+    Text(String),
+    Items(Vec<ChatMessage>),
+}
+
+/// `POST /v1/messages` (and `count_tokens`, without `max_tokens`).
+#[derive(Deserialize)]
+struct MessagesRequest {
+    #[serde(default)]
+    tools: Option<Vec<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    tool_choice: Option<serde_json::Value>,
+    model: String,
+    messages: Vec<ChatMessage>,
+    system: Option<MessageContent>,
+    max_tokens: i64,
+    stream: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct CountTokensRequest {
+    #[serde(default)]
+    tools: Option<Vec<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    tool_choice: Option<serde_json::Value>,
+    model: String,
+    messages: Vec<ChatMessage>,
+    system: Option<MessageContent>,
+}
+
+/// What a Responses request asks besides generation.
+#[derive(Debug, Default)]
+pub(crate) struct ResponsesExtras {
+    pub instructions: Option<String>,
+    pub previous_response_id: Option<String>,
+    pub background: bool,
+    pub store: bool,
+    pub max_output_tokens: Option<u32>,
+}
+
 /// A validated generation request.
 #[derive(Debug)]
 pub(crate) struct GenRequest {
@@ -186,6 +281,8 @@ pub(crate) struct GenRequest {
     pub continuous_usage: bool,
     /// Seed of the token texts: the sim seed folded with the prompt (and the request seed).
     pub token_seed: u64,
+    /// `/v1/responses` only.
+    pub responses: ResponsesExtras,
 }
 
 fn bad(msg: impl Into<String>) -> ApiError {
@@ -267,6 +364,9 @@ pub(crate) fn parse_generation(
     body: &[u8],
     cfg: &SimConfig,
 ) -> Result<GenRequest, ApiError> {
+    let mut responses = ResponsesExtras::default();
+    // How vLLM names the output limit in its refusal.
+    let mut limit_name = "max_tokens";
     let (prompt_tokens, prompt_hash, params) = match endpoint {
         Endpoint::Chat => {
             let r: ChatRequest = validate(body)?;
@@ -282,6 +382,66 @@ pub(crate) fn parse_generation(
             let r: CompletionRequest = validate(body)?;
             let (tokens, hash) = prompt_size(&r.prompt, cfg.seed)?;
             (tokens, hash, r.params)
+        }
+        Endpoint::Responses => {
+            let r: ResponsesRequest = validate(body)?;
+            let mut prompt = r.instructions.clone().unwrap_or_default();
+            match &r.input {
+                ResponsesInput::Text(t) => prompt.push_str(t),
+                ResponsesInput::Items(items) => {
+                    for t in chat_texts(items) {
+                        prompt.push_str(t);
+                    }
+                }
+            }
+            limit_name = "max_output_tokens";
+            responses = ResponsesExtras {
+                instructions: r.instructions,
+                previous_response_id: r.previous_response_id,
+                background: r.background.unwrap_or(false),
+                store: r.store.unwrap_or(true),
+                max_output_tokens: r.max_output_tokens.and_then(|m| u32::try_from(m).ok()),
+            };
+            let params = SamplingParams {
+                model: r.model,
+                max_tokens: r.max_output_tokens,
+                max_completion_tokens: None,
+                stream: r.stream,
+                stream_options: None,
+                n: None,
+                seed: r.seed,
+            };
+            (
+                prompt_tokens(&prompt),
+                fnv1a(cfg.seed, prompt.as_bytes()),
+                params,
+            )
+        }
+        Endpoint::Messages => {
+            let r: MessagesRequest = validate(body)?;
+            auto_tool_choice(r.tools.as_deref(), r.tool_choice.as_ref(), cfg)?;
+            let prompt = anthropic_prompt(&r.messages, r.system.as_ref());
+            if r.max_tokens < 1 {
+                return Err(ApiError::Validation {
+                    message: "1 validation error:\n  {'type': 'value_error', 'loc': 'body.max_tokens', 'msg': 'Value error, max_tokens must be positive'}".into(),
+                    loc: "body.max_tokens".into(),
+                });
+            }
+            limit_name = "max_completion_tokens";
+            let params = SamplingParams {
+                model: Some(r.model),
+                max_tokens: Some(r.max_tokens),
+                max_completion_tokens: None,
+                stream: r.stream,
+                stream_options: None,
+                n: None,
+                seed: None,
+            };
+            (
+                prompt_tokens(&prompt),
+                fnv1a(cfg.seed, prompt.as_bytes()),
+                params,
+            )
         }
     };
     let SamplingParams {
@@ -346,10 +506,10 @@ pub(crate) fn parse_generation(
     if max_tokens > limit {
         return Err(ApiError::BadParam {
             message: format!(
-                "max_tokens={max_tokens} cannot be greater than max_model_len={limit}. Please \
-                 request fewer output tokens. (parameter=max_tokens, value={max_tokens})"
+                "{limit_name}={max_tokens} cannot be greater than max_model_len={limit}. Please \
+                 request fewer output tokens. (parameter={limit_name}, value={max_tokens})"
             ),
-            param: "max_tokens",
+            param: limit_name,
         });
     }
     let max_tokens = max_tokens.min(limit - prompt_tokens);
@@ -364,7 +524,56 @@ pub(crate) fn parse_generation(
         include_usage,
         continuous_usage,
         token_seed,
+        responses,
     })
+}
+
+/// vLLM's Anthropic layer asks for `tool_choice: auto` when tools come without a choice, and
+/// refuses it unless the server was started with a tool parser.
+fn auto_tool_choice(
+    tools: Option<&[serde::de::IgnoredAny]>,
+    choice: Option<&serde_json::Value>,
+    cfg: &SimConfig,
+) -> Result<(), ApiError> {
+    let auto = choice.is_none_or(|c| c["type"] == "auto");
+    if tools.is_some_and(|t| !t.is_empty()) && auto && !cfg.auto_tool_choice {
+        return Err(bad(
+            "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
+        ));
+    }
+    Ok(())
+}
+
+/// The text an Anthropic request's template reads: the system prompt, then each message's.
+fn anthropic_prompt(messages: &[ChatMessage], system: Option<&MessageContent>) -> String {
+    let mut prompt = String::new();
+    match system {
+        Some(MessageContent::Text(t)) => prompt.push_str(t),
+        Some(MessageContent::Parts(parts)) => {
+            for p in parts.iter().filter_map(|p| p.text.as_deref()) {
+                prompt.push_str(p);
+            }
+        }
+        None => {}
+    }
+    for t in chat_texts(messages) {
+        prompt.push_str(t);
+    }
+    prompt
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's tokens, as vLLM answers.
+pub(crate) fn count_tokens(body: &[u8], cfg: &SimConfig) -> Result<Vec<u8>, ApiError> {
+    let r: CountTokensRequest = validate(body)?;
+    check_model(Some(&r.model), cfg).map_err(ApiError::anthropic)?;
+    auto_tool_choice(r.tools.as_deref(), r.tool_choice.as_ref(), cfg)
+        .map_err(ApiError::anthropic)?;
+    let n = prompt_tokens(&anthropic_prompt(&r.messages, r.system.as_ref()));
+    Ok(serde_json::to_vec(&serde_json::json!({
+        "input_tokens": n,
+        "context_management": {"original_input_tokens": n},
+    }))
+    .unwrap_or_default())
 }
 
 /// A completions prompt: a string, a one-element list of strings, or token ids.
@@ -609,30 +818,33 @@ impl FinalAnswer<'_> {
                 ec_transfer_params: None,
                 metrics: None,
             }),
-            Endpoint::Completions => serde_json::to_vec(&Completion {
-                id: self.id,
-                object: "text_completion",
-                created: self.created,
-                model: self.model,
-                choices: [TextChoice {
-                    index: 0,
-                    text: self.text,
-                    logprobs: None,
-                    finish_reason: self.finish_reason,
-                    stop_reason: None,
-                    token_ids: None,
-                    prompt_logprobs: None,
-                    prompt_token_ids: None,
-                    routed_experts: None,
-                }],
-                service_tier: None,
-                system_fingerprint: SYSTEM_FINGERPRINT,
-                usage,
-                chat: None,
-                kv_transfer_params: None,
-                ec_transfer_params: None,
-                metrics: None,
-            }),
+            // (Their whole answers are `sim::agents`'.)
+            Endpoint::Completions | Endpoint::Responses | Endpoint::Messages => {
+                serde_json::to_vec(&Completion {
+                    id: self.id,
+                    object: "text_completion",
+                    created: self.created,
+                    model: self.model,
+                    choices: [TextChoice {
+                        index: 0,
+                        text: self.text,
+                        logprobs: None,
+                        finish_reason: self.finish_reason,
+                        stop_reason: None,
+                        token_ids: None,
+                        prompt_logprobs: None,
+                        prompt_token_ids: None,
+                        routed_experts: None,
+                    }],
+                    service_tier: None,
+                    system_fingerprint: SYSTEM_FINGERPRINT,
+                    usage,
+                    chat: None,
+                    kv_transfer_params: None,
+                    ec_transfer_params: None,
+                    metrics: None,
+                })
+            }
         };
         out.unwrap_or_default()
     }

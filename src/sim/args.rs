@@ -81,6 +81,18 @@ pub struct SimArgs {
     #[arg(long)]
     pub zero_delay: bool,
 
+    /// Accept `tool_choice: "auto"` (or none given) with tools on /v1/messages, as vLLM does only
+    /// when started with --enable-auto-tool-choice and a --tool-call-parser (Claude Code sends
+    /// tools without a tool choice). The sim calls no tools either way.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+
+    /// Keep every response of /v1/responses in memory, as vLLM does with
+    /// VLLM_ENABLE_RESPONSES_API_STORE=1: then `GET /v1/responses/{id}`, its cancel and
+    /// `previous_response_id` find it (without it they answer 404, as vLLM does).
+    #[arg(long, env = "VLLM_ENABLE_RESPONSES_API_STORE")]
+    pub responses_store: bool,
+
     /// Keep the exact bytes of every response body, keyed by x-request-id (for tests).
     #[arg(long, hide = true)]
     pub capture_streams: bool,
@@ -108,6 +120,8 @@ impl Default for SimArgs {
             warmup_secs: 0.0,
             zero_delay: false,
             capture_streams: false,
+            responses_store: false,
+            enable_auto_tool_choice: false,
         }
     }
 }
@@ -182,6 +196,8 @@ pub(crate) struct SimConfig {
     pub fault: Option<StreamFault>,
     pub warmup: Duration,
     pub capture: bool,
+    pub responses_store: bool,
+    pub auto_tool_choice: bool,
 }
 
 impl SimConfig {
@@ -288,6 +304,8 @@ impl TryFrom<&SimArgs> for SimConfig {
             fault,
             warmup: duration_flag("warmup-secs", a.warmup_secs, Duration::from_secs(1))?,
             capture: a.capture_streams,
+            responses_store: a.responses_store,
+            auto_tool_choice: a.enable_auto_tool_choice,
         })
     }
 }

@@ -7,6 +7,7 @@ use std::task::{Context, Poll, ready};
 use bytes::{Bytes, BytesMut};
 use hyper::body::{Body, Frame, SizeHint};
 
+use super::agents::{MessagesFrames, ResponsesFrames, Store};
 use super::args::StreamFault;
 use super::engine::Generation;
 use super::frames::{self, FrameWriter};
@@ -56,6 +57,8 @@ impl Drop for Capture {
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Phase {
+    /// Events before the first token (a Responses stream's `response.created`).
+    Start,
     Role,
     Tokens,
     Usage,
@@ -64,10 +67,17 @@ enum Phase {
     End,
 }
 
+/// Who writes a stream's frames: chat and completions chunks, or the agents' protocols.
+pub(crate) enum Frames {
+    Chat(FrameWriter),
+    Responses(Box<ResponsesFrames>, Option<Arc<Store>>),
+    Messages(MessagesFrames),
+}
+
 /// The SSE token stream of one request.
 pub(crate) struct TokenStream {
     generation: Generation,
-    frames: FrameWriter,
+    frames: Frames,
     phase: Phase,
     include_usage: bool,
     fault: Option<StreamFault>,
@@ -79,20 +89,22 @@ pub(crate) struct TokenStream {
 impl TokenStream {
     pub fn new(
         generation: Generation,
-        frames: FrameWriter,
+        frames: Frames,
         with_role_chunk: bool,
         include_usage: bool,
         fault: Option<StreamFault>,
         capture: Option<Capture>,
     ) -> Self {
+        let phase = match &frames {
+            Frames::Responses(..) => Phase::Start,
+            Frames::Messages(_) => Phase::Role,
+            Frames::Chat(_) if with_role_chunk => Phase::Role,
+            Frames::Chat(_) => Phase::Tokens,
+        };
         Self {
             generation,
             frames,
-            phase: if with_role_chunk {
-                Phase::Role
-            } else {
-                Phase::Tokens
-            },
+            phase,
             include_usage,
             fault,
             drop_flushed: false,
@@ -103,10 +115,21 @@ impl TokenStream {
     fn next_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, SimBodyError>>> {
         loop {
             match self.phase {
+                Phase::Start => {
+                    self.phase = Phase::Role;
+                    if let Frames::Responses(f, _) = &mut self.frames {
+                        return Poll::Ready(Some(Ok(f.start())));
+                    }
+                }
                 Phase::Role => {
                     ready!(self.generation.poll_first(cx));
                     self.phase = Phase::Tokens;
-                    return Poll::Ready(Some(Ok(self.frames.role())));
+                    let first = match &mut self.frames {
+                        Frames::Chat(f) => f.role(),
+                        Frames::Responses(f, _) => f.first(),
+                        Frames::Messages(f) => f.first(),
+                    };
+                    return Poll::Ready(Some(Ok(first)));
                 }
                 Phase::Tokens => {
                     let sent = self.generation.emitted();
@@ -136,32 +159,70 @@ impl TokenStream {
                         _ => {}
                     }
                     let Some(text) = ready!(self.generation.poll_token(cx)) else {
-                        self.phase = Phase::Done;
+                        self.phase = match self.frames {
+                            Frames::Chat(_) => Phase::Done,
+                            _ => Phase::End,
+                        };
                         continue;
                     };
-                    let finish = if self.generation.is_last() {
+                    let last = self.generation.is_last();
+                    if last {
                         self.generation.finish();
-                        self.phase = if self.include_usage {
-                            Phase::Usage
-                        } else {
-                            Phase::Done
-                        };
-                        Some("length")
-                    } else {
-                        None
+                    }
+                    let g = &self.generation;
+                    let frame = match &mut self.frames {
+                        Frames::Chat(f) => {
+                            let finish = last.then_some("length");
+                            self.phase = match (last, self.include_usage) {
+                                (true, true) => Phase::Usage,
+                                (true, false) => Phase::Done,
+                                (false, _) => Phase::Tokens,
+                            };
+                            f.token(text, finish, !self.include_usage)
+                        }
+                        // The closing events go out with the last token, as vLLM's do.
+                        Frames::Responses(f, store) => {
+                            let mut out = BytesMut::from(&f.token(text)[..]);
+                            if last {
+                                out.extend_from_slice(&f.finish(
+                                    g.prompt_tokens,
+                                    g.emitted(),
+                                    true,
+                                ));
+                                if let Some(store) = store {
+                                    store.put(&f.object);
+                                }
+                                self.phase = Phase::End;
+                            }
+                            out.freeze()
+                        }
+                        Frames::Messages(f) => {
+                            let mut out = BytesMut::from(&f.token(text)[..]);
+                            if last {
+                                out.extend_from_slice(&f.finish(g.emitted(), true));
+                                self.phase = Phase::End;
+                            }
+                            out.freeze()
+                        }
                     };
-                    let fingerprint = !self.include_usage;
-                    return Poll::Ready(Some(Ok(self.frames.token(text, finish, fingerprint))));
+                    return Poll::Ready(Some(Ok(frame)));
                 }
                 Phase::Usage => {
                     self.phase = Phase::Done;
                     let g = &self.generation;
-                    return Poll::Ready(Some(Ok(self.frames.usage(g.prompt_tokens, g.emitted()))));
+                    if let Frames::Chat(f) = &mut self.frames {
+                        return Poll::Ready(Some(Ok(f.usage(g.prompt_tokens, g.emitted()))));
+                    }
                 }
                 Phase::ErrorEvent => {
-                    self.phase = Phase::Done;
                     let msg = "Simulated engine failure (--error-after-chunks)";
-                    return Poll::Ready(Some(Ok(frames::error_event(msg))));
+                    let (frame, next) = match &mut self.frames {
+                        Frames::Chat(_) => (frames::error_event(msg), Phase::Done),
+                        Frames::Responses(f, _) => (f.error(msg), Phase::End),
+                        Frames::Messages(f) => (f.error(msg), Phase::End),
+                    };
+                    self.phase = next;
+                    return Poll::Ready(Some(Ok(frame)));
                 }
                 Phase::Done => {
                     self.phase = Phase::End;

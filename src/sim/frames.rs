@@ -10,13 +10,18 @@ use super::tokens::push_json_str;
 pub(crate) enum Endpoint {
     Chat,
     Completions,
+    /// OpenAI's Responses API (`sim::agents`).
+    Responses,
+    /// Anthropic's Messages API (`sim::agents`): vLLM names its messages like chat completions.
+    Messages,
 }
 
 impl Endpoint {
     pub fn id_prefix(self) -> &'static str {
         match self {
-            Endpoint::Chat => "chatcmpl-",
+            Endpoint::Chat | Endpoint::Messages => "chatcmpl-",
             Endpoint::Completions => "cmpl-",
+            Endpoint::Responses => "resp_",
         }
     }
 
@@ -24,6 +29,7 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "chat.completion.chunk",
             Endpoint::Completions => "text_completion",
+            Endpoint::Responses | Endpoint::Messages => "",
         }
     }
 }
@@ -125,7 +131,8 @@ impl FrameWriter {
                 self.buf
                     .put_slice(br#""},"logprobs":null,"finish_reason":"#);
             }
-            Endpoint::Completions => {
+            // (Their frames are `sim::agents`'.)
+            Endpoint::Completions | Endpoint::Responses | Endpoint::Messages => {
                 self.buf.put_slice(br#"{"index":0,"text":""#);
                 push_json_str(&mut self.buf, text);
                 self.buf.put_slice(br#"","logprobs":null,"finish_reason":"#);

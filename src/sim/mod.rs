@@ -16,6 +16,7 @@
 //! token per running sequence per step). With all timing zero there is no scheduler and no timer:
 //! each body makes its frames when polled, and `max_num_seqs` does not apply.
 
+mod agents;
 mod api;
 mod args;
 mod body;

@@ -18,9 +18,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::agents;
 use super::api::{self, ApiError, FinalAnswer};
 use super::args::SimConfig;
-use super::body::{Capture, SimBody, TokenStream};
+use super::body::{Capture, Frames, SimBody, TokenStream};
 use super::engine::Engine;
 use super::frames::{Endpoint, FrameWriter};
 use super::stats::{SimStats, render_metrics};
@@ -32,6 +33,8 @@ const X_REQUEST_ID: &str = "x-request-id";
 
 /// What every connection of one sim shares.
 pub(crate) struct SimContext {
+    /// Stored responses (`--responses-store`).
+    pub responses: Option<Arc<agents::Store>>,
     pub cfg: SimConfig,
     pub stats: Arc<SimStats>,
     pub engine: Engine,
@@ -42,6 +45,7 @@ pub(crate) struct SimContext {
 impl SimContext {
     pub fn new(cfg: SimConfig, stats: Arc<SimStats>, engine: Engine) -> Self {
         Self {
+            responses: cfg.responses_store.then(Default::default),
             cfg,
             stats,
             engine,
@@ -217,14 +221,71 @@ async fn route(
                 ("/v1/completions", &Method::POST) => {
                     generate(Endpoint::Completions, req, ctx, capture_key).await
                 }
-                ("/v1/models" | "/v1/chat/completions" | "/v1/completions", _) => {
-                    Err(ApiError::MethodNotAllowed)
+                ("/v1/responses", &Method::POST) => {
+                    generate(Endpoint::Responses, req, ctx, capture_key).await
+                }
+                ("/v1/messages", &Method::POST) => {
+                    generate(Endpoint::Messages, req, ctx, capture_key)
+                        .await
+                        .map_err(ApiError::anthropic)
+                }
+                ("/v1/messages/count_tokens", &Method::POST) => {
+                    let body = read_body(req).await?;
+                    Ok(json_response(
+                        api::count_tokens(&body, &ctx.cfg)?,
+                        capture(),
+                    ))
+                }
+                (
+                    "/v1/models"
+                    | "/v1/chat/completions"
+                    | "/v1/completions"
+                    | "/v1/responses"
+                    | "/v1/messages"
+                    | "/v1/messages/count_tokens",
+                    _,
+                ) => Err(ApiError::MethodNotAllowed),
+                (p, m) if p.starts_with("/v1/responses/") => {
+                    let rest = &p["/v1/responses/".len()..];
+                    match (rest.strip_suffix("/cancel"), m) {
+                        (Some(id), &Method::POST) => cancel_response(id, ctx),
+                        (None, &Method::GET) => stored_response(rest, ctx, capture()),
+                        _ => Err(ApiError::MethodNotAllowed),
+                    }
                 }
                 _ => Err(ApiError::RouteNotFound),
             }
         }
         _ => Err(ApiError::RouteNotFound),
     }
+}
+
+/// `GET /v1/responses/{id}`: the stored response (404 without `--responses-store`, as vLLM).
+fn stored_response(
+    id: &str,
+    ctx: &SimContext,
+    capture: Option<Capture>,
+) -> Result<Response<SimBody>, ApiError> {
+    let found = ctx.responses.as_ref().and_then(|s| s.get(id));
+    let r = found.ok_or_else(|| agents::response_not_found(id))?;
+    Ok(json_response(
+        serde_json::to_vec(&r).unwrap_or_default(),
+        capture,
+    ))
+}
+
+/// `POST /v1/responses/{id}/cancel`: the sim's responses are all synchronous (no background
+/// mode), so a stored one cannot be cancelled, as vLLM answers for a finished one.
+fn cancel_response(id: &str, ctx: &SimContext) -> Result<Response<SimBody>, ApiError> {
+    if ctx.responses.as_ref().and_then(|s| s.get(id)).is_none() {
+        return Err(agents::response_not_found(id));
+    }
+    Err(ApiError::Flat {
+        status: http::StatusCode::BAD_REQUEST,
+        message: "Cannot cancel a synchronous response.".into(),
+        kind: "invalid_request_error",
+        param: Some("response_id"),
+    })
 }
 
 /// vLLM's check, byte for byte: the header must equal `Bearer <key>`; CORS preflights pass.
@@ -294,6 +355,34 @@ async fn generate(
         return Err(ApiError::InjectedFailure);
     }
 
+    let extras = &parsed.responses;
+    if endpoint == Endpoint::Responses {
+        if extras.background && !extras.store {
+            return Err(ApiError::BadParam {
+                message: "background can only be used when `store` is true (parameter=background)"
+                    .into(),
+                param: "background",
+            });
+        }
+        if extras.background {
+            return Err(ApiError::Flat {
+                status: http::StatusCode::BAD_REQUEST,
+                message: if ctx.responses.is_none() {
+                    "This vLLM engine does not support `store=True` and therefore does not support the background mode. To enable these features, set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.".into()
+                } else {
+                    "The simulator does not run responses in the background mode.".into()
+                },
+                kind: "invalid_request_error",
+                param: Some("background"),
+            });
+        }
+        if let Some(prev) = &extras.previous_response_id
+            && ctx.responses.as_ref().and_then(|s| s.get(prev)).is_none()
+        {
+            return Err(agents::response_not_found(prev));
+        }
+    }
+
     let request_id = match capture_key {
         Some(id) => id.to_owned(),
         // vLLM's ids: 16 hex characters.
@@ -314,12 +403,49 @@ async fn generate(
         arrived,
     );
     let capture = Capture::new(&ctx.stats, request_id);
+    let store = ctx
+        .responses
+        .clone()
+        .filter(|_| endpoint == Endpoint::Responses && parsed.responses.store);
+    let object = (endpoint == Endpoint::Responses).then(|| {
+        agents::ResponseObject::new(
+            id.clone(),
+            created,
+            model,
+            parsed.responses.instructions.clone(),
+            parsed
+                .responses
+                .max_output_tokens
+                .unwrap_or(parsed.max_tokens),
+            parsed.responses.previous_response_id.clone(),
+        )
+    });
+    let msg_id = || format!("msg_{:016x}", rand::random::<u64>());
 
     if parsed.stream {
-        let mut frames = FrameWriter::new(endpoint, &id, created, model);
-        if parsed.continuous_usage {
-            frames.continuous_usage(parsed.prompt_tokens);
-        }
+        let frames = match endpoint {
+            Endpoint::Chat | Endpoint::Completions => {
+                let mut frames = FrameWriter::new(endpoint, &id, created, model);
+                if parsed.continuous_usage {
+                    frames.continuous_usage(parsed.prompt_tokens);
+                }
+                Frames::Chat(frames)
+            }
+            Endpoint::Responses => Frames::Responses(
+                Box::new(agents::ResponsesFrames::new(
+                    object.unwrap_or_else(|| {
+                        agents::ResponseObject::new(id.clone(), created, model, None, 0, None)
+                    }),
+                    msg_id(),
+                )),
+                store,
+            ),
+            Endpoint::Messages => Frames::Messages(agents::MessagesFrames::new(
+                id.clone(),
+                model,
+                parsed.prompt_tokens,
+            )),
+        };
         let stream = TokenStream::new(
             generation,
             frames,
@@ -340,6 +466,26 @@ async fn generate(
     // generation, which is the cancellation signal.
     let text = generation.collect_text().await;
     generation.finish();
+    let (prompt, completion) = (generation.prompt_tokens, generation.emitted());
+    match (endpoint, object) {
+        (Endpoint::Responses, Some(mut object)) => {
+            object.complete(&msg_id(), &text, prompt, completion, true);
+            if let Some(store) = store {
+                store.put(&object);
+            }
+            return Ok(json_response(
+                serde_json::to_vec(&object).unwrap_or_default(),
+                capture,
+            ));
+        }
+        (Endpoint::Messages, _) => {
+            return Ok(json_response(
+                agents::message_json(&id, model, &text, prompt, completion, true),
+                capture,
+            ));
+        }
+        _ => {}
+    }
     let answer = FinalAnswer {
         endpoint,
         id: &id,

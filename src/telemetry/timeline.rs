@@ -4,18 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use crate::protocol::sse::DataKind;
+use crate::protocol::usage::UsagePart;
 
-use crate::protocol::sse::{DataKind, USAGE};
-
-/// Token counts reported by the backend in its usage chunk (or non-streaming body).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-pub struct Usage {
-    #[serde(default)]
-    pub prompt_tokens: u64,
-    #[serde(default)]
-    pub completion_tokens: u64,
-}
+pub use crate::protocol::usage::Usage;
 
 /// Where the output-token count of a request came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,14 +56,9 @@ pub struct StreamMetrics {
 
 pub const ITL_BUCKETS: usize = 24;
 
-#[derive(Deserialize)]
-struct UsageEnvelope {
-    usage: Option<Usage>,
-}
-
 impl StreamMetrics {
-    /// Account for one `data:` line seen at `at`.
-    pub fn on_data(&mut self, kind: DataKind, payload: &[u8], at: Duration) {
+    /// Account for one `data:` line seen at `at`, with the usage its dialect found in it.
+    pub fn on_data(&mut self, kind: DataKind, usage: Option<UsagePart>, at: Duration) {
         match kind {
             DataKind::Content => {
                 if let Some(prev) = self.last_content {
@@ -88,33 +75,18 @@ impl StreamMetrics {
                 self.last_content = Some(at);
                 self.content_events += 1;
                 self.last_data = Some(at);
-                // vLLM's `continuous_usage_stats` puts usage on every chunk; the last one wins.
-                if let Some(at) = USAGE.find(payload)
-                    && payload[at + 7..].trim_ascii_start().starts_with(b":")
-                    && !payload[at + 7..].trim_ascii_start()[1..]
-                        .trim_ascii_start()
-                        .starts_with(b"null")
-                {
-                    self.take_usage(payload);
-                }
             }
-            DataKind::NoChoices | DataKind::NoOutput => {
-                self.last_data = Some(at);
-                if USAGE.find(payload).is_some() {
-                    self.take_usage(payload);
-                }
-            }
+            DataKind::NoChoices | DataKind::NoOutput => self.last_data = Some(at),
             DataKind::Error => {
                 self.last_data = Some(at);
                 self.error = true;
             }
             DataKind::Done => self.done = true,
         }
-    }
-
-    fn take_usage(&mut self, payload: &[u8]) {
-        if let Ok(UsageEnvelope { usage: Some(u) }) = serde_json::from_slice(payload) {
-            self.usage = Some(u);
+        // vLLM's `continuous_usage_stats` puts usage on every chunk; the last one wins. An
+        // Anthropic `message_delta` names only the output count: the input count stays.
+        if let Some(u) = usage {
+            u.apply(&mut self.usage);
         }
     }
 
@@ -187,14 +159,9 @@ pub fn usage_in_tail(tail: &[Option<bytes::Bytes>; 2]) -> Option<Usage> {
     usage_in(&both)
 }
 
-/// The last `"usage": {...}` object in `body`.
+/// The last `"usage": {...}` object in `body`, in either protocol's words.
 pub fn usage_in(body: &[u8]) -> Option<Usage> {
-    let at = memchr::memmem::rfind(body, b"\"usage\"")?;
-    let rest = body[at + 7..].trim_ascii_start().strip_prefix(b":")?;
-    serde_json::Deserializer::from_slice(rest)
-        .into_iter::<Usage>()
-        .next()?
-        .ok()
+    crate::protocol::usage::usage_in(body).map(UsagePart::whole)
 }
 
 pub fn tpot(ttft: Duration, e2el: Duration, output_tokens: u64) -> Option<Duration> {
@@ -340,12 +307,12 @@ impl Timeline {
     pub fn on_upstream_event(
         &mut self,
         kind: DataKind,
-        payload: &[u8],
+        usage: Option<UsagePart>,
         now: Instant,
         at: Duration,
     ) -> Option<Duration> {
         let before = self.stream.content_events;
-        self.stream.on_data(kind, payload, at);
+        self.stream.on_data(kind, usage, at);
         if self.stream.content_events == before {
             return None;
         }
@@ -518,14 +485,14 @@ mod tests {
     fn itl_p99_from_buckets() {
         let mut m = StreamMetrics::default();
         let mut t = Duration::ZERO;
-        m.on_data(DataKind::Content, b"", t);
+        m.on_data(DataKind::Content, None, t);
         for i in 0..100 {
             t += if i == 99 {
                 Duration::from_millis(300)
             } else {
                 Duration::from_millis(10)
             };
-            m.on_data(DataKind::Content, b"", t);
+            m.on_data(DataKind::Content, None, t);
         }
         // 99 gaps of 10 ms and one of 300 ms: p99 is in the 10 ms bucket (8.192–16.384 ms).
         let p99 = m.itl_p99().unwrap();
@@ -539,21 +506,9 @@ mod tests {
     #[test]
     fn missing_usage_falls_back_to_content_events() {
         let mut m = StreamMetrics::default();
-        m.on_data(
-            DataKind::Content,
-            b"{\"choices\":[{}]}",
-            Duration::from_millis(10),
-        );
-        m.on_data(
-            DataKind::Content,
-            b"{\"choices\":[{}]}",
-            Duration::from_millis(20),
-        );
-        m.on_data(
-            DataKind::Content,
-            b"{\"choices\":[{}]}",
-            Duration::from_millis(30),
-        );
+        m.on_data(DataKind::Content, None, Duration::from_millis(10));
+        m.on_data(DataKind::Content, None, Duration::from_millis(20));
+        m.on_data(DataKind::Content, None, Duration::from_millis(30));
         assert_eq!(m.output_tokens(), (Some(3), UsageSource::ContentEvents));
         assert_eq!(m.tpot(), Some(Duration::from_millis(10)));
     }

@@ -1,0 +1,384 @@
+//! The agents' protocols in vLLM 0.32's shapes (tests/fixtures/vllm-0.32.0, groups `responses`,
+//! `messages`, `responses_store`): OpenAI's Responses API (`/v1/responses`, and by id with
+//! `--responses-store`) and Anthropic's Messages API (`/v1/messages`, `count_tokens`). The
+//! per-token frames are written by hand into a reused buffer, as chat's are; the opening and
+//! closing events, once per stream, through serde in vLLM's field order.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use super::api::ApiError;
+use super::tokens::push_json_str;
+
+/// The Responses API's object, in the order vLLM 0.32 writes its fields.
+#[derive(Serialize, Clone)]
+pub(crate) struct ResponseObject {
+    pub id: String,
+    pub created_at: u64,
+    pub incomplete_details: Option<Value>,
+    pub instructions: Option<String>,
+    pub metadata: Option<Value>,
+    pub model: String,
+    pub object: &'static str,
+    pub output: Vec<Value>,
+    pub parallel_tool_calls: bool,
+    pub temperature: f64,
+    pub tool_choice: &'static str,
+    pub tools: Vec<Value>,
+    pub top_p: f64,
+    pub background: bool,
+    pub max_output_tokens: Option<u32>,
+    pub max_tool_calls: Option<u32>,
+    pub previous_response_id: Option<String>,
+    pub prompt: Option<Value>,
+    pub reasoning: Option<Value>,
+    pub service_tier: &'static str,
+    pub status: &'static str,
+    pub text: Option<Value>,
+    pub top_logprobs: Option<u32>,
+    pub truncation: &'static str,
+    pub usage: Option<Value>,
+    pub user: Option<String>,
+    pub presence_penalty: f64,
+    pub frequency_penalty: f64,
+    pub kv_transfer_params: Option<Value>,
+    pub ec_transfer_params: Option<Value>,
+    pub input_messages: Option<Value>,
+    pub output_messages: Option<Value>,
+}
+
+impl ResponseObject {
+    pub fn new(
+        id: String,
+        created_at: u64,
+        model: &str,
+        instructions: Option<String>,
+        max_output_tokens: u32,
+        previous_response_id: Option<String>,
+    ) -> Self {
+        Self {
+            id,
+            created_at,
+            incomplete_details: None,
+            instructions,
+            metadata: None,
+            model: model.to_owned(),
+            object: "response",
+            output: Vec::new(),
+            parallel_tool_calls: true,
+            temperature: 1.0,
+            tool_choice: "none",
+            tools: Vec::new(),
+            top_p: 1.0,
+            background: false,
+            max_output_tokens: Some(max_output_tokens),
+            max_tool_calls: None,
+            previous_response_id,
+            prompt: None,
+            reasoning: None,
+            service_tier: "auto",
+            status: "in_progress",
+            text: None,
+            top_logprobs: None,
+            truncation: "disabled",
+            usage: None,
+            user: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            kv_transfer_params: None,
+            ec_transfer_params: None,
+            input_messages: None,
+            output_messages: None,
+        }
+    }
+
+    /// Finished: the message, the usage, and `incomplete` when the limit cut it.
+    pub fn complete(&mut self, msg_id: &str, text: &str, prompt: u32, completion: u32, cut: bool) {
+        self.output = vec![message_item(msg_id, text, "completed", Value::Null)];
+        self.status = if cut { "incomplete" } else { "completed" };
+        self.incomplete_details = cut.then(|| json!({"reason": "max_output_tokens"}));
+        self.usage = Some(json!({
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0, "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
+            "total_tokens": prompt + completion,
+        }));
+    }
+}
+
+fn message_item(id: &str, text: &str, status: &str, logprobs: Value) -> Value {
+    json!({
+        "id": id,
+        "content": [{"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}],
+        "role": "assistant",
+        "status": status,
+        "type": "message",
+        "phase": null,
+    })
+}
+
+/// `event: <type>` + `data: <json>`: every event of both protocols.
+fn event(out: &mut BytesMut, name: &str, data: &impl Serialize) {
+    out.put_slice(b"event: ");
+    out.put_slice(name.as_bytes());
+    out.put_slice(b"\ndata: ");
+    let _ = serde_json::to_writer(out.writer(), data);
+    out.put_slice(b"\n\n");
+}
+
+/// The frames of one Responses stream; `sequence_number` counts from 0.
+pub(crate) struct ResponsesFrames {
+    pub object: ResponseObject,
+    msg_id: String,
+    seq: u32,
+    text: String,
+    buf: BytesMut,
+}
+
+impl ResponsesFrames {
+    pub fn new(object: ResponseObject, msg_id: String) -> Self {
+        Self {
+            object,
+            msg_id,
+            seq: 0,
+            text: String::new(),
+            buf: BytesMut::with_capacity(1024),
+        }
+    }
+
+    fn next_seq(&mut self) -> u32 {
+        let s = self.seq;
+        self.seq += 1;
+        s
+    }
+
+    /// `response.created` and `response.in_progress`: sent at once, before the first token.
+    pub fn start(&mut self) -> Bytes {
+        for name in ["response.created", "response.in_progress"] {
+            let seq = self.next_seq();
+            let data = json!({"response": &self.object, "sequence_number": seq, "type": name});
+            event(&mut self.buf, name, &data);
+        }
+        self.buf.split().freeze()
+    }
+
+    /// The message item and its text part open with the first token.
+    pub fn first(&mut self) -> Bytes {
+        let seq = self.next_seq();
+        let item = json!({"id": self.msg_id, "content": [], "role": "assistant", "status": "in_progress", "type": "message", "phase": null});
+        event(
+            &mut self.buf,
+            "response.output_item.added",
+            &json!({"item": item, "output_index": 0, "sequence_number": seq, "type": "response.output_item.added"}),
+        );
+        let seq = self.next_seq();
+        event(
+            &mut self.buf,
+            "response.content_part.added",
+            &json!({"content_index": 0, "item_id": self.msg_id, "output_index": 0, "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []}, "sequence_number": seq, "type": "response.content_part.added"}),
+        );
+        self.buf.split().freeze()
+    }
+
+    /// One `response.output_text.delta`.
+    pub fn token(&mut self, text: &str) -> Bytes {
+        self.text.push_str(text);
+        let seq = self.next_seq();
+        let b = &mut self.buf;
+        b.put_slice(b"event: response.output_text.delta\ndata: {\"content_index\":0,\"delta\":\"");
+        push_json_str(b, text);
+        b.put_slice(b"\",\"item_id\":\"");
+        push_json_str(b, &self.msg_id);
+        b.put_slice(b"\",\"logprobs\":[],\"output_index\":0,\"sequence_number\":");
+        b.put_slice(itoa::Buffer::new().format(seq).as_bytes());
+        b.put_slice(b",\"type\":\"response.output_text.delta\"}\n\n");
+        self.buf.split().freeze()
+    }
+
+    /// The closing events, `response.completed` last with the usage.
+    pub fn finish(&mut self, prompt: u32, completion: u32, cut: bool) -> Bytes {
+        let (id, text) = (self.msg_id.clone(), std::mem::take(&mut self.text));
+        let seq = self.next_seq();
+        event(
+            &mut self.buf,
+            "response.output_text.done",
+            &json!({"content_index": 0, "item_id": id, "logprobs": [], "output_index": 0, "sequence_number": seq, "text": text, "type": "response.output_text.done"}),
+        );
+        let seq = self.next_seq();
+        event(
+            &mut self.buf,
+            "response.content_part.done",
+            &json!({"content_index": 0, "item_id": id, "output_index": 0, "part": {"annotations": [], "text": text, "type": "output_text", "logprobs": null}, "sequence_number": seq, "type": "response.content_part.done"}),
+        );
+        let seq = self.next_seq();
+        event(
+            &mut self.buf,
+            "response.output_item.done",
+            &json!({"item": message_item(&id, &text, "completed", Value::Null), "output_index": 0, "sequence_number": seq, "type": "response.output_item.done"}),
+        );
+        self.object.complete(&id, &text, prompt, completion, cut);
+        let seq = self.next_seq();
+        event(
+            &mut self.buf,
+            "response.completed",
+            &json!({"response": &self.object, "sequence_number": seq, "type": "response.completed"}),
+        );
+        self.buf.split().freeze()
+    }
+
+    /// An error after the head went out.
+    pub fn error(&mut self, message: &str) -> Bytes {
+        let seq = self.next_seq();
+        event(
+            &mut self.buf,
+            "error",
+            &json!({"type": "error", "code": "InternalServerError", "message": message, "param": null, "sequence_number": seq}),
+        );
+        self.buf.split().freeze()
+    }
+}
+
+/// The frames of one Anthropic Messages stream.
+pub(crate) struct MessagesFrames {
+    id: String,
+    model: String,
+    prompt: u32,
+    buf: BytesMut,
+}
+
+impl MessagesFrames {
+    pub fn new(id: String, model: &str, prompt: u32) -> Self {
+        Self {
+            id,
+            model: model.to_owned(),
+            prompt,
+            buf: BytesMut::with_capacity(512),
+        }
+    }
+
+    /// `message_start` and the text block's start, with the first token.
+    pub fn first(&mut self) -> Bytes {
+        event(
+            &mut self.buf,
+            "message_start",
+            &json!({"type": "message_start", "message": {"id": self.id, "type": "message", "role": "assistant", "content": [], "model": self.model, "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": self.prompt, "output_tokens": 0}}}),
+        );
+        event(
+            &mut self.buf,
+            "content_block_start",
+            &json!({"type": "content_block_start", "content_block": {"type": "text", "text": ""}, "index": 0}),
+        );
+        self.buf.split().freeze()
+    }
+
+    /// One `content_block_delta`.
+    pub fn token(&mut self, text: &str) -> Bytes {
+        let b = &mut self.buf;
+        b.put_slice(b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"");
+        push_json_str(b, text);
+        b.put_slice(b"\"},\"index\":0}\n\n");
+        self.buf.split().freeze()
+    }
+
+    /// The block's end, the usage, the message's end.
+    pub fn finish(&mut self, completion: u32, cut: bool) -> Bytes {
+        event(
+            &mut self.buf,
+            "content_block_stop",
+            &json!({"type": "content_block_stop", "index": 0}),
+        );
+        let reason = if cut { "max_tokens" } else { "end_turn" };
+        event(
+            &mut self.buf,
+            "message_delta",
+            &json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": null}, "usage": {"input_tokens": self.prompt, "output_tokens": completion}}),
+        );
+        event(
+            &mut self.buf,
+            "message_stop",
+            &json!({"type": "message_stop"}),
+        );
+        self.buf.split().freeze()
+    }
+
+    pub fn error(&mut self, message: &str) -> Bytes {
+        event(
+            &mut self.buf,
+            "error",
+            &json!({"type": "error", "error": {"type": "api_error", "message": message}}),
+        );
+        self.buf.split().freeze()
+    }
+}
+
+/// A whole Anthropic message, as vLLM writes it (None-valued fields left out).
+pub(crate) fn message_json(
+    id: &str,
+    model: &str,
+    text: &str,
+    prompt: u32,
+    completion: u32,
+    cut: bool,
+) -> Vec<u8> {
+    let reason = if cut { "max_tokens" } else { "end_turn" };
+    serde_json::to_vec(&json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "text", "text": text}],
+        "model": model,
+        "stop_reason": reason,
+        "usage": {"input_tokens": prompt, "output_tokens": completion},
+    }))
+    .unwrap_or_default()
+}
+
+/// vLLM's store of responses (`VLLM_ENABLE_RESPONSES_API_STORE=1`): the last ones, by id.
+#[derive(Default)]
+pub(crate) struct Store {
+    inner: Mutex<(HashMap<String, ResponseObject>, VecDeque<String>)>,
+}
+
+/// Responses kept by the sim's store.
+const STORE_CAPACITY: usize = 10_000;
+
+impl Store {
+    pub fn put(&self, r: &ResponseObject) {
+        let mut g = self
+            .inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (map, order) = &mut *g;
+        if map.insert(r.id.clone(), r.clone()).is_none() {
+            order.push_back(r.id.clone());
+        }
+        while order.len() > STORE_CAPACITY {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Option<ResponseObject> {
+        let g = self
+            .inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        g.0.get(id).cloned()
+    }
+}
+
+/// vLLM's answer for an id it does not hold.
+pub(crate) fn response_not_found(id: &str) -> ApiError {
+    ApiError::Flat {
+        status: http::StatusCode::NOT_FOUND,
+        message: format!("Response with id '{id}' not found."),
+        kind: "invalid_request_error",
+        param: Some("response_id"),
+    }
+}
