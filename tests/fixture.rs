@@ -78,7 +78,7 @@ fn check_timeline(s: &Stream) {
         let now = t0 + *at;
         let offset = tl.offset(now);
         scanner.feed(bytes, |line| {
-            if let Some(gap) = tl.on_upstream_event(line.kind, line.payload, now, offset) {
+            if let Some(gap) = tl.on_upstream_event(line.kind, line.usage, now, offset) {
                 itls.push(ms(gap));
             }
         });

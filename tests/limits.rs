@@ -498,7 +498,7 @@ async fn a_waiting_stream_gets_queued_comments_then_its_tokens() {
     );
     let mut metrics = fleetgate::telemetry::StreamMetrics::default();
     let mut scanner = fleetgate::protocol::sse::SseScanner::new();
-    scanner.feed(&got, |l| metrics.on_data(l.kind, l.payload, Duration::ZERO));
+    scanner.feed(&got, |l| metrics.on_data(l.kind, l.usage, Duration::ZERO));
     assert_eq!(
         metrics.content_events, 5,
         "5 tokens after the comments (the role chunk is not a token)"

@@ -560,12 +560,12 @@ async fn one_request(
                         openai_error_code(l.payload).unwrap_or_else(|| "malformed".to_owned()),
                     );
                 }
-                metrics.on_data(l.kind, l.payload, at);
+                metrics.on_data(l.kind, l.usage, at);
             });
             kept.extend_from_slice(data);
         })
         .await;
-    scanner.finish(|l| metrics.on_data(l.kind, l.payload, Duration::ZERO));
+    scanner.finish(|l| metrics.on_data(l.kind, l.usage, Duration::ZERO));
     let s = Some(status);
     if answer
         .headers

@@ -283,6 +283,8 @@ pub(crate) struct GenRequest {
     pub token_seed: u64,
     /// `/v1/responses` only.
     pub responses: ResponsesExtras,
+    /// The answer ends at its end of sequence (`--output-tokens`), not at its limit.
+    pub natural_end: bool,
 }
 
 fn bad(msg: impl Into<String>) -> ApiError {
@@ -513,6 +515,10 @@ pub(crate) fn parse_generation(
         });
     }
     let max_tokens = max_tokens.min(limit - prompt_tokens);
+    let (max_tokens, natural_end) = match cfg.output_tokens {
+        Some(n) if n < max_tokens => (n, true),
+        _ => (max_tokens, false),
+    };
     let token_seed = match seed {
         Some(s) => mix64(prompt_hash ^ mix64(s as u64)),
         None => prompt_hash,
@@ -525,6 +531,7 @@ pub(crate) fn parse_generation(
         continuous_usage,
         token_seed,
         responses,
+        natural_end,
     })
 }
 

@@ -81,6 +81,13 @@ pub struct SimArgs {
     #[arg(long)]
     pub zero_delay: bool,
 
+    /// End every answer after this many tokens, as a model reaching its end of sequence does
+    /// (finish_reason `stop`, `end_turn`, status `completed`), unless the request's own limit
+    /// comes first (then `length`, `max_tokens`, `incomplete`). Without it every answer runs
+    /// to its limit. Agents treat an answer cut by the limit as an error.
+    #[arg(long)]
+    pub output_tokens: Option<u32>,
+
     /// Accept `tool_choice: "auto"` (or none given) with tools on /v1/messages, as vLLM does only
     /// when started with --enable-auto-tool-choice and a --tool-call-parser (Claude Code sends
     /// tools without a tool choice). The sim calls no tools either way.
@@ -122,6 +129,7 @@ impl Default for SimArgs {
             capture_streams: false,
             responses_store: false,
             enable_auto_tool_choice: false,
+            output_tokens: None,
         }
     }
 }
@@ -198,6 +206,7 @@ pub(crate) struct SimConfig {
     pub capture: bool,
     pub responses_store: bool,
     pub auto_tool_choice: bool,
+    pub output_tokens: Option<u32>,
 }
 
 impl SimConfig {
@@ -306,6 +315,7 @@ impl TryFrom<&SimArgs> for SimConfig {
             capture: a.capture_streams,
             responses_store: a.responses_store,
             auto_tool_choice: a.enable_auto_tool_choice,
+            output_tokens: a.output_tokens.filter(|n| *n > 0),
         })
     }
 }

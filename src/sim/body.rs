@@ -81,6 +81,8 @@ pub(crate) struct TokenStream {
     phase: Phase,
     include_usage: bool,
     fault: Option<StreamFault>,
+    /// The last token ends the sequence (`stop`), rather than reaching the limit (`length`).
+    natural_end: bool,
     /// Set once hyper has had a chance to flush before an injected drop.
     drop_flushed: bool,
     capture: Option<Capture>,
@@ -107,9 +109,16 @@ impl TokenStream {
             phase,
             include_usage,
             fault,
+            natural_end: false,
             drop_flushed: false,
             capture,
         }
+    }
+
+    /// The answer ends at its end of sequence, not at its limit.
+    pub fn ending(mut self, natural: bool) -> Self {
+        self.natural_end = natural;
+        self
     }
 
     fn next_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, SimBodyError>>> {
@@ -170,9 +179,10 @@ impl TokenStream {
                         self.generation.finish();
                     }
                     let g = &self.generation;
+                    let cut = !self.natural_end;
                     let frame = match &mut self.frames {
                         Frames::Chat(f) => {
-                            let finish = last.then_some("length");
+                            let finish = last.then_some(if cut { "length" } else { "stop" });
                             self.phase = match (last, self.include_usage) {
                                 (true, true) => Phase::Usage,
                                 (true, false) => Phase::Done,
@@ -199,7 +209,7 @@ impl TokenStream {
                         Frames::Messages(f) => {
                             let mut out = BytesMut::from(&f.token(text)[..]);
                             if last {
-                                out.extend_from_slice(&f.finish(g.emitted(), true));
+                                out.extend_from_slice(&f.finish(g.emitted(), cut));
                                 self.phase = Phase::End;
                             }
                             out.freeze()

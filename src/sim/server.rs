@@ -453,7 +453,8 @@ async fn generate(
             parsed.include_usage,
             ctx.cfg.fault,
             capture,
-        );
+        )
+        .ending(parsed.natural_end);
         let mut r = Response::new(SimBody::Stream(Box::new(stream)));
         r.headers_mut().insert(
             CONTENT_TYPE,
@@ -469,7 +470,7 @@ async fn generate(
     let (prompt, completion) = (generation.prompt_tokens, generation.emitted());
     match (endpoint, object) {
         (Endpoint::Responses, Some(mut object)) => {
-            object.complete(&msg_id(), &text, prompt, completion, true);
+            object.complete(&msg_id(), &text, prompt, completion, !parsed.natural_end);
             if let Some(store) = store {
                 store.put(&object);
             }
@@ -480,7 +481,7 @@ async fn generate(
         }
         (Endpoint::Messages, _) => {
             return Ok(json_response(
-                agents::message_json(&id, model, &text, prompt, completion, true),
+                agents::message_json(&id, model, &text, prompt, completion, !parsed.natural_end),
                 capture,
             ));
         }
@@ -492,7 +493,7 @@ async fn generate(
         created,
         model,
         text: &text,
-        finish_reason: "length",
+        finish_reason: if parsed.natural_end { "stop" } else { "length" },
         prompt_tokens: generation.prompt_tokens,
         completion_tokens: generation.emitted(),
     };

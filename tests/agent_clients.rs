@@ -1,0 +1,383 @@
+//! The clients people point at the gateway for agent traffic, run for real against the gateway
+//! in front of `fleetgate sim` (issue 30): the OpenAI Python SDK's Responses API, the Anthropic
+//! Python SDK (typed errors included), Codex CLI (npm `@openai/codex`, `codex exec` with a
+//! custom provider) and Claude Code (npm `@anthropic-ai/claude-code`, `claude -p`, with
+//! `ANTHROPIC_AUTH_TOKEN` and with `ANTHROPIC_API_KEY`). `.ci/run` installs them; a missing
+//! one skips loudly, and fails under `CI=true`.
+//!
+//! The agents run with their retries off and under a wall-clock limit (Codex waits forever
+//! for a network it cannot reach; Claude Code retries for minutes by default).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test: a failure here is a test failure"
+)]
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use fleetgate::key::Environment;
+
+/// Where `.ci/run` installs the agents' npm packages.
+fn agents_dir() -> PathBuf {
+    match std::env::var_os("FLEETGATE_AGENTS_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+            .join(".cache/fleetgate/agents"),
+    }
+}
+
+fn agent_bin(name: &str) -> Option<PathBuf> {
+    let p = agents_dir().join("node_modules/.bin").join(name);
+    p.exists().then_some(p)
+}
+
+fn python_has(module: &str) -> bool {
+    std::process::Command::new("python3")
+        .args(["-c", &format!("import {module}")])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+struct Ran {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+/// Run `cmd` with exactly `env` (and PATH), stdin closed, killed after `limit` (a panic then).
+async fn run(
+    cmd: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, String)],
+    cwd: &std::path::Path,
+    limit: Duration,
+) -> Ran {
+    let mut c = std::process::Command::new(cmd);
+    c.args(args)
+        .env_clear()
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .current_dir(cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    output_within(c, limit).await
+}
+
+/// The output of `c`, or a panic when it runs past `limit` (it is killed first).
+async fn output_within(mut c: std::process::Command, limit: Duration) -> Ran {
+    let name = format!("{c:?}");
+    let (out, timed_out) = tokio::task::spawn_blocking(move || {
+        let child = c.spawn().unwrap();
+        let pid = child.id();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let fired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (d, f) = (done.clone(), fired.clone());
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            while start.elapsed() < limit {
+                if d.load(std::sync::atomic::Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            f.store(true, std::sync::atomic::Ordering::SeqCst);
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        });
+        let out = child.wait_with_output().unwrap();
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        (out, fired.load(std::sync::atomic::Ordering::SeqCst))
+    })
+    .await
+    .unwrap();
+    let ran = Ran {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    assert!(
+        !timed_out,
+        "{name} did not finish within {limit:?}:\nstdout: {}\nstderr: {}",
+        ran.stdout, ran.stderr
+    );
+    ran
+}
+
+/// A gateway in front of a sim that takes Claude Code's tools (`--enable-auto-tool-choice`),
+/// and a prod key with room for an agent's ~20k-token prompts.
+async fn setup() -> (sim::SimServer, Gateway, String) {
+    let sim = sim(|a| {
+        a.enable_auto_tool_choice = true;
+        a.responses_store = true;
+        // A model ends its answer long before an agent's limit (Claude Code asks 32000).
+        a.output_tokens = Some(12);
+    })
+    .await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let (key, _) = issue_key(&gw, Environment::Prod, |_| {}).await;
+    (sim, gw, key)
+}
+
+use fleetgate::sim;
+
+/// The rows the gateway recorded for `endpoint`, each with its TTFT and hop.
+fn measured_rows(gw: &Gateway, endpoint: &str) -> usize {
+    let rows = gw.records.lock().unwrap().clone();
+    let mine: Vec<_> = rows
+        .iter()
+        .filter(|r| r.endpoint == Some(endpoint))
+        .collect();
+    for r in &mine {
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.error, None, "{r:?}");
+        assert!(r.timeline.upstream_ttft().is_some(), "TTFT recorded: {r:?}");
+        assert!(r.timeline.overhead_total().is_some(), "hop recorded: {r:?}");
+        assert!(r.timeline.stream().usage.is_some(), "usage recorded: {r:?}");
+    }
+    mine.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_cli_completes_a_prompt_through_the_gateway() {
+    let Some(codex) = agent_bin("codex") else {
+        tool_or_skip("codex_cli", "Codex CLI (npm @openai/codex)", false);
+        return;
+    };
+    let (_sim, gw, key) = setup().await;
+    let dir = temp_dir("codex");
+    let (home, codex_home, work) = (dir.join("home"), dir.join("codex"), dir.join("work"));
+    for d in [&home, &codex_home, &work] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    // The provider as docs/agents.md gives it.
+    std::fs::write(
+        codex_home.join("config.toml"),
+        format!(
+            r#"model = "qwen32b"
+model_provider = "fleetgate"
+check_for_update_on_startup = false
+
+[model_providers.fleetgate]
+name = "fleetgate"
+base_url = "http://{}/v1"
+wire_api = "responses"
+env_key = "FLEETGATE_KEY"
+request_max_retries = 0
+stream_max_retries = 0
+
+[analytics]
+enabled = false
+
+[otel]
+metrics_exporter = "none"
+"#,
+            gw.server.local_addr
+        ),
+    )
+    .unwrap();
+    let env = [
+        ("HOME", home.display().to_string()),
+        ("CODEX_HOME", codex_home.display().to_string()),
+        ("FLEETGATE_KEY", key.clone()),
+    ];
+    let args = [
+        "exec",
+        "--skip-git-repo-check",
+        "--ephemeral",
+        "--disable",
+        "plugins",
+        "--sandbox",
+        "danger-full-access",
+        "say hi",
+    ];
+    let r = run(&codex, &args, &env, &work, Duration::from_secs(90)).await;
+    assert!(
+        r.ok,
+        "codex failed:\nstdout: {}\nstderr: {}",
+        r.stdout, r.stderr
+    );
+    assert!(
+        !r.stdout.trim().is_empty(),
+        "codex printed the answer: {}",
+        r.stderr
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || measured_rows(&gw, "responses")
+            >= 1)
+        .await,
+        "the request log holds Codex's request with TTFT and hop"
+    );
+    // A revoked key: Codex says so and fails (no retries), without hanging.
+    let env = [
+        ("HOME", home.display().to_string()),
+        ("CODEX_HOME", codex_home.display().to_string()),
+        (
+            "FLEETGATE_KEY",
+            "fg-prod-00000000-revokedrevokedrevoked".to_owned(),
+        ),
+    ];
+    let r = run(&codex, &args, &env, &work, Duration::from_secs(90)).await;
+    assert!(!r.ok);
+    assert!(r.stderr.contains("401"), "{}", r.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_completes_a_prompt_through_the_gateway() {
+    let Some(claude) = agent_bin("claude") else {
+        tool_or_skip(
+            "claude_code",
+            "Claude Code (npm @anthropic-ai/claude-code)",
+            false,
+        );
+        return;
+    };
+    let (_sim, gw, key) = setup().await;
+    let dir = temp_dir("claude");
+    let work = dir.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let base = format!("http://{}", gw.server.local_addr);
+    // Once with the key as a bearer token, once as an API key (`x-api-key`).
+    for (i, var) in ["ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_API_KEY"]
+        .into_iter()
+        .enumerate()
+    {
+        let home = dir.join(format!("home{i}"));
+        std::fs::create_dir_all(&home).unwrap();
+        let env = [
+            ("HOME", home.display().to_string()),
+            ("ANTHROPIC_BASE_URL", base.clone()),
+            (var, key.clone()),
+            ("ANTHROPIC_MODEL", "qwen32b".to_owned()),
+            ("ANTHROPIC_DEFAULT_HAIKU_MODEL", "qwen32b".to_owned()),
+            ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".to_owned()),
+            ("DISABLE_TELEMETRY", "1".to_owned()),
+            ("DISABLE_AUTOUPDATER", "1".to_owned()),
+            ("DISABLE_ERROR_REPORTING", "1".to_owned()),
+            ("CLAUDE_CODE_MAX_RETRIES", "0".to_owned()),
+        ];
+        let r = run(
+            &claude,
+            &["-p", "say hi", "--no-session-persistence"],
+            &env,
+            &work,
+            Duration::from_secs(90),
+        )
+        .await;
+        assert!(
+            r.ok,
+            "claude ({var}) failed:\nstdout: {}\nstderr: {}",
+            r.stdout, r.stderr
+        );
+        assert!(!r.stdout.trim().is_empty(), "claude printed the answer");
+        assert!(
+            eventually(Duration::from_secs(5), || measured_rows(&gw, "messages")
+                > i)
+            .await,
+            "the request log holds Claude Code's request ({var}) with TTFT and hop"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The OpenAI Python SDK's Responses API, and the Anthropic Python SDK with its typed errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_sdks_speak_both_protocols_through_the_gateway() {
+    let ok = python_has("openai") && python_has("anthropic");
+    if tool_or_skip("python_sdks", "the openai and anthropic Python SDKs", ok).is_none() {
+        return;
+    }
+    let (_sim, gw, key) = setup().await;
+    let (revoked, rec) = issue_key(&gw, Environment::Prod, |_| {}).await;
+    let revoked_rec = gw
+        .server
+        .auth
+        .store()
+        .revoke(&rec.public_id, "test", "test")
+        .await
+        .unwrap();
+    gw.server.auth.apply(&rec.public_id, Some(revoked_rec));
+    let (limited, _) = issue_key(&gw, Environment::Prod, |k| k.requests_per_minute = Some(1)).await;
+    let (narrow, _) = issue_key(&gw, Environment::Prod, |k| {
+        k.allowed_models = Some(vec!["other".into()]);
+    })
+    .await;
+    let script = r#"
+import sys, openai, anthropic
+base, key, revoked, limited, narrow = sys.argv[1:6]
+oa = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+r = oa.responses.create(model="qwen32b", input="hello", max_output_tokens=5)
+assert r.status in ("completed", "incomplete") and r.output_text, r
+assert r.usage.output_tokens == 5, r.usage
+events = [e.type for e in oa.responses.create(model="qwen32b", input="hello", max_output_tokens=4, stream=True)]
+assert events[0] == "response.created" and events[-1] == "response.completed", events
+assert events.count("response.output_text.delta") == 4, events
+again = oa.responses.retrieve(r.id)
+assert again.id == r.id, again
+follow = oa.responses.create(model="qwen32b", input="more", max_output_tokens=3, previous_response_id=r.id)
+assert follow.output_text, follow
+try:
+    oa.responses.cancel(r.id)
+    raise SystemExit("a finished response was cancelled")
+except openai.BadRequestError as e:
+    assert "synchronous" in str(e), e
+try:
+    oa.responses.retrieve("resp_unknown0000")
+    raise SystemExit("an unknown id was found")
+except openai.NotFoundError as e:
+    assert e.code == "response_not_found", e
+
+an = anthropic.Anthropic(base_url=base, api_key=key, max_retries=0)
+m = an.messages.create(model="qwen32b", max_tokens=6, messages=[{"role": "user", "content": "hi"}])
+assert m.type == "message" and m.usage.output_tokens == 6 and m.content[0].text, m
+with an.messages.stream(model="qwen32b", max_tokens=5, messages=[{"role": "user", "content": "hi"}]) as s:
+    text = "".join(s.text_stream)
+    final = s.get_final_message()
+assert text and final.usage.output_tokens == 5, (text, final.usage)
+n = an.messages.count_tokens(model="qwen32b", messages=[{"role": "user", "content": "hello there"}])
+assert n.input_tokens > 0, n
+def raises(cls, k, model="qwen32b"):
+    c = anthropic.Anthropic(base_url=base, api_key=k, max_retries=0)
+    try:
+        c.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    except cls as e:
+        return e
+    raise SystemExit(f"expected {cls.__name__}")
+e = raises(anthropic.AuthenticationError, revoked)
+assert "revoked" in e.message, e.message
+c = anthropic.Anthropic(base_url=base, api_key=limited, max_retries=0)
+c.messages.create(model="qwen32b", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+e = raises(anthropic.RateLimitError, limited)
+assert e.response.headers.get("retry-after"), e.response.headers
+e = raises(anthropic.PermissionDeniedError, narrow)
+assert "qwen32b" in e.message, e.message
+e = raises(anthropic.NotFoundError, key, model="nope")
+print("ok")
+"#;
+    let mut c = std::process::Command::new("python3");
+    c.args([
+        "-c",
+        script,
+        &format!("http://{}", gw.server.local_addr),
+        &key,
+        &revoked,
+        &limited,
+        &narrow,
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let r = output_within(c, Duration::from_secs(60)).await;
+    assert!(r.ok, "stdout: {}\nstderr: {}", r.stdout, r.stderr);
+    assert_eq!(r.stdout.trim(), "ok");
+}
