@@ -74,14 +74,66 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
             .status,
             404
         );
+        // The agents' protocols share the log, named by their endpoint.
+        let responses = Bytes::from(
+            serde_json::json!({"model":"qwen32b","stream":true,"max_output_tokens":5,"input":"hello"})
+                .to_string(),
+        );
+        let m = post(
+            &gw.url("/v1/responses"),
+            &[("x-request-id", "log-responses")],
+            responses,
+        )
+        .await;
+        assert_eq!(m.status, 200);
+        let messages = Bytes::from(
+            serde_json::json!({"model":"qwen32b","max_tokens":3,"messages":[{"role":"user","content":"hello"}]})
+                .to_string(),
+        );
+        let m = post(
+            &gw.url("/v1/messages"),
+            &[("x-request-id", "log-messages")],
+            messages,
+        )
+        .await;
+        assert_eq!(m.status, 200);
         let store = gw.server.auth.store().clone();
-        let all = wait_rows(&store, 3).await;
-        assert_eq!(all.len(), 3, "{kind}: one row per request");
+        let all = wait_rows(&store, 5).await;
+        assert_eq!(all.len(), 5, "{kind}: one row per request");
         let by_id = |id: &str| {
             all.iter()
                 .find(|r| r.get::<String, _>("request_id") == id)
                 .unwrap()
         };
+
+        for (id, endpoint, tokens) in [
+            ("log-stream", "chat", 6),
+            ("log-plain", "chat", 4),
+            ("log-responses", "responses", 5),
+            ("log-messages", "messages", 3),
+        ] {
+            let r = by_id(id);
+            assert_eq!(
+                r.get::<Option<String>, _>("endpoint").as_deref(),
+                Some(endpoint),
+                "{kind} {id}"
+            );
+            assert_eq!(
+                r.get::<Option<i64>, _>("completion_tokens"),
+                Some(tokens),
+                "{kind} {id}"
+            );
+            assert_eq!(r.get::<String, _>("usage_source"), "backend", "{kind} {id}");
+            assert!(
+                r.get::<Option<i64>, _>("prompt_tokens").unwrap() > 0,
+                "{kind} {id}"
+            );
+        }
+        assert!(
+            by_id("log-responses")
+                .get::<Option<i64>, _>("upstream_ttft_us")
+                .is_some()
+        );
 
         let s = by_id("log-stream");
         assert_eq!(s.get::<i32, _>("status"), 200, "{kind}");
@@ -456,6 +508,7 @@ fn spilled_row(i: i64) -> fleetgate::telemetry::request_log::LogRow {
         itl_max_us: Some(800),
         content_events: 16,
         client_addr: Some("10.1.2.3".into()),
+        endpoint: Some("responses".into()),
     }
 }
 

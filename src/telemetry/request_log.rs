@@ -57,12 +57,15 @@ pub struct LogRow {
     pub itl_max_us: Option<i64>,
     pub content_events: i32,
     pub client_addr: Option<String>,
+    /// The endpoint (`chat`, `responses`, `messages`, …); absent in older spill files.
+    #[serde(default)]
+    pub endpoint: Option<String>,
 }
 
 const COLUMNS: &str = "row_id, at, request_id, key_id, environment, model, backend, status, error, \
     stream, prompt_tokens, completion_tokens, usage_source, queue_wait_us, upstream_ttft_us, \
     client_ttft_us, overhead_pre_us, overhead_relay_us, e2el_us, tpot_us, itl_mean_us, itl_p99_us, \
-    itl_max_us, content_events, client_addr, hop_us";
+    itl_max_us, content_events, client_addr, hop_us, endpoint";
 
 fn us(d: Option<Duration>) -> Option<i64> {
     d.map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
@@ -85,6 +88,7 @@ struct RecordCopy {
     stream: bool,
     timeline: super::Timeline,
     client_addr: Option<std::net::SocketAddr>,
+    endpoint: Option<crate::protocol::Endpoint>,
 }
 
 /// A row's values, borrowed from its `Pending` (nothing allocated, except a request id that
@@ -107,6 +111,7 @@ struct Fields<'a> {
     content_events: i32,
     client_addr: Option<std::net::IpAddr>,
     hop_us: Option<i64>,
+    endpoint: Option<&'static str>,
 }
 
 fn count(n: u64) -> i64 {
@@ -146,6 +151,7 @@ impl Pending {
             content_events: i32::try_from(t.stream().content_events).unwrap_or(i32::MAX),
             client_addr: r.client_addr.map(|a| a.ip()),
             hop_us: us(t.hop()),
+            endpoint: r.endpoint.map(crate::protocol::Endpoint::as_str),
         }
     }
 
@@ -191,6 +197,7 @@ impl Pending {
             itl_max_us,
             content_events: f.content_events,
             client_addr: f.client_addr.map(|a| a.to_string()),
+            endpoint: f.endpoint.map(str::to_owned),
         }
     }
 }
@@ -239,6 +246,7 @@ impl RequestLog {
                 stream: r.stream,
                 timeline: r.timeline.clone(),
                 client_addr: r.client_addr,
+                endpoint: r.endpoint,
             },
         };
         match self.tx.try_send(pending) {
@@ -575,7 +583,7 @@ fn count_lines(path: &Path) -> usize {
 }
 
 /// Columns per row.
-const WIDTH: usize = 26;
+const WIDTH: usize = 27;
 
 /// Rows per SQLite statement, largest first: a batch is cut into statements of these sizes,
 /// so at most a few distinct statements exist, each prepared once and then cached.
@@ -669,7 +677,8 @@ impl Sink {
                         q = q
                             .bind(f.content_events)
                             .bind(f.client_addr.map(|a| a.to_string()))
-                            .bind(f.hop_us);
+                            .bind(f.hop_us)
+                            .bind(f.endpoint);
                     }
                     q.execute(&mut *tx).await?;
                     rest = tail;
@@ -743,6 +752,7 @@ fn encode_copy(buf: &mut Vec<u8>, prefix: &str, rows: &[Pending]) {
             None => text(buf, None),
         }
         int8(buf, f.hop_us);
+        text(buf, f.endpoint.map(str::as_bytes));
     }
     buf.extend_from_slice(&(-1i16).to_be_bytes());
 }
@@ -848,7 +858,8 @@ async fn insert_rows(
             .bind(r.itl_max_us)
             .bind(r.content_events)
             .bind(r.client_addr.clone())
-            .bind(r.hop_us);
+            .bind(r.hop_us)
+            .bind(r.endpoint.clone());
     }
     q.execute(&mut **tx).await?;
     Ok(())

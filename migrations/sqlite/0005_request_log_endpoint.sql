@@ -1,0 +1,3 @@
+-- The endpoint of each request (issue 30): chat, completions, responses, messages, tokenize, …
+-- (the agents' protocols share the log with chat).
+ALTER TABLE request_log ADD COLUMN endpoint TEXT;
