@@ -63,6 +63,11 @@ struct Args {
     /// and removes the usage chunk (the relay's other path).
     #[arg(long)]
     no_include_usage: bool,
+    /// The protocol of phases 1 and 2: chat (/v1/chat/completions), responses (OpenAI's
+    /// Responses API, /v1/responses) or messages (Anthropic's, /v1/messages). Phase 3 streams
+    /// chat.
+    #[arg(long, value_enum, default_value = "chat")]
+    protocol: Protocol,
     /// Sent as `Authorization: Bearer <key>` when given.
     #[arg(long, env = "FLEETGATE_BENCH_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -142,6 +147,7 @@ struct Args {
 
 fn main() -> Res<()> {
     let args = Args::parse();
+    let _ = PROTOCOL.set(args.protocol);
     let runtime = if args.driver_threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -159,6 +165,62 @@ fn main() -> Res<()> {
 // Targets and requests
 
 const NAMES: [&str; 3] = ["direct", "fleetgate", "nginx"];
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Chat,
+    Responses,
+    Messages,
+}
+
+impl Protocol {
+    fn path(self) -> &'static str {
+        match self {
+            Protocol::Chat => "/v1/chat/completions",
+            Protocol::Responses => "/v1/responses",
+            Protocol::Messages => "/v1/messages",
+        }
+    }
+
+    fn dialect(self) -> fleetgate::protocol::Dialect {
+        use fleetgate::protocol::Dialect;
+        match self {
+            Protocol::Chat => Dialect::Chat,
+            Protocol::Responses => Dialect::Responses,
+            Protocol::Messages => Dialect::Anthropic,
+        }
+    }
+}
+
+/// The protocol of phases 1 and 2 (set once, from the flags).
+static PROTOCOL: std::sync::OnceLock<Protocol> = std::sync::OnceLock::new();
+
+fn protocol() -> Protocol {
+    PROTOCOL.get().copied().unwrap_or(Protocol::Chat)
+}
+
+/// The URL of the measured protocol's endpoint.
+fn api_uri(base: &str) -> Res<Uri> {
+    let base = base.trim_end_matches('/');
+    Ok(format!("{base}{}", protocol().path()).parse()?)
+}
+
+/// A streamed request of the measured protocol; chat's as `request_body`.
+fn api_body(model: &str, max_tokens: u32, include_usage: bool) -> Bytes {
+    let prompt = "Write a short poem about the sea.";
+    match protocol() {
+        Protocol::Chat => request_body(model, max_tokens, include_usage),
+        Protocol::Responses => Bytes::from(
+            json!({"model": model, "input": prompt, "max_output_tokens": max_tokens, "stream": true})
+                .to_string(),
+        ),
+        Protocol::Messages => Bytes::from(
+            json!({"model": model, "messages": [{"role": "user", "content": prompt}],
+                   "max_tokens": max_tokens, "stream": true})
+            .to_string(),
+        ),
+    }
+}
 
 /// One way to reach the backend: its own keep-alive client and the chat URL.
 struct Target {
@@ -225,7 +287,7 @@ fn check(m: &Measured, max_tokens: u32) -> Result<Sample, String> {
         return Err("error event in stream".into());
     }
     if !s.done {
-        return Err("no [DONE]".into());
+        return Err("no clean end ([DONE], response.completed, message_stop)".into());
     }
     match s.output_tokens().0 {
         Some(n) if n == u64::from(max_tokens) => {}
@@ -249,7 +311,7 @@ async fn measure(
     body: Bytes,
     max_tokens: u32,
 ) -> Result<Sample, String> {
-    match client::send(t_client, uri, headers, body, false).await {
+    match client::send_in(t_client, uri, headers, body, false, protocol().dialect()).await {
         Ok(m) => check(&m, max_tokens),
         Err(e) => Err(format!("request failed: {e}")),
     }
@@ -1104,11 +1166,11 @@ async fn run(args: Args) -> Res<()> {
         targets.push(Target {
             name,
             client: client::http_client(),
-            uri: chat_uri(base)?,
+            uri: api_uri(base)?,
         });
     }
     let headers = Arc::new(request_headers(args.api_key.as_deref())?);
-    let body = request_body(&args.model, args.max_tokens, !args.no_include_usage);
+    let body = api_body(&args.model, args.max_tokens, !args.no_include_usage);
     let watched = Watched {
         groups: vec![
             ("gateway", args.gateway_pid.into_iter().collect()),

@@ -13,6 +13,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+use crate::protocol::Dialect;
 use crate::protocol::sse::{DataKind, SseScanner};
 use crate::telemetry::StreamMetrics;
 
@@ -144,9 +145,21 @@ pub async fn send(
     body: Bytes,
     keep_body: bool,
 ) -> Result<Measured, hyper_util::client::legacy::Error> {
+    send_in(client, uri, headers, body, keep_body, Dialect::Chat).await
+}
+
+/// `send`, for an answer in `dialect` (its token events and usage read as that protocol's).
+pub async fn send_in(
+    client: &HttpClient,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: Bytes,
+    keep_body: bool,
+    dialect: Dialect,
+) -> Result<Measured, hyper_util::client::legacy::Error> {
     let req = post(uri, headers, body);
     let mut answer = open(client, req, Instant::now()).await?;
-    let mut scanner = SseScanner::new();
+    let mut scanner = SseScanner::for_dialect(dialect, usize::MAX);
     let mut metrics = StreamMetrics::default();
     let mut kept = keep_body.then(BytesMut::new);
     let end = answer

@@ -870,10 +870,16 @@ async fn the_hop_cost_is_read_from_the_trailer_of_a_stream() {
         .parse()
         .unwrap();
     let body = fleetgate::client::chat_body("m", "hi", 3, true);
+    let target = bench::plan::Target {
+        name: "t".into(),
+        base: format!("http://{addr}"),
+        uri: uri.clone(),
+        headers: http::HeaderMap::new(),
+        dialect: fleetgate::protocol::Dialect::Chat,
+    };
     let o = bench::measure::send(
         &client,
-        &uri,
-        &http::HeaderMap::new(),
+        &target,
         body.clone(),
         5,
         std::time::Instant::now(),
@@ -940,4 +946,67 @@ async fn the_hop_cost_is_read_from_the_trailer_of_a_stream() {
     assert_eq!(j["targets"]["gateway"]["gateway_hop_ms"]["count"], 10);
     assert!(j["targets"]["direct"].get("gateway_hop_ms").is_none());
     assert_eq!(j["comparison"]["hop"]["recorded_median_ms"], 0.25);
+}
+
+/// The agents' protocols are measured like chat: `--endpoint-type openai-responses` and
+/// `anthropic-messages` time their own token events (TTFT, ITL, E2EL, usage), directly and
+/// through the gateway in one `--compare` run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_protocols_are_benchmarked_like_chat() {
+    let s = sim(|a| {
+        a.decode_step_ms = 5.0;
+        a.decode_ms_per_seq = 0.0;
+        a.prefill_us_per_token = 0.0;
+    })
+    .await;
+    let gw = gateway(vec![pool("qwen32b", &[s.url()])]).await;
+    let auth = format!("Authorization: Bearer {}", gw.key);
+    let direct = format!("direct={}", s.url());
+    let via = format!("gateway=http://{}", gw.server.local_addr);
+    for kind in ["openai-responses", "anthropic-messages"] {
+        let (plan, report) = run(&[
+            "--endpoint-type",
+            kind,
+            "--compare",
+            &direct,
+            &via,
+            "--header",
+            &auth,
+            "--model",
+            "qwen32b",
+            "--num-prompts",
+            "8",
+            "--random-input-len",
+            "20",
+            "--random-output-len",
+            "6",
+            "--max-concurrency",
+            "1",
+            "--percentile-metrics",
+            "ttft,itl,e2el",
+        ])
+        .await;
+        assert_eq!(plan.targets.len(), 2);
+        for r in &report.summaries {
+            assert_eq!((r.completed, r.failed), (8, 0), "{kind}: {}", report.text);
+            assert_eq!(r.total_output, 8 * 6, "{kind}: output tokens from usage");
+            assert_eq!(r.outputs_without_usage, 0, "{kind}");
+            // 6 token events per answer: 5 gaps of one decode step each.
+            assert_eq!(r.metrics["itl"].count, 8 * 5, "{kind}: token events only");
+            assert!(r.metrics["ttft"].mean > 0.0);
+        }
+        assert_eq!(report.json["endpoint_type"], kind, "{kind}");
+    }
+    // An endpoint that disagrees with its type is refused before anything is sent.
+    let err = bench::plan(args(&[
+        "--base-url",
+        &s.url(),
+        "--endpoint-type",
+        "anthropic-messages",
+        "--endpoint",
+        "/v1/chat/completions",
+    ]))
+    .await
+    .unwrap_err();
+    assert!(err.contains("disagree"), "{err}");
 }

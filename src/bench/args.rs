@@ -14,6 +14,43 @@ pub enum EndpointType {
     OpenaiChat,
     /// `/v1/completions` with `prompt`.
     Openai,
+    /// `/v1/responses` with `input` (OpenAI's Responses API, as Codex speaks it; vLLM's name).
+    OpenaiResponses,
+    /// `/v1/messages` with `messages` and `max_tokens` (Anthropic's Messages API, as Claude
+    /// Code speaks it).
+    AnthropicMessages,
+}
+
+impl EndpointType {
+    /// The API path requests of this type go to.
+    pub fn path(self) -> &'static str {
+        match self {
+            EndpointType::OpenaiChat => "/v1/chat/completions",
+            EndpointType::Openai => "/v1/completions",
+            EndpointType::OpenaiResponses => "/v1/responses",
+            EndpointType::AnthropicMessages => "/v1/messages",
+        }
+    }
+
+    /// The name in results (`endpoint_type`, `backend`), as `vllm bench serve` writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            EndpointType::OpenaiChat => "openai-chat",
+            EndpointType::Openai => "openai",
+            EndpointType::OpenaiResponses => "openai-responses",
+            EndpointType::AnthropicMessages => "anthropic-messages",
+        }
+    }
+
+    /// How its streams' events read (token events, usage, the clean end).
+    pub fn dialect(self) -> crate::protocol::Dialect {
+        use crate::protocol::Dialect;
+        match self {
+            EndpointType::OpenaiChat | EndpointType::Openai => Dialect::Chat,
+            EndpointType::OpenaiResponses => Dialect::Responses,
+            EndpointType::AnthropicMessages => Dialect::Anthropic,
+        }
+    }
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,7 +82,8 @@ pub struct BenchArgs {
     /// Server base URL, e.g. http://127.0.0.1:8080 (the gateway) or http://vllm:8000.
     #[arg(long, alias = "base_url")]
     pub base_url: Option<String>,
-    /// API path (default by --endpoint-type: /v1/chat/completions or /v1/completions).
+    /// API path (default by --endpoint-type: /v1/chat/completions, /v1/completions,
+    /// /v1/responses or /v1/messages).
     #[arg(long)]
     pub endpoint: Option<String>,
     #[arg(long, value_enum, default_value = "openai-chat")]

@@ -348,20 +348,33 @@ pub fn sharegpt(
 }
 
 /// A request body for `prompt`, as `vllm bench serve` sends it: streamed, usage included,
-/// temperature 0.
-pub fn body(prompt: &Prompt, model: &str, chat: bool, ignore_eos: bool) -> bytes::Bytes {
-    let mut v = if chat {
-        serde_json::json!({
+/// temperature 0. The Responses API names its limit `max_output_tokens`; neither it nor
+/// Anthropic's API takes `stream_options` (their final events always carry usage).
+pub fn body(
+    prompt: &Prompt,
+    model: &str,
+    kind: super::args::EndpointType,
+    ignore_eos: bool,
+) -> bytes::Bytes {
+    use super::args::EndpointType;
+    let mut v = match kind {
+        EndpointType::OpenaiChat | EndpointType::AnthropicMessages => serde_json::json!({
             "model": model,
             "messages": [{"role": "user", "content": prompt.text}],
-        })
-    } else {
-        serde_json::json!({"model": model, "prompt": prompt.text})
+        }),
+        EndpointType::Openai => serde_json::json!({"model": model, "prompt": prompt.text}),
+        EndpointType::OpenaiResponses => serde_json::json!({"model": model, "input": prompt.text}),
     };
-    v["max_tokens"] = prompt.output_tokens.into();
+    let limit = match kind {
+        EndpointType::OpenaiResponses => "max_output_tokens",
+        _ => "max_tokens",
+    };
+    v[limit] = prompt.output_tokens.into();
     v["temperature"] = 0.0.into();
     v["stream"] = true.into();
-    v["stream_options"] = serde_json::json!({"include_usage": true});
+    if matches!(kind, EndpointType::OpenaiChat | EndpointType::Openai) {
+        v["stream_options"] = serde_json::json!({"include_usage": true});
+    }
     if ignore_eos {
         v["ignore_eos"] = true.into();
     }

@@ -138,8 +138,7 @@ async fn warm_up(plan: &Arc<Plan>, client: &HttpClient, stop: &CancellationToken
             let target = &plan.targets[usize::from(t)];
             measure::send(
                 &client,
-                &target.uri,
-                &target.headers,
+                target,
                 plan.bodies[p].clone(),
                 0,
                 start,
@@ -285,8 +284,7 @@ impl Request {
         let target = &self.plan.targets[usize::from(t)];
         let mut o = measure::send(
             &self.client,
-            &target.uri,
-            &target.headers,
+            target,
             self.plan.bodies[p].clone(),
             self.plan.prompts[p].input_tokens,
             self.started,

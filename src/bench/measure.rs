@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Uri, header};
+use http::{HeaderMap, HeaderValue, header};
 
 use crate::client::{self, BodyEnd, HttpClient};
 use crate::protocol::sse::{DataKind, SseScanner};
@@ -76,6 +76,14 @@ fn ms(d: Duration) -> f32 {
 impl StreamTimer {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A timer of a stream in `dialect` (Responses events, Anthropic events, chat chunks).
+    pub fn for_dialect(dialect: crate::protocol::Dialect) -> Self {
+        Self {
+            scanner: SseScanner::for_dialect(dialect, usize::MAX),
+            ..Self::default()
+        }
     }
 
     pub fn feed(&mut self, bytes: &[u8], at: Duration) {
@@ -197,17 +205,16 @@ pub fn hop_ms(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<f64> 
         .or_else(|| server_timing_ms(headers, "hop"))
 }
 
-/// Send one request and time it. `started` is the run's start (for `sent_at`).
+/// Send one request to `target` and time it. `started` is the run's start (for `sent_at`).
 pub async fn send(
     client: &HttpClient,
-    uri: &Uri,
-    headers: &HeaderMap,
+    target: &super::plan::Target,
     body: Bytes,
     expected_input: u64,
     started: Instant,
     timeout: Duration,
 ) -> Outcome {
-    let mut req = client::post(uri, headers, body);
+    let mut req = client::post(&target.uri, &target.headers, body);
     // A gateway sends a stream's full `Server-Timing` (with `hop`) as a trailer, and an HTTP/1
     // server sends trailers only to a client that says it takes them.
     req.headers_mut()
@@ -247,7 +254,7 @@ pub async fn send(
         o.hop_ms = hop_ms(&answer.headers, answer.trailers.as_ref());
         return o;
     }
-    let mut timer = StreamTimer::new();
+    let mut timer = StreamTimer::for_dialect(target.dialect);
     let cut = match answer
         .read(Some(deadline), |data, at| timer.feed(data, at))
         .await

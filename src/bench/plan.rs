@@ -24,6 +24,8 @@ pub struct Target {
     pub base: String,
     pub uri: Uri,
     pub headers: HeaderMap,
+    /// How its answers' events read.
+    pub dialect: crate::protocol::Dialect,
 }
 
 /// Everything a run needs, resolved from the flags and settings.
@@ -31,7 +33,7 @@ pub struct Target {
 pub struct Plan {
     pub targets: Vec<Target>,
     pub model: String,
-    pub chat: bool,
+    pub endpoint_type: EndpointType,
     pub prompts: Vec<Prompt>,
     /// Bodies by prompt (the same bytes for every target).
     pub bodies: Vec<Bytes>,
@@ -125,8 +127,8 @@ async fn plan_with(
 ) -> Result<Plan, String> {
     // The order of the steps is the order the errors are reported in.
     let (rate, duration) = schedule(&args)?;
-    let (chat, endpoint) = endpoint(&args)?;
-    let targets = targets(&args, &endpoint)?;
+    let (kind, endpoint) = endpoint(&args)?;
+    let targets = targets(&args, &endpoint, kind)?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => discover_model(&targets[targets.len() - 1]).await?,
@@ -145,18 +147,18 @@ async fn plan_with(
     let (prompts, dataset_note) = prompts(&args, classes)?;
     let bodies = prompts
         .iter()
-        .map(|p| dataset::body(p, &model, chat, args.ignore_eos))
+        .map(|p| dataset::body(p, &model, kind, args.ignore_eos))
         .collect();
     let (labels, label) = labels(&args, &model)?;
     let settings = if settings_json.is_null() {
-        settings_echo(&args, &endpoint, chat, &selected, &percentiles)
+        settings_echo(&args, &endpoint, kind, &selected, &percentiles)
     } else {
         settings_json
     };
     Ok(Plan {
         targets,
         model,
-        chat,
+        endpoint_type: kind,
         prompts,
         bodies,
         request_rate: rate,
@@ -208,31 +210,35 @@ fn schedule(args: &BenchArgs) -> Result<(f64, Option<Duration>), String> {
     Ok((rate, duration))
 }
 
-/// Chat or completions, and the API path, which must agree.
-fn endpoint(args: &BenchArgs) -> Result<(bool, String), String> {
-    let chat = args.endpoint_type == EndpointType::OpenaiChat;
-    let endpoint = args.endpoint.clone().unwrap_or_else(|| {
-        if chat {
-            "/v1/chat/completions"
-        } else {
-            "/v1/completions"
-        }
-        .to_owned()
-    });
+/// The endpoint type, and the API path, which must agree.
+fn endpoint(args: &BenchArgs) -> Result<(EndpointType, String), String> {
+    let kind = args.endpoint_type;
+    let endpoint = args
+        .endpoint
+        .clone()
+        .unwrap_or_else(|| kind.path().to_owned());
     if !endpoint.starts_with('/') {
         return Err(format!("--endpoint `{endpoint}` must start with /"));
     }
-    if chat != endpoint.ends_with("/chat/completions") {
+    let fits = match kind {
+        EndpointType::OpenaiChat => endpoint.ends_with("/chat/completions"),
+        EndpointType::Openai => {
+            endpoint.ends_with("/completions") && !endpoint.ends_with("/chat/completions")
+        }
+        EndpointType::OpenaiResponses => endpoint.ends_with("/responses"),
+        EndpointType::AnthropicMessages => endpoint.ends_with("/messages"),
+    };
+    if !fits {
         return Err(format!(
-            "--endpoint {endpoint} and --endpoint-type {} disagree: chat requests go to /v1/chat/completions, completions to /v1/completions (the \"KeyError: 'choices'\" case)",
-            if chat { "openai-chat" } else { "openai" }
+            "--endpoint {endpoint} and --endpoint-type {} disagree: chat requests go to /v1/chat/completions, completions to /v1/completions, openai-responses to /v1/responses, anthropic-messages to /v1/messages (the \"KeyError: 'choices'\" case)",
+            kind.name()
         ));
     }
-    Ok((chat, endpoint))
+    Ok((kind, endpoint))
 }
 
 /// The servers to send to, each with its URL and headers (the `--header`s, then its key).
-fn targets(args: &BenchArgs, endpoint: &str) -> Result<Vec<Target>, String> {
+fn targets(args: &BenchArgs, endpoint: &str, kind: EndpointType) -> Result<Vec<Target>, String> {
     let common = common_headers(args)?;
     let default_key = bearer_from(&args.api_key_env)?;
     let mut per_target_key = std::collections::HashMap::new();
@@ -254,11 +260,19 @@ fn targets(args: &BenchArgs, endpoint: &str) -> Result<Vec<Target>, String> {
         {
             headers.insert(http::header::AUTHORIZATION, k.clone());
         }
+        // Anthropic's API asks every request to name its version.
+        if kind == EndpointType::AnthropicMessages && !headers.contains_key("anthropic-version") {
+            headers.insert(
+                http::HeaderName::from_static("anthropic-version"),
+                http::HeaderValue::from_static("2023-06-01"),
+            );
+        }
         targets.push(Target {
             name,
             base,
             uri,
             headers,
+            dialect: kind.dialect(),
         });
     }
     if let Some(unknown) = per_target_key
@@ -544,14 +558,14 @@ fn labels(
 fn settings_echo(
     args: &BenchArgs,
     endpoint: &str,
-    chat: bool,
+    kind: EndpointType,
     selected: &[String],
     percentiles: &[f64],
 ) -> Value {
     json!({
         "base_url": args.base_url,
         "endpoint": endpoint,
-        "endpoint_type": if chat { "openai-chat" } else { "openai" },
+        "endpoint_type": kind.name(),
         "dataset_name": format!("{:?}", args.dataset_name).to_lowercase(),
         "dataset_path": args.dataset_path,
         "num_prompts": args.num_prompts,

@@ -450,7 +450,7 @@ fn run_json(plan: &Plan, run: &RunResult, dur: f64) -> serde_json::Map<String, V
         "date".into(),
         json!(time::OffsetDateTime::now_utc().unix_timestamp()),
     );
-    let backend = if plan.chat { "openai-chat" } else { "openai" };
+    let backend = plan.endpoint_type.name();
     json.insert("endpoint_type".into(), json!(backend));
     json.insert("backend".into(), json!(backend));
     json.insert("label".into(), json!(plan.label));
