@@ -292,6 +292,11 @@ fn print_try_it(
     id: &str,
     console: Option<&str>,
 ) {
+    let codex_home = db.parent().unwrap_or_else(|| Path::new(".")).join("codex");
+    if let Err(e) = write_codex_config(&codex_home, gateway) {
+        tracing::warn!(error = %e, "could not write Codex's config for the demo");
+    }
+    let codex_home = codex_home.display();
     let db = db.display();
     let exe = std::env::current_exe()
         .map(|p| p.display().to_string())
@@ -326,8 +331,37 @@ fn print_try_it(
     outln!(
         "  {exe} usage --sqlite {db} --since 1h --by env   # lists prod: the requests above, from the request log"
     );
+    // The coding agents, each with a key of its own (docs/agents.md).
+    outln!(
+        "  export CODEX_KEY=$({exe} keys create --sqlite {db} --env prod --name codex -q)   # a key of its own for Codex"
+    );
+    outln!(
+        "  CODEX_HOME={codex_home} FLEETGATE_KEY=$CODEX_KEY codex exec --skip-git-repo-check 'say hi'   # Codex CLI (npm @openai/codex): its provider is in {codex_home}/config.toml"
+    );
+    outln!(
+        "  export CLAUDE_KEY=$({exe} keys create --sqlite {db} --env prod --name claude-code -q)   # and one for Claude Code"
+    );
+    outln!(
+        "  ANTHROPIC_BASE_URL={gateway} ANTHROPIC_AUTH_TOKEN=$CLAUDE_KEY ANTHROPIC_MODEL={MODEL} CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 claude -p 'say hi'   # Claude Code (npm @anthropic-ai/claude-code)"
+    );
     outln!("  {exe} keys revoke \"$OPENAI_API_KEY\" --sqlite {db} --reason 'demo over'");
     outln!("  {curl}   # answers 401 key_revoked (within ~1 s of the revoke)");
+}
+
+/// Codex CLI's provider for this gateway (`$CODEX_HOME/config.toml`), as docs/agents.md gives
+/// it: the Responses API at the gateway's `/v1`, the key from `FLEETGATE_KEY`; no retries
+/// (the gateway is local: a failure is shown at once).
+fn write_codex_config(dir: &Path, gateway: &str) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        dir.join("config.toml"),
+        format!(
+            "model = \"{MODEL}\"\nmodel_provider = \"fleetgate\"\ncheck_for_update_on_startup = false\n\n\
+             [model_providers.fleetgate]\nname = \"fleetgate\"\nbase_url = \"{gateway}/v1\"\n\
+             wire_api = \"responses\"\nenv_key = \"FLEETGATE_KEY\"\n\
+             request_max_retries = 0\nstream_max_retries = 0\n\n[analytics]\nenabled = false\n"
+        ),
+    )
 }
 
 fn demo_sim_args(seed: u64) -> SimArgs {
@@ -337,6 +371,11 @@ fn demo_sim_args(seed: u64) -> SimArgs {
         decode_step_ms: 8.0,
         decode_ms_per_seq: 0.2,
         prefill_us_per_token: 5.0,
+        // What the agents need of a backend: their tools taken (vLLM with a tool parser), and
+        // answers that end on their own (Claude Code asks 32000 tokens).
+        enable_auto_tool_choice: true,
+        output_tokens: Some(24),
+        responses_store: true,
         ..SimArgs::default()
     }
 }

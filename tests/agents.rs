@@ -415,3 +415,114 @@ async fn stored_responses_are_reached_where_they_live() {
     assert!(e["message"].as_str().unwrap().contains("draining"), "{e}");
     let _ = Duration::ZERO;
 }
+
+/// A stored response is its key's: another key (even one with rights on the model) is told it
+/// does not exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_keys_response_does_not_exist_for_it() {
+    let sim = sim(|a| a.responses_store = true).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let m = post(
+        &gw.url("/v1/responses"),
+        &[],
+        responses_body("qwen32b", 2, false),
+    )
+    .await;
+    let id = json_body(&m)["id"].as_str().unwrap().to_owned();
+    let (other, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
+    let bearer = format!("Bearer {other}");
+    let c = client::http_client();
+    let req = http::Request::get(gw.url(&format!("/v1/responses/{id}")))
+        .header("authorization", &bearer)
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let resp = c.request(req).await.unwrap();
+    assert_eq!(resp.status(), 404);
+    let body = json!({"model": "qwen32b", "input": "more", "max_output_tokens": 2, "previous_response_id": id});
+    let m = post(
+        &gw.url("/v1/responses"),
+        &[("authorization", &bearer)],
+        Bytes::from(body.to_string()),
+    )
+    .await;
+    assert_eq!(m.status, 404);
+    assert_eq!(openai_error(&m)["code"], "response_not_found");
+    // Its own key still reads it.
+    let req = authed(&gw, "GET", &format!("/v1/responses/{id}"))
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    assert_eq!(c.request(req).await.unwrap().status(), 200);
+}
+
+/// With `limits.shared = "redis"` a stored response made through one replica is reached
+/// through another; without it, that other replica says it does not know it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_redis_share_stored_responses() {
+    let Some(redis) = redis_url("replicas_sharing_redis_share_stored_responses").await else {
+        return;
+    };
+    let one = sim(|a| a.responses_store = true).await;
+    let two = sim(|a| a.responses_store = true).await;
+    let db = temp_dir("pins-db").join("keys.db");
+    let prefix = format!("fgtest-pins-{}-{}", std::process::id(), rand_suffix());
+    let shared = |c: &mut fleetgate::config::Config| {
+        c.database.sqlite_path = db.clone();
+        c.limits.shared = fleetgate::config::SharedLimits::Redis;
+        c.limits.redis = Some(fleetgate::config::RedisConfig {
+            url: fleetgate::secret::Secret::new(&redis),
+            timeout: Duration::from_millis(500),
+            replicas: 2,
+            key_prefix: prefix.clone(),
+        });
+    };
+    let backends = [one.url(), two.url()];
+    let a = gateway_with(vec![pool("qwen32b", &backends)], shared).await;
+    let b = gateway_with(vec![pool("qwen32b", &backends)], shared).await;
+    let alone = gateway_with(vec![pool("qwen32b", &backends)], |c| {
+        c.database.sqlite_path = db.clone();
+    })
+    .await;
+    // One key, known to every replica (one store).
+    let key = a.key.clone();
+    let bearer = format!("Bearer {key}");
+    let c = client::http_client();
+    for _ in 0..4 {
+        let m = post(
+            &a.url("/v1/responses"),
+            &[],
+            responses_body("qwen32b", 2, false),
+        )
+        .await;
+        assert_eq!(m.status, 200);
+        let id = json_body(&m)["id"].as_str().unwrap().to_owned();
+        let mut got = 0;
+        for _ in 0..50 {
+            let req = http::Request::get(b.url(&format!("/v1/responses/{id}")))
+                .header("authorization", &bearer)
+                .body(http_body_util::Full::new(Bytes::new()))
+                .unwrap();
+            let resp = c.request(req).await.unwrap();
+            got = resp.status().as_u16();
+            if got == 200 {
+                break;
+            }
+
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(got, 200, "replica b finds {id} through Redis");
+        let req = http::Request::get(alone.url(&format!("/v1/responses/{id}")))
+            .header("authorization", &bearer)
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        assert_eq!(
+            c.request(req).await.unwrap().status(),
+            404,
+            "a replica without Redis"
+        );
+    }
+}
+
+fn rand_suffix() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now())
+}

@@ -209,6 +209,16 @@ fn wait_listening(port: u16, what: &str) {
     }
 }
 
+/// Where `.ci/run` installs the coding agents' npm packages (their binaries).
+fn agents_bin() -> PathBuf {
+    let dir = match std::env::var_os("FLEETGATE_AGENTS_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+            .join(".cache/fleetgate/agents"),
+    };
+    dir.join("node_modules/.bin")
+}
+
 /// Whether the OpenAI Python SDK is importable; without it the SDK step is skipped loudly,
 /// and under `CI=true` it fails (`.ci/run` installs it).
 fn python_sdk() -> bool {
@@ -237,11 +247,13 @@ impl Session {
         let bin_dir = dir.join("bin");
         std::fs::create_dir_all(&bin_dir).unwrap();
         std::os::unix::fs::symlink(BIN, bin_dir.join("fleetgate")).unwrap();
+        // The coding agents where `.ci/run` installs them (the demo prints a line for each).
         env.insert(
             "PATH".into(),
             format!(
-                "{}:{}",
+                "{}:{}:{}",
                 bin_dir.display(),
+                agents_bin().display(),
                 std::env::var("PATH").unwrap_or_default()
             ),
         );
@@ -389,6 +401,20 @@ impl Session {
         }
         if cmd.contains("python3 -c 'from openai") && !self.python_sdk {
             return;
+        }
+        for (agent, what) in [
+            ("codex exec", "Codex CLI (npm @openai/codex)"),
+            ("claude -p", "Claude Code (npm @anthropic-ai/claude-code)"),
+        ] {
+            let bin = agent.split(' ').next().unwrap_or(agent);
+            if cmd.contains(agent) && !agents_bin().join(bin).exists() {
+                assert!(
+                    std::env::var("CI").as_deref() != Ok("true"),
+                    "CI=true: {what} is missing (.ci/run installs it)"
+                );
+                eprintln!("SKIPPED: `{}`: {what} is not installed", step.text);
+                return;
+            }
         }
         if let Some(assignments) = cmd.strip_prefix("export ")
             && !cmd.contains("$(")

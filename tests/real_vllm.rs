@@ -580,3 +580,109 @@ async fn benches_direct_and_through_the_gateway() {
     }
     eprintln!("vllm bench serve, alternating:\n{}", rows.join("\n"));
 }
+
+/// Every id and time stamp of a body made neutral (`"id"`, `"item_id"`, `"created"`,
+/// `"created_at"` values): the agents' protocols carry several per answer, which differ between
+/// any two requests. Everything else must be byte for byte the same.
+fn neutral_all(body: &str) -> String {
+    let mut out = String::with_capacity(body.len());
+    let mut rest = body;
+    loop {
+        let next = [
+            "\"id\":\"",
+            "\"item_id\":\"",
+            "\"created\":",
+            "\"created_at\":",
+        ]
+        .iter()
+        .filter_map(|k| rest.find(k).map(|at| (at, *k)))
+        .min();
+        let Some((at, key)) = next else {
+            out.push_str(rest);
+            return out;
+        };
+        let start = at + key.len();
+        out.push_str(&rest[..start]);
+        let end = if key.ends_with('"') {
+            out.push_str("ID");
+            start + rest[start..].find('"').unwrap()
+        } else {
+            out.push('0');
+            start
+                + rest[start..]
+                    .find(|c: char| !c.is_ascii_digit())
+                    .unwrap_or(rest.len() - start)
+        };
+        rest = &rest[end..];
+    }
+}
+
+/// The agents' protocols through the gateway, byte for byte as vLLM answers them directly
+/// (ids and time stamps aside): Responses and Messages, streamed and whole, with the usage the
+/// gateway recorded equal to vLLM's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_protocols_are_relayed_byte_for_byte() {
+    let Some(r) = real("the_agents_protocols_are_relayed_byte_for_byte").await else {
+        return;
+    };
+    let _turn = SERIAL.lock().await;
+    let gw = gateway_to(&r, &r.model, &r.key, false).await;
+    let responses = |stream: bool| {
+        serde_json::json!({"model": r.model, "input": "Tell me about the sea",
+            "max_output_tokens": 10, "temperature": 0, "stream": stream})
+    };
+    let messages = |stream: bool| {
+        serde_json::json!({"model": r.model, "max_tokens": 10, "temperature": 0,
+            "stream": stream, "system": "be brief",
+            "messages": [{"role": "user", "content": "Tell me about the sea"}]})
+    };
+    for (path, body, endpoint) in [
+        ("/v1/responses", responses(true), "responses"),
+        ("/v1/responses", responses(false), "responses"),
+        ("/v1/messages?beta=true", messages(true), "messages"),
+        ("/v1/messages", messages(false), "messages"),
+    ] {
+        let d = direct(&r, path, &body).await;
+        let rid = format!("agents-{endpoint}-{}", body["stream"]);
+        let g = post(
+            &gw.url(path),
+            &[("x-request-id", &rid)],
+            Bytes::from(body.to_string()),
+        )
+        .await;
+        assert_eq!(
+            (d.status, g.status),
+            (200, 200),
+            "{path} {body}: {}",
+            text(&g)
+        );
+        assert_eq!(
+            g.headers.get("content-type"),
+            d.headers.get("content-type"),
+            "{path}"
+        );
+        assert_eq!(
+            neutral_all(&text(&g)),
+            neutral_all(&text(&d)),
+            "{path} {body}"
+        );
+        let rec = gw.record_of(&rid).await;
+        assert_eq!(rec.endpoint, Some(endpoint));
+        assert_eq!(rec.error, None, "{path}: a clean end");
+        let usage = rec.timeline.stream().usage.expect("usage recorded");
+        assert_eq!(usage.completion_tokens, 10, "{path}");
+        assert!(usage.prompt_tokens > 0, "{path}");
+        assert!(rec.timeline.upstream_ttft().is_some(), "{path}");
+    }
+    // vLLM's own errors reach an Anthropic client in Anthropic's shape.
+    let g = through(
+        &gw,
+        "/v1/messages",
+        &serde_json::json!({"model": r.model, "max_tokens": 100000,
+            "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(g.status, 400, "{}", text(&g));
+    let v: serde_json::Value = serde_json::from_str(&text(&g)).unwrap();
+    assert_eq!(v["type"], "error", "{v}");
+}

@@ -394,6 +394,17 @@ impl Shared {
         })
     }
 
+    /// Where stored responses' backends are shared between replicas (`proxy::pins`): the
+    /// same connection and key prefix as the counters.
+    pub fn pin_store(&self) -> PinStore {
+        PinStore {
+            conn: self.conn.clone(),
+            up: self.up.clone(),
+            prefix: self.prefix.clone(),
+            timeout: self.timeout.max(Duration::from_millis(200)),
+        }
+    }
+
     /// Give back (or take) tokens after a request ended; sent in the background.
     pub fn settle(&self, key_id: i64, capacity: u64, delta: i64) {
         if delta == 0 {
@@ -410,6 +421,62 @@ impl Shared {
         {
             self.metrics.dropped_settlements.inc();
         }
+    }
+}
+
+/// Short strings kept in Redis for a time, by id (a stored response's backend): written in the
+/// background, read with the limits' timeout. While Redis is down nothing is shared.
+#[derive(Clone)]
+pub struct PinStore {
+    conn: Arc<ArcSwapOption<ConnectionManager>>,
+    up: Arc<AtomicBool>,
+    prefix: Arc<str>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for PinStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinStore").finish_non_exhaustive()
+    }
+}
+
+impl PinStore {
+    fn key(&self, id: &str) -> String {
+        format!("{}:resp:{id}", self.prefix)
+    }
+
+    fn conn(&self) -> Option<ConnectionManager> {
+        self.conn
+            .load_full()
+            .filter(|_| self.up.load(Ordering::Acquire))
+            .map(|c| (*c).clone())
+    }
+
+    /// `SET <prefix>:resp:<id> <value> EX <ttl>`, in the background (dropped while Redis is
+    /// down: the pin stays in this replica only).
+    pub fn put(&self, id: &str, value: String, ttl: Duration) {
+        let Some(mut c) = self.conn() else {
+            return;
+        };
+        let (key, timeout) = (self.key(id), self.timeout);
+        let secs = ttl.as_secs().max(1);
+        tokio::spawn(async move {
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(&key).arg(value).arg("EX").arg(secs);
+            let set = cmd.query_async::<()>(&mut c);
+            if let Ok(Err(e)) = tokio::time::timeout(timeout, set).await {
+                tracing::debug!(error = %e, "stored response's pin not shared");
+            }
+        });
+    }
+
+    /// The value under `id`, if Redis has one and answers in time.
+    pub async fn get(&self, id: &str) -> Option<String> {
+        let mut c = self.conn()?;
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.key(id));
+        let get = cmd.query_async::<Option<String>>(&mut c);
+        tokio::time::timeout(self.timeout, get).await.ok()?.ok()?
     }
 }
 

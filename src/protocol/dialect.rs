@@ -11,7 +11,9 @@
 //! | JSON | the whole answer | the body | `usage` in the body |
 
 use std::borrow::Cow;
+use std::sync::LazyLock;
 
+use memchr::{memchr, memmem};
 use serde::Deserialize;
 
 use super::sse::{self, DataKind, USAGE};
@@ -99,51 +101,89 @@ struct Typed<'a> {
     ty: Option<Cow<'a, str>>,
 }
 
-/// What an event's type means: its kind, and whether it carries usage.
-type Kinds = fn(&str) -> (DataKind, bool);
+/// What an event's type means: its kind, and whether it carries usage (`None`: not an event
+/// type of the protocol).
+type Kinds = fn(&[u8]) -> Option<(DataKind, bool)>;
 
+static TYPE: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"type\":\""));
+
+/// The event's type, read without parsing it: the first compact `"type":"<name>"` whose name
+/// is one of the protocol's event types. Nested objects have types of their own (`text_delta`,
+/// `message`, `output_text`), never an event's name, and a string value cannot hold the
+/// sequence unescaped; so the match is the event's own type wherever it sits (vLLM writes a
+/// Responses event's `type` last). An event written with spaces is parsed (`Typed`).
 fn typed_event(payload: &[u8], kinds: Kinds) -> Event {
+    let mut typed = false;
+    for at in TYPE.find_iter(payload) {
+        typed = true;
+        let rest = &payload[at + 8..];
+        let Some(end) = memchr(b'"', rest) else {
+            break;
+        };
+        if let Some(k) = kinds(&rest[..end]) {
+            return event_of(payload, k);
+        }
+    }
+    if typed {
+        // An event type of the protocol the gateway need not tell apart.
+        return Event {
+            kind: DataKind::NoOutput,
+            usage: None,
+        };
+    }
     let ty = serde_json::from_slice::<Typed<'_>>(payload)
         .ok()
         .and_then(|t| t.ty);
-    let Some(ty) = ty else {
+    match ty.as_deref().map(|t| kinds(t.as_bytes())) {
+        Some(Some(k)) => event_of(payload, k),
+        Some(None) => Event {
+            kind: DataKind::NoOutput,
+            usage: None,
+        },
         // Not an event of this protocol: a chat-style `{"error": ...}` still counts as one.
-        let kind = if sse::classify(payload) == DataKind::Error {
-            DataKind::Error
-        } else {
-            DataKind::NoOutput
-        };
-        return Event { kind, usage: None };
-    };
-    let (kind, has_usage) = kinds(&ty);
+        None => Event {
+            kind: if sse::classify(payload) == DataKind::Error {
+                DataKind::Error
+            } else {
+                DataKind::NoOutput
+            },
+            usage: None,
+        },
+    }
+}
+
+fn event_of(payload: &[u8], (kind, has_usage): (DataKind, bool)) -> Event {
     let usage = if has_usage { usage_in(payload) } else { None };
     Event { kind, usage }
 }
 
 /// The Responses API's events, as `vllm bench serve --backend openai-responses` times them:
 /// the `.added` / `.created` / `.in_progress` events are not tokens.
-fn responses_kind(ty: &str) -> (DataKind, bool) {
-    match ty {
-        "response.output_text.delta"
-        | "response.reasoning_text.delta"
-        | "response.function_call_arguments.delta" => (DataKind::Content, false),
-        "response.completed" | "response.incomplete" => (DataKind::Done, true),
+fn responses_kind(ty: &[u8]) -> Option<(DataKind, bool)> {
+    Some(match ty {
+        b"response.output_text.delta"
+        | b"response.reasoning_text.delta"
+        | b"response.function_call_arguments.delta" => (DataKind::Content, false),
+        b"response.completed" | b"response.incomplete" => (DataKind::Done, true),
         // A failed response ends its stream cleanly, as a failed request.
-        "response.failed" => (DataKind::Error, true),
-        "error" => (DataKind::Error, false),
-        _ => (DataKind::NoOutput, false),
-    }
+        b"response.failed" => (DataKind::Error, true),
+        b"error" => (DataKind::Error, false),
+        _ if ty.starts_with(b"response.") => (DataKind::NoOutput, false),
+        _ => return None,
+    })
 }
 
 /// Anthropic's Messages API events.
-fn anthropic_kind(ty: &str) -> (DataKind, bool) {
-    match ty {
-        "content_block_delta" => (DataKind::Content, false),
-        "message_stop" => (DataKind::Done, false),
-        "message_start" | "message_delta" => (DataKind::NoOutput, true),
-        "error" => (DataKind::Error, false),
-        _ => (DataKind::NoOutput, false),
-    }
+fn anthropic_kind(ty: &[u8]) -> Option<(DataKind, bool)> {
+    Some(match ty {
+        b"content_block_delta" => (DataKind::Content, false),
+        b"message_stop" => (DataKind::Done, false),
+        b"message_start" | b"message_delta" => (DataKind::NoOutput, true),
+        b"error" => (DataKind::Error, false),
+        b"content_block_start" | b"content_block_stop" | b"ping" => (DataKind::NoOutput, false),
+        _ => return None,
+    })
 }
 
 /// The id of the response a Responses event or body describes: `response.id` of an event
@@ -205,7 +245,7 @@ mod tests {
             "response.output_item.done",
         ] {
             let p = format!(
-                r#"{{"item":{{"type":"response.output_text.delta"}},"sequence_number":1,"type":"{t}"}}"#
+                r#"{{"item":{{"type":"message","content":[{{"type":"output_text","text":"say \"type\":\"response.output_text.delta\""}}]}},"sequence_number":1,"type":"{t}"}}"#
             );
             assert_eq!(kind(d, &p), DataKind::NoOutput, "{t}");
         }
@@ -236,6 +276,21 @@ mod tests {
         );
         assert_eq!(kind(d, r#"{"error":{"message":"m"}}"#), DataKind::Error);
         assert_eq!(kind(d, "not json"), DataKind::NoOutput);
+        // Written with spaces (another server's serialiser): parsed.
+        assert_eq!(
+            kind(
+                d,
+                r#"{ "delta": "x", "type" : "response.output_text.delta" }"#
+            ),
+            DataKind::Content
+        );
+        assert_eq!(
+            kind(
+                d,
+                r#"{"type": "response.completed", "response": {"usage": {"input_tokens": 2, "output_tokens": 1}}}"#
+            ),
+            DataKind::Done
+        );
     }
 
     #[test]

@@ -208,7 +208,7 @@ impl ApiError {
             }
             ApiError::RouteNotFound { method, path } => (
                 format!(
-                    "Unknown route {method} {path}. fleetgate serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models and vLLM's POST /tokenize and POST /detokenize; check that the client's base URL ends in /v1 (not /v1/v1, /api or a trailing path)."
+                    "Unknown route {method} {path}. fleetgate serves POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (with GET /v1/responses/{{id}} and POST /v1/responses/{{id}}/cancel), POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models and vLLM's POST /tokenize and POST /detokenize. OpenAI clients: the base URL ends in /v1 (not /v1/v1, /api or a trailing path); Anthropic clients (ANTHROPIC_BASE_URL): the base URL without /v1."
                 ),
                 "invalid_request_error",
                 None,
@@ -325,7 +325,7 @@ impl ApiError {
             ),
             ApiError::UpstreamStreamCut { backend } => (
                 format!(
-                    "Backend {backend} closed the stream before `data: [DONE]`; the response is incomplete."
+                    "Backend {backend} closed the stream before its end (`data: [DONE]`, `response.completed`, `message_stop`); the response is incomplete."
                 ),
                 "upstream_error",
                 None,
@@ -347,7 +347,7 @@ impl ApiError {
             ),
             ApiError::ResponseNotFound { id, ttl_s } => (
                 format!(
-                    "Response `{id}` is not known to this gateway: it was not created through it, or more than {ttl_s} s ago (server.response_pin_ttl_s), or through another replica that shares no state with this one (limits.shared = \"redis\" shares stored responses' backends). A stored response lives on the one backend that made it, and no other can answer for it."
+                    "Response `{id}` is not known to this gateway for this key: it was not created through it with this key, or more than {ttl_s} s ago (server.response_pin_ttl_s), or was forgotten for newer ones (server.response_pin_capacity) or at a restart, or was created through another replica that shares no state with this one (limits.shared = \"redis\" shares stored responses' backends). A stored response lives on the one backend that made it, and no other can answer for it."
                 ),
                 "invalid_request_error",
                 Some("response_id"),

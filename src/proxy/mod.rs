@@ -252,7 +252,7 @@ async fn phases(
 
     if endpoint.needs().body == BodyKind::None {
         let id = id.ok_or(ApiError::Internal)?;
-        return by_id(state, endpoint, &id, outgoing.headers, body_read, ex)
+        return Box::pin(by_id(state, endpoint, &id, outgoing.headers, body_read, ex))
             .await
             .map(Forwarded::Sent);
     }
@@ -267,13 +267,17 @@ async fn phases(
     let route = route_phase(state, &view, &body, endpoint, &generation, &mut ex.record)?;
     // A response that continues a stored one goes where that one is, or nowhere.
     let pinned_at = match view.previous_response_id.as_deref() {
-        Some(prev) => Some(pinned_backend(state, prev, route.pool, false)?),
+        Some(prev) => {
+            let pin = Box::pin(state.pins.locate(prev)).await;
+            let at = pinned_backend(state, prev, pin, route.pool, &ex.record, false)?;
+            Some((at, prev.to_owned()))
+        }
         None => None,
     };
 
     ex.admission = admit(state, endpoint, &view, &ex.record).await?;
 
-    if let Some(at) = pinned_at {
+    if let Some((at, prev)) = pinned_at {
         let mut prepared = upstream::prepare(
             outgoing,
             &body,
@@ -285,19 +289,10 @@ async fn phases(
         );
         drop(view);
         prepared.pinned = true;
-        prepared.pin = Some(pin_of(route.pool));
-        let env = ex
-            .record
-            .key
-            .as_ref()
-            .map_or(Environment::Stress, |k| k.environment);
-        let max_wait = state.queue.max_wait[env.index()];
-        let slot = wait_pinned(state, route.pool, at, prepared.body_read, max_wait, ex).await?;
-        let requeue = upstream::Requeue {
-            max_wait,
-            metrics: state.queue_metrics.as_ref(),
-        };
-        return upstream::send_with_retries(route.pool, slot, prepared, ex, requeue)
+        prepared.pin = Some(pin_of(route.pool, &ex.record));
+        // Boxed, as every path only some requests take: the request's future (which a client
+        // connection keeps allocated for its life) stays the size chat's needs.
+        return Box::pin(send_pinned(state, route.pool, at, &prev, prepared, ex))
             .await
             .map(Forwarded::Sent);
     }
@@ -331,7 +326,7 @@ async fn phases(
     drop(view);
     prepared.target = target;
     if endpoint == Endpoint::Responses {
-        prepared.pin = Some(pin_of(route.pool));
+        prepared.pin = Some(pin_of(route.pool, &ex.record));
     }
     // A stream that must wait answers at once, `: queued` comments keeping it alive; it
     // resumes at `wait_and_send` from its body.
@@ -352,10 +347,14 @@ async fn phases(
 
 /// What a new stored response's pin starts from (the backend is filled in by the attempt
 /// that answers).
-fn pin_of(pool: &Pool) -> pins::Pin {
+fn pin_of(pool: &Pool, record: &RequestRecord) -> pins::Pin {
     pins::Pin {
         model: pool.model.clone(),
         backend: Arc::from(""),
+        key: record
+            .key
+            .as_ref()
+            .map_or_else(|| Arc::from(""), |k| Arc::from(&*k.public_id)),
     }
 }
 
@@ -365,16 +364,21 @@ fn pin_of(pool: &Pool) -> pins::Pin {
 fn pinned_backend(
     state: &ProxyState,
     id: &str,
+    pin: Option<pins::Pin>,
     pool: &Pool,
+    record: &RequestRecord,
     reading: bool,
 ) -> Result<usize, ApiError> {
-    let pin = state
-        .pins
-        .get(id)
-        .ok_or_else(|| ApiError::ResponseNotFound {
-            id: id.to_owned(),
-            ttl_s: state.pins.ttl().as_secs(),
-        })?;
+    let not_found = || ApiError::ResponseNotFound {
+        id: id.to_owned(),
+        ttl_s: state.pins.ttl().as_secs(),
+    };
+    let pin = pin.ok_or_else(not_found)?;
+    // Another key's response does not exist for this one (its existence is not told).
+    let asker = record.key.as_ref().map_or("", |k| &*k.public_id);
+    if *pin.key != *asker {
+        return Err(not_found());
+    }
     let unavailable = |why: String| ApiError::ResponseUnavailable {
         id: id.to_owned(),
         why,
@@ -409,6 +413,30 @@ fn pinned_backend(
     }
 }
 
+/// A continuation of stored response `prev`: a slot on its backend (waited for), then sent
+/// there and nowhere else.
+async fn send_pinned(
+    state: &ProxyState,
+    pool: &Pool,
+    at: usize,
+    prev: &str,
+    prepared: Prepared,
+    ex: &mut Exchange,
+) -> Result<Sent, ApiError> {
+    let env = ex
+        .record
+        .key
+        .as_ref()
+        .map_or(Environment::Stress, |k| k.environment);
+    let max_wait = state.queue.max_wait[env.index()];
+    let slot = wait_pinned(state, pool, at, prev, prepared.body_read, max_wait, ex).await?;
+    let requeue = upstream::Requeue {
+        max_wait,
+        metrics: state.queue_metrics.as_ref(),
+    };
+    upstream::send_with_retries(pool, slot, prepared, ex, requeue).await
+}
+
 /// A slot on the one backend that holds the continued response: it cannot take another's, so
 /// it waits for room there (the environment's longest wait), outside the pool's queue, which
 /// hands out any backend's slots.
@@ -416,6 +444,7 @@ async fn wait_pinned(
     state: &ProxyState,
     pool: &Pool,
     at: usize,
+    id: &str,
     body_read: Instant,
     max_wait: Duration,
     ex: &mut Exchange,
@@ -431,7 +460,7 @@ async fn wait_pinned(
         }
         if !pool.backends[at].eligible() {
             return Err(ApiError::ResponseUnavailable {
-                id: String::new(),
+                id: id.to_owned(),
                 why: format!(
                     "{} stopped taking requests while this one waited",
                     pool.backends[at].shown
@@ -465,7 +494,8 @@ async fn by_id(
     let generation = state.generation.load_full();
     let pin = state
         .pins
-        .get(id)
+        .locate(id)
+        .await
         .ok_or_else(|| ApiError::ResponseNotFound {
             id: id.to_owned(),
             ttl_s: state.pins.ttl().as_secs(),
@@ -493,7 +523,7 @@ async fn by_id(
             Err(refusal) => return Err(ApiError::Limited(Box::new(refusal))),
         }
     }
-    let at = pinned_backend(state, id, pool, true)?;
+    let at = pinned_backend(state, id, Some(pin), pool, &ex.record, true)?;
     let slot = pool
         .balancer
         .try_acquire_at(at, false)

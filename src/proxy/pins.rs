@@ -4,19 +4,25 @@
 //! The gateway learns id → backend from the answer that created the response and keeps it
 //! here: bounded (the oldest go first), each for a time (`server.response_pin_ttl_s`). No lock
 //! is held across an await; a pin is written once per Responses request, read only by the
-//! requests that name a response.
+//! requests that name a response. With `limits.shared = "redis"` every pin is also written to
+//! Redis (in the background) and a pin this replica does not hold is looked up there, so a
+//! client may reach any replica.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Where a stored response lives.
+/// Where a stored response lives, and whose it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pin {
     /// The pool's model (the pool that served it).
     pub model: Arc<str>,
     /// The backend's base URL, as configured.
     pub backend: Arc<str>,
+    /// The public id of the key that created it (`""`: none): only that key reads it,
+    /// cancels it or continues it (vLLM's store has no owner; another team's key must not
+    /// read a conversation by guessing or learning its id).
+    pub key: Arc<str>,
 }
 
 #[derive(Debug)]
@@ -38,6 +44,8 @@ pub struct Pins {
     inner: Mutex<Inner>,
     capacity: usize,
     ttl: Duration,
+    /// Shared with the other replicas (`limits.shared = "redis"`).
+    shared: Option<crate::limits::shared::PinStore>,
 }
 
 impl Pins {
@@ -46,11 +54,46 @@ impl Pins {
             inner: Mutex::new(Inner::default()),
             capacity: capacity.max(1),
             ttl,
+            shared: None,
         }
     }
 
-    /// Remember where `id` lives, forgetting the oldest past the capacity.
+    /// Pins shared through Redis as well.
+    pub fn shared(mut self, store: Option<crate::limits::shared::PinStore>) -> Self {
+        self.shared = store;
+        self
+    }
+
+    /// Remember where `id` lives (and tell the other replicas).
     pub fn insert(&self, id: &str, pin: Pin) {
+        if let Some(store) = &self.shared {
+            store.put(
+                id,
+                format!("{}\t{}\t{}", pin.model, pin.backend, pin.key),
+                self.ttl,
+            );
+        }
+        self.insert_local(id, pin);
+    }
+
+    /// Where `id` lives: this replica's pin, else the one another replica shared.
+    pub async fn locate(&self, id: &str) -> Option<Pin> {
+        if let Some(pin) = self.get(id) {
+            return Some(pin);
+        }
+        let value = self.shared.as_ref()?.get(id).await?;
+        let mut parts = value.splitn(3, '\t');
+        let pin = Pin {
+            model: parts.next()?.into(),
+            backend: parts.next()?.into(),
+            key: parts.next()?.into(),
+        };
+        self.insert_local(id, pin.clone());
+        Some(pin)
+    }
+
+    /// Remember where `id` lives here, forgetting the oldest past the capacity.
+    fn insert_local(&self, id: &str, pin: Pin) {
         let now = Instant::now();
         let mut g = self
             .inner
@@ -137,6 +180,7 @@ mod tests {
         Pin {
             model: "m".into(),
             backend: b.into(),
+            key: "k".into(),
         }
     }
 

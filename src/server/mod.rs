@@ -257,10 +257,17 @@ impl Server {
         // rest shared.
         // One map of stored responses for every worker (each has its own copy of the pools;
         // a pin names its backend by address).
-        let pins = Arc::new(crate::proxy::pins::Pins::new(
-            config.server.response_pin_capacity,
-            config.server.response_pin_ttl,
-        ));
+        let pins = Arc::new(
+            crate::proxy::pins::Pins::new(
+                config.server.response_pin_capacity,
+                config.server.response_pin_ttl,
+            )
+            .shared(
+                limits
+                    .shared()
+                    .map(crate::limits::shared::Shared::pin_store),
+            ),
+        );
         let worker_state = || -> Result<ProxyState, StartError> {
             Ok(ProxyState {
                 pins: pins.clone(),
