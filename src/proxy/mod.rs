@@ -21,12 +21,16 @@
 //! (no tokens, no concurrency slot), the queue phase names a backend without taking one of its
 //! capacity slots and never waits, and their answer has no first token.
 
+pub mod backend_error;
 pub mod body;
 pub mod error;
 mod fingerprint;
+pub mod headers;
 pub mod pins;
 pub mod relay;
 pub mod rename;
+pub mod retry;
+pub mod timing;
 pub mod upstream;
 
 use std::sync::Arc;
