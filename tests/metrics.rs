@@ -100,33 +100,34 @@ async fn every_request_is_counted_once_with_config_labels() {
         m = scrape(&gw).await;
         if get(
             &m,
-            r#"fleetgate_requests_total{environment="stress",error="client_disconnected",model="qwen32b",status_class="2xx"}"#,
+            r#"fleetgate_requests_total{endpoint="chat",environment="stress",error="client_disconnected",model="qwen32b",status_class="2xx"}"#,
         ) == 1.0
         {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let ok = r#"fleetgate_requests_total{environment="stress",error="none",model="qwen32b",status_class="2xx"}"#;
+    let ok = r#"fleetgate_requests_total{endpoint="chat",environment="stress",error="none",model="qwen32b",status_class="2xx"}"#;
     assert_eq!(get(&m, ok), 3.0, "{m:#?}");
     assert_eq!(
         get(
             &m,
-            r#"fleetgate_requests_total{environment="stress",error="model_not_found",model="none",status_class="4xx"}"#
+            r#"fleetgate_requests_total{endpoint="chat",environment="stress",error="model_not_found",model="none",status_class="4xx"}"#
         ),
         1.0
     );
     assert_eq!(
         get(
             &m,
-            r#"fleetgate_requests_total{environment="none",error="unauthenticated",model="none",status_class="4xx"}"#
+            r#"fleetgate_requests_total{endpoint="chat",environment="none",error="unauthenticated",model="none",status_class="4xx"}"#
         ),
-        1.0
+        1.0,
+        "{m:#?}"
     );
     assert_eq!(
         get(
             &m,
-            r#"fleetgate_requests_total{environment="stress",error="client_disconnected",model="qwen32b",status_class="2xx"}"#
+            r#"fleetgate_requests_total{endpoint="chat",environment="stress",error="client_disconnected",model="qwen32b",status_class="2xx"}"#
         ),
         1.0
     );
@@ -141,52 +142,52 @@ async fn every_request_is_counted_once_with_config_labels() {
     assert_eq!(
         get(
             &m,
-            r#"fleetgate_ttft_seconds_count{backend="-",environment="stress",model="qwen32b",side="client"}"#
+            r#"fleetgate_ttft_seconds_count{backend="-",endpoint="chat",environment="stress",model="qwen32b",side="client"}"#
         ),
         4.0
     );
     let upstream = format!(
-        r#"fleetgate_ttft_seconds_count{{backend="{}",environment="stress",model="qwen32b",side="upstream"}}"#,
+        r#"fleetgate_ttft_seconds_count{{backend="{}",endpoint="chat",environment="stress",model="qwen32b",side="upstream"}}"#,
         sim.url()
     );
     assert_eq!(get(&m, &upstream), 4.0, "{m:#?}");
     assert_eq!(
         get(
             &m,
-            r#"fleetgate_overhead_seconds_count{environment="stress",model="qwen32b",phase="pre"}"#
+            r#"fleetgate_overhead_seconds_count{endpoint="chat",environment="stress",model="qwen32b",phase="pre"}"#
         ),
         4.0
     );
     assert!(
         get(
             &m,
-            r#"fleetgate_overhead_seconds_sum{environment="stress",model="qwen32b",phase="total"}"#
+            r#"fleetgate_overhead_seconds_sum{endpoint="chat",environment="stress",model="qwen32b",phase="total"}"#
         ) > 0.0
     );
     // 3 streams × (10 token events − 1) gaps, plus the cut stream's gaps.
     assert!(
         get(
             &m,
-            r#"fleetgate_itl_seconds_count{environment="stress",model="qwen32b"}"#
+            r#"fleetgate_itl_seconds_count{endpoint="chat",environment="stress",model="qwen32b"}"#
         ) >= 27.0
     );
     assert_eq!(
         get(
             &m,
-            r#"fleetgate_tpot_seconds_count{environment="stress",model="qwen32b"}"#
+            r#"fleetgate_tpot_seconds_count{endpoint="chat",environment="stress",model="qwen32b"}"#
         ),
         3.0
     );
     assert!(
         get(
             &m,
-            r#"fleetgate_tokens_total{environment="stress",kind="completion",model="qwen32b"}"#
+            r#"fleetgate_tokens_total{endpoint="chat",environment="stress",kind="completion",model="qwen32b"}"#
         ) >= 30.0
     );
     assert!(
         get(
             &m,
-            r#"fleetgate_tokens_total{environment="stress",kind="prompt",model="qwen32b"}"#
+            r#"fleetgate_tokens_total{endpoint="chat",environment="stress",kind="prompt",model="qwen32b"}"#
         ) >= 3.0
     );
     // Backend gauges and auth failures.
@@ -262,4 +263,117 @@ async fn dashboard_queries_exported_metrics() {
         }
     }
     assert!(checked >= 15, "{checked}");
+}
+
+/// Each endpoint family has its own series (label `endpoint`), so the agents' traffic can be
+/// told from chat's; a route outside the table is counted under "none".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn series_are_labelled_by_endpoint_family() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
+    let json = |v: serde_json::Value| Bytes::from(v.to_string());
+    let responses = post(
+        &gw.url("/v1/responses"),
+        &[],
+        json(
+            serde_json::json!({"model": "qwen32b", "input": "hi", "stream": true,
+            "max_output_tokens": 4}),
+        ),
+    )
+    .await;
+    assert_eq!(responses.status, 200);
+    let messages = json(
+        serde_json::json!({"model": "qwen32b", "max_tokens": 4, "stream": true,
+        "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    for _ in 0..2 {
+        assert_eq!(
+            post(&gw.url("/v1/messages"), &[], messages.clone())
+                .await
+                .status,
+            200
+        );
+    }
+    let count = post(
+        &gw.url("/v1/messages/count_tokens"),
+        &[],
+        json(serde_json::json!({"model": "qwen32b",
+            "messages": [{"role": "user", "content": "hi"}]})),
+    )
+    .await;
+    assert_eq!(count.status, 200);
+    assert_eq!(
+        post(
+            &gw.url("/v1/no-such-route"),
+            &[],
+            json(serde_json::json!({}))
+        )
+        .await
+        .status,
+        404
+    );
+
+    let mut m = HashMap::new();
+    for _ in 0..200 {
+        m = scrape(&gw).await;
+        let total: f64 = m
+            .iter()
+            .filter(|(k, _)| k.starts_with("fleetgate_requests_total{"))
+            .map(|(_, v)| v)
+            .sum();
+        if total >= 5.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let ok = |family: &str| {
+        format!(
+            r#"fleetgate_requests_total{{endpoint="{family}",environment="stress",error="none",model="qwen32b",status_class="2xx"}}"#
+        )
+    };
+    assert_eq!(get(&m, &ok("responses")), 1.0, "{m:#?}");
+    assert_eq!(get(&m, &ok("messages")), 2.0, "{m:#?}");
+    assert_eq!(get(&m, &ok("tokenize")), 1.0, "{m:#?}");
+    assert_eq!(get(&m, &ok("chat")), 0.0, "{m:#?}");
+    let unrouted: f64 = m
+        .iter()
+        .filter(|(k, _)| {
+            k.starts_with(r#"fleetgate_requests_total{endpoint="none","#)
+                && k.contains(r#"status_class="4xx""#)
+        })
+        .map(|(_, v)| v)
+        .sum();
+    assert_eq!(unrouted, 1.0, "{m:#?}");
+    // The latency figures of each generating family, in its own series.
+    let ttft = |family: &str| {
+        format!(
+            r#"fleetgate_ttft_seconds_count{{backend="-",endpoint="{family}",environment="stress",model="qwen32b",side="client"}}"#
+        )
+    };
+    assert_eq!(get(&m, &ttft("responses")), 1.0, "{m:#?}");
+    assert_eq!(get(&m, &ttft("messages")), 2.0, "{m:#?}");
+    let upstream = format!(
+        r#"fleetgate_ttft_seconds_count{{backend="{}",endpoint="messages",environment="stress",model="qwen32b",side="upstream"}}"#,
+        sim.url()
+    );
+    assert_eq!(get(&m, &upstream), 2.0, "{m:#?}");
+    assert!(
+        get(
+            &m,
+            r#"fleetgate_tokens_total{endpoint="messages",environment="stress",kind="completion",model="qwen32b"}"#
+        ) >= 8.0,
+        "{m:#?}"
+    );
+    assert!(
+        get(
+            &m,
+            r#"fleetgate_itl_seconds_count{endpoint="responses",environment="stress",model="qwen32b"}"#
+        ) >= 3.0,
+        "{m:#?}"
+    );
+    // No series was made for a family without traffic.
+    assert!(
+        m.keys().all(|k| !k.contains(r#"endpoint="completions""#)),
+        "{m:#?}"
+    );
 }

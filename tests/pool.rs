@@ -851,12 +851,12 @@ async fn reload_adds_and_removes_backends_while_streams_continue() {
     );
     // Upstream TTFT of requests recorded after the reload landed on their own backends.
     let ttft_new = format!(
-        "fleetgate_ttft_seconds_count{{backend=\"{}\",environment=\"stress\",model=\"qwen32b\",side=\"upstream\"}} 10",
+        "fleetgate_ttft_seconds_count{{backend=\"{}\",endpoint=\"chat\",environment=\"stress\",model=\"qwen32b\",side=\"upstream\"}} 10",
         base(&new.url())
     );
     assert!(text.contains(&ttft_new), "{text}");
     let ttft_old = format!(
-        "fleetgate_ttft_seconds_count{{backend=\"{}\",environment=\"stress\",model=\"qwen32b\",side=\"upstream\"}} 3",
+        "fleetgate_ttft_seconds_count{{backend=\"{}\",endpoint=\"chat\",environment=\"stress\",model=\"qwen32b\",side=\"upstream\"}} 3",
         base(&old.url())
     );
     assert!(text.contains(&ttft_old), "{text}");

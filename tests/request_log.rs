@@ -630,6 +630,11 @@ async fn upgrading_the_sqlite_request_log_keeps_its_rows() {
         .unwrap();
     }
     store.migrate().await.unwrap();
+    // Read back as the upgraded gateway would, on new connections: a pooled SQLite connection
+    // that last saw the old schema re-prepares `SELECT *` with more columns than sqlx sized
+    // the row for (the test's `SELECT *`; the gateway names its columns).
+    drop(store);
+    let store = fleetgate::store::KeyStore::connect(&db).await.unwrap();
     let stored = rows(&store).await;
     assert_eq!(stored.len(), 2);
     assert_eq!(stored[1].get::<String, _>("request_id"), "old-request-1");

@@ -127,6 +127,44 @@ pub struct Needs {
     pub injects_usage: bool,
 }
 
+/// A family of endpoints: what the metrics label a request with (a fixed set, so a series
+/// per family stays bounded whatever clients send).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Chat,
+    Completions,
+    /// Created, read back and cancelled stored responses alike.
+    Responses,
+    Messages,
+    /// The tokenizer routes and Anthropic's `count_tokens`: no generation.
+    Tokenize,
+}
+
+impl Family {
+    pub const ALL: [Family; 5] = [
+        Family::Chat,
+        Family::Completions,
+        Family::Responses,
+        Family::Messages,
+        Family::Tokenize,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Family::Chat => "chat",
+            Family::Completions => "completions",
+            Family::Responses => "responses",
+            Family::Messages => "messages",
+            Family::Tokenize => "tokenize",
+        }
+    }
+
+    /// Its position in `ALL`.
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// Which endpoint a request was sent to: decides the body's required fields, the dialect of
 /// its answer and errors, and whether it is inference (limits, queue, latency figures).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,14 +219,16 @@ impl Endpoint {
         }
     }
 
-    /// The endpoint's family: a metric label (never the path).
-    pub fn family(self) -> &'static str {
+    /// The endpoint's family: the metrics' `endpoint` label (never the path).
+    pub const fn family(self) -> Family {
         match self {
-            Endpoint::Chat => "chat",
-            Endpoint::Completions => "completions",
-            Endpoint::Tokenize | Endpoint::Detokenize | Endpoint::CountTokens => "tokenize",
-            Endpoint::Responses | Endpoint::ResponseGet | Endpoint::ResponseCancel => "responses",
-            Endpoint::Messages => "messages",
+            Endpoint::Chat => Family::Chat,
+            Endpoint::Completions => Family::Completions,
+            Endpoint::Tokenize | Endpoint::Detokenize | Endpoint::CountTokens => Family::Tokenize,
+            Endpoint::Responses | Endpoint::ResponseGet | Endpoint::ResponseCancel => {
+                Family::Responses
+            }
+            Endpoint::Messages => Family::Messages,
         }
     }
 
@@ -249,6 +289,23 @@ impl Endpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every endpoint belongs to a family listed in `Family::ALL` at its own index (the
+    /// metrics index their series by it), and the labels are distinct.
+    #[test]
+    fn families_are_indexed_as_listed() {
+        for (i, f) in Family::ALL.iter().enumerate() {
+            assert_eq!(f.index(), i);
+        }
+        for row in &TABLE {
+            let f = row.endpoint.family();
+            assert_eq!(Family::ALL[f.index()], f);
+        }
+        let mut labels: Vec<_> = Family::ALL.iter().map(|f| f.as_str()).collect();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), Family::ALL.len());
+    }
 
     /// Each endpoint has one row, under its own path; nothing else is found.
     #[test]

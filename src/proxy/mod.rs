@@ -818,6 +818,7 @@ fn relay_body(
         m.itl(
             ex.record.pool_slot,
             ex.record.key.as_ref().map(|k| k.environment),
+            ex.record.endpoint,
         )
     });
     let options = relay::RelayOptions {

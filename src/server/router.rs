@@ -60,6 +60,8 @@ pub async fn route(
     let request_id = proxy::request_id(req.headers());
     let mut record = RequestRecord::new(received, request_id, state.proxy.recorder.clone());
     record.client_addr = Some(peer);
+    // Counted under its route's family from the start (a refused key included).
+    record.endpoint = endpoint.map(|r| r.endpoint);
     if let Some(at) = arrival {
         record.timeline.stamp_kernel_arrival(at);
     }

@@ -1,9 +1,9 @@
 //! Prometheus metrics of the request path, registered on the gateway's own registry. Every
-//! label value comes from config or a fixed enum (environment, configured model name, backend
-//! URL as configured, status class, error kind) — never from a client. Histogram handles are
-//! resolved once per (pool, environment) — at start and at each reload, off the request path —
-//! and a request's record looks them up by the pool's and backend's metrics slots, which a
-//! reload never reassigns.
+//! label value comes from config or a fixed enum (environment, endpoint family, configured
+//! model name, backend URL as configured, status class, error kind) — never from a client.
+//! Handles are resolved once per (pool, environment, endpoint family), on the first request
+//! that needs them, and a request's record looks them up by the pool's and backend's metrics
+//! slots, which a reload never reassigns.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,6 +17,8 @@ use prometheus::{
 
 use crate::key::Environment;
 use crate::pool::Generation;
+use crate::protocol::Endpoint;
+use crate::protocol::endpoint::Family;
 use crate::protocol::error::ErrorKind;
 
 use super::{RequestRecord, UsageSource};
@@ -57,15 +59,25 @@ const ENV_LABELS: [&str; 4] = ["stress", "gray", "prod", "none"];
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 /// Error-kind labels: every `ErrorKind`, then "none".
 const KIND_COUNT: usize = ErrorKind::ALL.len() + 1;
+/// Endpoint-family labels: every `Family`, then "none" (a request that matched no route).
+const FAMILY_COUNT: usize = Family::ALL.len() + 1;
 
-/// Handles of one (pool, environment) pair.
+fn family_index(endpoint: Option<Endpoint>) -> usize {
+    endpoint.map_or(FAMILY_COUNT - 1, |e| e.family().index())
+}
+
+fn family_label(index: usize) -> &'static str {
+    Family::ALL.get(index).map_or("none", |f| f.as_str())
+}
+
+/// Handles of one (pool, environment, endpoint family).
 #[derive(Clone)]
 struct Series {
     overhead: [Histogram; 3],
     hop: Histogram,
     ttft_client: Histogram,
-    /// Upstream TTFT by backend slot.
-    ttft_upstream: Vec<Option<Histogram>>,
+    /// Upstream TTFT by backend slot, created on first use.
+    ttft_upstream: Vec<OnceLock<Histogram>>,
     tpot: Histogram,
     itl: Histogram,
     e2e: Histogram,
@@ -75,10 +87,60 @@ struct Series {
     requests: Vec<OnceLock<IntCounter>>,
 }
 
-/// One pool's handles, by environment.
+/// One pool's handles.
 struct PoolSeries {
     model: String,
-    envs: [Series; 4],
+    /// Backend URLs (as configured) by backend slot: the upstream TTFT's `backend` label.
+    backends: Vec<Option<Arc<str>>>,
+    /// By environment × endpoint family (`env * FAMILY_COUNT + family`), created on the first
+    /// request of each: most pairs never happen.
+    series: Vec<OnceLock<Series>>,
+}
+
+impl PoolSeries {
+    fn new(model: &str) -> Self {
+        Self {
+            model: model.to_owned(),
+            backends: Vec::new(),
+            series: (0..ENV_LABELS.len() * FAMILY_COUNT)
+                .map(|_| OnceLock::new())
+                .collect(),
+        }
+    }
+
+    /// The handles of (environment, family), resolved on first use.
+    fn get(&self, families: &Families, env: usize, family: usize) -> &Series {
+        self.series[env * FAMILY_COUNT + family].get_or_init(|| {
+            families.series(
+                ENV_LABELS[env],
+                family_label(family),
+                &self.model,
+                self.backends.len(),
+            )
+        })
+    }
+
+    /// The upstream TTFT histogram of a backend slot in `s`, resolved on first use.
+    fn upstream_ttft<'a>(
+        &self,
+        families: &Families,
+        s: &'a Series,
+        env: usize,
+        family: usize,
+        backend: usize,
+    ) -> Option<&'a Histogram> {
+        let base = self.backends.get(backend)?.as_deref()?;
+        let cell = s.ttft_upstream.get(backend)?;
+        Some(cell.get_or_init(|| {
+            families.ttft.with_label_values(&[
+                "upstream",
+                family_label(family),
+                ENV_LABELS[env],
+                &self.model,
+                base,
+            ])
+        }))
+    }
 }
 
 /// The handles by pool slot (`None`: a slot not handed out).
@@ -157,21 +219,24 @@ fn hist(
 }
 
 impl Families {
-    /// One environment's handles for `model` (no backends yet).
-    fn series(&self, env: &str, model: &str) -> Series {
-        let l2 = [env, model];
+    /// The handles of (environment, family) for `model`; its `backends` upstream TTFT cells
+    /// are left to first use.
+    fn series(&self, env: &str, family: &str, model: &str, backends: usize) -> Series {
+        let l3 = [family, env, model];
         Series {
             overhead: ["pre", "relay", "total"]
-                .map(|ph| self.overhead.with_label_values(&[ph, env, model])),
-            hop: self.hop.with_label_values(&l2),
-            ttft_client: self.ttft.with_label_values(&["client", env, model, "-"]),
-            ttft_upstream: Vec::new(),
-            tpot: self.tpot.with_label_values(&l2),
-            itl: self.itl.with_label_values(&l2),
-            e2e: self.e2e.with_label_values(&l2),
-            queue_wait: self.queue.with_label_values(&l2),
+                .map(|ph| self.overhead.with_label_values(&[ph, family, env, model])),
+            hop: self.hop.with_label_values(&l3),
+            ttft_client: self
+                .ttft
+                .with_label_values(&["client", family, env, model, "-"]),
+            ttft_upstream: (0..backends).map(|_| OnceLock::new()).collect(),
+            tpot: self.tpot.with_label_values(&l3),
+            itl: self.itl.with_label_values(&l3),
+            e2e: self.e2e.with_label_values(&l3),
+            queue_wait: self.queue.with_label_values(&l3),
             tokens: ["prompt", "completion"]
-                .map(|k| self.tokens.with_label_values(&[k, env, model])),
+                .map(|k| self.tokens.with_label_values(&[k, family, env, model])),
             requests: (0..STATUS_CLASSES.len() * KIND_COUNT)
                 .map(|_| OnceLock::new())
                 .collect(),
@@ -185,62 +250,62 @@ impl RequestMetrics {
             registry,
             "fleetgate_overhead_seconds",
             "Time the gateway itself added: pre (received to sent upstream, queue excluded), relay (first token in to handed to the client), total",
-            &["phase", "environment", "model"],
+            &["phase", "endpoint", "environment", "model"],
             OVERHEAD_BUCKETS,
         )?;
         let hop = hist(
             registry,
             "fleetgate_hop_added_seconds",
             "What the gateway added to the first token's time as the host's kernel saw it: (first token written to the client - request arrived at the host) - (first token arrived from upstream - request written upstream), queue wait excluded; Linux only",
-            &["environment", "model"],
+            &["endpoint", "environment", "model"],
             OVERHEAD_BUCKETS,
         )?;
         let ttft = hist(
             registry,
             "fleetgate_ttft_seconds",
             "Time to first token: client side (request received to first token handed on) and upstream side (request sent to first token read)",
-            &["side", "environment", "model", "backend"],
+            &["side", "endpoint", "environment", "model", "backend"],
             TTFT_BUCKETS,
         )?;
         let tpot = hist(
             registry,
             "fleetgate_tpot_seconds",
             "Time per output token after the first: (E2EL - TTFT) / (tokens - 1)",
-            &["environment", "model"],
+            &["endpoint", "environment", "model"],
             ITL_BUCKETS,
         )?;
         let itl = hist(
             registry,
             "fleetgate_itl_seconds",
             "Gaps between consecutive content events of a stream",
-            &["environment", "model"],
+            &["endpoint", "environment", "model"],
             ITL_BUCKETS,
         )?;
         let e2e = hist(
             registry,
             "fleetgate_e2e_seconds",
             "End-to-end latency: request received to the last data event (or the end of the body)",
-            &["environment", "model"],
+            &["endpoint", "environment", "model"],
             E2E_BUCKETS,
         )?;
         let queue = hist(
             registry,
             "fleetgate_queue_wait_seconds",
             "Time spent waiting for admission",
-            &["environment", "model"],
+            &["endpoint", "environment", "model"],
             QUEUE_BUCKETS,
         )?;
         let tokens = counter_vec(
             registry,
             "fleetgate_tokens_total",
             "Tokens served, from the backend's usage (completion falls back to content events)",
-            &["kind", "environment", "model"],
+            &["kind", "endpoint", "environment", "model"],
         )?;
         let requests = counter_vec(
             registry,
             "fleetgate_requests_total",
             "Requests by status class and error kind (\"none\": no error)",
-            &["status_class", "error", "environment", "model"],
+            &["status_class", "error", "endpoint", "environment", "model"],
         )?;
         let rejections = counter_vec(
             registry,
@@ -286,10 +351,7 @@ impl RequestMetrics {
             info,
             queue_depth,
         };
-        let none = PoolSeries {
-            envs: ENV_LABELS.map(|env| families.series(env, "none")),
-            model: "none".to_owned(),
-        };
+        let none = PoolSeries::new("none");
         let metrics = Self {
             layout: ArcSwap::from_pointee(Layout { pools: Vec::new() }),
             none,
@@ -314,30 +376,29 @@ impl RequestMetrics {
             if slots.len() <= p.slot {
                 slots.resize(p.slot + 1, None);
             }
-            let mut envs = match &slots[p.slot] {
-                Some(s) => s.envs.clone(),
-                None => ENV_LABELS.map(|env| self.families.series(env, &p.model)),
+            // Handles already resolved are kept (a reload never reassigns a slot); the
+            // backends' URLs are the current ones.
+            let mut ps = match &slots[p.slot] {
+                Some(old) => PoolSeries {
+                    model: old.model.clone(),
+                    backends: old.backends.clone(),
+                    series: old.series.clone(),
+                },
+                None => PoolSeries::new(&p.model),
             };
-            for (e, series) in envs.iter_mut().enumerate() {
-                for b in &p.backends {
-                    if series.ttft_upstream.len() <= b.slot {
-                        series.ttft_upstream.resize(b.slot + 1, None);
-                    }
-                    if series.ttft_upstream[b.slot].is_none() {
-                        series.ttft_upstream[b.slot] =
-                            Some(self.families.ttft.with_label_values(&[
-                                "upstream",
-                                ENV_LABELS[e],
-                                &p.model,
-                                &b.base,
-                            ]));
-                    }
+            for b in &p.backends {
+                if ps.backends.len() <= b.slot {
+                    ps.backends.resize(b.slot + 1, None);
+                }
+                ps.backends[b.slot] = Some(b.base.clone());
+            }
+            let width = ps.backends.len();
+            for cell in &mut ps.series {
+                if let Some(s) = cell.get_mut() {
+                    s.ttft_upstream.resize_with(width, OnceLock::new);
                 }
             }
-            slots[p.slot] = Some(Arc::new(PoolSeries {
-                model: p.model.to_string(),
-                envs,
-            }));
+            slots[p.slot] = Some(Arc::new(ps));
             p.balancer
                 .queue
                 .set_depth_gauge(self.families.queue_depth.with_label_values(&[&*p.model]));
@@ -388,9 +449,15 @@ impl RequestMetrics {
     }
 
     /// The ITL histogram a relay observes each gap into.
-    pub fn itl(&self, pool: Option<usize>, env: Option<Environment>) -> Histogram {
+    pub fn itl(
+        &self,
+        pool: Option<usize>,
+        env: Option<Environment>,
+        endpoint: Option<Endpoint>,
+    ) -> Histogram {
         let layout = self.layout.load();
-        self.pool_series(&layout, pool).envs[env_index(env)]
+        self.pool_series(&layout, pool)
+            .get(&self.families, env_index(env), family_index(endpoint))
             .itl
             .clone()
     }
@@ -400,7 +467,8 @@ impl RequestMetrics {
         let env = r.key.as_ref().map(|k| k.environment);
         let layout = self.layout.load();
         let ps = self.pool_series(&layout, r.pool_slot);
-        let s = &ps.envs[env_index(env)];
+        let (e, f) = (env_index(env), family_index(r.endpoint));
+        let s = ps.get(&self.families, e, f);
         let t = &r.timeline;
         let secs = |d: Duration| d.as_secs_f64();
         if let Some(d) = t.overhead_pre() {
@@ -418,12 +486,9 @@ impl RequestMetrics {
         if let Some(d) = t.client_ttft() {
             s.ttft_client.observe(secs(d));
         }
-        if let (Some(d), Some(b)) = (
-            t.upstream_ttft(),
-            r.backend_slot
-                .and_then(|i| s.ttft_upstream.get(i))
-                .and_then(Option::as_ref),
-        ) {
+        if let (Some(d), Some(i)) = (t.upstream_ttft(), r.backend_slot)
+            && let Some(b) = ps.upstream_ttft(&self.families, s, e, f, i)
+        {
             b.observe(secs(d));
         }
         if t.admitted().is_some() {
@@ -452,13 +517,13 @@ impl RequestMetrics {
         let class = (usize::from(r.status / 100)).clamp(1, 5) - 1;
         let kind = r.error.map_or(KIND_COUNT - 1, |k| k.index());
         let slot = &s.requests[class * KIND_COUNT + kind];
-        let env_label = ENV_LABELS[env_index(env)];
         let model = ps.model.as_str();
         slot.get_or_init(|| {
             self.requests.with_label_values(&[
                 STATUS_CLASSES[class],
                 r.error.map_or("none", ErrorKind::as_str),
-                env_label,
+                family_label(f),
+                ENV_LABELS[e],
                 model,
             ])
         })
