@@ -416,6 +416,168 @@ async fn stored_responses_are_reached_where_they_live() {
     let _ = Duration::ZERO;
 }
 
+/// `background: true`: the POST ends at once while its backend generates on. Its slot and the
+/// key's stream are free again when the POST ends, its tokens are settled once (at what it
+/// reserved; reading it back later charges nothing), and reading or cancelling it reaches the
+/// backend that runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_responses_hold_nothing_and_are_settled_once() {
+    let one = sim(|a| {
+        a.responses_store = true;
+        a.decode_step_ms = 10.0;
+    })
+    .await;
+    let two = sim(|a| {
+        a.responses_store = true;
+        a.decode_step_ms = 10.0;
+    })
+    .await;
+    let mut p = pool("qwen32b", &[one.url(), two.url()]);
+    p.max_in_flight_per_backend = 1;
+    let gw = gateway(vec![p]).await;
+    let (key, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+        k.tokens_per_minute = Some(1000);
+        k.max_concurrent_streams = Some(1);
+    })
+    .await;
+    let auth = format!("Bearer {key}");
+    let h = [("authorization", auth.as_str())];
+    let background = |tokens: u32| {
+        Bytes::from(
+            json!({"model": "qwen32b", "input": "Say something about the license.",
+                   "max_output_tokens": tokens, "background": true})
+            .to_string(),
+        )
+    };
+    let c = client::http_client();
+    let call = |method: &str, path: String, key: Option<&str>| {
+        let mut req = http::Request::builder().method(method).uri(gw.url(&path));
+        if let Some(k) = key {
+            req = req.header("authorization", format!("Bearer {k}"));
+        } else {
+            req = authed(&gw, method, &path);
+        }
+        c.request(req.body(http_body_util::Full::new(Bytes::new())).unwrap())
+    };
+    let read = |resp: http::Response<hyper::body::Incoming>| async move {
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice::<Value>(&body).unwrap())
+    };
+
+    // 300 tokens at 10 ms each: answered queued, long before the backend is done.
+    let bg = post(&gw.url("/v1/responses"), &h, background(300)).await;
+    assert_eq!(bg.status, 200, "{:?}", bg.body);
+    let v = json_body(&bg);
+    assert_eq!(v["status"], "queued", "{v}");
+    assert_eq!(v["background"], true);
+    let id = v["id"].as_str().unwrap().to_owned();
+    // The key's one stream and the backend's one slot are free again: the next request of
+    // the same key is answered, not refused or queued.
+    let next = post(
+        &gw.url("/v1/responses"),
+        &h,
+        responses_body("qwen32b", 3, false),
+    )
+    .await;
+    assert_eq!(next.status, 200, "{:?}", next.body);
+    // Reading it back (pinned: the other backend would answer 404) until it is done.
+    let mut done = Value::Null;
+    for _ in 0..200 {
+        let (status, v) = read(
+            call("GET", format!("/v1/responses/{id}"), Some(&key))
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+        if !matches!(v["status"].as_str(), Some("queued" | "in_progress")) {
+            done = v;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(done["status"], "incomplete", "{done}");
+    assert_eq!(done["usage"]["output_tokens"], 300, "{done}");
+    // Charged once: about 300 + its prompt for the background response, the small one's
+    // real use, and this request's reservation, less what a few seconds refilled. Charged
+    // twice (the reads too) it would be about 300 lower; never settled, about 300 higher.
+    let last = post(
+        &gw.url("/v1/responses"),
+        &h,
+        responses_body("qwen32b", 3, false),
+    )
+    .await;
+    assert_eq!(last.status, 200, "{:?}", last.body);
+    let remaining: u64 = last.headers["x-ratelimit-remaining-tokens"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (600..=850).contains(&remaining),
+        "remaining tokens {remaining}: the background response was not charged exactly once"
+    );
+
+    // A long one, cancelled while it runs, on the backend that runs it.
+    let long = post(&gw.url("/v1/responses"), &[], background(2000)).await;
+    assert_eq!(long.status, 200, "{:?}", long.body);
+    let long_id = json_body(&long)["id"].as_str().unwrap().to_owned();
+    let (status, v) = read(
+        call("POST", format!("/v1/responses/{long_id}/cancel"), None)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["status"], "cancelled");
+    let (status, v) = read(
+        call("GET", format!("/v1/responses/{long_id}"), None)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!((status, &v["status"]), (200, &json!("cancelled")), "{v}");
+    let (status, v) = read(
+        call("POST", format!("/v1/responses/{long_id}/cancel"), None)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 400, "cancelled once: {v}");
+    // A streamed background response, replayed from its fourth event by a read that keeps
+    // its query (`?stream=true&starting_after=3`), from the backend that holds it.
+    let body = json!({"model": "qwen32b", "input": "Say something about the license.",
+                      "max_output_tokens": 5, "background": true, "stream": true});
+    let streamed = post(&gw.url("/v1/responses"), &[], Bytes::from(body.to_string())).await;
+    assert_eq!(streamed.status, 200);
+    let sent = events(streamed.body.as_ref().unwrap());
+    let sid = sent[0].1["response"]["id"].as_str().unwrap().to_owned();
+    let resp = call(
+        "GET",
+        format!("/v1/responses/{sid}?stream=true&starting_after=3"),
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let replayed = resp.into_body().collect().await.unwrap().to_bytes();
+    let replayed = events(&replayed);
+    assert_eq!(replayed.len(), sent.len() - 4, "{replayed:?}");
+    assert_eq!(replayed[0].1["sequence_number"], 4);
+    assert_eq!(replayed.last().unwrap().0, "response.completed");
+    // The backends generate nothing for it any more.
+    let (a, b) = (one.stats().clone(), two.stats().clone());
+    assert!(
+        eventually(Duration::from_secs(5), || a
+            .cancelled
+            .load(std::sync::atomic::Ordering::SeqCst)
+            + b.cancelled.load(std::sync::atomic::Ordering::SeqCst)
+            >= 1)
+        .await
+    );
+}
+
 /// A stored response is its key's: another key (even one with rights on the model) is told it
 /// does not exist.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

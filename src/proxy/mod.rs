@@ -256,7 +256,18 @@ async fn phases(
 
     if endpoint.needs().body == BodyKind::None {
         let id = id.ok_or(ApiError::Internal)?;
-        return Box::pin(by_id(state, endpoint, &id, outgoing.headers, body_read, ex))
+        // A read passes its query through (`?stream=true&starting_after=N` replays a
+        // background stream's events).
+        let query = parts
+            .uri
+            .query()
+            .filter(|_| endpoint == Endpoint::ResponseGet);
+        let by = ById {
+            endpoint,
+            id: &id,
+            query,
+        };
+        return Box::pin(by_id(state, by, outgoing.headers, body_read, ex))
             .await
             .map(Forwarded::Sent);
     }
@@ -485,16 +496,27 @@ async fn wait_pinned(
     }
 }
 
+/// What a request by response id names.
+struct ById<'a> {
+    endpoint: Endpoint,
+    id: &'a str,
+    query: Option<&'a str>,
+}
+
 /// A request by response id (`GET /v1/responses/{id}`, its cancel): to the backend that holds
 /// it, with the key's rights on its model checked; no slot, no tokens.
 async fn by_id(
     state: &ProxyState,
-    endpoint: Endpoint,
-    id: &str,
+    by: ById<'_>,
     headers: HeaderMap,
     body_read: Instant,
     ex: &mut Exchange,
 ) -> Result<upstream::Sent, ApiError> {
+    let ById {
+        endpoint,
+        id,
+        query,
+    } = by;
     let generation = state.generation.load_full();
     let pin = state
         .pins
@@ -546,6 +568,10 @@ async fn by_id(
     target.push_str(id);
     if endpoint == Endpoint::ResponseCancel {
         target.push_str("/cancel");
+    }
+    if let Some(q) = query {
+        target.push('?');
+        target.push_str(q);
     }
     let prepared = Prepared {
         headers,

@@ -138,17 +138,30 @@ pub(crate) struct ResponsesFrames {
     seq: u32,
     text: String,
     buf: BytesMut,
+    /// Every event sent, kept for a background response (`GET ?stream=true` replays them).
+    pub log: Option<BytesMut>,
 }
 
 impl ResponsesFrames {
     pub fn new(object: ResponseObject, msg_id: String) -> Self {
+        let log = object.background.then(BytesMut::new);
         Self {
             object,
             msg_id,
             seq: 0,
             text: String::new(),
             buf: BytesMut::with_capacity(1024),
+            log,
         }
+    }
+
+    /// The events written since the last call (kept in `log` too, when there is one).
+    fn out(&mut self) -> Bytes {
+        let b = self.buf.split().freeze();
+        if let Some(log) = &mut self.log {
+            log.extend_from_slice(&b);
+        }
+        b
     }
 
     fn next_seq(&mut self) -> u32 {
@@ -164,7 +177,7 @@ impl ResponsesFrames {
             let data = json!({"response": &self.object, "sequence_number": seq, "type": name});
             event(&mut self.buf, name, &data);
         }
-        self.buf.split().freeze()
+        self.out()
     }
 
     /// The message item and its text part open with the first token.
@@ -182,7 +195,7 @@ impl ResponsesFrames {
             "response.content_part.added",
             &json!({"content_index": 0, "item_id": self.msg_id, "output_index": 0, "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []}, "sequence_number": seq, "type": "response.content_part.added"}),
         );
-        self.buf.split().freeze()
+        self.out()
     }
 
     /// One `response.output_text.delta`.
@@ -197,7 +210,7 @@ impl ResponsesFrames {
         b.put_slice(b"\",\"logprobs\":[],\"output_index\":0,\"sequence_number\":");
         b.put_slice(itoa::Buffer::new().format(seq).as_bytes());
         b.put_slice(b",\"type\":\"response.output_text.delta\"}\n\n");
-        self.buf.split().freeze()
+        self.out()
     }
 
     /// The closing events, `response.completed` last with the usage.
@@ -228,7 +241,7 @@ impl ResponsesFrames {
             "response.completed",
             &json!({"response": &self.object, "sequence_number": seq, "type": "response.completed"}),
         );
-        self.buf.split().freeze()
+        self.out()
     }
 
     /// An error after the head went out.
@@ -239,7 +252,7 @@ impl ResponsesFrames {
             "error",
             &json!({"type": "error", "code": "InternalServerError", "message": message, "param": null, "sequence_number": seq}),
         );
-        self.buf.split().freeze()
+        self.out()
     }
 }
 
@@ -338,39 +351,167 @@ pub(crate) fn message_json(
     .unwrap_or_default()
 }
 
-/// vLLM's store of responses (`VLLM_ENABLE_RESPONSES_API_STORE=1`): the last ones, by id.
+/// vLLM's store of responses (`VLLM_ENABLE_RESPONSES_API_STORE=1`): the last ones, by id,
+/// with what a background response still needs (its task, to cancel it; a streamed one's
+/// events, to replay them).
 #[derive(Default)]
 pub(crate) struct Store {
-    inner: Mutex<(HashMap<String, ResponseObject>, VecDeque<String>)>,
+    inner: Mutex<(HashMap<String, Stored>, VecDeque<String>)>,
+}
+
+#[derive(Default)]
+struct Stored {
+    object: Option<ResponseObject>,
+    /// The task generating a background response, until it ends.
+    task: Option<tokio::task::AbortHandle>,
+    /// A background stream's events, as sent (`GET ?stream=true` replays them).
+    events: Option<Bytes>,
+}
+
+/// Why a cancel is refused.
+pub(crate) enum CancelRefused {
+    NotFound,
+    /// Not a background response, or no longer running: vLLM's one message for both.
+    NotRunning,
+}
+
+/// A background response's status that a cancel can still change.
+fn running(status: &str) -> bool {
+    matches!(status, "queued" | "in_progress")
 }
 
 /// Responses kept by the sim's store.
 const STORE_CAPACITY: usize = 10_000;
 
 impl Store {
-    pub fn put(&self, r: &ResponseObject) {
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut HashMap<String, Stored>, &mut VecDeque<String>) -> T,
+    ) -> T {
         let mut g = self
             .inner
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (map, order) = &mut *g;
-        if map.insert(r.id.clone(), r.clone()).is_none() {
-            order.push_back(r.id.clone());
-        }
-        while order.len() > STORE_CAPACITY {
-            if let Some(old) = order.pop_front() {
-                map.remove(&old);
+        f(map, order)
+    }
+
+    /// Store (or update) `r`. A cancelled background response stays cancelled: its task may
+    /// still finish a moment after the cancel.
+    pub fn put(&self, r: &ResponseObject) {
+        self.with(|map, order| {
+            let entry = map.entry(r.id.clone()).or_insert_with(|| {
+                order.push_back(r.id.clone());
+                Stored::default()
+            });
+            if entry
+                .object
+                .as_ref()
+                .is_some_and(|o| o.status == "cancelled")
+            {
+                return;
             }
-        }
+            entry.object = Some(r.clone());
+            if !running(r.status) {
+                entry.task = None;
+            }
+            while order.len() > STORE_CAPACITY {
+                if let Some(old) = order.pop_front() {
+                    map.remove(&old);
+                }
+            }
+        });
     }
 
     pub fn get(&self, id: &str) -> Option<ResponseObject> {
-        let g = self
-            .inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        g.0.get(id).cloned()
+        self.with(|map, _| map.get(id).and_then(|e| e.object.clone()))
     }
+
+    /// The task generating background response `id`, for a cancel to stop it.
+    pub fn running_task(&self, id: &str, task: tokio::task::AbortHandle) {
+        self.with(|map, _| {
+            if let Some(e) = map.get_mut(id)
+                && e.object.as_ref().is_some_and(|o| running(o.status))
+            {
+                e.task = Some(task);
+            }
+        });
+    }
+
+    /// A background stream's events so far (the whole stream once it ended).
+    pub fn events(&self, id: &str, events: Bytes) {
+        self.with(|map, _| {
+            if let Some(e) = map.get_mut(id) {
+                e.events = Some(events);
+            }
+        });
+    }
+
+    /// `id`'s stored events with a `sequence_number` above `after`, and whether it has any
+    /// (only a streamed background response has).
+    pub fn replay(&self, id: &str, after: Option<u64>) -> Option<Bytes> {
+        let all = self.with(|map, _| map.get(id).and_then(|e| e.events.clone()))?;
+        let Some(after) = after else {
+            return Some(all);
+        };
+        let mut out = BytesMut::new();
+        for block in split_events(&all) {
+            if sequence_number(block).is_some_and(|n| n > after) {
+                out.put_slice(block);
+                out.put_slice(b"\n\n");
+            }
+        }
+        Some(out.freeze())
+    }
+
+    /// Cancel background response `id` while it runs: its status becomes `cancelled` and its
+    /// generation stops.
+    pub fn cancel(&self, id: &str) -> Result<ResponseObject, CancelRefused> {
+        self.with(|map, _| {
+            let e = map.get_mut(id).ok_or(CancelRefused::NotFound)?;
+            let o = e.object.as_mut().ok_or(CancelRefused::NotFound)?;
+            if !(o.background && running(o.status)) {
+                return Err(CancelRefused::NotRunning);
+            }
+            o.status = "cancelled";
+            if let Some(task) = e.task.take() {
+                task.abort();
+            }
+            Ok(o.clone())
+        })
+    }
+}
+
+/// The events of an SSE body (without their blank-line ends).
+fn split_events(body: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = body;
+    std::iter::from_fn(move || {
+        while rest.starts_with(b"\n") {
+            rest = &rest[1..];
+        }
+        if rest.is_empty() {
+            return None;
+        }
+        let end = rest
+            .windows(2)
+            .position(|w| w == b"\n\n")
+            .unwrap_or(rest.len());
+        let (event, tail) = rest.split_at(end);
+        rest = tail;
+        Some(event)
+    })
+}
+
+/// An event's `"sequence_number":N`.
+fn sequence_number(event: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"sequence_number\":";
+    let at = event.windows(KEY.len()).position(|w| w == KEY)? + KEY.len();
+    let digits: Vec<u8> = event[at..]
+        .iter()
+        .copied()
+        .take_while(u8::is_ascii_digit)
+        .collect();
+    std::str::from_utf8(&digits).ok()?.parse().ok()
 }
 
 /// vLLM's answer for an id it does not hold.

@@ -226,6 +226,9 @@ struct ResponsesRequest {
     background: Option<bool>,
     store: Option<bool>,
     seed: Option<i64>,
+    #[serde(default)]
+    tools: Vec<serde_json::Value>,
+    tool_choice: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -247,6 +250,7 @@ struct MessagesRequest {
     system: Option<MessageContent>,
     max_tokens: i64,
     stream: Option<bool>,
+    thinking: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -268,6 +272,9 @@ pub(crate) struct ResponsesExtras {
     pub background: bool,
     pub store: bool,
     pub max_output_tokens: Option<u32>,
+    /// The request's tools as vLLM echoes them in the response object.
+    pub tools: Vec<serde_json::Value>,
+    pub tool_choice: &'static str,
 }
 
 /// A validated generation request.
@@ -387,6 +394,13 @@ pub(crate) fn parse_generation(
         }
         Endpoint::Responses => {
             let r: ResponsesRequest = validate(body)?;
+            let tools = response_tools(&r.tools)?;
+            let tool_choice = match r.tool_choice.as_ref().and_then(|c| c.as_str()) {
+                Some("none") => "none",
+                Some("required") => "required",
+                _ if tools.is_empty() => "none",
+                _ => "auto",
+            };
             let mut prompt = r.instructions.clone().unwrap_or_default();
             match &r.input {
                 ResponsesInput::Text(t) => prompt.push_str(t),
@@ -403,6 +417,8 @@ pub(crate) fn parse_generation(
                 background: r.background.unwrap_or(false),
                 store: r.store.unwrap_or(true),
                 max_output_tokens: r.max_output_tokens.and_then(|m| u32::try_from(m).ok()),
+                tools,
+                tool_choice,
             };
             let params = SamplingParams {
                 model: r.model,
@@ -422,6 +438,12 @@ pub(crate) fn parse_generation(
         Endpoint::Messages => {
             let r: MessagesRequest = validate(body)?;
             auto_tool_choice(r.tools.as_deref(), r.tool_choice.as_ref(), cfg)?;
+            // The sim has no reasoning parser, as vLLM started without `--reasoning-parser`.
+            if r.thinking.as_ref().is_some_and(|t| t["type"] == "enabled") {
+                return Err(bad(
+                    "thinking_token_budget is set but reasoning_config is not configured. Please set --reasoning-parser and/or --reasoning-config to use thinking_token_budget.",
+                ));
+            }
             let prompt = anthropic_prompt(&r.messages, r.system.as_ref());
             if r.max_tokens < 1 {
                 return Err(ApiError::Validation {
@@ -533,6 +555,32 @@ pub(crate) fn parse_generation(
         responses,
         natural_end,
     })
+}
+
+/// A Responses request's tools as vLLM 0.32 echoes them: a function tool with its optional
+/// fields written out as null; a custom tool with a grammar format refused, as vLLM does.
+fn response_tools(tools: &[serde_json::Value]) -> Result<Vec<serde_json::Value>, ApiError> {
+    tools
+        .iter()
+        .map(|t| match t["type"].as_str() {
+            Some("function") => Ok(serde_json::json!({
+                "name": t["name"],
+                "parameters": t["parameters"],
+                "strict": t["strict"],
+                "type": "function",
+                "allowed_callers": null,
+                "async": null,
+                "defer_loading": null,
+                "description": t["description"],
+                "output_schema": null,
+            })),
+            Some("custom") if t["format"]["type"] == "grammar" => Err(ApiError::BadParam {
+                message: "Custom tools with a grammar format are not supported; only free-form text custom tools are accepted. (parameter=tools)".into(),
+                param: "tools",
+            }),
+            _ => Ok(t.clone()),
+        })
+        .collect()
 }
 
 /// vLLM's Anthropic layer asks for `tool_choice: auto` when tools come without a choice, and

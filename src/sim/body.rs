@@ -201,6 +201,9 @@ impl TokenStream {
                                 ));
                                 if let Some(store) = store {
                                     store.put(&f.object);
+                                    if let Some(log) = &f.log {
+                                        store.events(&f.object.id, log.clone().freeze());
+                                    }
                                 }
                                 self.phase = Phase::End;
                             }

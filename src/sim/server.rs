@@ -249,7 +249,9 @@ async fn route(
                     let rest = &p["/v1/responses/".len()..];
                     match (rest.strip_suffix("/cancel"), m) {
                         (Some(id), &Method::POST) => cancel_response(id, ctx),
-                        (None, &Method::GET) => stored_response(rest, ctx, capture()),
+                        (None, &Method::GET) => {
+                            stored_response(rest, req.uri().query(), ctx, capture())
+                        }
                         _ => Err(ApiError::MethodNotAllowed),
                     }
                 }
@@ -261,31 +263,59 @@ async fn route(
 }
 
 /// `GET /v1/responses/{id}`: the stored response (404 without `--responses-store`, as vLLM).
+/// With `?stream=true`, a streamed background response's events after `starting_after`; any
+/// other response's stream is empty (vLLM answers 200 and closes it).
 fn stored_response(
     id: &str,
+    query: Option<&str>,
     ctx: &SimContext,
     capture: Option<Capture>,
 ) -> Result<Response<SimBody>, ApiError> {
-    let found = ctx.responses.as_ref().and_then(|s| s.get(id));
+    let store = ctx.responses.as_ref();
+    let found = store.and_then(|s| s.get(id));
     let r = found.ok_or_else(|| agents::response_not_found(id))?;
+    let param = |name: &str| {
+        query?
+            .split('&')
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+    };
+    if param("stream") == Some("true") {
+        let after = param("starting_after").and_then(|v| v.parse().ok());
+        let events = store.and_then(|s| s.replay(id, after)).unwrap_or_default();
+        let mut resp = Response::new(SimBody::full(events, capture));
+        resp.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        return Ok(resp);
+    }
     Ok(json_response(
         serde_json::to_vec(&r).unwrap_or_default(),
         capture,
     ))
 }
 
-/// `POST /v1/responses/{id}/cancel`: the sim's responses are all synchronous (no background
-/// mode), so a stored one cannot be cancelled, as vLLM answers for a finished one.
+/// `POST /v1/responses/{id}/cancel`: a background response that still runs stops and reads
+/// `cancelled`; any other is refused with vLLM's message (it says "synchronous" for a finished
+/// background response too).
 fn cancel_response(id: &str, ctx: &SimContext) -> Result<Response<SimBody>, ApiError> {
-    if ctx.responses.as_ref().and_then(|s| s.get(id)).is_none() {
-        return Err(agents::response_not_found(id));
+    let store = ctx
+        .responses
+        .as_ref()
+        .ok_or_else(|| agents::response_not_found(id))?;
+    match store.cancel(id) {
+        Ok(object) => Ok(json_response(
+            serde_json::to_vec(&object).unwrap_or_default(),
+            None,
+        )),
+        Err(agents::CancelRefused::NotFound) => Err(agents::response_not_found(id)),
+        Err(agents::CancelRefused::NotRunning) => Err(ApiError::Flat {
+            status: http::StatusCode::BAD_REQUEST,
+            message: "Cannot cancel a synchronous response.".into(),
+            kind: "invalid_request_error",
+            param: Some("response_id"),
+        }),
     }
-    Err(ApiError::Flat {
-        status: http::StatusCode::BAD_REQUEST,
-        message: "Cannot cancel a synchronous response.".into(),
-        kind: "invalid_request_error",
-        param: Some("response_id"),
-    })
 }
 
 /// vLLM's check, byte for byte: the header must equal `Bearer <key>`; CORS preflights pass.
@@ -364,14 +394,10 @@ async fn generate(
                 param: "background",
             });
         }
-        if extras.background {
+        if extras.background && ctx.responses.is_none() {
             return Err(ApiError::Flat {
                 status: http::StatusCode::BAD_REQUEST,
-                message: if ctx.responses.is_none() {
-                    "This vLLM engine does not support `store=True` and therefore does not support the background mode. To enable these features, set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.".into()
-                } else {
-                    "The simulator does not run responses in the background mode.".into()
-                },
+                message: "This vLLM engine does not support `store=True` and therefore does not support the background mode. To enable these features, set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.".into(),
                 kind: "invalid_request_error",
                 param: Some("background"),
             });
@@ -407,8 +433,8 @@ async fn generate(
         .responses
         .clone()
         .filter(|_| endpoint == Endpoint::Responses && parsed.responses.store);
-    let object = (endpoint == Endpoint::Responses).then(|| {
-        agents::ResponseObject::new(
+    let mut object = (endpoint == Endpoint::Responses).then(|| {
+        let mut o = agents::ResponseObject::new(
             id.clone(),
             created,
             model,
@@ -418,9 +444,37 @@ async fn generate(
                 .max_output_tokens
                 .unwrap_or(parsed.max_tokens),
             parsed.responses.previous_response_id.clone(),
-        )
+        );
+        o.tools.clone_from(&parsed.responses.tools);
+        o.tool_choice = parsed.responses.tool_choice;
+        o
     });
     let msg_id = || format!("msg_{:016x}", rand::random::<u64>());
+    // Background mode (store required, checked above): stored at once, generated on.
+    let background = store.clone().filter(|_| parsed.responses.background);
+    if let (Some(store), Some(object)) = (&background, &mut object) {
+        object.background = true;
+        if !parsed.stream {
+            object.status = "queued";
+        }
+        store.put(object);
+    }
+    if let (Some(store), Some(mut object), false) = (background, object.clone(), parsed.stream) {
+        let answer = serde_json::to_vec(&object).unwrap_or_default();
+        let natural_end = parsed.natural_end;
+        let msg = msg_id();
+        let running = store.clone();
+        // Dropping the task (a cancel aborts it) drops the generation: the engine's cancel.
+        let task = tokio::spawn(async move {
+            let text = generation.collect_text().await;
+            generation.finish();
+            let (prompt, completion) = (generation.prompt_tokens, generation.emitted());
+            object.complete(&msg, &text, prompt, completion, !natural_end);
+            running.put(&object);
+        });
+        store.running_task(&id, task.abort_handle());
+        return Ok(json_response(answer, capture));
+    }
 
     if parsed.stream {
         let frames = match endpoint {
