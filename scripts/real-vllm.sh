@@ -35,10 +35,26 @@
 #   --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes
 # (still named `tiny`). Without --enable-auto-tool-choice, /v1/chat/completions and /v1/messages
 # refuse tools with tool_choice "auto" (or, on /v1/messages, no tool_choice) with a 400;
-# /v1/responses accepts them anyway. `thinking` on /v1/messages still needs a --reasoning-parser
-# (400 without), and Codex's custom tools with a grammar format are refused (400) in any mode.
+# /v1/responses accepts them anyway. `thinking` with a token budget on /v1/messages
+# (`{"type": "enabled", "budget_tokens": N}`) needs a --reasoning-parser (400 without; Claude
+# Code's `{"type": "adaptive"}` is accepted), and Codex's custom tools with a grammar format
+# are refused (400) in any mode.
 # The model's output is random words, so it never makes a tool call; the point is that such
 # requests are accepted and answered in the real wire shapes.
+#
+# Its answers end by themselves: Codex CLI and Claude Code send no output limit and no
+# temperature (vLLM then samples at 1.0), a random model practically never samples its end of
+# sequence, so every answer ran toward the 32k context (minutes), and an answer cut at
+# `max_tokens` is an error to Claude Code. The build turns the random weights into a random
+# bigram model with an end of sequence (end_answers in the Python below): each word has one
+# likely successor (~45 %), the end of sequence gets p = 0.15 per step at temperature 1, never
+# right after the prompt's closing `assistant :`, so an answer is never empty and is a handful
+# of words (mean ~7 tokens, median 5, 31 at most in 200 samples). The successor's logit stays
+# ~1 above the end's, so greedy decoding (temperature 0) never ends an answer: a request with
+# `max_tokens` and temperature 0 still gets all its tokens (a deterministic chain of words).
+# The weight of the end is calibrated at build time with forward passes; the figures go to
+# tiny-llama-32k/calibration.json, and `model --agents` rebuilds a tiny-llama-32k/ without it.
+# The plain model (tiny-llama/) is left as it was.
 #
 # --store sets VLLM_ENABLE_RESPONSES_API_STORE=1: without it vLLM ignores `store: true` on
 # /v1/responses, so GET /v1/responses/{id}, previous_response_id, `background: true` and cancel
@@ -144,8 +160,13 @@ do_model() {
     done
     if [ -f "$dir/config.json" ] && [ -f "$dir/model.safetensors" ] &&
         [ -f "$dir/tokenizer.json" ] && [ -f "$dir/tokenizer_config.json" ]; then
-        log "model already built: $dir"
-        return 0
+        # The agents' model ends its answers by itself since calibration.json came in: an older
+        # one (answers running toward the 32k context) is rebuilt.
+        if [ $kind = plain ] || [ -f "$dir/calibration.json" ]; then
+            log "model already built: $dir"
+            return 0
+        fi
+        log "rebuilding $dir: built before its answers ended by themselves (no calibration.json)"
     fi
     [ -x "$PY" ] || die "no venv yet: run '$0 install' first"
     log "building the tiny model in $dir (max_position_embeddings $max_len)"
@@ -161,6 +182,140 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 out, root, max_len, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+
+
+def end_answers(model, fast, out):
+    """The agents' model ends its answers after a few words by itself (Codex CLI and Claude Code
+    send no output limit, and a random model practically never samples its end of sequence, so
+    every answer ran toward the 32k context; an answer cut at `max_tokens` is an error to
+    Claude Code). The weights become a random bigram model with an end of sequence:
+
+    - every token embedding is [SCALE, SCALE * u_t] (u_t a random unit vector in the other 127
+      dimensions; the random layers' small outputs stay a ~1 % perturbation of that), except
+      ":" (the last token of the prompt, `assistant :`), whose first component is -SCALE;
+    - lm_head maps u_t to one successor word (a random permutation of the words), so after the
+      final RMSNorm that word's logit is NEXT_LOGIT and every other word's is a small random
+      number (sd NEXT_LOGIT / sqrt(127)); the end of sequence's row is w * e_0, so its logit is
+      the constant 8 w, or -8 w right after ":" (the <s> and <unk> rows are 0: logit 0, as
+      unlikely as any word that is not the successor).
+
+    w is calibrated with forward passes so that p(end of sequence) per step at temperature 1 is
+    TARGET: answers of a handful of words (geometric, after a first word that is never the end).
+    The successor's logit stays ~1 above the end's, so greedy decoding (temperature 0) never
+    ends an answer: it follows the chain of successors as long as `max_tokens` allows.
+    calibration.json records the figures (and marks the model as built this way)."""
+    import json
+    import math
+
+    SCALE, NEXT_LOGIT, TARGET = 20.0, 9.3, 0.15
+    gen = torch.Generator().manual_seed(1)
+    assert not model.config.tie_word_embeddings
+    emb = model.model.embed_tokens.weight.data
+    head = model.lm_head.weight.data
+    V, H = emb.shape
+    eos, bos, unk = fast.eos_token_id, fast.bos_token_id, fast.unk_token_id
+    colon = fast.convert_tokens_to_ids(":")
+    words = torch.tensor([t for t in range(V) if t not in (eos, bos, unk)])
+    u = torch.randn(V, H - 1, generator=gen)
+    u /= u.norm(dim=1, keepdim=True)
+    emb[:, 0] = SCALE
+    emb[:, 1:] = SCALE * u
+    emb[colon, 0] = -SCALE
+    head.zero_()  # <s> and <unk> stay 0
+    head[words, 1:] = NEXT_LOGIT / math.sqrt(H / 2) * u[words[torch.randperm(len(words), generator=gen)]]
+    head[eos, 0] = 1.0
+
+    def prompt(messages):
+        ids = fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"]
+        assert ids[-1] == colon, fast.convert_ids_to_tokens(ids[-3:])
+        return torch.tensor(ids)
+
+    prompts = [prompt(m) for m in (
+        [{"role": "user", "content": "say hi"}],
+        [{"role": "user", "content": "Tell me about the sea"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Tell me about the sea"}],
+        [{"role": "user", "content": open(os.path.join(root, "README.md")).read()[:6000]}],
+    )]
+    model.eval()
+    with torch.no_grad():
+        # Each prompt with 48 random words after it: the end's logit per unit of w (x) and the
+        # log of the other tokens' mass (lse) at every answer step after the first.
+        xs, lses, first = [], [], []
+        for ids in prompts:
+            cont = words[torch.randint(len(words), (48,), generator=gen)]
+            logits = model(torch.cat([ids, cont]).unsqueeze(0)).logits[0, len(ids) - 1:]
+            x = logits[:, eos].clone()
+            logits[:, eos] = -math.inf
+            lse = torch.logsumexp(logits, dim=1)
+            first.append((x[0], lse[0]))
+            xs.append(x[1:])
+            lses.append(lse[1:])
+        x, lse = torch.cat(xs), torch.cat(lses)
+        lo, hi = 0.0, 10.0
+        for _ in range(60):
+            w = (lo + hi) / 2
+            if torch.sigmoid(w * x - lse).mean().item() < TARGET:
+                lo = w
+            else:
+                hi = w
+        w = (lo + hi) / 2
+        p_eos = torch.sigmoid(w * x - lse).mean().item()
+        p_first = max(torch.sigmoid(w * a - b).item() for a, b in first)
+        head[eos, 0] = w
+
+        # Greedy never ends an answer: 64 steps on each short prompt.
+        margin = math.inf
+        for ids in prompts[:3]:
+            seq = ids
+            for _ in range(64):
+                logits = model(seq.unsqueeze(0)).logits[0, -1]
+                end = logits[eos].item()
+                logits[eos] = -math.inf
+                margin = min(margin, logits.max().item() - end)
+                seq = torch.cat([seq, logits.argmax().view(1)])
+        if margin <= 0.5:
+            sys.exit(f"calibration: greedy decoding could end an answer (margin {margin:.2f})")
+
+        # 200 answers sampled at temperature 1 (as vLLM does when a request names none).
+        n, limit = 200, 96
+        seq = prompts[0].repeat(n, 1)
+        lengths = torch.full((n,), -1)
+        for step in range(limit):
+            probs = torch.softmax(model(seq).logits[:, -1], dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+            ended = (nxt[:, 0] == eos) & (lengths < 0)
+            lengths[ended] = step
+            seq = torch.cat([seq, nxt], dim=1)
+            if (lengths >= 0).all():
+                break
+        done = lengths[lengths >= 0].float()
+        samples = [
+            fast.decode(seq[i, len(prompts[0]):len(prompts[0]) + lengths[i]])
+            for i in range(5)
+        ]
+        figures = {
+            "p_eos_per_step": round(p_eos, 4),
+            "p_eos_first_step": p_first,
+            "eos_weight": w,
+            "greedy_margin": round(margin, 3),
+            "sampled_answers": n,
+            "sampled_unended_after": {"tokens": limit, "answers": int((lengths < 0).sum())},
+            "sampled_empty": int((lengths == 0).sum()),
+            "answer_tokens_mean": round(done.mean().item(), 2),
+            "answer_tokens_median": done.median().item(),
+            "answer_tokens_max": int(done.max().item()),
+            "samples": samples,
+        }
+    if figures["sampled_empty"] or figures["sampled_unended_after"]["answers"] or not 3 <= figures["answer_tokens_mean"] <= 15:
+        sys.exit(f"calibration failed: {figures}")
+    with open(os.path.join(out, "calibration.json"), "w") as f:
+        json.dump(figures, f, indent=2)
+    print(f"answers end by themselves: p(end) {p_eos:.3f} per step at temperature 1, "
+          f"{figures['answer_tokens_mean']} tokens on average (median {figures['answer_tokens_median']:.0f}, "
+          f"max {figures['answer_tokens_max']} of {n}); greedy margin {margin:.2f}; e.g. {samples[:3]}",
+          file=sys.stderr)
+
 files = sorted(glob.glob("/usr/share/common-licenses/*")) + sorted(glob.glob(os.path.join(root, "docs", "*.md")))
 files = [f for f in files if os.path.isfile(f)]
 if not files:
@@ -223,6 +378,8 @@ config = LlamaConfig(
     torch_dtype="float32",
 )
 model = LlamaForCausalLM(config)
+if kind == "agents":
+    end_answers(model, fast, out)
 model.save_pretrained(out, safe_serialization=True)
 params = sum(p.numel() for p in model.parameters())
 print(f"vocab {len(fast)} words from {len(files)} files, {params / 1e6:.1f} M parameters, "

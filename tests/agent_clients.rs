@@ -6,7 +6,8 @@
 //! one skips loudly, and fails under `CI=true`.
 //!
 //! The agents run with their retries off and under a wall-clock limit (Codex waits forever
-//! for a network it cannot reach; Claude Code retries for minutes by default).
+//! for a network it cannot reach; Claude Code retries for minutes by default), set up by the
+//! helpers tests/real_vllm.rs shares (tests/common: `Codex`, `claude_env`, `run_agent`).
 
 #![allow(
     clippy::unwrap_used,
@@ -16,101 +17,17 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
 use fleetgate::key::Environment;
 
-/// Where `.ci/run` installs the agents' npm packages.
-fn agents_dir() -> PathBuf {
-    match std::env::var_os("FLEETGATE_AGENTS_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-            .join(".cache/fleetgate/agents"),
-    }
-}
-
-fn agent_bin(name: &str) -> Option<PathBuf> {
-    let p = agents_dir().join("node_modules/.bin").join(name);
-    p.exists().then_some(p)
-}
-
 fn python_has(module: &str) -> bool {
     std::process::Command::new("python3")
         .args(["-c", &format!("import {module}")])
         .status()
         .is_ok_and(|s| s.success())
-}
-
-struct Ran {
-    ok: bool,
-    stdout: String,
-    stderr: String,
-}
-
-/// Run `cmd` with exactly `env` (and PATH), stdin closed, killed after `limit` (a panic then).
-async fn run(
-    cmd: &std::path::Path,
-    args: &[&str],
-    env: &[(&str, String)],
-    cwd: &std::path::Path,
-    limit: Duration,
-) -> Ran {
-    let mut c = std::process::Command::new(cmd);
-    c.args(args)
-        .env_clear()
-        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-        .current_dir(cwd)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    output_within(c, limit).await
-}
-
-/// The output of `c`, or a panic when it runs past `limit` (it is killed first).
-async fn output_within(mut c: std::process::Command, limit: Duration) -> Ran {
-    let name = format!("{c:?}");
-    let (out, timed_out) = tokio::task::spawn_blocking(move || {
-        let child = c.spawn().unwrap();
-        let pid = child.id();
-        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let fired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (d, f) = (done.clone(), fired.clone());
-        std::thread::spawn(move || {
-            let start = std::time::Instant::now();
-            while start.elapsed() < limit {
-                if d.load(std::sync::atomic::Ordering::SeqCst) {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            f.store(true, std::sync::atomic::Ordering::SeqCst);
-            let _ = std::process::Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status();
-        });
-        let out = child.wait_with_output().unwrap();
-        done.store(true, std::sync::atomic::Ordering::SeqCst);
-        (out, fired.load(std::sync::atomic::Ordering::SeqCst))
-    })
-    .await
-    .unwrap();
-    let ran = Ran {
-        ok: out.status.success(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    };
-    assert!(
-        !timed_out,
-        "{name} did not finish within {limit:?}:\nstdout: {}\nstderr: {}",
-        ran.stdout, ran.stderr
-    );
-    ran
 }
 
 /// A gateway in front of a sim that takes Claude Code's tools (`--enable-auto-tool-choice`),
@@ -130,23 +47,6 @@ async fn setup() -> (sim::SimServer, Gateway, String) {
 
 use fleetgate::sim;
 
-/// The rows the gateway recorded for `endpoint`, each with its TTFT and hop.
-fn measured_rows(gw: &Gateway, endpoint: &str) -> usize {
-    let rows = gw.records.lock().unwrap().clone();
-    let mine: Vec<_> = rows
-        .iter()
-        .filter(|r| r.endpoint == Some(endpoint))
-        .collect();
-    for r in &mine {
-        assert_eq!(r.status, 200, "{r:?}");
-        assert_eq!(r.error, None, "{r:?}");
-        assert!(r.timeline.upstream_ttft().is_some(), "TTFT recorded: {r:?}");
-        assert!(r.timeline.overhead_total().is_some(), "hop recorded: {r:?}");
-        assert!(r.timeline.stream().usage.is_some(), "usage recorded: {r:?}");
-    }
-    mine.len()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_cli_completes_a_prompt_through_the_gateway() {
     let Some(codex) = agent_bin("codex") else {
@@ -155,52 +55,15 @@ async fn codex_cli_completes_a_prompt_through_the_gateway() {
     };
     let (_sim, gw, key) = setup().await;
     let dir = temp_dir("codex");
-    let (home, codex_home, work) = (dir.join("home"), dir.join("codex"), dir.join("work"));
-    for d in [&home, &codex_home, &work] {
-        std::fs::create_dir_all(d).unwrap();
-    }
     // The provider as docs/agents.md gives it.
-    std::fs::write(
-        codex_home.join("config.toml"),
-        format!(
-            r#"model = "qwen32b"
-model_provider = "fleetgate"
-check_for_update_on_startup = false
-
-[model_providers.fleetgate]
-name = "fleetgate"
-base_url = "http://{}/v1"
-wire_api = "responses"
-env_key = "FLEETGATE_KEY"
-request_max_retries = 0
-stream_max_retries = 0
-
-[analytics]
-enabled = false
-
-[otel]
-metrics_exporter = "none"
-"#,
-            gw.server.local_addr
-        ),
-    )
-    .unwrap();
-    let env = [
-        ("HOME", home.display().to_string()),
-        ("CODEX_HOME", codex_home.display().to_string()),
-        ("FLEETGATE_KEY", key.clone()),
-    ];
-    let args = [
-        "exec",
-        "--skip-git-repo-check",
-        "--ephemeral",
-        "--disable",
-        "plugins",
-        "--sandbox",
-        "danger-full-access",
-        "say hi",
-    ];
-    let r = run(&codex, &args, &env, &work, Duration::from_secs(90)).await;
+    let c = Codex::new(
+        &dir,
+        &format!("http://{}/v1", gw.server.local_addr),
+        "qwen32b",
+    );
+    let env = c.env(&key);
+    let args = Codex::exec_args("say hi");
+    let r = run_agent(&codex, &args, &env, &c.work, Duration::from_secs(90)).await;
     assert!(
         r.ok,
         "codex failed:\nstdout: {}\nstderr: {}",
@@ -218,15 +81,8 @@ metrics_exporter = "none"
         "the request log holds Codex's request with TTFT and hop"
     );
     // A revoked key: Codex says so and fails (no retries), without hanging.
-    let env = [
-        ("HOME", home.display().to_string()),
-        ("CODEX_HOME", codex_home.display().to_string()),
-        (
-            "FLEETGATE_KEY",
-            "fg-prod-00000000-revokedrevokedrevoked".to_owned(),
-        ),
-    ];
-    let r = run(&codex, &args, &env, &work, Duration::from_secs(90)).await;
+    let env = c.env("fg-prod-00000000-revokedrevokedrevoked");
+    let r = run_agent(&codex, &args, &env, &c.work, Duration::from_secs(90)).await;
     assert!(!r.ok);
     assert!(r.stderr.contains("401"), "{}", r.stderr);
     let _ = std::fs::remove_dir_all(&dir);
@@ -254,19 +110,8 @@ async fn claude_code_completes_a_prompt_through_the_gateway() {
     {
         let home = dir.join(format!("home{i}"));
         std::fs::create_dir_all(&home).unwrap();
-        let env = [
-            ("HOME", home.display().to_string()),
-            ("ANTHROPIC_BASE_URL", base.clone()),
-            (var, key.clone()),
-            ("ANTHROPIC_MODEL", "qwen32b".to_owned()),
-            ("ANTHROPIC_DEFAULT_HAIKU_MODEL", "qwen32b".to_owned()),
-            ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".to_owned()),
-            ("DISABLE_TELEMETRY", "1".to_owned()),
-            ("DISABLE_AUTOUPDATER", "1".to_owned()),
-            ("DISABLE_ERROR_REPORTING", "1".to_owned()),
-            ("CLAUDE_CODE_MAX_RETRIES", "0".to_owned()),
-        ];
-        let r = run(
+        let env = claude_env(&home, &base, var, &key, "qwen32b");
+        let r = run_agent(
             &claude,
             &["-p", "say hi", "--no-session-persistence"],
             &env,

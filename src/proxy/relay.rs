@@ -697,11 +697,19 @@ impl RelayBody {
         Some(Poll::Ready(Some(Err(std::io::Error::other(err.message())))))
     }
 
-    /// Hand the gathered frames to the client connection, stamping the first token.
+    /// Hand the gathered frames to the client connection, stamping the first token. Once the
+    /// stream's terminal event (`[DONE]`, `response.completed`, `message_stop`) is handed on,
+    /// the answer is complete: a client that hangs up on reading it (Codex does) has not left
+    /// early, even if the backend's end of body is still on its way.
     fn deliver(self: Pin<&mut Self>) -> Bytes {
         let this = self.project();
         let out = this.ready.take().unwrap_or_default();
-        this.ex.record.timeline.stamp_delivered(Instant::now());
+        let now = Instant::now();
+        let tl = &mut this.ex.record.timeline;
+        tl.stamp_delivered(now);
+        if tl.stream().done {
+            this.ex.record.finish(now);
+        }
         out
     }
 }
