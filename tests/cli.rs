@@ -481,6 +481,32 @@ async fn serve_reloads_pools_on_sighup_and_when_the_file_changes() {
         "{logs}"
     );
     assert!(logs.contains("max_in_flight_per_backend"), "{logs}");
+    // The shutdown says it drained once (not once per listener and worker thread).
+    assert_eq!(logs.matches("drained").count(), 1, "{logs}");
+    assert_eq!(
+        logs.matches("stopped accepting; draining").count(),
+        1,
+        "{logs}"
+    );
+    // Durations in the request events are rounded: milliseconds to the microsecond,
+    // microseconds to the tenth (no `39.675000000000004`).
+    let mut durations = 0;
+    for line in logs.lines().filter(|l| l.contains("fleetgate::request")) {
+        for field in line.split_whitespace() {
+            let Some((name, value)) = field.split_once('=') else {
+                continue;
+            };
+            let places = match name {
+                n if n.ends_with("_ms") => 3,
+                n if n.ends_with("_us") => 1,
+                _ => continue,
+            };
+            durations += 1;
+            let decimals = value.split_once('.').map_or(0, |(_, d)| d.len());
+            assert!(decimals <= places, "{field} in {line}");
+        }
+    }
+    assert!(durations >= 20, "request events with durations: {logs}");
     // Written to a pipe, as to a file: no ANSI colour codes.
     assert!(
         !logs.contains('\u{1b}'),

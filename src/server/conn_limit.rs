@@ -192,6 +192,11 @@ pub fn derived_per_address(max: usize) -> u32 {
 }
 
 impl ConnLimit {
+    /// The listener it guards (`api`, `admin`): a log field.
+    pub fn name(&self) -> &'static str {
+        self.listener
+    }
+
     pub fn new(
         listener: &'static str,
         max: usize,

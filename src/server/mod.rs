@@ -103,6 +103,8 @@ pub struct Server {
     writers_stop: CancellationToken,
     tasks: TaskTracker,
     workers: Vec<tokio::sync::oneshot::Receiver<()>>,
+    /// `server.shutdown_grace`, for the shutdown's log line.
+    grace: Duration,
 }
 
 impl Server {
@@ -313,6 +315,7 @@ impl Server {
             writers_stop,
             tasks,
             workers: worker_done,
+            grace: config.server.shutdown_grace,
         })
     }
 
@@ -323,12 +326,19 @@ impl Server {
 
     /// Stop accepting, let in-flight streams finish within the grace period, then return.
     pub async fn shutdown(mut self) {
+        // Said once here for every listener and worker (each logs only what is its own: a
+        // grace period that ran out on it).
+        tracing::info!(
+            grace_s = self.grace.as_secs_f64(),
+            "stopped accepting; draining in-flight requests"
+        );
         self.shutdown.cancel();
         for done in std::mem::take(&mut self.workers) {
             let _ = done.await;
         }
         self.writers_stop.cancel();
         self.tasks.wait().await;
+        tracing::info!("drained: every connection closed, the last log rows written");
     }
 
     /// The pools as they are now.
@@ -610,16 +620,13 @@ async fn accept_loop<H, F>(
     }
     drop(listener);
     let grace = drain.grace;
-    tracing::info!(
-        grace_s = grace.as_secs_f64(),
-        "stopped accepting; draining in-flight requests"
-    );
     let drained = graceful.shutdown();
     tokio::pin!(drained);
     if tokio::time::timeout(grace, &mut drained).await.is_ok() {
-        tracing::info!("all connections drained");
+        tracing::debug!(listener = limit.name(), "connections drained");
     } else {
         tracing::warn!(
+            listener = limit.name(),
             open = conns.len(),
             "grace period over; ending the remaining streams with a `gateway_shutdown` error"
         );
@@ -631,7 +638,11 @@ async fn accept_loop<H, F>(
                 .await
                 .is_err()
             {
-                tracing::warn!(open = conns.len(), "closing the remaining connections");
+                tracing::warn!(
+                    listener = limit.name(),
+                    open = conns.len(),
+                    "closing the remaining connections"
+                );
             }
         }
     }

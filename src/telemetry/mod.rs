@@ -184,12 +184,14 @@ impl Drop for RequestRecord {
     }
 }
 
+/// Milliseconds to the microsecond (`2.5065`, not `2.5065399999999998`).
 fn ms(d: Option<Duration>) -> f64 {
-    d.map_or(-1.0, |d| d.as_secs_f64() * 1e3)
+    d.map_or(-1.0, |d| (d.as_secs_f64() * 1e6).round() / 1e3)
 }
 
+/// Microseconds to the tenth (`39.7`, not `39.675000000000004`).
 fn us(d: Option<Duration>) -> f64 {
-    d.map_or(-1.0, |d| d.as_secs_f64() * 1e6)
+    d.map_or(-1.0, |d| (d.as_secs_f64() * 1e7).round() / 1e1)
 }
 
 /// The structured per-request event. Durations are milliseconds (overheads microseconds);
