@@ -63,8 +63,11 @@ pub enum KeysCommand {
         after_help = "Examples:\n  fleetgate keys create --env stress --name 'nightly load test' --rpm 600 --tpm 2000000 --max-streams 64\n  fleetgate keys create --env prod --name 'chat frontend' --models qwen32b --expires 90d\n  export OPENAI_API_KEY=$(fleetgate keys create --env gray --name canary -q)"
     )]
     Create {
+        /// The key's environment: stress, gray or prod (it decides the key's priority in the
+        /// admission queue, and labels its requests in the metrics and the request log).
         #[arg(long)]
         env: Environment,
+        /// A name for people: shown by `keys list`, in the console and in the audit trail.
         #[arg(long)]
         name: String,
         /// Models the key may use (comma-separated; default all).

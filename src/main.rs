@@ -45,7 +45,7 @@ enum Command {
         after_help = "Examples:\n  fleetgate sim --port 8001\n  fleetgate sim --port 8002 --zero-delay          # pure hop-cost measurements\n  fleetgate sim --port 8003 --fail-rate 0.1       # fault injection"
     )]
     Sim(fleetgate::sim::SimArgs),
-    /// Two simulated backends and the gateway in one process; compares TTFT direct vs via.
+    /// Two simulated backends behind the gateway, in one process: TTFT direct vs through it.
     #[command(
         after_help = "Examples:\n  fleetgate demo                  # serves on 127.0.0.1:8080 until Ctrl-C, prints the next steps\n  fleetgate demo --no-wait        # print the TTFT table and exit"
     )]

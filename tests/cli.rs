@@ -801,6 +801,30 @@ fn every_command_has_help_with_examples_and_usage_errors_exit_64() {
     ] {
         assert!(out.contains(line), "{out}");
     }
+    // Each command's line says all it means (the demo's once read "... direct vs via").
+    assert!(
+        out.contains("demo           Two simulated backends behind the gateway, in one process: TTFT direct vs through it\n"),
+        "{out}"
+    );
+    // Every option of `keys create` is described, the required ones first of all.
+    let (_, create, _) = fleetgate(&["keys", "create", "--help"]);
+    for (option, says) in [
+        ("--env <ENV>", "stress, gray or prod"),
+        ("--name <NAME>", "A name for people"),
+    ] {
+        let line = create
+            .lines()
+            .find(|l| l.trim_start().starts_with(option))
+            .unwrap_or_else(|| panic!("no {option} in:\n{create}"));
+        assert!(line.contains(says), "{line}\n{create}");
+    }
+    // A config file that is not there is named, and nothing else (no stray `-` field).
+    let (code, _, err) = fleetgate(&["check-config", "--config", "/nonexistent/fleetgate.toml"]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("/nonexistent/fleetgate.toml: cannot read the file: No such file"),
+        "{err}"
+    );
     for cmd in [
         &["serve"][..],
         &["sim"],

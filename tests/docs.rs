@@ -172,6 +172,7 @@ fn the_messages_operations_md_quotes_are_the_gateways() {
     let sources: String = [
         "src/auth/mod.rs",
         "src/auth/failure.rs",
+        "src/admin/jwt.rs",
         "src/proxy/error.rs",
         "src/proxy/mod.rs",
         "src/proxy/upstream.rs",

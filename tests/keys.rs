@@ -677,6 +677,29 @@ async fn rotation_grace_and_expiry() {
     assert_eq!(chat(&gw, &new_key).await.status, 200);
 }
 
+/// An admin listener without a key to verify tokens with refuses every call, and says to
+/// configure one: telling the user to mint a token would send them to `admin-token`, which
+/// fails for the same reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_api_without_a_jwt_key_says_to_configure_one() {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.admin = fleetgate::config::AdminConfig {
+            jwt_key: None,
+            ..admin_cfg()
+        }
+    })
+    .await;
+    for t in [None, Some(token(Role::Admin))] {
+        let (s, body) = admin(&gw, "GET", "/admin/keys", t.as_deref(), None).await;
+        assert_eq!(s, 401, "{body}");
+        assert_eq!(body["error"]["code"], "invalid_admin_token");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("set admin.jwt_secret"), "{message}");
+        assert!(!message.contains("mint"), "{message}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_api_checks_its_tokens() {
     let sim = sim(|_| {}).await;

@@ -198,6 +198,12 @@ impl Verifier {
         })
     }
 
+    /// Whether a key to verify tokens with is configured (without one every token is
+    /// refused, and the answer says to configure one rather than to mint a token).
+    pub fn is_configured(&self) -> bool {
+        self.key.is_some()
+    }
+
     pub fn verify(&self, token: &str) -> Result<Claims, JwtError> {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

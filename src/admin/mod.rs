@@ -198,6 +198,8 @@ fn authorize(state: &AdminState, req: &Request<Incoming>) -> Result<Caller, Admi
             scheme.eq_ignore_ascii_case("bearer").then_some(rest.trim())
         });
     let claims = match token {
+        // Without a key no token can work: say what to configure, not to mint one.
+        _ if !state.verifier.is_configured() => Err(JwtError::NotConfigured),
         None => Err(JwtError::Missing),
         Some(t) => state.verifier.verify(t),
     };

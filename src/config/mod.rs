@@ -37,14 +37,23 @@ pub use server::{DEFAULT_MAX_BODY_BYTES, LogFormat, ServerConfig, TlsConfig};
 
 use crate::key::Environment;
 
-/// A configuration problem, reported with the file and the field it concerns. `fleetgate`
-/// exits with code 64 (EX_USAGE) on one of these.
+/// A configuration problem, reported with the file and the field it concerns (`-`: the
+/// whole file, e.g. it cannot be read or is not TOML; the message then names no field).
+/// `fleetgate` exits with code 64 (EX_USAGE) on one of these.
 #[derive(Debug, thiserror::Error)]
-#[error("{file}: {field}: {message}")]
 pub struct ConfigError {
     pub file: String,
     pub field: String,
     pub message: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.field.as_str() {
+            "-" | "" => write!(f, "{}: {}", self.file, self.message),
+            field => write!(f, "{}: {field}: {}", self.file, self.message),
+        }
+    }
 }
 
 /// Errors of one file: the sections name the field, this adds which file it was.
