@@ -14,6 +14,7 @@ use crate::key::Environment;
 use crate::key::KeyRecord;
 use crate::secret::Secret;
 use crate::store::{CreateKey, KeyStore};
+use crate::telemetry::usage::GroupBy;
 
 /// Where the key store is: a config file's `[database]`, or given directly. Global: accepted
 /// before or after the subcommand (`fleetgate keys --sqlite DB create …` and `fleetgate keys
@@ -553,7 +554,7 @@ pub struct UsageArgs {
     pub month: Option<String>,
     /// Group by key, env, model or backend.
     #[arg(long, default_value = "key")]
-    pub by: crate::telemetry::usage::GroupBy,
+    pub by: GroupBy,
     #[arg(long)]
     pub json: bool,
 }
@@ -584,9 +585,21 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
         return print_json(&serde_json::json!({"from": from, "to": to, "groups": rows}));
     }
     outln!("{} .. {}", format_wall_ms(from), format_wall_ms(to));
+    // Grouped by key, the key's environment and name follow the figures, under their own
+    // headers.
+    let key_columns = if args.by == GroupBy::Key {
+        format!("  {:<6}  NAME", "ENV")
+    } else {
+        String::new()
+    };
     outln!(
-        "{:<24} {:>9} {:>7} {:>12} {:>12}  {:>24}  {:>24}",
-        "GROUP",
+        "{:<24} {:>9} {:>7} {:>12} {:>12}  {:>24}  {:>24}{key_columns}",
+        match args.by {
+            GroupBy::Key => "KEY",
+            GroupBy::Environment => "ENV",
+            GroupBy::Model => "MODEL",
+            GroupBy::Backend => "BACKEND",
+        },
         "REQUESTS",
         "ERRORS",
         "PROMPT TOK",

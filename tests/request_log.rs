@@ -361,7 +361,9 @@ async fn usage_reads_the_log_back() {
             >= model["client_ttft_ms"]["p50"].as_f64().unwrap()
     );
     assert!(model["overhead_ms"]["p50"].as_f64().is_some());
-    let none = groups.iter().find(|g| g["group"] == "-").unwrap();
+    // The requests refused before routing: named as such (the console's word for the keyless
+    // group is "no key").
+    let none = groups.iter().find(|g| g["group"] == "no model").unwrap();
     assert_eq!(
         (none["requests"].as_u64(), none["errors"].as_u64()),
         (Some(1), Some(1))
@@ -407,6 +409,15 @@ async fn usage_reads_the_log_back() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
+    // A header over every column, the key's environment and name included.
+    let header = text.lines().nth(1).unwrap_or_default();
+    for column in ["KEY", "REQUESTS", "ERRORS", "TTFT ms", "ENV", "NAME"] {
+        assert!(header.contains(column), "{column} in {text}");
+    }
+    assert!(
+        header.ends_with(&format!("{:<6}  NAME", "ENV")),
+        "{header:?}"
+    );
     let line = text
         .lines()
         .find(|l| l.starts_with(&id))

@@ -30,6 +30,16 @@ impl std::str::FromStr for GroupBy {
 }
 
 impl GroupBy {
+    /// The group of requests without a value in the column: "no key" (refused before a key
+    /// was known), as the console names it, "no model" (refused before routing), "no backend".
+    pub fn empty_group(self) -> &'static str {
+        match self {
+            GroupBy::Key | GroupBy::Environment => "no key",
+            GroupBy::Model => "no model",
+            GroupBy::Backend => "no backend",
+        }
+    }
+
     fn column(self) -> &'static str {
         match self {
             GroupBy::Key => "key_id",
@@ -127,7 +137,7 @@ pub async fn usage(store: &KeyStore, q: &UsageQuery) -> Result<Vec<UsageRow>, St
     for r in rows {
         let group: Option<String> = r.try_get("grp")?;
         let acc = groups
-            .entry(group.unwrap_or_else(|| "-".into()))
+            .entry(group.unwrap_or_else(|| q.by.empty_group().into()))
             .or_default();
         acc.requests += 1;
         let status: i32 = r.try_get("status")?;
