@@ -8,8 +8,9 @@
 #   scripts/real-vllm-bench.sh
 #
 # Environment: FLEETGATE_TEST_VLLM, FLEETGATE_TEST_VLLM_KEY (the server, as real-vllm.sh prints
-# them); FLEETGATE_VLLM_HOME (the venv with `vllm`, default /work/vllm); PROMPTS (default 80),
-# RATE (requests/s, default 8), INPUT_LEN / OUTPUT_LEN (default 64 / 32), ROUNDS (default 2).
+# them); FLEETGATE_VLLM_HOME (the venv with `vllm`, default
+# ${XDG_CACHE_HOME:-~/.cache}/fleetgate/vllm); PROMPTS (default 80), RATE (requests/s,
+# default 8), INPUT_LEN / OUTPUT_LEN (default 64 / 32), ROUNDS (default 2).
 # Results: bench-out/real-vllm-<stamp>/ (the JSON of every run and summary.md).
 set -euo pipefail
 
@@ -22,7 +23,7 @@ SCRIPT_NAME=real-vllm-bench
 VLLM_URL=${FLEETGATE_TEST_VLLM:?set FLEETGATE_TEST_VLLM (scripts/real-vllm.sh start prints it)}
 VLLM_URL=${VLLM_URL%/}
 export FLEETGATE_TEST_VLLM_KEY=${FLEETGATE_TEST_VLLM_KEY:?set FLEETGATE_TEST_VLLM_KEY}
-VHOME=${FLEETGATE_VLLM_HOME:-/work/vllm}
+VHOME=${FLEETGATE_VLLM_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/fleetgate/vllm}
 VLLM_BIN=$VHOME/venv/bin/vllm
 [ -x "$VLLM_BIN" ] || die "$VLLM_BIN not found: scripts/real-vllm.sh install"
 PROMPTS=${PROMPTS:-80}

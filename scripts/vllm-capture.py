@@ -770,6 +770,13 @@ def main():
         except (OSError, http.client.HTTPException, KeyError) as err:
             sys.exit(f"vllm-capture: {case['name']}: {err}")
         records[case["name"]] = record
+        # A model card's `root` is the server's local directory: kept as its last component,
+        # so no machine's path ends up in the fixtures.
+        body = record["response"].get("body")
+        if isinstance(body, dict) and isinstance(body.get("data"), list):
+            for card in body["data"]:
+                if isinstance(card, dict) and isinstance(card.get("root"), str) and card["root"].startswith("/"):
+                    card["root"] = os.path.basename(card["root"].rstrip("/"))
         file = case["name"] + ".json"
         with open(os.path.join(args.out, file), "w") as f:
             json.dump(record, f, indent=2, ensure_ascii=False)

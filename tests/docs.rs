@@ -219,3 +219,48 @@ fn the_messages_operations_md_quotes_are_the_gateways() {
     }
     assert!(checked >= 10, "only {checked} quoted messages checked");
 }
+
+/// Nothing the project ships names a directory of the machine it was written on: the vLLM
+/// home defaults to the user's cache, fixtures keep a model's directory name only, and the
+/// docs and scripts point into the repository.
+#[test]
+fn no_development_machine_paths_are_shipped() {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    for dir in [
+        "src",
+        "scripts",
+        "docs",
+        "tests",
+        "config",
+        "deploy",
+        "migrations",
+    ] {
+        walk(&std::path::Path::new(ROOT).join(dir), &mut files);
+    }
+    files.push(std::path::Path::new(ROOT).join("README.md"));
+    let this = std::path::Path::new(ROOT).join("tests/docs.rs");
+    // Spelled in pieces, so this test does not find itself.
+    let machine = ["/wo", "rk/"].concat();
+    let mut found = Vec::new();
+    for f in files.iter().filter(|f| **f != this) {
+        let Ok(text) = std::fs::read_to_string(f) else {
+            continue; // not text
+        };
+        for (i, line) in text.lines().enumerate() {
+            if line.contains(&machine) {
+                found.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "machine paths:\n{}", found.join("\n"));
+}

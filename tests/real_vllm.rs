@@ -7,7 +7,8 @@
 //! Without `FLEETGATE_TEST_VLLM` every test here says loudly that it was skipped and passes,
 //! under `CI=true` too: vLLM's install is about 6 GB, so CI runs the captured answers instead
 //! (tests/vllm_conformance.rs). `vllm bench serve` comes from the venv of
-//! `$FLEETGATE_VLLM_HOME` (default /work/vllm), as scripts/real-vllm.sh installs it.
+//! `$FLEETGATE_VLLM_HOME` (default `${XDG_CACHE_HOME:-~/.cache}/fleetgate/vllm`), as
+//! scripts/real-vllm.sh installs it.
 //!
 //! The tests take turns (one server, whose running-request gauge some of them read). They pass
 //! against the plain server (`start`) and against the agents' (`start --agents`), but for the
@@ -461,9 +462,16 @@ async fn output(mut cmd: std::process::Command) -> std::process::Output {
         .unwrap()
 }
 
+/// Where scripts/real-vllm.sh installs vLLM: `$FLEETGATE_VLLM_HOME`, else the user's cache.
 fn vllm_home() -> PathBuf {
-    std::env::var_os("FLEETGATE_VLLM_HOME")
-        .map_or_else(|| PathBuf::from("/work/vllm"), PathBuf::from)
+    if let Some(home) = std::env::var_os("FLEETGATE_VLLM_HOME") {
+        return PathBuf::from(home);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    cache.join("fleetgate").join("vllm")
 }
 
 /// `fleetgate bench --compare` (interleaved) and `vllm bench serve` (alternating runs), each
