@@ -423,7 +423,7 @@ async fn audit(store: &KeyStore, id: Option<&str>, limit: i64, json: bool) -> Re
             e.action,
             e.key_public_id.as_deref().unwrap_or("-"),
             e.actor,
-            e.detail
+            e.detail_for_people()
         );
     }
     Ok(())

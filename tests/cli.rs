@@ -352,6 +352,11 @@ fn keys_cli_round_trip() {
         .map(|e| e["action"].as_str().unwrap())
         .collect();
     assert_eq!(actions, ["revoke", "create"]);
+    // For people, the trail's instants are ISO 8601 (the JSON keeps the stored number).
+    let expires = audit[1]["detail"]["expires_at"].as_i64().unwrap();
+    let (_, text, _) = run(&["audit", &id]);
+    assert!(text.contains("\"expires_at\":\"20"), "{text}");
+    assert!(!text.contains(&expires.to_string()), "{text}");
     let (code, _, err) = run(&["create", "--env", "dev", "--name", "x"]);
     assert_ne!(code, Some(0));
     assert!(err.contains("stress, gray or prod"), "{err}");

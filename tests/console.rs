@@ -259,6 +259,7 @@ async fn console_access_rules_on_both_stores() {
                 ("name", evil),
                 ("metadata", metadata),
                 ("requests_per_minute", "600"),
+                ("expires_in", "30d"),
             ])),
         )
         .await;
@@ -459,6 +460,13 @@ async fn console_access_rules_on_both_stores() {
         assert!(
             page.body.contains("data-action=\"create\"")
                 && page.body.contains("data-action=\"revoke\"")
+        );
+        // The issue's expiry reads as a time, not as epoch milliseconds.
+        assert!(
+            page.body.contains("&quot;expires_at&quot;:&quot;20")
+                || page.body.contains("\"expires_at\":\"20"),
+            "{}",
+            page.body
         );
         let signins = send(
             admin,

@@ -109,6 +109,33 @@ pub struct AuditEntry {
     pub detail: serde_json::Value,
 }
 
+impl AuditEntry {
+    /// `detail` for people: an instant stored as epoch milliseconds (a field named `*_at`)
+    /// written as ISO 8601 (`"expires_at": "2027-03-02T10:00:00Z"`, not `1803966450046`).
+    /// The stored entry and `--json` keep the number.
+    pub fn detail_for_people(&self) -> serde_json::Value {
+        fn walk(v: &serde_json::Value) -> serde_json::Value {
+            match v {
+                serde_json::Value::Object(map) => map
+                    .iter()
+                    .map(|(k, v)| {
+                        let v = match v.as_i64() {
+                            Some(ms) if k.ends_with("_at") => {
+                                serde_json::Value::String(crate::clock::format_wall_ms(ms))
+                            }
+                            _ => walk(v),
+                        };
+                        (k.clone(), v)
+                    })
+                    .collect(),
+                serde_json::Value::Array(items) => items.iter().map(walk).collect(),
+                other => other.clone(),
+            }
+        }
+        walk(&self.detail)
+    }
+}
+
 /// What `audit_search` looks for (`None`: any).
 #[derive(Debug, Clone, Copy)]
 pub struct AuditSearch<'a> {

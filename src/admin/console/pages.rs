@@ -665,7 +665,7 @@ pub fn audit_table(entries: &[AuditEntry], with_key: bool) -> Markup {
                         @if with_key {
                             td { @if let Some(k) = &e.key_public_id { a href=(format!("/console/keys/{k}")) { code { (k) } } } }
                         }
-                        td { code.detail { (e.detail.to_string()) } }
+                        td { code.detail { (e.detail_for_people().to_string()) } }
                     }
                 }
                 @if entries.is_empty() {
