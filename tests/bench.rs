@@ -673,7 +673,22 @@ fn diff_lines_up_two_results() {
     assert!(t.contains("mean_ttft_ms") && t.contains("+3.00%"), "{t}");
     assert!(t.contains("-5.00%"), "{t}");
     assert!(!t.contains("input_lens"));
+    assert!(
+        t.starts_with("A: a single-target run\nB: a single-target run\n"),
+        "{t}"
+    );
     assert!(fleetgate::bench::report::diff(&serde_json::json!({}), &b).is_err());
+    // A compare result: the diff says which of its targets it read.
+    let compare = serde_json::json!({
+        "targets": {"direct": {"mean_ttft_ms": 90.0}, "gateway": {"mean_ttft_ms": 101.0}},
+        "comparison": {"baseline": "direct", "measured": "gateway"},
+    });
+    let t = fleetgate::bench::report::diff(&compare, &a).unwrap();
+    assert!(
+        t.starts_with("A: target `gateway` of a --compare run (the measured side; `direct` was its baseline)\n"),
+        "{t}"
+    );
+    assert!(t.contains("101.000") && t.contains("-0.99%"), "{t}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

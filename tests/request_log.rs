@@ -609,6 +609,33 @@ async fn a_spill_file_replayed_twice_stores_each_row_once() {
     }
 }
 
+/// Two processes opening one new SQLite file at once (a `serve` starting while `keys create`
+/// runs, as the README's steps do) both migrate it: SQLite has no migration lock, and the
+/// slower one used to fail on a step the other had applied ("table request_log_new has 26
+/// columns but 27 values were supplied").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_of_one_sqlite_file_both_succeed() {
+    for round in 0..8 {
+        let dir = TempDir(temp_dir(&format!("migrate-race-{round}")));
+        let db = fleetgate::config::DatabaseConfig {
+            sqlite_path: dir.0.join("fresh.db"),
+            ..Default::default()
+        };
+        let stores: Vec<_> = futures_util::future::join_all(
+            (0..3).map(|_| fleetgate::store::KeyStore::connect(&db)),
+        )
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+        let results = futures_util::future::join_all(stores.iter().map(|s| s.migrate())).await;
+        for r in &results {
+            assert!(r.is_ok(), "round {round}: {results:?}");
+        }
+        assert_eq!(rows(&stores[0]).await.len(), 0);
+    }
+}
+
 /// Upgrading an SQLite store whose request log still has the row-id primary key keeps every
 /// row, and leaves the table with only its two time indexes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -286,21 +286,30 @@ pub fn seed_json(s: &Summary) -> serde_json::Map<String, Value> {
 /// `fleetgate bench diff A.json B.json`: every `mean_/median_/pNN_*_ms` and throughput key of
 /// two result files side by side.
 pub fn diff(a: &Value, b: &Value) -> Result<String, String> {
-    let pick = |v: &Value| -> Result<serde_json::Map<String, Value>, String> {
+    // The figures of a file, and which they are: a compare run's measured target, or the run.
+    let pick = |v: &Value| -> Result<(serde_json::Map<String, Value>, String), String> {
         let obj = v.as_object().ok_or("not a JSON object")?;
-        // A compare run: its measured target.
         if let Some(t) = obj.get("targets").and_then(Value::as_object) {
             let measured = obj["comparison"]["measured"].as_str().unwrap_or_default();
-            return t
+            let baseline = obj["comparison"]["baseline"].as_str().unwrap_or("?");
+            let figures = t
                 .get(measured)
                 .and_then(Value::as_object)
                 .cloned()
-                .ok_or_else(|| "a compare result without its measured target".to_owned());
+                .ok_or_else(|| "a compare result without its measured target".to_owned())?;
+            return Ok((
+                figures,
+                format!(
+                    "target `{measured}` of a --compare run (the measured side; `{baseline}` was its baseline)"
+                ),
+            ));
         }
-        Ok(obj.clone())
+        Ok((obj.clone(), "a single-target run".to_owned()))
     };
-    let (a, b) = (pick(a)?, pick(b)?);
+    let ((a, what_a), (b, what_b)) = (pick(a)?, pick(b)?);
     let mut o = String::new();
+    let _ = writeln!(o, "A: {what_a}");
+    let _ = writeln!(o, "B: {what_b}");
     let _ = writeln!(o, "{:<28} {:>14} {:>14} {:>10}", "key", "A", "B", "change");
     let wanted = |k: &str| {
         (k.ends_with("_ms")

@@ -303,7 +303,23 @@ impl KeyStore {
             DbKind::Sqlite => &SQLITE_MIGRATOR,
         };
         let before = self.applied_migrations().await.unwrap_or(0);
-        migrator.run(&self.pool).await?;
+        let mut attempt = 0;
+        loop {
+            match migrator.run(&self.pool).await {
+                Ok(()) => break,
+                // SQLite has no migration lock (PostgreSQL's is an advisory lock): a `serve`
+                // starting while `keys create` opens the same new file migrate it at the same
+                // moment, and the slower one fails on a step the other already applied (its
+                // transaction rolls back). Run again: what the other applied is skipped, and a
+                // genuine failure fails again.
+                Err(e) if self.kind == DbKind::Sqlite && attempt < 5 => {
+                    attempt += 1;
+                    tracing::debug!(error = %e, attempt, "sqlite migration raced; running again");
+                    tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         let after = self.applied_migrations().await.unwrap_or(before);
         Ok(after.saturating_sub(before))
     }
