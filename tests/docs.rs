@@ -264,3 +264,43 @@ fn no_development_machine_paths_are_shipped() {
     }
     assert!(found.is_empty(), "machine paths:\n{}", found.join("\n"));
 }
+
+/// The console's "Now" span is one number in the code, on the page and in docs/console.md.
+#[test]
+fn the_consoles_now_window_is_the_codes() {
+    use fleetgate::admin::console::{data, pages};
+    let secs = data::RATE_WINDOW.as_secs();
+    let doc = read("docs/console.md");
+    assert!(
+        doc.contains(&format!(
+            "requests per second and error rate (4xx and 5xx) over the last {secs} seconds"
+        )),
+        "docs/console.md's Now section names another span than the code's {secs} s"
+    );
+    assert!(
+        !doc.contains("~30 seconds") && !doc.contains("about 30 seconds"),
+        "an approximate span"
+    );
+    let live = |over_seconds: f64, rate: Option<f64>| {
+        pages::live(
+            &data::LiveFigures {
+                rate: [rate; 4],
+                error_rate: [None; 4],
+                over_seconds,
+                requests_total: [0; 4],
+                queue: Vec::new(),
+            },
+            &pages::Fleet { up: 0, total: 0 },
+        )
+        .into_string()
+    };
+    let page = live(secs as f64, Some(1.0));
+    assert!(
+        page.contains(&format!("rates over the last {secs} s")),
+        "{page}"
+    );
+    // Before the first full span, the page names the usual one as the docs do.
+    for page in [live(5.0, Some(1.0)), live(0.0, None)] {
+        assert!(page.contains(&format!("the last {secs} s")), "{page}");
+    }
+}

@@ -137,11 +137,73 @@ impl Acc {
 /// Nearest-rank percentile of sorted samples (the one `fleetgate usage` reads with).
 pub use crate::telemetry::usage::nearest_rank as pct;
 
-/// A window cut into equal buckets, per group.
-pub struct Series {
+/// The charts' interval sizes, smallest first. Each divides a day, so the buckets of a window
+/// read as round intervals ("per 30 s", "per 5 min", "per 3 h").
+const BUCKET_SIZES_MS: [i64; 15] = [
+    10_000, 15_000, 30_000, 60_000, 120_000, 300_000, 600_000, 900_000, 1_800_000, 3_600_000,
+    7_200_000, 10_800_000, 21_600_000, 43_200_000, 86_400_000,
+];
+
+/// The shortest window drawn: a few seconds of traffic still show as a line, not as a dot.
+pub const MIN_SPAN_MS: i64 = 5 * 60_000;
+
+/// The most buckets in a window: the bucket size is the smallest that keeps under it, so a
+/// window has between 24 and 60 points (consecutive sizes differ by at most 2.5×).
+pub const MAX_BUCKETS: i64 = 60;
+
+/// A span of the wall clock, `[from, to)` in epoch milliseconds, cut into equal buckets that
+/// end at `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
     pub from: i64,
     pub to: i64,
-    pub buckets: usize,
+    pub bucket_ms: i64,
+}
+
+impl Window {
+    /// The window that follows the data: from the bucket holding `earliest` (the oldest
+    /// request read) to `to`, at least `MIN_SPAN_MS` long, in the smallest bucket size that
+    /// gives at most `MAX_BUCKETS` buckets. A window that reaches back a whole hour or day
+    /// only when the traffic does.
+    pub fn fitted(earliest: Option<i64>, to: i64) -> Self {
+        let span = earliest
+            .map_or(0, |e| to.saturating_sub(e))
+            .max(MIN_SPAN_MS);
+        let count = |b: i64| (span + b - 1) / b;
+        let bucket_ms = BUCKET_SIZES_MS
+            .into_iter()
+            .find(|&b| count(b) <= MAX_BUCKETS)
+            .unwrap_or(86_400_000);
+        Self {
+            from: to - count(bucket_ms) * bucket_ms,
+            to,
+            bucket_ms,
+        }
+    }
+
+    pub fn buckets(&self) -> usize {
+        usize::try_from((self.to - self.from) / self.bucket_ms.max(1))
+            .unwrap_or(0)
+            .max(1)
+    }
+
+    /// The bucket holding `at`, if the window does.
+    pub fn bucket_of(&self, at: i64) -> Option<usize> {
+        if at < self.from || at >= self.to {
+            return None;
+        }
+        usize::try_from((at - self.from) / self.bucket_ms.max(1)).ok()
+    }
+
+    /// The middle of bucket `i`, where its point is drawn.
+    pub fn bucket_middle(&self, i: usize) -> f64 {
+        self.from as f64 + (i as f64 + 0.5) * self.bucket_ms as f64
+    }
+}
+
+/// A window's buckets, per group.
+pub struct Series {
+    pub window: Window,
     /// `[group][bucket]`
     pub by_bucket: Vec<Vec<Acc>>,
     /// `[group]`: the whole window.
@@ -153,31 +215,26 @@ impl Series {
     pub fn new(
         rows: &[LogRow],
         cut: bool,
-        from: i64,
-        to: i64,
-        buckets: usize,
+        window: Window,
         groups: usize,
         group_of: impl Fn(&LogRow) -> usize,
     ) -> Self {
-        let buckets = buckets.max(1);
-        let width = ((to - from) / buckets as i64).max(1);
+        let buckets = window.buckets();
         let mut by_bucket = vec![vec![Acc::default(); buckets]; groups];
         let mut totals = vec![Acc::default(); groups];
         for r in rows {
+            let Some(b) = window.bucket_of(r.at) else {
+                continue;
+            };
             let g = group_of(r).min(groups - 1);
-            let b = usize::try_from((r.at - from) / width)
-                .unwrap_or(0)
-                .min(buckets - 1);
-            by_bucket[g][b].add(r);
+            by_bucket[g][b.min(buckets - 1)].add(r);
             totals[g].add(r);
         }
         for a in by_bucket.iter_mut().flatten().chain(totals.iter_mut()) {
             a.seal();
         }
         Self {
-            from,
-            to,
-            buckets,
+            window,
             by_bucket,
             totals,
             cut,
@@ -189,9 +246,19 @@ impl Series {
         self.by_bucket[g].iter().map(f).collect()
     }
 
-    pub fn bucket_seconds(&self) -> f64 {
-        (self.to - self.from) as f64 / self.buckets as f64 / 1000.0
+    /// `n` requests in one bucket, as requests per minute.
+    pub fn per_minute(&self, n: u64) -> f64 {
+        n as f64 * 60_000.0 / self.window.bucket_ms as f64
     }
+}
+
+/// When the key's last request in the log was (`None`: it has none).
+pub async fn last_request_at(store: &KeyStore, key: &str) -> Result<Option<i64>, StoreError> {
+    let row = sqlx::query("SELECT MAX(at) AS last FROM request_log WHERE key_id = $1")
+        .bind(key.to_owned())
+        .fetch_one(store.pool())
+        .await?;
+    Ok(row.try_get::<Option<i64>, _>("last")?)
 }
 
 /// Requests and errors per environment, read from the in-process counters.
@@ -203,8 +270,8 @@ struct Counts {
 
 /// The live figures per environment.
 pub struct LiveFigures {
-    /// Requests per second and error rate (%) since the oldest sample kept (`None` until a
-    /// second sample exists).
+    /// Requests per second and error rate (%) since the base reading (`rate_base`; `None`
+    /// until there is one).
     pub rate: [Option<f64>; 4],
     pub error_rate: [Option<f64>; 4],
     /// Over how many seconds the rates were taken.
@@ -226,8 +293,30 @@ impl std::fmt::Debug for Live {
     }
 }
 
-/// Rates are taken over about this long (or since the first sample).
-const RATE_WINDOW: Duration = Duration::from_secs(30);
+/// "Now" is this long: rates are taken against the newest reading of the counters at least
+/// this old (readings are taken when the overview asks, every 5 seconds while it is open, so
+/// the span is 30 to 35 seconds; shorter only in the first 30 seconds of looking).
+pub const RATE_WINDOW: Duration = Duration::from_secs(30);
+
+/// A reading older than this is no base: nobody looked in between, and a rate averaged over
+/// an hour of nobody looking is no "now".
+const STALE_AFTER: Duration = Duration::from_secs(60);
+
+/// Drop the readings no rate at `t` needs, and return the base to take rates against: the
+/// newest reading at least `RATE_WINDOW` old, else the oldest one (younger), never one older
+/// than `STALE_AFTER`.
+fn rate_base(samples: &mut VecDeque<(Instant, Counts)>, t: Instant) -> Option<(Instant, Counts)> {
+    while samples.len() >= 2 && t.duration_since(samples[1].0) >= RATE_WINDOW {
+        samples.pop_front();
+    }
+    if samples
+        .front()
+        .is_some_and(|(at, _)| t.duration_since(*at) > STALE_AFTER)
+    {
+        samples.pop_front();
+    }
+    samples.front().copied()
+}
 
 impl Live {
     pub fn read(&self, registry: &prometheus::Registry) -> LiveFigures {
@@ -272,11 +361,7 @@ impl Live {
             .samples
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Keep one sample older than the window as the base.
-        while samples.len() >= 2 && t.duration_since(samples[1].0) >= RATE_WINDOW {
-            samples.pop_front();
-        }
-        let base = samples.front().copied();
+        let base = rate_base(&mut samples, t);
         if samples
             .back()
             .is_none_or(|(at, _)| t.duration_since(*at) >= Duration::from_secs(1))
@@ -332,7 +417,12 @@ mod tests {
         let rows: Vec<_> = (0..100)
             .map(|i| row(i * 10, 2, if i % 10 == 0 { 504 } else { 200 }, i as f64))
             .collect();
-        let s = Series::new(&rows, false, 0, 1000, 10, 4, |r| r.env);
+        let w = Window {
+            from: 0,
+            to: 1000,
+            bucket_ms: 100,
+        };
+        let s = Series::new(&rows, false, w, 4, |r| r.env);
         assert_eq!(s.totals[2].requests, 100);
         assert_eq!(s.totals[2].errors, 10);
         assert_eq!(s.totals[2].causes["backend_timeout"], 10);
@@ -344,5 +434,80 @@ mod tests {
         assert_eq!(s.values(0, |a| a.error_rate()), vec![None; 10]);
         assert_eq!(s.by_bucket[2][3].error_rate(), Some(10.0));
         assert_eq!(pct(&[], 50.0), None);
+    }
+
+    const MIN: i64 = 60_000;
+
+    #[test]
+    fn the_window_follows_the_data() {
+        let now = 1_800_000_000_000;
+        // Six minutes of traffic in the last hour: six minutes drawn (not an hour with the
+        // traffic squashed against its right edge), in 10-second buckets.
+        let w = Window::fitted(Some(now - 6 * MIN), now);
+        assert_eq!((w.to - w.from, w.bucket_ms), (6 * MIN, 10_000));
+        assert_eq!(w.buckets(), 36);
+        assert_eq!(w.bucket_of(now - 6 * MIN), Some(0));
+        assert_eq!(w.bucket_of(now - 1), Some(35));
+        assert_eq!(w.bucket_of(now), None);
+        // A few seconds, or nothing: the 5-minute minimum.
+        assert_eq!(
+            Window::fitted(Some(now - 3_000), now).to - Window::fitted(Some(now - 3_000), now).from,
+            5 * MIN
+        );
+        assert_eq!(Window::fitted(None, now).bucket_ms, 10_000);
+        // 35 minutes: per minute. A whole hour: per minute, 60 points.
+        let w = Window::fitted(Some(now - 35 * MIN + 20_000), now);
+        assert_eq!((w.to - w.from, w.bucket_ms), (35 * MIN, MIN));
+        let w = Window::fitted(Some(now - 60 * MIN), now);
+        assert_eq!((w.buckets(), w.bucket_ms), (60, MIN));
+        // A day, a week: between 24 and 60 points in round intervals.
+        for span in [
+            61 * MIN,
+            24 * 60 * MIN,
+            7 * 24 * 60 * MIN,
+            13 * MIN,
+            2 * 60 * MIN,
+        ] {
+            let w = Window::fitted(Some(now - span), now);
+            assert!((24..=60).contains(&w.buckets()), "{span}: {w:?}");
+            assert!(
+                w.from <= now - span && w.from > now - span - w.bucket_ms,
+                "{w:?}"
+            );
+            assert_eq!(86_400_000 % w.bucket_ms, 0);
+        }
+    }
+
+    #[test]
+    fn rows_outside_the_window_are_not_counted() {
+        let w = Window::fitted(Some(10 * MIN), 20 * MIN);
+        let rows = [row(9 * MIN, 2, 200, 1.0), row(15 * MIN, 2, 200, 1.0)];
+        let s = Series::new(&rows, false, w, 4, |r| r.env);
+        assert_eq!(s.totals[2].requests, 1);
+        assert_eq!(s.per_minute(3), 18.0, "3 requests in 10 s");
+    }
+
+    fn counts(n: u64) -> Counts {
+        Counts {
+            requests: [n; 4],
+            errors: [0; 4],
+        }
+    }
+
+    #[test]
+    fn live_rates_are_over_the_last_30_seconds_never_a_stale_reading() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        // Readings every 5 seconds: the base is the newest at least 30 seconds old.
+        let mut samples: VecDeque<_> = (0..10).map(|i| (at(i * 5), counts(i))).collect();
+        let (base, _) = rate_base(&mut samples, at(47)).unwrap_or_else(|| panic!("a base"));
+        assert_eq!(at(47).duration_since(base), Duration::from_secs(32));
+        // Nobody looked for an hour: that reading is no base for "now"; the latest one is.
+        let mut samples: VecDeque<_> = [(at(0), counts(0)), (at(3600), counts(7))].into();
+        let (base, _) = rate_base(&mut samples, at(3603)).unwrap_or_else(|| panic!("a base"));
+        assert_eq!(base, at(3600));
+        let mut samples: VecDeque<_> = [(at(0), counts(0))].into();
+        assert!(rate_base(&mut samples, at(3600)).is_none());
+        assert!(samples.is_empty());
     }
 }

@@ -380,13 +380,17 @@ fn live(state: &AdminState) -> Markup {
     pages::live(&figures, &fleet)
 }
 
+/// The overview's window: the last hour's requests, drawn from the first of them to now.
 async fn charts(state: &AdminState) -> Markup {
-    let to = crate::clock::wall_ms() + 1;
+    let now = crate::clock::wall_ms();
+    let to = now + 1;
     let from = to - 3_600_000;
     match data::read_rows(state.auth.store(), from, to, None).await {
         Ok((rows, cut)) => {
-            let s = data::Series::new(&rows, cut, from, to, 60, 4, |r| r.env);
-            pages::charts(&s)
+            // Newest first: the last row is the oldest.
+            let window = data::Window::fitted(rows.last().map(|r| r.at), to);
+            let s = data::Series::new(&rows, cut, window, 4, |r| r.env);
+            pages::charts(&s, now)
         }
         Err(e) => maud::html! { p.error { "Cannot read the request log: " (store_message(&e)) } },
     }
@@ -475,19 +479,8 @@ async fn key_page(
             );
         }
     };
-    let since = q
-        .get("since")
-        .map(String::as_str)
-        .filter(|s| matches!(*s, "1h" | "24h" | "7d"))
-        .unwrap_or("24h");
-    let window = crate::clock::parse_duration(since).unwrap_or(Duration::from_secs(86_400));
-    let to = crate::clock::wall_ms() + 1;
-    let from = to - i64::try_from(window.as_millis()).unwrap_or(86_400_000);
-    let (series, usage_error) = match data::read_rows(store, from, to, Some(id)).await {
-        Ok((rows, cut)) => (
-            Some(data::Series::new(&rows, cut, from, to, 48, 1, |_| 0)),
-            None,
-        ),
+    let (usage, usage_error) = match key_usage(store, id, q).await {
+        Ok(u) => (Some(u), None),
         Err(e) => (
             None,
             Some(format!(
@@ -510,9 +503,13 @@ async fn key_page(
             f,
             &record,
             pages::KeyPage {
-                usage: series
-                    .as_ref()
-                    .map(|s| pages::KeyUsage { since, series: s }),
+                usage: usage.as_ref().map(|u| pages::KeyUsage {
+                    since: u.since,
+                    series: &u.series,
+                    last: u.last,
+                    ends_at_last: u.ends_at_last,
+                    now: u.now,
+                }),
                 usage_error: usage_error.as_deref(),
                 audit: audit.as_deref().map_err(String::as_str),
                 notice,
@@ -521,6 +518,56 @@ async fn key_page(
             },
         ),
     )
+}
+
+/// A key's usage over the window its page asked for.
+struct KeyUsage {
+    since: &'static str,
+    series: data::Series,
+    last: Option<i64>,
+    ends_at_last: bool,
+    now: i64,
+}
+
+/// The window of a key's page: `since=1h|24h|7d` up to now, or by default (`latest`) the 24
+/// hours up to its last request — up to now when that was within the last few minutes, so a
+/// key whose traffic was yesterday opens on yesterday, not on an empty last hour. Either way
+/// the chart starts at the first request in that span (`Window::fitted`).
+async fn key_usage(
+    store: &crate::store::KeyStore,
+    id: &str,
+    q: &BTreeMap<String, String>,
+) -> Result<KeyUsage, StoreError> {
+    let asked = q.get("since").map(String::as_str);
+    let since = pages::KEY_WINDOWS
+        .iter()
+        .map(|(v, _)| *v)
+        .find(|v| Some(*v) == asked)
+        .unwrap_or("latest");
+    let now = crate::clock::wall_ms();
+    let last = data::last_request_at(store, id).await?;
+    let (to, reach) = if since == "latest" {
+        let to = match last {
+            Some(l) if now - l > data::MIN_SPAN_MS => l + 1,
+            _ => now + 1,
+        };
+        (to, Duration::from_secs(86_400))
+    } else {
+        (
+            now + 1,
+            crate::clock::parse_duration(since).unwrap_or(Duration::from_secs(86_400)),
+        )
+    };
+    let from = to - i64::try_from(reach.as_millis()).unwrap_or(86_400_000);
+    let (rows, cut) = data::read_rows(store, from, to, Some(id)).await?;
+    let window = data::Window::fitted(rows.last().map(|r| r.at), to);
+    Ok(KeyUsage {
+        since,
+        series: data::Series::new(&rows, cut, window, 1, |_| 0),
+        last,
+        ends_at_last: to <= now,
+        now,
+    })
 }
 
 async fn audit_page(

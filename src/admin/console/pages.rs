@@ -2,8 +2,8 @@
 
 use maud::{DOCTYPE, Markup, html};
 
-use super::chart::{Line, line_chart};
-use super::data::{Acc, ENVS, LiveFigures, Series, pct};
+use super::chart::{Line, line_chart, range_text, span_text};
+use super::data::{Acc, ENVS, LiveFigures, RATE_WINDOW, Series, pct};
 use super::session::Session;
 use crate::clock::format_wall_ms;
 use crate::key::KeyRecord;
@@ -168,12 +168,92 @@ pub fn problem(f: &Frame<'_>, active: Section, title: &str, message: &str) -> Ma
     )
 }
 
-fn ms(v: Option<f64>) -> String {
+/// The unit a latency figure is shown in, the same in its table and its chart.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Unit {
+    Ms,
+    Us,
+}
+
+impl Unit {
+    pub fn label(self) -> &'static str {
+        match self {
+            Unit::Ms => "ms",
+            Unit::Us => "µs",
+        }
+    }
+
+    /// A value in milliseconds (as the console reads the log), in this unit.
+    pub fn of_ms(self, v: f64) -> f64 {
+        match self {
+            Unit::Ms => v,
+            Unit::Us => v * 1000.0,
+        }
+    }
+}
+
+/// A latency figure: its name, its unit and its samples. TTFT is a backend's time (tens to
+/// thousands of milliseconds); processing and hop are the gateway's own (tens to hundreds of
+/// microseconds): each is read in the unit its values are written in, in tables and charts.
+#[derive(Clone, Copy)]
+pub struct Latency {
+    pub name: &'static str,
+    pub unit: Unit,
+    pub pick: fn(&Acc) -> &[f64],
+}
+
+fn ttft(a: &Acc) -> &[f64] {
+    &a.ttft
+}
+
+fn processing(a: &Acc) -> &[f64] {
+    &a.processing
+}
+
+fn hop(a: &Acc) -> &[f64] {
+    &a.hop
+}
+
+pub const TTFT: Latency = Latency {
+    name: "TTFT",
+    unit: Unit::Ms,
+    pick: ttft,
+};
+pub const PROCESSING: Latency = Latency {
+    name: "processing",
+    unit: Unit::Us,
+    pick: processing,
+};
+pub const HOP: Latency = Latency {
+    name: "hop",
+    unit: Unit::Us,
+    pick: hop,
+};
+
+impl Latency {
+    /// Percentile `p` of `a`'s samples, in this figure's unit.
+    fn pct(&self, a: &Acc, p: f64) -> Option<f64> {
+        pct((self.pick)(a), p).map(|v| self.unit.of_ms(v))
+    }
+
+    /// Percentile `p` for a table cell: a number, the unit being in the column's header.
+    fn cell(&self, a: &Acc, p: f64) -> String {
+        number(self.pct(a, p))
+    }
+
+    /// `TTFT p50 (ms)`
+    fn header(&self, p: &str) -> String {
+        format!("{} {p} ({})", self.name, self.unit.label())
+    }
+}
+
+/// A figure in its unit: three significant digits or the whole number.
+fn number(v: Option<f64>) -> String {
     match v {
         None => "–".into(),
-        Some(v) if v < 1.0 => format!("{:.0} µs", v * 1000.0),
-        Some(v) if v < 100.0 => format!("{v:.2} ms"),
-        Some(v) => format!("{v:.0} ms"),
+        Some(v) if v.abs() >= 100.0 => format!("{v:.0}"),
+        Some(v) if v.abs() >= 10.0 => format!("{v:.1}"),
+        Some(v) => format!("{v:.2}"),
     }
 }
 
@@ -210,6 +290,25 @@ pub struct Fleet {
     pub total: usize,
 }
 
+/// What the "Now" table says of its span: the real one, and why when it is not yet the
+/// usual `RATE_WINDOW`.
+fn live_caption(l: &LiveFigures) -> String {
+    let usual = RATE_WINDOW.as_secs();
+    if l.rate.iter().all(Option::is_none) {
+        return format!(
+            "Now — rates need two readings of the gateway's own counters: they appear at the next refresh, then settle on the last {usual} s"
+        );
+    }
+    let over = l.over_seconds.round();
+    if over + 1.0 < usual as f64 {
+        format!(
+            "Now — rates over the last {over:.0} s (the console has been reading the gateway's own counters for that long; then over the last {usual} s)"
+        )
+    } else {
+        format!("Now — rates over the last {over:.0} s, from the gateway's own counters")
+    }
+}
+
 pub fn live(l: &LiveFigures, fleet: &Fleet) -> Markup {
     let queued: i64 = l.queue.iter().map(|(_, d)| d).sum();
     html! {
@@ -224,7 +323,7 @@ pub fn live(l: &LiveFigures, fleet: &Fleet) -> Markup {
             }
         }
         table.figures #live-table {
-            caption { "Now — rates over the last " (format!("{:.0}", l.over_seconds)) " s, from the gateway's own counters" }
+            caption { (live_caption(l)) }
             thead { tr { th { "environment" } th.num { "requests/s" } th.num { "error rate" } th.num { "requests since start" } } }
             tbody {
                 @for e in 0..4 {
@@ -246,45 +345,46 @@ pub fn live(l: &LiveFigures, fleet: &Fleet) -> Markup {
     }
 }
 
-fn x_labels(s: &Series) -> [String; 3] {
-    let span = (s.to - s.from) as f64 / 1000.0;
-    let fmt = |secs: f64| {
-        if secs >= 86_400.0 {
-            format!("-{:.0}d", secs / 86_400.0)
-        } else if secs >= 3600.0 {
-            format!("-{:.0}h", secs / 3600.0)
-        } else {
-            format!("-{:.0}m", secs / 60.0)
-        }
-    };
-    [fmt(span), fmt(span / 2.0), "now".into()]
-}
-
-/// p50 and p99 lines per group that has samples.
-fn pair_lines(
-    s: &Series,
-    groups: &[(usize, String, &'static str)],
-    pick: fn(&Acc) -> &[f64],
-) -> Vec<Line> {
+/// p50 (solid) and p99 (dashed) lines of `figure` per group that has samples, in its unit.
+fn pair_lines(s: &Series, groups: &[(usize, String, &'static str)], figure: Latency) -> Vec<Line> {
     let mut out = Vec::new();
     for (g, name, class) in groups {
-        if pick(&s.totals[*g]).is_empty() {
+        if (figure.pick)(&s.totals[*g]).is_empty() {
             continue;
         }
         out.push(Line {
             label: format!("{name} p50"),
             class,
             dashed: false,
-            values: s.values(*g, |a| pct(pick(a), 50.0)),
+            values: s.values(*g, |a| figure.pct(a, 50.0)),
         });
         out.push(Line {
             label: format!("{name} p99"),
             class,
             dashed: true,
-            values: s.values(*g, |a| pct(pick(a), 99.0)),
+            values: s.values(*g, |a| figure.pct(a, 99.0)),
         });
     }
     out
+}
+
+/// A chart of `figure`'s p50 and p99 over the window.
+fn latency_chart(
+    id: &str,
+    title: &str,
+    s: &Series,
+    now: i64,
+    groups: &[(usize, String, &'static str)],
+    figure: Latency,
+) -> Markup {
+    line_chart(
+        id,
+        &format!("{title}, p50 and p99 (dashed)"),
+        figure.unit.label(),
+        &s.window,
+        now,
+        &pair_lines(s, groups, figure),
+    )
 }
 
 fn env_groups(s: &Series) -> Vec<(usize, String, &'static str)> {
@@ -294,18 +394,35 @@ fn env_groups(s: &Series) -> Vec<(usize, String, &'static str)> {
         .collect()
 }
 
-pub fn charts(s: &Series) -> Markup {
+/// What the overview's table says of its window.
+fn hour_caption(s: &Series, now: i64) -> String {
+    if s.totals.iter().all(|a| a.requests == 0) {
+        return "No request in the last hour, from the request log".into();
+    }
+    let w = &s.window;
+    format!(
+        "From the request log, {} ({}): every request of the last hour (the window starts at the first of them, 5 minutes back at least){}",
+        range_text(w.from, w.to, now),
+        span_text(w.to - w.from),
+        if s.cut {
+            format!(" (its latest {} requests)", super::data::ROW_LIMIT)
+        } else {
+            String::new()
+        }
+    )
+}
+
+/// The overview's window: a table over it and its charts, the window following the data
+/// (`Window::fitted`) and said on each.
+pub fn charts(s: &Series, now: i64) -> Markup {
     let groups = env_groups(s);
-    let xl = x_labels(s);
-    let xl = [xl[0].as_str(), xl[1].as_str(), xl[2].as_str()];
-    let per_min = 60.0 / s.bucket_seconds();
     let count_lines: Vec<Line> = groups
         .iter()
         .map(|(g, name, class)| Line {
             label: name.clone(),
             class,
             dashed: false,
-            values: s.values(*g, |a| Some(a.requests as f64 * per_min)),
+            values: s.values(*g, |a| Some(s.per_minute(a.requests))),
         })
         .collect();
     let error_lines: Vec<Line> = groups
@@ -317,14 +434,15 @@ pub fn charts(s: &Series) -> Markup {
             values: s.values(*g, Acc::error_rate),
         })
         .collect();
+    let w = &s.window;
     html! {
         table.figures #hour-table {
-            caption { "The last hour, from the request log" @if s.cut { " (its latest " (super::data::ROW_LIMIT) " requests)" } }
+            caption { (hour_caption(s, now)) }
             thead { tr {
                 th { "environment" } th.num { "requests" } th.num { "error rate" }
-                th.num { "TTFT p50" } th.num { "TTFT p99" }
-                th.num { "processing p50" } th.num { "processing p99" }
-                th.num { "hop p50" } th.num { "hop p99" }
+                @for f in [TTFT, PROCESSING, HOP] {
+                    th.num { (f.header("p50")) } th.num { (f.header("p99")) }
+                }
             } }
             tbody {
                 @for (g, name, class) in &groups {
@@ -333,20 +451,20 @@ pub fn charts(s: &Series) -> Markup {
                         td { span class=(format!("env {class}")) { (name) } }
                         td.num { (a.requests) }
                         td.num { (percent(a.error_rate())) }
-                        td.num { (ms(pct(&a.ttft, 50.0))) } td.num { (ms(pct(&a.ttft, 99.0))) }
-                        td.num { (ms(pct(&a.processing, 50.0))) } td.num { (ms(pct(&a.processing, 99.0))) }
-                        td.num { (ms(pct(&a.hop, 50.0))) } td.num { (ms(pct(&a.hop, 99.0))) }
+                        @for f in [TTFT, PROCESSING, HOP] {
+                            td.num { (f.cell(a, 50.0)) } td.num { (f.cell(a, 99.0)) }
+                        }
                     }
                 }
             }
         }
-        p.small { "TTFT is what clients saw (first token out of the gateway); processing is the gateway's own work on the request (before the backend and while relaying); hop is the added time to first token measured from the kernel's receive stamp. docs/metrics.md defines each." }
+        p.small { "TTFT is what clients saw (first token out of the gateway), in milliseconds; processing is the gateway's own work on the request (before the backend and while relaying) and hop is the added time to first token measured from the kernel's receive stamp, both in microseconds. docs/metrics.md defines each." }
         div.grid {
-            (line_chart("chart-requests", "Requests per minute", "req/min", xl, &count_lines))
-            (line_chart("chart-errors", "Error rate", "%", xl, &error_lines))
-            (line_chart("chart-ttft", "Time to first token, p50 and p99 (dashed)", "ms", xl, &pair_lines(s, &groups, |a| &a.ttft)))
-            (line_chart("chart-processing", "Gateway processing, p50 and p99 (dashed)", "ms", xl, &pair_lines(s, &groups, |a| &a.processing)))
-            (line_chart("chart-hop", "Added time to first token (hop), p50 and p99 (dashed)", "ms", xl, &pair_lines(s, &groups, |a| &a.hop)))
+            (line_chart("chart-requests", "Requests per minute", "req/min", w, now, &count_lines))
+            (line_chart("chart-errors", "Error rate", "%", w, now, &error_lines))
+            (latency_chart("chart-ttft", "Time to first token", s, now, &groups, TTFT))
+            (latency_chart("chart-processing", "Gateway processing", s, now, &groups, PROCESSING))
+            (latency_chart("chart-hop", "Added time to first token (hop)", s, now, &groups, HOP))
         }
     }
 }
@@ -508,9 +626,24 @@ pub fn key_shown(
     )
 }
 
+/// The windows a key's page offers: `latest` (its latest traffic, the default) or a span up
+/// to now.
+pub const KEY_WINDOWS: [(&str, &str); 4] = [
+    ("latest", "its latest traffic"),
+    ("1h", "last hour"),
+    ("24h", "last 24 hours"),
+    ("7d", "last 7 days"),
+];
+
 pub struct KeyUsage<'a> {
+    /// One of `KEY_WINDOWS`.
     pub since: &'a str,
     pub series: &'a Series,
+    /// The key's last request in the log, whenever it was.
+    pub last: Option<i64>,
+    /// The window ends at `last`, not now (`latest`, when that was a while ago).
+    pub ends_at_last: bool,
+    pub now: i64,
 }
 
 /// What a key's page shows beside the key itself.
@@ -578,11 +711,11 @@ pub fn key_page(f: &Frame<'_>, k: &KeyRecord, p: KeyPage<'_>) -> Markup {
             }
             h2 { "Usage" }
             form.filters #usage-window method="get" action=(format!("/console/keys/{}", k.public_id)) {
-                label { "Window " (select("since", "usage-since", &[("1h", "last hour"), ("24h", "last 24 hours"), ("7d", "last 7 days")], usage.as_ref().map_or("24h", |u| u.since))) }
+                label { "Window " (select("since", "usage-since", &KEY_WINDOWS, usage.as_ref().map_or("latest", |u| u.since))) }
                 button type="submit" { "Show" }
             }
             @if let Some(e) = usage_error { p.error { (e) } }
-            @if let Some(u) = usage { (key_usage(&u)) }
+            @if let Some(u) = usage { (key_usage(&u, &k.public_id, k.environment.as_str())) }
             h2 { "Audit trail" }
             @match audit {
                 Ok(entries) => (audit_table(entries, false)),
@@ -592,16 +725,56 @@ pub fn key_page(f: &Frame<'_>, k: &KeyRecord, p: KeyPage<'_>) -> Markup {
     )
 }
 
-fn key_usage(u: &KeyUsage<'_>) -> Markup {
+/// `3 h ago`
+fn ago(ms: i64) -> String {
+    if ms < 60_000 {
+        "just now".into()
+    } else {
+        format!("{} ago", span_text(ms))
+    }
+}
+
+/// Which window a key's page shows, and why.
+fn key_window_note(u: &KeyUsage<'_>, id: &str) -> Markup {
+    let w = &u.series.window;
+    let requests = u.series.totals[0].requests;
+    let last = u
+        .last
+        .map(|l| format!("{} ({})", format_wall_ms(l), ago(u.now.saturating_sub(l))));
+    let span = KEY_WINDOWS
+        .iter()
+        .find(|(v, _)| *v == u.since)
+        .map_or("window", |(_, label)| label);
+    html! {
+        p.small #usage-note {
+            @match (u.since, last) {
+                (_, None) => { "No request with this key is in the request log." }
+                ("latest", Some(last)) if u.ends_at_last => {
+                    "Its latest traffic: the window ends at its last request, " (last)
+                    ", and starts at its first request of the 24 hours before that."
+                }
+                ("latest", Some(_)) => {
+                    "Its latest traffic, up to now: from its first request of the last 24 hours."
+                }
+                (_, Some(last)) if requests == 0 => {
+                    "No request in the " (span) "; its last request was at " (last) ". "
+                    a href=(format!("/console/keys/{id}?since=latest")) { "Show its latest traffic" }
+                }
+                (_, Some(_)) => { "From its first request of the " (span) " up to now." }
+            }
+            " " (range_text(w.from, w.to, u.now)) " (" (span_text(w.to - w.from)) ")."
+        }
+    }
+}
+
+fn key_usage(u: &KeyUsage<'_>, id: &str, class: &'static str) -> Markup {
     let s = u.series;
     let t = &s.totals[0];
-    let xl = x_labels(s);
-    let xl = [xl[0].as_str(), xl[1].as_str(), xl[2].as_str()];
-    let groups = [(0usize, "this key".to_owned(), "prod")];
+    let groups = [(0usize, "this key".to_owned(), class)];
     let requests = [
         Line {
             label: "requests".into(),
-            class: "prod",
+            class,
             dashed: false,
             values: s.values(0, |a| Some(a.requests as f64)),
         },
@@ -612,7 +785,9 @@ fn key_usage(u: &KeyUsage<'_>) -> Markup {
             values: s.values(0, |a| Some(a.errors as f64)),
         },
     ];
+    let per = super::chart::per_text(s.window.bucket_ms);
     html! {
+        (key_window_note(u, id))
         div.cards #key-usage {
             div.card { div.big #usage-requests { (t.requests) } div.caption { "requests" } }
             div.card { div.big #usage-errors { (t.errors) } div.caption { "errors" } }
@@ -621,10 +796,13 @@ fn key_usage(u: &KeyUsage<'_>) -> Markup {
         }
         @if s.cut { p.small { "Summarised from the latest " (super::data::ROW_LIMIT) " requests of the window." } }
         table.figures #key-percentiles {
-            thead { tr { th { "" } th.num { "p50" } th.num { "p95" } th.num { "p99" } } }
+            thead { tr { th { "" } th { "unit" } th.num { "p50" } th.num { "p95" } th.num { "p99" } } }
             tbody {
-                @for (name, v) in [("client TTFT", &t.ttft), ("gateway processing", &t.processing), ("hop (added TTFT)", &t.hop)] {
-                    tr { td { (name) } td.num { (ms(pct(v, 50.0))) } td.num { (ms(pct(v, 95.0))) } td.num { (ms(pct(v, 99.0))) } }
+                @for (name, f) in [("client TTFT", TTFT), ("gateway processing", PROCESSING), ("hop (added TTFT)", HOP)] {
+                    tr data-figure=(f.name) {
+                        td { (name) } td.unit { (f.unit.label()) }
+                        td.num { (f.cell(t, 50.0)) } td.num { (f.cell(t, 95.0)) } td.num { (f.cell(t, 99.0)) }
+                    }
                 }
             }
         }
@@ -635,9 +813,10 @@ fn key_usage(u: &KeyUsage<'_>) -> Markup {
             }
         }
         div.grid {
-            (line_chart("key-chart-requests", "Requests and errors per interval", "count", xl, &requests))
-            (line_chart("key-chart-ttft", "Time to first token, p50 and p99 (dashed)", "ms", xl, &pair_lines(s, &groups, |a| &a.ttft)))
-            (line_chart("key-chart-processing", "Gateway processing, p50 and p99 (dashed)", "ms", xl, &pair_lines(s, &groups, |a| &a.processing)))
+            (line_chart("key-chart-requests", "Requests and errors", &format!("requests {per}"), &s.window, u.now, &requests))
+            (latency_chart("key-chart-ttft", "Time to first token", s, u.now, &groups, TTFT))
+            (latency_chart("key-chart-processing", "Gateway processing", s, u.now, &groups, PROCESSING))
+            (latency_chart("key-chart-hop", "Added time to first token (hop)", s, u.now, &groups, HOP))
         }
     }
 }
@@ -767,4 +946,135 @@ pub fn backends(f: &Frame<'_>, rows: &[serde_json::Value]) -> Markup {
             @if models.is_empty() { p.empty { "No pool is configured." } }
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::data::{LogRow, Window};
+    use super::*;
+
+    /// 2026-12-01T14:00:00Z
+    const T: i64 = 1_796_133_600_000;
+
+    fn row(at: i64, ttft_ms: f64, processing_ms: f64, hop_ms: f64) -> LogRow {
+        LogRow {
+            at,
+            env: 2,
+            status: 200,
+            error: None,
+            ttft_ms: Some(ttft_ms),
+            processing_ms: Some(processing_ms),
+            hop_ms: Some(hop_ms),
+            prompt: 1,
+            completion: 1,
+        }
+    }
+
+    /// The text of the first element after `marker`.
+    fn after<'a>(html: &'a str, marker: &str) -> &'a str {
+        html.split(marker)
+            .nth(1)
+            .and_then(|s| s.split('>').nth(1))
+            .and_then(|s| s.split('<').next())
+            .unwrap_or_else(|| panic!("{marker} in {html}"))
+    }
+
+    /// The figure `id`'s markup.
+    fn figure<'a>(html: &'a str, id: &str) -> &'a str {
+        let start = html
+            .find(&format!("id=\"{id}\""))
+            .unwrap_or_else(|| panic!("{id} in {html}"));
+        let rest = &html[start..];
+        &rest[..rest.find("</figure>").unwrap_or(rest.len())]
+    }
+
+    /// The largest y-axis label of a chart.
+    fn y_top(chart: &str) -> f64 {
+        chart
+            .split("class=\"axis y\"")
+            .skip(1)
+            .filter_map(|s| s.split('>').nth(1)?.split('<').next()?.parse::<f64>().ok())
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn tables_and_charts_give_each_figure_in_one_unit() {
+        let rows: Vec<_> = (0..20)
+            .map(|i| row(T + 60_000 * i, 150.0, 0.120, 0.048))
+            .collect();
+        let w = Window::fitted(Some(T), T + 20 * 60_000);
+        let s = Series::new(&rows, false, w, 4, |r| r.env);
+        let html = charts(&s, T).into_string();
+        // TTFT in ms, processing and hop in µs: the header says so, the cell is a number.
+        for header in ["TTFT p50 (ms)", "processing p50 (µs)", "hop p99 (µs)"] {
+            assert!(html.contains(&format!(">{header}<")), "{header}: {html}");
+        }
+        let cells: Vec<&str> = html
+            .split("data-env=\"prod\"")
+            .nth(1)
+            .unwrap_or_default()
+            .split("class=\"num\">")
+            .skip(1)
+            .filter_map(|s| s.split('<').next())
+            .collect();
+        assert_eq!(
+            cells,
+            ["20", "0.0 %", "150", "150", "120", "120", "48.0", "48.0"]
+        );
+        // The charts read in the same units, on the same scale.
+        for (id, unit, top) in [
+            ("chart-ttft", "ms", 150.0),
+            ("chart-processing", "µs", 120.0),
+            ("chart-hop", "µs", 48.0),
+        ] {
+            let c = figure(&html, id);
+            assert_eq!(after(c, "class=\"unit\""), format!("({unit})"), "{c}");
+            let y = y_top(c);
+            assert!(y >= top && y < top * 2.5, "{id}: axis up to {y} for {top}");
+        }
+    }
+
+    #[test]
+    fn the_overview_says_its_window() {
+        let rows = [row(T + 2 * 60_000 + 5_000, 1.0, 0.1, 0.1)];
+        let to = T + 37 * 60_000 + 5_000;
+        let s = Series::new(&rows, false, Window::fitted(Some(rows[0].at), to), 4, |r| {
+            r.env
+        });
+        let html = charts(&s, to).into_string();
+        assert!(
+            html.contains("From the request log, 14:02–14:37 UTC (35 min)"),
+            "{html}"
+        );
+        assert!(
+            html.contains("per minute, 14:02–14:37 UTC (35 min)"),
+            "{html}"
+        );
+    }
+
+    fn live_figures(over_seconds: f64) -> LiveFigures {
+        LiveFigures {
+            rate: [Some(1.0); 4],
+            error_rate: [None; 4],
+            over_seconds,
+            requests_total: [1; 4],
+            queue: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn now_says_over_how_long() {
+        let fleet = Fleet { up: 1, total: 1 };
+        let usual = live(&live_figures(32.4), &fleet).into_string();
+        assert!(usual.contains("rates over the last 32 s"), "{usual}");
+        let young = live(&live_figures(7.0), &fleet).into_string();
+        assert!(
+            young.contains("rates over the last 7 s") && young.contains("then over the last 30 s"),
+            "{young}"
+        );
+        let mut first = live_figures(0.0);
+        first.rate = [None; 4];
+        let first = live(&first, &fleet).into_string();
+        assert!(first.contains("settle on the last 30 s"), "{first}");
+    }
 }
