@@ -21,7 +21,8 @@
 //!    - `<id>` after a `keys create` is the id of the key it printed.
 //!
 //! A command must exit 0 unless its comment says otherwise: `# exit N`, `# answers <status>
-//! <code>` (the output names the code), `# ends with <text>`, `# lists <text>`. A check that
+//! <code>` (the output names the code), `# ends with <text>`, `# lists <text>`, `# the same
+//! verdict both times` (two `verdict:` lines of `fleetgate bench`, one word). A check that
 //! does not hold at once is retried for up to 5 s (a revocation reaches a gateway within ~1 s).
 
 #![allow(
@@ -51,6 +52,8 @@ const NOT_RUN: &str = "_Not run by the docs test: ";
 enum Expect {
     Exit(i32),
     Contains(String),
+    /// `verdict: WORD` lines in the standard output: this many, all with the same word.
+    SameVerdict(usize),
     EndsWith(String),
 }
 
@@ -110,6 +113,10 @@ fn expectations(comment: Option<&str>) -> Vec<Expect> {
             }
             _ => {}
         }
+    }
+    // A bench run twice: "the same verdict both times".
+    if c.contains("the same verdict both times") {
+        out.push(Expect::SameVerdict(2));
     }
     if let Some(rest) = c.split_once("ends with ").map(|(_, r)| r) {
         let text = rest.split(" (").next().unwrap_or(rest).trim();
@@ -475,6 +482,15 @@ impl Session {
                     {
                         Some(format!("no `{t}` in the output"))
                     }
+                    Expect::SameVerdict(n) => {
+                        let words: Vec<&str> = stdout
+                            .lines()
+                            .filter_map(|l| l.strip_prefix("verdict: "))
+                            .map(|v| v.split_whitespace().next().unwrap_or(""))
+                            .collect();
+                        (words.len() != *n || words.iter().any(|w| *w != words[0]))
+                            .then(|| format!("verdicts {words:?}, not {n} of one word"))
+                    }
                     Expect::EndsWith(t) if !stdout.trim_end().ends_with(t.as_str()) => {
                         Some(format!("the output does not end with `{t}`"))
                     }
@@ -611,8 +627,10 @@ fn the_comment_conventions_parse() {
         "fleetgate keys rotate <id>   # exit 1: revoked",
         "curl -N z   # ends with data: [DONE] (streamed)",
         "fleetgate keys list   # lists prod: the keys",
+        "for i in 1 2; do fleetgate bench; done   # the same verdict both times: PASS",
     ]);
-    assert_eq!(s.len(), 4);
+    assert_eq!(s.len(), 5);
+    assert_eq!(s[4].expect, [Expect::SameVerdict(2), Expect::Exit(0)]);
     assert!(
         s[0].cmd.contains("# not a comment") && s[0].cmd.ends_with("-H y"),
         "{:?}",

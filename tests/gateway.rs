@@ -252,6 +252,10 @@ async fn the_hop_cost_reaches_the_client() {
     let hop =
         hop_ms(&http::HeaderMap::new(), Some(&trailers)).unwrap_or_else(|| panic!("hop in {st}"));
     assert!((0.0..30.0).contains(&hop), "{st}");
+    // The backend's own TTFT, for `bench --compare`'s like-for-like check.
+    let up = fleetgate::bench::measure::server_timing_ms(&trailers, "upstream")
+        .unwrap_or_else(|| panic!("upstream in {st}"));
+    assert!((0.0..30_000.0).contains(&up), "{st}");
 
     let resp = c.request(stream(false)).await.unwrap();
     assert!(!resp.headers().contains_key("trailer"));

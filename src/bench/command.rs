@@ -86,7 +86,12 @@ pub async fn run(args: BenchArgs, stop: CancellationToken) -> u8 {
             .join(" & "),
         plan.targets
             .iter()
-            .map(|t| t.uri.to_string())
+            .map(|t| t
+                .replicas
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "))
             .collect::<Vec<_>>()
             .join(" & "),
         plan.dataset_note

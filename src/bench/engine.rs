@@ -139,6 +139,7 @@ async fn warm_up(plan: &Arc<Plan>, client: &HttpClient, stop: &CancellationToken
             measure::send(
                 &client,
                 target,
+                j,
                 plan.bodies[p].clone(),
                 0,
                 start,
@@ -285,6 +286,7 @@ impl Request {
         let mut o = measure::send(
             &self.client,
             target,
+            p,
             self.plan.bodies[p].clone(),
             self.plan.prompts[p].input_tokens,
             self.started,

@@ -45,6 +45,9 @@ pub struct Outcome {
     /// The hop cost the gateway recorded for this request (`Server-Timing: hop;dur=`): from the
     /// trailer that ends a stream, else from the response header.
     pub hop_ms: Option<f64>,
+    /// The backend's time as the gateway saw it (`Server-Timing: upstream;dur=`): a stream's
+    /// trailer gives the backend's TTFT, a whole answer's head its time to answer.
+    pub upstream_ms: Option<f64>,
 }
 
 impl Outcome {
@@ -205,16 +208,25 @@ pub fn hop_ms(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<f64> 
         .or_else(|| server_timing_ms(headers, "hop"))
 }
 
+/// The backend's time the gateway recorded: `upstream` of the trailer, else of the head.
+pub fn upstream_ms(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<f64> {
+    trailers
+        .and_then(|t| server_timing_ms(t, "upstream"))
+        .or_else(|| server_timing_ms(headers, "upstream"))
+}
+
 /// Send one request to `target` and time it. `started` is the run's start (for `sent_at`).
 pub async fn send(
     client: &HttpClient,
     target: &super::plan::Target,
+    prompt: usize,
     body: Bytes,
     expected_input: u64,
     started: Instant,
     timeout: Duration,
 ) -> Outcome {
-    let mut req = client::post(&target.uri, &target.headers, body);
+    let uri = &target.replicas[prompt % target.replicas.len()];
+    let mut req = client::post(uri, &target.headers, body);
     // A gateway sends a stream's full `Server-Timing` (with `hop`) as a trailer, and an HTTP/1
     // server sends trailers only to a client that says it takes them.
     req.headers_mut()
@@ -252,6 +264,7 @@ pub async fn send(
         ));
         o.gateway_ms = gateway;
         o.hop_ms = hop_ms(&answer.headers, answer.trailers.as_ref());
+        o.upstream_ms = upstream_ms(&answer.headers, answer.trailers.as_ref());
         return o;
     }
     let mut timer = StreamTimer::for_dialect(target.dialect);
@@ -267,6 +280,7 @@ pub async fn send(
     o.sent_at = sent_at;
     o.gateway_ms = gateway;
     o.hop_ms = hop_ms(&answer.headers, answer.trailers.as_ref());
+    o.upstream_ms = upstream_ms(&answer.headers, answer.trailers.as_ref());
     o
 }
 
@@ -319,6 +333,10 @@ mod tests {
         // The trailer wins over the header; a trailer without hop falls back to the header.
         assert_eq!(hop_ms(&whole, Some(&trailer)), Some(0.21));
         assert_eq!(hop_ms(&whole, Some(&fields(&["gw;dur=1"]))), Some(0.199));
+        assert_eq!(upstream_ms(&whole, None), Some(812.3));
+        let stream_end = fields(&["gw;dur=0.051, upstream;dur=40.125, hop;dur=0.210"]);
+        assert_eq!(upstream_ms(&head, Some(&stream_end)), Some(40.125));
+        assert_eq!(upstream_ms(&head, Some(&trailer)), None);
     }
 
     #[test]

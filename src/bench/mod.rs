@@ -11,6 +11,7 @@ pub mod args;
 pub mod command;
 pub mod dataset;
 pub mod engine;
+pub mod interval;
 pub mod measure;
 pub mod plan;
 pub mod report;

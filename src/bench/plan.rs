@@ -21,8 +21,13 @@ use super::verdict::{Objective, Thresholds, parse_sla};
 #[derive(Debug, Clone)]
 pub struct Target {
     pub name: String,
+    /// Its base URL (several: `, `-joined, as given).
     pub base: String,
+    /// The endpoint's URI on its first server.
     pub uri: Uri,
+    /// The endpoint's URI on each of its servers (`direct=URL1,URL2`): prompt i goes to
+    /// `replicas[i % len]`, spreading the target's requests evenly, as a gateway spreads its pool.
+    pub replicas: Vec<Uri>,
     pub headers: HeaderMap,
     /// How its answers' events read.
     pub dialect: crate::protocol::Dialect,
@@ -70,7 +75,8 @@ pub struct Plan {
 async fn discover_model(target: &Target) -> Result<String, String> {
     use http_body_util::BodyExt;
     let client = crate::client::http_client();
-    let uri: Uri = format!("{}/v1/models", target.base)
+    let first = target.base.split(", ").next().unwrap_or_default();
+    let uri: Uri = format!("{first}/v1/models")
         .parse()
         .map_err(|e| format!("{e}"))?;
     let mut req = http::Request::get(uri.clone())
@@ -249,11 +255,32 @@ fn targets(args: &BenchArgs, endpoint: &str, kind: EndpointType) -> Result<Vec<T
         per_target_key.insert(name, v);
     }
     let mut targets = Vec::new();
-    for (name, url) in target_urls(args)? {
-        let base = base_of(&url)?;
-        let uri: Uri = format!("{base}{endpoint}")
-            .parse()
-            .map_err(|e| format!("`{base}{endpoint}`: {e}"))?;
+    for (name, urls) in target_urls(args)? {
+        let mut bases = Vec::new();
+        let mut replicas = Vec::new();
+        for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+            let base = base_of(url)?;
+            let uri: Uri = format!("{base}{endpoint}")
+                .parse()
+                .map_err(|e| format!("`{base}{endpoint}`: {e}"))?;
+            bases.push(base);
+            replicas.push(uri);
+        }
+        if replicas.is_empty() {
+            return Err(format!("{name}=: no URL given"));
+        }
+        if let Some(dup) = bases
+            .iter()
+            .enumerate()
+            .find(|(i, b)| bases[..*i].contains(b))
+        {
+            return Err(format!(
+                "{name}: `{}` is listed twice; list each server once",
+                dup.1
+            ));
+        }
+        let base = bases.join(", ");
+        let uri = replicas[0].clone();
         let mut headers = common.clone();
         if !headers.contains_key(http::header::AUTHORIZATION)
             && let Some(k) = per_target_key.get(&name).or(default_key.as_ref())
@@ -271,6 +298,7 @@ fn targets(args: &BenchArgs, endpoint: &str, kind: EndpointType) -> Result<Vec<T
             name,
             base,
             uri,
+            replicas,
             headers,
             dialect: kind.dialect(),
         });

@@ -7,11 +7,14 @@ use std::fmt::Write as _;
 use serde_json::{Value, json};
 
 use super::engine::RunResult;
+use super::interval::CONFIDENCE_PCT;
 use super::measure::Outcome;
 use super::plan::Plan;
 use super::summary::{METRICS, Stats, Summary, p_word};
 use super::sweep;
-use super::verdict::{HopCheck, Judgement, compare, render_compare, render_violations, violations};
+use super::verdict::{
+    HopCheck, Judgement, LikeForLike, compare, render_compare, render_violations, violations,
+};
 
 /// The terminal summary in `vllm bench serve`'s layout.
 pub fn render(
@@ -375,7 +378,7 @@ pub fn build_report(plan: &Plan, run: &RunResult) -> Report {
         if let Some(Value::Object(m)) = per_target.remove(&plan.targets[0].name) {
             json.extend(m);
         }
-    } else if !comparison(plan, &summaries, per_target, &mut json, &mut text) {
+    } else if !comparison(plan, run, &summaries, per_target, &mut json, &mut text) {
         exit = EXIT_COMPARE;
     }
     if !plan.sla.is_empty() {
@@ -508,12 +511,14 @@ fn client_cpu_text(cpu: std::time::Duration, outcomes: usize, dur: f64) -> Strin
 /// target's own keys under `targets`); true when every delta is within its threshold.
 fn comparison(
     plan: &Plan,
+    run: &RunResult,
     summaries: &[Summary],
     per_target: serde_json::Map<String, Value>,
     json: &mut serde_json::Map<String, Value>,
     text: &mut String,
 ) -> bool {
     let deltas = compare(
+        &run.outcomes,
         &summaries[0],
         &summaries[1],
         &plan.selected,
@@ -521,13 +526,16 @@ fn comparison(
         plan.thresholds,
     );
     let names = [plan.targets[0].name.as_str(), plan.targets[1].name.as_str()];
+    let hop = HopCheck::of(&run.outcomes, &summaries[0], &summaries[1]);
+    let like = LikeForLike::of(&run.outcomes, plan.thresholds);
     text.push('\n');
     text.push_str(&render_compare(
         names,
         &deltas,
         plan.thresholds,
         &plan.added_percentiles,
-        &summaries[0],
+        &hop,
+        &like,
         &summaries[1],
     ));
     let pass = deltas.iter().all(|d| d.pass);
@@ -545,7 +553,12 @@ fn comparison(
             "percentiles_added": plan.added_percentiles,
             "deltas": deltas,
             "not_measured": deltas.iter().filter(|d| d.judgement == Judgement::NotMeasured).map(|d| format!("{}_{}", d.metric, d.stat)).collect::<Vec<_>>(),
-            "hop": HopCheck::of(&summaries[0], &summaries[1]),
+            "confidence_pct": CONFIDENCE_PCT,
+            "interval_method": "paired bootstrap over prompts (each prompt sent to both targets)",
+            "not_distinguishable": deltas.iter().filter(|d| d.judgement == Judgement::NotDistinguishable).map(|d| format!("{}_{}", d.metric, d.stat)).collect::<Vec<_>>(),
+            "not_enough_samples": deltas.iter().filter(|d| d.judgement == Judgement::NotEnoughSamples).map(|d| format!("{}_{}", d.metric, d.stat)).collect::<Vec<_>>(),
+            "hop": hop,
+            "like_for_like": like,
             "pass": pass,
         }),
     );

@@ -4,6 +4,8 @@
 
 use std::fmt::Write as _;
 
+use super::interval::{CONFIDENCE_PCT, Interval, Pairs, Stat};
+use super::measure::Outcome;
 use super::summary::{METRICS, Stats, Summary, p_word};
 
 /// One `--sla` objective: `ttft_p99_ms=1500` (at most) or `error_rate=0.01`.
@@ -119,14 +121,18 @@ impl Thresholds {
     }
 }
 
-/// How a line of the comparison was judged.
+/// How a line of the comparison was judged, from the confidence interval of its delta.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Judgement {
-    /// Not slower than its tolerance (or faster).
+    /// The whole interval is within the allowed slowdown (or faster).
     Within,
-    /// Slower than its tolerance.
+    /// The whole interval lies beyond the allowed slowdown: shown slower.
     Over,
+    /// The interval spans the allowed slowdown: this many samples cannot tell.
+    NotDistinguishable,
+    /// Too few samples to estimate the statistic at all (P99 from 60 requests): not judged.
+    NotEnoughSamples,
     /// The statistic has no value on one side or both: the line cannot be judged, and the
     /// verdict cannot pass without it.
     NotMeasured,
@@ -142,6 +148,16 @@ pub struct Delta {
     /// measured − baseline: positive when the second target is slower.
     pub delta_ms: Option<f64>,
     pub delta_pct: Option<f64>,
+    /// The 95 % confidence interval of the delta (paired bootstrap over prompts).
+    pub ci_ms: Option<Interval>,
+    /// Prompts answered by both targets, whose samples were paired.
+    pub paired_prompts: usize,
+    /// Samples on the thinner side (prompts; ITL: gaps), against `min_samples`.
+    pub samples: usize,
+    pub min_samples: usize,
+    /// Prompts per target that would decide a line that is not distinguishable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompts_to_decide: Option<usize>,
     /// The tolerance in percent this line is judged against.
     pub limit_pct: f64,
     /// The largest slowdown allowed, max(limit_pct × baseline, floor).
@@ -166,17 +182,22 @@ fn measured(s: &Stats, stat: &str) -> Result<f64, String> {
     })
 }
 
-/// Judge `measured` against `baseline` at the mean and every one of `percentiles`, for every
-/// selected metric: one line each, none skipped.
+/// Judge the measured target against the baseline at the mean and every one of `percentiles`,
+/// for every selected metric: one line each, none skipped. The values are the targets'
+/// summaries; the judgement is the interval's, from the requests paired by prompt.
 pub fn compare(
+    outcomes: &[Outcome],
     baseline: &Summary,
     measured_target: &Summary,
     selected: &[String],
     percentiles: &[f64],
     t: Thresholds,
 ) -> Vec<Delta> {
-    let stats: Vec<String> = std::iter::once("mean".to_owned())
+    let names: Vec<String> = std::iter::once("mean".to_owned())
         .chain(percentiles.iter().map(|p| format!("p{}", p_word(*p))))
+        .collect();
+    let stats: Vec<Stat> = std::iter::once(Stat::Mean)
+        .chain(percentiles.iter().map(|p| Stat::Percentile(*p)))
         .collect();
     let mut out = Vec::new();
     for (key, _, _) in METRICS {
@@ -186,54 +207,70 @@ pub fn compare(
         let none = Stats::default();
         let a = baseline.metrics.get(key).unwrap_or(&none);
         let b = measured_target.metrics.get(key).unwrap_or(&none);
-        for stat in &stats {
-            let limit_pct = t.pct_for(stat);
-            let line = match (measured(a, stat), measured(b, stat)) {
+        let pairs = Pairs::of(outcomes, key);
+        let intervals = pairs.intervals(&stats);
+        for ((name, stat), ci) in names.iter().zip(&stats).zip(intervals) {
+            let limit_pct = t.pct_for(name);
+            let mut line = Delta {
+                metric: (*key).to_owned(),
+                stat: name.clone(),
+                baseline_ms: None,
+                measured_ms: None,
+                delta_ms: None,
+                delta_pct: None,
+                ci_ms: None,
+                paired_prompts: pairs.prompts(),
+                samples: pairs.samples(),
+                min_samples: stat.min_samples(),
+                prompts_to_decide: None,
+                limit_pct,
+                allowed_ms: None,
+                judgement: Judgement::NotMeasured,
+                note: None,
+                pass: false,
+            };
+            match (measured(a, name), measured(b, name)) {
                 (Ok(x), Ok(y)) => {
+                    // Over the prompts both answered, so that the delta and its interval are
+                    // of the same samples (the same as the targets' own figures when nothing
+                    // failed).
+                    let (x, y) = pairs.values(*stat).unwrap_or((x, y));
                     let allowed = t.allowed_ms(limit_pct, x);
-                    let over = y - x > allowed;
-                    Delta {
-                        metric: (*key).to_owned(),
-                        stat: stat.clone(),
-                        baseline_ms: Some(x),
-                        measured_ms: Some(y),
-                        delta_ms: Some(y - x),
-                        delta_pct: (x.abs() > 1e-12).then(|| (y - x) / x * 100.0),
-                        limit_pct,
-                        allowed_ms: Some(allowed),
-                        judgement: if over {
-                            Judgement::Over
-                        } else {
-                            Judgement::Within
-                        },
-                        note: None,
-                        pass: !over,
-                    }
+                    line.baseline_ms = Some(x);
+                    line.measured_ms = Some(y);
+                    line.delta_ms = Some(y - x);
+                    line.delta_pct = (x.abs() > 1e-12).then(|| (y - x) / x * 100.0);
+                    line.allowed_ms = Some(allowed);
+                    line.ci_ms = ci;
+                    line.judgement = match ci {
+                        _ if line.samples < line.min_samples => Judgement::NotEnoughSamples,
+                        None => Judgement::NotEnoughSamples,
+                        Some(i) if i.lo > allowed => Judgement::Over,
+                        Some(i) if i.hi <= allowed => Judgement::Within,
+                        Some(i) => {
+                            line.prompts_to_decide = i
+                                .prompts_to_decide(pairs.prompts(), y - x, allowed)
+                                .map(|n| n.max(line.min_samples));
+                            Judgement::NotDistinguishable
+                        }
+                    };
+                    line.pass = line.judgement != Judgement::Over;
                 }
                 (x, y) => {
                     let why = |side: &str, r: &Result<f64, String>| {
                         r.as_ref().err().map(|e| format!("{side}: {e}"))
                     };
-                    let note = [why("first", &x), why("second", &y)]
-                        .into_iter()
-                        .flatten()
-                        .collect::<Vec<_>>()
-                        .join("; ");
-                    Delta {
-                        metric: (*key).to_owned(),
-                        stat: stat.clone(),
-                        baseline_ms: x.ok(),
-                        measured_ms: y.ok(),
-                        delta_ms: None,
-                        delta_pct: None,
-                        limit_pct,
-                        allowed_ms: None,
-                        judgement: Judgement::NotMeasured,
-                        note: Some(note),
-                        pass: false,
-                    }
+                    line.note = Some(
+                        [why("first", &x), why("second", &y)]
+                            .into_iter()
+                            .flatten()
+                            .collect::<Vec<_>>()
+                            .join("; "),
+                    );
+                    line.baseline_ms = x.ok();
+                    line.measured_ms = y.ok();
                 }
-            };
+            }
             out.push(line);
         }
     }
@@ -246,43 +283,67 @@ pub struct HopCheck {
     /// Median `Server-Timing` hop of the second target's successful requests (none: it sent
     /// no hop figure).
     pub recorded_median_ms: Option<f64>,
+    /// Its P99, when there are enough of them (`Stat::min_samples`).
+    pub recorded_p99_ms: Option<f64>,
     /// How many of its requests carried one.
     pub recorded_count: usize,
     /// Second target's TTFT median − first's (none: TTFT not measured on a side).
     pub client_ttft_median_delta_ms: Option<f64>,
+    /// The 95 % interval of that delta (paired bootstrap over prompts).
+    pub client_ttft_median_delta_ci_ms: Option<Interval>,
     /// recorded / client-seen (none: either is missing, or the client saw no added TTFT).
     pub ratio: Option<f64>,
 }
 
 impl HopCheck {
-    pub fn of(baseline: &Summary, measured_target: &Summary) -> HopCheck {
+    pub fn of(outcomes: &[Outcome], baseline: &Summary, measured_target: &Summary) -> HopCheck {
         let ttft_median = |s: &Summary| {
             s.metrics
                 .get("ttft")
                 .filter(|t| t.count > 0)
                 .map(|t| t.median)
         };
-        let client = ttft_median(baseline)
-            .zip(ttft_median(measured_target))
-            .map(|(a, b)| b - a);
-        let recorded = measured_target.hop_ms.as_ref().map(|h| h.median);
+        let pairs = Pairs::of(outcomes, "ttft");
+        let median = Stat::Percentile(50.0);
+        // Over the prompts both answered, as its interval; the targets' medians without pairs.
+        let client = pairs.delta(median).or_else(|| {
+            ttft_median(baseline)
+                .zip(ttft_median(measured_target))
+                .map(|(a, b)| b - a)
+        });
+        let hop = measured_target.hop_ms.as_ref();
+        let recorded = hop.map(|h| h.median);
+        let p99 = Stat::Percentile(99.0);
         HopCheck {
             recorded_median_ms: recorded,
-            recorded_count: measured_target.hop_ms.as_ref().map_or(0, |h| h.count),
+            recorded_p99_ms: hop
+                .filter(|h| h.count >= p99.min_samples())
+                .and_then(|h| h.get("p99")),
+            recorded_count: hop.map_or(0, |h| h.count),
             client_ttft_median_delta_ms: client,
+            client_ttft_median_delta_ci_ms: pairs.intervals(&[median]).remove(0),
             ratio: recorded
                 .zip(client.filter(|c| *c > 0.0))
                 .map(|(r, c)| r / c),
         }
     }
 
+    /// The summary line: the figure to believe (the hop the gateway stamped per request)
+    /// beside what the client saw, with its interval.
     fn render(&self, names: [&str; 2]) -> String {
-        let client = match self.client_ttft_median_delta_ms {
-            Some(c) => format!(
-                "client-side TTFT median delta ({} − {}) {c:+.3} ms",
+        let client = match (
+            self.client_ttft_median_delta_ms,
+            self.client_ttft_median_delta_ci_ms,
+        ) {
+            (Some(c), Some(i)) => format!(
+                "the client-side TTFT median delta ({} − {}) is {c:+.3} ms, {CONFIDENCE_PCT} % interval [{:+.3}, {:+.3}] ms",
+                names[1], names[0], i.lo, i.hi
+            ),
+            (Some(c), None) => format!(
+                "the client-side TTFT median delta ({} − {}) is {c:+.3} ms (too few paired prompts for an interval)",
                 names[1], names[0]
             ),
-            None => "client-side TTFT median delta: not measured (no TTFT on a side)".to_owned(),
+            _ => "the client-side TTFT median delta: not measured (no TTFT on a side)".to_owned(),
         };
         match self.recorded_median_ms {
             None => format!(
@@ -290,8 +351,11 @@ impl HopCheck {
                 names[1]
             ),
             Some(r) => format!(
-                "hop cost {} recorded (Server-Timing hop, median of {}): {r:.3} ms; {client}; recorded / client-seen: {}\n",
+                "the figure to believe: the hop {} recorded, stamped per request from the kernel's receive time: median {r:.3} ms{} over {} requests; {client}; recorded / client-seen: {}\n",
                 names[1],
+                self.recorded_p99_ms
+                    .map(|p| format!(", p99 {p:.3} ms"))
+                    .unwrap_or_default(),
                 self.recorded_count,
                 match self.ratio {
                     Some(x) => format!("{x:.2}"),
@@ -302,19 +366,130 @@ impl HopCheck {
     }
 }
 
-/// The comparison as text: the rule, one line per judged statistic, the gateway's own figures
-/// beside the client's, and the verdict.
+/// The least difference between the two sides' backends that `LikeForLike` calls unequal.
+pub const LIKE_FLOOR_MS: f64 = 1.0;
+
+/// Whether the two sides reached comparable backends: the backend's TTFT as the gateway saw
+/// it (its `Server-Timing` `upstream`, per request) against the direct TTFT of the same prompt.
+/// A gateway adds its hop on top of the backend's time, never inside it, so a difference here
+/// is the backends' own: a direct URL that is not the gateway's pool, one server against a
+/// pool of several, another model.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct LikeForLike {
+    /// Prompts with both figures.
+    pub paired_prompts: usize,
+    /// Median backend TTFT behind the gateway, as it recorded it.
+    pub gateway_upstream_median_ms: Option<f64>,
+    pub direct_ttft_median_ms: Option<f64>,
+    /// Median of the first − median of the second, with its 95 % interval.
+    pub delta_ms: Option<f64>,
+    pub ci_ms: Option<Interval>,
+    /// The difference that counts as significant: the verdict's percentile tolerance of the
+    /// direct median, at least `LIKE_FLOOR_MS`.
+    pub allowed_ms: Option<f64>,
+    /// None: not enough figures to tell (no `upstream` from the gateway, or too few prompts).
+    pub comparable: Option<bool>,
+}
+
+impl LikeForLike {
+    pub fn of(outcomes: &[Outcome], t: Thresholds) -> LikeForLike {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let pairs = Pairs::by(
+            outcomes,
+            |o| o.ttft.map(ms).into_iter().collect(),
+            |o| o.upstream_ms.into_iter().collect(),
+        );
+        let median = Stat::Percentile(50.0);
+        let side = |first: bool| -> Option<f64> {
+            let v: Vec<f64> = outcomes
+                .iter()
+                .filter(|o| o.ok() && o.target == u8::from(!first))
+                .filter_map(|o| if first { o.ttft.map(ms) } else { o.upstream_ms })
+                .collect();
+            (!v.is_empty()).then(|| {
+                let mut v = v;
+                v.sort_by(f64::total_cmp);
+                super::summary::percentile(&v, 50.0)
+            })
+        };
+        let direct = side(true);
+        // Two measuring points (the client, the gateway) differ by their own HTTP stacks'
+        // microseconds: a difference counts from the percentile tolerance or 1 ms up.
+        let allowed = direct.map(|d| (t.percentile_pct / 100.0 * d).max(LIKE_FLOOR_MS));
+        let ci = if pairs.prompts() >= median.min_samples() {
+            pairs.intervals(&[median]).remove(0)
+        } else {
+            None
+        };
+        LikeForLike {
+            paired_prompts: pairs.prompts(),
+            gateway_upstream_median_ms: side(false),
+            direct_ttft_median_ms: direct,
+            delta_ms: pairs.delta(median),
+            ci_ms: ci,
+            allowed_ms: allowed,
+            comparable: ci.zip(allowed).map(|(i, a)| !(i.lo > a || i.hi < -a)),
+        }
+    }
+
+    fn render(&self, names: [&str; 2]) -> String {
+        let [base, gw] = names;
+        match (
+            self.comparable,
+            self.gateway_upstream_median_ms,
+            self.direct_ttft_median_ms,
+            self.ci_ms,
+        ) {
+            (Some(ok), Some(up), Some(direct), Some(i)) => {
+                let figures = format!(
+                    "the backends behind {gw} took {up:.3} ms to first token (median of its Server-Timing upstream, {} prompts), {base}'s {direct:.3} ms; paired delta {:+.3} ms, {CONFIDENCE_PCT} % interval [{:+.3}, {:+.3}] ms",
+                    self.paired_prompts,
+                    self.delta_ms.unwrap_or(up - direct),
+                    i.lo,
+                    i.hi
+                );
+                if ok {
+                    format!("like for like: yes — {figures}\n")
+                } else {
+                    format!(
+                        "WARNING: not like for like — {figures}, beyond ±{:.3} ms: the two sides reached unequal backends, so the deltas above measure the backends, not the hop. Point {base}= at the servers of {gw}'s pool, comma-separated ({base}=http://host1:8000,http://host2:8000), so that both sides spread the same prompts over the same servers\n",
+                        self.allowed_ms.unwrap_or_default()
+                    )
+                }
+            }
+            (_, None, _, _) => {
+                format!("like for like: not checked — {gw} sent no Server-Timing upstream figure\n")
+            }
+            _ => format!(
+                "like for like: not checked — {} paired prompts; the check needs {}\n",
+                self.paired_prompts,
+                Stat::Percentile(50.0).min_samples()
+            ),
+        }
+    }
+}
+
+/// The comparison as text: the rule, one line per judged statistic with its interval, the
+/// gateway's own figures beside the client's, and the verdict.
 pub fn render_compare(
     names: [&str; 2],
     deltas: &[Delta],
     t: Thresholds,
     added_percentiles: &[f64],
-    baseline: &Summary,
+    hop: &HopCheck,
+    like: &LikeForLike,
     measured_target: &Summary,
 ) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "{:=^96}", format!(" {} vs {} ", names[1], names[0]));
+    let _ = writeln!(o, "{:=^110}", format!(" {} vs {} ", names[1], names[0]));
     let _ = writeln!(o, "rule: {}", t.rule(names));
+    if let Some(d) = deltas.iter().find(|d| d.ci_ms.is_some()) {
+        let _ = writeln!(
+            o,
+            "each line over the {} prompts both answered; interval: {CONFIDENCE_PCT} %, paired bootstrap over prompts",
+            d.paired_prompts
+        );
+    }
     if !added_percentiles.is_empty() {
         let _ = writeln!(
             o,
@@ -328,8 +503,14 @@ pub fn render_compare(
     }
     let _ = writeln!(
         o,
-        "{:<12} {:>14} {:>14} {:>12} {:>9} {:>12}  verdict",
-        "metric", names[0], names[1], "delta (ms)", "delta", "allowed (ms)"
+        "{:<12} {:>12} {:>12} {:>11} {:>9} {:>21} {:>9}  verdict",
+        "metric",
+        names[0],
+        names[1],
+        "delta (ms)",
+        "delta",
+        format!("{CONFIDENCE_PCT} % interval (ms)"),
+        "allowed"
     );
     let num = |v: Option<f64>, w: usize, sign: bool| match v {
         Some(x) if sign => format!("{x:>+w$.3}"),
@@ -338,9 +519,20 @@ pub fn render_compare(
     };
     for d in deltas {
         let verdict = match d.judgement {
-            Judgement::Within if d.delta_ms.is_some_and(|x| x < 0.0) => "ok (faster)".to_owned(),
+            Judgement::Within if d.ci_ms.is_some_and(|i| i.hi < 0.0) => "ok (faster)".to_owned(),
             Judgement::Within => "ok".to_owned(),
             Judgement::Over => "SLOWER than allowed".to_owned(),
+            Judgement::NotDistinguishable => format!(
+                "not distinguishable at this sample size{}",
+                match d.prompts_to_decide {
+                    Some(n) => format!(" (~{n} prompts would decide)"),
+                    None => " (the delta sits on the limit)".to_owned(),
+                }
+            ),
+            Judgement::NotEnoughSamples => format!(
+                "not enough samples (n={} for {}; needs {})",
+                d.samples, d.stat, d.min_samples
+            ),
             Judgement::NotMeasured => {
                 format!("not measured ({})", d.note.as_deref().unwrap_or("no value"))
             }
@@ -348,19 +540,25 @@ pub fn render_compare(
         let pct = d
             .delta_pct
             .map_or_else(|| format!("{:>9}", "-"), |p| format!("{p:>+8.2}%"));
+        let ci = d.ci_ms.map_or_else(
+            || format!("{:>21}", "-"),
+            |i| format!("{:>21}", format!("[{:+.3}, {:+.3}]", i.lo, i.hi)),
+        );
         let _ = writeln!(
             o,
-            "{:<12} {} {} {} {} {}  {}",
+            "{:<12} {} {} {} {} {} {}  {}",
             format!("{} {}", d.metric.to_uppercase(), d.stat),
-            num(d.baseline_ms, 14, false),
-            num(d.measured_ms, 14, false),
-            num(d.delta_ms, 12, true),
+            num(d.baseline_ms, 12, false),
+            num(d.measured_ms, 12, false),
+            num(d.delta_ms, 11, true),
             pct,
-            num(d.allowed_ms, 12, false),
+            ci,
+            num(d.allowed_ms, 9, false),
             verdict
         );
     }
-    o.push_str(&HopCheck::of(baseline, measured_target).render(names));
+    o.push_str(&hop.render(names));
+    o.push_str(&like.render(names));
     if let Some(g) = &measured_target.gateway_ms {
         let _ = writeln!(
             o,
@@ -368,6 +566,14 @@ pub fn render_compare(
             names[1], g.mean, g.median, g.max,
         );
     }
+    let _ = writeln!(o, "verdict: {}", verdict_words(names, deltas));
+    o
+}
+
+/// The verdict line: FAIL when a line is shown slower (its whole interval beyond the allowed
+/// delta) or cannot be measured; else PASS, saying what could not be told apart at this sample
+/// size and what was not judged.
+fn verdict_words(names: [&str; 2], deltas: &[Delta]) -> String {
     let list = |j: Judgement| {
         deltas
             .iter()
@@ -375,10 +581,17 @@ pub fn render_compare(
             .map(|d| format!("{} {}", d.metric.to_uppercase(), d.stat))
             .collect::<Vec<_>>()
     };
-    let (over, unmeasured) = (list(Judgement::Over), list(Judgement::NotMeasured));
+    let over = list(Judgement::Over);
+    let unmeasured = list(Judgement::NotMeasured);
+    let unclear = list(Judgement::NotDistinguishable);
+    let thin = list(Judgement::NotEnoughSamples);
+    let within = list(Judgement::Within);
     let mut why = Vec::new();
     if !over.is_empty() {
-        why.push(format!("slower than allowed: {}", over.join(", ")));
+        why.push(format!(
+            "slower than allowed (the whole interval): {}",
+            over.join(", ")
+        ));
     }
     if !unmeasured.is_empty() {
         why.push(format!(
@@ -386,16 +599,42 @@ pub fn render_compare(
             unmeasured.join(", ")
         ));
     }
-    let _ = writeln!(
-        o,
-        "verdict: {}",
-        if why.is_empty() {
-            format!("PASS — {} is nowhere slower than the tolerance", names[1])
-        } else {
-            format!("FAIL — {}", why.join("; "))
-        }
-    );
-    o
+    if !why.is_empty() {
+        return format!("FAIL — {}", why.join("; "));
+    }
+    let mut said = if within.is_empty() && unclear.is_empty() {
+        format!(
+            "PASS — nothing could be judged at this sample size; {} is not shown slower",
+            names[1]
+        )
+    } else if unclear.is_empty() {
+        format!(
+            "PASS — {} is within the tolerance on every judged line, interval and all",
+            names[1]
+        )
+    } else {
+        let decide = deltas
+            .iter()
+            .filter(|d| d.judgement == Judgement::NotDistinguishable)
+            .filter_map(|d| d.prompts_to_decide)
+            .max();
+        format!(
+            "PASS — {} is not shown slower than allowed; not distinguishable at this sample size: {}{}",
+            names[1],
+            unclear.join(", "),
+            match decide {
+                Some(n) => format!(" (~{n} prompts per target would decide: --num-prompts {n})"),
+                None => String::new(),
+            }
+        )
+    };
+    if !thin.is_empty() {
+        said.push_str(&format!(
+            "; not judged (not enough samples): {}",
+            thin.join(", ")
+        ));
+    }
+    said
 }
 
 #[cfg(test)]
@@ -429,13 +668,46 @@ mod tests {
         }
     }
 
-    /// A summary whose every metric has `values` (ms), measured at `percentiles`.
-    fn summary(values: &[f64], percentiles: &[f64]) -> Summary {
-        let mut s = Summary::default();
-        for (k, _, _) in METRICS {
-            s.metrics.insert(k, Stats::of(values.to_vec(), percentiles));
-        }
-        s
+    /// A compare run: prompt i answered in `base[i]` ms by the first target and `measured[i]` ms
+    /// by the second, as TTFT, TPOT and ITL (E2EL twice that); with the two summaries measured
+    /// at `percentiles`.
+    fn run(
+        base: &[f64],
+        measured: &[f64],
+        percentiles: &[f64],
+    ) -> (Vec<Outcome>, Summary, Summary) {
+        let one = |target: u8, prompt: usize, v: f64| Outcome {
+            target,
+            prompt,
+            sent_at: std::time::Duration::from_millis(prompt as u64 * 2 + u64::from(target)),
+            ttft: Some(std::time::Duration::from_secs_f64(v / 1e3)),
+            e2el: Some(std::time::Duration::from_secs_f64(2.0 * v / 1e3)),
+            itls_ms: vec![v as f32],
+            output_tokens: 2,
+            ..Outcome::default()
+        };
+        let outcomes: Vec<Outcome> = base
+            .iter()
+            .enumerate()
+            .map(|(i, v)| one(0, i, *v))
+            .chain(measured.iter().enumerate().map(|(i, v)| one(1, i, *v)))
+            .collect();
+        let side = |t: u8| {
+            let of: Vec<&Outcome> = outcomes.iter().filter(|o| o.target == t).collect();
+            Summary::of(&of, 1.0, percentiles, &Vec::new())
+        };
+        let (a, b) = (side(0), side(1));
+        (outcomes, a, b)
+    }
+
+    /// `n` latencies (ms) of a noisy server: a 50 ms floor plus an exponential tail of mean
+    /// 50 ms, from `seed`.
+    fn noisy(n: usize, seed: u64) -> Vec<f64> {
+        use rand::{Rng, SeedableRng};
+        let mut r = rand::rngs::SmallRng::seed_from_u64(seed);
+        (0..n)
+            .map(|_| 50.0 - 50.0 * (1.0 - r.random::<f64>()).ln())
+            .collect()
     }
 
     const T: Thresholds = Thresholds {
@@ -450,74 +722,177 @@ mod tests {
             .unwrap_or_else(|| panic!("no {metric} {stat} line in {d:?}"))
     }
 
+    fn judge(
+        base: &[f64],
+        measured: &[f64],
+        p: &[f64],
+        sel: &[&str],
+        t: Thresholds,
+    ) -> (Vec<Delta>, String) {
+        let (o, a, b) = run(base, measured, p);
+        let sel: Vec<String> = sel.iter().map(|s| (*s).to_owned()).collect();
+        let d = compare(&o, &a, &b, &sel, p, t);
+        let text = render_compare(
+            ["direct", "gateway"],
+            &d,
+            t,
+            &[],
+            &HopCheck::of(&o, &a, &b),
+            &LikeForLike::of(&o, t),
+            &b,
+        );
+        (d, text)
+    }
+
     #[test]
-    fn a_faster_gateway_passes() {
-        // 10 % faster everywhere: the old two-sided rule failed this ("OVER 5%").
-        let base = summary(&[100.0, 200.0, 300.0, 400.0], &[95.0, 99.0]);
-        let fast = summary(&[90.0, 180.0, 270.0, 360.0], &[95.0, 99.0]);
-        let d = compare(
-            &base,
-            &fast,
-            &["ttft".into(), "e2el".into()],
-            &[95.0, 99.0],
+    fn equal_distributions_are_not_distinguishable() {
+        // Two independent draws from one noisy server: the old verdict failed such runs on
+        // whichever statistic the noise pushed over 3 %.
+        let (d, text) = judge(
+            &noisy(200, 1),
+            &noisy(200, 2),
+            &[50.0, 95.0],
+            &["ttft", "e2el"],
             T,
         );
-        assert_eq!(d.len(), 2 * 3, "mean, P95 and P99 of both metrics");
         for x in &d {
-            assert!(x.delta_ms.unwrap() < 0.0);
-            assert_eq!(x.judgement, Judgement::Within, "{x:?}");
+            assert_eq!(x.judgement, Judgement::NotDistinguishable, "{x:?}");
             assert!(x.pass);
+            let i = x.ci_ms.unwrap();
+            assert!(
+                i.lo < x.allowed_ms.unwrap() && x.allowed_ms.unwrap() < i.hi,
+                "{x:?}"
+            );
+            assert!(x.prompts_to_decide.unwrap() > 200, "{x:?}");
         }
-        let text = render_compare(["direct", "gateway"], &d, T, &[], &base, &fast);
+        assert!(
+            text.contains("not distinguishable at this sample size (~"),
+            "{text}"
+        );
+        assert!(
+            text.contains("verdict: PASS — gateway is not shown slower than allowed; not distinguishable at this sample size: TTFT mean, TTFT p50, TTFT p95, E2EL mean"),
+            "{text}"
+        );
+        assert!(
+            text.contains("prompts per target would decide: --num-prompts"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_real_shift_fails() {
+        // The same requests, each 30 ms slower through the second target.
+        let base = noisy(200, 3);
+        let slow: Vec<f64> = base.iter().map(|v| v + 30.0).collect();
+        let (d, text) = judge(&base, &slow, &[50.0, 95.0], &["ttft"], T);
+        for x in &d {
+            assert_eq!(x.judgement, Judgement::Over, "{x:?}");
+            assert!(!x.pass);
+            let i = x.ci_ms.unwrap();
+            assert!(
+                i.lo > x.allowed_ms.unwrap() && i.lo > 25.0 && i.hi < 35.0,
+                "{x:?}"
+            );
+        }
+        assert!(
+            text.contains("verdict: FAIL — slower than allowed (the whole interval): TTFT mean, TTFT p50, TTFT p95"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_small_sample_does_not_judge_the_tail() {
+        // The run: 60 prompts and --metric-percentiles 95,99.
+        let base = noisy(60, 4);
+        let slow: Vec<f64> = base.iter().map(|v| v + 30.0).collect();
+        let (d, text) = judge(&base, &slow, &[95.0, 99.0], &["ttft"], T);
+        let p99 = line(&d, "ttft", "p99");
+        assert_eq!(p99.judgement, Judgement::NotEnoughSamples);
+        assert!(p99.pass, "not judged is not failed");
+        assert!(
+            text.contains("not enough samples (n=60 for p99; needs 500)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("not enough samples (n=60 for p95; needs 100)"),
+            "{text}"
+        );
+        // The mean has enough and is judged: the shift still fails it.
+        assert_eq!(line(&d, "ttft", "mean").judgement, Judgement::Over);
+        assert!(
+            text.contains("verdict: FAIL — slower than allowed (the whole interval): TTFT mean"),
+            "{text}"
+        );
+        // Equal samples: nothing shown slower; the unjudged lines are named.
+        let (_, text) = judge(&base, &base, &[95.0, 99.0], &["ttft"], T);
+        assert!(
+            text.contains("verdict: PASS — gateway is within the tolerance on every judged line, interval and all; not judged (not enough samples): TTFT p95, TTFT p99"),
+            "{text}"
+        );
+        // Five prompts: nothing at all can be judged, and the verdict says so.
+        let (_, text) = judge(&base[..5], &slow[..5], &[95.0], &["ttft"], T);
+        assert!(
+            text.contains("PASS — nothing could be judged at this sample size"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_faster_gateway_passes() {
+        let base = noisy(200, 5);
+        let fast: Vec<f64> = base.iter().map(|v| v * 0.8).collect();
+        let (d, text) = judge(&base, &fast, &[50.0, 95.0], &["ttft", "e2el"], T);
+        assert_eq!(d.len(), 2 * 3, "mean, P50 and P95 of both metrics");
+        for x in &d {
+            assert_eq!(x.judgement, Judgement::Within, "{x:?}");
+            assert!(x.ci_ms.unwrap().hi < 0.0);
+        }
         assert!(text.contains("ok (faster)"), "{text}");
-        assert!(text.contains("verdict: PASS"), "{text}");
+        assert!(
+            text.contains("verdict: PASS — gateway is within the tolerance on every judged line"),
+            "{text}"
+        );
     }
 
     #[test]
     fn slower_fails_past_the_larger_of_percent_and_floor() {
         let p = [95.0];
-        let sel = ["ttft".to_owned()];
+        let sel = ["ttft"];
         // 1000 ms baseline: 3 % = 30 ms is the larger; +29 passes, +31 fails (mean).
-        let base = summary(&[1000.0], &p);
-        let d = compare(&base, &summary(&[1029.0], &p), &sel, &p, T);
-        assert!(line(&d, "ttft", "mean").pass);
+        let base = vec![1000.0; 120];
+        let shifted = |by: f64| base.iter().map(|v| v + by).collect::<Vec<_>>();
+        let (d, _) = judge(&base, &shifted(29.0), &p, &sel, T);
+        assert_eq!(line(&d, "ttft", "mean").judgement, Judgement::Within);
         assert_eq!(line(&d, "ttft", "mean").allowed_ms, Some(30.0));
-        let d = compare(&base, &summary(&[1031.0], &p), &sel, &p, T);
+        let (d, _) = judge(&base, &shifted(31.0), &p, &sel, T);
         assert_eq!(line(&d, "ttft", "mean").judgement, Judgement::Over);
         // P95 has its own tolerance: 5 % of 1000 ms.
         assert!(line(&d, "ttft", "p95").pass, "+31 ms is within 50 ms");
         // 2 ms baseline: the 1 ms floor is the larger; +0.9 ms (45 %) passes, +1.1 ms fails.
-        let base = summary(&[2.0], &p);
-        let d = compare(&base, &summary(&[2.9], &p), &sel, &p, T);
-        assert!(d.iter().all(|x| x.pass), "{d:?}");
-        let d = compare(&base, &summary(&[3.1], &p), &sel, &p, T);
+        let base = vec![2.0; 120];
+        let (d, _) = judge(&base, &vec![2.9; 120], &p, &sel, T);
+        assert!(d.iter().all(|x| x.judgement == Judgement::Within), "{d:?}");
+        let (d, _) = judge(&base, &vec![3.1; 120], &p, &sel, T);
         assert!(d.iter().all(|x| !x.pass), "{d:?}");
         // Without a floor the percentages alone decide.
         let no_floor = Thresholds { floor_ms: 0.0, ..T };
-        let d = compare(&base, &summary(&[2.5], &p), &sel, &p, no_floor);
+        let (d, text) = judge(&base, &vec![2.5; 120], &p, &sel, no_floor);
         assert_eq!(line(&d, "ttft", "mean").judgement, Judgement::Over);
-        let text = render_compare(["direct", "gateway"], &d, no_floor, &[], &base, &base);
         assert!(
-            text.contains("verdict: FAIL — slower than allowed: TTFT mean, TTFT p95"),
+            text.contains(
+                "verdict: FAIL — slower than allowed (the whole interval): TTFT mean, TTFT p95"
+            ),
             "{text}"
         );
     }
 
     #[test]
     fn every_percentile_is_judged_and_an_unmeasured_one_is_named() {
-        // P99 is judged like P95 (it was "reported" only); P50 too when asked for.
-        let p = [50.0, 95.0, 99.0];
-        let base = summary(&[10.0, 20.0, 30.0, 40.0, 1000.0], &p);
-        let slow_tail = summary(&[10.0, 20.0, 30.0, 40.0, 1500.0], &p);
-        let d = compare(&base, &slow_tail, &["e2el".into()], &p, T);
-        assert_eq!(
-            d.iter().map(|x| x.stat.as_str()).collect::<Vec<_>>(),
-            ["mean", "p50", "p95", "p99"]
-        );
-        assert!(line(&d, "e2el", "p50").pass);
-        assert_eq!(line(&d, "e2el", "p99").judgement, Judgement::Over);
-        // A percentile the summaries were not measured at is a line, "not measured".
-        let d = compare(&base, &slow_tail, &["e2el".into()], &[90.0], T);
+        let p = [50.0, 95.0];
+        let base = noisy(150, 6);
+        // P50 and P95 are both lines; a statistic the summaries lack is "not measured".
+        let (o, a, b) = run(&base, &base, &p);
+        let d = compare(&o, &a, &b, &["e2el".into()], &[90.0], T);
         let l = line(&d, "e2el", "p90");
         assert_eq!(l.judgement, Judgement::NotMeasured);
         assert!(!l.pass);
@@ -525,42 +900,110 @@ mod tests {
             l.note.as_deref().unwrap().contains("P90 was not among"),
             "{l:?}"
         );
-        // A metric without samples on one side (TPOT of one-token answers): named, not passed.
-        let mut no_tpot = summary(&[10.0], &[95.0]);
-        no_tpot
-            .metrics
-            .insert("tpot", Stats::of(Vec::new(), &[95.0]));
-        let d = compare(
-            &summary(&[10.0], &[95.0]),
-            &no_tpot,
-            &["ttft".into(), "tpot".into()],
-            &[95.0],
-            T,
+        let d = compare(&o, &a, &b, &["e2el".into()], &p, T);
+        assert_eq!(
+            d.iter().map(|x| x.stat.as_str()).collect::<Vec<_>>(),
+            ["mean", "p50", "p95"]
         );
+        // A metric without samples on one side (TPOT of one-token answers): named, not passed.
+        let mut one_token = o.clone();
+        for x in one_token.iter_mut().filter(|x| x.target == 1) {
+            x.output_tokens = 1;
+        }
+        let of = |t: u8| {
+            let v: Vec<&Outcome> = one_token.iter().filter(|o| o.target == t).collect();
+            Summary::of(&v, 1.0, &p, &Vec::new())
+        };
+        let (a, b) = (of(0), of(1));
+        let d = compare(&one_token, &a, &b, &["ttft".into(), "tpot".into()], &p, T);
         assert!(line(&d, "ttft", "mean").pass);
         let l = line(&d, "tpot", "p95");
         assert_eq!(l.judgement, Judgement::NotMeasured);
         assert_eq!(l.note.as_deref(), Some("second: no samples"));
-        let text = render_compare(["direct", "gateway"], &d, T, &[], &no_tpot, &no_tpot);
+        let text = render_compare(
+            ["direct", "gateway"],
+            &d,
+            T,
+            &[],
+            &HopCheck::of(&one_token, &a, &b),
+            &LikeForLike::of(&one_token, T),
+            &b,
+        );
         assert!(text.contains("not measured (second: no samples)"), "{text}");
         assert!(
             text.contains(
-                "FAIL — not measured, so not shown within tolerance: TPOT mean, TPOT p95"
+                "FAIL — not measured, so not shown within tolerance: TPOT mean, TPOT p50, TPOT p95"
             ),
             "{text}"
         );
     }
 
     #[test]
-    fn the_hop_line_sets_the_recorded_cost_beside_the_client_delta() {
-        let base = summary(&[10.0, 10.0, 10.0], &[99.0]);
-        let mut gw = summary(&[10.25, 10.25, 10.25], &[99.0]);
-        let d = compare(&base, &gw, &["ttft".into()], &[99.0], T);
-        // No hop figure yet: said so, not left out.
-        let text = render_compare(["direct", "gateway"], &d, T, &[95.0], &base, &gw);
+    fn unequal_backends_are_named() {
+        let base = noisy(120, 8);
+        let (mut o, _, _) = run(&base, &base, &[50.0]);
+        let t = LikeForLike::of(&o, T);
+        assert_eq!(t.comparable, None);
+        assert!(
+            t.render(["direct", "gateway"])
+                .contains("gateway sent no Server-Timing upstream figure")
+        );
+        // The gateway's backends answer as direct's did (to a few µs): like for like.
+        let ttft = |o: &Outcome| o.ttft.unwrap().as_secs_f64() * 1e3;
+        for x in o.iter_mut().filter(|x| x.target == 1) {
+            x.upstream_ms = Some(ttft(x) - 0.005);
+        }
+        let t = LikeForLike::of(&o, T);
+        assert_eq!(t.comparable, Some(true), "{t:?}");
+        assert!(
+            t.render(["direct", "gateway"])
+                .starts_with("like for like: yes")
+        );
+        // Behind the gateway, a pool twice as fast as the one direct server: warned.
+        for x in o.iter_mut().filter(|x| x.target == 1) {
+            x.upstream_ms = Some(ttft(x) / 2.0);
+        }
+        let t = LikeForLike::of(&o, T);
+        assert_eq!(t.comparable, Some(false), "{t:?}");
+        let text = t.render(["direct", "gateway"]);
+        assert!(text.starts_with("WARNING: not like for like"), "{text}");
+        assert!(
+            text.contains("direct=http://host1:8000,http://host2:8000"),
+            "{text}"
+        );
+        // Too few prompts to tell.
+        let (o, _, _) = run(&base[..5], &base[..5], &[50.0]);
+        let mut o = o;
+        for x in o.iter_mut() {
+            x.upstream_ms = Some(1.0);
+        }
+        assert!(
+            LikeForLike::of(&o, T)
+                .render(["direct", "gateway"])
+                .contains("5 paired prompts; the check needs 10")
+        );
+    }
+
+    #[test]
+    fn the_summary_line_names_the_recorded_hop_beside_the_client_delta() {
+        let base: Vec<f64> = noisy(120, 7);
+        let gw_v: Vec<f64> = base.iter().map(|v| v + 0.25).collect();
+        let (o, a, mut b) = run(&base, &gw_v, &[99.0]);
+        let hop = HopCheck::of(&o, &a, &b);
+        let d = compare(&o, &a, &b, &["ttft".into()], &[99.0], T);
+        // No hop figure: said so, not left out.
+        let text = render_compare(
+            ["direct", "gateway"],
+            &d,
+            T,
+            &[95.0],
+            &hop,
+            &LikeForLike::of(&o, T),
+            &b,
+        );
         assert!(text.contains("gateway sent no hop figure"), "{text}");
         assert!(
-            text.contains("TTFT median delta (gateway − direct) +0.250 ms"),
+            text.contains("the client-side TTFT median delta (gateway − direct) is +0.250 ms, 95 % interval [+0.250, +0.250] ms"),
             "{text}"
         );
         assert!(
@@ -568,20 +1011,29 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("rule: a line fails only when gateway is slower than direct by more than max(+3 % of direct's value, +1 ms) for a mean, max(+5 %, +1 ms) for a percentile; faster always passes"), "{text}");
-        gw.hop_ms = Some(Stats::of(vec![0.2, 0.21, 0.3], &[99.0]));
-        let h = HopCheck::of(&base, &gw);
+        b.hop_ms = Some(Stats::of(vec![0.2, 0.21, 0.3], &[99.0]));
+        let h = HopCheck::of(&o, &a, &b);
         assert_eq!(h.recorded_median_ms, Some(0.21));
+        assert_eq!(h.recorded_p99_ms, None, "three hops do not make a P99");
         assert_eq!(h.recorded_count, 3);
-        assert!((h.ratio.unwrap() - 0.84).abs() < 1e-9, "{h:?}");
-        let text = render_compare(["direct", "gateway"], &d, T, &[], &base, &gw);
+        assert!((h.ratio.unwrap() - 0.84).abs() < 1e-6, "{h:?}");
+        let text = render_compare(
+            ["direct", "gateway"],
+            &d,
+            T,
+            &[],
+            &h,
+            &LikeForLike::of(&o, T),
+            &b,
+        );
         assert!(
-            text.contains("median of 3): 0.210 ms; client-side TTFT median delta (gateway − direct) +0.250 ms; recorded / client-seen: 0.84"),
+            text.contains("the figure to believe: the hop gateway recorded, stamped per request from the kernel's receive time: median 0.210 ms over 3 requests; the client-side TTFT median delta (gateway − direct) is +0.250 ms, 95 % interval [+0.250, +0.250] ms; recorded / client-seen: 0.84"),
             "{text}"
         );
         // A faster gateway has no added TTFT to set the hop against.
-        let mut fast = base.clone();
-        fast.hop_ms = gw.hop_ms.clone();
-        let h = HopCheck::of(&gw, &fast);
+        let (o, a, mut fast) = run(&gw_v, &base, &[99.0]);
+        fast.hop_ms = b.hop_ms.clone();
+        let h = HopCheck::of(&o, &a, &fast);
         assert_eq!((h.recorded_median_ms, h.ratio), (Some(0.21), None));
         assert!(
             h.render(["direct", "gateway"])

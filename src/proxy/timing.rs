@@ -38,12 +38,19 @@ pub(super) fn server_timing(
     HeaderValue::from_bytes(&buf[..n]).ok()
 }
 
-/// A stream's `Server-Timing` trailer: `gw;dur=<pre + relay ms>, hop;dur=<ms>`.
+/// A stream's `Server-Timing` trailer: `gw;dur=<pre + relay ms>, upstream;dur=<backend's
+/// TTFT ms>, hop;dur=<ms>` — `upstream` being what a direct call would have seen (request
+/// written → first token), which `fleetgate bench --compare` sets beside its direct TTFTs to
+/// tell whether the two sides reached comparable backends.
 pub fn stream_timing(record: &RequestRecord) -> Option<HeaderMap> {
     let t = &record.timeline;
-    let mut buf = [0u8; 64];
+    let mut buf = [0u8; 96];
     let mut n = put(&mut buf, 0, b"gw;dur=");
     n = put_ms(&mut buf, n, t.overhead_total()?);
+    if let Some(up) = t.upstream_ttft() {
+        n = put(&mut buf, n, b", upstream;dur=");
+        n = put_ms(&mut buf, n, up);
+    }
     n = put_hop(&mut buf, n, t);
     let mut h = HeaderMap::with_capacity(1);
     h.insert(
