@@ -9,7 +9,7 @@ use clap::{Args, Subcommand};
 
 use crate::admin::jwt::{self, Role};
 use crate::clock::{format_wall_ms, parse_duration, wall_ms};
-use crate::config::{Config, DatabaseConfig};
+use crate::config::{Config, DatabaseConfig, DbKind};
 use crate::key::Environment;
 use crate::key::KeyRecord;
 use crate::secret::Secret;
@@ -163,8 +163,46 @@ fn actor(given: &Option<String>) -> String {
     })
 }
 
-async fn open(store: &StoreArgs, migrate: bool) -> Result<KeyStore, String> {
+/// How a command may open the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Opening {
+    /// Reads and changes to keys that exist (`keys list`, `revoke`, `usage`, ...): a store that
+    /// does not exist is an error naming where it was looked for; nothing is created.
+    Existing,
+    /// `keys create`: a new store is created, and stderr says where, so that a key issued into
+    /// a file no gateway reads does not go unnoticed.
+    CreateSaying,
+    /// `migrate`: creates the store, and says so on its own.
+    Create,
+}
+
+/// Open the store (an existing one is brought up to the current schema, except by `migrate`,
+/// which does it itself). `serve` and the demo open theirs elsewhere, creating them.
+async fn open(store: &StoreArgs, how: Opening) -> Result<KeyStore, String> {
     let db = store.database()?;
+    let missing = db.kind() == DbKind::Sqlite && !db.sqlite_path.exists();
+    let path = std::path::absolute(&db.sqlite_path).unwrap_or_else(|_| db.sqlite_path.clone());
+    let named_by = if store.sqlite.is_some() {
+        "--sqlite".to_owned()
+    } else {
+        format!(
+            "database.sqlite_path of {}, relative to that file's directory",
+            store.config.display()
+        )
+    };
+    if missing && how == Opening::Existing {
+        return Err(format!(
+            "no key store at {} (named by {named_by}); nothing was created. Point --config or --sqlite at the store your gateway uses (`fleetgate serve`, `fleetgate migrate` and the demo create theirs)",
+            path.display(),
+        ));
+    }
+    if missing && how == Opening::CreateSaying {
+        eprintln!(
+            "fleetgate: no key store at {} (named by {named_by}): creating a new one. A gateway accepts the key only if it uses this store",
+            path.display()
+        );
+    }
+    let migrate = how != Opening::Create;
     let s = KeyStore::connect(&db)
         .await
         .map_err(|e| format!("{}: {e}", db.describe()))?;
@@ -226,7 +264,11 @@ fn print_json<T: serde::Serialize>(v: &T) -> Result<(), String> {
 }
 
 pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
-    let store = open(&args.store, true).await?;
+    let how = match args.command {
+        KeysCommand::Create { .. } => Opening::CreateSaying,
+        _ => Opening::Existing,
+    };
+    let store = open(&args.store, how).await?;
     let who = actor(&args.actor);
     match args.command {
         KeysCommand::Create {
@@ -432,7 +474,7 @@ async fn audit(store: &KeyStore, id: Option<&str>, limit: i64, json: bool) -> Re
 /// `fleetgate migrate`.
 pub async fn run_migrate(store: StoreArgs) -> Result<(), String> {
     let db = store.database()?;
-    let s = open(&store, false).await?;
+    let s = open(&store, Opening::Create).await?;
     let n = s
         .migrate()
         .await
@@ -562,7 +604,7 @@ pub struct UsageArgs {
 /// `fleetgate usage`: the request log summarised.
 pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
     use crate::telemetry::usage::{UsageQuery, month_window, usage};
-    let store = open(&args.store, true).await?;
+    let store = open(&args.store, Opening::Existing).await?;
     let (from, to) = match &args.month {
         Some(m) => month_window(m).map_err(|e| e.to_string())?,
         None => {

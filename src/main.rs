@@ -210,6 +210,7 @@ async fn run(cli: Cli) -> ExitCode {
                     c.server.listen,
                     c.server.tls.is_some()
                 );
+                let _ = writeln!(out, "store {}", c.database.describe());
                 for p in &c.pools {
                     let backends: Vec<String> = p
                         .backends

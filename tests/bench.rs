@@ -780,7 +780,68 @@ async fn settings_json_drives_a_timed_closed_loop_run() {
         v["p95_e2el_ms"].is_number(),
         "metrics percentiles from the settings"
     );
+    // The breakdown by request class: each class's TTFT, TPOT and E2EL.
+    let classes = v["classes"].as_object().expect("classes in the result");
+    assert_eq!(classes.len(), 2, "{v}");
+    let (short, long) = (&v["classes"]["short"], &v["classes"]["long"]);
+    let done = short["completed"].as_u64().unwrap() + long["completed"].as_u64().unwrap();
+    assert_eq!(done, v["completed"].as_u64().unwrap());
+    for c in [short, long] {
+        for k in [
+            "mean_ttft_ms",
+            "p95_ttft_ms",
+            "p99_tpot_ms",
+            "median_e2el_ms",
+            "p50_e2el_ms",
+        ] {
+            assert!(c[k].is_number(), "{k} in {c}");
+        }
+    }
+    assert!(
+        long["mean_output_tokens"].as_f64().unwrap()
+            > short["mean_output_tokens"].as_f64().unwrap(),
+        "{v}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A bad settings file is a bad command line: exit 64 with the file and the key named, before
+/// a request is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_settings_file_exits_64_naming_the_key() {
+    let s = sim(|a| a.zero_delay = true).await;
+    let dir = TempDir(temp_dir("bench-bad-settings"));
+    let endpoint = format!("{}/v1/chat/completions", s.url().trim_end_matches('/'));
+    let class = |w: f64, i: u64| serde_json::json!({"name": "a", "weight": w, "input_tokens": i, "output_tokens": 4});
+    let cases = [
+        ("{\"endpoint\": ".to_owned(), "EOF while parsing"),
+        (serde_json::json!({"endpoint": endpoint, "concurency": 4}).to_string(), "unknown field `concurency`"),
+        (serde_json::json!({"endpoint": "gateway:8080"}).to_string(), "endpoint: "),
+        (serde_json::json!({"endpoint": endpoint, "concurrency": 0}).to_string(), "concurrency: must be ≥ 1"),
+        (serde_json::json!({"endpoint": endpoint, "duration_seconds": -1}).to_string(), "duration_seconds: -1"),
+        (serde_json::json!({"endpoint": endpoint, "request_distribution": [class(-1.0, 8)]}).to_string(), "request_distribution[0] (a): weight -1"),
+        (serde_json::json!({"endpoint": endpoint, "request_distribution": [class(0.0, 8)]}).to_string(), "every weight is 0"),
+        (serde_json::json!({"endpoint": endpoint, "request_distribution": [class(1.0, 0)]}).to_string(), "input_tokens and output_tokens must be ≥ 1"),
+        (serde_json::json!({"endpoint": endpoint, "request_distribution": [class(1.0, 8), class(1.0, 9)]}).to_string(), "the name \"a\" is used twice"),
+        (serde_json::json!({"endpoint": endpoint, "metrics": {"percentiles": [101]}}).to_string(), "metrics.percentiles: 101"),
+    ];
+    for (i, (text, says)) in cases.iter().enumerate() {
+        let path = dir.0.join(format!("settings-{i}.json"));
+        std::fs::write(&path, text).unwrap();
+        let p = path.display().to_string();
+        let e = bench::plan::read_settings(&path).unwrap_err();
+        assert!(e.contains(says) && e.contains(&p), "{text}: {e}");
+        let code = bench::run(args(&["--config", &p]), CancellationToken::new()).await;
+        assert_eq!(code, bench::EXIT_USAGE, "{text}");
+    }
+    let missing = dir.0.join("nope.json").display().to_string();
+    let code = bench::run(args(&["--config", &missing]), CancellationToken::new()).await;
+    assert_eq!(code, bench::EXIT_USAGE);
+    assert_eq!(
+        s.stats().requests.load(Ordering::SeqCst),
+        0,
+        "nothing was sent"
+    );
 }
 
 #[test]

@@ -666,6 +666,96 @@ fn fleetgate(args: &[&str]) -> (Option<i32>, String, String) {
     )
 }
 
+/// A relative `sqlite_path` (and spill path) in a config file is relative to the file, from
+/// whatever directory a command runs; a store that does not exist is created only by `migrate`
+/// (and `serve`, the demo), or by `keys create` saying where, and never by a read.
+#[test]
+fn a_config_files_store_is_the_same_from_any_directory() {
+    let conf_dir = TempDir(temp_dir("cli-conf"));
+    let elsewhere = TempDir(temp_dir("cli-cwd"));
+    let cfg = conf_dir.0.join("fleetgate.toml");
+    std::fs::write(
+        &cfg,
+        "[database]\nsqlite_path = \"keys.db\"\n\n[request_log]\nspill_path = \"spill/rl.spill\"\n\n[admin]\nlisten = \"\"\n\n[[pools]]\nmodel = \"m\"\nbackends = [\"http://127.0.0.1:9\"]\n",
+    )
+    .unwrap();
+    let cfg = cfg.to_str().unwrap();
+    let run_in = |dir: &std::path::Path, args: &[&str]| {
+        let out = Command::new(BIN)
+            .current_dir(dir)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let store = conf_dir.0.join("keys.db");
+    let (code, out, _) = run_in(&elsewhere.0, &["check-config", "--config", cfg]);
+    assert_eq!(code, Some(0));
+    assert!(
+        out.contains(&format!("store sqlite file {}", store.display())),
+        "{out}"
+    );
+    // A read of a store that does not exist: refused, naming the path, nothing created.
+    for read in [
+        vec!["keys", "list", "--config", cfg],
+        vec!["usage", "--config", cfg, "--since", "1h"],
+    ] {
+        let (code, _, err) = run_in(&elsewhere.0, &read);
+        assert_eq!(code, Some(1), "{read:?}: {err}");
+        assert!(
+            err.contains(&format!("no key store at {}", store.display()))
+                && err.contains("nothing was created")
+                && err.contains("relative to that file's directory"),
+            "{err}"
+        );
+        assert!(!store.exists(), "{read:?} created the store");
+    }
+    // `keys create` from another directory: the store beside the config, said on stderr.
+    let (code, key, err) = run_in(
+        &elsewhere.0,
+        &[
+            "keys", "create", "--config", cfg, "--env", "prod", "--name", "x", "-q",
+        ],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert!(key.starts_with("fg-prod-"), "{key}");
+    assert!(
+        err.contains(&format!("no key store at {}", store.display()))
+            && err.contains("creating a new one"),
+        "{err}"
+    );
+    assert!(store.exists());
+    assert!(
+        std::fs::read_dir(&elsewhere.0).unwrap().next().is_none(),
+        "nothing in the working directory"
+    );
+    // From a third directory, the same store: the key is listed, and nothing is said.
+    let (code, out, err) = run_in(&conf_dir.0.join(".."), &["keys", "list", "--config", cfg]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains(" x") || out.contains("x\n"), "{out}");
+    assert!(!err.contains("creating"), "{err}");
+    // --sqlite is relative to the working directory, and refused when missing.
+    let (code, _, err) = run_in(&elsewhere.0, &["keys", "list", "--sqlite", "none.db"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains(&format!(
+            "no key store at {} (named by --sqlite)",
+            elsewhere.0.join("none.db").display()
+        )),
+        "{err}"
+    );
+    assert!(!elsewhere.0.join("none.db").exists());
+    // `migrate` creates one.
+    let (code, out, err) = run_in(&elsewhere.0, &["migrate", "--sqlite", "new.db"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("schema is current"), "{out}");
+    assert!(elsewhere.0.join("new.db").exists());
+}
+
 /// The store flags go anywhere on the command line (the demo prints `keys create --sqlite DB
 /// …`), `-q` prints the key alone for scripts, and `keys list` lines its columns up for every
 /// environment.

@@ -304,3 +304,28 @@ fn the_consoles_now_window_is_the_codes() {
         assert!(page.contains(&format!("the last {secs} s")), "{page}");
     }
 }
+
+/// docs/bench.md's example settings.json is a file `fleetgate bench` accepts as it stands, with
+/// the short / long / tail classes it describes.
+#[test]
+fn the_example_settings_json_is_valid() {
+    let doc = read("docs/bench.md");
+    let start = doc
+        .find("```json\n{\n  \"endpoint\"")
+        .expect("docs/bench.md has an example settings.json");
+    let body = &doc[start + "```json\n".len()..];
+    let body = &body[..body.find("```").unwrap()];
+    let dir = std::env::temp_dir().join(format!("fleetgate-docs-settings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("settings.json");
+    std::fs::write(&path, body).unwrap();
+    let s = fleetgate::bench::plan::read_settings(&path);
+    let _ = std::fs::remove_dir_all(&dir);
+    let s = s.unwrap_or_else(|e| panic!("{e}"));
+    let names: Vec<_> = s
+        .request_distribution
+        .iter()
+        .filter_map(|c| c.name.as_deref())
+        .collect();
+    assert_eq!(names, ["short", "long", "tail"]);
+}

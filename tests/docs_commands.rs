@@ -18,7 +18,9 @@
 //!      written (8001, 8002, 8080, 8081), and the next command waits until it listens;
 //!    - commands run in a scratch directory holding `config/fleetgate.toml` with those ports and
 //!      its store in the scratch directory;
-//!    - `<id>` after a `keys create` is the id of the key it printed.
+//!    - `<id>` after a `keys create` is the id of the key it printed;
+//!    - a debug build's `fleetgate bench --compare` gets `--delta-floor-ms 10`: its hop is
+//!      1-3 ms, a release build's a fraction of one, and the verdict must not be a coin toss.
 //!
 //! A command must exit 0 unless its comment says otherwise: `# exit N`, `# answers <status>
 //! <code>` (the output names the code), `# ends with <text>`, `# lists <text>`, `# the same
@@ -307,6 +309,13 @@ impl Session {
         }
         if let Some(id) = &self.last_key_id {
             c = c.replace("<id>", id);
+        }
+        // The docs' comparisons are of a release build, whose hop is a fraction of a
+        // millisecond; this test's unoptimised binary adds 1-3 ms on the shared machine, right
+        // at the default 1 ms floor, where a verdict is a coin toss. It is judged against a
+        // 10 ms floor instead: the docs' claim (the same verdict each time) is what is tested.
+        if cfg!(debug_assertions) && c.contains("fleetgate bench") {
+            c = c.replace(" --compare ", " --delta-floor-ms 10 --compare ");
         }
         c
     }

@@ -1,5 +1,5 @@
 //! Keeps the key snapshot current: PostgreSQL LISTEN/NOTIFY applies each change at once;
-//! SQLite's change counter is polled every second; a full resync runs on an interval and after
+//! SQLite's change counter is polled every 250 ms; a full resync runs on an interval and after
 //! every reconnect. While the store is unreachable the gateway keeps authenticating from its
 //! last snapshot, reports itself degraded, and recovers on its own.
 

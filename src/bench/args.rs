@@ -274,7 +274,7 @@ pub(super) fn kv(s: &str, what: &str) -> Result<(String, String), String> {
 }
 
 /// Split a full endpoint URL (settings.json's `endpoint`) into base and path.
-fn split_endpoint(url: &str) -> (String, Option<String>) {
+pub(super) fn split_endpoint(url: &str) -> (String, Option<String>) {
     for p in ["/v1/chat/completions", "/v1/completions"] {
         if let Some(base) = url.trim_end_matches('/').strip_suffix(p) {
             return (base.to_owned(), Some(p.to_owned()));

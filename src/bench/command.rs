@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use super::args::{BenchArgs, BenchCommand};
 use super::engine::execute;
 use super::plan::{Plan, plan};
-use super::report::{self, build_report};
+use super::report::{self, EXIT_USAGE, build_report};
 use super::sweep;
 
 /// Where `--save-result` / `--output` writes.
@@ -68,6 +68,13 @@ pub async fn run(args: BenchArgs, stop: CancellationToken) -> u8 {
                 1
             }
         };
+    }
+    // A bad settings file is a bad command line: exit 64, before anything is sent.
+    if let Some(path) = &args.config
+        && let Err(e) = super::plan::read_settings(path)
+    {
+        eprintln!("fleetgate bench: {e}");
+        return EXIT_USAGE;
     }
     let plan = match plan(args.clone()).await {
         Ok(p) => Arc::new(p),

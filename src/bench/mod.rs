@@ -23,4 +23,4 @@ pub use args::BenchArgs;
 pub use command::run;
 pub use engine::{RunResult, execute};
 pub use plan::{Plan, plan};
-pub use report::{EXIT_COMPARE, EXIT_INTERRUPTED, EXIT_SLA, Report, build_report};
+pub use report::{EXIT_COMPARE, EXIT_INTERRUPTED, EXIT_SLA, EXIT_USAGE, Report, build_report};

@@ -110,14 +110,78 @@ async fn discover_model(target: &Target) -> Result<String, String> {
         .ok_or_else(|| format!("GET {uri}: no model listed; pass --model"))
 }
 
+/// Read and check settings.json: its JSON, its keys (unknown ones refused) and every value,
+/// before anything is sent. An error names the file and the key (`fleetgate bench` exits 64).
+pub fn read_settings(path: &std::path::Path) -> Result<Settings, String> {
+    let at = |e: String| format!("settings file {}: {e}", path.display());
+    let text = std::fs::read(path).map_err(|e| at(format!("cannot read it: {e}")))?;
+    let s: Settings = serde_json::from_slice(&text).map_err(|e| at(e.to_string()))?;
+    check_settings(&s).map_err(at)?;
+    Ok(s)
+}
+
+fn check_settings(s: &Settings) -> Result<(), String> {
+    let (base, _) = super::args::split_endpoint(&s.endpoint);
+    base_of(&base).map_err(|e| format!("endpoint: {e}"))?;
+    if s.concurrency == Some(0) {
+        return Err("concurrency: must be ≥ 1".into());
+    }
+    if let Some(d) = s.duration_seconds
+        && !(d.is_finite() && d > 0.0)
+    {
+        return Err(format!("duration_seconds: {d} is not a duration > 0"));
+    }
+    if let Some(r) = s.request_rate
+        && (r.is_nan() || r <= 0.0)
+    {
+        return Err(format!("request_rate: {r} is not a rate > 0"));
+    }
+    if s.num_prompts == Some(0) {
+        return Err("num_prompts: must be ≥ 1".into());
+    }
+    if let Some(m) = &s.metrics
+        && let Some(p) = m.percentiles.iter().find(|p| !(0.0..=100.0).contains(*p))
+    {
+        return Err(format!(
+            "metrics.percentiles: {p} is not a percentile in 0..100"
+        ));
+    }
+    let classes = &s.request_distribution;
+    for (i, c) in classes.iter().enumerate() {
+        let name = c.name.clone().unwrap_or_else(|| format!("#{i}"));
+        if !(c.weight.is_finite() && c.weight >= 0.0) {
+            return Err(format!(
+                "request_distribution[{i}] ({name}): weight {} must be ≥ 0",
+                c.weight
+            ));
+        }
+        if c.input_tokens == 0 || c.output_tokens == 0 {
+            return Err(format!(
+                "request_distribution[{i}] ({name}): input_tokens and output_tokens must be ≥ 1"
+            ));
+        }
+        if let Some(n) = &c.name
+            && classes[..i].iter().any(|d| d.name.as_ref() == Some(n))
+        {
+            return Err(format!(
+                "request_distribution[{i}]: the name {n:?} is used twice (the report breaks results down by class)"
+            ));
+        }
+    }
+    if !classes.is_empty() && classes.iter().map(|c| c.weight).sum::<f64>() <= 0.0 {
+        return Err(
+            "request_distribution: every weight is 0; give at least one class a weight > 0".into(),
+        );
+    }
+    Ok(())
+}
+
 /// Resolve flags (and settings.json) into a plan; the model may need a request.
 pub async fn plan(mut args: BenchArgs) -> Result<Plan, String> {
     let Some(path) = args.config.clone() else {
         return plan_with(args, None, Value::Null).await;
     };
-    let text = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let s: Settings =
-        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let s = read_settings(&path)?;
     apply_settings(&mut args, &s)?;
     if !s.request_distribution.is_empty() {
         args.dataset_name = DatasetName::Random;

@@ -71,7 +71,11 @@ pub(super) fn validate(ad: RawAdmin, err: FileErrors<'_>) -> Result<AdminConfig,
         })?)
     };
     let secret = ad.jwt_secret.filter(|s| !s.is_empty());
-    let jwt_key = match (ad.jwt_algorithm, secret, ad.jwt_public_key_file) {
+    let jwt_key = match (
+        ad.jwt_algorithm,
+        secret,
+        ad.jwt_public_key_file.map(|p| err.path(p)),
+    ) {
         (JwtAlgorithm::HS256, Some(s), None) => {
             if s.len() < 32 {
                 return Err(err.at(
@@ -119,8 +123,8 @@ pub(super) fn validate(ad: RawAdmin, err: FileErrors<'_>) -> Result<AdminConfig,
             Some(s) => Some(std::time::Duration::from_secs(s)),
         },
         tls: ad.tls.map(|t| super::TlsConfig {
-            cert: t.cert,
-            key: t.key,
+            cert: err.path(t.cert),
+            key: err.path(t.key),
         }),
     })
 }

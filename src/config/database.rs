@@ -98,7 +98,7 @@ pub(super) fn validate(d: RawDatabase, err: FileErrors<'_>) -> Result<DatabaseCo
     }
     Ok(DatabaseConfig {
         url: url.map(Secret::new),
-        sqlite_path: d.sqlite_path,
+        sqlite_path: err.path(d.sqlite_path),
         max_connections: d.max_connections,
         connect_timeout: Duration::from_millis(d.connect_timeout_ms.max(1)),
     })

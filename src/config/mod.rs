@@ -17,7 +17,7 @@ mod server;
 #[cfg(test)]
 mod tests;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub use admin::{AdminConfig, JwtAlgorithm, JwtKey};
 pub use auth::AuthConfig;
@@ -56,13 +56,26 @@ impl std::fmt::Display for ConfigError {
     }
 }
 
-/// Errors of one file: the sections name the field, this adds which file it was.
+/// Errors of one file: the sections name the field, this adds which file it was. It also
+/// knows the file's directory, against which a relative path in the file resolves.
 #[derive(Clone, Copy)]
 struct FileErrors<'a> {
     file: &'a str,
+    /// The config file's directory (none: text given without a file, paths stay as written).
+    dir: Option<&'a Path>,
 }
 
 impl FileErrors<'_> {
+    /// A path written in the file: a relative one resolves against the file's directory, so
+    /// that every command reading the file (`serve`, `keys`, `migrate`, from any working
+    /// directory) means the same file.
+    fn path(self, p: PathBuf) -> PathBuf {
+        match self.dir {
+            Some(dir) if p.is_relative() && !p.as_os_str().is_empty() => dir.join(p),
+            _ => p,
+        }
+    }
+
     fn at(self, field: impl Into<String>, message: impl Into<String>) -> ConfigError {
         ConfigError {
             file: self.file.to_owned(),
@@ -134,7 +147,10 @@ impl Config {
             field: "-".into(),
             message: format!("cannot read the file: {e}"),
         })?;
-        Self::parse(&file, &text, |name| std::env::var(name).ok())
+        // `fleetgate.toml` alone: its directory is the working directory, and the paths stay
+        // relative as written.
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        Self::parse_in(&file, &text, |name| std::env::var(name).ok(), dir)
     }
 
     /// Parse config text (`file` only names it in errors).
@@ -143,7 +159,16 @@ impl Config {
         text: &str,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
-        let err = FileErrors { file };
+        Self::parse_in(file, text, env, None)
+    }
+
+    fn parse_in(
+        file: &str,
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+        dir: Option<&Path>,
+    ) -> Result<Config, ConfigError> {
+        let err = FileErrors { file, dir };
         let text = interpolate_env(text, env).map_err(|e| err.at("-", e.to_string()))?;
         validate(raw::parse(&text, err)?, err)
     }

@@ -297,7 +297,7 @@ fn pool(
         aliases: p.aliases,
         backends,
         upstream_api_key: p.upstream_api_key.map(Secret::new),
-        ca_file: p.ca_file,
+        ca_file: p.ca_file.map(|c| err.path(c)),
         timeouts,
         environments: p.environments,
         max_in_flight_per_backend: p.max_in_flight_per_backend.unwrap_or(DEFAULT_MAX_IN_FLIGHT),
@@ -378,7 +378,7 @@ fn check_settings(
             "must not be empty (leave it out to send the model name unchanged)",
         ));
     }
-    if let Some(ca) = &p.ca_file
+    if let Some(ca) = p.ca_file.clone().map(|c| err.path(c))
         && !ca.exists()
     {
         return Err(err.at(at("ca_file"), format!("{} does not exist", ca.display())));

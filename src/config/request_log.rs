@@ -50,7 +50,7 @@ pub(super) fn validate(
         channel_capacity: rl.channel_capacity.max(1),
         batch_rows: rl.batch_rows,
         flush_interval: Duration::from_millis(rl.flush_interval_ms),
-        spill_path: rl.spill_path,
+        spill_path: err.path(rl.spill_path),
         retention_days: rl.retention_days,
     })
 }

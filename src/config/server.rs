@@ -228,8 +228,8 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
         trusted_proxies.push(net.trunc());
     }
     let tls = s.tls.map(|t| TlsConfig {
-        cert: t.cert,
-        key: t.key,
+        cert: err.path(t.cert),
+        key: err.path(t.key),
     });
     Ok(ServerConfig {
         listen,
