@@ -568,7 +568,12 @@ async fn accept_loop<H, F>(
         let started_by_request = started.clone();
         let service = hyper::service::service_fn(move |req| {
             started_by_request.store(true, Ordering::Relaxed);
-            let fut = handler(req, peer, clock.take_arrival());
+            // Boxed: hyper's HTTP/1 connection keeps the allocation of its service future for
+            // the connection's life (and an HTTP/2 stream's task, the future's size beside its
+            // body), so an inline request future — every phase's state, kilobytes — would stay
+            // allocated while the stream it answered is relayed. Boxed, the connection keeps a
+            // pointer, and the request's state is freed when its response head is out.
+            let fut = Box::pin(handler(req, peer, clock.take_arrival()));
             async move { Ok::<_, std::convert::Infallible>(fut.await) }
         });
         let builder = builder.clone();
