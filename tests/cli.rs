@@ -284,18 +284,13 @@ fn keys_cli_round_trip() {
     let dir = temp_dir("keys-cli");
     let db = dir.join("keys.db");
     let run = |args: &[&str]| {
-        let out = Command::new(BIN)
-            .arg("keys")
-            .arg("--sqlite")
-            .arg(&db)
-            .args(["--actor", "ops@test"])
-            .args(args)
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
+        outcome(
+            Command::new(BIN)
+                .arg("keys")
+                .arg("--sqlite")
+                .arg(&db)
+                .args(["--actor", "ops@test"])
+                .args(args),
         )
     };
     let (code, out, err) = run(&[
@@ -658,7 +653,12 @@ async fn bench_ctrl_c_prints_what_was_measured() {
 
 /// Run the binary; (exit code, stdout, stderr).
 fn fleetgate(args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(BIN).args(args).output().unwrap();
+    outcome(Command::new(BIN).args(args))
+}
+
+/// Run `cmd` to its end; (exit code, stdout, stderr).
+fn outcome(cmd: &mut Command) -> (Option<i32>, String, String) {
+    let out = cmd.output().unwrap();
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -681,16 +681,7 @@ fn a_config_files_store_is_the_same_from_any_directory() {
     .unwrap();
     let cfg = cfg.to_str().unwrap();
     let run_in = |dir: &std::path::Path, args: &[&str]| {
-        let out = Command::new(BIN)
-            .current_dir(dir)
-            .args(args)
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        outcome(Command::new(BIN).current_dir(dir).args(args))
     };
     let store = conf_dir.0.join("keys.db");
     let (code, out, _) = run_in(&elsewhere.0, &["check-config", "--config", cfg]);

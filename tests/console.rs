@@ -126,6 +126,26 @@ async fn sign_in(admin: SocketAddr, role: Role) -> (String, String) {
     (cookie, csrf)
 }
 
+/// A gateway with the console on its admin listener, in front of one sim; on `db` when given
+/// (else the helper's own SQLite store): (the sim, the gateway, the admin listener's address).
+async fn console_gateway(
+    db: Option<fleetgate::config::DatabaseConfig>,
+) -> (fleetgate::sim::SimServer, Gateway, SocketAddr) {
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        if let Some(db) = db {
+            c.database = db;
+        }
+        c.admin = admin_cfg();
+    })
+    .await;
+    let admin = gw
+        .server
+        .admin_addr
+        .unwrap_or_else(|| panic!("admin listener"));
+    (sim, gw, admin)
+}
+
 fn form(pairs: &[(&str, &str)]) -> String {
     form_urlencoded::Serializer::new(String::new())
         .extend_pairs(pairs)
@@ -136,16 +156,7 @@ fn form(pairs: &[(&str, &str)]) -> String {
 async fn console_access_rules_on_both_stores() {
     for (db, _guard) in stores("console_access").await {
         let kind = db.kind().as_str();
-        let sim = sim(|_| {}).await;
-        let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-            c.database = db.clone();
-            c.admin = admin_cfg();
-        })
-        .await;
-        let admin = gw
-            .server
-            .admin_addr
-            .unwrap_or_else(|| panic!("admin listener"));
+        let (_sim, gw, admin) = console_gateway(Some(db.clone())).await;
 
         // `/` leads to the console; not signed in, a page says how to sign in (401).
         let root = send(admin, "GET", "/", &[], None).await;
@@ -522,15 +533,7 @@ async fn console_access_rules_on_both_stores() {
 /// secret; without an HS256 secret, or asked for too long a session, it says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_login_prints_a_working_link() {
-    let sim = sim(|_| {}).await;
-    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-        c.admin = admin_cfg()
-    })
-    .await;
-    let admin = gw
-        .server
-        .admin_addr
-        .unwrap_or_else(|| panic!("admin listener"));
+    let (_sim, _gw, admin) = console_gateway(None).await;
     let dir = TempDir(temp_dir("console-login"));
     let config = dir.0.join("fleetgate.toml");
     let write = |text: String| std::fs::write(&config, text).unwrap_or_else(|e| panic!("{e}"));
@@ -692,16 +695,7 @@ async fn the_cookie_is_secure_over_tls() {
 async fn console_windows_follow_the_data() {
     for (db, _guard) in stores("console_windows").await {
         let kind = db.kind().as_str();
-        let sim = sim(|_| {}).await;
-        let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-            c.database = db.clone();
-            c.admin = admin_cfg();
-        })
-        .await;
-        let admin = gw
-            .server
-            .admin_addr
-            .unwrap_or_else(|| panic!("admin listener"));
+        let (_sim, gw, admin) = console_gateway(Some(db.clone())).await;
         let (cookie, _) = sign_in(admin, Role::Viewer).await;
         let get = |path: String| {
             let cookie = cookie.clone();
@@ -1070,15 +1064,7 @@ async fn console_in_a_real_browser() {
     if !browser_installed() {
         return;
     }
-    let sim = sim(|_| {}).await;
-    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-        c.admin = admin_cfg()
-    })
-    .await;
-    let admin = gw
-        .server
-        .admin_addr
-        .unwrap_or_else(|| panic!("admin listener"));
+    let (_sim, gw, admin) = console_gateway(None).await;
     let chat = gw.url("/v1/chat/completions");
     // Some traffic in each environment, so the overview has something to draw.
     let mut keys = HashMap::new();
