@@ -241,13 +241,9 @@ enum ResponsesInput {
 /// `POST /v1/messages` (and `count_tokens`, without `max_tokens`).
 #[derive(Deserialize)]
 struct MessagesRequest {
-    #[serde(default)]
-    tools: Option<Vec<serde::de::IgnoredAny>>,
-    #[serde(default)]
-    tool_choice: Option<serde_json::Value>,
-    model: String,
-    messages: Vec<ChatMessage>,
-    system: Option<MessageContent>,
+    /// What `count_tokens` reads too: the model, the conversation and its tools.
+    #[serde(flatten)]
+    conversation: CountTokensRequest,
     max_tokens: i64,
     stream: Option<bool>,
     thinking: Option<serde_json::Value>,
@@ -437,14 +433,15 @@ pub(crate) fn parse_generation(
         }
         Endpoint::Messages => {
             let r: MessagesRequest = validate(body)?;
-            auto_tool_choice(r.tools.as_deref(), r.tool_choice.as_ref(), cfg)?;
+            let c = r.conversation;
+            auto_tool_choice(c.tools.as_deref(), c.tool_choice.as_ref(), cfg)?;
             // The sim has no reasoning parser, as vLLM started without `--reasoning-parser`.
             if r.thinking.as_ref().is_some_and(|t| t["type"] == "enabled") {
                 return Err(bad(
                     "thinking_token_budget is set but reasoning_config is not configured. Please set --reasoning-parser and/or --reasoning-config to use thinking_token_budget.",
                 ));
             }
-            let prompt = anthropic_prompt(&r.messages, r.system.as_ref());
+            let prompt = anthropic_prompt(&c.messages, c.system.as_ref());
             if r.max_tokens < 1 {
                 return Err(ApiError::Validation {
                     message: "1 validation error:\n  {'type': 'value_error', 'loc': 'body.max_tokens', 'msg': 'Value error, max_tokens must be positive'}".into(),
@@ -453,7 +450,7 @@ pub(crate) fn parse_generation(
             }
             limit_name = "max_completion_tokens";
             let params = SamplingParams {
-                model: Some(r.model),
+                model: Some(c.model),
                 max_tokens: Some(r.max_tokens),
                 max_completion_tokens: None,
                 stream: r.stream,
