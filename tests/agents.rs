@@ -580,60 +580,40 @@ async fn background_responses_hold_nothing_and_are_settled_once() {
 
 /// A backend whose streams send their terminal event, then keep the body open `hold`.
 async fn lingering_backend(hold: Duration) -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let (stream, _) = listener.accept().await.unwrap();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(
-                    move |req: http::Request<hyper::body::Incoming>| async move {
-                        let events: &'static [&'static str] = match req.uri().path() {
-                            "/v1/responses" => &[
-                                "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"model\":\"m\",\"status\":\"in_progress\"},\"sequence_number\":0}\n\n",
-                                "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\",\"sequence_number\":1}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"model\":\"m\",\"status\":\"completed\",\"usage\":{\"input_tokens\":3,\"output_tokens\":1,\"total_tokens\":4}},\"sequence_number\":2}\n\n",
-                            ],
-                            "/v1/messages" => &[
-                                "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"model\":\"m\",\"usage\":{\"input_tokens\":3,\"output_tokens\":0}}}\n\n",
-                                "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":1}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
-                            ],
-                            _ => &["data: [DONE]\n\n"],
-                        };
-                        let frames: Vec<Bytes> = events
-                            .iter()
-                            .map(|e| Bytes::from_static(e.as_bytes()))
-                            .collect();
-                        let frames = futures_util::stream::unfold(
-                            frames.into_iter(),
-                            move |mut rest| async move {
-                                match rest.next() {
-                                    Some(b) => Some((
-                                        Ok::<_, std::convert::Infallible>(
-                                            hyper::body::Frame::data(b),
-                                        ),
-                                        rest,
-                                    )),
-                                    None => {
-                                        tokio::time::sleep(hold).await;
-                                        None
-                                    }
-                                }
-                            },
-                        );
-                        Ok::<_, std::convert::Infallible>(
-                            http::Response::builder()
-                                .header("content-type", "text/event-stream")
-                                .body(http_body_util::StreamBody::new(frames))
-                                .unwrap(),
-                        )
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
+    let (addr, _task) = http_backend(move |req| async move {
+        let events: &'static [&'static str] = match req.uri().path() {
+            "/v1/responses" => &[
+                "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"model\":\"m\",\"status\":\"in_progress\"},\"sequence_number\":0}\n\n",
+                "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\",\"sequence_number\":1}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"model\":\"m\",\"status\":\"completed\",\"usage\":{\"input_tokens\":3,\"output_tokens\":1,\"total_tokens\":4}},\"sequence_number\":2}\n\n",
+            ],
+            "/v1/messages" => &[
+                "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"model\":\"m\",\"usage\":{\"input_tokens\":3,\"output_tokens\":0}}}\n\n",
+                "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":1}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+            ],
+            _ => &["data: [DONE]\n\n"],
+        };
+        let frames: Vec<Bytes> = events
+            .iter()
+            .map(|e| Bytes::from_static(e.as_bytes()))
+            .collect();
+        let frames = futures_util::stream::unfold(frames.into_iter(), move |mut rest| async move {
+            match rest.next() {
+                Some(b) => Some((
+                    Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b)),
+                    rest,
+                )),
+                None => {
+                    tokio::time::sleep(hold).await;
+                    None
+                }
+            }
+        });
+        http::Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(http_body_util::StreamBody::new(frames))
+            .unwrap()
+    })
+    .await;
     addr
 }
 

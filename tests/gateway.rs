@@ -447,52 +447,33 @@ async fn scripted_stream_backend(
     writes: &'static [&'static str],
     gap: Duration,
 ) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        loop {
-            let (stream, _) = listener.accept().await.unwrap();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(
-                    move |req: http::Request<hyper::body::Incoming>| async move {
-                        let (content_type, body) = if req.uri().path() == "/v1/chat/completions" {
-                            let frames = futures_util::stream::unfold(0, move |i| async move {
-                                let text = writes.get(i)?;
-                                if i > 0 {
-                                    tokio::time::sleep(gap).await;
-                                }
-                                let frame =
-                                    hyper::body::Frame::data(Bytes::from_static(text.as_bytes()));
-                                Some((Ok::<_, std::convert::Infallible>(frame), i + 1))
-                            });
-                            (
-                                "text/event-stream",
-                                http_body_util::StreamBody::new(frames).boxed(),
-                            )
-                        } else {
-                            let models =
-                                r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#;
-                            (
-                                "application/json",
-                                http_body_util::Full::new(Bytes::from_static(models.as_bytes()))
-                                    .boxed(),
-                            )
-                        };
-                        Ok::<_, std::convert::Infallible>(
-                            http::Response::builder()
-                                .header("content-type", content_type)
-                                .body(body)
-                                .unwrap(),
-                        )
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
+    http_backend(move |req| async move {
+        let (content_type, body) = if req.uri().path() == "/v1/chat/completions" {
+            let frames = futures_util::stream::unfold(0, move |i| async move {
+                let text = writes.get(i)?;
+                if i > 0 {
+                    tokio::time::sleep(gap).await;
+                }
+                let frame = hyper::body::Frame::data(Bytes::from_static(text.as_bytes()));
+                Some((Ok::<_, std::convert::Infallible>(frame), i + 1))
             });
-        }
-    });
-    (addr, task)
+            (
+                "text/event-stream",
+                http_body_util::StreamBody::new(frames).boxed(),
+            )
+        } else {
+            let models = r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#;
+            (
+                "application/json",
+                http_body_util::Full::new(Bytes::from_static(models.as_bytes())).boxed(),
+            )
+        };
+        http::Response::builder()
+            .header("content-type", content_type)
+            .body(body)
+            .unwrap()
+    })
+    .await
 }
 
 const ROLE: &str = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n";

@@ -582,24 +582,40 @@ pub async fn backend_states_become(gw: &Gateway, want: &[&str]) -> Vec<String> {
 pub async fn stub_backend(
     answer: fn(&str) -> (u16, &'static str, &'static [u8]),
 ) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    http_backend(move |req| {
+        let (status, content_type, body) = answer(req.uri().path());
+        async move {
+            http::Response::builder()
+                .status(status)
+                .header("content-type", content_type)
+                .body(http_body_util::Full::new(Bytes::from_static(body)))
+                .unwrap()
+        }
+    })
+    .await
+}
+
+/// A plain HTTP/1.1 backend on a free port: every request is answered by `answer`. Returns its
+/// address and its task (abort it when done).
+pub async fn http_backend<F, Fut, B>(answer: F) -> (SocketAddr, tokio::task::JoinHandle<()>)
+where
+    F: Fn(http::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = http::Response<B>> + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = tokio::spawn(async move {
         loop {
             let (stream, _) = listener.accept().await.unwrap();
+            let answer = answer.clone();
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(
-                    move |req: http::Request<hyper::body::Incoming>| async move {
-                        let (status, content_type, body) = answer(req.uri().path());
-                        Ok::<_, std::convert::Infallible>(
-                            http::Response::builder()
-                                .status(status)
-                                .header("content-type", content_type)
-                                .body(http_body_util::Full::new(Bytes::from_static(body)))
-                                .unwrap(),
-                        )
-                    },
-                );
+                let svc = hyper::service::service_fn(move |req| {
+                    let answer = answer(req);
+                    async move { Ok::<_, std::convert::Infallible>(answer.await) }
+                });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
                     .await;
