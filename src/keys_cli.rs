@@ -180,23 +180,22 @@ enum Opening {
 /// which does it itself). `serve` and the demo open theirs elsewhere, creating them.
 async fn open(store: &StoreArgs, how: Opening) -> Result<KeyStore, String> {
     let db = store.database()?;
-    let missing = db.kind() == DbKind::Sqlite && !db.sqlite_path.exists();
-    let path = std::path::absolute(&db.sqlite_path).unwrap_or_else(|_| db.sqlite_path.clone());
-    let named_by = if store.sqlite.is_some() {
-        "--sqlite".to_owned()
-    } else {
-        format!(
-            "database.sqlite_path of {}, relative to that file's directory",
-            store.config.display()
-        )
-    };
-    if missing && how == Opening::Existing {
-        return Err(format!(
-            "no key store at {} (named by {named_by}); nothing was created. Point --config or --sqlite at the store your gateway uses (`fleetgate serve`, `fleetgate migrate` and the demo create theirs)",
-            path.display(),
-        ));
-    }
-    if missing && how == Opening::CreateSaying {
+    if db.kind() == DbKind::Sqlite && !db.sqlite_path.exists() && how != Opening::Create {
+        let path = std::path::absolute(&db.sqlite_path).unwrap_or_else(|_| db.sqlite_path.clone());
+        let named_by = if store.sqlite.is_some() {
+            "--sqlite".to_owned()
+        } else {
+            format!(
+                "database.sqlite_path of {}, relative to that file's directory",
+                store.config.display()
+            )
+        };
+        if how == Opening::Existing {
+            return Err(format!(
+                "no key store at {} (named by {named_by}); nothing was created. Point --config or --sqlite at the store your gateway uses (`fleetgate serve`, `fleetgate migrate` and the demo create theirs)",
+                path.display(),
+            ));
+        }
         eprintln!(
             "fleetgate: no key store at {} (named by {named_by}): creating a new one. A gateway accepts the key only if it uses this store",
             path.display()

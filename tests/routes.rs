@@ -19,7 +19,7 @@ use common::*;
 use http_body_util::BodyExt;
 
 /// What the backend received: (method, path with query, the request id the client sent).
-type Seen = Arc<Mutex<Vec<(String, String, String)>>>;
+type Received = Arc<Mutex<Vec<(String, String, String)>>>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {
@@ -74,8 +74,8 @@ fn body_for(path: &str) -> &'static str {
 
 /// A backend that records every request and answers each with a small JSON body (200 on
 /// `/health`, so the gateway keeps it in its pool).
-async fn recording_backend() -> (std::net::SocketAddr, Seen, tokio::task::JoinHandle<()>) {
-    let seen: Seen = Arc::default();
+async fn recording_backend() -> (std::net::SocketAddr, Received, tokio::task::JoinHandle<()>) {
+    let seen: Received = Arc::default();
     let log = seen.clone();
     let (addr, task) = http_backend(move |req: http::Request<hyper::body::Incoming>| {
         let id = req

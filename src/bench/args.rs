@@ -298,8 +298,9 @@ pub(super) fn base_of(url: &str) -> Result<String, String> {
     }
 }
 
-/// Apply settings.json over the flags (its keys win).
-pub(super) fn apply_settings(args: &mut BenchArgs, s: &Settings) -> Result<(), String> {
+/// Apply settings.json over the flags (its keys win). `s` was checked by
+/// `plan::read_settings`.
+pub(super) fn apply_settings(args: &mut BenchArgs, s: &Settings) {
     let (base, endpoint) = split_endpoint(&s.endpoint);
     args.base_url = Some(base);
     if let Some(e) = endpoint {
@@ -315,9 +316,6 @@ pub(super) fn apply_settings(args: &mut BenchArgs, s: &Settings) -> Result<(), S
         args.model = Some(m.clone());
     }
     if let Some(c) = s.concurrency {
-        if c == 0 {
-            return Err("settings: concurrency must be ≥ 1".into());
-        }
         args.max_concurrency = Some(c);
     }
     if let Some(d) = s.duration_seconds {
@@ -351,7 +349,6 @@ pub(super) fn apply_settings(args: &mut BenchArgs, s: &Settings) -> Result<(), S
                 .join(",");
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]

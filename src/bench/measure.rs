@@ -203,16 +203,23 @@ pub fn gateway_ms(headers: &HeaderMap) -> Option<f64> {
 /// The hop cost the gateway recorded: `hop` of the trailer's `Server-Timing` (a stream's full
 /// figures come at its end), else of the response head's.
 pub fn hop_ms(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<f64> {
-    trailers
-        .and_then(|t| server_timing_ms(t, "hop"))
-        .or_else(|| server_timing_ms(headers, "hop"))
+    trailer_or_head_ms(headers, trailers, "hop")
 }
 
 /// The backend's time the gateway recorded: `upstream` of the trailer, else of the head.
 pub fn upstream_ms(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<f64> {
+    trailer_or_head_ms(headers, trailers, "upstream")
+}
+
+/// `name` of the trailer's `Server-Timing`, else of the response head's.
+fn trailer_or_head_ms(
+    headers: &HeaderMap,
+    trailers: Option<&HeaderMap>,
+    name: &str,
+) -> Option<f64> {
     trailers
-        .and_then(|t| server_timing_ms(t, "upstream"))
-        .or_else(|| server_timing_ms(headers, "upstream"))
+        .and_then(|t| server_timing_ms(t, name))
+        .or_else(|| server_timing_ms(headers, name))
 }
 
 /// Send one request to `target` and time it. `started` is the run's start (for `sent_at`).

@@ -182,7 +182,7 @@ pub async fn plan(mut args: BenchArgs) -> Result<Plan, String> {
         return plan_with(args, None, Value::Null).await;
     };
     let s = read_settings(&path)?;
-    apply_settings(&mut args, &s)?;
+    apply_settings(&mut args, &s);
     if !s.request_distribution.is_empty() {
         args.dataset_name = DatasetName::Random;
     }

@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use super::interval::{CONFIDENCE_PCT, Interval, Pairs, Stat};
+use super::interval::{CONFIDENCE_PCT, Interval, Pairs, Stat, metric_values};
 use super::measure::Outcome;
 use super::summary::{METRICS, Stats, Summary, p_word};
 
@@ -393,26 +393,20 @@ pub struct LikeForLike {
 
 impl LikeForLike {
     pub fn of(outcomes: &[Outcome], t: Thresholds) -> LikeForLike {
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        let pairs = Pairs::by(
-            outcomes,
-            |o| o.ttft.map(ms).into_iter().collect(),
-            |o| o.upstream_ms.into_iter().collect(),
-        );
+        let ttft = |o: &Outcome| metric_values(o, "ttft");
+        let upstream = |o: &Outcome| -> Vec<f64> { o.upstream_ms.into_iter().collect() };
+        let pairs = Pairs::by(outcomes, ttft, upstream);
         let median = Stat::Percentile(50.0);
-        let side = |first: bool| -> Option<f64> {
+        // Each side's median over its own successful requests.
+        let side = |target: u8, values: &dyn Fn(&Outcome) -> Vec<f64>| {
             let v: Vec<f64> = outcomes
                 .iter()
-                .filter(|o| o.ok() && o.target == u8::from(!first))
-                .filter_map(|o| if first { o.ttft.map(ms) } else { o.upstream_ms })
+                .filter(|o| o.ok() && o.target == target)
+                .flat_map(values)
                 .collect();
-            (!v.is_empty()).then(|| {
-                let mut v = v;
-                v.sort_by(f64::total_cmp);
-                super::summary::percentile(&v, 50.0)
-            })
+            (!v.is_empty()).then(|| Stats::of(v, &[]).median)
         };
-        let direct = side(true);
+        let direct = side(0, &ttft);
         // Two measuring points (the client, the gateway) differ by their own HTTP stacks'
         // microseconds: a difference counts from the percentile tolerance or 1 ms up.
         let allowed = direct.map(|d| (t.percentile_pct / 100.0 * d).max(LIKE_FLOOR_MS));
@@ -423,7 +417,7 @@ impl LikeForLike {
         };
         LikeForLike {
             paired_prompts: pairs.prompts(),
-            gateway_upstream_median_ms: side(false),
+            gateway_upstream_median_ms: side(1, &upstream),
             direct_ttft_median_ms: direct,
             delta_ms: pairs.delta(median),
             ci_ms: ci,
