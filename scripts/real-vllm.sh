@@ -8,6 +8,7 @@
 #                                        builds the tiny model + tokenizer (no hub download);
 #                                        --agents builds the 32k-context one (see below)
 #   scripts/real-vllm.sh start [--port P] [--api-key K] [--agents] [--store]
+#                              [--pooling embed|classify]
 #                                        starts `vllm serve` in the background (a free port and a
 #                                        random key by default), waits for GET /health = 200 and
 #                                        prints FLEETGATE_TEST_VLLM=... FLEETGATE_TEST_VLLM_KEY=...
@@ -60,6 +61,15 @@
 # --store sets VLLM_ENABLE_RESPONSES_API_STORE=1: without it vLLM ignores `store: true` on
 # /v1/responses, so GET /v1/responses/{id}, previous_response_id, `background: true` and cancel
 # only work with it (the store is in memory, never freed; fine for tests).
+#
+# --pooling embed|classify serves the same tiny model as a pooling model, as vLLM does for a
+# generative architecture with `--runner pooling --convert embed|classify`: embed serves
+# /v1/embeddings, /v2/embed, /pooling, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank (score
+# and rerank by cosine similarity of the embeddings); classify serves /classify and /pooling
+# (the converted model has two labels, so vLLM leaves /score and /rerank out: it enables them
+# for a classifier with num_labels 1 only). Neither serves /v1/chat/completions,
+# /v1/completions, /v1/responses or /v1/messages (not registered: 404). The tiny model's hidden
+# size, 128, is the embedding size.
 set -euo pipefail
 
 VLLM_VERSION=0.32.0
@@ -409,7 +419,7 @@ free_port() {
 env_line() { echo "FLEETGATE_TEST_VLLM=http://127.0.0.1:$(cat "$RUN/port") FLEETGATE_TEST_VLLM_KEY=$(cat "$RUN/key")"; }
 
 do_start() {
-    local port="" key="" agents=0 store=0
+    local port="" key="" agents=0 store=0 pooling=""
     while [ $# -gt 0 ]; do
         case $1 in
         --port) port=${2:?--port needs a value}; shift 2 ;;
@@ -418,7 +428,9 @@ do_start() {
         --api-key=*) key=${1#--api-key=}; shift ;;
         --agents) agents=1; shift ;;
         --store) store=1; shift ;;
-        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store)" ;;
+        --pooling) pooling=${2:?--pooling needs embed or classify}; shift 2 ;;
+        --pooling=*) pooling=${1#--pooling=}; shift ;;
+        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify)" ;;
         esac
     done
     local dir=$MODEL_DIR mode=plain model_arg="" extra=(--max-model-len 1024)
@@ -427,6 +439,15 @@ do_start() {
         extra=(--max-model-len "$AGENTS_MAX_LEN" --enable-auto-tool-choice --tool-call-parser hermes)
     fi
     [ $store = 1 ] && mode="$mode+store"
+    case $pooling in
+    "") ;;
+    embed | classify)
+        [ $agents = 0 ] || die "start: --pooling and --agents do not go together"
+        mode="pooling-$pooling"
+        extra+=(--runner pooling --convert "$pooling")
+        ;;
+    *) die "start: --pooling takes embed or classify, not $pooling" ;;
+    esac
     local pid
     if pid=$(running_pid); then
         log "already running (pid $pid, mode $(cat "$RUN/mode" 2>/dev/null || echo plain)) at http://127.0.0.1:$(cat "$RUN/port")"

@@ -22,6 +22,14 @@ Cases come in groups, each needing the server in one mode of scripts/real-vllm.s
     messages         (start)          POST /v1/messages (Anthropic), count_tokens
     responses_store  (start --store)  previous_response_id, GET, cancel, background
     agents           (start --agents) tools + tool_choice auto, prompts of 16-20k tokens
+    generate_extra   (start)          /v1/chat/completions/batch, and what a generative model
+                                      answers on the pooling and audio routes
+    pooling          (start --pooling embed)     /v1/embeddings (float, base64, dimensions),
+                                      /v2/embed, /pooling, /score, /rerank, their errors, and
+                                      what a pooling model answers on chat
+    classify         (start --pooling classify)  /classify, /pooling, /score and /rerank
+Transcription and translation need a speech-to-text model (Whisper): none can be built offline
+here, so no group captures them (docs/testing.md).
 Without --only, the groups of the plain server (base, responses, messages) are captured and
 manifest.json is rewritten; with --only, just the groups named, and their entries are merged
 into the existing manifest.json (other fixtures are left as they are).
@@ -54,6 +62,11 @@ GROUPS = {
     "responses_store": "scripts/real-vllm.sh start --store (VLLM_ENABLE_RESPONSES_API_STORE=1)",
     "agents": "scripts/real-vllm.sh start --agents (tiny-llama-32k, --max-model-len 32768 "
               "--enable-auto-tool-choice --tool-call-parser hermes)",
+    "generate_extra": "scripts/real-vllm.sh start",
+    "pooling": "scripts/real-vllm.sh start --pooling embed (--runner pooling --convert embed; "
+               "embedding size 128)",
+    "classify": "scripts/real-vllm.sh start --pooling classify (--runner pooling --convert "
+                "classify; two labels)",
 }
 ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01"}
 
@@ -458,6 +471,141 @@ def cases():
         headers=ah)
     add("agents_error_prompt_too_long", "chat with 33000 words (> 32768 tokens): 400", "POST",
         chat_path, chat(long_words(33000), tools=CHAT_TOOLS, tool_choice="auto"))
+
+    group = "generate_extra"
+    bp = chat_path + "/batch"
+    convs = [[{"role": "user", "content": "Say something about the license."}],
+             [{"role": "user", "content": "Name a color."}]]
+    add("batch_chat", "chat batch: two conversations, one choice each", "POST", bp,
+        chat(convs))
+    add("batch_chat_stream", "chat batch with stream true", "POST", bp, chat(convs, stream=True))
+    add("batch_chat_n2", "chat batch with n 2: 400", "POST", bp, chat(convs, n=2))
+    add("batch_chat_messages_not_nested", "chat batch whose messages is one conversation: 400",
+        "POST", bp, chat("hello"))
+    add("batch_chat_unknown_model", "chat batch naming another model: 404", "POST", bp,
+        chat(convs, model="nope"))
+    add("batch_chat_no_key", "chat batch without a key: 401", "POST", bp, chat(convs),
+        auth="none")
+    add("generate_embeddings", "/v1/embeddings on a generative model", "POST",
+        "/v1/embeddings", {"model": "tiny", "input": "hello"})
+    add("generate_embeddings_no_key", "/v1/embeddings on a generative model, no key", "POST",
+        "/v1/embeddings", {"model": "tiny", "input": "hello"}, auth="none")
+    add("generate_rerank", "/rerank on a generative model (no key needed off /v1)", "POST",
+        "/rerank", {"model": "tiny", "query": "a", "documents": ["b"]}, auth="none")
+    add("generate_v2_embed", "/v2/embed on a generative model", "POST", "/v2/embed",
+        {"model": "tiny", "texts": ["hello"]})
+    add("generate_pooling", "/pooling on a generative model", "POST", "/pooling",
+        {"model": "tiny", "input": "hello"})
+    add("generate_classify", "/classify on a generative model", "POST", "/classify",
+        {"model": "tiny", "input": "hello"})
+    add("generate_transcriptions", "/v1/audio/transcriptions on a text-only generative model",
+        "POST", "/v1/audio/transcriptions", {"model": "tiny"})
+
+    group = "pooling"
+    ep = "/v1/embeddings"
+    text = "Say something about the license."
+    add("pooling_models", "GET /v1/models of a pooling model", "GET", "/v1/models")
+    add("embeddings", "embeddings of one string", "POST", ep, {"model": "tiny", "input": text})
+    add("embeddings_list", "embeddings of two strings", "POST", ep,
+        {"model": "tiny", "input": [text, "Name a color."]})
+    add("embeddings_token_ids", "embeddings of token ids", "POST", ep,
+        {"model": "tiny", "input": [5, 6, 7]})
+    add("embeddings_token_id_lists", "embeddings of two lists of token ids", "POST", ep,
+        {"model": "tiny", "input": [[5, 6, 7], [8, 9]]})
+    add("embeddings_base64", "embeddings, encoding_format base64", "POST", ep,
+        {"model": "tiny", "input": [text, "Name a color."], "encoding_format": "base64"})
+    add("embeddings_no_model", "embeddings without a model", "POST", ep, {"input": text})
+    add("embeddings_x_request_id", "embeddings with an X-Request-Id header", "POST", ep,
+        {"model": "tiny", "input": text}, headers={"X-Request-Id": "fleetgate-capture-2"})
+    add("embeddings_error_dimensions", "embeddings with dimensions 16 (model not matryoshka)",
+        "POST", ep, {"model": "tiny", "input": text, "dimensions": 16})
+    add("embeddings_error_input_missing", "embeddings without input: 400", "POST", ep,
+        {"model": "tiny"})
+    add("embeddings_error_unknown_model", "embeddings naming another model", "POST", ep,
+        {"model": "nope", "input": text})
+    add("embeddings_error_no_key", "embeddings without a key: 401", "POST", ep,
+        {"model": "tiny", "input": text}, auth="none")
+    add("embeddings_error_wrong_key", "embeddings with a wrong key: 401", "POST", ep,
+        {"model": "tiny", "input": text}, auth="wrong")
+    add("embeddings_error_prompt_too_long", "embeddings of 1100 words (> 1024 tokens): 400",
+        "POST", ep, {"model": "tiny", "input": long_words(1100)})
+    add("embeddings_error_invalid_json", "embeddings with a truncated JSON body: 400", "POST",
+        ep, '{"model": "tiny", "input": ', kind="raw-body")
+    add("embeddings_error_empty_list", "embeddings of an empty list: 400", "POST", ep,
+        {"model": "tiny", "input": []})
+    add("embed_v2", "Cohere /v2/embed of two texts", "POST", "/v2/embed",
+        {"model": "tiny", "texts": [text, "Name a color."], "input_type": "search_document"})
+    add("embed_v2_types", "Cohere /v2/embed with embedding_types float, base64, binary",
+        "POST", "/v2/embed", {"model": "tiny", "texts": [text],
+                              "embedding_types": ["float", "base64", "binary", "ubinary"]})
+    add("embed_v2_error_no_texts", "Cohere /v2/embed without texts: 400", "POST", "/v2/embed",
+        {"model": "tiny"})
+    add("embed_v2_error_no_key", "Cohere /v2/embed without a key: 401", "POST", "/v2/embed",
+        {"model": "tiny", "texts": [text]}, auth="none")
+    add("pooling_embed", "/pooling of one string (embed model)", "POST", "/pooling",
+        {"model": "tiny", "input": text})
+    add("pooling_embed_no_key", "/pooling without a key (not under /v1: no auth)", "POST",
+        "/pooling", {"model": "tiny", "input": text}, auth="none")
+    add("score_queries_documents", "/score with queries and two documents", "POST", "/score",
+        {"model": "tiny", "queries": "What is the license?",
+         "documents": [text, "Name a color."]})
+    add("score_text_1_text_2", "/v1/score with text_1 / text_2", "POST", "/v1/score",
+        {"model": "tiny", "text_1": ["a b", "c d"], "text_2": ["a b", "e f"]})
+    add("score_queries_items", "/score with queries and items", "POST", "/score",
+        {"model": "tiny", "queries": "a b", "items": ["a b", "c"]})
+    add("score_error_lengths", "/score with 2 queries and 3 documents: 400", "POST", "/score",
+        {"model": "tiny", "queries": ["a", "b"], "documents": ["a", "b", "c"]})
+    add("score_error_missing", "/score without documents: 400", "POST", "/score",
+        {"model": "tiny", "queries": "a"})
+    add("score_v1_no_key", "/v1/score without a key: 401", "POST", "/v1/score",
+        {"model": "tiny", "queries": "a", "documents": ["b"]}, auth="none")
+    add("rerank", "/rerank of three documents, top_n 2", "POST", "/rerank",
+        {"model": "tiny", "query": "What is the license?",
+         "documents": [text, "Name a color.", "The license is Apache-2.0."], "top_n": 2})
+    add("rerank_v1", "/v1/rerank without top_n", "POST", "/v1/rerank",
+        {"model": "tiny", "query": "a b", "documents": ["a b", "c d"]})
+    add("rerank_v2", "/v2/rerank", "POST", "/v2/rerank",
+        {"model": "tiny", "query": "a b", "documents": ["a b", "c d"], "top_n": 5})
+    add("rerank_no_key", "/rerank without a key (not under /v1: no auth)", "POST", "/rerank",
+        {"model": "tiny", "query": "a", "documents": ["b"]}, auth="none")
+    add("rerank_v2_no_key", "/v2/rerank without a key: 401", "POST", "/v2/rerank",
+        {"model": "tiny", "query": "a", "documents": ["b"]}, auth="none")
+    add("rerank_error_query_missing", "/rerank without query: 400", "POST", "/rerank",
+        {"model": "tiny", "documents": ["b"]})
+    add("pooling_classify_route", "/classify on an embedding model", "POST", "/classify",
+        {"model": "tiny", "input": text})
+    add("pooling_chat", "/v1/chat/completions on a pooling model", "POST", chat_path,
+        chat(text))
+    add("pooling_completions", "/v1/completions on a pooling model", "POST", comp_path,
+        completion(text))
+    add("pooling_responses", "/v1/responses on a pooling model", "POST", "/v1/responses",
+        responses(text))
+    add("pooling_messages", "/v1/messages on a pooling model", "POST", "/v1/messages",
+        messages(text), headers=ANTHROPIC_HEADERS)
+    add("pooling_batch_chat", "/v1/chat/completions/batch on a pooling model", "POST", bp,
+        chat(convs))
+    add("pooling_tokenize", "/tokenize on a pooling model", "POST", "/tokenize",
+        {"model": "tiny", "prompt": text})
+    add("pooling_metrics", "GET /metrics of a pooling model", "GET", "/metrics", auth="none",
+        kind="metrics")
+
+    group = "classify"
+    add("classify", "/classify of two strings", "POST", "/classify",
+        {"model": "tiny", "input": [text, "Name a color."]})
+    add("classify_one", "/classify of one string", "POST", "/classify",
+        {"model": "tiny", "input": text})
+    add("classify_error_input_missing", "/classify without input: 400", "POST", "/classify",
+        {"model": "tiny"})
+    add("classify_no_key", "/classify without a key (not under /v1: no auth)", "POST",
+        "/classify", {"model": "tiny", "input": text}, auth="none")
+    add("classify_pooling", "/pooling of one string (classify model)", "POST", "/pooling",
+        {"model": "tiny", "input": text})
+    add("classify_embeddings", "/v1/embeddings on a classify model", "POST", ep,
+        {"model": "tiny", "input": text})
+    add("classify_score", "/score on a classify model with two labels", "POST", "/score",
+        {"model": "tiny", "queries": "a", "documents": ["b"]})
+    add("classify_rerank", "/rerank on a classify model with two labels", "POST", "/rerank",
+        {"model": "tiny", "query": "a", "documents": ["b"]})
     return order_cases(c)
 
 

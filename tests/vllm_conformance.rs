@@ -162,7 +162,25 @@ const NOT_SIMULATED: &[&str] = &[
     "messages_stop_sequences",
     "responses_eos",
     "responses_stream_eos",
+    // The sim's generative runner serves speech-to-text, as vLLM does for a speech model
+    // (Whisper, Voxtral); the captured text-only model has no such route (404).
+    "generate_transcriptions",
 ];
+
+/// A body's structure: keys at every depth, array lengths, numbers as 0 and strings as "",
+/// except base64 vectors, kept as their length (the vector's size).
+fn skeleton(v: &Value, key: &str) -> Value {
+    match v {
+        Value::Object(o) => {
+            Value::Object(o.iter().map(|(k, x)| (k.clone(), skeleton(x, k))).collect())
+        }
+        Value::Array(a) => Value::Array(a.iter().map(|x| skeleton(x, key)).collect()),
+        Value::Number(_) => Value::from(0),
+        Value::String(s) if matches!(key, "embedding" | "data" | "base64") => Value::from(s.len()),
+        Value::String(_) => Value::from(""),
+        other => other.clone(),
+    }
+}
 
 /// `{"event","data"}` of each captured or received event.
 fn named_events(list: &[Value]) -> Vec<(String, Value)> {
@@ -290,6 +308,26 @@ fn compare(name: &str, want: &Value, status: u16, body: &[u8]) -> Vec<String> {
                 }
             }
         }
+        // The pooling API: the same structure, down to the vectors' lengths, the number of
+        // results and classes.
+        _ if status == 200
+            && vb.get("choices").is_none()
+            && (vb.get("usage").is_some() || vb.get("embeddings").is_some()) =>
+        {
+            let (ours, theirs) = (skeleton(&got, ""), skeleton(vb, ""));
+            if ours != theirs {
+                differ(format!("body structure {ours}, vLLM {theirs}"));
+            }
+            if let Some(results) = got["results"].as_array() {
+                let scores: Vec<f64> = results
+                    .iter()
+                    .map(|r| r["relevance_score"].as_f64().unwrap())
+                    .collect();
+                if scores.windows(2).any(|w| w[0] < w[1]) {
+                    differ(format!("rerank results not best first: {scores:?}"));
+                }
+            }
+        }
         _ if status == 200
             && (vb.get("choices").is_some()
                 || vb.get("object").is_some_and(|o| o == "response")
@@ -299,6 +337,20 @@ fn compare(name: &str, want: &Value, status: u16, body: &[u8]) -> Vec<String> {
             let (mut ours, mut theirs) = (BTreeSet::new(), BTreeSet::new());
             paths(&got, "", &mut ours);
             paths(vb, "", &mut theirs);
+            let choices = |v: &Value| v["choices"].as_array().map(Vec::len);
+            if choices(&got) != choices(vb) {
+                differ(format!(
+                    "{:?} choices, vLLM {:?}",
+                    choices(&got),
+                    choices(vb)
+                ));
+            }
+            // A streamed chat batch: one JSON body, one token a conversation.
+            if name == "batch_chat_stream"
+                && got["usage"]["completion_tokens"] != vb["usage"]["completion_tokens"]
+            {
+                differ(format!("usage {}, vLLM {}", got["usage"], vb["usage"]));
+            }
             if ours != theirs {
                 differ(format!(
                     "body keys: sim only {:?}, vLLM only {:?}",
@@ -307,7 +359,7 @@ fn compare(name: &str, want: &Value, status: u16, body: &[u8]) -> Vec<String> {
                 ));
             }
         }
-        "metrics" => {
+        "metrics" | "pooling_metrics" => {
             let ours = families(&String::from_utf8_lossy(body));
             let theirs = families(vb["raw"].as_str().unwrap());
             let raw = String::from_utf8_lossy(body);
@@ -418,11 +470,62 @@ async fn the_sim_answers_like_vllm_0_32() {
         a.zero_delay = true;
     })
     .await;
-    let (cases, differences) = replay(&sim, &["base", "responses", "messages"]).await;
+    let (cases, differences) =
+        replay(&sim, &["base", "responses", "messages", "generate_extra"]).await;
     assert!(cases >= 20, "the captures are there: {cases}");
     assert!(
         differences.is_empty(),
         "the sim differs from vLLM 0.32 ({} of {cases} cases):\n{}",
+        differences.len(),
+        differences.join("\n")
+    );
+}
+
+/// The pooling group, against a sim started as `scripts/real-vllm.sh start --pooling embed`
+/// starts vLLM: `--runner pooling --convert embed`, the tiny model's hidden size (128) as the
+/// embedding size. Embeddings (float, base64, token ids, Cohere's), /pooling, /score, /rerank,
+/// their errors, auth off /v1 and /v2, and the generative routes gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pooling_runner_answers_like_vllm_0_32() {
+    let sim = common::sim(|a| {
+        a.served_model_name = vec!["tiny".into()];
+        a.max_model_len = 1024;
+        a.api_key = Some(KEY.into());
+        a.runner = fleetgate::sim::Runner::Pooling;
+        a.convert = fleetgate::sim::Convert::Embed;
+        a.embedding_size = 128;
+        a.zero_delay = true;
+    })
+    .await;
+    let (cases, differences) = replay(&sim, &["pooling"]).await;
+    assert!(cases >= 40, "the captures are there: {cases}");
+    assert!(
+        differences.is_empty(),
+        "the sim's pooling runner differs from vLLM 0.32 ({} of {cases} cases):\n{}",
+        differences.len(),
+        differences.join("\n")
+    );
+}
+
+/// The classify group (`start --pooling classify`: `--convert classify`, two labels, so no
+/// /score or /rerank).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_classify_runner_answers_like_vllm_0_32() {
+    let sim = common::sim(|a| {
+        a.served_model_name = vec!["tiny".into()];
+        a.max_model_len = 1024;
+        a.api_key = Some(KEY.into());
+        a.runner = fleetgate::sim::Runner::Pooling;
+        a.convert = fleetgate::sim::Convert::Classify;
+        a.num_labels = 2;
+        a.zero_delay = true;
+    })
+    .await;
+    let (cases, differences) = replay(&sim, &["classify"]).await;
+    assert!(cases >= 8, "the captures are there: {cases}");
+    assert!(
+        differences.is_empty(),
+        "the sim's classify runner differs from vLLM 0.32 ({} of {cases} cases):\n{}",
         differences.len(),
         differences.join("\n")
     );

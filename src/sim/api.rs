@@ -152,7 +152,7 @@ struct StreamOptions {
 }
 
 #[derive(Deserialize)]
-struct ChatMessage {
+pub(crate) struct ChatMessage {
     #[serde(default)]
     content: Option<MessageContent>,
 }
@@ -172,7 +172,7 @@ struct ContentPart {
 }
 
 /// The sim's chat template: the text of every message, in order, with nothing around it.
-fn chat_texts(messages: &[ChatMessage]) -> impl Iterator<Item = &str> {
+pub(crate) fn chat_texts(messages: &[ChatMessage]) -> impl Iterator<Item = &str> {
     messages.iter().flat_map(|m| {
         let parts: Box<dyn Iterator<Item = &str>> = match &m.content {
             Some(MessageContent::Text(t)) => Box::new(std::iter::once(t.as_str())),
@@ -297,7 +297,7 @@ fn bad(msg: impl Into<String>) -> ApiError {
 /// A request body as FastAPI and pydantic take it: malformed JSON is refused at its byte
 /// offset (`body.31`), a missing or mistyped field at its path (`body.messages`), as vLLM's
 /// `Bad Request` errors.
-fn validate<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn validate<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
         // Python's decoder names the 0-based index of the offending character (the end of the
         // body when it ends too soon); serde_json its 1-based line and column.
@@ -324,9 +324,14 @@ fn validate<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> 
             .strip_prefix("missing field `")
             .and_then(|r| r.split('`').next());
         let mut loc = String::from("body");
-        for part in path.split('.').filter(|p| !p.is_empty() && *p != "?") {
+        // serde names list items `messages[0]`, pydantic `messages.0`.
+        for part in path
+            .split(['.', '['])
+            .map(|p| p.trim_end_matches(']'))
+            .filter(|p| !p.is_empty() && *p != "?")
+        {
             loc.push('.');
-            loc.push_str(part.trim_start_matches('[').trim_end_matches(']'));
+            loc.push_str(part);
         }
         let kind = match missing {
             Some(field) => {
@@ -357,7 +362,7 @@ fn byte_offset(body: &[u8], line: usize, column: usize) -> usize {
 
 /// Prompt tokens of `text` by the sim's tokenizer (about four characters per token for English
 /// text), at least one.
-fn prompt_tokens(text: &str) -> u32 {
+pub(crate) fn prompt_tokens(text: &str) -> u32 {
     u32::try_from(tokens::count(text))
         .unwrap_or(u32::MAX)
         .max(1)
@@ -465,6 +470,26 @@ pub(crate) fn parse_generation(
             )
         }
     };
+    sampling(
+        prompt_tokens,
+        prompt_hash,
+        params,
+        limit_name,
+        responses,
+        cfg,
+    )
+}
+
+/// The checks every generation shares, in vLLM's order (model, n, stream options, lengths),
+/// on a prompt already counted.
+fn sampling(
+    prompt_tokens: u32,
+    prompt_hash: u64,
+    params: SamplingParams,
+    limit_name: &'static str,
+    responses: ResponsesExtras,
+    cfg: &SimConfig,
+) -> Result<GenRequest, ApiError> {
     let SamplingParams {
         model,
         max_tokens,
@@ -809,7 +834,7 @@ struct Completion<'a, C> {
     object: &'static str,
     created: u64,
     model: &'a str,
-    choices: [C; 1],
+    choices: Vec<C>,
     service_tier: Option<()>,
     system_fingerprint: &'static str,
     usage: Usage,
@@ -818,6 +843,160 @@ struct Completion<'a, C> {
     kv_transfer_params: Option<()>,
     ec_transfer_params: Option<()>,
     metrics: Option<()>,
+}
+
+fn chat_choice<'a>(index: u32, text: &'a str, finish_reason: &'a str) -> ChatChoice<'a> {
+    ChatChoice {
+        index,
+        message: ChatMessageOut {
+            role: "assistant",
+            content: text,
+            refusal: None,
+            annotations: None,
+            audio: None,
+            function_call: None,
+            reasoning: None,
+        },
+        logprobs: None,
+        finish_reason,
+        stop_reason: None,
+        token_ids: None,
+        routed_experts: None,
+    }
+}
+
+fn chat_completion_json(
+    id: &str,
+    created: u64,
+    model: &str,
+    choices: Vec<ChatChoice<'_>>,
+    usage: Usage,
+) -> Vec<u8> {
+    serde_json::to_vec(&Completion {
+        id,
+        object: "chat.completion",
+        created,
+        model,
+        choices,
+        service_tier: None,
+        system_fingerprint: SYSTEM_FINGERPRINT,
+        usage,
+        chat: Some(ChatExtras {
+            prompt_logprobs: None,
+            prompt_token_ids: None,
+            prompt_text: None,
+        }),
+        kv_transfer_params: None,
+        ec_transfer_params: None,
+        metrics: None,
+    })
+    .unwrap_or_default()
+}
+
+/// One conversation's answer in a chat batch.
+pub(crate) struct BatchAnswer {
+    pub text: String,
+    pub finish_reason: &'static str,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+/// The answer to `POST /v1/chat/completions/batch`: one `chat.completion` whose choices are the
+/// conversations' answers, indexed in request order, and whose usage is their sum.
+pub(crate) fn batch_chat_json(
+    id: &str,
+    created: u64,
+    model: &str,
+    answers: &[BatchAnswer],
+) -> Vec<u8> {
+    let prompt: u32 = answers
+        .iter()
+        .map(|a| a.prompt_tokens)
+        .fold(0, u32::saturating_add);
+    let completion: u32 = answers
+        .iter()
+        .map(|a| a.completion_tokens)
+        .fold(0, u32::saturating_add);
+    let choices = answers
+        .iter()
+        .zip(0u32..)
+        .map(|(a, i)| chat_choice(i, &a.text, a.finish_reason))
+        .collect();
+    chat_completion_json(id, created, model, choices, Usage::new(prompt, completion))
+}
+
+/// `POST /v1/chat/completions/batch`: `messages` is a list of conversations, each answered
+/// as a chat completion of its own with the request's sampling fields.
+#[derive(Deserialize)]
+struct BatchChatRequest {
+    messages: Vec<Vec<ChatMessage>>,
+    #[serde(flatten)]
+    params: SamplingParams,
+}
+
+/// A validated chat batch: one generation per conversation, and whether it asked to stream.
+pub(crate) struct BatchRequest {
+    pub conversations: Vec<GenRequest>,
+    pub stream: bool,
+}
+
+/// Parses a chat batch as vLLM 0.32 does: `n` other than 1 is refused, each conversation is
+/// checked like a chat request. `stream: true` is not refused (vLLM's validator does not look
+/// at it) and is reported back: vLLM then answers one JSON body anyway.
+pub(crate) fn parse_batch(body: &[u8], cfg: &SimConfig) -> Result<BatchRequest, ApiError> {
+    let mut r: BatchChatRequest = validate(body)?;
+    if let Some(n) = r.params.n.filter(|n| *n != 1) {
+        return Err(ApiError::BadParam {
+            message: format!(
+                "Batch chat completions do not support `n > 1`. Please set `n` to 1. (parameter=n, value={n})"
+            ),
+            param: "n",
+        });
+    }
+    let too_short = |loc: String| ApiError::Validation {
+        message: format!(
+            "1 validation error:\n  {{'type': 'too_short', 'loc': '{loc}', 'msg': 'List should have at least 1 item after validation, not 0'}}"
+        ),
+        loc,
+    };
+    if r.messages.is_empty() {
+        return Err(too_short("body.messages".into()));
+    }
+    if let Some(i) = r.messages.iter().position(Vec::is_empty) {
+        return Err(too_short(format!("body.messages.{i}")));
+    }
+    let stream = r.params.stream.take().unwrap_or(false);
+    r.params.stream_options = None;
+    let mut conversations = Vec::with_capacity(r.messages.len());
+    for conversation in &r.messages {
+        let mut prompt = String::new();
+        let mut hash = cfg.seed;
+        for t in chat_texts(conversation) {
+            prompt.push_str(t);
+            hash = fnv1a(hash, t.as_bytes());
+        }
+        let params = SamplingParams {
+            model: r.params.model.clone(),
+            max_tokens: r.params.max_tokens,
+            max_completion_tokens: r.params.max_completion_tokens,
+            stream: None,
+            stream_options: None,
+            n: None,
+            seed: r.params.seed,
+        };
+        conversations.push(sampling(
+            prompt_tokens(&prompt),
+            hash,
+            params,
+            "max_tokens",
+            ResponsesExtras::default(),
+            cfg,
+        )?);
+    }
+    Ok(BatchRequest {
+        conversations,
+        stream,
+    })
 }
 
 /// The non-streaming answer: one `chat.completion` or `text_completion` object.
@@ -836,40 +1015,15 @@ impl FinalAnswer<'_> {
     pub fn to_json(&self) -> Vec<u8> {
         let usage = Usage::new(self.prompt_tokens, self.completion_tokens);
         let out = match self.endpoint {
-            Endpoint::Chat => serde_json::to_vec(&Completion {
-                id: self.id,
-                object: "chat.completion",
-                created: self.created,
-                model: self.model,
-                choices: [ChatChoice {
-                    index: 0,
-                    message: ChatMessageOut {
-                        role: "assistant",
-                        content: self.text,
-                        refusal: None,
-                        annotations: None,
-                        audio: None,
-                        function_call: None,
-                        reasoning: None,
-                    },
-                    logprobs: None,
-                    finish_reason: self.finish_reason,
-                    stop_reason: None,
-                    token_ids: None,
-                    routed_experts: None,
-                }],
-                service_tier: None,
-                system_fingerprint: SYSTEM_FINGERPRINT,
-                usage,
-                chat: Some(ChatExtras {
-                    prompt_logprobs: None,
-                    prompt_token_ids: None,
-                    prompt_text: None,
-                }),
-                kv_transfer_params: None,
-                ec_transfer_params: None,
-                metrics: None,
-            }),
+            Endpoint::Chat => {
+                return chat_completion_json(
+                    self.id,
+                    self.created,
+                    self.model,
+                    vec![chat_choice(0, self.text, self.finish_reason)],
+                    usage,
+                );
+            }
             // (Their whole answers are `sim::agents`'.)
             Endpoint::Completions | Endpoint::Responses | Endpoint::Messages => {
                 serde_json::to_vec(&Completion {
@@ -877,7 +1031,7 @@ impl FinalAnswer<'_> {
                     object: "text_completion",
                     created: self.created,
                     model: self.model,
-                    choices: [TextChoice {
+                    choices: vec![TextChoice {
                         index: 0,
                         text: self.text,
                         logprobs: None,

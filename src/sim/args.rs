@@ -100,9 +100,45 @@ pub struct SimArgs {
     #[arg(long, env = "VLLM_ENABLE_RESPONSES_API_STORE")]
     pub responses_store: bool,
 
+    /// What kind of model the sim stands in for, as `vllm serve --runner`: `generate` serves
+    /// chat, completions, responses, messages, the chat batch and audio transcription and
+    /// translation; `pooling` serves the pooling routes of `--convert` instead (the generative
+    /// routes are then not there: 404, as in vLLM).
+    #[arg(long, value_enum, default_value_t = Runner::Generate)]
+    pub runner: Runner,
+
+    /// The pooling task of `--runner pooling`, as `vllm serve --convert`: `embed` serves
+    /// /v1/embeddings, /v2/embed, /pooling, /score and /rerank; `classify` serves /classify and
+    /// /pooling, and /score and /rerank too when `--num-labels` is 1 (a cross-encoder).
+    #[arg(long, value_enum, default_value_t = Convert::Embed)]
+    pub convert: Convert,
+
+    /// Length of the embedding vectors (`--runner pooling --convert embed`): the model's hidden
+    /// size.
+    #[arg(long, default_value_t = 64)]
+    pub embedding_size: u32,
+
+    /// Labels of the classifier (`--convert classify`): LABEL_0 .. LABEL_{n-1}.
+    #[arg(long, default_value_t = 2)]
+    pub num_labels: u32,
+
     /// Keep the exact bytes of every response body, keyed by x-request-id (for tests).
     #[arg(long, hide = true)]
     pub capture_streams: bool,
+}
+
+/// `vllm serve --runner`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Runner {
+    Generate,
+    Pooling,
+}
+
+/// `vllm serve --convert` (with `--runner pooling`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Convert {
+    Embed,
+    Classify,
 }
 
 impl Default for SimArgs {
@@ -130,6 +166,10 @@ impl Default for SimArgs {
             responses_store: false,
             enable_auto_tool_choice: false,
             output_tokens: None,
+            runner: Runner::Generate,
+            convert: Convert::Embed,
+            embedding_size: 64,
+            num_labels: 2,
         }
     }
 }
@@ -156,6 +196,10 @@ impl fmt::Debug for SimArgs {
             .field("stall_first_token_ms", &self.stall_first_token_ms)
             .field("warmup_secs", &self.warmup_secs)
             .field("zero_delay", &self.zero_delay)
+            .field("runner", &self.runner)
+            .field("convert", &self.convert)
+            .field("embedding_size", &self.embedding_size)
+            .field("num_labels", &self.num_labels)
             .field("capture_streams", &self.capture_streams)
             .finish()
     }
@@ -189,6 +233,26 @@ pub(crate) enum StreamFault {
     ErrorAfter(u32),
 }
 
+/// What a pooling model computes (`--runner pooling`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PoolingTask {
+    /// Unit vectors of `dims` numbers.
+    Embed { dims: u32 },
+    /// Probabilities over `labels` classes.
+    Classify { labels: u32 },
+}
+
+impl PoolingTask {
+    /// vLLM enables /score and /rerank for an embedding model (cosine similarity) and for a
+    /// classifier with one label (a cross-encoder) only.
+    pub fn scores(self) -> bool {
+        matches!(
+            self,
+            PoolingTask::Embed { .. } | PoolingTask::Classify { labels: 1 }
+        )
+    }
+}
+
 /// Validated settings; built once at start and shared read-only by every connection.
 #[derive(Debug)]
 pub(crate) struct SimConfig {
@@ -207,6 +271,8 @@ pub(crate) struct SimConfig {
     pub responses_store: bool,
     pub auto_tool_choice: bool,
     pub output_tokens: Option<u32>,
+    /// `Some` with `--runner pooling`: the generative routes are gone.
+    pub pooling: Option<PoolingTask>,
 }
 
 impl SimConfig {
@@ -276,6 +342,20 @@ impl TryFrom<&SimArgs> for SimConfig {
             (None, Some(k)) => Some(StreamFault::ErrorAfter(k)),
             (None, None) => None,
         };
+        if a.embedding_size == 0 || a.num_labels == 0 {
+            return Err(invalid(
+                "--embedding-size and --num-labels must be >= 1".into(),
+            ));
+        }
+        let pooling = match (a.runner, a.convert) {
+            (Runner::Generate, _) => None,
+            (Runner::Pooling, Convert::Embed) => Some(PoolingTask::Embed {
+                dims: a.embedding_size,
+            }),
+            (Runner::Pooling, Convert::Classify) => Some(PoolingTask::Classify {
+                labels: a.num_labels,
+            }),
+        };
         let ms = Duration::from_millis(1);
         let timing = if a.zero_delay {
             StepTiming {
@@ -316,6 +396,7 @@ impl TryFrom<&SimArgs> for SimConfig {
             responses_store: a.responses_store,
             auto_tool_choice: a.enable_auto_tool_choice,
             output_tokens: a.output_tokens.filter(|n| *n > 0),
+            pooling,
         })
     }
 }

@@ -9,6 +9,7 @@ use hyper::body::{Body, Frame, SizeHint};
 
 use super::agents::{MessagesFrames, ResponsesFrames, Store};
 use super::args::StreamFault;
+use super::audio::AudioFrames;
 use super::engine::Generation;
 use super::frames::{self, FrameWriter};
 use super::stats::SimStats;
@@ -72,6 +73,8 @@ pub(crate) enum Frames {
     Chat(FrameWriter),
     Responses(Box<ResponsesFrames>, Option<Arc<Store>>),
     Messages(MessagesFrames),
+    /// Speech-to-text chunks (`sim::audio`).
+    Audio(AudioFrames),
 }
 
 /// The SSE token stream of one request.
@@ -101,7 +104,7 @@ impl TokenStream {
             Frames::Responses(..) => Phase::Start,
             Frames::Messages(_) => Phase::Role,
             Frames::Chat(_) if with_role_chunk => Phase::Role,
-            Frames::Chat(_) => Phase::Tokens,
+            Frames::Chat(_) | Frames::Audio(_) => Phase::Tokens,
         };
         Self {
             generation,
@@ -137,6 +140,8 @@ impl TokenStream {
                         Frames::Chat(f) => f.role(),
                         Frames::Responses(f, _) => f.first(),
                         Frames::Messages(f) => f.first(),
+                        // (Its stream has no role chunk: it starts at the tokens.)
+                        Frames::Audio(_) => continue,
                     };
                     return Poll::Ready(Some(Ok(first)));
                 }
@@ -169,7 +174,7 @@ impl TokenStream {
                     }
                     let Some(text) = ready!(self.generation.poll_token(cx)) else {
                         self.phase = match self.frames {
-                            Frames::Chat(_) => Phase::Done,
+                            Frames::Chat(_) | Frames::Audio(_) => Phase::Done,
                             _ => Phase::End,
                         };
                         continue;
@@ -189,6 +194,15 @@ impl TokenStream {
                                 (false, _) => Phase::Tokens,
                             };
                             f.token(text, finish, !self.include_usage)
+                        }
+                        Frames::Audio(f) => {
+                            let finish = last.then_some(if cut { "length" } else { "stop" });
+                            self.phase = match (last, self.include_usage) {
+                                (true, true) => Phase::Usage,
+                                (true, false) => Phase::Done,
+                                (false, _) => Phase::Tokens,
+                            };
+                            f.token(text, finish)
                         }
                         // The closing events go out with the last token, as vLLM's do.
                         Frames::Responses(f, store) => {
@@ -223,14 +237,20 @@ impl TokenStream {
                 Phase::Usage => {
                     self.phase = Phase::Done;
                     let g = &self.generation;
-                    if let Frames::Chat(f) = &mut self.frames {
-                        return Poll::Ready(Some(Ok(f.usage(g.prompt_tokens, g.emitted()))));
+                    match &mut self.frames {
+                        Frames::Chat(f) => {
+                            return Poll::Ready(Some(Ok(f.usage(g.prompt_tokens, g.emitted()))));
+                        }
+                        Frames::Audio(f) => return Poll::Ready(Some(Ok(f.usage()))),
+                        Frames::Responses(..) | Frames::Messages(_) => {}
                     }
                 }
                 Phase::ErrorEvent => {
                     let msg = "Simulated engine failure (--error-after-chunks)";
                     let (frame, next) = match &mut self.frames {
-                        Frames::Chat(_) => (frames::error_event(msg), Phase::Done),
+                        Frames::Chat(_) | Frames::Audio(_) => {
+                            (frames::error_event(msg), Phase::Done)
+                        }
                         Frames::Responses(f, _) => (f.error(msg), Phase::End),
                         Frames::Messages(f) => (f.error(msg), Phase::End),
                     };

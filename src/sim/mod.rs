@@ -4,7 +4,11 @@
 //! Layout:
 //! - `args`: the flags and their validation into `SimConfig`.
 //! - `server`: accept loop and the request path (auth → route → parse → fault → generate).
-//! - `api`: request parsing, error bodies and the non-streaming JSON shapes.
+//! - `api`: request parsing, error bodies and the non-streaming JSON shapes (and the chat
+//!   batch).
+//! - `pooling`: the pooling routes of `--runner pooling` (embeddings, score, rerank,
+//!   classify, pooling).
+//! - `audio`: speech-to-text (`/v1/audio/transcriptions`, `/translations`), multipart in.
 //! - `engine`: the continuous-batching model and its scheduler task; the `Generation` handle
 //!   whose drop is the cancellation signal.
 //! - `body` / `frames`: the SSE stream, formatted by hand for a cheap per-token path.
@@ -19,9 +23,11 @@
 mod agents;
 mod api;
 mod args;
+mod audio;
 mod body;
 mod engine;
 mod frames;
+mod pooling;
 mod server;
 mod stats;
 mod tokens;
@@ -37,7 +43,7 @@ use tokio::net::TcpSocket;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use args::SimArgs;
+pub use args::{Convert, Runner, SimArgs};
 pub use stats::SimStats;
 
 use args::SimConfig;

@@ -21,15 +21,35 @@ use tokio_util::sync::CancellationToken;
 use super::agents;
 use super::api::{self, ApiError, FinalAnswer};
 use super::args::SimConfig;
+use super::audio::{self, AudioFrames, SpeechTask};
 use super::body::{Capture, Frames, SimBody, TokenStream};
 use super::engine::Engine;
 use super::frames::{Endpoint, FrameWriter};
+use super::pooling::{self, PoolingCall, PoolingRoute};
 use super::stats::{SimStats, render_metrics};
 use super::tokens::mix64;
 
 /// Bodies above this are refused; far more than any max-model-len worth of text.
 const MAX_REQUEST_BODY: usize = 64 << 20;
 const X_REQUEST_ID: &str = "x-request-id";
+/// vLLM's API-key middleware guards these path prefixes, as plain string prefixes (so `/v1x`
+/// too), before any routing; everything else (/health, /metrics, /tokenize, /pooling,
+/// /score, /rerank, /classify, ...) is open even with `--api-key`.
+const GUARDED_PREFIXES: [&str; 4] = ["/v1", "/v2", "/inference", "/cohere"];
+
+/// Routes vLLM registers only for a generative model (`--runner generate`).
+fn generative_only(path: &str) -> bool {
+    matches!(
+        path,
+        "/v1/chat/completions"
+            | "/v1/chat/completions/batch"
+            | "/v1/completions"
+            | "/v1/responses"
+            | "/v1/messages"
+            | "/v1/messages/count_tokens"
+    ) || path.starts_with("/v1/responses/")
+        || SpeechTask::at(path).is_some()
+}
 
 /// What every connection of one sim shares.
 pub(crate) struct SimContext {
@@ -207,8 +227,39 @@ async fn route(
             tokenizer(tokenize, req, ctx, capture_key).await
         }
         "/tokenize" | "/detokenize" => Err(ApiError::MethodNotAllowed),
-        p if p.starts_with("/v1") => {
-            authorize(&req, ctx)?;
+        p => {
+            if GUARDED_PREFIXES.iter().any(|g| p.starts_with(g)) {
+                authorize(&req, ctx)?;
+            }
+            let post = req.method() == Method::POST;
+            if let Some(route) = PoolingRoute::named(p) {
+                return match ctx.cfg.pooling {
+                    Some(task) if route.served_by(task) && post => {
+                        pooled(route, task, req, ctx, capture_key).await
+                    }
+                    Some(task) if route.served_by(task) => Err(ApiError::MethodNotAllowed),
+                    // Not registered for this kind of model.
+                    _ => Err(ApiError::RouteNotFound),
+                };
+            }
+            if ctx.cfg.pooling.is_some() && generative_only(p) {
+                return Err(ApiError::RouteNotFound);
+            }
+            if let Some(task) = SpeechTask::at(p) {
+                return match post {
+                    true => speech(task, req, ctx, capture_key).await,
+                    false => Err(ApiError::MethodNotAllowed),
+                };
+            }
+            if p == "/v1/chat/completions/batch" {
+                return match post {
+                    true => batch_chat(req, ctx, capture_key).await,
+                    false => Err(ApiError::MethodNotAllowed),
+                };
+            }
+            if !p.starts_with("/v1") {
+                return Err(ApiError::RouteNotFound);
+            }
             let capture = || capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
             match (p, req.method()) {
                 ("/v1/models", &Method::GET) => Ok(json_response(
@@ -258,8 +309,171 @@ async fn route(
                 _ => Err(ApiError::RouteNotFound),
             }
         }
-        _ => Err(ApiError::RouteNotFound),
     }
+}
+
+/// A pooling request (`sim::pooling`): answered after one prefill through the engine, so
+/// pooling requests queue and cost time alongside generations as they do in vLLM.
+async fn pooled(
+    route: PoolingRoute,
+    task: crate::sim::args::PoolingTask,
+    req: Request<Incoming>,
+    ctx: &SimContext,
+    capture_key: Option<&str>,
+) -> Result<Response<SimBody>, ApiError> {
+    let arrived = Instant::now();
+    ctx.stats.requests.fetch_add(1, Relaxed);
+    let body = read_body(req).await?;
+    let call = PoolingCall {
+        route,
+        task,
+        request_id: capture_key,
+        created: unix_now(),
+    };
+    let answer = pooling::answer(&call, &body, &ctx.cfg)?;
+    if ctx.draw_failure() {
+        ctx.stats.failed_injected.fetch_add(1, Relaxed);
+        return Err(ApiError::InjectedFailure);
+    }
+    ctx.stats
+        .engine
+        .prompt_tokens
+        .fetch_add(u64::from(answer.prompt_tokens), Relaxed);
+    let mut pass = ctx
+        .engine
+        .start(ctx.stats.clone(), answer.prompt_tokens, 1, 0, arrived);
+    pass.collect_text().await;
+    pass.finish();
+    let capture = capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
+    Ok(json_response(answer.body, capture))
+}
+
+/// `/v1/audio/transcriptions` and `/translations` (`sim::audio`): the words come from the
+/// engine like a generation's, streamed as vLLM's chunks or collected into one answer.
+async fn speech(
+    task: SpeechTask,
+    req: Request<Incoming>,
+    ctx: &SimContext,
+    capture_key: Option<&str>,
+) -> Result<Response<SimBody>, ApiError> {
+    let arrived = Instant::now();
+    ctx.stats.requests.fetch_add(1, Relaxed);
+    let content_type = req
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let body = read_body(req).await?;
+    let parsed = audio::parse(content_type.as_deref(), body, &ctx.cfg).await?;
+    if ctx.draw_failure() {
+        ctx.stats.failed_injected.fetch_add(1, Relaxed);
+        return Err(ApiError::InjectedFailure);
+    }
+    let request_id = match capture_key {
+        Some(id) => id.to_owned(),
+        None => format!("{:016x}", rand::random::<u64>()),
+    };
+    let id = format!("{}{request_id}", task.id_prefix());
+    ctx.stats
+        .engine
+        .prompt_tokens
+        .fetch_add(u64::from(parsed.prompt_tokens), Relaxed);
+    let mut generation = ctx.engine.start(
+        ctx.stats.clone(),
+        parsed.prompt_tokens,
+        parsed.max_tokens,
+        parsed.token_seed,
+        arrived,
+    );
+    let capture = Capture::new(&ctx.stats, request_id);
+    if parsed.stream {
+        let frames = Frames::Audio(AudioFrames::new(
+            task,
+            &id,
+            unix_now(),
+            ctx.cfg.model_name(),
+            parsed.prompt_tokens,
+            parsed.continuous_usage,
+        ));
+        let stream = TokenStream::new(
+            generation,
+            frames,
+            false,
+            parsed.include_usage,
+            ctx.cfg.fault,
+            capture,
+        )
+        .ending(parsed.natural_end);
+        let mut r = Response::new(SimBody::Stream(Box::new(stream)));
+        r.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        return Ok(r);
+    }
+    let text = generation.collect_text().await;
+    generation.finish();
+    Ok(json_response(
+        audio::answer_json(task, &text, parsed.duration_s),
+        capture,
+    ))
+}
+
+/// `/v1/chat/completions/batch`: the conversations run side by side in the engine and are
+/// answered together. With `stream: true` vLLM 0.32 still answers one JSON body, but its
+/// per-token outputs leave each choice holding only its last token (and usage counting one
+/// completion token a conversation): the sim answers the same.
+async fn batch_chat(
+    req: Request<Incoming>,
+    ctx: &SimContext,
+    capture_key: Option<&str>,
+) -> Result<Response<SimBody>, ApiError> {
+    let arrived = Instant::now();
+    let body = read_body(req).await?;
+    let batch = api::parse_batch(&body, &ctx.cfg)?;
+    if ctx.draw_failure() {
+        ctx.stats.failed_injected.fetch_add(1, Relaxed);
+        return Err(ApiError::InjectedFailure);
+    }
+    let runs = batch.conversations.iter().map(|c| {
+        ctx.stats.requests.fetch_add(1, Relaxed);
+        ctx.stats
+            .engine
+            .prompt_tokens
+            .fetch_add(u64::from(c.prompt_tokens), Relaxed);
+        let mut generation = ctx.engine.start(
+            ctx.stats.clone(),
+            c.prompt_tokens,
+            c.max_tokens,
+            c.token_seed,
+            arrived,
+        );
+        let (natural_end, only_last) = (c.natural_end, batch.stream);
+        async move {
+            let mut text = String::new();
+            while let Some(t) = std::future::poll_fn(|cx| generation.poll_token(cx)).await {
+                if only_last {
+                    text.clear();
+                }
+                text.push_str(t);
+            }
+            generation.finish();
+            api::BatchAnswer {
+                text,
+                finish_reason: if natural_end { "stop" } else { "length" },
+                prompt_tokens: generation.prompt_tokens,
+                completion_tokens: if only_last { 1 } else { generation.emitted() },
+            }
+        }
+    });
+    let answers = futures_util::future::join_all(runs).await;
+    let request_id = match capture_key {
+        Some(id) => id.to_owned(),
+        None => format!("{:016x}", rand::random::<u64>()),
+    };
+    let id = format!("chatcmpl-{request_id}");
+    let body = api::batch_chat_json(&id, unix_now(), ctx.cfg.model_name(), &answers);
+    Ok(json_response(body, Capture::new(&ctx.stats, request_id)))
 }
 
 /// `GET /v1/responses/{id}`: the stored response (404 without `--responses-store`, as vLLM).

@@ -803,3 +803,459 @@ async fn invalid_flags_are_rejected() {
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
     }
 }
+
+fn pooling_sim(convert: Convert) -> SimArgs {
+    SimArgs {
+        runner: Runner::Pooling,
+        convert,
+        embedding_size: 16,
+        api_key: Some("sekret".into()),
+        ..zero_delay()
+    }
+}
+
+const KEYED: [(&str, &str); 1] = [("authorization", "Bearer sekret")];
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn embeddings_are_deterministic_unit_vectors_in_both_encodings() {
+    use base64::Engine as _;
+    let sim = start(pooling_sim(Convert::Embed)).await.unwrap();
+    let c = client();
+    let ask = |input: Value, format: &str| json!({"model": "qwen32b", "input": input, "encoding_format": format});
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/embeddings",
+        Some(ask(json!(["hello there", "hello there", "other"]), "float")),
+        &KEYED,
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["object"], "list");
+    assert!(v["id"].as_str().unwrap().starts_with("embd-"));
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 3);
+    let (a, b, o) = (
+        floats(&data[0]["embedding"]),
+        floats(&data[1]["embedding"]),
+        floats(&data[2]["embedding"]),
+    );
+    assert_eq!(a.len(), 16);
+    assert!((a.iter().map(|x| x * x).sum::<f64>() - 1.0).abs() < 1e-5);
+    assert_eq!(a, b, "the same text, the same vector");
+    assert_ne!(a, o);
+    // Counted by the sim's tokenizer, the one /tokenize answers with.
+    let n = 2 * tokens::count("hello there") + tokens::count("other");
+    assert_eq!(v["usage"]["prompt_tokens"], n);
+    assert_eq!(v["usage"]["total_tokens"], n);
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/embeddings",
+        Some(ask(json!("hello there"), "base64")),
+        &KEYED,
+    )
+    .await;
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(v["data"][0]["embedding"].as_str().unwrap())
+        .unwrap();
+    let decoded: Vec<f32> = raw
+        .chunks(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    // (JSON floats are f32s widened; narrowing them back is exact.)
+    let narrowed: Vec<f32> = a.iter().map(|x| *x as f32).collect();
+    assert_eq!(
+        decoded, narrowed,
+        "base64 holds the same little-endian f32s"
+    );
+
+    // Not a Matryoshka model: vLLM refuses `dimensions` whatever its value.
+    let mut dims = ask(json!("x"), "float");
+    dims["dimensions"] = json!(8);
+    let r = send(&c, &sim, "POST", "/v1/embeddings", Some(dims), &KEYED).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let e: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("Matryoshka"),
+        "{e}"
+    );
+
+    // Token ids and lists of them.
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/embeddings",
+        Some(ask(json!([[1, 2, 3], [4]]), "float")),
+        &KEYED,
+    )
+    .await;
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["data"].as_array().unwrap().len(), 2);
+    assert_eq!(v["usage"]["prompt_tokens"], 4);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn rerank_sorts_and_score_compares_like_vllm() {
+    let sim = start(pooling_sim(Convert::Embed)).await.unwrap();
+    let c = client();
+    let body =
+        json!({"query": "apple pie", "documents": ["zebra", "apple pie", "car"], "top_n": 2});
+    // /rerank is not under /v1 or /v2: vLLM's key does not guard it.
+    let r = send(&c, &sim, "POST", "/rerank", Some(body.clone()), &[]).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2, "top_n");
+    assert_eq!(results[0]["index"], 1, "the identical document first");
+    assert_eq!(results[0]["document"]["text"], "apple pie");
+    assert!((results[0]["relevance_score"].as_f64().unwrap() - 1.0).abs() < 1e-5);
+    assert!(results[0]["relevance_score"].as_f64() >= results[1]["relevance_score"].as_f64());
+    assert_eq!(
+        keys_of(&v["usage"]),
+        ["prompt_tokens", "total_tokens"],
+        "rerank's usage has two keys"
+    );
+    let r = send(&c, &sim, "POST", "/v2/rerank", Some(body), &[]).await;
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED, "/v2 is guarded");
+
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/score",
+        Some(json!({"text_1": ["a", "b"], "text_2": ["a", "c"]})),
+        &[],
+    )
+    .await;
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["data"].as_array().unwrap().len(), 2);
+    assert!((v["data"][0]["score"].as_f64().unwrap() - 1.0).abs() < 1e-5);
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/score",
+        Some(json!({"queries": ["a", "b"], "documents": ["a", "b", "c"]})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let e: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(
+        e["error"]["message"],
+        "Input lengths must be either 1:1, 1:N or N:N"
+    );
+    sim.shutdown().await;
+}
+
+fn keys_of(v: &Value) -> Vec<String> {
+    v.as_object().unwrap().keys().cloned().collect()
+}
+
+#[tokio::test]
+async fn each_runner_serves_its_own_routes() {
+    let c = client();
+    let gen_sim = start(SimArgs {
+        api_key: Some("sekret".into()),
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    for path in [
+        "/v1/embeddings",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/rerank",
+        "/v2/embed",
+    ] {
+        let r = send(
+            &c,
+            &gen_sim,
+            "POST",
+            path,
+            Some(json!({"input": "x"})),
+            &KEYED,
+        )
+        .await;
+        assert_eq!(
+            r.status(),
+            StatusCode::NOT_FOUND,
+            "{path} on a generative model"
+        );
+        assert_eq!(&read_all(r).await[..], br#"{"detail":"Not Found"}"#);
+    }
+    gen_sim.shutdown().await;
+
+    let pool = start(pooling_sim(Convert::Embed)).await.unwrap();
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    for path in [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/chat/completions/batch",
+        "/v1/audio/transcriptions",
+        "/classify",
+    ] {
+        let r = send(&c, &pool, "POST", path, Some(chat.clone()), &KEYED).await;
+        assert_eq!(
+            r.status(),
+            StatusCode::NOT_FOUND,
+            "{path} on an embedding model"
+        );
+    }
+    let r = send(&c, &pool, "GET", "/v1/models", None, &KEYED).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = send(&c, &pool, "GET", "/v1/embeddings", None, &KEYED).await;
+    assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+    let r = send(&c, &pool, "GET", "/metrics", None, &[]).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    pool.shutdown().await;
+
+    let classify = start(pooling_sim(Convert::Classify)).await.unwrap();
+    let r = send(
+        &c,
+        &classify,
+        "POST",
+        "/classify",
+        Some(json!({"input": ["a", "b c"]})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    let first = &v["data"][0];
+    assert_eq!(first["num_classes"], 2);
+    assert!((floats(&first["probs"]).iter().sum::<f64>() - 1.0).abs() < 1e-5);
+    assert!(first["label"].as_str().unwrap().starts_with("LABEL_"));
+    for path in ["/rerank", "/v1/embeddings"] {
+        let r = send(
+            &c,
+            &classify,
+            "POST",
+            path,
+            Some(json!({"query": "a", "documents": ["b"]})),
+            &KEYED,
+        )
+        .await;
+        assert_eq!(
+            r.status(),
+            StatusCode::NOT_FOUND,
+            "{path}: two labels, no scoring"
+        );
+    }
+    classify.shutdown().await;
+}
+
+#[tokio::test]
+async fn chat_batch_answers_one_choice_per_conversation() {
+    let sim = start(zero_delay()).await.unwrap();
+    let c = client();
+    let convs =
+        json!([[{"role": "user", "content": "one"}], [{"role": "user", "content": "two two"}]]);
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions/batch",
+        Some(json!({"messages": convs, "max_tokens": 3})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!(
+        (choices[0]["index"].clone(), choices[1]["index"].clone()),
+        (json!(0), json!(1))
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        tokens::count("one") + tokens::count("two two")
+    );
+    // vLLM 0.32 does not refuse `stream`: one JSON body, each choice its last token.
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions/batch",
+        Some(json!({"messages": convs, "max_tokens": 3, "stream": true})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/chat/completions/batch",
+        Some(json!({"messages": convs, "n": 2})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    sim.shutdown().await;
+}
+
+/// A mono 16-bit PCM WAV of `seconds` of silence at 16 kHz.
+fn wav(seconds: u32) -> Vec<u8> {
+    let data_len = 32_000 * seconds;
+    let mut w = Vec::new();
+    w.extend_from_slice(b"RIFF");
+    w.extend_from_slice(&(36 + data_len).to_le_bytes());
+    w.extend_from_slice(b"WAVEfmt ");
+    w.extend_from_slice(&16u32.to_le_bytes());
+    w.extend_from_slice(&[1, 0, 1, 0]);
+    w.extend_from_slice(&16_000u32.to_le_bytes());
+    w.extend_from_slice(&32_000u32.to_le_bytes());
+    w.extend_from_slice(&[2, 0, 16, 0]);
+    w.extend_from_slice(b"data");
+    w.extend_from_slice(&data_len.to_le_bytes());
+    w.resize(w.len() + data_len as usize, 0);
+    w
+}
+
+/// A multipart/form-data body as OpenAI's client sends one.
+fn form(fields: &[(&str, &str)], file: &[u8]) -> (String, Bytes) {
+    let boundary = "fleetgate-test-boundary";
+    let mut b = Vec::new();
+    for (k, v) in fields {
+        b.extend_from_slice(
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n")
+                .as_bytes(),
+        );
+    }
+    b.extend_from_slice(format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\n").as_bytes());
+    b.extend_from_slice(file);
+    b.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    (
+        format!("multipart/form-data; boundary={boundary}"),
+        Bytes::from(b),
+    )
+}
+
+async fn post_form(
+    c: &TestClient,
+    sim: &SimServer,
+    path: &str,
+    ct: &str,
+    body: Bytes,
+) -> Response<Incoming> {
+    let req = Request::post(format!("{}{path}", sim.url()))
+        .header("content-type", ct)
+        .header("authorization", "Bearer sekret")
+        .body(Full::new(body))
+        .unwrap();
+    c.request(req).await.unwrap()
+}
+
+#[tokio::test]
+async fn transcriptions_take_multipart_and_stream_vllm_chunks() {
+    let sim = start(SimArgs {
+        api_key: Some("sekret".into()),
+        decode_step_ms: 2.0,
+        decode_ms_per_seq: 0.0,
+        ..SimArgs::default()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let audio = wav(2);
+    let (ct, body) = form(&[("model", "qwen32b"), ("language", "en")], &audio);
+    let r = post_form(&c, &sim, "/v1/audio/transcriptions", &ct, body).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(keys_of(&v), ["text", "usage"]);
+    assert_eq!(v["usage"], json!({"type": "duration", "seconds": 2}));
+    let text = v["text"].as_str().unwrap().to_owned();
+    assert!(!text.is_empty());
+
+    let (ct, body) = form(&[("model", "qwen32b")], &audio);
+    let r = post_form(&c, &sim, "/v1/audio/translations", &ct, body).await;
+    let v: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(keys_of(&v), ["text"], "a translation carries no usage");
+
+    let (ct, body) = form(
+        &[("stream", "true"), ("stream_include_usage", "true")],
+        &audio,
+    );
+    let r = post_form(&c, &sim, "/v1/audio/transcriptions", &ct, body).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events = sse_events(&read_all(r).await);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let (usage, content) = chunks.split_last().unwrap();
+    assert!(content.iter().all(|c| c["object"] == "transcription.chunk"));
+    assert!(
+        content[0]["id"]
+            .as_str()
+            .unwrap()
+            .starts_with("transcribe-")
+    );
+    let streamed: String = content
+        .iter()
+        .map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, text, "the same audio, the same words");
+    assert_eq!(
+        content.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], content.len());
+
+    let r = send(
+        &c,
+        &sim,
+        "POST",
+        "/v1/audio/transcriptions",
+        Some(json!({"model": "qwen32b"})),
+        &KEYED,
+    )
+    .await;
+    assert_eq!(
+        r.status(),
+        StatusCode::BAD_REQUEST,
+        "JSON instead of a form"
+    );
+    let e: Value = serde_json::from_slice(&read_all(r).await).unwrap();
+    assert_eq!(e["error"]["param"], "body.file");
+    let (ct, body) = form(&[("response_format", "srt")], &audio);
+    let r = post_form(&c, &sim, "/v1/audio/transcriptions", &ct, body).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    sim.shutdown().await;
+}
