@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 
 use crate::auth::Authenticator;
 use crate::client::{self, HttpClient, Measured};
-use crate::config::{Config, PoolConfig, ServerConfig};
+use crate::config::{Config, PoolConfig, PoolKind, ServerConfig};
 use crate::key::{Environment, KeyRecord};
 use crate::server::Server;
 use crate::sim::{self, SimArgs, SimServer};
@@ -36,6 +36,8 @@ pub struct DemoArgs {
 }
 
 const MODEL: &str = "qwen32b";
+/// The embedding model of the demo's second pool, behind the same key.
+const EMBED_MODEL: &str = "embed";
 
 pub async fn run(
     args: DemoArgs,
@@ -45,9 +47,10 @@ pub async fn run(
         sim::start(demo_sim_args(1)).await?,
         sim::start(demo_sim_args(2)).await?,
     ];
+    let embed = sim::start(embed_sim_args()).await?;
     let listener = bind(args.port).await?;
     let data_dir = std::env::temp_dir().join(format!("fleetgate-demo-{}", std::process::id()));
-    let mut config = demo_config(&listener, &sims, &data_dir)?;
+    let mut config = demo_config(&listener, &sims, &embed, &data_dir)?;
     // The console on the admin listener (8081 beside a gateway on 8080, else a free port), with
     // a secret made for this run: the demo prints a sign-in link.
     let admin_port = match args.port {
@@ -69,7 +72,9 @@ pub async fn run(
     let gateway = server.base_url();
     let (demo_key, record) = issue_demo_key(&server.auth).await?;
 
-    outln!("fleetgate demo: 2 simulated vLLM backends + the gateway, one process\n");
+    outln!(
+        "fleetgate demo: 2 simulated vLLM backends, 1 simulated embedding server + the gateway, one process\n"
+    );
     let c = client::http_client();
     let headers = bearer(&demo_key)?;
     let body = chat_body(args.max_tokens);
@@ -95,6 +100,7 @@ pub async fn run(
     print_try_it(
         &gateway,
         &sims,
+        &embed,
         &config.database.sqlite_path,
         &demo_key,
         &record.public_id,
@@ -109,6 +115,7 @@ pub async fn run(
     for s in sims {
         s.shutdown().await;
     }
+    embed.shutdown().await;
     let _ = std::fs::remove_dir_all(&data_dir);
     Ok(())
 }
@@ -124,18 +131,20 @@ async fn bind(port: u16) -> std::io::Result<TcpListener> {
     }
 }
 
-/// One pool over the simulated backends, the embedded SQLite store in `data_dir`, and health
-/// checks quick enough for a short demo (the caller adds the admin listener).
+/// A chat pool over the simulated backends and an embeddings pool over the embedding server,
+/// the embedded SQLite store in `data_dir`, and health checks quick enough for a short demo
+/// (the caller adds the admin listener).
 fn demo_config(
     listener: &TcpListener,
     sims: &[SimServer],
+    embed: &SimServer,
     data_dir: &Path,
 ) -> std::io::Result<Config> {
-    let backends: Vec<Uri> = sims
-        .iter()
-        .map(|s| s.url().parse::<Uri>().map_err(std::io::Error::other))
-        .collect::<Result<_, _>>()?;
-    let mut config = Config::with_pools(vec![PoolConfig::new(MODEL, backends)]);
+    let url = |s: &SimServer| s.url().parse::<Uri>().map_err(std::io::Error::other);
+    let backends: Vec<Uri> = sims.iter().map(url).collect::<Result<_, _>>()?;
+    let mut embeddings = PoolConfig::new(EMBED_MODEL, vec![url(embed)?]);
+    embeddings.kind = PoolKind::Embed;
+    let mut config = Config::with_pools(vec![PoolConfig::new(MODEL, backends), embeddings]);
     config.server = ServerConfig {
         listen: listener.local_addr()?,
         health_interval: Duration::from_millis(500),
@@ -287,6 +296,7 @@ fn print_median(mut diffs: Vec<f64>) {
 fn print_try_it(
     gateway: &str,
     sims: &[SimServer],
+    embed: &SimServer,
     db: &Path,
     demo_key: &str,
     id: &str,
@@ -309,6 +319,10 @@ fn print_try_it(
             s.url()
         );
     }
+    outln!(
+        "Embedder:  {}/v1   (direct; model `{EMBED_MODEL}`, an embedding server: vllm serve --runner pooling)",
+        embed.url()
+    );
     outln!("Key:       {demo_key}   (environment stress, id {id}; shown once)");
     outln!("Store:     {db}   (embedded SQLite: keys and the request log)");
     if let Some(link) = console {
@@ -327,6 +341,9 @@ fn print_try_it(
     outln!("  {curl}   # streams, ends with data: [DONE]");
     outln!(
         "  python3 -c 'from openai import OpenAI; s = OpenAI().chat.completions.create(model=\"{MODEL}\", stream=True, max_tokens=16, messages=[{{\"role\": \"user\", \"content\": \"hello\"}}]); print(\"\".join(c.choices[0].delta.content or \"\" for c in s if c.choices))'   # needs pip install openai"
+    );
+    outln!(
+        "  curl -s $OPENAI_BASE_URL/embeddings -H \"Authorization: Bearer $OPENAI_API_KEY\" -H 'Content-Type: application/json' -d '{{\"model\":\"{EMBED_MODEL}\",\"input\":\"hello\"}}'   # the same key, the embedding model's pool: lists \"embedding\""
     );
     outln!(
         "  {exe} usage --sqlite {db} --since 1h --by env   # lists prod: the requests above, from the request log"
@@ -376,6 +393,17 @@ fn demo_sim_args(seed: u64) -> SimArgs {
         enable_auto_tool_choice: true,
         output_tokens: Some(24),
         responses_store: true,
+        ..SimArgs::default()
+    }
+}
+
+/// The demo's embedding server: `vllm serve --runner pooling --convert embed` in the sim.
+fn embed_sim_args() -> SimArgs {
+    SimArgs {
+        port: 0,
+        served_model_name: vec![EMBED_MODEL.to_owned()],
+        runner: sim::Runner::Pooling,
+        convert: sim::Convert::Embed,
         ..SimArgs::default()
     }
 }

@@ -61,7 +61,7 @@ impl StoreArgs {
 pub enum KeysCommand {
     /// Issue a key (printed once).
     #[command(
-        after_help = "Examples:\n  fleetgate keys create --env stress --name 'nightly load test' --rpm 600 --tpm 2000000 --max-streams 64\n  fleetgate keys create --env prod --name 'chat frontend' --models qwen32b --expires 90d\n  export OPENAI_API_KEY=$(fleetgate keys create --env gray --name canary -q)"
+        after_help = "Examples:\n  fleetgate keys create --env stress --name 'nightly load test' --rpm 600 --tpm 2000000 --max-streams 64\n  fleetgate keys create --env prod --name 'chat frontend' --models qwen32b --expires 90d\n  fleetgate keys create --env prod --name 'search indexer' --models embed --endpoints embeddings,rerank\n  export OPENAI_API_KEY=$(fleetgate keys create --env gray --name canary -q)"
     )]
     Create {
         /// The key's environment: stress, gray or prod (it decides the key's priority in the
@@ -74,6 +74,11 @@ pub enum KeysCommand {
         /// Models the key may use (comma-separated; default all).
         #[arg(long, value_delimiter = ',')]
         models: Option<Vec<String>>,
+        /// Endpoint families the key may call (comma-separated; default all): chat,
+        /// completions, responses, messages, tokenize, embeddings, rerank, score, classify,
+        /// pooling, audio.
+        #[arg(long, value_delimiter = ',')]
+        endpoints: Option<Vec<String>>,
         /// Requests per minute.
         #[arg(long)]
         rpm: Option<i64>,
@@ -245,6 +250,11 @@ fn print_key(k: &KeyRecord) {
         v.allowed_models
             .map_or_else(|| "all".into(), |m| m.join(", "))
     );
+    outln!(
+        "endpoints:    {}",
+        v.allowed_endpoints
+            .map_or_else(|| "all".into(), |e| e.join(", "))
+    );
     let limit = |v: Option<i64>| v.map_or_else(|| "default".into(), |v| v.to_string());
     outln!(
         "limits:       {} req/min, {} tokens/min, {} concurrent streams",
@@ -274,6 +284,7 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
             env,
             name,
             models,
+            endpoints,
             rpm,
             tpm,
             max_streams,
@@ -286,6 +297,7 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
                 name,
                 environment: Some(env),
                 allowed_models: models,
+                allowed_endpoints: endpoints,
                 requests_per_minute: rpm,
                 tokens_per_minute: tpm,
                 max_concurrent_streams: max_streams,

@@ -226,13 +226,17 @@ async fn run(cli: Cli) -> ExitCode {
                         .collect();
                     let _ = writeln!(
                         out,
-                        "model {} -> {}{}",
+                        "model {} -> {}{}{}",
                         p.model,
                         backends.join(", "),
                         p.served_model_name
                             .as_ref()
                             .map(|n| format!(" (served as {n})"))
-                            .unwrap_or_default()
+                            .unwrap_or_default(),
+                        match p.kind {
+                            fleetgate::config::PoolKind::Generate => String::new(),
+                            kind => format!(" [{} model]", kind.as_str()),
+                        }
                     );
                 }
                 ExitCode::SUCCESS

@@ -81,7 +81,11 @@ fn check_config_accepts_the_example() {
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        stdout.contains("model qwen32b -> http://127.0.0.1:8001/, http://127.0.0.1:8002/"),
+        stdout.contains("model qwen32b -> http://127.0.0.1:8001/, http://127.0.0.1:8002/\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("model embed -> http://127.0.0.1:8003/ [embed model]"),
         "{stdout}"
     );
 }
@@ -951,4 +955,56 @@ fn every_command_has_help_with_examples_and_usage_errors_exit_64() {
     assert!(err.contains("--bogus"), "{err}");
     let (code, _, _) = fleetgate(&["no-such-command"]);
     assert_eq!(code, Some(64));
+}
+
+/// `keys create --endpoints` bounds the key's endpoint families: `keys show` prints them, and
+/// a family that does not exist is refused with the list of families, creating nothing.
+#[test]
+fn keys_create_takes_endpoint_families() {
+    let dir = TempDir(temp_dir("cli-endpoints"));
+    let db = dir.0.join("keys.db");
+    let db = db.to_str().unwrap();
+    let (code, key, err) = fleetgate(&[
+        "keys",
+        "create",
+        "--sqlite",
+        db,
+        "--env",
+        "prod",
+        "--name",
+        "indexer",
+        "--endpoints",
+        "embeddings,rerank",
+        "-q",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let id = fleetgate::key::parse(key.trim())
+        .unwrap()
+        .public_id
+        .to_owned();
+    let (code, shown, err) = fleetgate(&["keys", "show", &id, "--sqlite", db]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        shown.contains("endpoints:    embeddings, rerank"),
+        "{shown}"
+    );
+    let (code, _, err) = fleetgate(&[
+        "keys",
+        "create",
+        "--sqlite",
+        db,
+        "--env",
+        "prod",
+        "--name",
+        "typo",
+        "--endpoints",
+        "chat,embedding",
+    ]);
+    assert_ne!(code, Some(0));
+    assert!(
+        err.contains("`embedding`") && err.contains("chat, completions, responses"),
+        "{err}"
+    );
+    let (_, listed, _) = fleetgate(&["keys", "list", "--sqlite", db]);
+    assert!(!listed.contains("typo"), "nothing was created: {listed}");
 }

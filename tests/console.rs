@@ -1118,6 +1118,7 @@ async fn console_in_a_real_browser() {
     let evil = "<img src=x onerror=alert(1)>";
     b.fill("#issue-name", evil).await;
     b.fill("#issue-models", "qwen32b").await;
+    b.fill("#issue-endpoints", "chat, embeddings").await;
     b.fill("#issue-rpm", "600").await;
     b.fill("#issue-metadata", r#"{"owner": "the \"quoted\" team"}"#)
         .await;
@@ -1154,6 +1155,7 @@ async fn console_in_a_real_browser() {
             .contains(r#""the \"quoted\" team""#)
     );
     assert_eq!(b.text("#usage-requests").await, "1");
+    assert_eq!(b.text("#key-endpoints").await, "chat, embeddings");
     b.no_console_errors("key page").await;
     b.shot("key").await;
 

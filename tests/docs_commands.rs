@@ -15,7 +15,7 @@
 //!      `127.0.0.1:8080` and `<demo dir>` in the blocks after it;
 //!    - `./target/release/fleetgate` and `fleetgate` run the binary cargo built for this test;
 //!    - a command ending in `&` runs in the background on a free port in place of the one
-//!      written (8001, 8002, 8080, 8081), and the next command waits until it listens;
+//!      written (8001, 8002, 8003, 8080, 8081), and the next command waits until it listens;
 //!    - commands run in a scratch directory holding `config/fleetgate.toml` with those ports and
 //!      its store in the scratch directory;
 //!    - `<id>` after a `keys create` is the id of the key it printed;
@@ -281,7 +281,7 @@ impl Session {
             python_sdk: python_sdk(),
         };
         if docs {
-            for p in [8001, 8002, 8080, 8081] {
+            for p in [8001, 8002, 8003, 8080, 8081] {
                 s.ports.insert(p, free_port());
             }
             let mut text =

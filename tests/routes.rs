@@ -66,6 +66,15 @@ fn body_for(path: &str) -> &'static str {
         }
         "/tokenize" => r#"{"model":"m","prompt":"hi"}"#,
         "/detokenize" => r#"{"model":"m","tokens":[1,2]}"#,
+        "/v1/embeddings" | "/classify" | "/pooling" => r#"{"model":"m","input":"hi"}"#,
+        "/v2/embed" => r#"{"model":"m","texts":["hi"]}"#,
+        "/rerank" | "/v1/rerank" | "/v2/rerank" => {
+            r#"{"model":"m","query":"hi","documents":["a","b"]}"#
+        }
+        "/score" | "/v1/score" => r#"{"model":"m","queries":"hi","documents":["a"]}"#,
+        "/v1/chat/completions/batch" => {
+            r#"{"model":"m","max_tokens":1,"messages":[[{"role":"user","content":"hi"}]]}"#
+        }
         _ => {
             r#"{"model":"m","input":"hi","prompt":"hi","messages":[{"role":"user","content":"hi"}]}"#
         }
@@ -167,6 +176,14 @@ async fn nothing_outside_the_allow_list_reaches_a_backend() {
         ("POST", "/v1/models"),
         ("POST", "/pause?next=/v1/chat/completions"),
         ("POST", "/invocations?x=/v1/chat/completions"),
+        ("POST", "//v1/embeddings"),
+        ("POST", "/v1/embeddings/"),
+        ("GET", "/v1/embeddings"),
+        ("POST", "/v2/embed/../../pause"),
+        ("POST", "/rerank/"),
+        ("POST", "/v1%2Frerank"),
+        ("POST", "/v1/chat/completions/batch/"),
+        ("POST", "/score/../invocations"),
     ]
     .iter()
     .map(|(m, p)| ((*m).to_owned(), (*p).to_owned()))
@@ -228,7 +245,7 @@ async fn nothing_outside_the_allow_list_reaches_a_backend() {
         forwarded += arrived.len();
     }
     assert!(
-        forwarded >= 7,
+        forwarded >= 17,
         "the forwarded rows reached the backend: {forwarded}"
     );
     // Whatever else the backend saw is the gateway's own (health probes, warm-up), never a

@@ -37,6 +37,7 @@ pub fn key_record(public_id: &str, hash: [u8; 32]) -> KeyRecord {
         revoked_by: None,
         revoke_reason: None,
         allowed_models: None,
+        allowed_endpoints: None,
         requests_per_minute: None,
         tokens_per_minute: None,
         max_concurrent_streams: None,

@@ -7,6 +7,7 @@ use http::StatusCode;
 
 use crate::clock::format_wall_ms;
 use crate::key::Environment;
+use crate::protocol::endpoint::{Families, Family};
 use crate::protocol::error::ErrorKind;
 
 /// Why a request was not let in. Each cause has its own message and code.
@@ -44,6 +45,12 @@ pub enum AuthFailure {
         model: String,
         allowed: Vec<Environment>,
     },
+    /// The key's endpoint families do not include the route's.
+    EndpointNotAllowed {
+        family: Family,
+        path: &'static str,
+        allowed: Families,
+    },
     TooManyFailures {
         retry_after: Duration,
     },
@@ -52,7 +59,7 @@ pub enum AuthFailure {
 }
 
 /// Label for the failure counter: a fixed set.
-pub const FAILURE_REASONS: [&str; 18] = [
+pub const FAILURE_REASONS: [&str; 19] = [
     "missing",
     "no_space_after_bearer",
     "quoted",
@@ -71,6 +78,7 @@ pub const FAILURE_REASONS: [&str; 18] = [
     "environment_not_allowed",
     "too_many_failures",
     "two_keys",
+    "endpoint_not_allowed",
 ];
 
 impl AuthFailure {
@@ -99,6 +107,7 @@ impl AuthFailure {
             AuthFailure::EnvironmentNotAllowed { .. } => 15,
             AuthFailure::TooManyFailures { .. } => 16,
             AuthFailure::TwoKeys => 17,
+            AuthFailure::EndpointNotAllowed { .. } => 18,
         }
     }
 
@@ -108,9 +117,9 @@ impl AuthFailure {
 
     pub fn kind(&self) -> ErrorKind {
         match self {
-            AuthFailure::ModelNotAllowed { .. } | AuthFailure::EnvironmentNotAllowed { .. } => {
-                ErrorKind::Forbidden
-            }
+            AuthFailure::ModelNotAllowed { .. }
+            | AuthFailure::EnvironmentNotAllowed { .. }
+            | AuthFailure::EndpointNotAllowed { .. } => ErrorKind::Forbidden,
             AuthFailure::TooManyFailures { .. } => ErrorKind::AuthThrottled,
             AuthFailure::Missing
             | AuthFailure::NoSpaceAfterBearer
@@ -163,6 +172,7 @@ impl AuthFailure {
             AuthFailure::RotatedOut { .. } => "key_rotated",
             AuthFailure::ModelNotAllowed { .. } => "model_not_allowed",
             AuthFailure::EnvironmentNotAllowed { .. } => "environment_not_allowed",
+            AuthFailure::EndpointNotAllowed { .. } => "endpoint_not_allowed",
             AuthFailure::TooManyFailures { .. } => "too_many_auth_failures",
         }
     }
@@ -192,6 +202,12 @@ impl AuthFailure {
             AuthFailure::EnvironmentNotAllowed { env, model, allowed } => format!(
                 "Keys of environment `{env}` may not use model `{model}`; its pool serves: {}.",
                 allowed.iter().map(|e| e.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+            AuthFailure::EndpointNotAllowed { family, path, allowed } => format!(
+                "This key may not call {path} (endpoint family `{}`); it may call the families: {}. Ask an operator for a key that allows `{}`.",
+                family.as_str(),
+                allowed.names().iter().map(|f| format!("`{f}`")).collect::<Vec<_>>().join(", "),
+                family.as_str()
             ),
             AuthFailure::TooManyFailures { retry_after } => format!(
                 "Too many failed authentication attempts from your address: no key from it is checked for the next {} s, not even a valid one. Fix the key, then retry after that.",
@@ -239,6 +255,11 @@ mod tests {
                 retry_after: Duration::from_secs(3),
             },
             AuthFailure::TwoKeys,
+            AuthFailure::EndpointNotAllowed {
+                family: Family::Embeddings,
+                path: "/v1/embeddings",
+                allowed: Families::parse(&["chat"]).unwrap(),
+            },
         ];
         let messages: std::collections::HashSet<String> =
             all.iter().map(|f| f.describe().2).collect();

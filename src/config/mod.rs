@@ -29,7 +29,7 @@ pub use interpolate::{InterpolateError, interpolate_env};
 pub use limits::{EnvLimits, LimitsConfig, RedisConfig, SharedLimits};
 pub use pools::{
     AffinityBy, AffinityConfig, DEFAULT_MAX_IN_FLIGHT, EjectionConfig, HealthConfig,
-    LoadAwareConfig, LongPromptConfig, PoolConfig, RetryConfig, Timeouts, WarmupConfig,
+    LoadAwareConfig, LongPromptConfig, PoolConfig, PoolKind, RetryConfig, Timeouts, WarmupConfig,
 };
 pub use queue::QueueConfig;
 pub use request_log::RequestLogConfig;

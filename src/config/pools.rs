@@ -22,6 +22,8 @@ pub struct PoolConfig {
     /// Other names clients may send for this model (listed by `/v1/models` too).
     pub aliases: Vec<String>,
     pub backends: Vec<BackendConfig>,
+    /// What kind of model the backends serve: decides the warm-up request.
+    pub kind: PoolKind,
     /// Sent upstream as `Authorization: Bearer ...` instead of the client's credentials.
     pub upstream_api_key: Option<Secret>,
     /// Extra CA certificate(s) (PEM) trusted for https backends, beside the webpki roots.
@@ -49,6 +51,29 @@ pub struct PoolConfig {
     /// Clients' error messages name backends by address (`server.expose_backend_addresses`,
     /// set on every pool by the server), else as `<model>#<number>`.
     pub expose_backend_addresses: bool,
+}
+
+/// What kind of model a pool's backends serve, as `vllm serve` made it: a generative model
+/// (`--runner generate`, the default), or a pooling one (`--runner pooling --convert embed`
+/// or `--convert classify`). vLLM registers its routes by kind (a pooling model has no chat
+/// route), so the warm-up sends each kind a request it accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PoolKind {
+    #[default]
+    Generate,
+    Embed,
+    Classify,
+}
+
+impl PoolKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoolKind::Generate => "generate",
+            PoolKind::Embed => "embed",
+            PoolKind::Classify => "classify",
+        }
+    }
 }
 
 /// What makes two requests "the same" for backend affinity (prefix-cache reuse).
@@ -196,6 +221,7 @@ impl PoolConfig {
             served_model_name: None,
             aliases: Vec::new(),
             backends: backends.into_iter().map(BackendConfig::new).collect(),
+            kind: PoolKind::Generate,
             upstream_api_key: None,
             ca_file: None,
             timeouts: Timeouts::default(),
@@ -296,6 +322,7 @@ fn pool(
         served_model_name: p.served_model_name,
         aliases: p.aliases,
         backends,
+        kind: p.kind,
         upstream_api_key: p.upstream_api_key.map(Secret::new),
         ca_file: p.ca_file.map(|c| err.path(c)),
         timeouts,

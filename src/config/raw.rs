@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use super::admin::JwtAlgorithm;
 use super::limits::SharedLimits;
-use super::pools::AffinityBy;
+use super::pools::{AffinityBy, PoolKind};
 use super::server::{
     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_HEAD_BYTES, DEFAULT_MAX_UPSTREAM_HEAD_BYTES,
     DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES, LogFormat,
@@ -503,6 +503,8 @@ pub(super) struct RawPool {
     #[serde(default)]
     pub(super) aliases: Vec<String>,
     pub(super) backends: Vec<RawBackend>,
+    #[serde(default)]
+    pub(super) kind: PoolKind,
     pub(super) upstream_api_key: Option<String>,
     pub(super) ca_file: Option<PathBuf>,
     #[serde(default)]

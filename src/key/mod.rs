@@ -17,6 +17,8 @@ use rand::Rng;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use crate::protocol::endpoint::{Families, Family};
+
 pub const PREFIX: &str = "fg-";
 pub const PUBLIC_ID_LEN: usize = 12;
 pub const SECRET_LEN: usize = 33;
@@ -209,6 +211,8 @@ pub struct KeyRecord {
     pub revoke_reason: Option<String>,
     /// `None`: every model.
     pub allowed_models: Option<Vec<String>>,
+    /// The endpoint families it may call; `None`: every family.
+    pub allowed_endpoints: Option<Families>,
     pub requests_per_minute: Option<i64>,
     pub tokens_per_minute: Option<i64>,
     pub max_concurrent_streams: Option<i64>,
@@ -231,6 +235,7 @@ pub struct KeyView<'a> {
     pub revoke_reason: Option<&'a str>,
     pub previous_secret_valid_until: Option<i64>,
     pub allowed_models: Option<&'a [String]>,
+    pub allowed_endpoints: Option<Vec<&'static str>>,
     pub requests_per_minute: Option<i64>,
     pub tokens_per_minute: Option<i64>,
     pub max_concurrent_streams: Option<i64>,
@@ -262,11 +267,17 @@ impl KeyRecord {
             revoke_reason: self.revoke_reason.as_deref(),
             previous_secret_valid_until: self.previous.map(|(_, until)| until),
             allowed_models: self.allowed_models.as_deref(),
+            allowed_endpoints: self.allowed_endpoints.map(Families::names),
             requests_per_minute: self.requests_per_minute,
             tokens_per_minute: self.tokens_per_minute,
             max_concurrent_streams: self.max_concurrent_streams,
             metadata: &self.metadata,
         }
+    }
+
+    /// May this key call the endpoints of `family`?
+    pub fn allows_family(&self, family: Family) -> bool {
+        self.allowed_endpoints.is_none_or(|f| f.contains(family))
     }
 
     /// May this key use the model clients know as `model`?

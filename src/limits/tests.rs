@@ -20,6 +20,7 @@ fn key(id: i64, env: Environment) -> KeyRecord {
         revoked_by: None,
         revoke_reason: None,
         allowed_models: None,
+        allowed_endpoints: None,
         requests_per_minute: None,
         tokens_per_minute: None,
         max_concurrent_streams: None,

@@ -12,6 +12,8 @@ use http::{HeaderValue, Uri};
 
 use crate::clock::mono_ms;
 use crate::config::{BackendConfig, EjectionConfig, PoolConfig};
+use crate::protocol::Endpoint;
+use crate::protocol::endpoint::TABLE;
 
 /// Reachability as last observed (probe or real traffic).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,15 +44,8 @@ pub struct Backend {
     /// Its metrics slot in the pool: stable across reloads (a request recorded after a reload
     /// still lands on its backend's series), never reused for another backend.
     pub slot: usize,
-    pub chat_uri: Uri,
-    pub completions_uri: Uri,
-    /// vLLM's tokenizer endpoints, at the server root.
-    pub tokenize_uri: Uri,
-    pub detokenize_uri: Uri,
-    /// The agents' protocols: OpenAI's Responses API and Anthropic's Messages API.
-    pub responses_uri: Uri,
-    pub messages_uri: Uri,
-    pub count_tokens_uri: Uri,
+    /// Its URI of each route of the endpoint table, made once (`uri`).
+    uris: Box<[Uri]>,
     pub health_uri: Uri,
     pub metrics_uri: Uri,
     /// The `Host` every request to it carries (its authority), made once.
@@ -110,7 +105,7 @@ pub struct Backend {
 
 /// `POST <path> HTTP/1.1`, `host: <authority>` and `authorization: <value>`, each with its
 /// line end, for the longest of `uris`.
-fn head_bytes(uris: [&Uri; 6], auth: Option<&HeaderValue>) -> usize {
+fn head_bytes(uris: &[Uri], auth: Option<&HeaderValue>) -> usize {
     let line = |name: usize, value: usize| name + 2 + value + 2;
     let path = uris
         .iter()
@@ -174,25 +169,14 @@ impl Backend {
             Some(k) => Some(bearer(k.expose(), model)?),
             None => pool_auth.cloned(),
         };
-        let chat_uri = join("/v1/chat/completions")?;
-        let completions_uri = join("/v1/completions")?;
-        let tokenize_uri = join("/tokenize")?;
-        let detokenize_uri = join("/detokenize")?;
-        let responses_uri = join("/v1/responses")?;
-        let messages_uri = join("/v1/messages")?;
-        let count_tokens_uri = join("/v1/messages/count_tokens")?;
-        let head_bytes = head_bytes(
-            [
-                &chat_uri,
-                &completions_uri,
-                &tokenize_uri,
-                &detokenize_uri,
-                &responses_uri,
-                &count_tokens_uri,
-            ],
-            upstream_auth.as_ref(),
-        );
-        let authority = chat_uri.authority().map_or("", |a| a.as_str());
+        // (The rows naming a stored response get their template path: never sent, their
+        // requests carry their own target.)
+        let uris = TABLE
+            .iter()
+            .map(|row| join(row.path))
+            .collect::<io::Result<Box<[Uri]>>>()?;
+        let head_bytes = head_bytes(&uris, upstream_auth.as_ref());
+        let authority = uris[0].authority().map_or("", |a| a.as_str());
         let host = HeaderValue::from_str(authority)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{e}")))?;
         let name: Arc<str> = Arc::from(format!("{model}#{slot}"));
@@ -207,13 +191,7 @@ impl Backend {
             shown,
             host,
             slot,
-            chat_uri,
-            completions_uri,
-            tokenize_uri,
-            detokenize_uri,
-            responses_uri,
-            messages_uri,
-            count_tokens_uri,
+            uris,
             health_uri: join(&pool.health.path)?,
             metrics_uri: join(
                 pool.load_aware
@@ -377,6 +355,11 @@ impl Backend {
             self.fingerprint
                 .store(seen.map(|v| Arc::new(Bytes::copy_from_slice(v))));
         }
+    }
+
+    /// Its URI of `endpoint`'s route, made when the backend was configured.
+    pub fn uri(&self, endpoint: Endpoint) -> &Uri {
+        &self.uris[endpoint.index()]
     }
 
     /// The URI of `path_and_query` on this backend (a path naming a stored response, or a

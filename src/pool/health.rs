@@ -11,6 +11,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::backend::{Backend, Reachability};
 use super::{Generation, Pool};
+use crate::config::PoolKind;
+use crate::protocol::Endpoint;
 
 impl Generation {
     /// Scrape every load-aware pool's backends' `/metrics` on the pool's interval until
@@ -256,22 +258,38 @@ pub fn vllm_load(text: &[u8]) -> (f64, f64) {
     (load, kv)
 }
 
-/// Send the pool's warm-up requests (a small non-streaming completion each) to `backend`;
+/// The warm-up request of a pool's kind of model: a one-token chat completion for a
+/// generative model, the prompt embedded or classified for a pooling one (which has no chat
+/// route).
+fn warm_up_request(kind: PoolKind, model: &str, prompt: &str) -> (Endpoint, Bytes) {
+    let body = match kind {
+        PoolKind::Generate => serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 1,
+            "stream": false,
+        }),
+        PoolKind::Embed | PoolKind::Classify => serde_json::json!({
+            "model": model,
+            "input": prompt,
+        }),
+    };
+    let endpoint = match kind {
+        PoolKind::Generate => Endpoint::Chat,
+        PoolKind::Embed => Endpoint::Embeddings,
+        PoolKind::Classify => Endpoint::Classify,
+    };
+    (endpoint, Bytes::from(body.to_string()))
+}
+
+/// Send the pool's warm-up requests (small non-streaming requests of its kind) to `backend`;
 /// all must succeed.
 async fn warm_up(pool: &Pool, backend: &Backend) -> Result<(), String> {
     let w = &pool.config.warmup;
-    let body = Bytes::from(
-        serde_json::json!({
-            "model": &*pool.served_name,
-            "messages": [{"role": "user", "content": &w.prompt}],
-            "max_tokens": 1,
-            "stream": false,
-        })
-        .to_string(),
-    );
+    let (endpoint, body) = warm_up_request(pool.config.kind, &pool.served_name, &w.prompt);
     let limit = pool.timeouts.first_token.min(Duration::from_secs(60));
     for i in 0..w.requests {
-        let mut req = Request::post(backend.chat_uri.clone())
+        let mut req = Request::post(backend.uri(endpoint).clone())
             .header(http::header::CONTENT_TYPE, "application/json");
         if let Some(auth) = &backend.upstream_auth {
             req = req.header(http::header::AUTHORIZATION, auth.clone());

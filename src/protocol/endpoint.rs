@@ -18,7 +18,7 @@ pub struct Row {
 /// Every forwarded route. vLLM serves its tokenizer at the server root, not under `/v1`
 /// (`vllm bench serve` aligns its prompts with `<base>/tokenize`). `{id}` stands for one path
 /// segment naming a stored response (`ID_CHARS`).
-pub static TABLE: [Row; 9] = [
+pub static TABLE: [Row; 19] = [
     Row {
         method: Method::POST,
         path: "/v1/chat/completions",
@@ -63,6 +63,56 @@ pub static TABLE: [Row; 9] = [
         method: Method::POST,
         path: "/v1/messages/count_tokens",
         endpoint: Endpoint::CountTokens,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v1/embeddings",
+        endpoint: Endpoint::Embeddings,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v2/embed",
+        endpoint: Endpoint::CohereEmbed,
+    },
+    Row {
+        method: Method::POST,
+        path: "/rerank",
+        endpoint: Endpoint::Rerank,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v1/rerank",
+        endpoint: Endpoint::RerankV1,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v2/rerank",
+        endpoint: Endpoint::RerankV2,
+    },
+    Row {
+        method: Method::POST,
+        path: "/score",
+        endpoint: Endpoint::Score,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v1/score",
+        endpoint: Endpoint::ScoreV1,
+    },
+    Row {
+        method: Method::POST,
+        path: "/classify",
+        endpoint: Endpoint::Classify,
+    },
+    Row {
+        method: Method::POST,
+        path: "/pooling",
+        endpoint: Endpoint::Pooling,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v1/chat/completions/batch",
+        endpoint: Endpoint::ChatBatch,
     },
 ];
 
@@ -138,15 +188,32 @@ pub enum Family {
     Messages,
     /// The tokenizer routes and Anthropic's `count_tokens`: no generation.
     Tokenize,
+    /// OpenAI's `/v1/embeddings` and Cohere's `/v2/embed`.
+    Embeddings,
+    /// `/rerank`, `/v1/rerank` (Jina's shape) and `/v2/rerank` (Cohere's).
+    Rerank,
+    /// `/score` and `/v1/score`.
+    Score,
+    Classify,
+    /// vLLM's raw `/pooling`.
+    Pooling,
+    /// Speech to text: `/v1/audio/transcriptions` and `/v1/audio/translations`.
+    Audio,
 }
 
 impl Family {
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 11] = [
         Family::Chat,
         Family::Completions,
         Family::Responses,
         Family::Messages,
         Family::Tokenize,
+        Family::Embeddings,
+        Family::Rerank,
+        Family::Score,
+        Family::Classify,
+        Family::Pooling,
+        Family::Audio,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -156,12 +223,81 @@ impl Family {
             Family::Responses => "responses",
             Family::Messages => "messages",
             Family::Tokenize => "tokenize",
+            Family::Embeddings => "embeddings",
+            Family::Rerank => "rerank",
+            Family::Score => "score",
+            Family::Classify => "classify",
+            Family::Pooling => "pooling",
+            Family::Audio => "audio",
         }
+    }
+
+    /// The family named `name` (its label), if any.
+    pub fn parse(name: &str) -> Option<Family> {
+        Family::ALL.into_iter().find(|f| f.as_str() == name)
+    }
+
+    /// Its endpoints run a pooling model (an embedding, reranking, scoring or classifying
+    /// one): they take a slot, generate nothing, and spend only their input's tokens.
+    pub const fn pools(self) -> bool {
+        matches!(
+            self,
+            Family::Embeddings
+                | Family::Rerank
+                | Family::Score
+                | Family::Classify
+                | Family::Pooling
+        )
     }
 
     /// Its position in `ALL`.
     pub const fn index(self) -> usize {
         self as usize
+    }
+}
+
+/// A set of endpoint families: what a key may call (`None` on the key: every family).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Families(u16);
+
+impl Families {
+    pub const fn contains(self, f: Family) -> bool {
+        self.0 & (1 << f.index()) != 0
+    }
+
+    pub fn insert(&mut self, f: Family) {
+        self.0 |= 1 << f.index();
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The families named (their labels), or what is wrong with a name.
+    pub fn parse<S: AsRef<str>>(names: &[S]) -> Result<Families, String> {
+        let mut set = Families::default();
+        for name in names {
+            let name = name.as_ref().trim();
+            match Family::parse(name) {
+                Some(f) => set.insert(f),
+                None => {
+                    return Err(format!(
+                        "unknown endpoint family `{name}`: the families are {}",
+                        Family::ALL.map(Family::as_str).join(", ")
+                    ));
+                }
+            }
+        }
+        Ok(set)
+    }
+
+    /// Their labels, in `Family::ALL`'s order.
+    pub fn names(self) -> Vec<&'static str> {
+        Family::ALL
+            .into_iter()
+            .filter(|f| self.contains(*f))
+            .map(Family::as_str)
+            .collect()
     }
 }
 
@@ -185,6 +321,25 @@ pub enum Endpoint {
     Messages,
     /// `POST /v1/messages/count_tokens`.
     CountTokens,
+    /// OpenAI's `POST /v1/embeddings`.
+    Embeddings,
+    /// Cohere's `POST /v2/embed`.
+    CohereEmbed,
+    /// `POST /rerank`, `/v1/rerank` (Jina's API) and `/v2/rerank` (Cohere's): one route each,
+    /// each forwarded to its own path.
+    Rerank,
+    RerankV1,
+    RerankV2,
+    /// `POST /score` and `/v1/score`: pairs of texts scored.
+    Score,
+    ScoreV1,
+    /// `POST /classify`.
+    Classify,
+    /// `POST /pooling`: the pooler's raw output.
+    Pooling,
+    /// `POST /v1/chat/completions/batch`: several conversations in one request, one choice
+    /// each (no stream).
+    ChatBatch,
 }
 
 impl Endpoint {
@@ -201,7 +356,22 @@ impl Endpoint {
             Endpoint::ResponseCancel => "/v1/responses/{id}/cancel",
             Endpoint::Messages => "/v1/messages",
             Endpoint::CountTokens => "/v1/messages/count_tokens",
+            Endpoint::Embeddings => "/v1/embeddings",
+            Endpoint::CohereEmbed => "/v2/embed",
+            Endpoint::Rerank => "/rerank",
+            Endpoint::RerankV1 => "/v1/rerank",
+            Endpoint::RerankV2 => "/v2/rerank",
+            Endpoint::Score => "/score",
+            Endpoint::ScoreV1 => "/v1/score",
+            Endpoint::Classify => "/classify",
+            Endpoint::Pooling => "/pooling",
+            Endpoint::ChatBatch => "/v1/chat/completions/batch",
         }
+    }
+
+    /// Its row's position in `TABLE` (the rows follow the variants' order).
+    pub const fn index(self) -> usize {
+        self as usize
     }
 
     /// The request log's name of the endpoint.
@@ -216,27 +386,52 @@ impl Endpoint {
             Endpoint::ResponseCancel => "responses_cancel",
             Endpoint::Messages => "messages",
             Endpoint::CountTokens => "messages_count_tokens",
+            Endpoint::Embeddings => "embeddings",
+            Endpoint::CohereEmbed => "embed_v2",
+            Endpoint::Rerank => "rerank",
+            Endpoint::RerankV1 => "rerank_v1",
+            Endpoint::RerankV2 => "rerank_v2",
+            Endpoint::Score => "score",
+            Endpoint::ScoreV1 => "score_v1",
+            Endpoint::Classify => "classify",
+            Endpoint::Pooling => "pooling",
+            Endpoint::ChatBatch => "chat_batch",
         }
     }
 
     /// The endpoint's family: the metrics' `endpoint` label (never the path).
     pub const fn family(self) -> Family {
         match self {
-            Endpoint::Chat => Family::Chat,
+            Endpoint::Chat | Endpoint::ChatBatch => Family::Chat,
             Endpoint::Completions => Family::Completions,
             Endpoint::Tokenize | Endpoint::Detokenize | Endpoint::CountTokens => Family::Tokenize,
             Endpoint::Responses | Endpoint::ResponseGet | Endpoint::ResponseCancel => {
                 Family::Responses
             }
             Endpoint::Messages => Family::Messages,
+            Endpoint::Embeddings | Endpoint::CohereEmbed => Family::Embeddings,
+            Endpoint::Rerank | Endpoint::RerankV1 | Endpoint::RerankV2 => Family::Rerank,
+            Endpoint::Score | Endpoint::ScoreV1 => Family::Score,
+            Endpoint::Classify => Family::Classify,
+            Endpoint::Pooling => Family::Pooling,
         }
     }
 
     /// The wire protocol of its answers and of the gateway's errors on it.
     pub const fn dialect(self) -> Dialect {
         match self {
-            Endpoint::Chat | Endpoint::Completions => Dialect::Chat,
-            Endpoint::Tokenize | Endpoint::Detokenize => Dialect::Json,
+            Endpoint::Chat | Endpoint::Completions | Endpoint::ChatBatch => Dialect::Chat,
+            Endpoint::Tokenize
+            | Endpoint::Detokenize
+            | Endpoint::Embeddings
+            | Endpoint::CohereEmbed
+            | Endpoint::Rerank
+            | Endpoint::RerankV1
+            | Endpoint::RerankV2
+            | Endpoint::Score
+            | Endpoint::ScoreV1
+            | Endpoint::Classify
+            | Endpoint::Pooling => Dialect::Json,
             Endpoint::Responses | Endpoint::ResponseGet | Endpoint::ResponseCancel => {
                 Dialect::Responses
             }
@@ -245,8 +440,10 @@ impl Endpoint {
     }
 
     /// What it asks of the request path. The generating endpoints take a slot and spend
-    /// tokens; the tokenizer endpoints and the routes by response id do neither (they count
-    /// against the key's requests per minute only, and never wait for a slot).
+    /// tokens; the pooling endpoints (embeddings, rerank, score, classify, pooling) too, but
+    /// reserve only their input (they generate nothing); the tokenizer endpoints and the
+    /// routes by response id do neither (they count against the key's requests per minute
+    /// only, and never wait for a slot).
     pub const fn needs(self) -> Needs {
         const GENERATES: Needs = Needs {
             generates: true,
@@ -274,6 +471,20 @@ impl Endpoint {
             Endpoint::Messages => GENERATES,
             Endpoint::Responses => Needs {
                 pinned: true,
+                ..GENERATES
+            },
+            // A batch answers whole, and always with usage.
+            Endpoint::ChatBatch => GENERATES,
+            Endpoint::Embeddings
+            | Endpoint::CohereEmbed
+            | Endpoint::Rerank
+            | Endpoint::RerankV1
+            | Endpoint::RerankV2
+            | Endpoint::Score
+            | Endpoint::ScoreV1
+            | Endpoint::Classify
+            | Endpoint::Pooling => Needs {
+                generates: false,
                 ..GENERATES
             },
             Endpoint::Tokenize | Endpoint::Detokenize | Endpoint::CountTokens => TOKENIZES,
@@ -305,6 +516,28 @@ mod tests {
         labels.sort_unstable();
         labels.dedup();
         assert_eq!(labels.len(), Family::ALL.len());
+    }
+
+    /// The rows follow the variants' order (`Endpoint::index`, the backends' URIs).
+    #[test]
+    fn rows_are_indexed_by_endpoint() {
+        for (i, row) in TABLE.iter().enumerate() {
+            assert_eq!(row.endpoint.index(), i, "{}", row.path);
+        }
+    }
+
+    #[test]
+    fn family_sets_parse_and_name() {
+        let set = Families::parse(&["chat", " embeddings"]).unwrap();
+        assert!(set.contains(Family::Chat) && set.contains(Family::Embeddings));
+        assert!(!set.contains(Family::Messages));
+        assert_eq!(set.names(), ["chat", "embeddings"]);
+        let e = Families::parse(&["chat", "embedding"]).unwrap_err();
+        assert!(
+            e.contains("`embedding`") && e.contains("embeddings, rerank"),
+            "{e}"
+        );
+        assert!(Families::parse::<&str>(&[]).unwrap().is_empty());
     }
 
     /// Each endpoint has one row, under its own path; nothing else is found.

@@ -41,11 +41,18 @@ impl UsagePart {
     }
 }
 
-/// The last `"usage": {...}` object in `body` (an escaped `\"usage\"` inside a string never
-/// matches: its quote is preceded by a backslash and followed by one).
+/// The last `"usage": {...}` object in `body`, else Cohere's `"billed_units"` (its
+/// `/v2/embed` answer's `meta`, with `input_tokens`). An escaped `\"usage\"` inside a string
+/// never matches: its quote is preceded by a backslash and followed by one.
 pub fn usage_in(body: &[u8]) -> Option<UsagePart> {
-    let at = memchr::memmem::rfind(body, b"\"usage\"")?;
-    let rest = body[at + 7..].trim_ascii_start().strip_prefix(b":")?;
+    object_after(body, b"\"usage\"").or_else(|| object_after(body, b"\"billed_units\""))
+}
+
+fn object_after(body: &[u8], name: &[u8]) -> Option<UsagePart> {
+    let at = memchr::memmem::rfind(body, name)?;
+    let rest = body[at + name.len()..]
+        .trim_ascii_start()
+        .strip_prefix(b":")?;
     serde_json::Deserializer::from_slice(rest)
         .into_iter::<UsagePart>()
         .next()?
@@ -95,6 +102,15 @@ mod tests {
             })
         );
         assert_eq!(usage_in(br#"{"usage":null}"#), None);
+        // Cohere's /v2/embed bills its input in `meta`.
+        let cohere = br#"{"id":"embd-1","embeddings":{"float":[[0.1]]},"texts":null,"meta":{"api_version":{"version":"2"},"billed_units":{"input_tokens":6,"image_tokens":null}},"response_type":"embeddings_by_type"}"#;
+        assert_eq!(
+            usage_in(cohere).map(UsagePart::whole),
+            Some(Usage {
+                prompt_tokens: 6,
+                completion_tokens: 0
+            })
+        );
         assert_eq!(usage_in(br#"{"text":"a \"usage\": {} b"}"#), None);
     }
 }

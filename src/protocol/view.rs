@@ -14,6 +14,7 @@ use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
 use super::Endpoint;
+use super::endpoint::Family;
 
 /// Why a body was refused; every message names the field and says what to send instead.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -129,28 +130,13 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
             });
         }
     }
-    let raw: RawBody<'_> = match serde_json::from_slice(body) {
-        Ok(raw) => raw,
-        Err(e) if e.is_data() => return Err(data_error(body, e)),
-        Err(e) => return Err(ViewError::InvalidJson(e.to_string())),
-    };
-
-    let model_raw = raw.model.ok_or_else(|| {
-        invalid(
-            "model",
-            "`model` is required: name one of the models listed by GET /v1/models.",
-        )
-    })?;
-    let model: Cow<'_, str> = serde_json::from_str(model_raw.get()).map_err(|_| {
-        invalid(
-            "model",
-            format!("`model` must be a string, got `{}`.", model_raw.get()),
-        )
-    })?;
-    if model.is_empty() {
-        return Err(invalid("model", "`model` must not be empty."));
+    match endpoint {
+        Endpoint::ChatBatch => return parse_batch(body),
+        e if e.family().pools() => return parse_pooling(body, e),
+        _ => {}
     }
-    let model_span = span_of(body, model_raw.get().as_bytes()).ok_or(ViewError::Unlocatable)?;
+    let raw: RawBody<'_> = from_body(body)?;
+    let (model, model_span) = model_of(raw.model, body)?;
 
     let generation = if endpoint.needs().generates {
         generation_fields(&raw, body, endpoint)?
@@ -252,8 +238,19 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
             };
             chars + raw.system.map_or(0, |c| c.0)
         }
-        // No body is read for these.
-        Endpoint::ResponseGet | Endpoint::ResponseCancel => 0,
+        // No body is read for these; the others have their own parsers.
+        Endpoint::ResponseGet
+        | Endpoint::ResponseCancel
+        | Endpoint::ChatBatch
+        | Endpoint::Embeddings
+        | Endpoint::CohereEmbed
+        | Endpoint::Rerank
+        | Endpoint::RerankV1
+        | Endpoint::RerankV2
+        | Endpoint::Score
+        | Endpoint::ScoreV1
+        | Endpoint::Classify
+        | Endpoint::Pooling => 0,
     };
     let Generation {
         stream,
@@ -275,6 +272,205 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
         previous_response_id,
         background,
     })
+}
+
+/// The body as `T`, or the error that says what is wrong with it.
+fn from_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ViewError> {
+    match serde_json::from_slice(body) {
+        Ok(raw) => Ok(raw),
+        Err(e) if e.is_data() => Err(data_error::<T>(body, e)),
+        Err(e) => Err(ViewError::InvalidJson(e.to_string())),
+    }
+}
+
+/// The `model` named (required, a non-empty string), and where its value is in the body.
+fn model_of<'a>(
+    raw: Option<&'a RawValue>,
+    body: &[u8],
+) -> Result<(Cow<'a, str>, Range<usize>), ViewError> {
+    let model_raw = raw.ok_or_else(|| {
+        invalid(
+            "model",
+            "`model` is required: name one of the models listed by GET /v1/models.",
+        )
+    })?;
+    let model: Cow<'_, str> = serde_json::from_str(model_raw.get()).map_err(|_| {
+        invalid(
+            "model",
+            format!("`model` must be a string, got `{}`.", model_raw.get()),
+        )
+    })?;
+    if model.is_empty() {
+        return Err(invalid("model", "`model` must not be empty."));
+    }
+    let model_span = span_of(body, model_raw.get().as_bytes()).ok_or(ViewError::Unlocatable)?;
+    Ok((model, model_span))
+}
+
+/// A pooling body (embeddings, rerank, score, classify, pooling): what routes and sizes it.
+/// Every other field is the backend's to read.
+#[derive(Deserialize)]
+struct PoolingBody<'a> {
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    user: Option<&'a RawValue>,
+    /// Text, texts or token ids (`/v1/embeddings`, `/classify`, `/pooling`).
+    input: Option<Input>,
+    /// Chat messages, embedded or classified through the chat template.
+    messages: Option<Input>,
+    /// `/pooling`'s IO-processor input.
+    data: Option<Text>,
+    /// Cohere's `/v2/embed`: texts, or inputs of content parts (its `images` are data URLs,
+    /// not text: they are not counted).
+    texts: Option<Text>,
+    inputs: Option<Text>,
+    #[serde(borrow)]
+    images: Option<&'a RawValue>,
+    query: Option<Text>,
+    documents: Option<Text>,
+    queries: Option<Text>,
+    items: Option<Text>,
+    text_1: Option<Text>,
+    text_2: Option<Text>,
+    data_1: Option<Text>,
+    data_2: Option<Text>,
+}
+
+fn parse_pooling(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewError> {
+    let raw: PoolingBody<'_> = from_body(body)?;
+    let (model, model_span) = model_of(raw.model, body)?;
+    let size = |t: Option<Text>| t.map(|t| t.0);
+    let inputs = size(raw.input.map(|i| Text(i.0))).or(size(raw.messages.map(|m| Text(m.0))));
+    let path = endpoint.path();
+    let prompt_chars = match endpoint.family() {
+        Family::Embeddings if endpoint == Endpoint::CohereEmbed => {
+            match (size(raw.texts), size(raw.inputs), raw.images) {
+                (None, None, None) => {
+                    return Err(invalid(
+                        "texts",
+                        "`texts` (a list of strings), `inputs` (a list of {\"content\": [...]}) or `images` is required on /v2/embed.",
+                    ));
+                }
+                (texts, inputs, _) => texts.unwrap_or(0) + inputs.unwrap_or(0),
+            }
+        }
+        Family::Embeddings | Family::Classify => inputs.ok_or_else(|| {
+            invalid(
+                "input",
+                format!("`input` is required on {path}: a string, a list of strings, or token ids (chat `messages` are accepted instead)."),
+            )
+        })?,
+        Family::Pooling => inputs.or(size(raw.data)).ok_or_else(|| {
+            invalid(
+                "input",
+                "`input` is required on /pooling: a string, a list of strings, or token ids (or chat `messages`, or `data` for an IO-processor plugin).",
+            )
+        })?,
+        Family::Rerank => {
+            let Some(query) = size(raw.query) else {
+                return Err(invalid(
+                    "query",
+                    format!("`query` (the text the documents are ranked against) is required on {path}."),
+                ));
+            };
+            let Some(documents) = size(raw.documents) else {
+                return Err(invalid(
+                    "documents",
+                    format!("`documents` (a list of texts to rank) is required on {path}."),
+                ));
+            };
+            query + documents
+        }
+        _ => {
+            let pairs = [
+                (size(raw.queries), size(raw.documents)),
+                (size(raw.queries), size(raw.items)),
+                (size(raw.text_1), size(raw.text_2)),
+                (size(raw.data_1), size(raw.data_2)),
+            ];
+            let Some((a, b)) = pairs.into_iter().find_map(|(a, b)| a.zip(b)) else {
+                return Err(invalid(
+                    "queries",
+                    format!("`queries` and `documents` are required on {path} (or `queries` and `items`, `text_1` and `text_2`, `data_1` and `data_2`): the texts scored against each other."),
+                ));
+            };
+            a + b
+        }
+    };
+    Ok(RequestView {
+        model,
+        model_span,
+        prompt_chars,
+        user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
+        ..RequestView::whole(Generation::NONE)
+    })
+}
+
+/// `/v1/chat/completions/batch`: `messages` is a list of conversations, each answered.
+#[derive(Deserialize)]
+struct BatchBody<'a> {
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_completion_tokens: Option<&'a RawValue>,
+    messages: Option<Conversations>,
+    #[serde(borrow)]
+    user: Option<&'a RawValue>,
+}
+
+fn parse_batch(body: &[u8]) -> Result<RequestView<'_>, ViewError> {
+    let raw: BatchBody<'_> = from_body(body)?;
+    let (model, model_span) = model_of(raw.model, body)?;
+    let Some(Conversations { count, chars }) = raw.messages.filter(|c| c.count > 0) else {
+        return Err(invalid(
+            "messages",
+            "`messages` is required on /v1/chat/completions/batch: a list of conversations, each a list of {\"role\", \"content\"} messages.",
+        ));
+    };
+    if !matches!(raw.stream.map(RawValue::get), None | Some("null" | "false")) {
+        return Err(invalid(
+            "stream",
+            "`stream` is not supported on /v1/chat/completions/batch: each conversation's answer comes whole; stream one conversation at a time on /v1/chat/completions.",
+        ));
+    }
+    let max_tokens = opt_u64(raw.max_tokens, "max_tokens")?;
+    let max_completion_tokens = opt_u64(raw.max_completion_tokens, "max_completion_tokens")?;
+    Ok(RequestView {
+        model,
+        model_span,
+        prompt_chars: chars,
+        user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
+        ..RequestView::whole(Generation {
+            max_tokens: max_completion_tokens.or(max_tokens),
+            // One answer per conversation, like `n` choices of one prompt.
+            n: u32::try_from(count).unwrap_or(u32::MAX),
+            ..Generation::NONE
+        })
+    })
+}
+
+impl RequestView<'_> {
+    /// A view with no model yet, of a body answered whole.
+    fn whole(g: Generation) -> Self {
+        RequestView {
+            model: Cow::Borrowed(""),
+            model_span: 0..0,
+            stream: g.stream,
+            max_tokens: g.max_tokens,
+            n: g.n,
+            include_usage: g.include_usage,
+            stream_options_span: g.stream_options_span,
+            prompt_chars: 0,
+            user: None,
+            previous_response_id: None,
+            background: false,
+        }
+    }
 }
 
 /// The fields that steer generation (stream, token limits, n, stream_options).
@@ -445,9 +641,9 @@ fn invalid_body_shape() -> ViewError {
 }
 
 /// A type mismatch deep in the body: find which field (cold path, parses again with paths).
-fn data_error(body: &[u8], e: serde_json::Error) -> ViewError {
+fn data_error<'a, T: Deserialize<'a>>(body: &'a [u8], e: serde_json::Error) -> ViewError {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let path = match serde_path_to_error::deserialize::<_, RawBody<'_>>(&mut de) {
+    let path = match serde_path_to_error::deserialize::<_, T>(&mut de) {
         Err(pe) => pe.path().to_string(),
         Ok(_) => String::new(),
     };
@@ -488,7 +684,8 @@ fn span_of(body: &[u8], part: &[u8]) -> Option<Range<usize>> {
 struct Messages(usize);
 /// Length of a completions prompt (string, strings, or token ids ≈ 4 characters each).
 struct Prompt(usize);
-/// Length of a Responses `input`: a string, or the content text of its input items.
+/// Length of a Responses or pooling `input`: a string, or the content text of its items
+/// (input items or messages, strings, token ids ≈ 4 characters each, lists of them).
 struct Input(usize);
 
 impl<'de> Deserialize<'de> for Input {
@@ -504,13 +701,126 @@ impl<'de> Deserialize<'de> for Input {
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Input, A::Error> {
                 let mut total = 0;
-                while let Some(Message(n)) = seq.next_element()? {
+                while let Some(Item(n)) = seq.next_element()? {
                     total += n;
                 }
                 Ok(Input(total))
             }
         }
         d.deserialize_any(V)
+    }
+}
+
+/// One element of an `input` list: an item or message (its content counted), a string, a
+/// token id, or a list of token ids.
+struct Item(usize);
+
+impl<'de> Deserialize<'de> for Item {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Item;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an input item, a string, or token ids")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Item, A::Error> {
+                let Message(n) = Message::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(Item(n))
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Item, E> {
+                Ok(Item(s.chars().count()))
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Item, E> {
+                Ok(Item(4))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Item, A::Error> {
+                let Prompt(n) = Prompt::deserialize(de::value::SeqAccessDeserializer::new(seq))?;
+                Ok(Item(n))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Length of pooling text of any shape: strings, token ids (≈ 4 characters each), lists of
+/// them, and objects' `text` and `content` (multimodal parts: their other fields, such as
+/// image URLs, are not text).
+#[derive(Clone, Copy)]
+struct Text(usize);
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Text;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, a list of strings, token ids, or content parts")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Text, E> {
+                Ok(Text(s.chars().count()))
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Text, E> {
+                Ok(Text(4))
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Text, E> {
+                Ok(Text(4))
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Text, E> {
+                Ok(Text(4))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Text, E> {
+                Ok(Text(0))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Text, E> {
+                Ok(Text(0))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Text, A::Error> {
+                let mut total = 0;
+                while let Some(Text(n)) = seq.next_element()? {
+                    total += n;
+                }
+                Ok(Text(total))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Text, A::Error> {
+                let mut total = 0;
+                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                    if key == "text" || key == "content" {
+                        total += map.next_value::<Text>()?.0;
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(Text(total))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A batch's conversations: how many, and the content text of all their messages.
+struct Conversations {
+    count: usize,
+    chars: usize,
+}
+
+impl<'de> Deserialize<'de> for Conversations {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Conversations;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list of conversations, each an array of messages")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Conversations, A::Error> {
+                let (mut count, mut chars) = (0, 0);
+                while let Some(Messages(n)) = seq.next_element()? {
+                    count += 1;
+                    chars += n;
+                }
+                Ok(Conversations { count, chars })
+            }
+        }
+        d.deserialize_seq(V)
     }
 }
 
@@ -684,6 +994,78 @@ mod tests {
         assert_eq!(v.prompt_chars, 3);
         let v = parse(br#"{"model":"m","prompt":[1,2,3]}"#, Endpoint::Completions).unwrap();
         assert_eq!(v.prompt_chars, 12);
+    }
+
+    /// The pooling bodies are sized by their texts in every shape vLLM takes (token ids ≈ 4
+    /// characters each; image URLs are not text), and need no generation fields.
+    #[test]
+    fn pooling_bodies() {
+        let size = |body: &str, ep: Endpoint| parse(body.as_bytes(), ep).unwrap().prompt_chars;
+        assert_eq!(
+            size(r#"{"model":"m","input":"abcd"}"#, Endpoint::Embeddings),
+            4
+        );
+        assert_eq!(
+            size(r#"{"model":"m","input":["ab","c"]}"#, Endpoint::Embeddings),
+            3
+        );
+        assert_eq!(
+            size(r#"{"model":"m","input":[1,2,3]}"#, Endpoint::Embeddings),
+            12
+        );
+        assert_eq!(
+            size(r#"{"model":"m","input":[[1,2],[3]]}"#, Endpoint::Classify),
+            12
+        );
+        assert_eq!(
+            size(
+                r#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#,
+                Endpoint::Pooling
+            ),
+            5
+        );
+        assert_eq!(
+            size(
+                r#"{"model":"m","inputs":[{"content":[{"type":"text","text":"abc"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]}"#,
+                Endpoint::CohereEmbed
+            ),
+            3
+        );
+        assert_eq!(
+            size(
+                r#"{"model":"m","query":"ab","documents":["cd",{"content":[{"type":"text","text":"e"}]}],"top_n":1}"#,
+                Endpoint::RerankV2
+            ),
+            5
+        );
+        assert_eq!(
+            size(
+                r#"{"model":"m","text_1":"ab","text_2":["c","d"]}"#,
+                Endpoint::ScoreV1
+            ),
+            4
+        );
+        let v = parse(
+            br#"{"model":"m","input":"x","max_tokens":9,"stream":true}"#,
+            Endpoint::Embeddings,
+        )
+        .unwrap();
+        assert!(
+            !v.stream && v.max_tokens.is_none(),
+            "no generation fields read"
+        );
+        // A batch: one answer per conversation.
+        let v = parse(
+            br#"{"model":"m","max_tokens":7,"messages":[[{"role":"user","content":"ab"}],[{"role":"user","content":"c"}]]}"#,
+            Endpoint::ChatBatch,
+        )
+        .unwrap();
+        assert_eq!((v.n, v.max_tokens, v.prompt_chars), (2, Some(7), 3));
+        let (p, _) = err(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#,
+            Endpoint::ChatBatch,
+        );
+        assert_eq!(p.as_deref(), Some("messages[0]"));
     }
 
     #[test]

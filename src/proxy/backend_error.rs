@@ -13,6 +13,7 @@ use super::{APPLICATION_JSON, Exchange, X_REQUEST_ID};
 use crate::pool::driven::UpstreamBody;
 use crate::pool::{Backend, Pool};
 use crate::protocol::Endpoint;
+use crate::protocol::endpoint::{BodyKind, Family};
 use crate::protocol::error::{ErrorKind, error_body};
 
 /// Largest error body read from a backend to rewrap it.
@@ -131,6 +132,8 @@ fn openai_error_body(
         #[serde(rename = "type")]
         kind: Option<String>,
         code: Option<serde_json::Value>,
+        /// FastAPI's own 404 (`{"detail": "Not Found"}`): no such route on this server.
+        detail: Option<serde_json::Value>,
     }
     let parsed: Option<Probe> = serde_json::from_slice(body).ok();
     // A backend's 401/403 is about the gateway's own credentials, never the client's key: it
@@ -147,6 +150,10 @@ fn openai_error_body(
         Some(_) if !gateway_credentials => return (Bytes::copy_from_slice(body), false),
         m => m.map(str::to_owned),
     };
+    let no_route = status == StatusCode::NOT_FOUND
+        && parsed
+            .as_ref()
+            .is_some_and(|p| p.detail.as_ref().and_then(|d| d.as_str()) == Some("Not Found"));
     let reason = status.canonical_reason().unwrap_or("error");
     let code = status.as_u16().to_string();
     let inner = match (openai_message, parsed) {
@@ -190,16 +197,21 @@ fn openai_error_body(
             }
         }
     };
-    let tokenizer = endpoint.filter(|e| !e.needs().generates);
-    let hint = match (status.as_u16(), tokenizer) {
-        (404, Some(e)) => format!(
-            " The backend does not offer tokenization: it has no POST {} (vLLM serves /tokenize and /detokenize at its root; other OpenAI-compatible servers may not). Tokenize for model `{model}` with its own tokenizer instead, or ask the operator for a vLLM backend.",
-            e.path()
-        ),
+    let tokenizer = endpoint.filter(|e| e.family() == Family::Tokenize);
+    // A route vLLM registers by the kind of model it serves: the pooling routes on a
+    // generative model, or the generating ones on a pooling model.
+    let wrong_kind =
+        endpoint.filter(|e| no_route && tokenizer.is_none() && e.needs().body != BodyKind::None);
+    let hint = match (status.as_u16(), tokenizer, wrong_kind) {
         _ if gateway_credentials => format!(
             " The backend refused the gateway's own credentials: check pools[].upstream_api_key for model `{model}` (this is not about your key)."
         ),
-        (404, None) => format!(
+        (404, None, Some(e)) => not_served_hint(e, model),
+        (404, Some(e), _) => format!(
+            " The backend does not offer tokenization: it has no POST {} (vLLM serves /tokenize and /detokenize at its root; other OpenAI-compatible servers may not). Tokenize for model `{model}` with its own tokenizer instead, or ask the operator for a vLLM backend.",
+            e.path()
+        ),
+        (404, None, None) => format!(
             " The backend does not serve this path or model: check the backend's served model name (pools[].served_model_name for `{model}`)."
         ),
         _ => String::new(),
@@ -216,9 +228,25 @@ fn openai_error_body(
     let code = match (status.as_u16(), tokenizer) {
         _ if gateway_credentials => "backend_auth_failed",
         (404, Some(_)) => "tokenization_unavailable",
+        (404, None) if wrong_kind.is_some() => "endpoint_not_supported",
         _ => &code,
     };
     (error_body(&message, kind, None, Some(code)), true)
+}
+
+/// What a client is told when model `model`'s backend has no route for `e`: vLLM serves the
+/// pooling routes only for a pooling model, and the generating ones only for a generative one.
+fn not_served_hint(e: Endpoint, model: &str) -> String {
+    let path = e.path();
+    if e.family().pools() {
+        format!(
+            " Model `{model}` does not serve POST {path}: its backends run a generative model, and vLLM serves {path} only for a pooling model (`vllm serve --runner pooling`, an embedding, reranking or classification model). Send this request to such a model (GET /v1/models lists the gateway's models)."
+        )
+    } else {
+        format!(
+            " Model `{model}` does not serve POST {path}: its backends run a pooling model (`vllm serve --runner pooling`: embeddings, rerank, score, classify and pooling only), or a server without this API. Send generation requests to a generative model (GET /v1/models lists the gateway's models)."
+        )
+    }
 }
 
 #[cfg(test)]

@@ -221,6 +221,18 @@ async fn phases(
     req: Request<Incoming>,
     ex: &mut Exchange,
 ) -> Result<Forwarded, ApiError> {
+    // The key's endpoint families, before anything is read: refused in the route's dialect.
+    if let Some(key) = ex.record.key.as_deref()
+        && !key.allows_family(endpoint.family())
+    {
+        let failure = crate::auth::AuthFailure::EndpointNotAllowed {
+            family: endpoint.family(),
+            path: endpoint.path(),
+            allowed: key.allowed_endpoints.unwrap_or_default(),
+        };
+        state.auth.count(&failure);
+        return Err(ApiError::Auth(failure));
+    }
     let (parts, body) = req.into_parts();
     // Anthropic's routes pass their query string through (`?beta=true`).
     let target: Option<Box<str>> = match (endpoint.dialect(), parts.uri.path_and_query()) {
@@ -629,7 +641,7 @@ fn route_phase<'p>(
 }
 
 /// Phase 4: the key's limits (requests without a key have none). Tokenization counts as a
-/// request, not as inference.
+/// request, not as inference; a pooling request spends its input's tokens.
 async fn admit(
     state: &ProxyState,
     endpoint: Endpoint,
@@ -639,10 +651,16 @@ async fn admit(
     let Some(key) = &record.key else {
         return Ok(None);
     };
-    let admitted = if endpoint.needs().spends_tokens {
-        let demand = state
-            .limits
-            .demand(view.prompt_chars, view.max_tokens, view.n);
+    let needs = endpoint.needs();
+    let admitted = if needs.spends_tokens {
+        // A pooling request generates nothing: it reserves its input only, never
+        // `default_max_tokens`.
+        let max_tokens = if needs.generates {
+            view.max_tokens
+        } else {
+            Some(0)
+        };
+        let demand = state.limits.demand(view.prompt_chars, max_tokens, view.n);
         state.limits.admit(key, demand).await
     } else {
         state.limits.admit_request(key).await

@@ -114,8 +114,10 @@ pin_project! {
         last_read: Instant,
         timeouts: Timeouts,
         ready: Ready,
-        // Non-streaming bodies: the last two frames, where the `usage` object is.
+        // Non-streaming bodies: the last two frames, where the `usage` object usually is, and
+        // the first, where it is when the answer names it before its results (rerank).
         tail: [Option<Bytes>; 2],
+        first_frame: Option<Bytes>,
         strip_usage: bool,
         itl: Option<prometheus::Histogram>,
         timing_trailer: bool,
@@ -201,6 +203,7 @@ impl RelayBody {
             timeouts,
             ready,
             tail: [None, None],
+            first_frame: None,
             strip_usage,
             itl,
             timing_trailer,
@@ -547,6 +550,9 @@ impl RelayBody {
         }
         if !*this.sse {
             learn_whole(this.pin, &data);
+            if this.first_frame.is_none() {
+                *this.first_frame = Some(data.clone());
+            }
             this.tail[0] = this.tail[1].replace(data.clone());
         }
         let full = !this.ready.push(data);
@@ -590,7 +596,10 @@ impl RelayBody {
             this.ex
                 .record
                 .timeline
-                .set_usage(crate::telemetry::timeline::usage_in_tail(this.tail));
+                .set_usage(crate::telemetry::timeline::usage_in_answer(
+                    this.first_frame.as_deref(),
+                    this.tail,
+                ));
         }
         if this.ready.is_empty() {
             let trailer = timing_trailer(*this.timing_trailer, &this.ex.record);

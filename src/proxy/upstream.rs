@@ -15,6 +15,7 @@ use super::{Exchange, X_REQUEST_ID};
 use crate::pool::driven::{SendError, UpstreamBody};
 use crate::pool::{Backend, InFlight, Pool, Reachability};
 use crate::protocol::Endpoint;
+use crate::protocol::endpoint::BodyKind;
 use crate::protocol::view::{self, RequestView};
 use crate::route::Route;
 
@@ -252,17 +253,9 @@ fn upstream_request(
     headers.insert(header::HOST, backend.host.clone());
     let uri = match target {
         Some(t) => backend.uri_for(&t).ok_or(ApiError::Internal)?,
-        None => match endpoint {
-            Endpoint::Chat => backend.chat_uri.clone(),
-            Endpoint::Completions => backend.completions_uri.clone(),
-            Endpoint::Tokenize => backend.tokenize_uri.clone(),
-            Endpoint::Detokenize => backend.detokenize_uri.clone(),
-            Endpoint::Responses => backend.responses_uri.clone(),
-            Endpoint::Messages => backend.messages_uri.clone(),
-            Endpoint::CountTokens => backend.count_tokens_uri.clone(),
-            // (Always given a target: the path names the response.)
-            Endpoint::ResponseGet | Endpoint::ResponseCancel => return Err(ApiError::Internal),
-        },
+        // (A route naming a stored response always has its own target.)
+        None if endpoint.needs().body == BodyKind::None => return Err(ApiError::Internal),
+        None => backend.uri(endpoint).clone(),
     };
     let mut req = Request::new(Full::new(body));
     *req.method_mut() = method;

@@ -132,14 +132,23 @@ fn affinity(pool: &Pool, view: &RequestView<'_>, body: &[u8], endpoint: Endpoint
         AffinityBy::User => view.user.map(|u| fnv1a(u.as_bytes())),
         AffinityBy::Prefix => {
             let field: &[u8] = match endpoint {
-                Endpoint::Chat | Endpoint::Messages => b"\"messages\"",
+                Endpoint::Chat | Endpoint::Messages | Endpoint::ChatBatch => b"\"messages\"",
                 Endpoint::Completions => b"\"prompt\"",
                 Endpoint::Responses => b"\"input\"",
                 Endpoint::Tokenize
                 | Endpoint::Detokenize
                 | Endpoint::CountTokens
                 | Endpoint::ResponseGet
-                | Endpoint::ResponseCancel => return None,
+                | Endpoint::ResponseCancel
+                | Endpoint::Embeddings
+                | Endpoint::CohereEmbed
+                | Endpoint::Rerank
+                | Endpoint::RerankV1
+                | Endpoint::RerankV2
+                | Endpoint::Score
+                | Endpoint::ScoreV1
+                | Endpoint::Classify
+                | Endpoint::Pooling => return None,
             };
             memchr::memmem::find(body, field).map(|at| {
                 let end = (at + field.len() + a.prefix_bytes).min(body.len());

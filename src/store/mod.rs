@@ -15,6 +15,7 @@ use crate::clock::wall_ms;
 use crate::config::{DatabaseConfig, DbKind};
 use crate::key::KeyRecord;
 use crate::key::{self, Environment};
+use crate::protocol::endpoint::Families;
 
 /// Migrations embedded in the binary, one set per engine.
 pub static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
@@ -85,6 +86,9 @@ pub struct CreateKey {
     pub environment: Option<Environment>,
     #[serde(default)]
     pub allowed_models: Option<Vec<String>>,
+    /// The endpoint families the key may call (`chat`, `embeddings`, …; default all).
+    #[serde(default)]
+    pub allowed_endpoints: Option<Vec<String>>,
     #[serde(default)]
     pub requests_per_minute: Option<i64>,
     #[serde(default)]
@@ -164,7 +168,8 @@ pub enum BulkPool {
 
 const KEY_COLUMNS: &str = "id, public_id, name, environment, secret_hash, previous_secret_hash, \
     previous_valid_until, created_at, created_by, expires_at, revoked_at, revoked_by, revoke_reason, \
-    allowed_models, requests_per_minute, tokens_per_minute, max_concurrent_streams, metadata, updated_at";
+    allowed_models, allowed_endpoints, requests_per_minute, tokens_per_minute, max_concurrent_streams, \
+    metadata, updated_at";
 
 fn hash_from(bytes: Vec<u8>) -> Result<[u8; 32], StoreError> {
     bytes
@@ -182,6 +187,18 @@ fn key_from_row(row: &AnyRow) -> Result<KeyRecord, StoreError> {
             serde_json::from_str::<Vec<String>>(&text)
                 .map_err(|e| StoreError::Invalid(format!("allowed_models: {e}")))?,
         ),
+        None => None,
+    };
+    let endpoints: Option<String> = row.try_get("allowed_endpoints")?;
+    let allowed_endpoints = match endpoints {
+        Some(text) => {
+            let names = serde_json::from_str::<Vec<String>>(&text)
+                .map_err(|e| StoreError::Invalid(format!("allowed_endpoints: {e}")))?;
+            Some(
+                Families::parse(&names)
+                    .map_err(|e| StoreError::Invalid(format!("allowed_endpoints: {e}")))?,
+            )
+        }
         None => None,
     };
     let previous = match (
@@ -206,6 +223,7 @@ fn key_from_row(row: &AnyRow) -> Result<KeyRecord, StoreError> {
         revoked_by: row.try_get("revoked_by")?,
         revoke_reason: row.try_get("revoke_reason")?,
         allowed_models,
+        allowed_endpoints,
         requests_per_minute: row.try_get("requests_per_minute")?,
         tokens_per_minute: row.try_get("tokens_per_minute")?,
         max_concurrent_streams: row.try_get("max_concurrent_streams")?,
@@ -409,6 +427,19 @@ impl KeyStore {
                 "`allowed_models` must name at least one model (leave it out to allow all)".into(),
             ));
         }
+        let endpoints = match &req.allowed_endpoints {
+            Some(names) if names.is_empty() => {
+                return Err(StoreError::Invalid(
+                    "`allowed_endpoints` must name at least one endpoint family (leave it out to allow all)".into(),
+                ));
+            }
+            Some(names) => {
+                let set = Families::parse(names)
+                    .map_err(|e| StoreError::Invalid(format!("`allowed_endpoints`: {e}")))?;
+                Some(serde_json::to_string(&set.names()).unwrap_or_else(|_| "[]".into()))
+            }
+            None => None,
+        };
         let now = wall_ms();
         let expires_at = match req.expires_in_seconds {
             Some(s) if s <= 0 => {
@@ -433,7 +464,8 @@ impl KeyStore {
         sqlx::query(
             "INSERT INTO api_keys (public_id, name, environment, secret_hash, created_at, created_by, \
              expires_at, allowed_models, requests_per_minute, tokens_per_minute, max_concurrent_streams, \
-             metadata, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+             metadata, updated_at, allowed_endpoints) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
         )
         .bind(&new.public_id)
         .bind(name)
@@ -448,6 +480,7 @@ impl KeyStore {
         .bind(req.max_concurrent_streams)
         .bind(metadata)
         .bind(now)
+        .bind(endpoints)
         .execute(&mut *tx)
         .await?;
         audit(

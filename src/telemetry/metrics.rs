@@ -495,7 +495,8 @@ impl RequestMetrics {
             s.queue_wait.observe(secs(t.queue_wait()));
         }
         // Tokenization is a request (counted below) but not inference: no latency or tokens.
-        if r.pool_slot.is_some() && r.endpoint.is_none_or(|e| e.needs().generates) {
+        // A pooling request is inference without output: its latency and input tokens.
+        if r.pool_slot.is_some() && r.endpoint.is_none_or(|e| e.needs().takes_slot) {
             // Latency of completed requests only (as vLLM's benchmark reads them); tokens of
             // every request that produced some, cut streams included.
             if r.error.is_none() {

@@ -159,6 +159,12 @@ pub fn usage_in_tail(tail: &[Option<bytes::Bytes>; 2]) -> Option<Usage> {
     usage_in(&both)
 }
 
+/// The usage of a whole (non-streaming) answer: at its end (`usage_in_tail`), else in its
+/// first frame (a rerank answer names it before its results).
+pub fn usage_in_answer(first: Option<&[u8]>, tail: &[Option<bytes::Bytes>; 2]) -> Option<Usage> {
+    usage_in_tail(tail).or_else(|| usage_in(first?))
+}
+
 /// The last `"usage": {...}` object in `body`, in either protocol's words.
 pub fn usage_in(body: &[u8]) -> Option<Usage> {
     crate::protocol::usage::usage_in(body).map(UsagePart::whole)
@@ -446,6 +452,23 @@ mod tests {
         ];
         assert_eq!(usage_in_tail(&tail), Some(u));
         assert_eq!(usage_in(br#"{"usage":null}"#), None);
+    }
+
+    /// vLLM's rerank answer names its usage before its results: when those fill the last
+    /// frames, the usage is read from the first.
+    #[test]
+    fn usage_before_the_results() {
+        let first = br#"{"id":"score-1","model":"m","usage":{"prompt_tokens":24,"total_tokens":24},"results":[{"index":0,"#;
+        let tail = [
+            Some(bytes::Bytes::from_static(
+                br#""document":{"text":"a long document"},"#,
+            )),
+            Some(bytes::Bytes::from_static(br#""relevance_score":0.38}]}"#)),
+        ];
+        assert_eq!(usage_in_tail(&tail), None);
+        let u = usage_in_answer(Some(first), &tail).unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (24, 0));
+        assert_eq!(usage_in_answer(None, &tail), None);
     }
     #[test]
     fn overhead_splits_into_pre_and_relay() {

@@ -727,6 +727,20 @@ fn create_key(form: &BTreeMap<String, String>) -> Result<CreateKey, String> {
                 .collect::<Vec<_>>(),
         ),
     };
+    let allowed_endpoints = match field("endpoints").trim() {
+        "" | "all" | "*" => None,
+        list => {
+            let names: Vec<String> = list
+                .split([',', ' '])
+                .map(str::trim)
+                .filter(|e| !e.is_empty())
+                .map(str::to_owned)
+                .collect();
+            crate::protocol::endpoint::Families::parse(&names)
+                .map_err(|e| format!("Endpoints: {e}."))?;
+            Some(names)
+        }
+    };
     let expires_in_seconds = match field("expires_in").as_str() {
         "" | "never" => None,
         text => {
@@ -751,6 +765,7 @@ fn create_key(form: &BTreeMap<String, String>) -> Result<CreateKey, String> {
         name: field("name"),
         environment: Some(environment),
         allowed_models,
+        allowed_endpoints,
         requests_per_minute: optional_number(form, "requests_per_minute", "Requests per minute")?,
         tokens_per_minute: optional_number(form, "tokens_per_minute", "Tokens per minute")?,
         max_concurrent_streams: optional_number(
@@ -774,6 +789,7 @@ async fn issue(
         environment: field("environment"),
         name: field("name"),
         models: field("models"),
+        endpoints: field("endpoints"),
         rpm: field("requests_per_minute"),
         tpm: field("tokens_per_minute"),
         streams: field("max_concurrent_streams"),

@@ -473,11 +473,17 @@ pub fn charts(s: &Series, now: i64) -> Markup {
 // Keys
 
 /// The issue form's values (kept when the form comes back with an error).
+/// A key's endpoint families as the console shows them.
+fn families(f: Option<crate::protocol::endpoint::Families>) -> String {
+    f.map_or_else(|| "all".to_owned(), |f| f.names().join(", "))
+}
+
 #[derive(Default)]
 pub struct IssueForm {
     pub environment: String,
     pub name: String,
     pub models: String,
+    pub endpoints: String,
     pub rpm: String,
     pub tpm: String,
     pub streams: String,
@@ -541,7 +547,7 @@ pub fn keys(
                 button type="submit" { "Filter" }
             }
             table.list #keys {
-                thead { tr { th { "name" } th { "id" } th { "environment" } th { "status" } th { "models" } th.num { "req/min" } th.num { "tokens/min" } th.num { "streams" } th { "created" } th { "expires" } } }
+                thead { tr { th { "name" } th { "id" } th { "environment" } th { "status" } th { "models" } th { "endpoints" } th.num { "req/min" } th.num { "tokens/min" } th.num { "streams" } th { "created" } th { "expires" } } }
                 tbody {
                     @for k in keys {
                         @let status = k.status(now);
@@ -551,6 +557,7 @@ pub fn keys(
                             td { span class=(format!("env {}", k.environment.as_str())) { (k.environment.as_str()) } }
                             td { span class=(status_class(status)) { (status) } }
                             td { (k.allowed_models.as_ref().map_or_else(|| "all".to_owned(), |m| m.join(", "))) }
+                            td { (families(k.allowed_endpoints)) }
                             td.num { (limit(k.requests_per_minute)) }
                             td.num { (limit(k.tokens_per_minute)) }
                             td.num { (limit(k.max_concurrent_streams)) }
@@ -583,6 +590,7 @@ fn issue_form(f: &Frame<'_>, v: &IssueForm, error: Option<&str>) -> Markup {
                 label { "Environment " (select("environment", "issue-environment", &envs, if v.environment.is_empty() { "prod" } else { &v.environment })) }
                 label { "Name " input #issue-name name="name" required value=(v.name) placeholder="e.g. team-search-prod"; }
                 label { "Models " input #issue-models name="models" value=(v.models) placeholder="all, or a comma-separated list"; }
+                label { "Endpoints " input #issue-endpoints name="endpoints" value=(v.endpoints) placeholder="all, or e.g. chat, embeddings, rerank"; }
                 label { "Requests per minute " input #issue-rpm name="requests_per_minute" inputmode="numeric" value=(v.rpm) placeholder="no limit"; }
                 label { "Tokens per minute " input #issue-tpm name="tokens_per_minute" inputmode="numeric" value=(v.tpm) placeholder="no limit"; }
                 label { "Concurrent streams " input #issue-streams name="max_concurrent_streams" inputmode="numeric" value=(v.streams) placeholder="no limit"; }
@@ -689,6 +697,7 @@ pub fn key_page(f: &Frame<'_>, k: &KeyRecord, p: KeyPage<'_>) -> Markup {
                     tr { th { "previous secret" } td { "accepted until " (format_wall_ms(until)) } }
                 }
                 tr { th { "models" } td { (k.allowed_models.as_ref().map_or_else(|| "all".to_owned(), |m| m.join(", "))) } }
+                tr { th { "endpoints" } td #key-endpoints { (families(k.allowed_endpoints)) } }
                 tr { th { "limits" } td { (limit(k.requests_per_minute)) " req/min · " (limit(k.tokens_per_minute)) " tokens/min · " (limit(k.max_concurrent_streams)) " streams" } }
                 tr { th { "metadata" } td { pre #key-metadata { (metadata) } } }
             }
