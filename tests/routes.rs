@@ -72,6 +72,11 @@ fn body_for(path: &str) -> &'static str {
             r#"{"model":"m","query":"hi","documents":["a","b"]}"#
         }
         "/score" | "/v1/score" => r#"{"model":"m","queries":"hi","documents":["a"]}"#,
+        "/v1/audio/transcriptions" | "/v1/audio/translations" => concat!(
+            "--fgroutes\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n",
+            "--fgroutes\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n",
+            "Content-Type: audio/wav\r\n\r\nRIFF\r\n--fgroutes--\r\n"
+        ),
         "/v1/chat/completions/batch" => {
             r#"{"model":"m","max_tokens":1,"messages":[[{"role":"user","content":"hi"}]]}"#
         }
@@ -121,11 +126,17 @@ async fn send(gw: &Gateway, method: &str, target: &str, auth: Option<&str>, id: 
         .parse()
         .unwrap_or_else(|e| panic!("{target}: {e}"));
     let path = target.split('?').next().unwrap_or(target);
+    let audio = path.starts_with("/v1/audio/");
+    let content_type = if audio {
+        "multipart/form-data; boundary=fgroutes"
+    } else {
+        "application/json"
+    };
     let mut req = http::Request::builder()
         .method(method)
         .uri(uri)
         .header("x-request-id", id)
-        .header("content-type", "application/json");
+        .header("content-type", content_type);
     if let Some(a) = auth {
         req = req.header("authorization", a);
     }
@@ -184,6 +195,9 @@ async fn nothing_outside_the_allow_list_reaches_a_backend() {
         ("POST", "/v1%2Frerank"),
         ("POST", "/v1/chat/completions/batch/"),
         ("POST", "/score/../invocations"),
+        ("POST", "/v1/audio/transcriptions/"),
+        ("POST", "/v1/audio//translations"),
+        ("GET", "/v1/audio/transcriptions"),
     ]
     .iter()
     .map(|(m, p)| ((*m).to_owned(), (*p).to_owned()))
@@ -245,7 +259,7 @@ async fn nothing_outside_the_allow_list_reaches_a_backend() {
         forwarded += arrived.len();
     }
     assert!(
-        forwarded >= 17,
+        forwarded >= 19,
         "the forwarded rows reached the backend: {forwarded}"
     );
     // Whatever else the backend saw is the gateway's own (health probes, warm-up), never a

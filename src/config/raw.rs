@@ -11,8 +11,8 @@ use super::admin::JwtAlgorithm;
 use super::limits::SharedLimits;
 use super::pools::{AffinityBy, PoolKind};
 use super::server::{
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_HEAD_BYTES, DEFAULT_MAX_UPSTREAM_HEAD_BYTES,
-    DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES, LogFormat,
+    DEFAULT_MAX_AUDIO_BODY_BYTES, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_HEAD_BYTES,
+    DEFAULT_MAX_UPSTREAM_HEAD_BYTES, DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES, LogFormat,
 };
 use super::{ConfigError, Environment, FileErrors};
 
@@ -369,6 +369,8 @@ pub(super) struct RawServer {
     pub(super) listen: String,
     #[serde(default = "default_max_body")]
     pub(super) max_body_bytes: u64,
+    #[serde(default = "default_max_audio_body")]
+    pub(super) max_audio_body_bytes: u64,
     #[serde(default = "default_max_request_head")]
     pub(super) max_request_head_bytes: u64,
     #[serde(default = "default_max_upstream_head")]
@@ -429,6 +431,7 @@ impl Default for RawServer {
         Self {
             listen: default_listen(),
             max_body_bytes: default_max_body(),
+            max_audio_body_bytes: default_max_audio_body(),
             max_request_head_bytes: default_max_request_head(),
             max_upstream_head_bytes: default_max_upstream_head(),
             max_upstream_header_value_bytes: default_max_upstream_header_value(),
@@ -459,6 +462,9 @@ fn default_listen() -> String {
 }
 fn default_max_body() -> u64 {
     DEFAULT_MAX_BODY_BYTES as u64
+}
+fn default_max_audio_body() -> u64 {
+    DEFAULT_MAX_AUDIO_BODY_BYTES as u64
 }
 fn default_max_request_head() -> u64 {
     DEFAULT_MAX_REQUEST_HEAD_BYTES as u64

@@ -10,6 +10,8 @@ use super::raw::RawServer;
 use super::{ConfigError, FileErrors};
 
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+/// 25 MiB: OpenAI's own limit on an audio file.
+pub const DEFAULT_MAX_AUDIO_BODY_BYTES: usize = 25 * 1024 * 1024;
 
 /// The largest request head the listener reads (HTTP/1.1: request line and headers; HTTP/2:
 /// the header list as HTTP/2 counts it, each field's name and value plus 32 bytes). Well above
@@ -46,6 +48,9 @@ pub enum LogFormat {
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub max_body_bytes: usize,
+    /// The largest `multipart/form-data` body of the audio routes (an audio file is larger
+    /// than any JSON body).
+    pub max_audio_body_bytes: usize,
     /// The largest request head the listener accepts (see `DEFAULT_MAX_REQUEST_HEAD_BYTES`).
     pub max_request_head_bytes: usize,
     /// The largest request head, and single header value, forwarded to a backend: a larger
@@ -109,6 +114,7 @@ impl Default for ServerConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_audio_body_bytes: DEFAULT_MAX_AUDIO_BODY_BYTES,
             max_request_head_bytes: DEFAULT_MAX_REQUEST_HEAD_BYTES,
             max_upstream_head_bytes: DEFAULT_MAX_UPSTREAM_HEAD_BYTES,
             max_upstream_header_value_bytes: DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES,
@@ -146,6 +152,9 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
     })?;
     if s.max_body_bytes < 1024 {
         return Err(err.at("server.max_body_bytes", "must be at least 1024"));
+    }
+    if s.max_audio_body_bytes < 1024 {
+        return Err(err.at("server.max_audio_body_bytes", "must be at least 1024"));
     }
     let head = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
     let (listener_head, upstream_head, upstream_value) = (
@@ -234,6 +243,7 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
     Ok(ServerConfig {
         listen,
         max_body_bytes: usize::try_from(s.max_body_bytes).unwrap_or(usize::MAX),
+        max_audio_body_bytes: usize::try_from(s.max_audio_body_bytes).unwrap_or(usize::MAX),
         max_request_head_bytes: listener_head,
         max_upstream_head_bytes: upstream_head,
         max_upstream_header_value_bytes: upstream_value,

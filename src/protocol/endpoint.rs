@@ -18,7 +18,7 @@ pub struct Row {
 /// Every forwarded route. vLLM serves its tokenizer at the server root, not under `/v1`
 /// (`vllm bench serve` aligns its prompts with `<base>/tokenize`). `{id}` stands for one path
 /// segment naming a stored response (`ID_CHARS`).
-pub static TABLE: [Row; 19] = [
+pub static TABLE: [Row; 21] = [
     Row {
         method: Method::POST,
         path: "/v1/chat/completions",
@@ -114,6 +114,16 @@ pub static TABLE: [Row; 19] = [
         path: "/v1/chat/completions/batch",
         endpoint: Endpoint::ChatBatch,
     },
+    Row {
+        method: Method::POST,
+        path: "/v1/audio/transcriptions",
+        endpoint: Endpoint::Transcriptions,
+    },
+    Row {
+        method: Method::POST,
+        path: "/v1/audio/translations",
+        endpoint: Endpoint::Translations,
+    },
 ];
 
 /// The most characters of a response id in a path.
@@ -156,6 +166,9 @@ pub enum BodyKind {
     /// None is needed (a GET, a cancel): whatever comes is read within the limit and not
     /// forwarded.
     None,
+    /// `multipart/form-data` (an audio file and its form fields, `model` among them), read
+    /// whole within `server.max_audio_body_bytes`.
+    Multipart,
 }
 
 /// What an endpoint asks of the request path.
@@ -168,6 +181,9 @@ pub struct Needs {
     pub takes_slot: bool,
     /// It reserves from the key's token budget (settled on the answer's usage).
     pub spends_tokens: bool,
+    /// Its reservation includes an output limit (`max_tokens`, else
+    /// `limits.default_max_tokens`); otherwise it reserves its input only.
+    pub reserves_output: bool,
     pub body: BodyKind,
     /// It must reach the backend that holds what it names (a stored response): always for a
     /// GET or cancel by id, and for a new response that continues one
@@ -340,6 +356,10 @@ pub enum Endpoint {
     /// `POST /v1/chat/completions/batch`: several conversations in one request, one choice
     /// each (no stream).
     ChatBatch,
+    /// `POST /v1/audio/transcriptions`: speech to text, multipart, streamed with `stream=true`.
+    Transcriptions,
+    /// `POST /v1/audio/translations`: speech to English text.
+    Translations,
 }
 
 impl Endpoint {
@@ -366,6 +386,8 @@ impl Endpoint {
             Endpoint::Classify => "/classify",
             Endpoint::Pooling => "/pooling",
             Endpoint::ChatBatch => "/v1/chat/completions/batch",
+            Endpoint::Transcriptions => "/v1/audio/transcriptions",
+            Endpoint::Translations => "/v1/audio/translations",
         }
     }
 
@@ -396,6 +418,8 @@ impl Endpoint {
             Endpoint::Classify => "classify",
             Endpoint::Pooling => "pooling",
             Endpoint::ChatBatch => "chat_batch",
+            Endpoint::Transcriptions => "transcriptions",
+            Endpoint::Translations => "translations",
         }
     }
 
@@ -414,13 +438,19 @@ impl Endpoint {
             Endpoint::Score | Endpoint::ScoreV1 => Family::Score,
             Endpoint::Classify => Family::Classify,
             Endpoint::Pooling => Family::Pooling,
+            Endpoint::Transcriptions | Endpoint::Translations => Family::Audio,
         }
     }
 
     /// The wire protocol of its answers and of the gateway's errors on it.
     pub const fn dialect(self) -> Dialect {
         match self {
-            Endpoint::Chat | Endpoint::Completions | Endpoint::ChatBatch => Dialect::Chat,
+            // A transcription's stream chunks are chat-shaped (`choices[].delta.content`).
+            Endpoint::Chat
+            | Endpoint::Completions
+            | Endpoint::ChatBatch
+            | Endpoint::Transcriptions
+            | Endpoint::Translations => Dialect::Chat,
             Endpoint::Tokenize
             | Endpoint::Detokenize
             | Endpoint::Embeddings
@@ -449,6 +479,7 @@ impl Endpoint {
             generates: true,
             takes_slot: true,
             spends_tokens: true,
+            reserves_output: true,
             body: BodyKind::Json,
             pinned: false,
             injects_usage: false,
@@ -457,6 +488,7 @@ impl Endpoint {
             generates: false,
             takes_slot: false,
             spends_tokens: false,
+            reserves_output: false,
             body: BodyKind::Json,
             pinned: false,
             injects_usage: false,
@@ -485,6 +517,15 @@ impl Endpoint {
             | Endpoint::Classify
             | Endpoint::Pooling => Needs {
                 generates: false,
+                reserves_output: false,
+                ..GENERATES
+            },
+            // Speech to text generates, but its form names no output limit, and a whole
+            // answer's usage counts seconds of audio, not tokens: it reserves nothing and
+            // spends what its stream reports.
+            Endpoint::Transcriptions | Endpoint::Translations => Needs {
+                reserves_output: false,
+                body: BodyKind::Multipart,
                 ..GENERATES
             },
             Endpoint::Tokenize | Endpoint::Detokenize | Endpoint::CountTokens => TOKENIZES,

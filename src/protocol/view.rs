@@ -250,7 +250,9 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
         | Endpoint::Score
         | Endpoint::ScoreV1
         | Endpoint::Classify
-        | Endpoint::Pooling => 0,
+        | Endpoint::Pooling
+        | Endpoint::Transcriptions
+        | Endpoint::Translations => 0,
     };
     let Generation {
         stream,
@@ -272,6 +274,108 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
         previous_response_id,
         background,
     })
+}
+
+/// A `multipart/form-data` body (the audio routes): the `model` form field (its bytes' span,
+/// for a rename), `stream`, and the presence of `file`. The audio itself is the backend's.
+pub async fn parse_form<'a>(
+    body: &'a Bytes,
+    content_type: &str,
+    endpoint: Endpoint,
+) -> Result<RequestView<'a>, ViewError> {
+    let path = endpoint.path();
+    let Ok(boundary) = multer::parse_boundary(content_type) else {
+        return Err(ViewError::InvalidRequest {
+            param: None,
+            message: format!(
+                "{path} takes `multipart/form-data` (an audio `file` and a `model` field, e.g. curl -F file=@speech.wav -F model=...); got `Content-Type: {content_type}`."
+            ),
+        });
+    };
+    let whole = body.clone();
+    let stream =
+        futures_util::stream::once(async move { Ok::<Bytes, std::convert::Infallible>(whole) });
+    let mut form = multer::Multipart::new(stream, boundary.clone());
+    let malformed = |e: multer::Error| ViewError::InvalidRequest {
+        param: None,
+        message: format!("The multipart/form-data body cannot be read: {e}."),
+    };
+    let (mut model, mut stream_flag, mut file) = (None, None, false);
+    while let Some(field) = form.next_field().await.map_err(malformed)? {
+        match field.name() {
+            Some("model") => model = Some(field.text().await.map_err(malformed)?),
+            Some("stream") => stream_flag = Some(field.text().await.map_err(malformed)?),
+            // The audio is not read here: it goes to the backend as it came.
+            Some("file") => file = true,
+            _ => {}
+        }
+    }
+    let model = model.map(|m| m.trim().to_owned()).unwrap_or_default();
+    if model.is_empty() {
+        return Err(invalid(
+            "model",
+            format!(
+                "`model` is required on {path}: a form field naming one of the models listed by GET /v1/models (curl -F model=...)."
+            ),
+        ));
+    }
+    if !file {
+        return Err(invalid(
+            "file",
+            format!(
+                "`file` is required on {path}: the audio, as a multipart file field (curl -F file=@speech.wav)."
+            ),
+        ));
+    }
+    let stream = match stream_flag.as_deref().map(str::trim) {
+        None | Some("false" | "False" | "0") => false,
+        Some("true" | "True" | "1") => true,
+        Some(other) => {
+            return Err(invalid(
+                "stream",
+                format!("`stream` must be true or false, got `{}`.", short(other)),
+            ));
+        }
+    };
+    let model_span =
+        form_field_span(body, boundary.as_bytes(), b"model").ok_or(ViewError::Unlocatable)?;
+    if body[model_span.clone()].trim_ascii() != model.as_bytes() {
+        return Err(ViewError::Unlocatable);
+    }
+    Ok(RequestView {
+        model: Cow::Owned(model),
+        model_span,
+        ..RequestView::whole(Generation {
+            stream,
+            ..Generation::NONE
+        })
+    })
+}
+
+/// Where the value of form field `name` is in a multipart body with `boundary`.
+fn form_field_span(body: &[u8], boundary: &[u8], name: &[u8]) -> Option<Range<usize>> {
+    let mut delimiter = Vec::with_capacity(boundary.len() + 4);
+    delimiter.extend_from_slice(b"\r\n--");
+    delimiter.extend_from_slice(boundary);
+    let mut quoted = Vec::with_capacity(name.len() + 7);
+    quoted.extend_from_slice(b"name=\"");
+    quoted.extend_from_slice(name);
+    quoted.push(b'"');
+    // The first delimiter may open the body without the line break before it.
+    let mut at = memchr::memmem::find(body, &delimiter[2..])? + delimiter.len() - 2;
+    loop {
+        let headers_end = at + memchr::memmem::find(&body[at..], b"\r\n\r\n")?;
+        let start = headers_end + 4;
+        let end = start + memchr::memmem::find(&body[start..], &delimiter)?;
+        let headers = &body[at..headers_end];
+        // `name="model"`, not `filename="model"`.
+        let named = memchr::memmem::find_iter(headers, &quoted)
+            .any(|p| p == 0 || matches!(headers[p - 1], b' ' | b';' | b'\t'));
+        if named {
+            return Some(start..end);
+        }
+        at = end + delimiter.len();
+    }
 }
 
 /// The body as `T`, or the error that says what is wrong with it.
@@ -1066,6 +1170,40 @@ mod tests {
             Endpoint::ChatBatch,
         );
         assert_eq!(p.as_deref(), Some("messages[0]"));
+    }
+
+    /// The `model` form field is found wherever it comes, never in a file named `model`, and
+    /// its span holds its bare value (a rename splices it).
+    #[test]
+    fn the_model_form_field() {
+        let body = Bytes::from_static(
+            b"--b1\r\nContent-Disposition: form-data; name=\"file\"; filename=\"model\"\r\n\r\nname=\"model\"\r\n\r\nRIFF\r\n--b1\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n--b1\r\nContent-Disposition: form-data; name=\"stream\"\r\n\r\ntrue\r\n--b1--\r\n",
+        );
+        let v = futures_util::FutureExt::now_or_never(parse_form(
+            &body,
+            "multipart/form-data; boundary=b1",
+            Endpoint::Transcriptions,
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(v.model, "whisper");
+        assert_eq!(&body[v.model_span.clone()], b"whisper");
+        assert!(v.stream);
+        let renamed = upstream_body(&body, &v, Some(b"openai/whisper-large-v3"), false);
+        assert!(
+            memchr::memmem::find(
+                &renamed,
+                b"name=\"model\"\r\n\r\nopenai/whisper-large-v3\r\n"
+            )
+            .is_some()
+        );
+        let refused = futures_util::FutureExt::now_or_never(parse_form(
+            &body,
+            "application/json",
+            Endpoint::Transcriptions,
+        ))
+        .unwrap();
+        assert!(matches!(refused, Err(ViewError::InvalidRequest { .. })));
     }
 
     #[test]

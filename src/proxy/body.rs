@@ -1,4 +1,5 @@
-//! The body phase: a JSON body within the size limit, read whole (requests are small).
+//! The body phase: a JSON body within the size limit, read whole (requests are small); an
+//! audio route's `multipart/form-data` within its own, larger limit.
 
 use std::time::Duration;
 
@@ -10,6 +11,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
 use super::error::ApiError;
+use crate::protocol::endpoint::BodyKind;
 
 /// The length a request's `Content-Length` declares (read before the header is cleaned away
 /// for the backend, which gets the length of what is really sent).
@@ -22,25 +24,50 @@ pub fn declared_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
-/// The request body, or why it is refused: not JSON, too large (by `declared` length before
-/// reading, or while reading), or unreadable. The whole body must arrive within `timeout` (a
-/// client trickling it cannot hold its connection); no timer is armed when it is already there.
+/// What a route's body may be: its kind, and the most bytes read (`setting` names the
+/// config key that sets it).
+#[derive(Debug, Clone, Copy)]
+pub struct Accepted {
+    pub kind: BodyKind,
+    pub limit: usize,
+    pub setting: &'static str,
+}
+
+/// The request body, or why it is refused: not of the route's media type (JSON; multipart for
+/// the audio routes), too large (by `declared` length before reading, or while reading), or
+/// unreadable. The whole body must arrive within `timeout` (a client trickling it cannot hold
+/// its connection); no timer is armed when it is already there.
 pub async fn read(
     headers: &HeaderMap,
     declared: Option<u64>,
     body: Incoming,
-    limit: usize,
+    accepted: Accepted,
     timeout: Duration,
 ) -> Result<Bytes, ApiError> {
-    if let Some(ct) = headers.get(header::CONTENT_TYPE)
-        && !is_json_content_type(ct)
-    {
+    let Accepted {
+        kind,
+        limit,
+        setting,
+    } = accepted;
+    let ct = headers.get(header::CONTENT_TYPE);
+    let multipart = kind == BodyKind::Multipart;
+    let fits = match ct {
+        Some(ct) if multipart => is_multipart(ct),
+        Some(ct) => is_json_content_type(ct),
+        None => !multipart,
+    };
+    if !fits {
         return Err(ApiError::UnsupportedMediaType {
-            got: String::from_utf8_lossy(ct.as_bytes()).into_owned(),
+            got: ct.map_or_else(
+                || "none".to_owned(),
+                |ct| String::from_utf8_lossy(ct.as_bytes()).into_owned(),
+            ),
+            multipart,
         });
     }
+    let too_large = ApiError::BodyTooLarge { limit, setting };
     if declared.is_some_and(|len| len > limit as u64) {
-        return Err(ApiError::BodyTooLarge { limit });
+        return Err(too_large);
     }
     let mut collect = std::pin::pin!(Limited::new(body, limit).collect());
     let collected = match collect.as_mut().now_or_never() {
@@ -55,11 +82,15 @@ pub async fn read(
     };
     match collected {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(ApiError::BodyTooLarge { limit })
-        }
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large),
         Err(e) => Err(ApiError::BodyRead(e.to_string())),
     }
+}
+
+fn is_multipart(v: &HeaderValue) -> bool {
+    let Ok(s) = v.to_str() else { return false };
+    let mime = s.split(';').next().unwrap_or("").trim();
+    mime.eq_ignore_ascii_case("multipart/form-data")
 }
 
 fn is_json_content_type(v: &HeaderValue) -> bool {

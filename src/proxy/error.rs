@@ -60,9 +60,9 @@ pub enum ApiError {
         allow: &'static str,
     },
     #[error("content type `{got}` is not JSON")]
-    UnsupportedMediaType { got: String },
+    UnsupportedMediaType { got: String, multipart: bool },
     #[error("body larger than {limit} bytes")]
-    BodyTooLarge { limit: usize },
+    BodyTooLarge { limit: usize, setting: &'static str },
     #[error("request head too large for the backends: {0:?}")]
     HeadersTooLarge(HeadExcess),
     #[error("could not read the request body: {0}")]
@@ -224,7 +224,10 @@ impl ApiError {
                 None,
                 "method_not_allowed",
             ),
-            ApiError::UnsupportedMediaType { got } => (
+            ApiError::UnsupportedMediaType {
+                got,
+                multipart: false,
+            } => (
                 format!(
                     "The request body must be JSON: send `Content-Type: application/json` (got `{got}`)."
                 ),
@@ -232,9 +235,20 @@ impl ApiError {
                 None,
                 "unsupported_media_type",
             ),
-            ApiError::BodyTooLarge { limit } => (
+            ApiError::UnsupportedMediaType {
+                got,
+                multipart: true,
+            } => (
                 format!(
-                    "The request body is larger than the gateway's limit of {limit} bytes (server.max_body_bytes)."
+                    "The request body must be `multipart/form-data` with an audio `file` and a `model` field (e.g. curl -F file=@speech.wav -F model=...); got `Content-Type: {got}`."
+                ),
+                "invalid_request_error",
+                None,
+                "unsupported_media_type",
+            ),
+            ApiError::BodyTooLarge { limit, setting } => (
+                format!(
+                    "The request body is larger than the gateway's limit of {limit} bytes ({setting})."
                 ),
                 "invalid_request_error",
                 None,

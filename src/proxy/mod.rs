@@ -64,6 +64,8 @@ pub struct ProxyState {
     /// This worker's pools, swapped by a reload (`pool::fleet`).
     pub generation: crate::pool::fleet::CurrentGeneration,
     pub max_body_bytes: usize,
+    /// The audio routes' `multipart/form-data` bodies (`server.max_audio_body_bytes`).
+    pub max_audio_body_bytes: usize,
     /// The whole request body must arrive within this.
     pub body_timeout: Duration,
     /// What a forwarded request's head may come to (`server.max_upstream_*`).
@@ -255,11 +257,24 @@ async fn phases(
         state.head_limits,
     )
     .map_err(ApiError::HeadersTooLarge)?;
+    let kind = endpoint.needs().body;
+    let accepted = match kind {
+        BodyKind::Multipart => body::Accepted {
+            kind,
+            limit: state.max_audio_body_bytes,
+            setting: "server.max_audio_body_bytes",
+        },
+        BodyKind::Json | BodyKind::None => body::Accepted {
+            kind,
+            limit: state.max_body_bytes,
+            setting: "server.max_body_bytes",
+        },
+    };
     let body = body::read(
         &outgoing.headers,
         declared,
         body,
-        state.max_body_bytes,
+        accepted,
         state.body_timeout,
     )
     .await?;
@@ -284,7 +299,17 @@ async fn phases(
             .map(Forwarded::Sent);
     }
 
-    let view = view::parse(&body, endpoint)?;
+    let view = match kind {
+        BodyKind::Multipart => {
+            let ct = outgoing
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default();
+            Box::pin(view::parse_form(&body, ct, endpoint)).await?
+        }
+        _ => view::parse(&body, endpoint)?,
+    };
     ex.record.stream = view.stream;
     ex.background = view.background;
 
@@ -655,7 +680,7 @@ async fn admit(
     let admitted = if needs.spends_tokens {
         // A pooling request generates nothing: it reserves its input only, never
         // `default_max_tokens`.
-        let max_tokens = if needs.generates {
+        let max_tokens = if needs.reserves_output {
             view.max_tokens
         } else {
             Some(0)

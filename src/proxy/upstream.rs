@@ -67,7 +67,12 @@ pub fn prepare(
 ) -> Prepared {
     let inject_usage =
         endpoint.needs().injects_usage && view.stream && view.include_usage != Some(true);
-    let upstream_body = view::upstream_body(body, view, route.rename, inject_usage);
+    // A form field holds the bare name; a JSON body, the name as a JSON string.
+    let rename = match endpoint.needs().body {
+        BodyKind::Multipart => route.rename.map(|_| route.pool.served_name.as_bytes()),
+        _ => route.rename,
+    };
+    let upstream_body = view::upstream_body(body, view, rename, inject_usage);
     let Outgoing {
         mut headers,
         trailers,

@@ -148,7 +148,9 @@ fn affinity(pool: &Pool, view: &RequestView<'_>, body: &[u8], endpoint: Endpoint
                 | Endpoint::Score
                 | Endpoint::ScoreV1
                 | Endpoint::Classify
-                | Endpoint::Pooling => return None,
+                | Endpoint::Pooling
+                | Endpoint::Transcriptions
+                | Endpoint::Translations => return None,
             };
             memchr::memmem::find(body, field).map(|at| {
                 let end = (at + field.len() + a.prefix_bytes).min(body.len());

@@ -275,6 +275,7 @@ impl Server {
                 pins: pins.clone(),
                 generation: fleet.for_worker()?,
                 max_body_bytes: config.server.max_body_bytes,
+                max_audio_body_bytes: config.server.max_audio_body_bytes,
                 body_timeout: config.server.body_timeout,
                 max_stream_line: config.server.max_stream_line_bytes,
                 forwarding: crate::proxy::upstream::Forwarding::new(&config.server),
