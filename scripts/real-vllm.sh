@@ -12,6 +12,8 @@
 #                                        starts `vllm serve` in the background (a free port and a
 #                                        random key by default), waits for GET /health = 200 and
 #                                        prints FLEETGATE_TEST_VLLM=... FLEETGATE_TEST_VLLM_KEY=...
+#                                        (with --pooling: FLEETGATE_TEST_VLLM_POOLING=...
+#                                        FLEETGATE_TEST_VLLM_POOLING_KEY=...)
 #   scripts/real-vllm.sh stop            stops it (no-op when it is not running)
 #   scripts/real-vllm.sh status          tells whether it runs, its mode and URL (exit 1 when not)
 #
@@ -416,7 +418,13 @@ free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }
 
-env_line() { echo "FLEETGATE_TEST_VLLM=http://127.0.0.1:$(cat "$RUN/port") FLEETGATE_TEST_VLLM_KEY=$(cat "$RUN/key")"; }
+# A pooling server goes under names of its own (tests/real_vllm.rs `real_pooling`): under
+# FLEETGATE_TEST_VLLM the generative tests would run against it and fail (it has no chat route).
+env_line() {
+    local var=FLEETGATE_TEST_VLLM
+    case $(cat "$RUN/mode" 2>/dev/null) in pooling-*) var=FLEETGATE_TEST_VLLM_POOLING ;; esac
+    echo "$var=http://127.0.0.1:$(cat "$RUN/port") ${var}_KEY=$(cat "$RUN/key")"
+}
 
 do_start() {
     local port="" key="" agents=0 store=0 pooling=""

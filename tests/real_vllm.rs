@@ -45,20 +45,34 @@ struct Real {
 
 /// The server under test, or `None` (skipped, said on stderr).
 async fn real(test: &str) -> Option<Real> {
-    let Ok(url) = std::env::var("FLEETGATE_TEST_VLLM") else {
+    real_at(test, "FLEETGATE_TEST_VLLM", "scripts/real-vllm.sh start").await
+}
+
+/// The pooling server under test (`scripts/real-vllm.sh start --pooling embed`), given apart
+/// from the generative one, whose routes it does not serve: `FLEETGATE_TEST_VLLM_POOLING` and
+/// `FLEETGATE_TEST_VLLM_POOLING_KEY`. `None` (skipped, said on stderr) without it.
+async fn real_pooling(test: &str) -> Option<Real> {
+    real_at(
+        test,
+        "FLEETGATE_TEST_VLLM_POOLING",
+        "scripts/real-vllm.sh start --pooling embed",
+    )
+    .await
+}
+
+/// The server whose URL is in `$var` and key in `${var}_KEY`.
+async fn real_at(test: &str, var: &str, start: &str) -> Option<Real> {
+    let Ok(url) = std::env::var(var) else {
         eprintln!(
-            "\n*** SKIPPED {test} against real vLLM: FLEETGATE_TEST_VLLM is not set \
-             (scripts/real-vllm.sh start prints it; docs/testing.md). ***\n"
+            "\n*** SKIPPED {test} against real vLLM: {var} is not set \
+             ({start} prints the server's URL and key; docs/testing.md). ***\n"
         );
         return None;
     };
     let url = url.trim_end_matches('/').to_owned();
-    let key = std::env::var("FLEETGATE_TEST_VLLM_KEY").unwrap_or_default();
+    let key = std::env::var(format!("{var}_KEY")).unwrap_or_default();
     let (status, body) = get(&format!("{url}/v1/models"), Some(&key)).await;
-    assert_eq!(
-        status, 200,
-        "GET {url}/v1/models with FLEETGATE_TEST_VLLM_KEY: {body}"
-    );
+    assert_eq!(status, 200, "GET {url}/v1/models with {var}_KEY: {body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     let card = &v["data"][0];
     Some(Real {
@@ -196,6 +210,127 @@ async fn answers_are_relayed_byte_for_byte() {
             "{path}"
         );
         assert_eq!(neutral(&text(&g)), neutral(&text(&d)), "{path} {body}");
+    }
+}
+
+/// The pooling routes through the gateway as a real `--runner pooling --convert embed` server
+/// answers them directly (issue 32): embeddings as floats, as base64, of one text, of several
+/// and of token ids, Cohere's `/v2/embed`, `/pooling`, the rerank routes (cut to `top_n`) and
+/// the score routes, byte for byte but for the request id and `created`; the usage the gateway
+/// recorded is vLLM's own. Needs `FLEETGATE_TEST_VLLM_POOLING` (see `real_pooling`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooling_answers_are_relayed_byte_for_byte() {
+    let Some(r) = real_pooling("pooling_answers_are_relayed_byte_for_byte").await else {
+        return;
+    };
+    let _turn = SERIAL.lock().await;
+    let mut p = pool(&r.model, std::slice::from_ref(&r.url));
+    p.kind = fleetgate::config::PoolKind::Embed;
+    p.upstream_api_key = Some(fleetgate::secret::Secret::new(&r.key));
+    let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
+    wait_for_200(&gw.url("/readyz").to_string()).await;
+
+    let m = r.model.as_str();
+    let docs = serde_json::json!([
+        "the license is Apache-2.0",
+        "a color",
+        "the license",
+        "blue"
+    ]);
+    let cases = [
+        (
+            "/v1/embeddings",
+            serde_json::json!({"model": m, "input": ["the license", "a color"],
+                "encoding_format": "float"}),
+        ),
+        (
+            "/v1/embeddings",
+            serde_json::json!({"model": m, "input": ["the license", "a color"],
+                "encoding_format": "base64"}),
+        ),
+        (
+            "/v1/embeddings",
+            serde_json::json!({"model": m, "input": "Tell me about the sea"}),
+        ),
+        (
+            "/v1/embeddings",
+            serde_json::json!({"model": m, "input": [[11, 12, 13], [14, 15]]}),
+        ),
+        (
+            "/v2/embed",
+            serde_json::json!({"model": m, "texts": ["a color"],
+                "embedding_types": ["float", "base64"]}),
+        ),
+        (
+            "/pooling",
+            serde_json::json!({"model": m, "input": "the license"}),
+        ),
+        (
+            "/rerank",
+            serde_json::json!({"model": m, "query": "license?", "documents": docs, "top_n": 2}),
+        ),
+        (
+            "/v1/rerank",
+            serde_json::json!({"model": m, "query": "license?", "documents": docs, "top_n": 2}),
+        ),
+        (
+            "/v2/rerank",
+            serde_json::json!({"model": m, "query": "license?", "documents": docs, "top_n": 2}),
+        ),
+        (
+            "/score",
+            serde_json::json!({"model": m, "queries": "license?", "documents": docs}),
+        ),
+        (
+            "/v1/score",
+            serde_json::json!({"model": m, "text_1": "license?", "text_2": ["a color", "the license"]}),
+        ),
+    ];
+    for (i, (path, body)) in cases.iter().enumerate() {
+        let d = direct(&r, path, body).await;
+        let id = format!("pooling-{i}");
+        let g = post(
+            &gw.url(path),
+            &[("x-request-id", &id)],
+            Bytes::from(body.to_string()),
+        )
+        .await;
+        assert_eq!(
+            (d.status, g.status),
+            (200, 200),
+            "{path} {body}: {}",
+            text(&g)
+        );
+        assert_eq!(
+            g.headers.get("content-type"),
+            d.headers.get("content-type"),
+            "{path}"
+        );
+        assert_eq!(neutral(&text(&g)), neutral(&text(&d)), "{path} {body}");
+        // The usage the gateway read and recorded is the answer's.
+        let v = json_body(&g);
+        let want = v["usage"]["prompt_tokens"]
+            .as_u64()
+            .or_else(|| v["meta"]["billed_units"]["input_tokens"].as_u64())
+            .unwrap_or_else(|| panic!("{path}: no token count in {v}"));
+        let seen = gw.record_of(&id).await;
+        assert_eq!(seen.error, None, "{path}: {seen:?}");
+        let usage = seen.timeline.stream().usage.expect("usage read");
+        assert_eq!(usage.prompt_tokens, want, "{path}: {v}");
+        if path.ends_with("rerank") {
+            assert_eq!(v["results"].as_array().unwrap().len(), 2, "{path}: top_n");
+        }
+        if path.ends_with("embeddings") {
+            assert!(
+                v["data"][0]["embedding"]
+                    .as_array()
+                    .is_some_and(|e| e.len() == 128)
+                    || v["data"][0]["embedding"]
+                        .as_str()
+                        .is_some_and(|e| e.len() == 684),
+                "{path}: 128 dimensions, as floats or as base64 of 512 bytes: {v}"
+            );
+        }
     }
 }
 
