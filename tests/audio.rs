@@ -73,7 +73,8 @@ fn multipart() -> (&'static str, String) {
     )
 }
 
-/// A transcription and a translation reach the pool the form's `model` names — renamed on the
+/// A speech model's pool warms its backend up with a transcription; a transcription and a
+/// translation reach the pool the form's `model` names — renamed on the
 /// way to the backend, whose served name differs, and back in the answer — and a stream comes
 /// back as SSE with its chunks counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -81,7 +82,11 @@ async fn speech_is_transcribed_through_the_gateway() {
     let sim = sim(|a| a.served_model_name = vec!["whisper-large-v3".into()]).await;
     let mut p = pool("asr", &[sim.url()]);
     p.served_model_name = Some("whisper-large-v3".into());
-    let gw = gateway(vec![p]).await;
+    // A speech model is warmed up with a transcription (half a second of silence), not a chat.
+    p.kind = fleetgate::config::PoolKind::Transcription;
+    p.warmup.requests = 1;
+    let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
+    assert_eq!(backend_states_become(&gw, &["healthy"]).await, ["healthy"]);
     let (ct, ctv) = multipart();
     let audio = wav(500);
 

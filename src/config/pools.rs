@@ -64,6 +64,8 @@ pub enum PoolKind {
     Generate,
     Embed,
     Classify,
+    /// A speech-to-text model (Whisper and the like): `/v1/audio/transcriptions`.
+    Transcription,
 }
 
 impl PoolKind {
@@ -72,6 +74,7 @@ impl PoolKind {
             PoolKind::Generate => "generate",
             PoolKind::Embed => "embed",
             PoolKind::Classify => "classify",
+            PoolKind::Transcription => "transcription",
         }
     }
 }

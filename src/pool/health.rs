@@ -261,36 +261,81 @@ pub fn vllm_load(text: &[u8]) -> (f64, f64) {
 /// The warm-up request of a pool's kind of model: a one-token chat completion for a
 /// generative model, the prompt embedded or classified for a pooling one (which has no chat
 /// route).
-fn warm_up_request(kind: PoolKind, model: &str, prompt: &str) -> (Endpoint, Bytes) {
-    let body = match kind {
-        PoolKind::Generate => serde_json::json!({
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 1,
-            "stream": false,
-        }),
-        PoolKind::Embed | PoolKind::Classify => serde_json::json!({
-            "model": model,
-            "input": prompt,
-        }),
-    };
-    let endpoint = match kind {
-        PoolKind::Generate => Endpoint::Chat,
-        PoolKind::Embed => Endpoint::Embeddings,
-        PoolKind::Classify => Endpoint::Classify,
-    };
-    (endpoint, Bytes::from(body.to_string()))
+/// (the route, its content type, its body).
+fn warm_up_request(kind: PoolKind, model: &str, prompt: &str) -> (Endpoint, &'static str, Bytes) {
+    const JSON: &str = "application/json";
+    let json = |v: serde_json::Value| Bytes::from(v.to_string());
+    match kind {
+        PoolKind::Generate => (
+            Endpoint::Chat,
+            JSON,
+            json(serde_json::json!({
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 1,
+                "stream": false,
+            })),
+        ),
+        PoolKind::Embed => (
+            Endpoint::Embeddings,
+            JSON,
+            json(serde_json::json!({"model": model, "input": prompt})),
+        ),
+        PoolKind::Classify => (
+            Endpoint::Classify,
+            JSON,
+            json(serde_json::json!({"model": model, "input": prompt})),
+        ),
+        PoolKind::Transcription => (
+            Endpoint::Transcriptions,
+            WARM_UP_FORM_TYPE,
+            warm_up_form(model),
+        ),
+    }
+}
+
+const WARM_UP_BOUNDARY: &str = "fleetgate-warm-up";
+const WARM_UP_FORM_TYPE: &str = "multipart/form-data; boundary=fleetgate-warm-up";
+
+/// A speech model's warm-up: half a second of silence (16 kHz mono 16-bit PCM WAV) to
+/// transcribe, as a multipart form.
+fn warm_up_form(model: &str) -> Bytes {
+    const RATE: u32 = 16_000;
+    const DATA: u32 = RATE; // 0.5 s of 2-byte samples
+    let mut wav = Vec::with_capacity(44 + DATA as usize);
+    wav.extend_from_slice(b"RIFF");
+    wav.extend_from_slice(&(36 + DATA).to_le_bytes());
+    wav.extend_from_slice(b"WAVEfmt ");
+    wav.extend_from_slice(&16u32.to_le_bytes()); // the fmt chunk's size
+    wav.extend_from_slice(&1u16.to_le_bytes()); // PCM
+    wav.extend_from_slice(&1u16.to_le_bytes()); // mono
+    wav.extend_from_slice(&RATE.to_le_bytes());
+    wav.extend_from_slice(&(RATE * 2).to_le_bytes());
+    wav.extend_from_slice(&2u16.to_le_bytes());
+    wav.extend_from_slice(&16u16.to_le_bytes());
+    wav.extend_from_slice(b"data");
+    wav.extend_from_slice(&DATA.to_le_bytes());
+    wav.resize(44 + DATA as usize, 0);
+    let b = WARM_UP_BOUNDARY;
+    let mut form = format!(
+        "--{b}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n{model}\r\n--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"warm-up.wav\"\r\nContent-Type: audio/wav\r\n\r\n"
+    )
+    .into_bytes();
+    form.extend_from_slice(&wav);
+    form.extend_from_slice(format!("\r\n--{b}--\r\n").as_bytes());
+    Bytes::from(form)
 }
 
 /// Send the pool's warm-up requests (small non-streaming requests of its kind) to `backend`;
 /// all must succeed.
 async fn warm_up(pool: &Pool, backend: &Backend) -> Result<(), String> {
     let w = &pool.config.warmup;
-    let (endpoint, body) = warm_up_request(pool.config.kind, &pool.served_name, &w.prompt);
+    let (endpoint, content_type, body) =
+        warm_up_request(pool.config.kind, &pool.served_name, &w.prompt);
     let limit = pool.timeouts.first_token.min(Duration::from_secs(60));
     for i in 0..w.requests {
         let mut req = Request::post(backend.uri(endpoint).clone())
-            .header(http::header::CONTENT_TYPE, "application/json");
+            .header(http::header::CONTENT_TYPE, content_type);
         if let Some(auth) = &backend.upstream_auth {
             req = req.header(http::header::AUTHORIZATION, auth.clone());
         }
