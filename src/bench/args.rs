@@ -19,6 +19,9 @@ pub enum EndpointType {
     /// `/v1/messages` with `messages` and `max_tokens` (Anthropic's Messages API, as Claude
     /// Code speaks it).
     AnthropicMessages,
+    /// `/v1/embeddings` with `input` (a pooling server, `vllm serve --runner pooling`): one
+    /// whole JSON answer, no stream, so its only latency is the whole request (E2EL).
+    OpenaiEmbeddings,
 }
 
 impl EndpointType {
@@ -29,6 +32,7 @@ impl EndpointType {
             EndpointType::Openai => "/v1/completions",
             EndpointType::OpenaiResponses => "/v1/responses",
             EndpointType::AnthropicMessages => "/v1/messages",
+            EndpointType::OpenaiEmbeddings => "/v1/embeddings",
         }
     }
 
@@ -39,6 +43,31 @@ impl EndpointType {
             EndpointType::Openai => "openai",
             EndpointType::OpenaiResponses => "openai-responses",
             EndpointType::AnthropicMessages => "anthropic-messages",
+            EndpointType::OpenaiEmbeddings => "openai-embeddings",
+        }
+    }
+
+    /// Whether its answers stream token events. A pooling answer is one JSON body: no first
+    /// token, no gaps between tokens, no output tokens.
+    pub fn streams(self) -> bool {
+        !matches!(self, EndpointType::OpenaiEmbeddings)
+    }
+
+    /// The latency metrics its answers have (a subset of `summary::METRICS`' keys).
+    pub fn metrics(self) -> &'static [&'static str] {
+        if self.streams() {
+            &["ttft", "tpot", "itl", "e2el"]
+        } else {
+            &["e2el"]
+        }
+    }
+
+    /// `--percentile-metrics` when none is given, as `vllm bench serve` picks it: by task.
+    pub fn default_percentile_metrics(self) -> &'static str {
+        if self.streams() {
+            "ttft,tpot,itl"
+        } else {
+            "e2el"
         }
     }
 
@@ -46,7 +75,10 @@ impl EndpointType {
     pub fn dialect(self) -> crate::protocol::Dialect {
         use crate::protocol::Dialect;
         match self {
-            EndpointType::OpenaiChat | EndpointType::Openai => Dialect::Chat,
+            // An embeddings answer is not read as a stream (`streams`); Chat for completeness.
+            EndpointType::OpenaiChat | EndpointType::Openai | EndpointType::OpenaiEmbeddings => {
+                Dialect::Chat
+            }
             EndpointType::OpenaiResponses => Dialect::Responses,
             EndpointType::AnthropicMessages => Dialect::Anthropic,
         }
@@ -83,7 +115,7 @@ pub struct BenchArgs {
     #[arg(long, alias = "base_url")]
     pub base_url: Option<String>,
     /// API path (default by --endpoint-type: /v1/chat/completions, /v1/completions,
-    /// /v1/responses or /v1/messages).
+    /// /v1/responses, /v1/messages or /v1/embeddings).
     #[arg(long)]
     pub endpoint: Option<String>,
     #[arg(long, value_enum, default_value = "openai-chat")]
@@ -133,9 +165,10 @@ pub struct BenchArgs {
     /// Run for this long instead of --num-prompts requests (prompts are reused in turn).
     #[arg(long)]
     pub duration_seconds: Option<f64>,
-    /// Comma-separated: ttft, tpot, itl, e2el.
-    #[arg(long, default_value = "ttft,tpot,itl")]
-    pub percentile_metrics: String,
+    /// Comma-separated: ttft, tpot, itl, e2el (default: ttft,tpot,itl; e2el for
+    /// openai-embeddings, as vLLM).
+    #[arg(long)]
+    pub percentile_metrics: Option<String>,
     /// Comma-separated percentiles, e.g. 50,95,99.
     #[arg(long, default_value = "99")]
     pub metric_percentiles: String,
@@ -339,7 +372,7 @@ pub(super) fn apply_settings(args: &mut BenchArgs, s: &Settings) {
             sel.push("tpot");
         }
         sel.extend(["itl", "e2el"]);
-        args.percentile_metrics = sel.join(",");
+        args.percentile_metrics = Some(sel.join(","));
         if !m.percentiles.is_empty() {
             args.metric_percentiles = m
                 .percentiles

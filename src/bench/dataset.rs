@@ -349,7 +349,8 @@ pub fn sharegpt(
 
 /// A request body for `prompt`, as `vllm bench serve` sends it: streamed, usage included,
 /// temperature 0. The Responses API names its limit `max_output_tokens`; neither it nor
-/// Anthropic's API takes `stream_options` (their final events always carry usage).
+/// Anthropic's API takes `stream_options` (their final events always carry usage). An embeddings
+/// request is the prompt as `input`, not streamed.
 pub fn body(
     prompt: &Prompt,
     model: &str,
@@ -357,13 +358,29 @@ pub fn body(
     ignore_eos: bool,
 ) -> bytes::Bytes {
     use super::args::EndpointType;
+    if kind == EndpointType::OpenaiEmbeddings {
+        // What `vllm bench serve` sends (`async_request_openai_embeddings`): no output length,
+        // no stream; `truncate_prompt_tokens: -1` so that a long prompt is cut to the model's
+        // context instead of refused (embedding models' contexts are short).
+        let mut v = serde_json::json!({
+            "model": model,
+            "input": prompt.text,
+            "truncate_prompt_tokens": -1,
+        });
+        if ignore_eos {
+            v["ignore_eos"] = true.into();
+        }
+        return bytes::Bytes::from(v.to_string());
+    }
     let mut v = match kind {
         EndpointType::OpenaiChat | EndpointType::AnthropicMessages => serde_json::json!({
             "model": model,
             "messages": [{"role": "user", "content": prompt.text}],
         }),
         EndpointType::Openai => serde_json::json!({"model": model, "prompt": prompt.text}),
-        EndpointType::OpenaiResponses => serde_json::json!({"model": model, "input": prompt.text}),
+        EndpointType::OpenaiResponses | EndpointType::OpenaiEmbeddings => {
+            serde_json::json!({"model": model, "input": prompt.text})
+        }
     };
     let limit = match kind {
         EndpointType::OpenaiResponses => "max_output_tokens",

@@ -153,6 +153,41 @@ impl StreamTimer {
     }
 }
 
+/// The outcome of a whole (not streamed) answer, an embedding's, read to its end at `end`, as
+/// `vllm bench serve` times a pooling request: its latency (E2EL) is the whole request, to the
+/// last byte; there is no first token and no output. Input tokens are the answer's
+/// `usage.prompt_tokens`. A cut body, a body that is not JSON, one carrying an `error`, or one
+/// without `data` is a failed request.
+pub fn whole_answer(
+    body: &[u8],
+    end: Duration,
+    cut: Option<String>,
+    expected_input: u64,
+) -> Outcome {
+    let v: Result<serde_json::Value, _> = serde_json::from_slice(body);
+    let error = match (&cut, &v) {
+        (Some(c), _) => Some(format!("the answer was cut: {c}")),
+        (None, Err(e)) => Some(format!("the answer is not JSON: {e}")),
+        (None, Ok(v)) if v.get("error").is_some_and(|e| !e.is_null()) => {
+            Some(format!("error in the answer: {}", error_message(body)))
+        }
+        (None, Ok(v)) if !v["data"].is_array() => Some("the answer has no `data` list".to_owned()),
+        (None, Ok(_)) => None,
+    };
+    let usage = v
+        .as_ref()
+        .ok()
+        .and_then(|v| v["usage"]["prompt_tokens"].as_u64());
+    Outcome {
+        e2el: error.is_none().then_some(end),
+        error,
+        input_tokens: usage.unwrap_or(expected_input),
+        usage_reported: usage.is_some(),
+        took: end,
+        ..Outcome::default()
+    }
+}
+
 /// The `message` of an OpenAI error payload, else the payload itself (shortened).
 fn error_message(payload: &[u8]) -> String {
     let v: Option<serde_json::Value> = serde_json::from_slice(payload).ok();
@@ -274,6 +309,23 @@ pub async fn send(
         o.upstream_ms = upstream_ms(&answer.headers, answer.trailers.as_ref());
         return o;
     }
+    if !target.streamed {
+        let mut bytes = Vec::new();
+        let end = answer
+            .read(Some(deadline), |data, _| bytes.extend_from_slice(data))
+            .await;
+        let cut = match end {
+            BodyEnd::Complete => None,
+            BodyEnd::Cut(e) => Some(e),
+            BodyEnd::Deadline => Some(format!("not finished within {timeout:?}")),
+        };
+        let mut o = whole_answer(&bytes, start.elapsed(), cut, expected_input);
+        o.sent_at = sent_at;
+        o.gateway_ms = gateway;
+        o.hop_ms = hop_ms(&answer.headers, answer.trailers.as_ref());
+        o.upstream_ms = upstream_ms(&answer.headers, answer.trailers.as_ref());
+        return o;
+    }
     let mut timer = StreamTimer::for_dialect(target.dialect);
     let cut = match answer
         .read(Some(deadline), |data, at| timer.feed(data, at))
@@ -386,6 +438,36 @@ mod tests {
             h.insert("server-timing", HeaderValue::try_from(line).unwrap());
             let want = if other == "hop" { 7.0 } else { ms.parse::<f64>().unwrap() };
             prop_assert_eq!(server_timing_ms(&h, "hop"), Some(want));
+        }
+    }
+
+    #[test]
+    fn a_whole_answer_is_timed_to_its_end_with_usage_as_its_input() {
+        let end = Duration::from_millis(7);
+        let body = br#"{"object":"list","data":[{"embedding":[0.1]}],"usage":{"prompt_tokens":12,"total_tokens":12}}"#;
+        let o = whole_answer(body, end, None, 5);
+        assert!(o.ok(), "{:?}", o.error);
+        assert_eq!((o.e2el, o.ttft, o.took), (Some(end), None, end));
+        assert_eq!(
+            (o.input_tokens, o.usage_reported, o.output_tokens),
+            (12, true, 0)
+        );
+        let o = whole_answer(br#"{"data":[]}"#, end, None, 5);
+        assert_eq!(
+            (o.input_tokens, o.usage_reported),
+            (5, false),
+            "the prompt's count"
+        );
+        for (body, cut, why) in [
+            (&b"{\"data\":["[..], Some("reset".to_owned()), "cut"),
+            (&b"not json"[..], None, "not JSON"),
+            (&br#"{"error":{"message":"boom"}}"#[..], None, "boom"),
+            (&br#"{"object":"list"}"#[..], None, "no `data`"),
+        ] {
+            let o = whole_answer(body, end, cut, 5);
+            let e = o.error.unwrap_or_default();
+            assert!(e.contains(why), "{e}");
+            assert_eq!(o.e2el, None, "a failed request has no latency");
         }
     }
 

@@ -31,6 +31,8 @@ pub struct Target {
     pub headers: HeaderMap,
     /// How its answers' events read.
     pub dialect: crate::protocol::Dialect,
+    /// Its answers stream token events (else: one whole JSON answer, an embedding's).
+    pub streamed: bool,
 }
 
 /// Everything a run needs, resolved from the flags and settings.
@@ -69,6 +71,8 @@ pub struct Plan {
     pub sweep_chart: PathBuf,
     /// (target QPS, redundancy, instances measured).
     pub capacity: Option<(f64, f64, u32)>,
+    /// What the run leaves out of what was asked, and why (printed as `note:` lines).
+    pub notes: Vec<String>,
 }
 
 /// The model: the flag, else the first id of `GET /v1/models`.
@@ -203,9 +207,9 @@ async fn plan_with(
         Some(m) => m.clone(),
         None => discover_model(&targets[targets.len() - 1]).await?,
     };
-    let selected = selected_metrics(&args)?;
+    let (selected, mut notes) = selected_metrics(&args, kind)?;
     let mut percentiles = percentiles(&args)?;
-    let goodput = goodput(&args)?;
+    let goodput = goodput(&args, kind)?;
     let (thresholds, added_percentiles) = verdict_thresholds(&args, &mut percentiles)?;
     let sweep = sweep_series(&args, &mut percentiles)?;
     let capacity = capacity(&args)?;
@@ -214,7 +218,20 @@ async fn plan_with(
         Some(s) => parse_sla(s, &mut percentiles)?,
         None => Vec::new(),
     };
+    if let Some(o) = sla.iter().find(|o| !objective_exists(&o.name, kind)) {
+        return Err(format!(
+            "--sla {}: {} answers have no such figure (not streamed: no TTFT, TPOT or ITL); objectives on e2el or error_rate",
+            o.name,
+            kind.name()
+        ));
+    }
     let (prompts, dataset_note) = prompts(&args, classes)?;
+    if !kind.streams() && matches!(args.dataset_name, DatasetName::Random) {
+        notes.push(format!(
+            "{} requests have no output: --random-output-len is not sent (vLLM ignores it too)",
+            kind.name()
+        ));
+    }
     let bodies = prompts
         .iter()
         .map(|p| dataset::body(p, &model, kind, args.ignore_eos))
@@ -254,7 +271,17 @@ async fn plan_with(
         sweep,
         sweep_chart: args.sweep_chart.clone(),
         capacity,
+        notes,
     })
+}
+
+/// Whether the `--sla` objective `name` is a figure answers of `kind` have.
+fn objective_exists(name: &str, kind: EndpointType) -> bool {
+    name == "error_rate"
+        || name
+            .split('_')
+            .next()
+            .is_some_and(|m| kind.metrics().contains(&m))
 }
 
 /// The arrival schedule: request rate, and how long a timed run lasts.
@@ -297,10 +324,11 @@ fn endpoint(args: &BenchArgs) -> Result<(EndpointType, String), String> {
         }
         EndpointType::OpenaiResponses => endpoint.ends_with("/responses"),
         EndpointType::AnthropicMessages => endpoint.ends_with("/messages"),
+        EndpointType::OpenaiEmbeddings => endpoint.ends_with("/embeddings"),
     };
     if !fits {
         return Err(format!(
-            "--endpoint {endpoint} and --endpoint-type {} disagree: chat requests go to /v1/chat/completions, completions to /v1/completions, openai-responses to /v1/responses, anthropic-messages to /v1/messages (the \"KeyError: 'choices'\" case)",
+            "--endpoint {endpoint} and --endpoint-type {} disagree: chat requests go to /v1/chat/completions, completions to /v1/completions, openai-responses to /v1/responses, anthropic-messages to /v1/messages, openai-embeddings to /v1/embeddings (the \"KeyError: 'choices'\" case)",
             kind.name()
         ));
     }
@@ -365,6 +393,7 @@ fn targets(args: &BenchArgs, endpoint: &str, kind: EndpointType) -> Result<Vec<T
             replicas,
             headers,
             dialect: kind.dialect(),
+            streamed: kind.streams(),
         });
     }
     if let Some(unknown) = per_target_key
@@ -431,10 +460,17 @@ fn target_urls(args: &BenchArgs) -> Result<Vec<(String, String)>, String> {
     Ok(pairs)
 }
 
-/// `--percentile-metrics`: which latency metrics get percentiles.
-fn selected_metrics(args: &BenchArgs) -> Result<Vec<String>, String> {
+/// `--percentile-metrics`: which latency metrics get percentiles (by default vLLM's for the
+/// endpoint type). A metric the endpoint type's answers do not have (TTFT of an embedding) is
+/// left out with a note, as vLLM leaves it out, rather than reported as a measured zero.
+fn selected_metrics(
+    args: &BenchArgs,
+    kind: EndpointType,
+) -> Result<(Vec<String>, Vec<String>), String> {
     let selected: Vec<String> = args
         .percentile_metrics
+        .as_deref()
+        .unwrap_or(kind.default_percentile_metrics())
         .split(',')
         .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
@@ -447,7 +483,25 @@ fn selected_metrics(args: &BenchArgs) -> Result<Vec<String>, String> {
             "--percentile-metrics: `{bad}` is not one of ttft, tpot, itl, e2el"
         ));
     }
-    Ok(selected)
+    let (selected, absent): (Vec<String>, Vec<String>) = selected
+        .into_iter()
+        .partition(|m| kind.metrics().contains(&m.as_str()));
+    let mut notes = Vec::new();
+    if !absent.is_empty() {
+        notes.push(format!(
+            "{} answers are not streamed: {} not measured (the only latency is the whole request, E2EL)",
+            kind.name(),
+            absent.join(", ")
+        ));
+    }
+    if selected.is_empty() {
+        return Err(format!(
+            "--percentile-metrics: {} answers have none of {}; use e2el",
+            kind.name(),
+            absent.join(", ")
+        ));
+    }
+    Ok((selected, notes))
 }
 
 /// `--metric-percentiles`, each in 0..100.
@@ -470,7 +524,7 @@ fn percentiles(args: &BenchArgs) -> Result<Vec<f64>, String> {
 }
 
 /// `--goodput metric:ms ...`: the objectives a request must meet to count as good.
-fn goodput(args: &BenchArgs) -> Result<Goodput, String> {
+fn goodput(args: &BenchArgs, kind: EndpointType) -> Result<Goodput, String> {
     let mut goodput = Vec::new();
     for g in &args.goodput {
         let (m, v) = g
@@ -479,6 +533,12 @@ fn goodput(args: &BenchArgs) -> Result<Goodput, String> {
         if !matches!(m, "ttft" | "tpot" | "e2el") {
             return Err(format!(
                 "--goodput `{g}`: the metric is one of ttft, tpot, e2el"
+            ));
+        }
+        if !kind.metrics().contains(&m) {
+            return Err(format!(
+                "--goodput `{g}`: {} answers are not streamed and have no {m}; use e2el",
+                kind.name()
             ));
         }
         let v: f64 = v
@@ -530,6 +590,12 @@ fn sweep_series(
         return Err(
             "--sweep measures one target; run the comparison at the rate you care about".into(),
         );
+    }
+    if !args.endpoint_type.streams() {
+        return Err(format!(
+            "--sweep charts TTFT P99, which {} answers do not have; run one rate at a time (E2EL and throughput)",
+            args.endpoint_type.name()
+        ));
     }
     // The table and the chart read P99.
     if !percentiles.iter().any(|p| (*p - 99.0).abs() < 1e-9) {
@@ -584,10 +650,17 @@ fn prompts(
                 args.seed,
                 &counter,
             ),
-            format!(
-                "random: {} in / {} out tokens (range ratio {}); {counting}",
-                args.random_input_len, args.random_output_len, args.random_range_ratio
-            ),
+            if args.endpoint_type.streams() {
+                format!(
+                    "random: {} in / {} out tokens (range ratio {}); {counting}",
+                    args.random_input_len, args.random_output_len, args.random_range_ratio
+                )
+            } else {
+                format!(
+                    "random: {} in tokens (range ratio {}); {counting}",
+                    args.random_input_len, args.random_range_ratio
+                )
+            },
         ),
         (_, DatasetName::Sharegpt) => {
             let path = args
@@ -654,6 +727,8 @@ fn settings_echo(
     selected: &[String],
     percentiles: &[f64],
 ) -> Value {
+    // An embedding has no output: no output length was sent.
+    let output_len = kind.streams().then_some(args.random_output_len);
     json!({
         "base_url": args.base_url,
         "endpoint": endpoint,
@@ -662,7 +737,7 @@ fn settings_echo(
         "dataset_path": args.dataset_path,
         "num_prompts": args.num_prompts,
         "random_input_len": args.random_input_len,
-        "random_output_len": args.random_output_len,
+        "random_output_len": output_len,
         "random_range_ratio": args.random_range_ratio,
         "sharegpt_output_len": args.sharegpt_output_len,
         "tokenizer": args.tokenizer,

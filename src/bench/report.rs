@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
+use super::args::EndpointType;
 use super::engine::RunResult;
 use super::interval::CONFIDENCE_PCT;
 use super::measure::Outcome;
@@ -16,12 +17,15 @@ use super::verdict::{
     HopCheck, Judgement, LikeForLike, compare, render_compare, render_violations, violations,
 };
 
-/// The terminal summary in `vllm bench serve`'s layout.
+/// The terminal summary in `vllm bench serve`'s layout: its generation lines, or for an
+/// endpoint type whose answers are not streamed (embeddings) its pooling lines, which have no
+/// output tokens and no per-second peaks.
 pub fn render(
     s: &Summary,
     selected: &[String],
     max_concurrency: Option<usize>,
     rate: f64,
+    kind: EndpointType,
 ) -> String {
     let mut o = String::new();
     let line = |o: &mut String, k: &str, v: String| {
@@ -46,34 +50,47 @@ pub fn render(
         format!("{:.2}", s.duration_s),
     );
     line(&mut o, "Total input tokens:", s.total_input.to_string());
-    line(
-        &mut o,
-        "Total generated tokens:",
-        s.total_output.to_string(),
-    );
+    if kind.streams() {
+        line(
+            &mut o,
+            "Total generated tokens:",
+            s.total_output.to_string(),
+        );
+    }
     line(
         &mut o,
         "Request throughput (req/s):",
         format!("{:.2}", s.request_throughput),
     );
+    if !kind.streams() {
+        // vLLM's inputs per second; one input (the prompt) per request.
+        line(
+            &mut o,
+            "Input throughput (inputs/s):",
+            format!("{:.2}", s.request_throughput),
+        );
+    }
     if let Some(g) = s.goodput {
         line(&mut o, "Request goodput (req/s):", format!("{g:.2}"));
     }
-    line(
-        &mut o,
-        "Output token throughput (tok/s):",
-        format!("{:.2}", s.output_throughput),
-    );
-    line(
-        &mut o,
-        "Peak output token throughput (tok/s):",
-        format!("{:.2}", s.peak_output_throughput),
-    );
-    line(
-        &mut o,
-        "Peak concurrent requests:",
-        format!("{:.2}", s.max_concurrent_requests as f64),
-    );
+    if kind.streams() {
+        line(
+            &mut o,
+            "Output token throughput (tok/s):",
+            format!("{:.2}", s.output_throughput),
+        );
+        line(
+            &mut o,
+            "Peak output token throughput (tok/s):",
+            format!("{:.2}", s.peak_output_throughput),
+        );
+        line(
+            &mut o,
+            "Peak concurrent requests:",
+            format!("{:.2}", s.max_concurrent_requests as f64),
+        );
+    }
+    // Without output tokens (an embedding), the input tokens per second.
     line(
         &mut o,
         "Total token throughput (tok/s):",
@@ -135,8 +152,13 @@ pub fn render(
     if s.outputs_without_usage > 0 {
         let _ = writeln!(
             o,
-            "note: {} request(s) reported no usage; their output tokens are their content events",
-            s.outputs_without_usage
+            "note: {} request(s) reported no usage; {}",
+            s.outputs_without_usage,
+            if kind.streams() {
+                "their output tokens are their content events"
+            } else {
+                "their input tokens are the prompt's own count"
+            }
         );
     }
     o
@@ -155,12 +177,17 @@ fn stats_section(o: &mut String, title: &str, what: &str, st: &Stats) {
     }
 }
 
-/// vLLM's result keys for one target (per-request arrays included, texts not kept).
+/// vLLM's result keys for one target (per-request arrays included, texts not kept): those of a
+/// generation, or those of a pooling run for an endpoint type whose answers are not streamed.
 pub fn vllm_json(
     s: &Summary,
     outcomes: &[&Outcome],
     selected: &[String],
+    kind: EndpointType,
 ) -> serde_json::Map<String, Value> {
+    if !kind.streams() {
+        return vllm_pooling_json(s, outcomes, selected);
+    }
     let mut m = serde_json::Map::new();
     m.insert("duration".into(), json!(s.duration_s));
     m.insert("completed".into(), json!(s.completed));
@@ -244,6 +271,69 @@ pub fn vllm_json(
                 .collect::<Vec<_>>()
         ),
     );
+    metric_keys(&mut m, s, selected);
+    m
+}
+
+/// vLLM's result keys of a pooling run (`calculate_metrics_for_embeddings`): no output tokens,
+/// no TTFT or ITL, one latency per request; plus `failed`, which vLLM prints but leaves out
+/// of this dict, and fleetgate's instantaneous peak.
+fn vllm_pooling_json(
+    s: &Summary,
+    outcomes: &[&Outcome],
+    selected: &[String],
+) -> serde_json::Map<String, Value> {
+    let mut m = serde_json::Map::new();
+    m.insert("duration".into(), json!(s.duration_s));
+    m.insert("completed".into(), json!(s.completed));
+    m.insert("failed".into(), json!(s.failed));
+    m.insert("total_input_tokens".into(), json!(s.total_input));
+    // One input (the prompt) per request.
+    m.insert("total_input_sequences".into(), json!(s.completed));
+    m.insert("request_throughput".into(), json!(s.request_throughput));
+    m.insert(
+        "input_sequence_throughput".into(),
+        json!(s.request_throughput),
+    );
+    m.insert(
+        "total_token_throughput".into(),
+        json!(s.total_token_throughput),
+    );
+    if let Some(g) = s.goodput {
+        m.insert("request_goodput".into(), json!(g));
+    }
+    m.insert(
+        "peak_concurrent_requests_instant".into(),
+        json!(s.peak_concurrent_instant),
+    );
+    m.insert(
+        "input_lens".into(),
+        json!(outcomes.iter().map(|o| o.input_tokens).collect::<Vec<_>>()),
+    );
+    m.insert(
+        "latencies".into(),
+        json!(
+            outcomes
+                .iter()
+                .map(|o| o.e2el.map_or(0.0, |d| d.as_secs_f64()))
+                .collect::<Vec<_>>()
+        ),
+    );
+    m.insert(
+        "errors".into(),
+        json!(
+            outcomes
+                .iter()
+                .map(|o| o.error.clone().unwrap_or_default())
+                .collect::<Vec<_>>()
+        ),
+    );
+    metric_keys(&mut m, s, selected);
+    m
+}
+
+/// `mean_/median_/std_/p<N>_<metric>_ms` of each selected metric.
+fn metric_keys(m: &mut serde_json::Map<String, Value>, s: &Summary, selected: &[String]) {
     for (key, _, _) in METRICS {
         if !selected.iter().any(|m| m == key) {
             continue;
@@ -256,11 +346,16 @@ pub fn vllm_json(
             m.insert(format!("p{}_{key}_ms", p_word(*p)), json!(v));
         }
     }
-    m
 }
 
-/// The seed's `result.json` shape.
-pub fn seed_json(s: &Summary) -> serde_json::Map<String, Value> {
+/// The seed's `result.json` shape (of an embedding run, only `error_rate`: it has no TTFT,
+/// TPOT or output tokens).
+pub fn seed_json(s: &Summary, kind: EndpointType) -> serde_json::Map<String, Value> {
+    if !kind.streams() {
+        let mut m = serde_json::Map::new();
+        m.insert("error_rate".into(), json!(s.error_rate()));
+        return m;
+    }
     let pct = |st: &Stats| {
         let mut o = serde_json::Map::new();
         for p in [50.0, 95.0, 99.0] {
@@ -325,6 +420,7 @@ pub fn diff(a: &Value, b: &Value) -> Result<String, String> {
                     | "completed"
                     | "failed"
                     | "max_output_tokens_per_s"
+                    | "input_sequence_throughput"
             )
     };
     let mut n = 0;
@@ -370,6 +466,9 @@ pub struct Report {
 pub fn build_report(plan: &Plan, run: &RunResult) -> Report {
     let dur = run.duration.as_secs_f64();
     let mut text = String::new();
+    for n in &plan.notes {
+        let _ = writeln!(text, "note: {n}");
+    }
     let (summaries, mut per_target) = target_sections(plan, run, dur, &mut text);
     let mut exit = 0u8;
     let mut json = run_json(plan, run, dur);
@@ -436,9 +535,16 @@ fn target_sections(
         } else {
             plan.request_rate
         };
-        text.push_str(&render(&s, &plan.selected, plan.max_concurrency, rate));
-        let mut m = vllm_json(&s, &mine, &plan.selected);
-        m.extend(seed_json(&s));
+        let kind = plan.endpoint_type;
+        text.push_str(&render(
+            &s,
+            &plan.selected,
+            plan.max_concurrency,
+            rate,
+            kind,
+        ));
+        let mut m = vllm_json(&s, &mine, &plan.selected, kind);
+        m.extend(seed_json(&s, kind));
         if let Some(g) = &s.gateway_ms {
             m.insert("gateway_time_ms".into(), stats_json(g));
         }
@@ -474,7 +580,11 @@ fn per_class(plan: &Plan, mine: &[&Outcome], dur: f64) -> Option<(String, Value)
     let pcts = &plan.percentiles;
     let mut text = format!("{:-^50}\n", "Per request class");
     let mut header = format!("{:<12} {:>6} {:>6}", "class", "ok", "failed");
-    for m in ["TTFT", "TPOT", "E2EL"] {
+    let keys: Vec<&str> = ["ttft", "tpot", "e2el"]
+        .into_iter()
+        .filter(|k| plan.endpoint_type.metrics().contains(k))
+        .collect();
+    for m in keys.iter().map(|k| k.to_uppercase()) {
         header.push_str(&format!(" {:>10}", format!("{m} mean")));
         for p in pcts {
             header.push_str(&format!(" {:>10}", format!("{m} P{}", p_word(*p))));
@@ -500,7 +610,7 @@ fn per_class(plan: &Plan, mine: &[&Outcome], dur: f64) -> Option<(String, Value)
             "mean_output_tokens".into(),
             json!(s.total_output as f64 / ok),
         );
-        for key in ["ttft", "tpot", "e2el"] {
+        for &key in &keys {
             let st = s.metrics.get(key).cloned().unwrap_or_default();
             let val = |v: f64| if st.count > 0 { json!(v) } else { Value::Null };
             let cell = |v: f64| {
@@ -557,6 +667,7 @@ fn run_json(plan: &Plan, run: &RunResult, dur: f64) -> serde_json::Map<String, V
     json.insert("burstiness".into(), json!(plan.burstiness));
     json.insert("max_concurrency".into(), json!(plan.max_concurrency));
     json.insert("dataset".into(), json!(plan.dataset_note));
+    json.insert("notes".into(), json!(plan.notes));
     json.insert("settings".into(), plan.settings.clone());
     json.insert("labels".into(), Value::Object(plan.labels.clone()));
     json.insert("interrupted".into(), json!(run.interrupted));
@@ -603,8 +714,14 @@ fn comparison(
         plan.thresholds,
     );
     let names = [plan.targets[0].name.as_str(), plan.targets[1].name.as_str()];
-    let hop = HopCheck::of(&run.outcomes, &summaries[0], &summaries[1]);
-    let like = LikeForLike::of(&run.outcomes, plan.thresholds);
+    // A whole answer's first byte is its last: the hop is set beside the whole request.
+    let metric = if plan.endpoint_type.streams() {
+        "ttft"
+    } else {
+        "e2el"
+    };
+    let hop = HopCheck::beside(&run.outcomes, &summaries[0], &summaries[1], metric);
+    let like = LikeForLike::against(&run.outcomes, plan.thresholds, metric);
     text.push('\n');
     text.push_str(&render_compare(
         names,

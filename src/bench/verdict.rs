@@ -277,9 +277,12 @@ pub fn compare(
     out
 }
 
-/// What the gateway recorded as its hop cost beside what the client saw it add to TTFT.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+/// What the gateway recorded as its hop cost beside what the client saw it add: to TTFT for a
+/// stream, to the whole request (E2EL) for an answer that is not streamed (an embedding).
+#[derive(Debug, Clone, PartialEq)]
 pub struct HopCheck {
+    /// The client-side metric the hop is set beside: `ttft`, or `e2el`.
+    pub metric: &'static str,
     /// Median `Server-Timing` hop of the second target's successful requests (none: it sent
     /// no hop figure).
     pub recorded_median_ms: Option<f64>,
@@ -287,41 +290,76 @@ pub struct HopCheck {
     pub recorded_p99_ms: Option<f64>,
     /// How many of its requests carried one.
     pub recorded_count: usize,
-    /// Second target's TTFT median − first's (none: TTFT not measured on a side).
-    pub client_ttft_median_delta_ms: Option<f64>,
+    /// Second target's median of `metric` − first's (none: not measured on a side); in the
+    /// result as `client_<metric>_median_delta_ms`.
+    pub client_median_delta_ms: Option<f64>,
     /// The 95 % interval of that delta (paired bootstrap over prompts).
-    pub client_ttft_median_delta_ci_ms: Option<Interval>,
-    /// recorded / client-seen (none: either is missing, or the client saw no added TTFT).
+    pub client_median_delta_ci_ms: Option<Interval>,
+    /// recorded / client-seen (none: either is missing, or the client saw no added time).
     pub ratio: Option<f64>,
 }
 
+/// The result's keys name the client-side metric (`client_ttft_median_delta_ms`).
+impl serde::Serialize for HopCheck {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = ser.serialize_map(Some(6))?;
+        m.serialize_entry("recorded_median_ms", &self.recorded_median_ms)?;
+        m.serialize_entry("recorded_p99_ms", &self.recorded_p99_ms)?;
+        m.serialize_entry("recorded_count", &self.recorded_count)?;
+        m.serialize_entry(
+            &format!("client_{}_median_delta_ms", self.metric),
+            &self.client_median_delta_ms,
+        )?;
+        m.serialize_entry(
+            &format!("client_{}_median_delta_ci_ms", self.metric),
+            &self.client_median_delta_ci_ms,
+        )?;
+        m.serialize_entry("ratio", &self.ratio)?;
+        m.end()
+    }
+}
+
 impl HopCheck {
+    /// Beside the client's TTFT (streams).
     pub fn of(outcomes: &[Outcome], baseline: &Summary, measured_target: &Summary) -> HopCheck {
-        let ttft_median = |s: &Summary| {
+        Self::beside(outcomes, baseline, measured_target, "ttft")
+    }
+
+    /// Beside the client's `metric`: `ttft` for streams, `e2el` for whole answers, whose
+    /// first byte is their last.
+    pub fn beside(
+        outcomes: &[Outcome],
+        baseline: &Summary,
+        measured_target: &Summary,
+        metric: &'static str,
+    ) -> HopCheck {
+        let median_of = |s: &Summary| {
             s.metrics
-                .get("ttft")
+                .get(metric)
                 .filter(|t| t.count > 0)
                 .map(|t| t.median)
         };
-        let pairs = Pairs::of(outcomes, "ttft");
+        let pairs = Pairs::of(outcomes, metric);
         let median = Stat::Percentile(50.0);
         // Over the prompts both answered, as its interval; the targets' medians without pairs.
         let client = pairs.delta(median).or_else(|| {
-            ttft_median(baseline)
-                .zip(ttft_median(measured_target))
+            median_of(baseline)
+                .zip(median_of(measured_target))
                 .map(|(a, b)| b - a)
         });
         let hop = measured_target.hop_ms.as_ref();
         let recorded = hop.map(|h| h.median);
         let p99 = Stat::Percentile(99.0);
         HopCheck {
+            metric,
             recorded_median_ms: recorded,
             recorded_p99_ms: hop
                 .filter(|h| h.count >= p99.min_samples())
                 .and_then(|h| h.get("p99")),
             recorded_count: hop.map_or(0, |h| h.count),
-            client_ttft_median_delta_ms: client,
-            client_ttft_median_delta_ci_ms: pairs.intervals(&[median]).remove(0),
+            client_median_delta_ms: client,
+            client_median_delta_ci_ms: pairs.intervals(&[median]).remove(0),
             ratio: recorded
                 .zip(client.filter(|c| *c > 0.0))
                 .map(|(r, c)| r / c),
@@ -331,19 +369,17 @@ impl HopCheck {
     /// The summary line: the figure to believe (the hop the gateway stamped per request)
     /// beside what the client saw, with its interval.
     fn render(&self, names: [&str; 2]) -> String {
-        let client = match (
-            self.client_ttft_median_delta_ms,
-            self.client_ttft_median_delta_ci_ms,
-        ) {
+        let m = self.metric.to_uppercase();
+        let client = match (self.client_median_delta_ms, self.client_median_delta_ci_ms) {
             (Some(c), Some(i)) => format!(
-                "the client-side TTFT median delta ({} − {}) is {c:+.3} ms, {CONFIDENCE_PCT} % interval [{:+.3}, {:+.3}] ms",
+                "the client-side {m} median delta ({} − {}) is {c:+.3} ms, {CONFIDENCE_PCT} % interval [{:+.3}, {:+.3}] ms",
                 names[1], names[0], i.lo, i.hi
             ),
             (Some(c), None) => format!(
-                "the client-side TTFT median delta ({} − {}) is {c:+.3} ms (too few paired prompts for an interval)",
+                "the client-side {m} median delta ({} − {}) is {c:+.3} ms (too few paired prompts for an interval)",
                 names[1], names[0]
             ),
-            _ => "the client-side TTFT median delta: not measured (no TTFT on a side)".to_owned(),
+            _ => format!("the client-side {m} median delta: not measured (no {m} on a side)"),
         };
         match self.recorded_median_ms {
             None => format!(
@@ -359,7 +395,7 @@ impl HopCheck {
                 self.recorded_count,
                 match self.ratio {
                     Some(x) => format!("{x:.2}"),
-                    None => "n/a (the client saw no added TTFT)".to_owned(),
+                    None => format!("n/a (the client saw no added {m})"),
                 }
             ),
         }
@@ -374,13 +410,19 @@ pub const LIKE_FLOOR_MS: f64 = 1.0;
 /// A gateway adds its hop on top of the backend's time, never inside it, so a difference here
 /// is the backends' own: a direct URL that is not the gateway's pool, one server against a
 /// pool of several, another model.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+/// For an answer that is not streamed (an embedding), the gateway's `upstream` is the backend's
+/// time to answer, set beside the direct E2EL.
+#[derive(Debug, Clone, PartialEq)]
 pub struct LikeForLike {
+    /// The direct side's metric: `ttft`, or `e2el` for whole answers.
+    pub metric: &'static str,
     /// Prompts with both figures.
     pub paired_prompts: usize,
-    /// Median backend TTFT behind the gateway, as it recorded it.
+    /// Median backend time (to first token; to the answer) behind the gateway, as it
+    /// recorded it.
     pub gateway_upstream_median_ms: Option<f64>,
-    pub direct_ttft_median_ms: Option<f64>,
+    /// In the result as `direct_<metric>_median_ms`.
+    pub direct_median_ms: Option<f64>,
     /// Median of the first − median of the second, with its 95 % interval.
     pub delta_ms: Option<f64>,
     pub ci_ms: Option<Interval>,
@@ -391,11 +433,39 @@ pub struct LikeForLike {
     pub comparable: Option<bool>,
 }
 
+/// The result's keys name the direct side's metric (`direct_ttft_median_ms`).
+impl serde::Serialize for LikeForLike {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = ser.serialize_map(Some(7))?;
+        m.serialize_entry("paired_prompts", &self.paired_prompts)?;
+        m.serialize_entry(
+            "gateway_upstream_median_ms",
+            &self.gateway_upstream_median_ms,
+        )?;
+        m.serialize_entry(
+            &format!("direct_{}_median_ms", self.metric),
+            &self.direct_median_ms,
+        )?;
+        m.serialize_entry("delta_ms", &self.delta_ms)?;
+        m.serialize_entry("ci_ms", &self.ci_ms)?;
+        m.serialize_entry("allowed_ms", &self.allowed_ms)?;
+        m.serialize_entry("comparable", &self.comparable)?;
+        m.end()
+    }
+}
+
 impl LikeForLike {
+    /// Against the direct TTFT (streams).
     pub fn of(outcomes: &[Outcome], t: Thresholds) -> LikeForLike {
-        let ttft = |o: &Outcome| metric_values(o, "ttft");
+        Self::against(outcomes, t, "ttft")
+    }
+
+    /// Against the direct `metric`: `ttft` for streams, `e2el` for whole answers.
+    pub fn against(outcomes: &[Outcome], t: Thresholds, metric: &'static str) -> LikeForLike {
+        let direct_values = |o: &Outcome| metric_values(o, metric);
         let upstream = |o: &Outcome| -> Vec<f64> { o.upstream_ms.into_iter().collect() };
-        let pairs = Pairs::by(outcomes, ttft, upstream);
+        let pairs = Pairs::by(outcomes, direct_values, upstream);
         let median = Stat::Percentile(50.0);
         // Each side's median over its own successful requests.
         let side = |target: u8, values: &dyn Fn(&Outcome) -> Vec<f64>| {
@@ -406,7 +476,7 @@ impl LikeForLike {
                 .collect();
             (!v.is_empty()).then(|| Stats::of(v, &[]).median)
         };
-        let direct = side(0, &ttft);
+        let direct = side(0, &direct_values);
         // Two measuring points (the client, the gateway) differ by their own HTTP stacks'
         // microseconds: a difference counts from the percentile tolerance or 1 ms up.
         let allowed = direct.map(|d| (t.percentile_pct / 100.0 * d).max(LIKE_FLOOR_MS));
@@ -416,9 +486,10 @@ impl LikeForLike {
             None
         };
         LikeForLike {
+            metric,
             paired_prompts: pairs.prompts(),
             gateway_upstream_median_ms: side(1, &upstream),
-            direct_ttft_median_ms: direct,
+            direct_median_ms: direct,
             delta_ms: pairs.delta(median),
             ci_ms: ci,
             allowed_ms: allowed,
@@ -428,15 +499,20 @@ impl LikeForLike {
 
     fn render(&self, names: [&str; 2]) -> String {
         let [base, gw] = names;
+        let to = if self.metric == "ttft" {
+            "to first token"
+        } else {
+            "to answer"
+        };
         match (
             self.comparable,
             self.gateway_upstream_median_ms,
-            self.direct_ttft_median_ms,
+            self.direct_median_ms,
             self.ci_ms,
         ) {
             (Some(ok), Some(up), Some(direct), Some(i)) => {
                 let figures = format!(
-                    "the backends behind {gw} took {up:.3} ms to first token (median of its Server-Timing upstream, {} prompts), {base}'s {direct:.3} ms; paired delta {:+.3} ms, {CONFIDENCE_PCT} % interval [{:+.3}, {:+.3}] ms",
+                    "the backends behind {gw} took {up:.3} ms {to} (median of its Server-Timing upstream, {} prompts), {base}'s {direct:.3} ms; paired delta {:+.3} ms, {CONFIDENCE_PCT} % interval [{:+.3}, {:+.3}] ms",
                     self.paired_prompts,
                     self.delta_ms.unwrap_or(up - direct),
                     i.lo,
