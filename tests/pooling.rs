@@ -77,14 +77,18 @@ async fn one_key_reaches_a_chat_pool_and_an_embeddings_pool() {
     assert_eq!(seen.endpoint, Some("embeddings"));
     assert_eq!(seen.model.as_deref(), Some("embed-m"));
     assert_eq!(seen.error, None);
-    // Its tokens are the answer's input count; it has no first token.
+    // Its tokens are the answer's input count; its first token is its whole answer, which
+    // gives the gateway's hop on it.
     let usage = seen.timeline.stream().usage.expect("usage read");
     assert_eq!(
         usage.prompt_tokens,
         v["usage"]["prompt_tokens"].as_u64().unwrap()
     );
     assert_eq!(usage.completion_tokens, 0);
-    assert!(seen.timeline.upstream_ttft().is_none());
+    assert!(seen.timeline.upstream_ttft().is_some());
+    assert!(seen.timeline.hop().is_some(), "the hop was measured");
+    let timing = e.headers["server-timing"].to_str().unwrap();
+    assert!(timing.contains("hop;dur="), "{timing}");
     assert!(seen.timeline.admitted().is_some(), "it took a backend slot");
 
     let c = post(
@@ -499,4 +503,40 @@ async fn a_keys_endpoint_families_bound_what_it_calls() {
         msg.contains("`embedding`") && msg.contains("embeddings, rerank, score"),
         "{msg}"
     );
+}
+
+/// An embedding server put in a pool whose kind says generative is warmed up with a chat it has
+/// no route for: it stays out of the pool, and its last error says what to set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_of_the_wrong_kind_says_so() {
+    let embed_sim = pooling_sim(Convert::Embed, "embed-m").await;
+    let gw = gateway_with(
+        vec![warmed("embed-m", &embed_sim, PoolKind::Generate)],
+        |c| c.admin = admin_cfg(),
+    )
+    .await;
+    let mut last = String::new();
+    for _ in 0..100 {
+        let (_, v) = admin(
+            &gw,
+            "GET",
+            "/admin/backends",
+            Some(&token(fleetgate::admin::jwt::Role::Viewer)),
+            None,
+        )
+        .await;
+        last = v["data"][0]["last_error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        if !last.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(
+        last.contains("POST /v1/chat/completions") && last.contains("pools[].kind"),
+        "{last}"
+    );
+    assert_ne!(admin_backends(&gw, "state").await, ["healthy"]);
 }

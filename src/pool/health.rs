@@ -356,6 +356,15 @@ async fn warm_up(pool: &Pool, backend: &Backend) -> Result<(), String> {
                 limit.as_millis()
             )
         })??;
+        if status == http::StatusCode::NOT_FOUND {
+            // vLLM registers its routes by the kind of model it serves.
+            return Err(format!(
+                "warm-up request {} answered {status} to POST {}: the backend has no such route for its model, so it serves another kind than pools[].kind = {} (a pooling model has no chat route, a generative one no embeddings route): set the pool's kind to what `vllm serve` runs",
+                i + 1,
+                endpoint.path(),
+                pool.config.kind.as_str()
+            ));
+        }
         if !status.is_success() {
             return Err(format!("warm-up request {} answered {status}", i + 1));
         }

@@ -141,7 +141,9 @@ pub(super) async fn send(
     let rename = prepared.rename.take();
     let pin = prepared.pin.take();
     let endpoint = prepared.endpoint;
-    let inference = endpoint.needs().generates;
+    // Inference, pooling included: a whole answer's head is its first token (the hop's
+    // measure), as on a non-streaming chat.
+    let inference = endpoint.needs().takes_slot;
     let upstream_req = upstream_request(&backend, prepared)?;
 
     // Send; wait for the head within the first-token (and total) limit.
@@ -200,7 +202,8 @@ pub(super) async fn send(
         // chunked (HTTP/1.1) or framed (HTTP/2) instead of with the backend's length.
         head.headers.remove(header::CONTENT_LENGTH);
     }
-    // (Tokenization has no first token: its answer feeds neither TTFT figure.)
+    // (Tokenization has no first token: its answer feeds neither TTFT figure. A pooling
+    // answer's first token is its whole answer.)
     if !sse && inference {
         // The whole answer is in this head's body: the first token is the head, handed to the
         // client now.
