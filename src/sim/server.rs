@@ -178,6 +178,16 @@ fn error_response(e: &ApiError, ctx: &SimContext, capture_key: Option<&str>) -> 
     r
 }
 
+/// An SSE answer, with vLLM's content type.
+fn event_stream(body: SimBody) -> Response<SimBody> {
+    let mut r = Response::new(body);
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    r
+}
+
 fn json_response(body: Vec<u8>, capture: Option<Capture>) -> Response<SimBody> {
     let mut r = Response::new(SimBody::full(body, capture));
     r.headers_mut()
@@ -404,12 +414,7 @@ async fn speech(
             capture,
         )
         .ending(parsed.natural_end);
-        let mut r = Response::new(SimBody::Stream(Box::new(stream)));
-        r.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream; charset=utf-8"),
-        );
-        return Ok(r);
+        return Ok(event_stream(SimBody::Stream(Box::new(stream))));
     }
     let text = generation.collect_text().await;
     generation.finish();
@@ -496,12 +501,7 @@ fn stored_response(
     if param("stream") == Some("true") {
         let after = param("starting_after").and_then(|v| v.parse().ok());
         let events = store.and_then(|s| s.replay(id, after)).unwrap_or_default();
-        let mut resp = Response::new(SimBody::full(events, capture));
-        resp.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream; charset=utf-8"),
-        );
-        return Ok(resp);
+        return Ok(event_stream(SimBody::full(events, capture)));
     }
     Ok(json_response(
         serde_json::to_vec(&r).unwrap_or_default(),
@@ -723,12 +723,7 @@ async fn generate(
             capture,
         )
         .ending(parsed.natural_end);
-        let mut r = Response::new(SimBody::Stream(Box::new(stream)));
-        r.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream; charset=utf-8"),
-        );
-        return Ok(r);
+        return Ok(event_stream(SimBody::Stream(Box::new(stream))));
     }
 
     // If the client leaves while we wait here, hyper drops this future and with it the
