@@ -7,7 +7,9 @@
 #   scripts/bench-compare.sh [extra fleetgate bench flags]
 # Environment: PROMPTS (default 300), RATE (default 16 req/s over both targets), INPUT (256),
 # OUTPUT (64), SIM_FLAGS (default: the sim's realistic defaults: 15 ms decode steps + 0.5 ms per
-# running sequence, 20 µs of prefill per prompt token).
+# running sequence, 20 µs of prefill per prompt token), ENDPOINT_TYPE (default openai-chat;
+# openai-embeddings runs the sim as an embedding server, `--runner pooling`, and judges E2EL),
+# FLEETGATE_BIN (default: this checkout's release build, built first).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -16,7 +18,8 @@ RATE=${RATE:-16}
 INPUT=${INPUT:-256}
 OUTPUT=${OUTPUT:-64}
 SIM_FLAGS=${SIM_FLAGS:-}
-BIN="$ROOT/target/release/fleetgate"
+ENDPOINT_TYPE=${ENDPOINT_TYPE:-openai-chat}
+BIN=${FLEETGATE_BIN:-$ROOT/target/release/fleetgate}
 OUT="$ROOT/bench-out/compare-$(date -u +%Y%m%dT%H%M%SZ)"
 TMP=$(mktemp -d)
 mkdir -p "$OUT" "$TMP/nginx"
@@ -26,8 +29,17 @@ SCRIPT_NAME=bench-compare
 trap 'stop_started; rm -rf "$TMP"' EXIT
 
 find_nginx
-log "building (release)"
-cargo build --release -q
+if [ -z "${FLEETGATE_BIN:-}" ]; then
+    log "building (release)"
+    cargo build --release -q
+fi
+KIND=generate
+METRICS=ttft,tpot,itl,e2el
+if [ "$ENDPOINT_TYPE" = openai-embeddings ]; then
+    SIM_FLAGS="--runner pooling $SIM_FLAGS"
+    KIND=embed
+    METRICS=e2el
+fi
 
 export NO_COLOR=1 RUST_LOG=info
 # shellcheck disable=SC2086 # SIM_FLAGS is a list of flags
@@ -49,6 +61,7 @@ listen = ""
 [[pools]]
 model = "qwen32b"
 backends = ["$SIM_URL"]
+kind = "$KIND"
 max_in_flight_per_backend = 0
 EOF
 FLEETGATE_BENCH_KEY=$("$BIN" keys --config "$TMP/fleetgate.toml" create --env prod --name compare --json |
@@ -69,8 +82,8 @@ done
 
 COMMON=(--model qwen32b --api-key-env FLEETGATE_BENCH_KEY --no-progress --seed 1
     --num-prompts "$PROMPTS" --random-input-len "$INPUT" --random-output-len "$OUTPUT"
-    --request-rate "$RATE" --num-warmups 10
-    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,95,99 "$@")
+    --request-rate "$RATE" --num-warmups 10 --endpoint-type "$ENDPOINT_TYPE"
+    --percentile-metrics "$METRICS" --metric-percentiles 50,95,99 "$@")
 status=0
 for via in gateway:"$GW_URL" nginx:"http://127.0.0.1:$NGINX_PORT"; do
     name=${via%%:*}
