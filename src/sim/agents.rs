@@ -49,6 +49,10 @@ pub(crate) struct ResponseObject {
     pub ec_transfer_params: Option<Value>,
     pub input_messages: Option<Value>,
     pub output_messages: Option<Value>,
+    /// Prompt tokens the prefix cache held: `usage.input_tokens_details.cached_tokens`
+    /// (vLLM writes it whatever `--enable-prompt-tokens-details` says).
+    #[serde(skip)]
+    pub cached_tokens: u32,
 }
 
 impl ResponseObject {
@@ -93,6 +97,7 @@ impl ResponseObject {
             ec_transfer_params: None,
             input_messages: None,
             output_messages: None,
+            cached_tokens: 0,
         }
     }
 
@@ -103,7 +108,7 @@ impl ResponseObject {
         self.incomplete_details = cut.then(|| json!({"reason": "max_output_tokens"}));
         self.usage = Some(json!({
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0, "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+            "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0, "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
             "total_tokens": prompt + completion,
@@ -329,16 +334,27 @@ impl MessagesFrames {
     }
 }
 
-/// A whole Anthropic message, as vLLM writes it (None-valued fields left out).
+/// A whole Anthropic message, as vLLM writes it (None-valued fields left out). With
+/// `--enable-prompt-tokens-details`, `cached` is `Some`: vLLM then reports the cached part as
+/// `cache_read_input_tokens` and only the rest as `input_tokens`.
 pub(crate) fn message_json(
     id: &str,
     model: &str,
     text: &str,
     prompt: u32,
     completion: u32,
+    cached: Option<u32>,
     cut: bool,
 ) -> Vec<u8> {
     let reason = if cut { "max_tokens" } else { "end_turn" };
+    let mut usage = json!({"input_tokens": prompt, "output_tokens": completion});
+    if let Some(cached) = cached {
+        usage = json!({
+            "input_tokens": prompt.saturating_sub(cached),
+            "output_tokens": completion,
+            "cache_read_input_tokens": cached,
+        });
+    }
     serde_json::to_vec(&json!({
         "id": id,
         "type": "message",
@@ -346,7 +362,7 @@ pub(crate) fn message_json(
         "content": [{"type": "text", "text": text}],
         "model": model,
         "stop_reason": reason,
-        "usage": {"input_tokens": prompt, "output_tokens": completion},
+        "usage": usage,
     }))
     .unwrap_or_default()
 }

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::args::SimConfig;
 use super::frames::Endpoint;
+use super::prefix_cache::{block_hashes, text_block_hashes};
 use super::tokens::{self, fnv1a, mix64};
 
 /// Every error the sim answers with, in the body shape vLLM uses for it.
@@ -288,6 +289,8 @@ pub(crate) struct GenRequest {
     pub responses: ResponsesExtras,
     /// The answer ends at its end of sequence (`--output-tokens`), not at its limit.
     pub natural_end: bool,
+    /// Hashes of the prompt's full KV blocks, for the prefix cache (empty when it is off).
+    pub prompt_blocks: Vec<u64>,
 }
 
 fn bad(msg: impl Into<String>) -> ApiError {
@@ -377,6 +380,16 @@ pub(crate) fn parse_generation(
     let mut responses = ResponsesExtras::default();
     // How vLLM names the output limit in its refusal.
     let mut limit_name = "max_tokens";
+    // The prompt as the engine sees it, cut into KV blocks for the prefix cache.
+    let mut prompt_blocks = Vec::new();
+    let caching = cfg.prefix_caching();
+    let blocks_of = |text: &str| {
+        if caching {
+            text_block_hashes(text, cfg.block_size)
+        } else {
+            Vec::new()
+        }
+    };
     let (prompt_tokens, prompt_hash, params) = match endpoint {
         Endpoint::Chat => {
             let r: ChatRequest = validate(body)?;
@@ -386,11 +399,15 @@ pub(crate) fn parse_generation(
                 prompt.push_str(t);
                 hash = fnv1a(hash, t.as_bytes());
             }
+            prompt_blocks = blocks_of(&prompt);
             (prompt_tokens(&prompt), hash, r.params)
         }
         Endpoint::Completions => {
             let r: CompletionRequest = validate(body)?;
             let (tokens, hash) = prompt_size(&r.prompt, cfg.seed)?;
+            if caching {
+                prompt_blocks = completion_blocks(&r.prompt, cfg.block_size);
+            }
             (tokens, hash, r.params)
         }
         Endpoint::Responses => {
@@ -411,6 +428,7 @@ pub(crate) fn parse_generation(
                     }
                 }
             }
+            prompt_blocks = blocks_of(&prompt);
             limit_name = "max_output_tokens";
             responses = ResponsesExtras {
                 instructions: r.instructions,
@@ -447,6 +465,7 @@ pub(crate) fn parse_generation(
                 ));
             }
             let prompt = anthropic_prompt(&c.messages, c.system.as_ref());
+            prompt_blocks = blocks_of(&prompt);
             if r.max_tokens < 1 {
                 return Err(ApiError::Validation {
                     message: "1 validation error:\n  {'type': 'value_error', 'loc': 'body.max_tokens', 'msg': 'Value error, max_tokens must be positive'}".into(),
@@ -470,14 +489,32 @@ pub(crate) fn parse_generation(
             )
         }
     };
-    sampling(
+    let mut request = sampling(
         prompt_tokens,
         prompt_hash,
         params,
         limit_name,
         responses,
         cfg,
-    )
+    )?;
+    request.prompt_blocks = prompt_blocks;
+    Ok(request)
+}
+
+/// The block hashes of a completions prompt `prompt_size` accepted: its text's tokens, or its
+/// token ids.
+fn completion_blocks(prompt: &serde_json::Value, block_size: u32) -> Vec<u64> {
+    use serde_json::Value;
+    let ids = |v: &[Value]| block_hashes(v.iter().filter_map(Value::as_u64), block_size);
+    match prompt {
+        Value::String(s) => text_block_hashes(s, block_size),
+        Value::Array(items) => match items.as_slice() {
+            [Value::String(s)] => text_block_hashes(s, block_size),
+            [Value::Array(inner)] => ids(inner),
+            all => ids(all),
+        },
+        _ => Vec::new(),
+    }
 }
 
 /// The checks every generation shares, in vLLM's order (model, n, stream options, lengths),
@@ -576,6 +613,7 @@ fn sampling(
         token_seed,
         responses,
         natural_end,
+        prompt_blocks: Vec::new(),
     })
 }
 
@@ -768,8 +806,16 @@ struct Usage {
     prompt_tokens: u32,
     total_tokens: u64,
     completion_tokens: u32,
-    prompt_tokens_details: Option<()>,
+    prompt_tokens_details: Option<PromptTokensDetails>,
     completion_tokens_details: Option<()>,
+}
+
+/// vLLM's `PromptTokenUsageInfo`, written only with `--enable-prompt-tokens-details`.
+#[derive(Serialize)]
+struct PromptTokensDetails {
+    cached_tokens: u32,
+    created_cache_tokens: Option<()>,
+    multimodal_tokens: Option<()>,
 }
 
 impl Usage {
@@ -781,6 +827,15 @@ impl Usage {
             prompt_tokens_details: None,
             completion_tokens_details: None,
         }
+    }
+
+    fn cached(mut self, cached: Option<u32>) -> Self {
+        self.prompt_tokens_details = cached.map(|cached_tokens| PromptTokensDetails {
+            cached_tokens,
+            created_cache_tokens: None,
+            multimodal_tokens: None,
+        });
+        self
     }
 }
 
@@ -1009,11 +1064,14 @@ pub(crate) struct FinalAnswer<'a> {
     pub finish_reason: &'a str,
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
+    /// `Some` with `--enable-prompt-tokens-details`: `usage.prompt_tokens_details`.
+    pub cached_tokens: Option<u32>,
 }
 
 impl FinalAnswer<'_> {
     pub fn to_json(&self) -> Vec<u8> {
-        let usage = Usage::new(self.prompt_tokens, self.completion_tokens);
+        let usage =
+            Usage::new(self.prompt_tokens, self.completion_tokens).cached(self.cached_tokens);
         let out = match self.endpoint {
             Endpoint::Chat => {
                 return chat_completion_json(

@@ -37,7 +37,8 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: u32,
 
-    /// Simulated GPU time per prompt token, in microseconds.
+    /// Simulated GPU time per prompt token the prefix cache does not hold, in microseconds
+    /// (a GPU prefills 1000 tokens in about 0.1-0.5 ms: 0.1-0.5 here).
     #[arg(long, default_value_t = 20.0)]
     pub prefill_us_per_token: f64,
 
@@ -122,6 +123,23 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 2)]
     pub num_labels: u32,
 
+    /// Tokens per KV block, as `vllm serve --block-size`: the prefix cache's unit (only full
+    /// blocks of a prompt are cached).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+
+    /// Capacity of the prefix cache in tokens, least recently used blocks evicted first; 0
+    /// turns prefix caching off (as `--no-enable-prefix-caching`). On by default, as in vLLM:
+    /// a prompt whose first K tokens are cached pays prefill only for the rest.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub kv_cache_tokens: u64,
+
+    /// Report `usage.prompt_tokens_details` (`{"cached_tokens": K, ...}`) on chat and
+    /// completions answers and `cache_read_input_tokens` on /v1/messages, as vLLM does with the
+    /// same flag; without it they are `null` / absent.
+    #[arg(long)]
+    pub enable_prompt_tokens_details: bool,
+
     /// Keep the exact bytes of every response body, keyed by x-request-id (for tests).
     #[arg(long, hide = true)]
     pub capture_streams: bool,
@@ -170,6 +188,9 @@ impl Default for SimArgs {
             convert: Convert::Embed,
             embedding_size: 64,
             num_labels: 2,
+            block_size: 16,
+            kv_cache_tokens: 1_000_000,
+            enable_prompt_tokens_details: false,
         }
     }
 }
@@ -200,6 +221,12 @@ impl fmt::Debug for SimArgs {
             .field("convert", &self.convert)
             .field("embedding_size", &self.embedding_size)
             .field("num_labels", &self.num_labels)
+            .field("block_size", &self.block_size)
+            .field("kv_cache_tokens", &self.kv_cache_tokens)
+            .field(
+                "enable_prompt_tokens_details",
+                &self.enable_prompt_tokens_details,
+            )
             .field("capture_streams", &self.capture_streams)
             .finish()
     }
@@ -273,6 +300,18 @@ pub(crate) struct SimConfig {
     pub output_tokens: Option<u32>,
     /// `Some` with `--runner pooling`: the generative routes are gone.
     pub pooling: Option<PoolingTask>,
+    /// `--block-size`.
+    pub block_size: u32,
+    /// `--kv-cache-tokens`; 0 = no prefix cache.
+    pub prefix_cache_tokens: u64,
+    pub prompt_tokens_details: bool,
+}
+
+impl SimConfig {
+    /// Whether prompts are hashed into blocks for the prefix cache at all.
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix_cache_tokens >= u64::from(self.block_size)
+    }
 }
 
 impl SimConfig {
@@ -342,6 +381,9 @@ impl TryFrom<&SimArgs> for SimConfig {
             (None, Some(k)) => Some(StreamFault::ErrorAfter(k)),
             (None, None) => None,
         };
+        if a.block_size == 0 {
+            return Err(invalid("--block-size must be >= 1".into()));
+        }
         if a.embedding_size == 0 || a.num_labels == 0 {
             return Err(invalid(
                 "--embedding-size and --num-labels must be >= 1".into(),
@@ -397,6 +439,9 @@ impl TryFrom<&SimArgs> for SimConfig {
             auto_tool_choice: a.enable_auto_tool_choice,
             output_tokens: a.output_tokens.filter(|n| *n > 0),
             pooling,
+            block_size: a.block_size,
+            prefix_cache_tokens: a.kv_cache_tokens,
+            prompt_tokens_details: a.enable_prompt_tokens_details,
         })
     }
 }

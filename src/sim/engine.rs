@@ -9,8 +9,8 @@
 //! which coalesces pending deltas instead of applying back-pressure to the engine.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -21,6 +21,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::args::{SimConfig, StepTiming};
+use super::prefix_cache::PrefixCache;
 use super::stats::{FinishReason, SimStats};
 use super::tokens::TokenSource;
 
@@ -73,6 +74,8 @@ impl SeqShared {
 pub(crate) struct NewSeq {
     pub shared: Arc<SeqShared>,
     pub prompt_tokens: u32,
+    /// Leading prompt tokens found in the prefix cache: no prefill for them.
+    pub cached_tokens: u32,
     pub max_tokens: u32,
 }
 
@@ -98,6 +101,8 @@ pub(crate) struct BatchModel {
     timing: StepTiming,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Prompt tokens prefilled so far (cached ones excluded): what prefill time was paid for.
+    prefilled_tokens: u64,
 }
 
 impl BatchModel {
@@ -108,15 +113,18 @@ impl BatchModel {
             timing,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            prefilled_tokens: 0,
         }
     }
 
     pub fn enqueue(&mut self, s: NewSeq) {
         let prompt = s.prompt_tokens.max(1);
+        // At least one token is computed, as vLLM's (the last prompt token's logits are needed).
+        let cached = s.cached_tokens.min(prompt - 1);
         self.waiting.push_back(Seq {
             shared: s.shared,
             prompt_tokens: prompt,
-            prefill_left: prompt,
+            prefill_left: prompt - cached,
             chunk: 0,
             max_tokens: s.max_tokens.max(1),
             produced: 0,
@@ -129,6 +137,11 @@ impl BatchModel {
 
     pub fn waiting_len(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// Prompt tokens prefilled so far; cached ones never are.
+    pub fn prefilled_tokens(&self) -> u64 {
+        self.prefilled_tokens
     }
 
     /// Tokens whose KV entries the running batch holds.
@@ -172,6 +185,7 @@ impl BatchModel {
             give(&mut s, &mut budget);
             self.running.push(s);
         }
+        self.prefilled_tokens += u64::from(prefill_tokens);
         let t = &self.timing;
         let seats = u32::try_from(self.running.len()).unwrap_or(u32::MAX);
         let mut d = t
@@ -212,6 +226,8 @@ impl BatchModel {
 #[derive(Clone)]
 pub(crate) struct Engine {
     submit: Option<mpsc::UnboundedSender<NewSeq>>,
+    /// `None` with `--kv-cache-tokens 0`. Held only for one lookup, never across an await.
+    prefix_cache: Option<Arc<Mutex<PrefixCache>>>,
 }
 
 impl Engine {
@@ -222,32 +238,56 @@ impl Engine {
         stats: Arc<SimStats>,
         cancel: CancellationToken,
     ) -> (Self, Option<JoinHandle<()>>) {
+        let prefix_cache = PrefixCache::new(cfg.block_size, cfg.prefix_cache_tokens)
+            .map(|c| Arc::new(Mutex::new(c)));
         if cfg.timing.is_zero() {
-            return (Self { submit: None }, None);
+            return (
+                Self {
+                    submit: None,
+                    prefix_cache,
+                },
+                None,
+            );
         }
         // Unbounded like vLLM's waiting queue: admission control is the gateway's job, and
         // each entry is a few words.
         let (tx, rx) = mpsc::unbounded_channel();
         let model = BatchModel::new(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.timing);
         let task = tokio::spawn(run_scheduler(model, rx, stats, cancel));
-        (Self { submit: Some(tx) }, Some(task))
+        (
+            Self {
+                submit: Some(tx),
+                prefix_cache,
+            },
+            Some(task),
+        )
     }
 
-    /// Starts a generation; the caller has already validated lengths.
+    /// Starts a generation; the caller has already validated lengths. `prompt_blocks` are
+    /// the prompt's block hashes (`prefix_cache::block_hashes`; empty for a request the
+    /// prefix cache does not see).
     pub fn start(
         &self,
         stats: Arc<SimStats>,
         prompt_tokens: u32,
+        prompt_blocks: &[u64],
         max_tokens: u32,
         token_seed: u64,
         arrived: Instant,
     ) -> Generation {
+        let cached_tokens = match (&self.prefix_cache, prompt_blocks) {
+            (None, _) | (_, []) => 0,
+            (Some(cache), blocks) => cache
+                .lock()
+                .map_or(0, |mut c| c.admit(blocks, prompt_tokens)),
+        };
         let feed = match &self.submit {
             Some(tx) => {
                 let shared = Arc::new(SeqShared::default());
                 let seq = NewSeq {
                     shared: shared.clone(),
                     prompt_tokens,
+                    cached_tokens,
                     max_tokens,
                 };
                 match tx.send(seq) {
@@ -260,11 +300,17 @@ impl Engine {
         };
         if matches!(feed, Feed::Instant) {
             stats.running.fetch_add(1, Ordering::Relaxed);
+            // No scheduler to count prefill: the uncached part counts at once.
+            stats.engine.prefilled_tokens.fetch_add(
+                u64::from(prompt_tokens.max(1) - cached_tokens.min(prompt_tokens.max(1) - 1)),
+                Ordering::Relaxed,
+            );
         }
         Generation {
             feed,
             tokens: TokenSource::new(token_seed),
             prompt_tokens,
+            cached_tokens,
             max_tokens: max_tokens.max(1),
             emitted: 0,
             arrived,
@@ -325,6 +371,10 @@ fn publish_gauges(stats: &SimStats, model: &BatchModel) {
         .engine
         .kv_tokens
         .store(model.kv_tokens(), Ordering::Relaxed);
+    stats
+        .engine
+        .prefilled_tokens
+        .store(model.prefilled_tokens(), Ordering::Relaxed);
 }
 
 enum Feed {
@@ -346,6 +396,8 @@ pub(crate) struct Generation {
     feed: Feed,
     tokens: TokenSource,
     pub prompt_tokens: u32,
+    /// Leading prompt tokens the prefix cache held (`usage.prompt_tokens_details`).
+    pub cached_tokens: u32,
     pub max_tokens: u32,
     emitted: u32,
     arrived: Instant,
@@ -395,6 +447,8 @@ impl Generation {
                 .observe(admitted.saturating_duration_since(self.arrived));
             m.prefix_cache_queries
                 .fetch_add(u64::from(self.prompt_tokens), Ordering::Relaxed);
+            m.prefix_cache_hits
+                .fetch_add(u64::from(self.cached_tokens), Ordering::Relaxed);
         } else {
             m.itl.observe(now - self.last_token);
         }
@@ -486,6 +540,7 @@ mod tests {
                 model.enqueue(NewSeq {
                     shared: s.clone(),
                     prompt_tokens: p,
+                    cached_tokens: 0,
                     max_tokens,
                 });
                 s
@@ -533,6 +588,35 @@ mod tests {
     }
 
     #[test]
+    fn cached_prefix_is_not_prefilled() {
+        let mut m = BatchModel::new(32, 8192, timing());
+        let s = Arc::new(SeqShared::default());
+        m.enqueue(NewSeq {
+            shared: s.clone(),
+            prompt_tokens: 6000,
+            cached_tokens: 5000,
+            max_tokens: 1,
+        });
+        // Only the 1000 uncached tokens cost prefill time.
+        assert_eq!(
+            m.plan(),
+            Some(Duration::from_micros(15_000 + 500 + 1000 * 20))
+        );
+        m.commit();
+        assert_eq!(s.produced(), 1);
+        assert_eq!(m.prefilled_tokens(), 1000);
+        // A prompt that is all cached still computes its last token.
+        m.enqueue(NewSeq {
+            shared: Arc::new(SeqShared::default()),
+            prompt_tokens: 64,
+            cached_tokens: 64,
+            max_tokens: 1,
+        });
+        m.plan().unwrap();
+        assert_eq!(m.prefilled_tokens(), 1001);
+    }
+
+    #[test]
     fn fewer_seats_means_queueing() {
         let wide = mean(&ttfts(
             &mut BatchModel::new(32, 8192, timing()),
@@ -554,6 +638,7 @@ mod tests {
         m.enqueue(NewSeq {
             shared: s.clone(),
             prompt_tokens: 2500,
+            cached_tokens: 0,
             max_tokens: 2,
         });
         let mut steps = 0;
@@ -578,6 +663,7 @@ mod tests {
             m.enqueue(NewSeq {
                 shared: s.clone(),
                 prompt_tokens: 10,
+                cached_tokens: 0,
                 max_tokens: 100,
             });
         }

@@ -52,6 +52,8 @@ pub(crate) struct FrameWriter {
     continuous: Option<u32>,
     /// Tokens written so far (for continuous usage).
     tokens: u32,
+    /// `--enable-prompt-tokens-details`: the cached prompt tokens the usage chunk reports.
+    cached: Option<u32>,
 }
 
 impl FrameWriter {
@@ -72,12 +74,19 @@ impl FrameWriter {
             buf: BytesMut::with_capacity(4096),
             continuous: None,
             tokens: 0,
+            cached: None,
         }
     }
 
     /// Usage on every chunk (`stream_options.continuous_usage_stats` with `include_usage`).
     pub fn continuous_usage(&mut self, prompt_tokens: u32) {
         self.continuous = Some(prompt_tokens);
+    }
+
+    /// `usage.prompt_tokens_details` on the usage chunk, as vLLM with
+    /// `--enable-prompt-tokens-details`.
+    pub fn prompt_tokens_details(&mut self, cached_tokens: u32) {
+        self.cached = Some(cached_tokens);
     }
 
     /// `,"usage":{…}` of a continuous-usage chunk.
@@ -178,6 +187,13 @@ impl FrameWriter {
         );
         self.buf.put_slice(br#","completion_tokens":"#);
         self.buf.put_slice(n.format(completion).as_bytes());
+        if let Some(cached) = self.cached {
+            self.buf
+                .put_slice(br#","prompt_tokens_details":{"cached_tokens":"#);
+            self.buf.put_slice(n.format(cached).as_bytes());
+            self.buf
+                .put_slice(br#","created_cache_tokens":null,"multimodal_tokens":null}"#);
+        }
         self.buf.put_slice(br#"},"system_fingerprint":""#);
         self.buf
             .put_slice(super::api::SYSTEM_FINGERPRINT.as_bytes());

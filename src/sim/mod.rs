@@ -12,6 +12,7 @@
 //! - `engine`: the continuous-batching model and its scheduler task; the `Generation` handle
 //!   whose drop is the cancellation signal.
 //! - `body` / `frames`: the SSE stream, formatted by hand for a cheap per-token path.
+//! - `prefix_cache`: vLLM's automatic prefix caching (chained block hashes, LRU).
 //! - `stats`: counters for tests and the `/metrics` text.
 //! - `tokens`: deterministic token texts and JSON escaping.
 //!
@@ -28,6 +29,7 @@ mod body;
 mod engine;
 mod frames;
 mod pooling;
+mod prefix_cache;
 mod server;
 mod stats;
 mod tokens;

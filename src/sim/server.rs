@@ -351,7 +351,7 @@ async fn pooled(
         .fetch_add(u64::from(answer.prompt_tokens), Relaxed);
     let mut pass = ctx
         .engine
-        .start(ctx.stats.clone(), answer.prompt_tokens, 1, 0, arrived);
+        .start(ctx.stats.clone(), answer.prompt_tokens, &[], 1, 0, arrived);
     pass.collect_text().await;
     pass.finish();
     let capture = capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
@@ -391,6 +391,7 @@ async fn speech(
     let mut generation = ctx.engine.start(
         ctx.stats.clone(),
         parsed.prompt_tokens,
+        &[],
         parsed.max_tokens,
         parsed.token_seed,
         arrived,
@@ -449,6 +450,7 @@ async fn batch_chat(
         let mut generation = ctx.engine.start(
             ctx.stats.clone(),
             c.prompt_tokens,
+            &[],
             c.max_tokens,
             c.token_seed,
             arrived,
@@ -638,6 +640,7 @@ async fn generate(
     let mut generation = ctx.engine.start(
         ctx.stats.clone(),
         parsed.prompt_tokens,
+        &parsed.prompt_blocks,
         parsed.max_tokens,
         parsed.token_seed,
         arrived,
@@ -661,6 +664,7 @@ async fn generate(
         );
         o.tools.clone_from(&parsed.responses.tools);
         o.tool_choice = parsed.responses.tool_choice;
+        o.cached_tokens = generation.cached_tokens;
         o
     });
     let msg_id = || format!("msg_{:016x}", rand::random::<u64>());
@@ -696,6 +700,9 @@ async fn generate(
                 let mut frames = FrameWriter::new(endpoint, &id, created, model);
                 if parsed.continuous_usage {
                     frames.continuous_usage(parsed.prompt_tokens);
+                }
+                if ctx.cfg.prompt_tokens_details {
+                    frames.prompt_tokens_details(generation.cached_tokens);
                 }
                 Frames::Chat(frames)
             }
@@ -744,7 +751,17 @@ async fn generate(
         }
         (Endpoint::Messages, _) => {
             return Ok(json_response(
-                agents::message_json(&id, model, &text, prompt, completion, !parsed.natural_end),
+                agents::message_json(
+                    &id,
+                    model,
+                    &text,
+                    prompt,
+                    completion,
+                    ctx.cfg
+                        .prompt_tokens_details
+                        .then_some(generation.cached_tokens),
+                    !parsed.natural_end,
+                ),
                 capture,
             ));
         }
@@ -759,6 +776,10 @@ async fn generate(
         finish_reason: if parsed.natural_end { "stop" } else { "length" },
         prompt_tokens: generation.prompt_tokens,
         completion_tokens: generation.emitted(),
+        cached_tokens: ctx
+            .cfg
+            .prompt_tokens_details
+            .then_some(generation.cached_tokens),
     };
     Ok(json_response(answer.to_json(), capture))
 }

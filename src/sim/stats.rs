@@ -127,8 +127,13 @@ fn one_two_five(max: u64) -> Vec<f64> {
 pub(crate) struct EngineMetrics {
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
-    /// Prompt tokens looked up in the prefix cache (the sim has none: never a hit).
+    /// Prompt tokens looked up in the prefix cache.
     pub prefix_cache_queries: AtomicU64,
+    /// Of those, the tokens found (a hit skips its prefill).
+    pub prefix_cache_hits: AtomicU64,
+    /// Prompt tokens actually prefilled, cached ones excluded: what prefill time was paid for
+    /// (`vllm:prompt_tokens_by_source_total{source="local_compute"}`).
+    pub prefilled_tokens: AtomicU64,
     finished: [AtomicU64; 2],
     pub ttft: Histogram,
     pub e2e: Histogram,
@@ -148,6 +153,8 @@ impl EngineMetrics {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             prefix_cache_queries: AtomicU64::new(0),
+            prefix_cache_hits: AtomicU64::new(0),
+            prefilled_tokens: AtomicU64::new(0),
             finished: [AtomicU64::new(0), AtomicU64::new(0)],
             ttft: Histogram::seconds(TTFT_BUCKETS),
             e2e: Histogram::seconds(E2E_BUCKETS),
@@ -337,7 +344,7 @@ pub(crate) fn render_metrics(stats: &SimStats, model_name: &str) -> String {
         "vllm:prefix_cache_hits_total",
         "counter",
         "Prefix cache hits, in terms of number of cached tokens.",
-        &[("", 0.0)],
+        &[("", count(&m.prefix_cache_hits))],
     );
     family(
         &mut out,
@@ -352,6 +359,24 @@ pub(crate) fn render_metrics(stats: &SimStats, model_name: &str) -> String {
         "counter",
         "Number of prefill tokens processed.",
         &[("", count(&m.prompt_tokens))],
+    );
+    family(
+        &mut out,
+        "vllm:prompt_tokens_by_source_total",
+        "counter",
+        "Number of prompt tokens by source.",
+        &[
+            ("source=\"local_compute\"", count(&m.prefilled_tokens)),
+            ("source=\"local_cache_hit\"", count(&m.prefix_cache_hits)),
+            ("source=\"external_kv_transfer\"", 0.0),
+        ],
+    );
+    family(
+        &mut out,
+        "vllm:prompt_tokens_cached_total",
+        "counter",
+        "Number of cached prompt tokens (local + external).",
+        &[("", count(&m.prefix_cache_hits))],
     );
     family(
         &mut out,
