@@ -729,6 +729,9 @@ async fn requests_of_one_user_stay_on_one_backend() {
         by: fleetgate::config::AffinityBy::User,
         prefix_bytes: 512,
         slack: 4,
+        block_bytes: 256,
+        max_blocks: 4096,
+        max_age: std::time::Duration::from_secs(600),
     });
     let gw = gateway(vec![p]).await;
     let url = gw.url("/v1/chat/completions");

@@ -87,6 +87,10 @@ pub enum AffinityBy {
     User,
     /// The first `prefix_bytes` of the prompt (`messages` or `prompt`).
     Prefix,
+    /// The longest prompt prefix a backend was sent (`pool::prefix`): a conversation's turns
+    /// follow their KV cache.
+    #[serde(rename = "longest_prefix")]
+    LongestPrefix,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -96,6 +100,11 @@ pub struct AffinityConfig {
     /// The preferred backend is used while its load is at most twice the least loaded one's,
     /// or at most this many requests more.
     pub slack: u32,
+    /// `longest_prefix`: the prompt is remembered in blocks of this many bytes, at most
+    /// `max_blocks` of them, each for at most `max_age` after its last use.
+    pub block_bytes: usize,
+    pub max_blocks: usize,
+    pub max_age: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -361,6 +370,9 @@ fn pool(
             by: a.by,
             prefix_bytes: a.prefix_bytes.max(1),
             slack: a.slack,
+            block_bytes: a.block_bytes.max(16),
+            max_blocks: a.max_blocks.max(1024),
+            max_age: Duration::from_secs(a.max_age_seconds.max(1)),
         }),
         expose_backend_addresses: false,
     })

@@ -539,6 +539,22 @@ pub(super) struct RawAffinity {
     pub(super) prefix_bytes: usize,
     #[serde(default = "default_slack")]
     pub(super) slack: u32,
+    #[serde(default = "default_block_bytes")]
+    pub(super) block_bytes: usize,
+    #[serde(default = "default_max_blocks")]
+    pub(super) max_blocks: usize,
+    #[serde(default = "default_max_age")]
+    pub(super) max_age_seconds: u64,
+}
+
+fn default_block_bytes() -> usize {
+    256
+}
+fn default_max_blocks() -> usize {
+    262_144
+}
+fn default_max_age() -> u64 {
+    600
 }
 
 fn default_prefix_bytes() -> usize {

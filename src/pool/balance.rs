@@ -9,6 +9,7 @@ use crate::config::{EjectionConfig, PoolConfig, RetryConfig};
 use crate::queue::{AdmissionQueue, Slots};
 
 use super::backend::{Backend, Reachability, weight_of};
+use super::prefix::Tenants;
 
 /// Retries allowed as a share of requests: each request deposits `ratio` of a retry, a retry
 /// spends one; at most ten are saved up.
@@ -293,6 +294,65 @@ impl Balancer {
             }
         }
         self.try_acquire_excluding(exclude)
+    }
+
+    /// Longest-prefix routing: the least loaded of the backends that hold the deepest known
+    /// prefix (`found`, shortest first) and can take the request — unless it is overloaded
+    /// (more than twice the least loaded backend's requests and more than `slack` above them):
+    /// then the usual choice. `true` with the slot when it went where its prefix is.
+    pub fn try_acquire_prefix(
+        self: &Arc<Self>,
+        found: &[Tenants],
+        exclude: u64,
+        slack: u32,
+    ) -> Option<(InFlight, bool)> {
+        let load = |b: &Backend| {
+            let f = b.in_flight.load(Ordering::SeqCst);
+            (f, u64::from(f.max(b.remote_load.load(Ordering::Relaxed))))
+        };
+        let usable = |i: usize| exclude & bit(i) == 0 && self.backends[i].eligible();
+        let min_load = (0..self.backends.len())
+            .filter(|i| usable(*i))
+            .map(|i| load(&self.backends[i]).1)
+            .min()
+            .unwrap_or(0);
+        let fair = min_load
+            .saturating_mul(2)
+            .max(min_load.saturating_add(u64::from(slack)));
+        // The deepest prefix with a backend that can take it.
+        let best = found.iter().rev().find_map(|tenants| {
+            (0..self.backends.len())
+                .filter(|i| {
+                    usable(*i)
+                        && tenants
+                            .contains(u32::try_from(self.backends[*i].slot).unwrap_or(u32::MAX))
+                })
+                .filter(|i| {
+                    let b = &self.backends[*i];
+                    let cap = b.capacity();
+                    cap == 0 || load(b).0 < cap
+                })
+                .min_by_key(|i| load(&self.backends[*i]).1)
+        });
+        if let Some(i) = best {
+            let b = &self.backends[i];
+            let (f, l) = load(b);
+            if l <= fair
+                && b.in_flight
+                    .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            {
+                return Some((
+                    InFlight {
+                        balancer: self.clone(),
+                        index: i,
+                        counted: true,
+                    },
+                    true,
+                ));
+            }
+        }
+        self.try_acquire_excluding(exclude).map(|s| (s, false))
     }
 
     fn scan(

@@ -15,6 +15,7 @@ pub mod cause;
 pub mod driven;
 pub mod fleet;
 mod health;
+pub mod prefix;
 pub mod upstream_client;
 
 use std::collections::HashMap;
@@ -63,7 +64,18 @@ pub struct Pool {
     /// (minimum estimated prompt tokens, index of the pool that takes them).
     pub long_prompt: Option<(u64, usize)>,
     pub affinity: Option<crate::config::AffinityConfig>,
+    /// `by = "longest_prefix"`: which backends hold which prompt prefixes (kept across a
+    /// reload while the settings stay).
+    pub prefix: Option<Arc<prefix::PrefixIndex>>,
     config: PoolConfig,
+}
+
+/// Two longest-prefix settings that keep the same index (its blocks and bounds).
+fn same_index(a: &crate::config::AffinityConfig, b: &crate::config::AffinityConfig) -> bool {
+    a.by == b.by
+        && a.block_bytes == b.block_bytes
+        && a.max_blocks == b.max_blocks
+        && a.max_age == b.max_age
 }
 
 impl Pool {
@@ -105,6 +117,23 @@ impl Pool {
         };
         let balancer = Arc::new(Balancer::new(backends.clone(), queue, cfg));
         let client = client_for(cfg, prev)?;
+        let prefix = cfg
+            .affinity
+            .filter(|a| a.by == crate::config::AffinityBy::LongestPrefix)
+            .map(|a| {
+                prev.and_then(|p| {
+                    p.prefix
+                        .clone()
+                        .filter(|_| p.affinity.is_some_and(|o| same_index(&o, &a)))
+                })
+                .unwrap_or_else(|| {
+                    Arc::new(prefix::PrefixIndex::new(
+                        a.block_bytes,
+                        a.max_blocks,
+                        a.max_age,
+                    ))
+                })
+            });
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
             index,
@@ -121,6 +150,7 @@ impl Pool {
             environments: cfg.environments.clone(),
             long_prompt: None,
             affinity: cfg.affinity,
+            prefix,
             config: cfg.clone(),
         })
     }
@@ -337,6 +367,7 @@ impl Generation {
                     environments: p.environments.clone(),
                     long_prompt: p.long_prompt,
                     affinity: p.affinity,
+                    prefix: p.prefix.clone(),
                     config: p.config.clone(),
                 })
             })

@@ -623,6 +623,7 @@ async fn by_id(
         target: Some(target.into()),
         pinned: true,
         pin: None,
+        prefix: None,
     };
     let requeue = upstream::Requeue {
         max_wait: Duration::ZERO,
@@ -719,11 +720,31 @@ fn claim(
             .map(Claim::Now)
             .ok_or(QueueError::NoUsableBackend);
     }
+    let balancer = &pool.balancer;
+    // Longest-prefix routing: the backends holding the prompt's longest known prefix first;
+    // a request that waits for any slot, or falls back, counts as a miss.
+    if let (Some(names), Some(index), Some(a)) = (&route.prefix, &pool.prefix, pool.affinity) {
+        let found = index.lookup(names);
+        let hit = std::cell::Cell::new(false);
+        let claimed = queue::claim(
+            balancer,
+            || {
+                balancer
+                    .try_acquire_prefix(&found, route.avoid, a.slack)
+                    .map(|(slot, on_prefix)| {
+                        hit.set(on_prefix);
+                        slot
+                    })
+            },
+            &asker(state, pool, record),
+        );
+        index.count(hit.get());
+        return claimed;
+    }
     let affinity = route
         .affinity
         .zip(pool.affinity)
         .map(|(key, a)| (key, a.slack));
-    let balancer = &pool.balancer;
     queue::claim(
         balancer,
         || balancer.try_acquire_routed(route.avoid, affinity),

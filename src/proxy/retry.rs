@@ -55,6 +55,7 @@ pub async fn send_with_retries(
             method: prepared.method.clone(),
             target: prepared.target.clone(),
             pin: prepared.pin.clone(),
+            prefix: prepared.prefix.clone(),
             ..prepared
         };
         let result = send(pool, slot, this, ex).await;

@@ -51,6 +51,8 @@ pub struct Prepared {
     pub pinned: bool,
     /// Learn the id of the stored response the answer creates.
     pub pin: Option<super::pins::Pin>,
+    /// `longest_prefix`: the prompt's block names, recorded for the backend it is sent to.
+    pub prefix: Option<std::sync::Arc<[u64]>>,
 }
 
 /// The request for the route's pool: the original bytes unless the model must be renamed. A
@@ -99,6 +101,7 @@ pub fn prepare(
         target: None,
         pinned: false,
         pin: None,
+        prefix: route.prefix.clone(),
     }
 }
 
@@ -133,6 +136,10 @@ pub(super) async fn send(
     ex: &mut Exchange,
 ) -> Result<Sent, ApiError> {
     let backend = slot.backend().clone();
+    // The backend now holds the prompt's prefixes (a retry elsewhere records them there too).
+    if let (Some(names), Some(index)) = (&prepared.prefix, &pool.prefix) {
+        index.record(names, u32::try_from(backend.slot).unwrap_or(u32::MAX));
+    }
     ex.record.backend = Some(backend.base.clone());
     ex.record.backend_slot = Some(backend.slot);
     let mut prepared = prepared;

@@ -22,6 +22,9 @@ pub struct Route<'p> {
     pub avoid: u64,
     /// Affinity hash: requests with the same one prefer the same backend (its prefix cache).
     pub affinity: Option<u64>,
+    /// `longest_prefix`: the names of the prompt's blocks (`pool::prefix`), to find the
+    /// backend holding the longest of them and to teach the index where the prompt went.
+    pub prefix: Option<Arc<[u64]>>,
     /// The backends' own name for the model as a JSON string, when the client named another
     /// (an alias, or the pool's name under a different `served_model_name`): spliced into
     /// the body.
@@ -73,10 +76,15 @@ pub fn resolve<'p>(
         _ => 0,
     };
     let rename = (*view.model != *pool.served_name).then_some(&*pool.served_json);
+    let (affinity, prefix) = match pool.affinity {
+        Some(a) if a.by == AffinityBy::LongestPrefix => (None, prefix_names(pool, body, endpoint)),
+        _ => (affinity(pool, view, body, endpoint), None),
+    };
     Ok(Route {
         pool,
         avoid,
-        affinity: affinity(pool, view, body, endpoint),
+        affinity,
+        prefix,
         rename,
     })
 }
@@ -123,6 +131,29 @@ fn long_prompt_pool<'p>(
     pool
 }
 
+/// The block names of the prompt as the backend will see it: the body from the first of the
+/// endpoint's prompt fields on (a template renders tools and the system text before the
+/// messages; a body's later fields only change its last blocks). Only for generating
+/// endpoints of a pool that routes by longest prefix.
+fn prefix_names(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<[u64]>> {
+    let index = pool
+        .prefix
+        .as_ref()
+        .filter(|_| endpoint.needs().generates)?;
+    let fields: &[&[u8]] = match endpoint {
+        Endpoint::Chat | Endpoint::ChatBatch => &[b"\"tools\"", b"\"messages\""],
+        Endpoint::Completions => &[b"\"prompt\""],
+        Endpoint::Responses => &[b"\"instructions\"", b"\"tools\"", b"\"input\""],
+        Endpoint::Messages => &[b"\"system\"", b"\"tools\"", b"\"messages\""],
+        _ => return None,
+    };
+    let start = fields
+        .iter()
+        .filter_map(|f| memchr::memmem::find(body, f))
+        .min()?;
+    Some(Arc::from(index.names(&body[start..])))
+}
+
 /// Backend affinity: requests of the same user, or with the same prompt prefix, prefer the
 /// same backend (its prefix cache). Computed only for pools that ask for it, and never for
 /// tokenization, which leaves nothing in a cache.
@@ -130,6 +161,7 @@ fn affinity(pool: &Pool, view: &RequestView<'_>, body: &[u8], endpoint: Endpoint
     let a = pool.affinity.filter(|_| endpoint.needs().generates)?;
     match a.by {
         AffinityBy::User => view.user.map(|u| fnv1a(u.as_bytes())),
+        AffinityBy::LongestPrefix => None,
         AffinityBy::Prefix => {
             let field: &[u8] = match endpoint {
                 Endpoint::Chat | Endpoint::Messages | Endpoint::ChatBatch => b"\"messages\"",

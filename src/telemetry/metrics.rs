@@ -173,6 +173,9 @@ pub struct RequestMetrics {
     in_flight: IntGaugeVec,
     backend_up: IntGaugeVec,
     pub rejections: IntCounterVec,
+    /// Longest-prefix routing's outcomes and its index's size, per pool (at scrape time).
+    prefix_routing: IntCounterVec,
+    prefix_blocks: IntGaugeVec,
 }
 
 impl std::fmt::Debug for RequestMetrics {
@@ -339,6 +342,18 @@ impl RequestMetrics {
             "Requests waiting in a pool's admission queue (every backend at capacity)",
             &["model"],
         )?;
+        let prefix_routing = counter_vec(
+            registry,
+            "fleetgate_prefix_routing_total",
+            "Requests of longest-prefix pools by outcome: hit (sent to a backend holding their longest known prefix) or miss (none known, or its backends too loaded: the fallback)",
+            &["model", "outcome"],
+        )?;
+        let prefix_blocks = gauge_vec(
+            registry,
+            "fleetgate_prefix_index_blocks",
+            "Prompt blocks a longest-prefix pool's index remembers (bounded by affinity.max_blocks)",
+            &["model"],
+        )?;
         let families = Families {
             overhead,
             hop,
@@ -361,6 +376,8 @@ impl RequestMetrics {
             in_flight,
             backend_up,
             rejections,
+            prefix_routing,
+            prefix_blocks,
         };
         metrics.relayout(pools, &[]);
         Ok(metrics)
@@ -531,9 +548,20 @@ impl RequestMetrics {
         .inc();
     }
 
-    /// Refresh the per-backend gauges (at scrape time).
+    /// Refresh the per-backend gauges (at scrape time), and the longest-prefix figures.
     pub fn update_backends(&self, pools: &Generation) {
         for p in pools.iter() {
+            if let Some(index) = &p.prefix {
+                let model = &*p.model;
+                self.prefix_blocks
+                    .with_label_values(&[model])
+                    .set(i64::try_from(index.len()).unwrap_or(i64::MAX));
+                for (outcome, n) in [("hit", &index.hits), ("miss", &index.misses)] {
+                    let c = self.prefix_routing.with_label_values(&[model, outcome]);
+                    let now = n.load(std::sync::atomic::Ordering::Relaxed);
+                    c.inc_by(now.saturating_sub(c.get()));
+                }
+            }
             for b in &p.backends {
                 let labels = [&*p.model, &*b.base];
                 self.in_flight.with_label_values(&labels).set(i64::from(
