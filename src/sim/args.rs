@@ -128,10 +128,12 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
 
-    /// Capacity of the prefix cache in tokens, least recently used blocks evicted first; 0
-    /// turns prefix caching off (as `--no-enable-prefix-caching`). On by default, as in vLLM:
-    /// a prompt whose first K tokens are cached pays prefill only for the rest.
-    #[arg(long, default_value_t = 1_000_000)]
+    /// Capacity of the prefix cache in tokens, least recently used blocks evicted first: a
+    /// prompt whose first K tokens are cached pays prefill only for the rest. 0 (the default)
+    /// turns prefix caching off (as `--no-enable-prefix-caching`): vLLM caches by default, but
+    /// `fleetgate bench --compare` sends each prompt to both of its targets, and against one
+    /// sim the second send would skip its prefill, so its pairs would no longer be alike.
+    #[arg(long, default_value_t = 0)]
     pub kv_cache_tokens: u64,
 
     /// Report `usage.prompt_tokens_details` (`{"cached_tokens": K, ...}`) on chat and
@@ -189,7 +191,7 @@ impl Default for SimArgs {
             embedding_size: 64,
             num_labels: 2,
             block_size: 16,
-            kv_cache_tokens: 1_000_000,
+            kv_cache_tokens: 0,
             enable_prompt_tokens_details: false,
         }
     }

@@ -1296,6 +1296,7 @@ async fn chat_usage(c: &TestClient, sim: &SimServer, messages: Value) -> (Value,
 async fn repeated_prefix_is_cached_and_only_the_rest_is_prefilled() {
     let sim = start(SimArgs {
         enable_prompt_tokens_details: true,
+        kv_cache_tokens: 1_000_000,
         ..timed()
     })
     .await
@@ -1349,7 +1350,12 @@ async fn repeated_prefix_is_cached_and_only_the_rest_is_prefilled() {
 async fn cached_tokens_are_reported_only_as_vllm_does() {
     // Without --enable-prompt-tokens-details chat and completions say null, as vLLM; the
     // Responses API always reports them; the metrics count either way.
-    let sim = start(zero_delay()).await.unwrap();
+    let sim = start(SimArgs {
+        kv_cache_tokens: 1_000_000,
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
     let c = client();
     let long = text_of('b', 40);
     for _ in 0..2 {
@@ -1370,6 +1376,7 @@ async fn cached_tokens_are_reported_only_as_vllm_does() {
 
     let sim = start(SimArgs {
         enable_prompt_tokens_details: true,
+        kv_cache_tokens: 1_000_000,
         ..zero_delay()
     })
     .await
@@ -1433,6 +1440,7 @@ async fn small_cache_evicts_least_recently_used_blocks() {
 async fn a_growing_conversation_hits_more_each_turn() {
     let sim = start(SimArgs {
         enable_prompt_tokens_details: true,
+        kv_cache_tokens: 1_000_000,
         ..timed()
     })
     .await
