@@ -582,7 +582,10 @@ async fn accept_loop<H, F>(
         let acceptor = tls.clone();
         let limit = limit.clone();
         conns.spawn(async move {
-            let _permit = (permit, address_place);
+            // The address's place is freed before the listener's: a client waiting at the cap
+            // is accepted as soon as the listener's place frees, and must find its address's
+            // share freed already (in the other order it could be closed as over its share).
+            let _places = (address_place, permit);
             let deadline = tokio::time::sleep(limit.header_timeout);
             let serve = async move {
                 let result = match acceptor {
