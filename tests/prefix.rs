@@ -174,3 +174,62 @@ async fn a_loaded_backend_falls_back_to_the_usual_choice() {
     assert!(prefix_metric(&gw, "miss").await >= 1);
     assert!(prefix_metric(&gw, "hit").await >= 2);
 }
+
+/// What already steers a request keeps working on top: a gray key's turns go to the canary
+/// backend, even when their conversation's history went to the stable one (a prod key sent
+/// it there first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gray_keys_stay_on_the_canary() {
+    let stable = sim(|a| a.zero_delay = true).await;
+    let canary = sim(|a| a.zero_delay = true).await;
+    let mut p = longest_prefix(&[stable.url()], 4);
+    p.backends.push(fleetgate::config::BackendConfig {
+        labels: vec!["canary".into()],
+        ..fleetgate::config::BackendConfig::new(canary.url().parse().unwrap())
+    });
+    p.gray_pin_label = Some("canary".into());
+    let gw = gateway(vec![p]).await;
+    let url = gw.url("/v1/chat/completions");
+    let (prod, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
+    let (gray, _) = issue_key(&gw, fleetgate::key::Environment::Gray, |_| {}).await;
+    let canary_url = canary.url();
+    let on_canary = |b: &str| canary_url.trim_end_matches('/') == b.trim_end_matches('/');
+    let send = |key: String, id: String, history: Vec<Value>| {
+        let url = url.clone();
+        async move {
+            let m = post(
+                &url,
+                &[
+                    ("authorization", &format!("Bearer {key}")),
+                    ("x-request-id", &id),
+                ],
+                chat(&history, 2, false),
+            )
+            .await;
+            assert_eq!(m.status, 200);
+        }
+    };
+    // A conversation whose history prod sent to the stable backend.
+    let mut history = None;
+    for i in 0..20 {
+        // (No shared system prompt: each new conversation is unknown, so the usual choice
+        // places it.)
+        let h = vec![json!({"role": "user", "content": format!("question {i} ").repeat(20)})];
+        let id = format!("prod-{i}");
+        send(prod.clone(), id.clone(), h.clone()).await;
+        if !on_canary(&gw.record_of(&id).await.backend.unwrap()) {
+            history = Some(h);
+            break;
+        }
+    }
+    let history = history.expect("a prod turn on the stable backend");
+    // Gray sends the same history: its key is pinned to the canary.
+    for id in ["gray-1", "gray-2"] {
+        send(gray.clone(), id.to_owned(), history.clone()).await;
+        let b = gw.record_of(id).await.backend.unwrap();
+        assert!(
+            on_canary(&b),
+            "{id} went to {b}, not the canary {canary_url}"
+        );
+    }
+}

@@ -729,8 +729,14 @@ fn claim(
         let claimed = queue::claim(
             balancer,
             || {
+                // Gray pinning first (its backends while one can take it), as on every pool.
                 balancer
                     .try_acquire_prefix(&found, route.avoid, a.slack)
+                    .or_else(|| {
+                        (route.avoid != 0)
+                            .then(|| balancer.try_acquire_prefix(&found, 0, a.slack))
+                            .flatten()
+                    })
                     .map(|(slot, on_prefix)| {
                         hit.set(on_prefix);
                         slot
