@@ -1573,3 +1573,151 @@ async fn an_embeddings_comparison_judges_e2el_only() {
     let pass = cmp["pass"].as_bool().unwrap();
     assert_eq!(report.exit, if pass { 0 } else { bench::EXIT_COMPARE });
 }
+
+/// A multi-turn run against `base` (16 shared system tokens, 24 user tokens and 20 answer
+/// tokens a turn), its report.
+async fn multi_turn(base: &str, kind: &str, conversations: &str, extra: &[&str]) -> bench::Report {
+    let mut flags = vec![
+        "--base-url",
+        base,
+        "--endpoint-type",
+        kind,
+        "--model",
+        "qwen32b",
+        "--multi-turn-conversations",
+        conversations,
+        "--multi-turn-turns",
+        "3",
+        "--multi-turn-user-len",
+        "24",
+        "--multi-turn-system-len",
+        "16",
+        "--random-output-len",
+        "20",
+        "--ignore-eos",
+    ];
+    flags.extend_from_slice(extra);
+    let plan = bench::plan(args(&flags)).await.unwrap();
+    assert!(plan.multi_turn.is_some());
+    bench::multiturn::run(Arc::new(plan), CancellationToken::new())
+        .await
+        .unwrap()
+}
+
+/// (mean prompt tokens, cached share if the answers said) of each turn of a multi-turn report.
+fn turns(report: &bench::Report) -> Vec<(f64, Option<f64>)> {
+    report.json["multi_turn"]["per_turn"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            assert_eq!(r["failed"], 0, "{r}");
+            (
+                r["mean_input_tokens"].as_f64().unwrap(),
+                r["cached_tokens_share"].as_f64(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_turn_conversations_carry_their_history_and_hit_the_prefix_cache() {
+    for kind in ["openai-chat", "openai-responses", "anthropic-messages"] {
+        // A sim of its own per API, so each starts with a cold cache.
+        let s = sim(|a| {
+            a.kv_cache_tokens = 1_000_000;
+            a.enable_prompt_tokens_details = true;
+        })
+        .await;
+        let report = multi_turn(&s.url(), kind, "3", &[]).await;
+        assert_eq!(report.exit, 0, "{kind}: {}", report.text);
+        assert_eq!(report.json["completed"], 9, "{kind}");
+        let t = turns(&report);
+        assert_eq!(t.len(), 3, "{kind}: one row per turn");
+        // Each turn carries the last one's prompt, its 20-token answer and 24 new tokens.
+        for w in t.windows(2) {
+            assert!(w[1].0 >= w[0].0 + 40.0, "{kind}: {t:?}");
+        }
+        // The history is found cached: later turns' cached share is higher than the first's,
+        // which only the 16-token system prompt can have in common with anything. (The sim's
+        // Messages usage does not say what was cached: there only the /metrics rate.)
+        if kind != "anthropic-messages" {
+            let share = |i: usize| t[i].1.unwrap();
+            assert!(share(2) > share(0) && share(2) > 0.4, "{kind}: {t:?}");
+        }
+        let cache = &report.json["multi_turn"]["prefix_cache"];
+        assert_eq!(cache["measured"], true, "{kind}: {cache}");
+        let rate = cache["hit_rate"].as_f64().unwrap();
+        assert!(rate > 0.0 && rate < 1.0, "{kind}: {cache}");
+        assert!(report.text.contains("Prefix cache hit rate (vLLM /metrics"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_turn_through_a_gateway_reads_the_cache_from_the_backends() {
+    let s = sim(|a| {
+        a.kv_cache_tokens = 1_000_000;
+        a.enable_prompt_tokens_details = true;
+    })
+    .await;
+    let gw = gateway(vec![pool("qwen32b", &[s.url()])]).await;
+    let auth = format!("Authorization: Bearer {}", gw.key);
+    let gw_base = format!("http://{}", gw.server.local_addr);
+    // The gateway's own /metrics has no vLLM counters: not measured, and said so.
+    let report = multi_turn(&gw_base, "openai-chat", "2", &["--header", &auth]).await;
+    assert_eq!(report.exit, 0, "{}", report.text);
+    assert_eq!(turns(&report).len(), 3);
+    let cache = &report.json["multi_turn"]["prefix_cache"];
+    assert_eq!(cache["measured"], false, "{cache}");
+    assert!(cache["hit_rate"].is_null());
+    assert!(report.text.contains("not measured"), "{}", report.text);
+    // Named, the backend's counters are read.
+    let report = multi_turn(
+        &gw_base,
+        "openai-chat",
+        "2",
+        &["--header", &auth, "--cache-metrics-url", &s.url()],
+    )
+    .await;
+    let cache = &report.json["multi_turn"]["prefix_cache"];
+    assert_eq!(cache["measured"], true, "{cache}");
+    assert!(cache["hit_rate"].as_f64().unwrap() > 0.0, "{cache}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_repetition_prompts_share_their_prefixes_as_vllm_makes_them() {
+    let s = sim(|a| a.zero_delay = true).await;
+    let (plan, report) = run(&[
+        "--base-url",
+        &s.url(),
+        "--model",
+        "qwen32b",
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        "32",
+        "--prefix-repetition-suffix-len",
+        "8",
+        "--prefix-repetition-num-prefixes",
+        "2",
+        "--prefix-repetition-output-len",
+        "3",
+        "--num-prompts",
+        "8",
+    ])
+    .await;
+    assert_eq!(report.exit, 0, "{}", report.text);
+    assert_eq!(report.json["completed"], 8);
+    // The bodies sent: two prefixes of 32 words, four prompts behind each.
+    let mut prefixes = std::collections::HashMap::new();
+    for b in &plan.bodies {
+        let v: serde_json::Value = serde_json::from_slice(b).unwrap();
+        assert_eq!(v["max_tokens"], 3);
+        let text = v["messages"][0]["content"].as_str().unwrap();
+        let words: Vec<&str> = text.split(' ').collect();
+        assert_eq!(words.len(), 40);
+        *prefixes.entry(words[..32].join(" ")).or_insert(0) += 1;
+    }
+    assert_eq!(prefixes.len(), 2, "{prefixes:?}");
+    assert!(prefixes.values().all(|n| *n == 4));
+}

@@ -89,6 +89,10 @@ impl EndpointType {
 pub enum DatasetName {
     Random,
     Sharegpt,
+    /// vLLM's `prefix_repetition`: random prefixes, each shared by several prompts, and a
+    /// random suffix per prompt.
+    #[value(name = "prefix_repetition", alias = "prefix-repetition")]
+    PrefixRepetition,
 }
 
 #[derive(clap::Subcommand, Debug, Clone)]
@@ -154,6 +158,38 @@ pub struct BenchArgs {
     /// Output length of every ShareGPT request (default: the conversation's own reply length).
     #[arg(long)]
     pub sharegpt_output_len: Option<u64>,
+    /// prefix_repetition: tokens of each shared prefix.
+    #[arg(long, default_value_t = 256)]
+    pub prefix_repetition_prefix_len: u64,
+    /// prefix_repetition: tokens of each prompt's own suffix.
+    #[arg(long, default_value_t = 256)]
+    pub prefix_repetition_suffix_len: u64,
+    /// prefix_repetition: how many prefixes (--num-prompts / this prompts share each one).
+    #[arg(long, default_value_t = 10)]
+    pub prefix_repetition_num_prefixes: usize,
+    /// prefix_repetition: output tokens of every request.
+    #[arg(long, default_value_t = 128)]
+    pub prefix_repetition_output_len: u64,
+    /// Agent-shaped load: this many conversations at once, each sending its turns one after
+    /// another, every turn carrying the whole history (replaces the dataset and the arrivals).
+    #[arg(long)]
+    pub multi_turn_conversations: Option<usize>,
+    /// Multi-turn: turns per conversation.
+    #[arg(long, default_value_t = 4)]
+    pub multi_turn_turns: usize,
+    /// Multi-turn: tokens of the new user message of every turn.
+    #[arg(long, default_value_t = 128)]
+    pub multi_turn_user_len: u64,
+    /// Multi-turn: tokens of the system prompt every conversation shares (0: none).
+    #[arg(long, default_value_t = 1024)]
+    pub multi_turn_system_len: u64,
+    /// Multi-turn: think time between a conversation's answer and its next turn, ms.
+    #[arg(long, default_value_t = 0.0)]
+    pub multi_turn_think_ms: f64,
+    /// Where to read the prefix-cache counters (vLLM's /metrics), comma-separated base URLs
+    /// (default: the target itself; a gateway's backends must be named here).
+    #[arg(long, value_name = "URL[,URL...]")]
+    pub cache_metrics_url: Option<String>,
     /// Requests per second, Poisson arrivals (with --burstiness 1); `inf` sends all at once.
     #[arg(long, default_value = "inf")]
     pub request_rate: String,

@@ -123,6 +123,14 @@ pub async fn run(args: BenchArgs, stop: CancellationToken) -> u8 {
                 return 1;
             }
         }
+    } else if plan.multi_turn.is_some() {
+        match super::multiturn::run(plan.clone(), stop).await {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("fleetgate bench: {e}");
+                return 1;
+            }
+        }
     } else {
         match execute(plan.clone(), stop).await {
             Ok(r) => build_report(&plan, &r),

@@ -181,6 +181,53 @@ pub fn random(
         .collect()
 }
 
+/// The shape of vLLM's `prefix_repetition` dataset (its `--prefix-repetition-*` flags).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixRepetition {
+    pub prefix_len: u64,
+    pub suffix_len: u64,
+    pub num_prefixes: usize,
+    pub output_len: u64,
+}
+
+/// vLLM 0.32's `PrefixRepetitionRandomDataset`: `num_prefixes` random prefixes, each followed
+/// by `n / num_prefixes` random suffixes (so `n` rounded down to a multiple of
+/// `num_prefixes` prompts, as vLLM), shuffled with the seed so that the prompts sharing a
+/// prefix do not arrive together.
+pub fn prefix_repetition(
+    n: usize,
+    shape: &PrefixRepetition,
+    seed: u64,
+    counter: &Counter,
+) -> Result<Vec<Prompt>, String> {
+    let per_prefix = n.checked_div(shape.num_prefixes).unwrap_or(0);
+    if per_prefix == 0 {
+        return Err(format!(
+            "--num-prompts ({n}) must be at least --prefix-repetition-num-prefixes ({}), which must be ≥ 1",
+            shape.num_prefixes
+        ));
+    }
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut out = Vec::with_capacity(per_prefix * shape.num_prefixes);
+    for _ in 0..shape.num_prefixes {
+        let (prefix, prefix_tokens) = random_prompt(&mut rng, shape.prefix_len.max(1), counter);
+        for _ in 0..per_prefix {
+            let (suffix, suffix_tokens) = random_prompt(&mut rng, shape.suffix_len.max(1), counter);
+            out.push(Prompt {
+                text: format!("{prefix} {suffix}"),
+                input_tokens: prefix_tokens + suffix_tokens,
+                output_tokens: shape.output_len.max(1),
+                class: None,
+            });
+        }
+    }
+    for i in (1..out.len()).rev() {
+        let j = rng.random_range(0..=i);
+        out.swap(i, j);
+    }
+    Ok(out)
+}
+
 /// One weighted request class of settings.json.
 #[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -413,6 +460,40 @@ mod tests {
         let c = random(200, 100, 50, 0.5, 7, &approx);
         assert!(c.iter().all(|p| (50..=150).contains(&p.input_tokens)));
         assert!(c.iter().any(|p| p.input_tokens < 80) && c.iter().any(|p| p.input_tokens > 120));
+    }
+
+    #[test]
+    fn prefix_repetition_prompts_share_their_prefixes() {
+        let shape = PrefixRepetition {
+            prefix_len: 40,
+            suffix_len: 10,
+            num_prefixes: 3,
+            output_len: 7,
+        };
+        // 10 asked, 3 prefixes: 3 prompts per prefix, 9 in all (vLLM rounds down too).
+        let p = prefix_repetition(10, &shape, 5, &Counter::Approximate).unwrap();
+        assert_eq!(p.len(), 9);
+        assert!(
+            p.iter()
+                .all(|p| p.input_tokens == 50 && p.output_tokens == 7)
+        );
+        let prefix = |t: &str| t.split(' ').take(40).collect::<Vec<_>>().join(" ");
+        let mut groups: Vec<(String, usize)> = Vec::new();
+        for q in &p {
+            let k = prefix(&q.text);
+            match groups.iter_mut().find(|(g, _)| *g == k) {
+                Some((_, n)) => *n += 1,
+                None => groups.push((k, 1)),
+            }
+        }
+        assert_eq!(groups.len(), 3);
+        assert!(groups.iter().all(|(_, n)| *n == 3), "{groups:?}");
+        let suffixes: std::collections::HashSet<_> = p
+            .iter()
+            .map(|q| q.text.split(' ').skip(40).collect::<Vec<_>>().join(" "))
+            .collect();
+        assert_eq!(suffixes.len(), 9, "every suffix its own");
+        assert!(prefix_repetition(2, &shape, 5, &Counter::Approximate).is_err());
     }
 
     #[test]

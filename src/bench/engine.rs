@@ -28,7 +28,7 @@ pub struct RunResult {
 }
 
 /// CPU time (user + system) of the calling thread, from /proc (Linux; clock ticks of 10 ms).
-fn thread_cpu() -> Option<Duration> {
+pub(super) fn thread_cpu() -> Option<Duration> {
     let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
     let rest = &stat[stat.rfind(')')? + 2..];
     let fields: Vec<&str> = rest.split(' ').collect();

@@ -48,6 +48,12 @@ pub struct Outcome {
     /// The backend's time as the gateway saw it (`Server-Timing: upstream;dur=`): a stream's
     /// trailer gives the backend's TTFT, a whole answer's head its time to answer.
     pub upstream_ms: Option<f64>,
+    /// The answer's text, kept only when asked (`send_keeping_text`: a multi-turn conversation
+    /// sends it back as the next turn's history).
+    pub answer: Option<String>,
+    /// The prompt tokens the server found in its prefix cache (`cached_tokens` of the usage),
+    /// read only with the answer's text.
+    pub cached_tokens: Option<u64>,
 }
 
 impl Outcome {
@@ -70,6 +76,47 @@ pub struct StreamTimer {
     itls_ms: Vec<f32>,
     token_at_ms: Vec<f32>,
     error_text: Option<String>,
+    /// The answer's text and cached prompt tokens, when kept (a JSON parse per event, so only
+    /// for multi-turn runs, never for the measured hot loop of the plain benchmark).
+    kept: Option<Kept>,
+}
+
+/// What a multi-turn conversation needs of an answer beyond its timing.
+#[derive(Debug, Default)]
+struct Kept {
+    text: String,
+    cached: Option<u64>,
+}
+
+impl Kept {
+    /// Take the text delta and any `cached_tokens` from one event's JSON, in whichever dialect
+    /// (chat chunk, Responses event, Anthropic event).
+    fn take(&mut self, payload: &[u8]) {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(payload) else {
+            return;
+        };
+        let delta = v["choices"][0]["delta"]["content"]
+            .as_str()
+            .or_else(|| v["choices"][0]["text"].as_str())
+            .or_else(|| {
+                (v["type"] == "response.output_text.delta")
+                    .then(|| v["delta"].as_str())
+                    .flatten()
+            })
+            .or_else(|| v["delta"]["text"].as_str());
+        if let Some(d) = delta {
+            self.text.push_str(d);
+        }
+        let usage = [
+            &v["usage"]["prompt_tokens_details"]["cached_tokens"],
+            &v["response"]["usage"]["input_tokens_details"]["cached_tokens"],
+            &v["usage"]["cache_read_input_tokens"],
+            &v["message"]["usage"]["cache_read_input_tokens"],
+        ];
+        if let Some(n) = usage.iter().find_map(|c| c.as_u64()) {
+            self.cached = Some(n);
+        }
+    }
 }
 
 fn ms(d: Duration) -> f32 {
@@ -89,6 +136,12 @@ impl StreamTimer {
         }
     }
 
+    /// Keep the answer's text and its cached prompt tokens too.
+    pub fn keeping_text(mut self) -> Self {
+        self.kept = Some(Kept::default());
+        self
+    }
+
     pub fn feed(&mut self, bytes: &[u8], at: Duration) {
         let Self {
             scanner,
@@ -96,8 +149,12 @@ impl StreamTimer {
             itls_ms,
             token_at_ms,
             error_text,
+            kept,
         } = self;
         scanner.feed(bytes, |d| {
+            if let Some(k) = kept.as_mut() {
+                k.take(d.payload);
+            }
             match d.kind {
                 DataKind::Content => {
                     if let Some(prev) = metrics.last_content {
@@ -122,8 +179,15 @@ impl StreamTimer {
             itls_ms,
             token_at_ms,
             error_text,
+            kept,
         } = &mut self;
-        scanner.finish(|d| metrics.on_data(d.kind, d.usage, end));
+        scanner.finish(|d| {
+            if let Some(k) = kept.as_mut() {
+                k.take(d.payload);
+            }
+            metrics.on_data(d.kind, d.usage, end)
+        });
+        let kept = kept.take();
         let m = &*metrics;
         let error = if let Some(e) = error_text.take() {
             Some(format!("error event in the stream: {e}"))
@@ -148,6 +212,8 @@ impl StreamTimer {
             output_tokens,
             usage_reported,
             took: end,
+            cached_tokens: kept.as_ref().and_then(|k| k.cached),
+            answer: kept.map(|k| k.text),
             ..Outcome::default()
         }
     }
@@ -267,6 +333,50 @@ pub async fn send(
     started: Instant,
     timeout: Duration,
 ) -> Outcome {
+    send_with(
+        client,
+        target,
+        prompt,
+        body,
+        (expected_input, false),
+        started,
+        timeout,
+    )
+    .await
+}
+
+/// `send`, keeping the answer's text and cached prompt tokens (`Outcome::answer`,
+/// `Outcome::cached_tokens`) for a conversation's next turn.
+pub async fn send_keeping_text(
+    client: &HttpClient,
+    target: &super::plan::Target,
+    prompt: usize,
+    body: Bytes,
+    expected_input: u64,
+    started: Instant,
+    timeout: Duration,
+) -> Outcome {
+    send_with(
+        client,
+        target,
+        prompt,
+        body,
+        (expected_input, true),
+        started,
+        timeout,
+    )
+    .await
+}
+
+async fn send_with(
+    client: &HttpClient,
+    target: &super::plan::Target,
+    prompt: usize,
+    body: Bytes,
+    (expected_input, keep_text): (u64, bool),
+    started: Instant,
+    timeout: Duration,
+) -> Outcome {
     let uri = &target.replicas[prompt % target.replicas.len()];
     let mut req = client::post(uri, &target.headers, body);
     // A gateway sends a stream's full `Server-Timing` (with `hop`) as a trailer, and an HTTP/1
@@ -327,6 +437,9 @@ pub async fn send(
         return o;
     }
     let mut timer = StreamTimer::for_dialect(target.dialect);
+    if keep_text {
+        timer = timer.keeping_text();
+    }
     let cut = match answer
         .read(Some(deadline), |data, at| timer.feed(data, at))
         .await

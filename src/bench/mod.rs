@@ -13,6 +13,7 @@ pub mod dataset;
 pub mod engine;
 pub mod interval;
 pub mod measure;
+pub mod multiturn;
 pub mod plan;
 pub mod report;
 pub mod summary;

@@ -13,6 +13,7 @@ use super::args::{
     parse_rate,
 };
 use super::dataset::{self, Prompt, RequestClass};
+use super::multiturn::MultiTurn;
 use super::summary::{Goodput, METRICS};
 use super::sweep;
 use super::verdict::{Objective, Thresholds, parse_sla};
@@ -73,6 +74,11 @@ pub struct Plan {
     pub capacity: Option<(f64, f64, u32)>,
     /// What the run leaves out of what was asked, and why (printed as `note:` lines).
     pub notes: Vec<String>,
+    /// vLLM's `ignore_eos`, asked of every request.
+    pub ignore_eos: bool,
+    /// Agent-shaped load instead of independent prompts (`--multi-turn-conversations`): then
+    /// `prompts` holds each conversation's user messages, turn by turn.
+    pub multi_turn: Option<MultiTurn>,
 }
 
 /// The model: the flag, else the first id of `GET /v1/models`.
@@ -225,7 +231,26 @@ async fn plan_with(
             kind.name()
         ));
     }
-    let (prompts, dataset_note) = prompts(&args, classes)?;
+    let (prompts, dataset_note, multi_turn) = match args.multi_turn_conversations {
+        Some(c) => {
+            let (mt, prompts, note) = multi_turn(&args, c, kind, &targets)?;
+            if args.max_concurrency.is_some() {
+                notes.push(
+                    "--max-concurrency is not used: the conversations are the concurrency".into(),
+                );
+            }
+            if args.num_warmups > 0 {
+                notes.push(
+                    "--num-warmups is not sent: a warm-up would fill the prefix cache the run measures".into(),
+                );
+            }
+            (prompts, note, Some(mt))
+        }
+        None => {
+            let (p, n) = prompts(&args, classes)?;
+            (p, n, None)
+        }
+    };
     if !kind.streams() && matches!(args.dataset_name, DatasetName::Random) {
         notes.push(format!(
             "{} requests have no output: --random-output-len is not sent (vLLM ignores it too)",
@@ -237,6 +262,12 @@ async fn plan_with(
         .map(|p| dataset::body(p, &model, kind, args.ignore_eos))
         .collect();
     let (labels, label) = labels(&args, &model)?;
+    // A multi-turn run sends one request per turn of each conversation.
+    let num_prompts = if multi_turn.is_some() {
+        prompts.len()
+    } else {
+        args.num_prompts
+    };
     let settings = if settings_json.is_null() {
         settings_echo(&args, &endpoint, kind, &selected, &percentiles)
     } else {
@@ -252,8 +283,13 @@ async fn plan_with(
         burstiness: args.burstiness,
         max_concurrency: args.max_concurrency,
         duration,
-        num_prompts: args.num_prompts,
-        warmups: args.num_warmups,
+        // A multi-turn run sends one request per turn of each conversation.
+        num_prompts,
+        warmups: if multi_turn.is_some() {
+            0
+        } else {
+            args.num_warmups
+        },
         seed: args.seed,
         timeout: Duration::from_secs_f64(args.request_timeout_seconds.max(0.001)),
         selected,
@@ -272,7 +308,85 @@ async fn plan_with(
         sweep_chart: args.sweep_chart.clone(),
         capacity,
         notes,
+        ignore_eos: args.ignore_eos,
+        multi_turn,
     })
+}
+
+/// The multi-turn shape, and each conversation's user messages as prompts (conversation c's
+/// turn t at `MultiTurn::index(c, t)`), every one asking for `--random-output-len` tokens.
+fn multi_turn(
+    args: &BenchArgs,
+    conversations: usize,
+    kind: EndpointType,
+    targets: &[Target],
+) -> Result<(MultiTurn, Vec<Prompt>, String), String> {
+    if conversations == 0 || args.multi_turn_turns == 0 {
+        return Err("--multi-turn-conversations and --multi-turn-turns must be ≥ 1".into());
+    }
+    if !matches!(
+        kind,
+        EndpointType::OpenaiChat | EndpointType::OpenaiResponses | EndpointType::AnthropicMessages
+    ) {
+        return Err(format!(
+            "--multi-turn-conversations: {} has no conversation; use --endpoint-type openai-chat, openai-responses or anthropic-messages",
+            kind.name()
+        ));
+    }
+    if targets.len() != 1 || args.sweep.is_some() || args.duration_seconds.is_some() {
+        return Err(
+            "--multi-turn-conversations runs against one --base-url, without --compare, --sweep or --duration-seconds".into(),
+        );
+    }
+    if !(args.multi_turn_think_ms.is_finite() && args.multi_turn_think_ms >= 0.0) {
+        return Err("--multi-turn-think-ms must be ≥ 0".into());
+    }
+    let counter = match &args.tokenizer {
+        Some(p) => dataset::Counter::load(p)?,
+        None => dataset::Counter::Approximate,
+    };
+    let n = conversations * args.multi_turn_turns;
+    // The system prompt from a seed of its own, so it does not change with the conversations.
+    let system = match args.multi_turn_system_len {
+        0 => String::new(),
+        len => {
+            use rand::SeedableRng;
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(args.seed ^ 0x5157_454d);
+            dataset::random_prompt(&mut rng, len, &counter).0
+        }
+    };
+    let user_len = args.multi_turn_user_len.max(1);
+    let prompts = dataset::random(
+        n,
+        user_len,
+        args.random_output_len,
+        0.0,
+        args.seed,
+        &counter,
+    );
+    let cache_metrics = match &args.cache_metrics_url {
+        Some(list) => list
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(base_of)
+            .collect::<Result<Vec<_>, _>>()?,
+        None => targets[0].base.split(", ").map(str::to_owned).collect(),
+    };
+    let mt = MultiTurn {
+        conversations,
+        turns: args.multi_turn_turns,
+        user_len,
+        system_len: args.multi_turn_system_len,
+        think: Duration::from_secs_f64(args.multi_turn_think_ms / 1e3),
+        system,
+        cache_metrics,
+    };
+    let note = format!(
+        "multi-turn: {conversations} conversations × {} turns, a shared system prompt of {} tokens, {user_len} user tokens and {} out a turn",
+        mt.turns, mt.system_len, args.random_output_len
+    );
+    Ok((mt, prompts, note))
 }
 
 /// Whether the `--sla` objective `name` is a figure answers of `kind` have.
@@ -683,6 +797,25 @@ fn prompts(
                 p,
                 format!("sharegpt {}: {stats}{short}; {counting}", path.display()),
             )
+        }
+        (_, DatasetName::PrefixRepetition) => {
+            let shape = dataset::PrefixRepetition {
+                prefix_len: args.prefix_repetition_prefix_len,
+                suffix_len: args.prefix_repetition_suffix_len,
+                num_prefixes: args.prefix_repetition_num_prefixes,
+                output_len: args.prefix_repetition_output_len,
+            };
+            let p = dataset::prefix_repetition(args.num_prompts, &shape, args.seed, &counter)?;
+            let note = format!(
+                "prefix_repetition: {} prompts, {} prefixes of {} tokens each shared by {}, suffixes of {}, {} out; {counting}",
+                p.len(),
+                shape.num_prefixes,
+                shape.prefix_len,
+                p.len() / shape.num_prefixes.max(1),
+                shape.suffix_len,
+                shape.output_len
+            );
+            (p, note)
         }
     })
 }
