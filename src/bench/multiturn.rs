@@ -215,7 +215,13 @@ async fn conversation(
     let Some(mt) = plan.multi_turn.as_ref() else {
         return;
     };
-    let target = &plan.targets[0];
+    // Several servers given directly (`--base-url URL1,URL2`): a conversation stays on one, as
+    // a session does with its server, so its history can be found in that server's cache.
+    let mut target = plan.targets[0].clone();
+    if target.replicas.len() > 1 {
+        target.replicas = vec![target.replicas[c % target.replicas.len()].clone()];
+    }
+    let target = &target;
     let mut history: Vec<(Role, String)> = Vec::with_capacity(2 * mt.turns);
     let mut expected = mt.system_len;
     for t in 0..mt.turns {
