@@ -285,12 +285,27 @@ impl KeyStore {
             .await?;
         if kind == DbKind::Sqlite {
             // WAL lets the gateway read while the CLI writes; wait instead of failing on a lock.
-            sqlx::query("PRAGMA journal_mode=WAL")
-                .execute(&pool)
-                .await?;
+            // The wait is set first: switching a fresh file to WAL takes its write lock, and
+            // several processes opening it at once (a `migrate` beside a `serve`) meet there.
             sqlx::query("PRAGMA busy_timeout=5000")
                 .execute(&pool)
                 .await?;
+            // SQLite does not always call the busy handler for the journal-mode switch: it is
+            // retried while another connection holds the lock, within the same 5 s.
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            loop {
+                match sqlx::query("PRAGMA journal_mode=WAL").execute(&pool).await {
+                    Ok(_) => break,
+                    Err(e)
+                        if std::time::Instant::now() < deadline
+                            && e.as_database_error()
+                                .is_some_and(|d| d.message().contains("locked")) =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
         }
         let bulk = bulk_pool(config, kind)?;
         Ok(Self {
