@@ -53,6 +53,16 @@ pub fn assignment(j: usize, targets: usize, prompts: usize) -> (u8, usize) {
 
 /// Run the plan on a thread of its own (one core, its own event loop) until done or `stop`.
 pub async fn execute(plan: Arc<Plan>, stop: CancellationToken) -> Result<RunResult, String> {
+    on_bench_thread(move || async move { Ok(engine(plan, stop).await) }).await
+}
+
+/// Run `run` on the bench's own thread (one core, its own event loop), so the client's timing
+/// never shares a scheduler with the caller's tasks.
+pub(super) async fn on_bench_thread<F, Fut>(run: F) -> Result<RunResult, String>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<RunResult, String>>,
+{
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("fleetgate-bench".into())
@@ -67,8 +77,7 @@ pub async fn execute(plan: Arc<Plan>, stop: CancellationToken) -> Result<RunResu
                     return;
                 }
             };
-            let result = rt.block_on(engine(plan, stop));
-            let _ = tx.send(Ok(result));
+            let _ = tx.send(rt.block_on(run()));
         })
         .map_err(|e| e.to_string())?;
     rx.await

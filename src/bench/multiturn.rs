@@ -145,25 +145,7 @@ pub async fn run(plan: Arc<Plan>, stop: CancellationToken) -> Result<Report, Str
 /// Run the conversations on a thread of their own (one core, its own event loop), as the
 /// engine runs a plain plan.
 pub async fn execute(plan: Arc<Plan>, stop: CancellationToken) -> Result<RunResult, String> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("fleetgate-bench".into())
-        .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    let _ = tx.send(Err(e.to_string()));
-                    return;
-                }
-            };
-            let _ = tx.send(rt.block_on(conversations(plan, stop)));
-        })
-        .map_err(|e| e.to_string())?;
-    rx.await
-        .map_err(|_| "the bench thread ended without a result".to_owned())?
+    super::engine::on_bench_thread(move || conversations(plan, stop)).await
 }
 
 async fn conversations(plan: Arc<Plan>, stop: CancellationToken) -> Result<RunResult, String> {
