@@ -1650,6 +1650,11 @@ async fn multi_turn_conversations_carry_their_history_and_hit_the_prefix_cache()
         let rate = cache["hit_rate"].as_f64().unwrap();
         assert!(rate > 0.0 && rate < 1.0, "{kind}: {cache}");
         assert!(report.text.contains("Prefix cache hit rate (vLLM /metrics"));
+        assert!(
+            report.json["multi_turn"]["hot"].is_null(),
+            "{kind}: no hot conversation"
+        );
+        assert!(!report.text.contains("Hot conversation"));
     }
 }
 
@@ -1682,6 +1687,141 @@ async fn multi_turn_through_a_gateway_reads_the_cache_from_the_backends() {
     let cache = &report.json["multi_turn"]["prefix_cache"];
     assert_eq!(cache["measured"], true, "{cache}");
     assert!(cache["hit_rate"].as_f64().unwrap() > 0.0, "{cache}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_conversation_sends_its_turns_by_lanes_over_one_history() {
+    let s = sim(|a| {
+        a.kv_cache_tokens = 1_000_000;
+        a.enable_prompt_tokens_details = true;
+    })
+    .await;
+    let report = multi_turn(
+        &s.url(),
+        "openai-chat",
+        "4",
+        &["--multi-turn-hot-share", "0.5"],
+    )
+    .await;
+    assert_eq!(report.exit, 0, "{}", report.text);
+    // L = max(2, round(0.5 / 0.5 × 3)) = 3 lanes: 3 × 3 hot requests and 3 × 3 of the others.
+    assert_eq!(s.stats().requests.load(Ordering::SeqCst), 18);
+    assert_eq!(report.json["completed"], 18);
+    assert_eq!(report.json["num_prompts"], 18);
+    let hot = &report.json["multi_turn"]["hot"];
+    assert_eq!(hot["lanes"], 3, "{hot}");
+    assert_eq!(
+        (hot["requests"].as_u64(), hot["all_requests"].as_u64()),
+        (Some(9), Some(18))
+    );
+    assert_eq!(hot["share"].as_f64(), Some(0.5), "{hot}");
+    assert_eq!(hot["share_asked"].as_f64(), Some(0.5), "{hot}");
+    for k in [
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "others_median_ttft_ms",
+        "others_p99_ttft_ms",
+    ] {
+        assert!(hot[k].as_f64().unwrap() > 0.0, "{k}: {hot}");
+    }
+    assert!(
+        report
+            .text
+            .contains("Hot conversation: 3 lanes a turn, 9 of 18 requests (50.0%"),
+        "{}",
+        report.text
+    );
+    // Each turn's lanes: a message of its own each, and at the sim the same prompt tokens (the
+    // same history behind messages of one size), growing turn by turn with lane 0's answer.
+    let plan = bench::plan(args(&[
+        "--base-url",
+        &s.url(),
+        "--model",
+        "qwen32b",
+        "--multi-turn-conversations",
+        "4",
+        "--multi-turn-turns",
+        "3",
+        "--multi-turn-user-len",
+        "24",
+        "--random-output-len",
+        "20",
+        "--ignore-eos",
+        "--multi-turn-hot-share",
+        "0.5",
+    ]))
+    .await
+    .unwrap();
+    assert_eq!(plan.num_prompts, 18);
+    let mt = plan.multi_turn.clone().unwrap();
+    let result = bench::multiturn::execute(Arc::new(plan.clone()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(result.outcomes.len(), 18);
+    let mut last = 0;
+    for t in 0..3 {
+        let lanes: Vec<_> = result
+            .outcomes
+            .iter()
+            .filter(|o| mt.is_hot(o) && mt.turn_of(o) == t)
+            .collect();
+        assert_eq!(lanes.len(), 3, "turn {t}");
+        assert!(lanes.iter().all(|o| o.ok()));
+        let tokens: Vec<u64> = lanes.iter().map(|o| o.input_tokens).collect();
+        assert!(
+            tokens.iter().all(|n| *n == tokens[0]),
+            "turn {t}: {tokens:?}"
+        );
+        assert!(tokens[0] > last, "turn {t}: {tokens:?} after {last}");
+        last = tokens[0];
+        let texts: std::collections::HashSet<&str> = (0..3)
+            .map(|k| plan.prompts[mt.lane_index(0, k, t)].text.as_str())
+            .collect();
+        assert_eq!(texts.len(), 3, "turn {t}: one message per lane");
+    }
+}
+
+#[tokio::test]
+async fn a_hot_share_out_of_range_or_without_conversations_is_refused() {
+    let base = format!("http://{}", closed_port().await);
+    let refused = |extra: &[&str]| {
+        let mut flags = vec![
+            "--base-url".to_owned(),
+            base.clone(),
+            "--endpoint-type".into(),
+            "openai-chat".into(),
+            "--model".into(),
+            "m".into(),
+        ];
+        flags.extend(extra.iter().map(|f| (*f).to_owned()));
+        args(&flags.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    for f in ["0", "1", "1.5", "-0.2", "NaN"] {
+        let err = bench::plan(refused(&[
+            "--multi-turn-conversations",
+            "4",
+            &format!("--multi-turn-hot-share={f}"),
+        ]))
+        .await
+        .unwrap_err();
+        assert!(
+            err.contains("--multi-turn-hot-share") && err.contains("between 0 and 1"),
+            "{f}: {err}"
+        );
+    }
+    let err = bench::plan(refused(&["--multi-turn-hot-share", "0.3"]))
+        .await
+        .unwrap_err();
+    assert!(err.contains("--multi-turn-conversations"), "{err}");
+    let err = bench::plan(refused(&[
+        "--multi-turn-conversations",
+        "1",
+        "--multi-turn-hot-share",
+        "0.3",
+    ]))
+    .await
+    .unwrap_err();
+    assert!(err.contains("≥ 2"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

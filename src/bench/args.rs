@@ -186,6 +186,14 @@ pub struct BenchArgs {
     /// Multi-turn: think time between a conversation's answer and its next turn, ms.
     #[arg(long, default_value_t = 0.0)]
     pub multi_turn_think_ms: f64,
+    /// Multi-turn, uneven load: conversation 0 is hot and carries about this fraction F of all
+    /// requests (0 < F < 1; needs ≥ 2 conversations). Each of its turns is sent by
+    /// L = max(2, round(F / (1 − F) × (C − 1))) parallel lanes at once (share L / (L + C − 1)),
+    /// as an agent fanning out over one shared context: every lane sends the same history with
+    /// a new user message of its own (lane 0 the turn's prompt, lane k the same words rotated
+    /// by k). The turn ends when all lanes have answered, and the history goes on with lane 0's.
+    #[arg(long, value_name = "F")]
+    pub multi_turn_hot_share: Option<f64>,
     /// Where to read the prefix-cache counters (vLLM's /metrics), comma-separated base URLs
     /// (default: the target itself; a gateway's backends must be named here).
     #[arg(long, value_name = "URL[,URL...]")]

@@ -32,6 +32,40 @@ pub struct MultiTurn {
     pub system: String,
     /// Base URLs whose `/metrics` carry vLLM's prefix-cache counters.
     pub cache_metrics: Vec<String>,
+    /// Uneven load (`--multi-turn-hot-share`): conversation 0 sends each turn by several lanes.
+    pub hot: Option<HotConversation>,
+}
+
+/// Conversation 0 when `--multi-turn-hot-share` makes it hot: every turn of it is sent by
+/// `lanes` parallel requests over the same history, as an agent fanning out sub-agents or
+/// parallel tool calls over one long context.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HotConversation {
+    /// The share of all requests asked (`--multi-turn-hot-share`).
+    pub share: f64,
+    pub lanes: usize,
+}
+
+impl HotConversation {
+    /// Lanes for a share `f` of the requests of `conversations`:
+    /// L = max(2, round(f / (1 − f) × (conversations − 1))), so the hot conversation sends
+    /// L / (L + conversations − 1) of the requests (f = 1/3 of 16: 8 lanes, 8/23).
+    pub fn lanes_for(share: f64, conversations: usize) -> usize {
+        let others = conversations.saturating_sub(1) as f64;
+        // Bounded by the plan's check of the share (0 < f < 1) and the conversations. The nudge
+        // keeps an exact half a half: 1/3 of 16 is 7.5 lanes, 7.4999… in floating point.
+        let lanes = (share / (1.0 - share) * others + 1e-9).round();
+        if lanes.is_finite() && lanes > 2.0 {
+            lanes as usize
+        } else {
+            2
+        }
+    }
+
+    /// The share of all requests the hot conversation sends when every turn is answered.
+    pub fn planned_share(&self, conversations: usize) -> f64 {
+        self.lanes as f64 / (self.lanes + conversations.saturating_sub(1)) as f64
+    }
 }
 
 impl MultiTurn {
@@ -39,6 +73,29 @@ impl MultiTurn {
     /// prompt there is that turn's new user message.
     pub fn index(&self, conversation: usize, turn: usize) -> usize {
         conversation * self.turns + turn
+    }
+
+    /// Requests a turn of conversation `c` sends at once: the hot conversation's lanes, else 1.
+    pub fn lanes(&self, c: usize) -> usize {
+        match self.hot {
+            Some(h) if c == 0 => h.lanes,
+            _ => 1,
+        }
+    }
+
+    /// The index in `Plan::prompts` of lane `lane` of a conversation's turn: lane 0 is the
+    /// conversation's own prompt; the hot conversation's other lanes have theirs after all
+    /// conversations', `turns` per lane, so that `turn_of` holds for them too.
+    pub fn lane_index(&self, conversation: usize, lane: usize, turn: usize) -> usize {
+        match lane {
+            0 => self.index(conversation, turn),
+            k => self.index(self.conversations + k - 1, turn),
+        }
+    }
+
+    /// Whether an outcome was a request of the hot conversation (any lane).
+    pub fn is_hot(&self, o: &Outcome) -> bool {
+        self.hot.is_some() && (o.prompt < self.turns || o.prompt >= self.conversations * self.turns)
     }
 
     /// The turn (0-based) an outcome was.
@@ -186,7 +243,9 @@ async fn conversations(plan: Arc<Plan>, stop: CancellationToken) -> Result<RunRe
     })
 }
 
-/// One conversation's turns, in order; a failed turn ends it (its history would be wrong).
+/// One conversation's turns, in order; a failed turn ends it (its history would be wrong). The
+/// hot conversation sends each turn by all its lanes at once, over the same history, and moves
+/// on when all have answered, with lane 0's message and answer (a failed lane 0 ends it).
 async fn conversation(
     plan: Arc<Plan>,
     client: crate::client::HttpClient,
@@ -210,30 +269,44 @@ async fn conversation(
         if t > 0 && !mt.think.is_zero() {
             tokio::time::sleep(mt.think).await;
         }
-        let i = mt.index(c, t);
-        let prompt = &plan.prompts[i];
-        history.push((Role::User, prompt.text.clone()));
-        expected += prompt.input_tokens;
-        let body = turn_body(
-            plan.endpoint_type,
-            &plan.model,
-            &mt.system,
-            &history,
-            prompt.output_tokens,
-            plan.ignore_eos,
-        );
-        let mut o =
-            measure::send_keeping_text(&client, target, i, body, expected, started, plan.timeout)
-                .await;
-        o.prompt = i;
-        let answer = o.answer.take();
-        let ok = o.ok();
-        expected += o.output_tokens;
-        if let Ok(mut all) = outcomes.lock() {
-            all.push(o);
+        let mut sends = Vec::with_capacity(mt.lanes(c));
+        for lane in 0..mt.lanes(c) {
+            let i = mt.lane_index(c, lane, t);
+            let prompt = &plan.prompts[i];
+            history.push((Role::User, prompt.text.clone()));
+            let body = turn_body(
+                plan.endpoint_type,
+                &plan.model,
+                &mt.system,
+                &history,
+                prompt.output_tokens,
+                plan.ignore_eos,
+            );
+            history.pop();
+            let (client, outcomes, timeout) = (&client, &outcomes, plan.timeout);
+            let expected = expected + prompt.input_tokens;
+            sends.push(async move {
+                let mut o =
+                    measure::send_keeping_text(client, target, i, body, expected, started, timeout)
+                        .await;
+                o.prompt = i;
+                let answer = o.answer.take().filter(|_| o.ok());
+                let output_tokens = o.output_tokens;
+                // Each lane's outcome lands as it ends, so an interrupted turn keeps them.
+                if let Ok(mut all) = outcomes.lock() {
+                    all.push(o);
+                }
+                (answer, output_tokens)
+            });
         }
-        match answer {
-            Some(a) if ok => history.push((Role::Assistant, a)),
+        let mut lanes = futures_util::future::join_all(sends).await.into_iter();
+        let i = mt.index(c, t);
+        match lanes.next() {
+            Some((Some(answer), output_tokens)) => {
+                expected += plan.prompts[i].input_tokens + output_tokens;
+                history.push((Role::User, plan.prompts[i].text.clone()));
+                history.push((Role::Assistant, answer));
+            }
             _ => return,
         }
     }
@@ -381,6 +454,51 @@ fn section(mt: &MultiTurn, outcomes: &[Outcome], cache: Option<CacheDelta>) -> (
             "cached_tokens_share": cached_share,
         }));
     }
+    let hot_json = mt.hot.map(|h| {
+        let (hot, others): (Vec<&Outcome>, Vec<&Outcome>) =
+            outcomes.iter().partition(|o| mt.is_hot(o));
+        let ttft = |of: &[&Outcome]| {
+            let s = Stats::of(
+                of.iter()
+                    .filter(|o| o.ok())
+                    .filter_map(|o| o.ttft)
+                    .map(|d| d.as_secs_f64() * 1e3)
+                    .collect(),
+                &[99.0],
+            );
+            (s.median, s.get("p99").unwrap_or(0.0))
+        };
+        let ((median, p99), (others_median, others_p99)) = (ttft(&hot), ttft(&others));
+        let share = if outcomes.is_empty() {
+            0.0
+        } else {
+            hot.len() as f64 / outcomes.len() as f64
+        };
+        let _ = writeln!(
+            text,
+            "Hot conversation: {} lanes a turn, {} of {} requests ({:.1}%, asked {:.1}%); TTFT median {:.2} ms, P99 {:.2} ms vs the other conversations' {:.2} ms, {:.2} ms",
+            h.lanes,
+            hot.len(),
+            outcomes.len(),
+            share * 100.0,
+            h.share * 100.0,
+            median,
+            p99,
+            others_median,
+            others_p99
+        );
+        json!({
+            "share_asked": h.share,
+            "lanes": h.lanes,
+            "requests": hot.len(),
+            "all_requests": outcomes.len(),
+            "share": share,
+            "median_ttft_ms": median,
+            "p99_ttft_ms": p99,
+            "others_median_ttft_ms": others_median,
+            "others_p99_ttft_ms": others_p99,
+        })
+    });
     let sources: Vec<String> = mt
         .cache_metrics
         .iter()
@@ -412,6 +530,7 @@ fn section(mt: &MultiTurn, outcomes: &[Outcome], cache: Option<CacheDelta>) -> (
         "system_len": mt.system_len,
         "think_ms": mt.think.as_secs_f64() * 1e3,
         "per_turn": rows,
+        "hot": hot_json,
         "prefix_cache": cache_json,
     });
     (text, json)
@@ -430,6 +549,48 @@ mod tests {
                  vllm:prefix_cache_queries_total 310\n";
         assert_eq!(prefix_cache_counters(m), Some((100.0, 310.0)));
         assert_eq!(prefix_cache_counters("fleetgate_requests_total 3\n"), None);
+    }
+
+    #[test]
+    fn the_hot_conversation_has_enough_lanes_for_its_share() {
+        // The brief's example: a third of 16 conversations' requests.
+        assert_eq!(HotConversation::lanes_for(1.0 / 3.0, 16), 8);
+        let h = HotConversation {
+            share: 1.0 / 3.0,
+            lanes: 8,
+        };
+        assert!((h.planned_share(16) - 8.0 / 23.0).abs() < 1e-12);
+        assert_eq!(HotConversation::lanes_for(0.5, 4), 3);
+        assert_eq!(HotConversation::lanes_for(0.9, 2), 9);
+        // Never fewer than two lanes: one would be no hotter than the others.
+        assert_eq!(HotConversation::lanes_for(0.01, 16), 2);
+        assert_eq!(HotConversation::lanes_for(0.5, 2), 2);
+        // The lanes' prompts follow all conversations' and keep their turn.
+        let mt = MultiTurn {
+            conversations: 4,
+            turns: 3,
+            user_len: 1,
+            system_len: 0,
+            think: Duration::ZERO,
+            system: String::new(),
+            cache_metrics: Vec::new(),
+            hot: Some(HotConversation {
+                share: 0.5,
+                lanes: 3,
+            }),
+        };
+        assert_eq!(mt.lane_index(0, 0, 2), 2);
+        assert_eq!(mt.lane_index(2, 0, 1), 7);
+        assert_eq!(mt.lane_index(0, 1, 0), 12);
+        assert_eq!(mt.lane_index(0, 2, 2), 17);
+        assert_eq!((mt.lanes(0), mt.lanes(1)), (3, 1));
+        let o = |prompt| Outcome {
+            prompt,
+            ..Outcome::default()
+        };
+        let hot: Vec<usize> = (0..18).filter(|p| mt.is_hot(&o(*p))).collect();
+        assert_eq!(hot, [0, 1, 2, 12, 13, 14, 15, 16, 17]);
+        assert_eq!(mt.turn_of(&o(16)), 1);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use super::args::{
     parse_rate,
 };
 use super::dataset::{self, Prompt, RequestClass};
-use super::multiturn::MultiTurn;
+use super::multiturn::{HotConversation, MultiTurn};
 use super::summary::{Goodput, METRICS};
 use super::sweep;
 use super::verdict::{Objective, Thresholds, parse_sla};
@@ -231,6 +231,11 @@ async fn plan_with(
             kind.name()
         ));
     }
+    if args.multi_turn_hot_share.is_some() && args.multi_turn_conversations.is_none() {
+        return Err(
+            "--multi-turn-hot-share makes one of the conversations hot: give --multi-turn-conversations too".into(),
+        );
+    }
     let (prompts, dataset_note, multi_turn) = match args.multi_turn_conversations {
         Some(c) => {
             let (mt, prompts, note) = multi_turn(&args, c, kind, &targets)?;
@@ -262,7 +267,8 @@ async fn plan_with(
         .map(|p| dataset::body(p, &model, kind, args.ignore_eos))
         .collect();
     let (labels, label) = labels(&args, &model)?;
-    // A multi-turn run sends one request per turn of each conversation.
+    // A multi-turn run sends one request per turn of each conversation, and per lane of the
+    // hot conversation's turns.
     let num_prompts = if multi_turn.is_some() {
         prompts.len()
     } else {
@@ -283,7 +289,6 @@ async fn plan_with(
         burstiness: args.burstiness,
         max_concurrency: args.max_concurrency,
         duration,
-        // A multi-turn run sends one request per turn of each conversation.
         num_prompts,
         warmups: if multi_turn.is_some() {
             0
@@ -341,6 +346,23 @@ fn multi_turn(
     if !(args.multi_turn_think_ms.is_finite() && args.multi_turn_think_ms >= 0.0) {
         return Err("--multi-turn-think-ms must be ≥ 0".into());
     }
+    let hot = match args.multi_turn_hot_share {
+        None => None,
+        Some(f) if !(f > 0.0 && f < 1.0) => {
+            return Err(format!(
+                "--multi-turn-hot-share {f}: the hot conversation's share of all requests must be between 0 and 1, both excluded (e.g. 0.33)"
+            ));
+        }
+        Some(_) if conversations < 2 => {
+            return Err(
+                "--multi-turn-hot-share needs --multi-turn-conversations ≥ 2: the hot conversation's share is of all conversations' requests".into(),
+            );
+        }
+        Some(share) => Some(HotConversation {
+            share,
+            lanes: HotConversation::lanes_for(share, conversations),
+        }),
+    };
     let counter = match &args.tokenizer {
         Some(p) => dataset::Counter::load(p)?,
         None => dataset::Counter::Approximate,
@@ -356,7 +378,7 @@ fn multi_turn(
         }
     };
     let user_len = args.multi_turn_user_len.max(1);
-    let prompts = dataset::random(
+    let mut prompts = dataset::random(
         n,
         user_len,
         args.random_output_len,
@@ -364,6 +386,31 @@ fn multi_turn(
         args.seed,
         &counter,
     );
+    // The hot conversation's other lanes: after all conversations' prompts, `turns` per lane
+    // (`MultiTurn::lane_index`), each the turn's own message with its words rotated by the
+    // lane: a message of its own, of the same words and so the same size.
+    if let Some(h) = hot {
+        for lane in 1..h.lanes {
+            for t in 0..args.multi_turn_turns {
+                let own = &prompts[t];
+                let mut words: Vec<&str> = own.text.split(' ').collect();
+                let by = lane % words.len().max(1);
+                words.rotate_left(by);
+                let text = words.join(" ");
+                let input_tokens = match counter {
+                    dataset::Counter::Approximate => own.input_tokens,
+                    _ => counter.count(&text),
+                };
+                let lane_prompt = Prompt {
+                    text,
+                    input_tokens,
+                    output_tokens: own.output_tokens,
+                    class: own.class.clone(),
+                };
+                prompts.push(lane_prompt);
+            }
+        }
+    }
     let cache_metrics = match &args.cache_metrics_url {
         Some(list) => list
             .split(',')
@@ -381,11 +428,19 @@ fn multi_turn(
         think: Duration::from_secs_f64(args.multi_turn_think_ms / 1e3),
         system,
         cache_metrics,
+        hot,
     };
-    let note = format!(
+    let mut note = format!(
         "multi-turn: {conversations} conversations × {} turns, a shared system prompt of {} tokens, {user_len} user tokens and {} out a turn",
         mt.turns, mt.system_len, args.random_output_len
     );
+    if let Some(h) = hot {
+        note.push_str(&format!(
+            "; conversation 0 hot: {} lanes a turn, {:.1}% of the requests",
+            h.lanes,
+            h.planned_share(conversations) * 100.0
+        ));
+    }
     Ok((mt, prompts, note))
 }
 
