@@ -67,7 +67,10 @@ async fn a_responses_stream_is_relayed_and_measured() {
     .await;
     assert_eq!(m.status, 200);
     let got = m.body.clone().unwrap();
-    let sent = sim.stats().captured("resp-stream-1").unwrap();
+    let sent = sim
+        .stats()
+        .captured(&upstream_responses_id(&gw.key, "resp-stream-1"))
+        .unwrap();
     assert_eq!(got, sent, "client bytes differ from backend bytes");
     let ev = events(&got);
     assert_eq!(ev[0].0, "response.created");
@@ -416,12 +419,12 @@ async fn stored_responses_are_reached_where_they_live() {
     let _ = Duration::ZERO;
 }
 
-/// `background: true`: the POST ends at once while its backend generates on. Its slot and the
-/// key's stream are free again when the POST ends, its tokens are settled once (at what it
-/// reserved; reading it back later charges nothing), and reading or cancelling it reaches the
-/// backend that runs it.
+/// `background: true`: the POST ends at once while its backend generates on. The work keeps
+/// its backend slot and the key's stream until the backend is done (the gateway watches it),
+/// its tokens are settled once (with the finished response's usage; reading it back later
+/// charges nothing), and reading or cancelling it reaches the backend that runs it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn background_responses_hold_nothing_and_are_settled_once() {
+async fn background_responses_hold_their_slots_until_done_and_are_settled_once() {
     let one = sim(|a| {
         a.responses_store = true;
         a.decode_step_ms = 10.0;
@@ -472,15 +475,16 @@ async fn background_responses_hold_nothing_and_are_settled_once() {
     assert_eq!(v["status"], "queued", "{v}");
     assert_eq!(v["background"], true);
     let id = v["id"].as_str().unwrap().to_owned();
-    // The key's one stream and the backend's one slot are free again: the next request of
-    // the same key is answered, not refused or queued.
+    // The key's one stream is the background work's while it runs: the next request of the
+    // same key is refused at once.
     let next = post(
         &gw.url("/v1/responses"),
         &h,
         responses_body("qwen32b", 3, false),
     )
     .await;
-    assert_eq!(next.status, 200, "{:?}", next.body);
+    assert_eq!(next.status, 429, "{:?}", next.body);
+    assert_eq!(openai_error(&next)["code"], "concurrency_limit_exceeded");
     // Reading it back (pinned: the other backend would answer 404) until it is done.
     let mut done = Value::Null;
     for _ in 0..200 {
@@ -499,9 +503,27 @@ async fn background_responses_hold_nothing_and_are_settled_once() {
     }
     assert_eq!(done["status"], "incomplete", "{done}");
     assert_eq!(done["usage"]["output_tokens"], 300, "{done}");
-    // Charged once: about 300 + its prompt for the background response, the small one's
-    // real use, and this request's reservation, less what a few seconds refilled. Charged
-    // twice (the reads too) it would be about 300 lower; never settled, about 300 higher.
+    // Once the backend is done the watcher releases the key's stream: the small request is
+    // answered (within a poll or two).
+    let mut next_status = 0;
+    for _ in 0..100 {
+        let next = post(
+            &gw.url("/v1/responses"),
+            &h,
+            responses_body("qwen32b", 3, false),
+        )
+        .await;
+        next_status = next.status;
+        if next_status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(next_status, 200, "the key's stream came back");
+    // Charged once: 300 + its prompt for the background response (its final usage), the
+    // small one's real use, and this request's reservation, less what a few seconds
+    // refilled. Charged twice (the reads too) it would be about 300 lower; never settled,
+    // about 300 higher.
     let last = post(
         &gw.url("/v1/responses"),
         &h,

@@ -307,10 +307,10 @@ impl Authenticator {
         headers: &HeaderMap,
         peer: IpAddr,
         arrived: Instant,
-    ) -> Result<Arc<KeyRecord>, AuthFailure> {
+    ) -> Result<Arc<KeyRecord>, Refused> {
         let decided = self.decide(headers, peer).await;
-        if let Err(failure) = &decided {
-            self.hold(failure, arrived).await;
+        if let Err(refused) = &decided {
+            self.hold(&refused.failure, arrived).await;
         }
         decided
     }
@@ -336,17 +336,13 @@ impl Authenticator {
         }
     }
 
-    async fn decide(
-        &self,
-        headers: &HeaderMap,
-        peer: IpAddr,
-    ) -> Result<Arc<KeyRecord>, AuthFailure> {
+    async fn decide(&self, headers: &HeaderMap, peer: IpAddr) -> Result<Arc<KeyRecord>, Refused> {
         // Before anything about the key is looked at: a throttled address gets no key checked,
         // a correct one included, so guessing faster than the allowance gains nothing.
         if let Some(retry_after) = self.throttle.throttled(peer, Instant::now()) {
             let failure = AuthFailure::TooManyFailures { retry_after };
             self.metrics.failures[failure.index()].inc();
-            return Err(failure);
+            return Err(failure.into());
         }
         let text = credentials(headers).map_err(|f| self.fail(f, peer))?;
         let parsed = key::parse(text).map_err(|e| {
@@ -366,12 +362,20 @@ impl Authenticator {
                 Some(r) => r,
                 None => {
                     check_unknown(&parsed);
-                    return Err(self.fail(AuthFailure::UnknownKey, peer));
+                    return Err(self.fail(AuthFailure::UnknownKey, peer).into());
                 }
             },
         };
-        check(&record, &parsed, wall_ms()).map_err(|f| self.fail(f, peer))?;
-        Ok(record)
+        match check(&record, &parsed, wall_ms()) {
+            Ok(()) => Ok(record),
+            // The secret matched: the refusal is this key's (revoked, expired, rotated out),
+            // and is logged and counted as its own.
+            Err(AuthFailure::UnknownKey) => Err(self.fail(AuthFailure::UnknownKey, peer).into()),
+            Err(f) => Err(Refused {
+                failure: self.fail(f, peer),
+                key: Some(record),
+            }),
+        }
     }
 
     /// A key the snapshot does not know: maybe created on another replica a moment ago.
@@ -414,6 +418,20 @@ impl Authenticator {
                 None
             }
         }
+    }
+}
+
+/// A refused authentication: why, and the key when it was identified (its secret matched, but
+/// it is revoked, expired or rotated out): such a refusal is that key's in the request log.
+#[derive(Debug)]
+pub struct Refused {
+    pub failure: AuthFailure,
+    pub key: Option<Arc<KeyRecord>>,
+}
+
+impl From<AuthFailure> for Refused {
+    fn from(failure: AuthFailure) -> Self {
+        Refused { failure, key: None }
     }
 }
 

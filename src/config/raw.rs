@@ -406,6 +406,12 @@ pub(super) struct RawServer {
     pub(super) keepalive_timeout_seconds: f64,
     #[serde(default = "default_body_timeout")]
     pub(super) body_timeout_seconds: f64,
+    #[serde(default = "default_body_idle_timeout")]
+    pub(super) body_idle_timeout_seconds: f64,
+    #[serde(default = "default_max_pending_body")]
+    pub(super) max_pending_body_bytes: u64,
+    #[serde(default = "default_max_pending_body_per_key")]
+    pub(super) max_pending_body_bytes_per_key: u64,
     #[serde(default = "default_true")]
     pub(super) forwarded_headers: bool,
     #[serde(default)]
@@ -416,6 +422,18 @@ pub(super) struct RawServer {
 
 fn default_body_timeout() -> f64 {
     30.0
+}
+
+fn default_body_idle_timeout() -> f64 {
+    10.0
+}
+
+fn default_max_pending_body() -> u64 {
+    super::server::DEFAULT_MAX_PENDING_BODY_BYTES as u64
+}
+
+fn default_max_pending_body_per_key() -> u64 {
+    super::server::DEFAULT_MAX_PENDING_BODY_BYTES_PER_KEY as u64
 }
 
 fn default_header_timeout() -> f64 {
@@ -450,6 +468,9 @@ impl Default for RawServer {
             header_timeout_seconds: default_header_timeout(),
             keepalive_timeout_seconds: default_keepalive_timeout(),
             body_timeout_seconds: default_body_timeout(),
+            body_idle_timeout_seconds: default_body_idle_timeout(),
+            max_pending_body_bytes: default_max_pending_body(),
+            max_pending_body_bytes_per_key: default_max_pending_body_per_key(),
             forwarded_headers: true,
             trusted_proxies: Vec::new(),
             expose_backend_addresses: false,

@@ -12,6 +12,10 @@ use super::{ConfigError, FileErrors};
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 /// 25 MiB: OpenAI's own limit on an audio file.
 pub const DEFAULT_MAX_AUDIO_BODY_BYTES: usize = 25 * 1024 * 1024;
+/// 512 MiB of bodies still arriving, every key together; 128 MiB for one key (five audio
+/// uploads at OpenAI's limit).
+pub const DEFAULT_MAX_PENDING_BODY_BYTES: usize = 512 * 1024 * 1024;
+pub const DEFAULT_MAX_PENDING_BODY_BYTES_PER_KEY: usize = 128 * 1024 * 1024;
 
 /// The largest request head the listener reads (HTTP/1.1: request line and headers; HTTP/2:
 /// the header list as HTTP/2 counts it, each field's name and value plus 32 bytes). Well above
@@ -91,6 +95,12 @@ pub struct ServerConfig {
     pub keepalive_timeout: Duration,
     /// A request's whole body must arrive within this (408 `body_timeout`).
     pub body_timeout: Duration,
+    /// A body that stops arriving for this long is refused (408 `body_timeout`).
+    pub body_idle_timeout: Duration,
+    /// The bytes of request bodies still arriving the gateway holds at once, all keys
+    /// together and per key (a body counts its declared length until it has arrived).
+    pub max_pending_body_bytes: usize,
+    pub max_pending_body_bytes_per_key: usize,
     /// Set `X-Forwarded-For`, `-Proto` and `-Host` on forwarded requests, as a reverse proxy
     /// does (false: the client's are removed and none are set).
     pub forwarded_headers: bool,
@@ -133,6 +143,9 @@ impl Default for ServerConfig {
             header_timeout: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),
+            body_idle_timeout: Duration::from_secs(10),
+            max_pending_body_bytes: DEFAULT_MAX_PENDING_BODY_BYTES,
+            max_pending_body_bytes_per_key: DEFAULT_MAX_PENDING_BODY_BYTES_PER_KEY,
             forwarded_headers: true,
             trusted_proxies: Vec::new(),
             expose_backend_addresses: false,
@@ -197,6 +210,10 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
             s.keepalive_timeout_seconds,
         ),
         ("server.body_timeout_seconds", s.body_timeout_seconds),
+        (
+            "server.body_idle_timeout_seconds",
+            s.body_idle_timeout_seconds,
+        ),
     ] {
         if !(v.is_finite() && v > 0.0 && v <= 3600.0) {
             return Err(err.at(
@@ -215,6 +232,27 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
         return Err(err.at(
             "server.response_pin_capacity",
             "server.response_pin_capacity and server.response_pin_ttl_s must be > 0: without a pin, a stored response (GET /v1/responses/{id}, previous_response_id) cannot be found on the backend that holds it",
+        ));
+    }
+    let (pending, per_key) = (
+        usize::try_from(s.max_pending_body_bytes).unwrap_or(usize::MAX),
+        usize::try_from(s.max_pending_body_bytes_per_key).unwrap_or(usize::MAX),
+    );
+    let largest_body = s.max_body_bytes.max(s.max_audio_body_bytes);
+    if s.max_pending_body_bytes_per_key < largest_body {
+        return Err(err.at(
+            "server.max_pending_body_bytes_per_key",
+            format!(
+                "must be at least the largest body a route takes ({largest_body}: server.max_body_bytes and server.max_audio_body_bytes), or one such body could never be received"
+            ),
+        ));
+    }
+    if pending < per_key {
+        return Err(err.at(
+            "server.max_pending_body_bytes",
+            format!(
+                "must be at least server.max_pending_body_bytes_per_key ({per_key}): it bounds every key together"
+            ),
         ));
     }
     if s.health_interval_ms == 0 {
@@ -262,6 +300,9 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
         header_timeout: Duration::from_secs_f64(s.header_timeout_seconds),
         keepalive_timeout: Duration::from_secs_f64(s.keepalive_timeout_seconds),
         body_timeout: Duration::from_secs_f64(s.body_timeout_seconds),
+        body_idle_timeout: Duration::from_secs_f64(s.body_idle_timeout_seconds),
+        max_pending_body_bytes: pending,
+        max_pending_body_bytes_per_key: per_key,
         forwarded_headers: s.forwarded_headers,
         trusted_proxies,
         expose_backend_addresses: s.expose_backend_addresses,

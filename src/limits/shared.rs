@@ -424,6 +424,20 @@ impl Shared {
     }
 }
 
+/// Write a stored response's pin unless another key owns the id: the value is
+/// `model\tbackend\tkey`, ARGV[2] the writer's key.
+const PUT_PIN: &str = r"
+local old = redis.call('GET', KEYS[1])
+if old then
+  local owner = string.match(old, '^[^\t]*\t[^\t]*\t(.*)$')
+  if owner ~= nil and owner ~= ARGV[2] then
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+return 1
+";
+
 /// Short strings kept in Redis for a time, by id (a stored response's backend): written in the
 /// background, read with the limits' timeout. While Redis is down nothing is shared.
 #[derive(Clone)]
@@ -452,20 +466,27 @@ impl PinStore {
             .map(|c| (*c).clone())
     }
 
-    /// `SET <prefix>:resp:<id> <value> EX <ttl>`, in the background (dropped while Redis is
-    /// down: the pin stays in this replica only).
-    pub fn put(&self, id: &str, value: String, ttl: Duration) {
+    /// `SET <prefix>:resp:<id> <value> EX <ttl>` unless the id is held by a key other than
+    /// `owner` (the value's last tab-separated field), in the background (dropped while
+    /// Redis is down: the pin stays in this replica only).
+    pub fn put(&self, id: &str, value: String, owner: &str, ttl: Duration) {
         let Some(mut c) = self.conn() else {
             return;
         };
         let (key, timeout) = (self.key(id), self.timeout);
+        let owner = owner.to_owned();
         let secs = ttl.as_secs().max(1);
         tokio::spawn(async move {
-            let mut cmd = redis::cmd("SET");
-            cmd.arg(&key).arg(value).arg("EX").arg(secs);
-            let set = cmd.query_async::<()>(&mut c);
-            if let Ok(Err(e)) = tokio::time::timeout(timeout, set).await {
-                tracing::debug!(error = %e, "stored response's pin not shared");
+            let script = redis::Script::new(PUT_PIN);
+            let mut call = script.key(&key);
+            call.arg(value).arg(owner).arg(secs);
+            let set = call.invoke_async::<i64>(&mut c);
+            match tokio::time::timeout(timeout, set).await {
+                Ok(Err(e)) => tracing::debug!(error = %e, "stored response's pin not shared"),
+                Ok(Ok(0)) => tracing::warn!(
+                    "a stored response id another key holds in Redis was not re-pinned to this key"
+                ),
+                _ => {}
             }
         });
     }

@@ -471,6 +471,16 @@ impl InFlight {
     pub fn is_counted(&self) -> bool {
         self.counted
     }
+
+    /// Move the slot into a new holder: this one no longer counts (its drop releases
+    /// nothing), the returned one holds the slot until it drops.
+    pub fn hand_over(&mut self) -> InFlight {
+        InFlight {
+            balancer: self.balancer.clone(),
+            index: self.index,
+            counted: std::mem::replace(&mut self.counted, false),
+        }
+    }
 }
 
 impl Drop for InFlight {

@@ -41,12 +41,14 @@ pub enum ErrorKind {
     RateLimited,
     QueueFull,
     QueueTimeout,
+    /// The gateway holds as many bytes of bodies still arriving as it takes.
+    Overloaded,
     Shutdown,
     Internal,
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 27] = [
+    pub const ALL: [ErrorKind; 28] = [
         ErrorKind::RouteNotFound,
         ErrorKind::ResponseNotFound,
         ErrorKind::ResponseUnavailable,
@@ -72,6 +74,7 @@ impl ErrorKind {
         ErrorKind::RateLimited,
         ErrorKind::QueueFull,
         ErrorKind::QueueTimeout,
+        ErrorKind::Overloaded,
         ErrorKind::Shutdown,
         ErrorKind::Internal,
     ];
@@ -106,6 +109,7 @@ impl ErrorKind {
             | ErrorKind::ResponseUnavailable
             | ErrorKind::QueueFull
             | ErrorKind::QueueTimeout
+            | ErrorKind::Overloaded
             | ErrorKind::Shutdown => StatusCode::SERVICE_UNAVAILABLE,
             // A backend's own error status is relayed as it is; the kind alone says 502.
             ErrorKind::BackendUnreachable
@@ -144,6 +148,7 @@ impl ErrorKind {
             ErrorKind::RateLimited => "rate_limited",
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::QueueTimeout => "queue_timeout",
+            ErrorKind::Overloaded => "overloaded",
             ErrorKind::Shutdown => "shutdown",
             ErrorKind::Internal => "internal",
         }

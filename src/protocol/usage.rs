@@ -21,7 +21,27 @@ pub struct UsagePart {
     pub completion_tokens: Option<u64>,
 }
 
+/// The most tokens one count of a request's usage can plausibly be: 2^24 (16 777 216), above
+/// every model's context window and every output limit. A count past it is not a count (a
+/// broken or hostile backend): settled, it would lock a key's token budget for years.
+pub const MAX_PLAUSIBLE_TOKENS: u64 = 1 << 24;
+
+impl Usage {
+    /// Both counts within `MAX_PLAUSIBLE_TOKENS`.
+    pub fn plausible(&self) -> bool {
+        self.prompt_tokens <= MAX_PLAUSIBLE_TOKENS && self.completion_tokens <= MAX_PLAUSIBLE_TOKENS
+    }
+}
+
 impl UsagePart {
+    /// Every count it names within `MAX_PLAUSIBLE_TOKENS`.
+    pub fn plausible(&self) -> bool {
+        self.prompt_tokens.is_none_or(|t| t <= MAX_PLAUSIBLE_TOKENS)
+            && self
+                .completion_tokens
+                .is_none_or(|t| t <= MAX_PLAUSIBLE_TOKENS)
+    }
+
     /// Fold this part into what is known: the counts it names replace, the others stay.
     pub fn apply(self, to: &mut Option<Usage>) {
         let u = to.get_or_insert_with(Usage::default);

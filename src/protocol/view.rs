@@ -52,6 +52,12 @@ pub struct RequestView<'a> {
     pub previous_response_id: Option<Cow<'a, str>>,
     /// Responses: `background: true` (the POST answers while the backend still generates).
     pub background: bool,
+    /// Responses: `store` (vLLM's default is true): a `store: false` answer is kept nowhere,
+    /// so nothing is pinned for it.
+    pub store: bool,
+    /// Responses: the byte range of the client's `request_id` value (a JSON string), from
+    /// which vLLM makes the response's id.
+    pub request_id_span: Option<Range<usize>>,
 }
 
 #[derive(Deserialize)]
@@ -74,7 +80,7 @@ struct RawBody<'a> {
     #[serde(borrow, default, deserialize_with = "present_raw")]
     stream_options: Option<&'a RawValue>,
     messages: Option<Messages>,
-    prompt: Option<Prompt>,
+    prompt: Option<CompletionPrompts>,
     /// The Responses API's prompt: a string or a list of input items.
     input: Option<Input>,
     /// The Responses API's system text.
@@ -85,6 +91,10 @@ struct RawBody<'a> {
     previous_response_id: Option<&'a RawValue>,
     #[serde(borrow)]
     background: Option<&'a RawValue>,
+    #[serde(borrow)]
+    store: Option<&'a RawValue>,
+    #[serde(borrow)]
+    request_id: Option<&'a RawValue>,
     /// `/detokenize`'s token ids; read only there (another endpoint's body may carry a field of
     /// that name in any shape).
     #[serde(borrow)]
@@ -145,6 +155,10 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
     };
     let mut previous_response_id = None;
     let mut background = false;
+    let mut store = true;
+    let mut request_id_span = None;
+    // Completions: `n` answers for each prompt of a list.
+    let mut prompts = 1u32;
     let prompt_chars = match endpoint {
         Endpoint::Chat => {
             let Some(Messages(chars)) = raw.messages else {
@@ -156,16 +170,17 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
             chars
         }
         Endpoint::Completions => {
-            let Some(Prompt(chars)) = raw.prompt else {
+            let Some(CompletionPrompts { chars, count }) = raw.prompt else {
                 return Err(invalid(
                     "prompt",
                     "`prompt` is required on /v1/completions; for chat `messages` use /v1/chat/completions.",
                 ));
             };
+            prompts = count.max(1);
             chars
         }
         Endpoint::Tokenize => match (raw.prompt, raw.messages) {
-            (Some(Prompt(chars)), _) | (None, Some(Messages(chars))) => chars,
+            (Some(CompletionPrompts { chars, .. }), _) | (None, Some(Messages(chars))) => chars,
             (None, None) => {
                 return Err(invalid(
                     "prompt",
@@ -224,6 +239,29 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
                     ));
                 }
             };
+            store = match raw.store.map(RawValue::get) {
+                None | Some("null") | Some("true") => true,
+                Some("false") => false,
+                Some(other) => {
+                    return Err(invalid(
+                        "store",
+                        format!("`store` must be a boolean, got `{}`.", short(other)),
+                    ));
+                }
+            };
+            request_id_span = match raw.request_id {
+                None => None,
+                Some(r) if r.get() == "null" => None,
+                Some(r) if r.get().starts_with('"') => {
+                    Some(span_of(body, r.get().as_bytes()).ok_or(ViewError::Unlocatable)?)
+                }
+                Some(r) => {
+                    return Err(invalid(
+                        "request_id",
+                        format!("`request_id` must be a string, got `{}`.", short(r.get())),
+                    ));
+                }
+            };
             chars + raw.instructions.map_or(0, |c| c.0)
         }
         Endpoint::Messages | Endpoint::CountTokens => {
@@ -266,13 +304,15 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
         model_span,
         stream,
         max_tokens,
-        n,
+        n: n.saturating_mul(prompts),
         include_usage,
         stream_options_span,
         prompt_chars,
         user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
         previous_response_id,
         background,
+        store,
+        request_id_span,
     })
 }
 
@@ -284,6 +324,16 @@ pub async fn parse_form<'a>(
     endpoint: Endpoint,
 ) -> Result<RequestView<'a>, ViewError> {
     let path = endpoint.path();
+    // A parameter named twice is read differently by different parsers (the first
+    // `boundary` here, the last in Starlette, vLLM's): the backend would read another body.
+    if let Some(name) = repeated_parameter(content_type) {
+        return Err(ViewError::InvalidRequest {
+            param: None,
+            message: format!(
+                "The Content-Type names its `{name}` parameter more than once; send it once (`multipart/form-data; boundary=...`)."
+            ),
+        });
+    }
     let Ok(boundary) = multer::parse_boundary(content_type) else {
         return Err(ViewError::InvalidRequest {
             param: None,
@@ -301,8 +351,18 @@ pub async fn parse_form<'a>(
         message: format!("The multipart/form-data body cannot be read: {e}."),
     };
     let (mut model, mut stream_flag, mut file) = (None, None, false);
+    // A field the gateway reads, given twice, is read differently by different parsers (the
+    // backend's takes the last): it is refused, not guessed.
+    let twice = |name: &'static str| {
+        invalid(
+            name,
+            format!("The form field `{name}` is given more than once on {path}; send it once."),
+        )
+    };
     while let Some(field) = form.next_field().await.map_err(malformed)? {
         match field.name() {
+            Some("model") if model.is_some() => return Err(twice("model")),
+            Some("stream") if stream_flag.is_some() => return Err(twice("stream")),
             Some("model") => model = Some(field.text().await.map_err(malformed)?),
             Some("stream") => stream_flag = Some(field.text().await.map_err(malformed)?),
             // The audio is not read here: it goes to the backend as it came.
@@ -337,10 +397,20 @@ pub async fn parse_form<'a>(
             ));
         }
     };
+    // The field's bytes are found as `name="model"` (the form every client writes); a part
+    // named otherwise (unquoted, escaped) is refused rather than forwarded unchecked.
+    let unlocatable = || {
+        invalid(
+            "model",
+            format!(
+                "The `model` form field on {path} must be named as `Content-Disposition: form-data; name=\"model\"` with its value as plain text."
+            ),
+        )
+    };
     let model_span =
-        form_field_span(body, boundary.as_bytes(), b"model").ok_or(ViewError::Unlocatable)?;
+        form_field_span(body, boundary.as_bytes(), b"model").ok_or_else(unlocatable)?;
     if body[model_span.clone()].trim_ascii() != model.as_bytes() {
-        return Err(ViewError::Unlocatable);
+        return Err(unlocatable());
     }
     Ok(RequestView {
         model: Cow::Owned(model),
@@ -350,6 +420,47 @@ pub async fn parse_form<'a>(
             ..Generation::NONE
         })
     })
+}
+
+/// The first parameter of a `Content-Type` value named more than once (names compare
+/// without case; values may be quoted strings, with `;` and escapes inside).
+fn repeated_parameter(content_type: &str) -> Option<String> {
+    let bytes = content_type.as_bytes();
+    let mut names: Vec<String> = Vec::new();
+    let mut i = memchr::memchr(b';', bytes)?;
+    while i < bytes.len() {
+        // At a `;`: the parameter's name runs to `=` (or the next `;`).
+        i += 1;
+        let start = i;
+        while i < bytes.len() && bytes[i] != b'=' && bytes[i] != b';' {
+            i += 1;
+        }
+        let name = content_type[start..i].trim().to_ascii_lowercase();
+        if i < bytes.len() && bytes[i] == b'=' {
+            i += 1;
+            while i < bytes.len() && bytes[i] == b' ' {
+                i += 1;
+            }
+            if i < bytes.len() && bytes[i] == b'"' {
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            while i < bytes.len() && bytes[i] != b';' {
+                i += 1;
+            }
+        }
+        if name.is_empty() {
+            continue;
+        }
+        if names.contains(&name) {
+            return Some(name);
+        }
+        names.push(name);
+    }
+    None
 }
 
 /// Where the value of form field `name` is in a multipart body with `boundary`.
@@ -550,7 +661,7 @@ fn parse_batch(body: &[u8]) -> Result<RequestView<'_>, ViewError> {
         prompt_chars: chars,
         user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
         ..RequestView::whole(Generation {
-            max_tokens: max_completion_tokens.or(max_tokens),
+            max_tokens: output_limit(max_completion_tokens, max_tokens),
             // One answer per conversation, like `n` choices of one prompt.
             n: u32::try_from(count).unwrap_or(u32::MAX),
             ..Generation::NONE
@@ -573,6 +684,8 @@ impl RequestView<'_> {
             user: None,
             previous_response_id: None,
             background: false,
+            store: true,
+            request_id_span: None,
         }
     }
 }
@@ -666,11 +779,17 @@ fn generation_fields(
     };
     Ok(Generation {
         stream,
-        max_tokens: max_completion_tokens.or(max_tokens),
+        max_tokens: output_limit(max_completion_tokens, max_tokens),
         n,
         include_usage,
         stream_options_span,
     })
+}
+
+/// The output limit vLLM applies: `max_completion_tokens or max_tokens` (Python's `or`: a
+/// `max_completion_tokens` of 0 falls back to `max_tokens`, as vLLM does).
+fn output_limit(max_completion_tokens: Option<u64>, max_tokens: Option<u64>) -> Option<u64> {
+    max_completion_tokens.filter(|t| *t != 0).or(max_tokens)
 }
 
 /// A client's value quoted in a message, cut to a readable length.
@@ -692,10 +811,34 @@ pub fn upstream_body(
     rename: Option<&[u8]>,
     inject_usage: bool,
 ) -> Bytes {
+    upstream_body_owned(body, view, rename, inject_usage, None)
+}
+
+/// `upstream_body`, with a Responses `request_id` put in `owner`'s namespace
+/// (`<owner>-<the client's id>`): vLLM makes the stored response's id from it, and one key's
+/// chosen id must never name another key's response.
+pub fn upstream_body_owned(
+    body: &Bytes,
+    view: &RequestView<'_>,
+    rename: Option<&[u8]>,
+    inject_usage: bool,
+    owner: Option<&str>,
+) -> Bytes {
     // Edits from the end of the body backwards, so earlier offsets stay valid.
     let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::with_capacity(2);
     if let Some(name) = rename {
         edits.push((view.model_span.clone(), name.to_vec()));
+    }
+    if let (Some(owner), Some(span)) = (owner, &view.request_id_span) {
+        // The value is a JSON string: its escaped content stays as it came.
+        let inner = &body[span.start + 1..span.end - 1];
+        let mut id = Vec::with_capacity(owner.len() + inner.len() + 3);
+        id.push(b'"');
+        id.extend_from_slice(owner.as_bytes());
+        id.push(b'-');
+        id.extend_from_slice(inner);
+        id.push(b'"');
+        edits.push((span.clone(), id));
     }
     if inject_usage {
         match &view.stream_options_span {
@@ -1060,6 +1203,86 @@ impl<'de> Deserialize<'de> for Prompt {
     }
 }
 
+/// A completions `prompt`: its length (as `Prompt`) and how many prompts it holds (vLLM
+/// answers each of a list: a string, a list of strings, token ids, or a list of them).
+struct CompletionPrompts {
+    chars: usize,
+    count: u32,
+}
+
+impl<'de> Deserialize<'de> for CompletionPrompts {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = CompletionPrompts;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, an array of strings, or an array of token ids")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<CompletionPrompts, E> {
+                Ok(CompletionPrompts {
+                    chars: s.chars().count(),
+                    count: 1,
+                })
+            }
+            fn visit_seq<A: SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<CompletionPrompts, A::Error> {
+                // Token ids alone are one prompt; each string or list of ids is one.
+                let (mut chars, mut count) = (0usize, 0u32);
+                while let Some(PromptElement { chars: n, whole }) = seq.next_element()? {
+                    chars += n;
+                    count = count.saturating_add(u32::from(whole));
+                }
+                Ok(CompletionPrompts {
+                    chars,
+                    count: count.max(1),
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One element of a completions `prompt` list: a whole prompt (a string, a list of token ids)
+/// or one token id of a single prompt.
+struct PromptElement {
+    chars: usize,
+    whole: bool,
+}
+
+impl<'de> Deserialize<'de> for PromptElement {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = PromptElement;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, a token id, or a list of token ids")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<PromptElement, E> {
+                Ok(PromptElement {
+                    chars: s.chars().count(),
+                    whole: true,
+                })
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<PromptElement, E> {
+                Ok(PromptElement {
+                    chars: 4,
+                    whole: false,
+                })
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<PromptElement, A::Error> {
+                let Prompt(n) = Prompt::deserialize(de::value::SeqAccessDeserializer::new(seq))?;
+                Ok(PromptElement {
+                    chars: n,
+                    whole: true,
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1098,6 +1321,56 @@ mod tests {
         assert_eq!(v.prompt_chars, 3);
         let v = parse(br#"{"model":"m","prompt":[1,2,3]}"#, Endpoint::Completions).unwrap();
         assert_eq!(v.prompt_chars, 12);
+        assert_eq!(v.n, 1, "token ids are one prompt");
+    }
+
+    /// A `Content-Type` parameter named twice is found whatever its case or quoting, and a
+    /// `;` inside a quoted value does not start a parameter.
+    #[test]
+    fn repeated_content_type_parameters() {
+        let twice = |ct: &str| repeated_parameter(ct);
+        assert_eq!(twice("multipart/form-data; boundary=AAA"), None);
+        assert_eq!(
+            twice("multipart/form-data; boundary=AAA; boundary=BBB").as_deref(),
+            Some("boundary")
+        );
+        assert_eq!(
+            twice("multipart/form-data; Boundary=\"A\"; BOUNDARY=B").as_deref(),
+            Some("boundary")
+        );
+        assert_eq!(
+            twice("multipart/form-data; boundary=\"a; boundary=b\"; charset=utf-8"),
+            None
+        );
+        assert_eq!(
+            twice("multipart/form-data; boundary=\"a\\\" x\"; boundary=c").as_deref(),
+            Some("boundary")
+        );
+        assert_eq!(twice("multipart/form-data"), None);
+    }
+
+    /// What vLLM would generate at most, read as it reads it: `max_completion_tokens or
+    /// max_tokens` (a 0 falls back), and `n` answers for each prompt of a completions list.
+    #[test]
+    fn the_output_limit_is_read_as_vllm_reads_it() {
+        let v = parse(
+            br#"{"model":"m","max_completion_tokens":0,"max_tokens":100000,"messages":[]}"#,
+            Endpoint::Chat,
+        )
+        .unwrap();
+        assert_eq!(v.max_tokens, Some(100_000));
+        let body = format!(
+            r#"{{"model":"m","max_tokens":1000,"n":2,"prompt":[{}]}}"#,
+            vec!["\"p\""; 100].join(",")
+        );
+        let v = parse(body.as_bytes(), Endpoint::Completions).unwrap();
+        assert_eq!((v.n, v.max_tokens), (200, Some(1000)));
+        let v = parse(
+            br#"{"model":"m","prompt":[[1,2],[3],[4,5,6]]}"#,
+            Endpoint::Completions,
+        )
+        .unwrap();
+        assert_eq!((v.n, v.prompt_chars), (3, 24));
     }
 
     /// The pooling bodies are sized by their texts in every shape vLLM takes (token ids ≈ 4

@@ -69,6 +69,15 @@ pub enum ApiError {
     BodyRead(String),
     #[error("request body not received within {after_ms} ms")]
     BodyTimeout { after_ms: u128 },
+    /// The body stopped arriving: nothing came for this long.
+    #[error("request body stalled for {after_ms} ms")]
+    BodyStalled { after_ms: u128 },
+    /// Past the bytes of bodies still arriving that the gateway (or this key) may hold.
+    #[error("pending request bodies over {limit} bytes")]
+    PendingBodies {
+        scope: super::body::PendingScope,
+        limit: usize,
+    },
     /// The body is not the JSON the endpoint takes (the view's own error, kept whole).
     #[error("{0}")]
     View(ViewError),
@@ -127,7 +136,15 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => ErrorKind::BodyTooLarge,
             ApiError::HeadersTooLarge(_) => ErrorKind::HeadersTooLarge,
             ApiError::BodyRead(_) => ErrorKind::BodyRead,
-            ApiError::BodyTimeout { .. } => ErrorKind::BodyTimeout,
+            ApiError::BodyTimeout { .. } | ApiError::BodyStalled { .. } => ErrorKind::BodyTimeout,
+            ApiError::PendingBodies {
+                scope: super::body::PendingScope::Gateway,
+                ..
+            } => ErrorKind::Overloaded,
+            ApiError::PendingBodies {
+                scope: super::body::PendingScope::Key,
+                ..
+            } => ErrorKind::RateLimited,
             ApiError::View(ViewError::InvalidJson(_)) => ErrorKind::InvalidJson,
             ApiError::View(ViewError::InvalidRequest { .. }) => ErrorKind::InvalidRequest,
             ApiError::View(ViewError::Unlocatable) => ErrorKind::Internal,
@@ -261,6 +278,36 @@ impl ApiError {
                 "invalid_request_error",
                 None,
                 "body_timeout",
+            ),
+            ApiError::BodyStalled { after_ms } => (
+                format!(
+                    "The request body stopped arriving: nothing came for {after_ms} ms (server.body_idle_timeout_seconds). Send the body as the Content-Length says, without pauses; check a proxy in between that stalls uploads."
+                ),
+                "invalid_request_error",
+                None,
+                "body_timeout",
+            ),
+            ApiError::PendingBodies {
+                scope: super::body::PendingScope::Gateway,
+                limit,
+            } => (
+                format!(
+                    "The gateway is receiving as many request bodies as it holds at once ({limit} bytes of bodies still arriving, server.max_pending_body_bytes); nothing was sent to a backend. Retry shortly."
+                ),
+                "server_error",
+                None,
+                "gateway_overloaded",
+            ),
+            ApiError::PendingBodies {
+                scope: super::body::PendingScope::Key,
+                limit,
+            } => (
+                format!(
+                    "This key has as many request bodies still arriving as it may ({limit} bytes, server.max_pending_body_bytes_per_key; a body counts its Content-Length until it has arrived); nothing was sent to a backend. Send fewer uploads at once, or wait for the ones in progress."
+                ),
+                "rate_limit_error",
+                None,
+                "key_pending_bodies",
             ),
             ApiError::HeadersTooLarge(excess) => (
                 match excess {
@@ -427,6 +474,7 @@ impl ApiError {
             }
             ApiError::Limited(r) => r.retry_after.map(retry_after),
             ApiError::QueueRefused(r) => Some(retry_after(r.retry_after)),
+            ApiError::PendingBodies { .. } => Some(retry_after(std::time::Duration::from_secs(1))),
             ApiError::Auth(f) if f.kind() == ErrorKind::Unauthenticated => Some((
                 header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer realm=\"fleetgate\""),

@@ -12,13 +12,19 @@ use super::error::HeadExcess;
 /// Headers of the client's never passed upstream besides the hop-by-hop ones and `host` (taken
 /// out first by `outgoing`, for `X-Forwarded-Host`; the backend's own is sent): its credentials
 /// (the pool's own upstream key is sent instead), `content-length` and `x-request-id` (the
-/// gateway sets both), `accept-encoding` (the relay must see plain SSE), `expect` and `cookie`.
-const STRIP_UPSTREAM: &[HeaderName] = &[
+/// gateway sets both), `accept-encoding` (the relay must see plain SSE), `expect` and `cookie`;
+/// and the headers vLLM reads as instructions from whoever deploys it, not from its clients:
+/// `x-data-parallel-rank` picks the engine rank a request runs on (the fleet's router's
+/// choice, not a client's), `endpoint-load-metrics-format` asks for the engine's load report
+/// in the answer's head.
+static STRIP_UPSTREAM: [HeaderName; 7] = [
     header::AUTHORIZATION,
     header::CONTENT_LENGTH,
     header::ACCEPT_ENCODING,
     header::EXPECT,
     header::COOKIE,
+    HeaderName::from_static("x-data-parallel-rank"),
+    HeaderName::from_static("endpoint-load-metrics-format"),
 ];
 
 /// Hop-by-hop headers by definition (RFC 9110 §7.6.1, and the older `Keep-Alive` and
@@ -209,7 +215,7 @@ pub fn outgoing(mut headers: HeaderMap, fwd: &Forwarding, sender: Sender<'_>) ->
     let trailers = accepts_trailers(&headers);
     strip_hop_by_hop(&mut headers);
     let host = headers.remove(header::HOST);
-    for name in STRIP_UPSTREAM {
+    for name in &STRIP_UPSTREAM {
         headers.remove(name);
     }
     forwarding(&mut headers, fwd, sender, host);

@@ -22,6 +22,7 @@
 //! capacity slots and never waits, and their answer has no first token.
 
 pub mod backend_error;
+mod background;
 pub mod body;
 pub mod error;
 mod fingerprint;
@@ -34,7 +35,6 @@ pub mod timing;
 pub mod upstream;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -66,8 +66,11 @@ pub struct ProxyState {
     pub max_body_bytes: usize,
     /// The audio routes' `multipart/form-data` bodies (`server.max_audio_body_bytes`).
     pub max_audio_body_bytes: usize,
-    /// The whole request body must arrive within this.
-    pub body_timeout: Duration,
+    /// The whole request body must arrive within this, with no pause longer than the idle
+    /// limit.
+    pub body_timeouts: body::BodyTimeouts,
+    /// The bytes of bodies still arriving, for every worker (`server.max_pending_body_*`).
+    pub pending_bodies: Arc<body::PendingBodies>,
     /// What a forwarded request's head may come to (`server.max_upstream_*`).
     pub head_limits: upstream::HeadLimits,
     pub recorder: Arc<crate::telemetry::Recorder>,
@@ -116,7 +119,8 @@ pub struct Exchange {
     pub admission: Option<Admission>,
     pub record: RequestRecord,
     /// A background response (`background: true`): its answer ends while the backend still
-    /// generates, with no usage yet; it is settled once, at what was reserved.
+    /// generates; it holds its slots until the backend is done (`background`), and settles
+    /// with the finished response's usage, or at what was reserved when there is none.
     pub background: bool,
 }
 
@@ -134,7 +138,13 @@ impl Drop for Exchange {
     fn drop(&mut self) {
         if let Some(mut adm) = self.admission.take() {
             let used = if self.background && self.record.timeline.upstream_sent().is_some() {
-                adm.reserved()
+                self.record
+                    .timeline
+                    .stream()
+                    .usage
+                    .map_or(adm.reserved(), |u| {
+                        u.prompt_tokens.saturating_add(u.completion_tokens)
+                    })
             } else {
                 self.record.used_tokens(adm.prompt_estimate())
             };
@@ -161,8 +171,9 @@ pub fn error_response(
     resp
 }
 
-/// The client's `x-request-id` if usable, else a new one: a per-process random prefix and a
-/// counter (unique across replicas without a per-request random draw).
+/// The client's `x-request-id` if usable, else a new one: `fg-`, a per-process random prefix
+/// (which replica made it), and 96 random bits: unguessable (a stored response's id is made
+/// from it) and unique across replicas.
 pub fn request_id(headers: &HeaderMap) -> HeaderValue {
     if let Some(v) = headers.get(&X_REQUEST_ID)
         && !v.is_empty()
@@ -171,14 +182,14 @@ pub fn request_id(headers: &HeaderMap) -> HeaderValue {
         return v.clone();
     }
     static PREFIX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
     let prefix = *PREFIX.get_or_init(rand::random::<u32>);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let mut buf = [0u8; 3 + 8 + 1 + 16];
+    let bits: u128 = rand::random();
+    let mut buf = [0u8; 3 + 8 + 1 + 24];
     buf[..3].copy_from_slice(b"fg-");
     hex_into(&mut buf[3..11], u64::from(prefix), 8);
     buf[11] = b'-';
-    hex_into(&mut buf[12..], n, 16);
+    hex_into(&mut buf[12..20], (bits >> 64) as u64, 8);
+    hex_into(&mut buf[20..], bits as u64, 16);
     HeaderValue::from_bytes(&buf).unwrap_or_else(|_| HeaderValue::from_static("fg-invalid"))
 }
 
@@ -275,7 +286,8 @@ async fn phases(
         declared,
         body,
         accepted,
-        state.body_timeout,
+        state.body_timeouts,
+        (&state.pending_bodies, ex.record.key.as_ref().map(|k| k.id)),
     )
     .await?;
     let body_read = Instant::now();
@@ -331,17 +343,11 @@ async fn phases(
 
     if let Some((at, prev)) = pinned_at {
         let mut prepared = upstream::prepare(
-            outgoing,
-            &body,
-            &view,
-            &route,
-            endpoint,
-            &ex.record.request_id,
-            body_read,
+            outgoing, &body, &view, &route, endpoint, &ex.record, body_read,
         );
-        drop(view);
         prepared.pinned = true;
-        prepared.pin = Some(pin_of(route.pool, &ex.record));
+        prepared.pin = view.store.then(|| pin_of(route.pool, &ex.record));
+        drop(view);
         // Boxed, as every path only some requests take: the request's future (which a client
         // connection keeps allocated for its life) stays the size chat's needs.
         return Box::pin(send_pinned(state, route.pool, at, &prev, prepared, ex))
@@ -367,19 +373,14 @@ async fn phases(
     };
 
     let mut prepared = upstream::prepare(
-        outgoing,
-        &body,
-        &view,
-        &route,
-        endpoint,
-        &ex.record.request_id,
-        body_read,
+        outgoing, &body, &view, &route, endpoint, &ex.record, body_read,
     );
-    drop(view);
-    prepared.target = target;
-    if endpoint == Endpoint::Responses {
+    // A `store: false` answer is kept nowhere: it takes no place among the pins.
+    if endpoint == Endpoint::Responses && view.store {
         prepared.pin = Some(pin_of(route.pool, &ex.record));
     }
+    drop(view);
+    prepared.target = target;
     // A stream that must wait answers at once, `: queued` comments keeping it alive; it
     // resumes at `wait_and_send` from its body.
     if ex.record.stream
@@ -820,6 +821,10 @@ struct Queued {
 /// Phase 7: the head goes out, the body is relayed.
 async fn answer(state: &ProxyState, sent: Sent, mut ex: Exchange) -> Response<GatewayBody> {
     match sent {
+        // The answer of a background POST comes whole; its work is watched to its end.
+        Sent::Relay(resp, relay_parts) if ex.background && !relay_parts.sse => {
+            Box::pin(background::answer(state, resp, relay_parts, ex)).await
+        }
         Sent::Relay(resp, mut relay_parts) => {
             let (head, ()) = resp.into_parts();
             ex.record.status = head.status.as_u16();
@@ -931,8 +936,28 @@ fn relay_body(
         closing: state.closing.clone(),
         rename,
         max_line: state.max_stream_line,
+        background: background_handover(state, &ex, sse, timeouts.total),
     };
     RelayBody::new(upstream, options, slot, ex, first)
+}
+
+/// A streamed background response's hand-over to a watcher, should its client leave early.
+fn background_handover(
+    state: &ProxyState,
+    ex: &Exchange,
+    sse: bool,
+    total: Duration,
+) -> Option<Box<background::Handover>> {
+    if !(ex.background && sse) {
+        return None;
+    }
+    let generation = state.generation.load();
+    let pool = generation.get(ex.record.model.as_deref()?)?;
+    Some(Box::new(background::Handover {
+        client: pool.client.clone(),
+        deadline: Instant::now() + total,
+        closing: state.closing.token.clone(),
+    }))
 }
 
 /// A queued stream resumes at phase 5 as its body is polled: wait for a slot, send, and hand

@@ -127,9 +127,28 @@ pin_project! {
         #[pin]
         closing: WaitForCancellationFutureOwned,
         grace: Duration,
+        // A streamed background response: its id (once read), and what hands its work to a
+        // watcher if the client leaves before the end.
+        background: Option<Box<super::background::Handover>>,
+        background_id: Option<String>,
         // Declared before `ex` so the slot is released before the request is recorded.
         slot: InFlight,
         ex: Exchange,
+    }
+
+    impl PinnedDrop for RelayBody {
+        // The client of a streamed background response left before its end: the backend goes
+        // on, so its slot and its key's admission go to a watcher rather than being released.
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if let Some(handover) = this.background.take()
+                && let Some(id) = this.background_id.take()
+                && !this.ex.record.timeline.stream().done
+            {
+                let admission = this.ex.admission.take();
+                handover.watch(id, this.slot.hand_over(), admission);
+            }
+        }
     }
 }
 
@@ -153,7 +172,9 @@ impl RelayBody {
             closing,
             mut rename,
             max_line,
+            background,
         } = options;
+        let mut background_id = None;
         let now = Instant::now();
         let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
         let mut scanner = SseScanner::for_dialect(dialect, max_line);
@@ -171,6 +192,7 @@ impl RelayBody {
                         itl: itl.as_ref(),
                         backend: slot.backend(),
                         pin: &mut pin,
+                        learned: background.as_ref().map(|_| &mut background_id),
                     },
                 )
             } else {
@@ -210,6 +232,8 @@ impl RelayBody {
             rename,
             closing: closing.token.cancelled_owned(),
             grace: closing.grace,
+            background,
+            background_id,
             slot,
             ex,
         }
@@ -284,6 +308,8 @@ pub struct RelayOptions {
     pub rename: Option<Box<super::rename::Rename>>,
     /// The longest SSE line carried across reads (`server.max_stream_line_bytes`).
     pub max_line: usize,
+    /// A streamed background response: how its work is handed to a watcher.
+    pub background: Option<Box<super::background::Handover>>,
 }
 
 /// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
@@ -302,20 +328,37 @@ fn scan_frame(
         itl,
         backend,
         pin,
+        mut learned,
     } = scan;
     let tl = &mut record.timeline;
+    // The stream already ended at its terminal event: a backend's bytes after it are not part
+    // of the answer, and are neither relayed nor counted.
+    if tl.stream().done {
+        return None;
+    }
     let at = tl.offset(now);
     let mut cut = None;
+    // Where the terminal event ends in this frame: the frame is cut there.
+    let mut end = None;
     // Finish chunks in this frame that want the fingerprint.
     let mut finish_at = Vec::new();
     // (Only chat chunks have a usage chunk to cut or a fingerprint to learn.)
     let chat = scanner.dialect() == Dialect::Chat;
     scanner.feed(&data, |line| {
+        if tl.stream().done {
+            return;
+        }
+        if line.kind == DataKind::Done {
+            end = line.event_span.as_ref().map(|span| span.end);
+        }
         if pin.is_some()
             && line.kind == DataKind::NoOutput
             && let Some(id) = crate::protocol::dialect::response_id(line.payload)
             && let Some(learn) = pin.take()
         {
+            if let Some(keep) = learned.as_deref_mut() {
+                *keep = Some(id.clone());
+            }
             learn.learned(id);
         }
         if chat && is_usage(&line) {
@@ -340,6 +383,12 @@ fn scan_frame(
     if tl.stream().error && record.error.is_none() {
         record.error = Some(ErrorKind::UpstreamStreamError);
     }
+    let mut data = data;
+    if let Some(end) = end
+        && end < data.len()
+    {
+        data.truncate(end);
+    }
     if cut.is_none() && finish_at.is_empty() {
         return Some(data);
     }
@@ -358,6 +407,8 @@ struct Scan<'a> {
     itl: Option<&'a prometheus::Histogram>,
     backend: &'a Backend,
     pin: &'a mut Option<super::pins::Learn>,
+    /// Where the learned id is kept too (a streamed background response).
+    learned: Option<&'a mut Option<String>>,
 }
 
 /// The usage chunk of a chat stream: `choices: []` with a `usage` object.
@@ -516,6 +567,7 @@ impl RelayBody {
                     itl: this.itl.as_ref(),
                     backend: this.slot.backend(),
                     pin: this.pin,
+                    learned: this.background.as_ref().map(|_| &mut *this.background_id),
                 },
             );
             if !had_first && this.ex.record.timeline.upstream_first_token().is_some() {
@@ -624,6 +676,9 @@ impl RelayBody {
 
     /// Upstream failed after the head: an error event for a stream, an I/O error otherwise.
     fn on_error(self: Pin<&mut Self>, e: &std::io::Error) -> Option<Out> {
+        if self.answered() {
+            return self.end_answered();
+        }
         let this = self.project();
         this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
         let err = ApiError::UpstreamStreamFailed {
@@ -665,6 +720,9 @@ impl RelayBody {
             self.as_mut().project().timer.reset(deadline.into());
             return None;
         }
+        if self.answered() {
+            return self.end_answered();
+        }
         let kind = self.timeout_kind(now);
         let limit = self.limit_of(kind);
         let this = self.project();
@@ -691,6 +749,9 @@ impl RelayBody {
     /// event and `[DONE]` (then the chunked terminator), a whole answer is cut; the record says
     /// `shutdown`, not that the client left.
     fn on_closing(self: Pin<&mut Self>) -> Option<Out> {
+        if self.answered() {
+            return self.end_answered();
+        }
         let this = self.project();
         this.ex.record.error = Some(ErrorKind::Shutdown);
         let err = ApiError::Shutdown {
@@ -704,6 +765,23 @@ impl RelayBody {
         *this.state = State::Ended;
         this.ex.record.finish(Instant::now());
         Some(Poll::Ready(Some(Err(std::io::Error::other(err.message())))))
+    }
+
+    /// A stream whose terminal event has been read is a complete answer: whatever the backend
+    /// does after it (fails, stalls, sends more) is not the client's concern.
+    fn answered(&self) -> bool {
+        self.sse && self.ex.record.timeline.stream().done
+    }
+
+    /// End a complete stream quietly: what was gathered goes out, then the body ends.
+    fn end_answered(mut self: Pin<&mut Self>) -> Option<Out> {
+        let this = self.as_mut().project();
+        *this.state = State::Ended;
+        if this.ready.is_empty() {
+            this.ex.record.finish(Instant::now());
+            return Some(Poll::Ready(None));
+        }
+        Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))))
     }
 
     /// Hand the gathered frames to the client connection, stamping the first token. Once the

@@ -64,7 +64,7 @@ pub fn prepare(
     view: &RequestView<'_>,
     route: &Route<'_>,
     endpoint: Endpoint,
-    request_id: &HeaderValue,
+    record: &crate::telemetry::RequestRecord,
     body_read: Instant,
 ) -> Prepared {
     let inject_usage =
@@ -74,13 +74,24 @@ pub fn prepare(
         BodyKind::Multipart => route.rename.map(|_| route.pool.served_name.as_bytes()),
         _ => route.rename,
     };
-    let upstream_body = view::upstream_body(body, view, rename, inject_usage);
+    // A new stored response's id is made from the request id (vLLM's `resp_<x-request-id>`, or
+    // the body's `request_id`): in the key's namespace, so no key can name another's.
+    let owner = record
+        .key
+        .as_deref()
+        .filter(|_| endpoint == Endpoint::Responses)
+        .map(|k| &*k.public_id);
+    let upstream_body = view::upstream_body_owned(body, view, rename, inject_usage, owner);
     let Outgoing {
         mut headers,
         trailers,
     } = outgoing;
     let timing_trailer = view.stream && trailers;
-    headers.insert(X_REQUEST_ID.clone(), request_id.clone());
+    let request_id = match owner {
+        Some(owner) => owned_request_id(owner, &record.request_id),
+        None => record.request_id.clone(),
+    };
+    headers.insert(X_REQUEST_ID.clone(), request_id);
     headers.insert(
         header::CONTENT_LENGTH,
         HeaderValue::from(upstream_body.len() as u64),
@@ -103,6 +114,15 @@ pub fn prepare(
         pin: None,
         prefix: route.prefix.clone(),
     }
+}
+
+/// `<owner>-<request id>`: the request id in a key's namespace.
+fn owned_request_id(owner: &str, request_id: &HeaderValue) -> HeaderValue {
+    let mut v = Vec::with_capacity(owner.len() + 1 + request_id.len());
+    v.extend_from_slice(owner.as_bytes());
+    v.push(b'-');
+    v.extend_from_slice(request_id.as_bytes());
+    HeaderValue::from_bytes(&v).unwrap_or_else(|_| request_id.clone())
 }
 
 pub struct RelayParts {

@@ -270,13 +270,22 @@ impl Server {
                     .map(crate::limits::shared::Shared::pin_store),
             ),
         );
+        // One bound on the bodies still arriving for every worker.
+        let pending_bodies = Arc::new(crate::proxy::body::PendingBodies::new(
+            config.server.max_pending_body_bytes,
+            config.server.max_pending_body_bytes_per_key,
+        ));
         let worker_state = || -> Result<ProxyState, StartError> {
             Ok(ProxyState {
                 pins: pins.clone(),
                 generation: fleet.for_worker()?,
                 max_body_bytes: config.server.max_body_bytes,
                 max_audio_body_bytes: config.server.max_audio_body_bytes,
-                body_timeout: config.server.body_timeout,
+                body_timeouts: crate::proxy::body::BodyTimeouts {
+                    total: config.server.body_timeout,
+                    idle: config.server.body_idle_timeout,
+                },
+                pending_bodies: pending_bodies.clone(),
                 max_stream_line: config.server.max_stream_line_bytes,
                 forwarding: crate::proxy::upstream::Forwarding::new(&config.server),
                 head_limits: crate::proxy::upstream::HeadLimits {

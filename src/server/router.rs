@@ -80,9 +80,11 @@ pub async fn route(
         .await
     {
         Ok(key) => record.key = Some(key),
-        Err(failure) => {
-            let throttled = matches!(failure, AuthFailure::TooManyFailures { .. });
-            let mut resp = fail(ApiError::Auth(failure), record);
+        Err(refused) => {
+            let throttled = matches!(refused.failure, AuthFailure::TooManyFailures { .. });
+            // A key that was identified (revoked, expired, rotated out) owns its refusal.
+            record.key = refused.key;
+            let mut resp = fail(ApiError::Auth(refused.failure), record);
             // A throttled address gets no more attempts on this connection: hyper closes an
             // HTTP/1 connection after a response that says `Connection: close` (HTTP/2 has no
             // such header; there the delay is the brake).

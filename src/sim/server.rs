@@ -694,6 +694,9 @@ async fn generate(
         return Ok(json_response(answer, capture));
     }
 
+    // A streamed background response runs on when its client leaves (vLLM runs it in a task of
+    // its own and the stream reads its events).
+    let detached = store.clone().filter(|_| parsed.responses.background);
     if parsed.stream {
         let frames = match endpoint {
             Endpoint::Chat | Endpoint::Completions => {
@@ -730,7 +733,13 @@ async fn generate(
             capture,
         )
         .ending(parsed.natural_end);
-        return Ok(event_stream(SimBody::Stream(Box::new(stream))));
+        let body = SimBody::Stream(Box::new(stream));
+        if let Some(store) = detached {
+            return Ok(event_stream(SimBody::detached(body, |task| {
+                store.running_task(&id, task);
+            })));
+        }
+        return Ok(event_stream(body));
     }
 
     // If the client leaves while we wait here, hyper drops this future and with it the

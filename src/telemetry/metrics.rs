@@ -176,6 +176,8 @@ pub struct RequestMetrics {
     /// Longest-prefix routing's outcomes and its index's size, per pool (at scrape time).
     prefix_routing: IntCounterVec,
     prefix_blocks: IntGaugeVec,
+    /// Answers whose usage was past every plausible count, by backend (treated as none).
+    implausible_usage: IntCounterVec,
 }
 
 impl std::fmt::Debug for RequestMetrics {
@@ -354,6 +356,12 @@ impl RequestMetrics {
             "Prompt blocks a longest-prefix pool's index remembers (bounded by affinity.max_blocks)",
             &["model"],
         )?;
+        let implausible_usage = counter_vec(
+            registry,
+            "fleetgate_upstream_implausible_usage_total",
+            "Answers whose usage named more tokens than any request can have (2^24): treated as no usage, never settled",
+            &["model", "backend"],
+        )?;
         let families = Families {
             overhead,
             hop,
@@ -378,6 +386,7 @@ impl RequestMetrics {
             rejections,
             prefix_routing,
             prefix_blocks,
+            implausible_usage,
         };
         metrics.relayout(pools, &[]);
         Ok(metrics)
@@ -481,6 +490,13 @@ impl RequestMetrics {
 
     /// Record one finished request (called once, from the record's drop).
     pub fn observe(&self, r: &RequestRecord) {
+        if r.timeline.stream().implausible_usage {
+            let model = r.model.as_deref().unwrap_or("none");
+            let backend = r.backend.as_deref().unwrap_or("none");
+            self.implausible_usage
+                .with_label_values(&[model, backend])
+                .inc();
+        }
         let env = r.key.as_ref().map(|k| k.environment);
         let layout = self.layout.load();
         let ps = self.pool_series(&layout, r.pool_slot);

@@ -25,6 +25,8 @@ pub struct Recorder {
     observer: Option<Observer>,
     metrics: Option<Arc<metrics::RequestMetrics>>,
     log: Option<Arc<request_log::RequestLog>>,
+    /// Backends already named in the log for an implausible usage (said once each).
+    implausible_said: std::sync::Mutex<std::collections::HashSet<Arc<str>>>,
 }
 
 type Observer = Box<dyn Fn(&RequestRecord) + Send + Sync>;
@@ -45,6 +47,7 @@ impl Recorder {
             observer: None,
             metrics: None,
             log: None,
+            implausible_said: std::sync::Mutex::default(),
         }
     }
 
@@ -73,6 +76,9 @@ impl Recorder {
     }
 
     fn record(&self, r: &RequestRecord) {
+        if r.timeline.stream().implausible_usage {
+            self.say_implausible(r);
+        }
         if let Some(m) = &self.metrics {
             m.observe(r);
         }
@@ -84,6 +90,26 @@ impl Recorder {
         }
         if let Some(f) = &self.observer {
             f(r);
+        }
+    }
+}
+
+impl Recorder {
+    /// A backend's usage past every plausible count: said once per backend (counted each
+    /// time in `fleetgate_upstream_implausible_usage_total`).
+    fn say_implausible(&self, r: &RequestRecord) {
+        let backend = r.backend.clone().unwrap_or_else(|| Arc::from("none"));
+        let first = self
+            .implausible_said
+            .lock()
+            .map(|mut said| said.insert(backend.clone()))
+            .unwrap_or(false);
+        if first {
+            tracing::warn!(
+                backend = %backend,
+                max = crate::protocol::usage::MAX_PLAUSIBLE_TOKENS,
+                "a backend reported a usage count no request can have: treated as no usage (the reservation stands in for it); said once per backend, counted in fleetgate_upstream_implausible_usage_total"
+            );
         }
     }
 }

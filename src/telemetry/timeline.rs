@@ -52,6 +52,9 @@ pub struct StreamMetrics {
     /// An in-stream `{"error": ...}` event was seen.
     pub error: bool,
     pub done: bool,
+    /// The backend reported a token count no request can have (`Usage::plausible`): its
+    /// usage is treated as none for the whole request.
+    pub implausible_usage: bool,
 }
 
 pub const ITL_BUCKETS: usize = 24;
@@ -59,6 +62,11 @@ pub const ITL_BUCKETS: usize = 24;
 impl StreamMetrics {
     /// Account for one `data:` line seen at `at`, with the usage its dialect found in it.
     pub fn on_data(&mut self, kind: DataKind, usage: Option<UsagePart>, at: Duration) {
+        // The stream ended at its terminal event: what a backend sends after it is not part
+        // of the answer (its tokens and usage are not counted).
+        if self.done {
+            return;
+        }
         match kind {
             DataKind::Content => {
                 if let Some(prev) = self.last_content {
@@ -86,8 +94,22 @@ impl StreamMetrics {
         // vLLM's `continuous_usage_stats` puts usage on every chunk; the last one wins. An
         // Anthropic `message_delta` names only the output count: the input count stays.
         if let Some(u) = usage {
-            u.apply(&mut self.usage);
+            self.take_usage(u);
         }
+    }
+
+    /// Fold in one usage part, unless it (or an earlier one) is implausible: then the request
+    /// has no usage at all.
+    fn take_usage(&mut self, part: UsagePart) {
+        if self.implausible_usage {
+            return;
+        }
+        if !part.plausible() {
+            self.implausible_usage = true;
+            self.usage = None;
+            return;
+        }
+        part.apply(&mut self.usage);
     }
 
     /// Time to first token: the first token event.
@@ -334,9 +356,15 @@ impl Timeline {
         now.saturating_duration_since(self.received)
     }
 
-    /// The usage object of a non-streamed body.
+    /// The usage object of a non-streamed body (none when it is implausible).
     pub fn set_usage(&mut self, usage: Option<Usage>) {
-        self.stream.usage = usage;
+        match usage {
+            Some(u) if !u.plausible() => {
+                self.stream.implausible_usage = true;
+                self.stream.usage = None;
+            }
+            _ => self.stream.usage = usage,
+        }
     }
 
     /// An attempt that failed before the client had a byte is forgotten: the Timeline

@@ -43,6 +43,8 @@ pub struct Seen {
     pub model: Option<String>,
     pub backend: Option<String>,
     pub retries: u8,
+    /// The public id of the key the request is counted under (a refused key's included).
+    pub key_id: Option<String>,
     pub timeline: fleetgate::telemetry::Timeline,
 }
 
@@ -144,6 +146,7 @@ pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -
             model: r.model.as_deref().map(str::to_owned),
             backend: r.backend.as_deref().map(str::to_owned),
             retries: r.retries,
+            key_id: r.key.as_ref().map(|k| k.public_id.to_string()),
             timeline: r.timeline.clone(),
         });
     });
@@ -171,6 +174,17 @@ pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -
         key,
         db_dir: TempDir(db_dir),
     }
+}
+
+/// The public id of a key (`fg-<env>-<public id>-<secret>`): what the gateway puts before
+/// the request id a backend gets on `/v1/responses`.
+pub fn public_id(key: &str) -> &str {
+    key.split('-').nth(2).expect("a fleetgate key")
+}
+
+/// The request id a backend gets on `/v1/responses` for the client's `id`, sent with `key`.
+pub fn upstream_responses_id(key: &str, id: &str) -> String {
+    format!("{}-{id}", public_id(key))
 }
 
 /// A port nothing listens on.
