@@ -1079,3 +1079,69 @@ async fn dns_answers_that_change_move_traffic_and_streams_finish() {
         text()
     );
 }
+
+/// `[pools.priority]`: each environment's vLLM `priority` reaches the backend, and with a
+/// backend that orders its waiting queue by it (`--scheduling-policy priority`, one seat) a prod
+/// request overtakes the gray ones that waited before it. A stress client that claims a better
+/// priority than its environment's is given its environment's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_environments_priority_reaches_the_engine() {
+    use fleetgate::key::Environment;
+    let sim = sim(|a| {
+        a.max_num_seqs = 1;
+        a.decode_step_ms = 5.0;
+        a.scheduling_policy = fleetgate::sim::SchedulingPolicy::Priority;
+    })
+    .await;
+    let mut p = pool("qwen32b", &[sim.url()]);
+    p.priority = Some(fleetgate::config::EnginePriority {
+        by_env: [20, 10, 0],
+        override_client: false,
+    });
+    let gw = gateway(vec![p]).await;
+    let (stress, _) = issue_key(&gw, Environment::Stress, |_| {}).await;
+    let (gray, _) = issue_key(&gw, Environment::Gray, |_| {}).await;
+    let (prod, _) = issue_key(&gw, Environment::Prod, |_| {}).await;
+    let stats = sim.stats().clone();
+    let done = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    // A stress request takes the one seat; then a gray request waits, a stress one claiming
+    // priority -5 (it gets stress's 20), and a prod one.
+    for (name, key, tokens, claim, waiting) in [
+        ("stress", &stress, 200, None, 0),
+        ("gray", &gray, 10, None, 1),
+        ("stress-claiming", &stress, 10, Some(-5), 2),
+        ("prod", &prod, 10, None, 3),
+    ] {
+        let url = gw.url("/v1/chat/completions");
+        let auth = format!("Bearer {key}");
+        let done = done.clone();
+        let mut body = serde_json::json!({"model": "qwen32b", "max_tokens": tokens,
+                                          "messages": [{"role": "user", "content": "hi"}]});
+        if let Some(c) = claim {
+            body["priority"] = c.into();
+        }
+        tasks.push(tokio::spawn(async move {
+            let m = post(&url, &[("authorization", &auth)], body.to_string()).await;
+            assert_eq!(m.status, 200, "{name}: {:?}", m.body);
+            done.lock().unwrap().push(name);
+        }));
+        let engine = stats.clone();
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                engine.running.load(std::sync::atomic::Ordering::SeqCst) == 1
+                    && engine.waiting.load(std::sync::atomic::Ordering::SeqCst) == waiting
+            })
+            .await,
+            "{name} is at the backend"
+        );
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(
+        *done.lock().unwrap(),
+        ["stress", "prod", "gray", "stress-claiming"],
+        "the backend admitted prod before the requests that waited before it, and gray before stress"
+    );
+}

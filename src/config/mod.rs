@@ -28,8 +28,9 @@ pub use database::{DatabaseConfig, DbKind};
 pub use interpolate::{InterpolateError, interpolate_env};
 pub use limits::{EnvLimits, LimitsConfig, RedisConfig, SharedLimits};
 pub use pools::{
-    AffinityBy, AffinityConfig, DEFAULT_MAX_IN_FLIGHT, EjectionConfig, HealthConfig,
-    LoadAwareConfig, LongPromptConfig, PoolConfig, PoolKind, RetryConfig, Timeouts, WarmupConfig,
+    AffinityBy, AffinityConfig, DEFAULT_MAX_IN_FLIGHT, EjectionConfig, EnginePriority,
+    HealthConfig, LoadAwareConfig, LongPromptConfig, PoolConfig, PoolKind, RetryConfig, Timeouts,
+    WarmupConfig,
 };
 pub use queue::QueueConfig;
 pub use request_log::RequestLogConfig;

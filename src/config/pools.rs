@@ -48,6 +48,9 @@ pub struct PoolConfig {
     pub load_aware: Option<LoadAwareConfig>,
     /// Requests with the same `user` or prompt prefix prefer the same backend.
     pub affinity: Option<AffinityConfig>,
+    /// Send each environment's `priority` to the backends (`[pools.priority]`), for vLLM's
+    /// `--scheduling-policy priority`.
+    pub priority: Option<EnginePriority>,
     /// Clients' error messages name backends by address (`server.expose_backend_addresses`,
     /// set on every pool by the server), else as `<model>#<number>`.
     pub expose_backend_addresses: bool,
@@ -247,7 +250,33 @@ impl PoolConfig {
             warmup: WarmupConfig::default(),
             load_aware: None,
             affinity: None,
+            priority: None,
             expose_backend_addresses: false,
+        }
+    }
+}
+
+/// Each environment's vLLM `priority` (lower goes first in vLLM's waiting queue when it runs
+/// with `--scheduling-policy priority`), spliced into every generation request the pool sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnginePriority {
+    /// By `Environment::index`: stress, gray, prod.
+    pub by_env: [i64; 3],
+    /// Replace a client's own `priority` too (otherwise only one better than its
+    /// environment's is replaced).
+    pub override_client: bool,
+}
+
+impl EnginePriority {
+    /// What goes to the backend for a request of `env` whose client sent `client`: the
+    /// environment's value, or the client's own when it asks for no better (`None`: leave the
+    /// body as it is).
+    pub fn for_request(&self, env: Environment, client: Option<i64>) -> Option<i64> {
+        let mine = self.by_env[env.index()];
+        match client {
+            Some(c) if !self.override_client && c >= mine => None,
+            Some(c) if c == mine => None,
+            _ => Some(mine),
         }
     }
 }
@@ -316,6 +345,22 @@ fn pool(
             "must name at least one of stress, gray, prod (leave it out to allow all)",
         ));
     }
+    let priority = match p.priority {
+        Some(e) if !(e.prod <= e.gray && e.gray <= e.stress) => {
+            return Err(err.at(
+                at("priority"),
+                format!(
+                    "prod ({}) ≤ gray ({}) ≤ stress ({}) is required: vLLM runs a lower priority first, and production must never wait behind a load test",
+                    e.prod, e.gray, e.stress
+                ),
+            ));
+        }
+        Some(e) => Some(EnginePriority {
+            by_env: [e.stress, e.gray, e.prod],
+            override_client: e.override_client,
+        }),
+        None => None,
+    };
     let load_aware = match p.load_aware {
         Some(l) if !l.metrics_path.starts_with('/') || l.interval_ms == 0 => {
             return Err(err.at(
@@ -366,6 +411,7 @@ fn pool(
             slow_start: Duration::from_secs_f64(p.warmup.slow_start_seconds),
         },
         load_aware,
+        priority,
         affinity: p.affinity.map(|a| AffinityConfig {
             by: a.by,
             prefix_bytes: a.prefix_bytes.max(1),
@@ -483,4 +529,34 @@ fn check_references(pools: &[PoolConfig], err: FileErrors<'_>) -> Result<(), Con
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod priority_tests {
+    use super::*;
+
+    /// A client keeps its own priority when it asks for no better than its environment's;
+    /// a better one is replaced, and with `override_client` every one is.
+    #[test]
+    fn a_client_never_gets_a_better_priority_than_its_environment() {
+        let p = EnginePriority {
+            by_env: [20, 10, 0],
+            override_client: false,
+        };
+        assert_eq!(p.for_request(Environment::Prod, None), Some(0));
+        assert_eq!(p.for_request(Environment::Stress, None), Some(20));
+        assert_eq!(p.for_request(Environment::Stress, Some(-5)), Some(20));
+        assert_eq!(p.for_request(Environment::Gray, Some(50)), None, "kept");
+        assert_eq!(p.for_request(Environment::Gray, Some(10)), None);
+        let always = EnginePriority {
+            override_client: true,
+            ..p
+        };
+        assert_eq!(always.for_request(Environment::Gray, Some(50)), Some(10));
+        assert_eq!(
+            always.for_request(Environment::Gray, Some(10)),
+            None,
+            "already so"
+        );
+    }
 }

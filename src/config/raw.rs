@@ -550,6 +550,31 @@ pub(super) struct RawPool {
     pub(super) warmup: RawWarmup,
     pub(super) load_aware: Option<RawLoadAware>,
     pub(super) affinity: Option<RawAffinity>,
+    pub(super) priority: Option<RawEnginePriority>,
+}
+
+/// `[pools.priority]`: each environment's vLLM `priority`, sent to the backends.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEnginePriority {
+    #[serde(default = "default_priority_prod")]
+    pub(super) prod: i64,
+    #[serde(default = "default_priority_gray")]
+    pub(super) gray: i64,
+    #[serde(default = "default_priority_stress")]
+    pub(super) stress: i64,
+    #[serde(default)]
+    pub(super) override_client: bool,
+}
+
+fn default_priority_prod() -> i64 {
+    0
+}
+fn default_priority_gray() -> i64 {
+    10
+}
+fn default_priority_stress() -> i64 {
+    20
 }
 
 #[derive(Deserialize)]

@@ -58,6 +58,9 @@ pub struct RequestView<'a> {
     /// Responses: the byte range of the client's `request_id` value (a JSON string), from
     /// which vLLM makes the response's id.
     pub request_id_span: Option<Range<usize>>,
+    /// vLLM's scheduling `priority` the client sent (chat, completions, Responses), and where
+    /// its value is.
+    pub priority: Option<(i64, Range<usize>)>,
 }
 
 #[derive(Deserialize)]
@@ -95,6 +98,8 @@ struct RawBody<'a> {
     store: Option<&'a RawValue>,
     #[serde(borrow)]
     request_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    priority: Option<&'a RawValue>,
     /// `/detokenize`'s token ids; read only there (another endpoint's body may carry a field of
     /// that name in any shape).
     #[serde(borrow)]
@@ -292,6 +297,26 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
         | Endpoint::Transcriptions
         | Endpoint::Translations => 0,
     };
+    let priority = match (endpoint, raw.priority) {
+        (Endpoint::Chat | Endpoint::Completions | Endpoint::Responses, Some(r))
+            if r.get() != "null" =>
+        {
+            let value = r.get().parse::<i64>().map_err(|_| {
+                invalid(
+                    "priority",
+                    format!(
+                        "`priority` must be an integer (lower is served first), got `{}`.",
+                        short(r.get())
+                    ),
+                )
+            })?;
+            Some((
+                value,
+                span_of(body, r.get().as_bytes()).ok_or(ViewError::Unlocatable)?,
+            ))
+        }
+        _ => None,
+    };
     let Generation {
         stream,
         max_tokens,
@@ -313,6 +338,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
         background,
         store,
         request_id_span,
+        priority,
     })
 }
 
@@ -686,6 +712,7 @@ impl RequestView<'_> {
             background: false,
             store: true,
             request_id_span: None,
+            priority: None,
         }
     }
 }
@@ -811,18 +838,20 @@ pub fn upstream_body(
     rename: Option<&[u8]>,
     inject_usage: bool,
 ) -> Bytes {
-    upstream_body_owned(body, view, rename, inject_usage, None)
+    upstream_body_owned(body, view, rename, inject_usage, None, None)
 }
 
 /// `upstream_body`, with a Responses `request_id` put in `owner`'s namespace
 /// (`<owner>-<the client's id>`): vLLM makes the stored response's id from it, and one key's
-/// chosen id must never name another key's response.
+/// chosen id must never name another key's response; and with `priority` written as the
+/// request's vLLM `priority` (the client's value replaced, or the field added).
 pub fn upstream_body_owned(
     body: &Bytes,
     view: &RequestView<'_>,
     rename: Option<&[u8]>,
     inject_usage: bool,
     owner: Option<&str>,
+    priority: Option<i64>,
 ) -> Bytes {
     // Edits from the end of the body backwards, so earlier offsets stay valid.
     let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::with_capacity(2);
@@ -839,6 +868,21 @@ pub fn upstream_body_owned(
         id.extend_from_slice(inner);
         id.push(b'"');
         edits.push((span.clone(), id));
+    }
+    if let Some(p) = priority {
+        let mut buf = itoa::Buffer::new();
+        let value = buf.format(p).as_bytes();
+        match &view.priority {
+            Some((_, span)) => edits.push((span.clone(), value.to_vec())),
+            None => {
+                let at = body.iter().position(|b| *b == b'{').map_or(0, |i| i + 1);
+                let mut field = Vec::with_capacity(value.len() + 12);
+                field.extend_from_slice(b"\"priority\":");
+                field.extend_from_slice(value);
+                field.push(b',');
+                edits.push((at..at, field));
+            }
+        }
     }
     if inject_usage {
         match &view.stream_options_span {
@@ -1322,6 +1366,26 @@ mod tests {
         let v = parse(br#"{"model":"m","prompt":[1,2,3]}"#, Endpoint::Completions).unwrap();
         assert_eq!(v.prompt_chars, 12);
         assert_eq!(v.n, 1, "token ids are one prompt");
+    }
+
+    /// The vLLM `priority` is spliced: a client's value replaced in place, or the field added
+    /// after the opening brace; the rest of the body is the client's bytes.
+    #[test]
+    fn priority_is_spliced() {
+        let body = Bytes::from_static(br#"{"model":"m","priority": -5,"messages":[]}"#);
+        let v = parse(&body, Endpoint::Chat).unwrap();
+        assert_eq!(v.priority.as_ref().map(|p| p.0), Some(-5));
+        let out = upstream_body_owned(&body, &v, None, false, None, Some(20));
+        assert_eq!(&out[..], br#"{"model":"m","priority": 20,"messages":[]}"#);
+        let body = Bytes::from_static(br#"{"model":"m","input":"hi"}"#);
+        let v = parse(&body, Endpoint::Responses).unwrap();
+        let out = upstream_body_owned(&body, &v, None, false, None, Some(0));
+        assert_eq!(&out[..], br#"{"priority":0,"model":"m","input":"hi"}"#);
+        let (p, _) = err(
+            r#"{"model":"m","priority":"high","messages":[]}"#,
+            Endpoint::Chat,
+        );
+        assert_eq!(p.as_deref(), Some("priority"));
     }
 
     /// A `Content-Type` parameter named twice is found whatever its case or quoting, and a

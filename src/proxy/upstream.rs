@@ -81,7 +81,20 @@ pub fn prepare(
         .as_deref()
         .filter(|_| endpoint == Endpoint::Responses)
         .map(|k| &*k.public_id);
-    let upstream_body = view::upstream_body_owned(body, view, rename, inject_usage, owner);
+    // vLLM's `priority` for the request's environment (`[pools.priority]`).
+    let priority = match (route.pool.config().priority, &record.key) {
+        (Some(p), Some(key))
+            if matches!(
+                endpoint,
+                Endpoint::Chat | Endpoint::Completions | Endpoint::Responses
+            ) =>
+        {
+            p.for_request(key.environment, view.priority.as_ref().map(|(v, _)| *v))
+        }
+        _ => None,
+    };
+    let upstream_body =
+        view::upstream_body_owned(body, view, rename, inject_usage, owner, priority);
     let Outgoing {
         mut headers,
         trailers,

@@ -199,6 +199,8 @@ struct SamplingParams {
     stream_options: Option<StreamOptions>,
     n: Option<i64>,
     seed: Option<i64>,
+    /// vLLM's scheduling priority (lower first; read with `--scheduling-policy priority`).
+    priority: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -227,6 +229,7 @@ struct ResponsesRequest {
     background: Option<bool>,
     store: Option<bool>,
     seed: Option<i64>,
+    priority: Option<i64>,
     #[serde(default)]
     tools: Vec<serde_json::Value>,
     tool_choice: Option<serde_json::Value>,
@@ -291,6 +294,8 @@ pub(crate) struct GenRequest {
     pub natural_end: bool,
     /// Hashes of the prompt's full KV blocks, for the prefix cache (empty when it is off).
     pub prompt_blocks: Vec<u64>,
+    /// vLLM's `priority` (0 when not given).
+    pub priority: i64,
 }
 
 fn bad(msg: impl Into<String>) -> ApiError {
@@ -447,6 +452,7 @@ pub(crate) fn parse_generation(
                 stream_options: None,
                 n: None,
                 seed: r.seed,
+                priority: r.priority,
             };
             (
                 prompt_tokens(&prompt),
@@ -481,6 +487,7 @@ pub(crate) fn parse_generation(
                 stream_options: None,
                 n: None,
                 seed: None,
+                priority: None,
             };
             (
                 prompt_tokens(&prompt),
@@ -535,6 +542,7 @@ fn sampling(
         stream_options: opts,
         n,
         seed,
+        priority,
     } = params;
     let max_tokens = max_completion_tokens.or(max_tokens);
     if let Some(m) = model.as_deref() {
@@ -614,6 +622,7 @@ fn sampling(
         responses,
         natural_end,
         prompt_blocks: Vec::new(),
+        priority: priority.unwrap_or(0),
     })
 }
 
@@ -1038,6 +1047,7 @@ pub(crate) fn parse_batch(body: &[u8], cfg: &SimConfig) -> Result<BatchRequest, 
             stream_options: None,
             n: None,
             seed: r.params.seed,
+            priority: r.params.priority,
         };
         conversations.push(sampling(
             prompt_tokens(&prompt),

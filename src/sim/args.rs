@@ -29,9 +29,16 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 32768)]
     pub max_model_len: u32,
 
-    /// Most sequences in the running batch; the rest wait in FIFO order.
+    /// Most sequences in the running batch; the rest wait in FIFO order (by `priority` with
+    /// `--scheduling-policy priority`).
     #[arg(long, default_value_t = 32)]
     pub max_num_seqs: u32,
+
+    /// How waiting requests are admitted, as vLLM's flag: `fcfs` (arrival order; a request's
+    /// `priority` is accepted and ignored) or `priority` (lower `priority` first, arrival order
+    /// among equals).
+    #[arg(long, value_enum, default_value_t = SchedulingPolicy::Fcfs)]
+    pub scheduling_policy: SchedulingPolicy,
 
     /// Token budget of one scheduler step (decode tokens plus prefill chunks).
     #[arg(long, default_value_t = 8192)]
@@ -170,6 +177,7 @@ impl Default for SimArgs {
             api_key: None,
             max_model_len: 32768,
             max_num_seqs: 32,
+            scheduling_policy: SchedulingPolicy::Fcfs,
             max_num_batched_tokens: 8192,
             prefill_us_per_token: 20.0,
             decode_step_ms: 15.0,
@@ -282,6 +290,13 @@ impl PoolingTask {
     }
 }
 
+/// vLLM's `--scheduling-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SchedulingPolicy {
+    Fcfs,
+    Priority,
+}
+
 /// Validated settings; built once at start and shared read-only by every connection.
 #[derive(Debug)]
 pub(crate) struct SimConfig {
@@ -289,6 +304,7 @@ pub(crate) struct SimConfig {
     pub api_key: Option<String>,
     pub max_model_len: u32,
     pub max_num_seqs: u32,
+    pub scheduling_policy: SchedulingPolicy,
     pub max_num_batched_tokens: u32,
     pub timing: StepTiming,
     pub default_max_tokens: u32,
@@ -429,6 +445,7 @@ impl TryFrom<&SimArgs> for SimConfig {
             api_key: a.api_key.clone(),
             max_model_len: a.max_model_len,
             max_num_seqs: a.max_num_seqs,
+            scheduling_policy: a.scheduling_policy,
             max_num_batched_tokens: a.max_num_batched_tokens,
             timing,
             default_max_tokens: a.default_max_tokens,

@@ -71,16 +71,29 @@ impl SeqShared {
 }
 
 /// A sequence submitted to the scheduler.
+/// What a generation is asked for besides its prompt.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Output {
+    pub max_tokens: u32,
+    /// Seed of the token texts.
+    pub token_seed: u64,
+    /// vLLM's `priority`.
+    pub priority: i64,
+}
+
 pub(crate) struct NewSeq {
     pub shared: Arc<SeqShared>,
     pub prompt_tokens: u32,
     /// Leading prompt tokens found in the prefix cache: no prefill for them.
     pub cached_tokens: u32,
     pub max_tokens: u32,
+    /// vLLM's `priority` (lower first), read only with `--scheduling-policy priority`.
+    pub priority: i64,
 }
 
 struct Seq {
     shared: Arc<SeqShared>,
+    priority: i64,
     prompt_tokens: u32,
     prefill_left: u32,
     /// Prompt tokens scheduled in the step being run.
@@ -97,6 +110,8 @@ struct Seq {
 /// emits its first token at the end of that step; decoding ones emit one token per step.
 pub(crate) struct BatchModel {
     max_num_seqs: usize,
+    /// Waiting sequences are admitted by `priority` (then arrival) rather than arrival alone.
+    by_priority: bool,
     step_budget: u32,
     timing: StepTiming,
     waiting: VecDeque<Seq>,
@@ -109,6 +124,7 @@ impl BatchModel {
     pub fn new(max_num_seqs: u32, max_num_batched_tokens: u32, timing: StepTiming) -> Self {
         Self {
             max_num_seqs: usize::try_from(max_num_seqs.max(1)).unwrap_or(usize::MAX),
+            by_priority: false,
             step_budget: max_num_batched_tokens.max(1),
             timing,
             waiting: VecDeque::new(),
@@ -117,12 +133,33 @@ impl BatchModel {
         }
     }
 
+    /// Admit waiting sequences by `priority` (`--scheduling-policy priority`).
+    pub fn by_priority(mut self, on: bool) -> Self {
+        self.by_priority = on;
+        self
+    }
+
+    /// The next waiting sequence to admit: the first of the lowest priority under the priority
+    /// policy (vLLM: lower first, arrival order among equals), else the first.
+    fn next_waiting(&mut self) -> Option<Seq> {
+        if !self.by_priority {
+            return self.waiting.pop_front();
+        }
+        let (at, _) = self
+            .waiting
+            .iter()
+            .enumerate()
+            .min_by_key(|(i, s)| (s.priority, *i))?;
+        self.waiting.remove(at)
+    }
+
     pub fn enqueue(&mut self, s: NewSeq) {
         let prompt = s.prompt_tokens.max(1);
         // At least one token is computed, as vLLM's (the last prompt token's logits are needed).
         let cached = s.cached_tokens.min(prompt - 1);
         self.waiting.push_back(Seq {
             shared: s.shared,
+            priority: s.priority,
             prompt_tokens: prompt,
             prefill_left: prompt - cached,
             chunk: 0,
@@ -178,7 +215,7 @@ impl BatchModel {
             give(s, &mut budget);
         }
         while self.running.len() < self.max_num_seqs && budget > 0 {
-            let Some(mut s) = self.waiting.pop_front() else {
+            let Some(mut s) = self.next_waiting() else {
                 break;
             };
             s.shared.admit();
@@ -252,7 +289,8 @@ impl Engine {
         // Unbounded like vLLM's waiting queue: admission control is the gateway's job, and
         // each entry is a few words.
         let (tx, rx) = mpsc::unbounded_channel();
-        let model = BatchModel::new(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.timing);
+        let model = BatchModel::new(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.timing)
+            .by_priority(cfg.scheduling_policy == crate::sim::args::SchedulingPolicy::Priority);
         let task = tokio::spawn(run_scheduler(model, rx, stats, cancel));
         (
             Self {
@@ -271,10 +309,14 @@ impl Engine {
         stats: Arc<SimStats>,
         prompt_tokens: u32,
         prompt_blocks: &[u64],
-        max_tokens: u32,
-        token_seed: u64,
+        output: Output,
         arrived: Instant,
     ) -> Generation {
+        let Output {
+            max_tokens,
+            token_seed,
+            priority,
+        } = output;
         let cached_tokens = match (&self.prefix_cache, prompt_blocks) {
             (None, _) | (_, []) => 0,
             (Some(cache), blocks) => cache
@@ -289,6 +331,7 @@ impl Engine {
                     prompt_tokens,
                     cached_tokens,
                     max_tokens,
+                    priority,
                 };
                 match tx.send(seq) {
                     Ok(()) => Feed::Scheduled(shared),
@@ -542,6 +585,7 @@ mod tests {
                     prompt_tokens: p,
                     cached_tokens: 0,
                     max_tokens,
+                    priority: 0,
                 });
                 s
             })
@@ -587,6 +631,44 @@ mod tests {
         assert!(eight > one * 3, "one {one:?} eight {eight:?}");
     }
 
+    /// `--scheduling-policy priority`: a waiting sequence of a lower priority is admitted
+    /// before earlier ones of a higher priority, and equals keep their arrival order; without
+    /// the policy the priority changes nothing.
+    #[test]
+    fn the_priority_policy_orders_the_waiting_queue() {
+        for policy in [true, false] {
+            let mut m = BatchModel::new(1, 8192, timing()).by_priority(policy);
+            let seqs: Vec<_> = [5, 10, 10, 0]
+                .iter()
+                .map(|&priority| {
+                    let s = Arc::new(SeqShared::default());
+                    m.enqueue(NewSeq {
+                        shared: s.clone(),
+                        prompt_tokens: 4,
+                        cached_tokens: 0,
+                        max_tokens: 1,
+                        priority,
+                    });
+                    s
+                })
+                .collect();
+            let mut order = Vec::new();
+            for _ in 0..8 {
+                if m.plan().is_none() {
+                    break;
+                }
+                m.commit();
+                for (i, s) in seqs.iter().enumerate() {
+                    if s.produced() == 1 && !order.contains(&i) {
+                        order.push(i);
+                    }
+                }
+            }
+            let want = if policy { [3, 0, 1, 2] } else { [0, 1, 2, 3] };
+            assert_eq!(order, want, "by priority: {policy}");
+        }
+    }
+
     #[test]
     fn cached_prefix_is_not_prefilled() {
         let mut m = BatchModel::new(32, 8192, timing());
@@ -596,6 +678,7 @@ mod tests {
             prompt_tokens: 6000,
             cached_tokens: 5000,
             max_tokens: 1,
+            priority: 0,
         });
         // Only the 1000 uncached tokens cost prefill time.
         assert_eq!(
@@ -611,6 +694,7 @@ mod tests {
             prompt_tokens: 64,
             cached_tokens: 64,
             max_tokens: 1,
+            priority: 0,
         });
         m.plan().unwrap();
         assert_eq!(m.prefilled_tokens(), 1001);
@@ -640,6 +724,7 @@ mod tests {
             prompt_tokens: 2500,
             cached_tokens: 0,
             max_tokens: 2,
+            priority: 0,
         });
         let mut steps = 0;
         while s.produced() == 0 {
@@ -665,6 +750,7 @@ mod tests {
                 prompt_tokens: 10,
                 cached_tokens: 0,
                 max_tokens: 100,
+                priority: 0,
             });
         }
         m.plan().unwrap();

@@ -45,7 +45,7 @@ use tokio::net::TcpSocket;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use args::{Convert, Runner, SimArgs};
+pub use args::{Convert, Runner, SchedulingPolicy, SimArgs};
 pub use stats::SimStats;
 
 use args::SimConfig;

@@ -23,7 +23,7 @@ use super::api::{self, ApiError, FinalAnswer};
 use super::args::SimConfig;
 use super::audio::{self, AudioFrames, SpeechTask};
 use super::body::{Capture, Frames, SimBody, TokenStream};
-use super::engine::Engine;
+use super::engine::{Engine, Output};
 use super::frames::{Endpoint, FrameWriter};
 use super::pooling::{self, PoolingCall, PoolingRoute};
 use super::stats::{SimStats, render_metrics};
@@ -349,9 +349,16 @@ async fn pooled(
         .engine
         .prompt_tokens
         .fetch_add(u64::from(answer.prompt_tokens), Relaxed);
-    let mut pass = ctx
-        .engine
-        .start(ctx.stats.clone(), answer.prompt_tokens, &[], 1, 0, arrived);
+    let mut pass = ctx.engine.start(
+        ctx.stats.clone(),
+        answer.prompt_tokens,
+        &[],
+        Output {
+            max_tokens: 1,
+            ..Output::default()
+        },
+        arrived,
+    );
     pass.collect_text().await;
     pass.finish();
     let capture = capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
@@ -392,8 +399,11 @@ async fn speech(
         ctx.stats.clone(),
         parsed.prompt_tokens,
         &[],
-        parsed.max_tokens,
-        parsed.token_seed,
+        Output {
+            max_tokens: parsed.max_tokens,
+            token_seed: parsed.token_seed,
+            priority: 0,
+        },
         arrived,
     );
     let capture = Capture::new(&ctx.stats, request_id);
@@ -451,8 +461,11 @@ async fn batch_chat(
             ctx.stats.clone(),
             c.prompt_tokens,
             &[],
-            c.max_tokens,
-            c.token_seed,
+            Output {
+                max_tokens: c.max_tokens,
+                token_seed: c.token_seed,
+                priority: c.priority,
+            },
             arrived,
         );
         let (natural_end, only_last) = (c.natural_end, batch.stream);
@@ -641,8 +654,11 @@ async fn generate(
         ctx.stats.clone(),
         parsed.prompt_tokens,
         &parsed.prompt_blocks,
-        parsed.max_tokens,
-        parsed.token_seed,
+        Output {
+            max_tokens: parsed.max_tokens,
+            token_seed: parsed.token_seed,
+            priority: parsed.priority,
+        },
         arrived,
     );
     let capture = Capture::new(&ctx.stats, request_id);

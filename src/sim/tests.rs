@@ -1475,3 +1475,61 @@ async fn a_growing_conversation_hits_more_each_turn() {
     assert!(sample(&m, "vllm:prefix_cache_hits_total", "") >= last_cached as f64);
     sim.shutdown().await;
 }
+
+/// The sim reads a request's `priority` as vLLM 0.32 does: with `--scheduling-policy priority`
+/// a waiting request of a lower priority is admitted before earlier ones of a higher priority;
+/// without it (`fcfs`, the default) it is accepted and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priority_orders_the_waiting_queue_only_under_the_priority_policy() {
+    for policy in [
+        args::SchedulingPolicy::Priority,
+        args::SchedulingPolicy::Fcfs,
+    ] {
+        let sim = start(SimArgs {
+            max_num_seqs: 1,
+            decode_step_ms: 5.0,
+            scheduling_policy: policy,
+            ..timed()
+        })
+        .await
+        .unwrap();
+        let stats = sim.stats().clone();
+        let done = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        // The seat is taken; then three wait: priority 10, 10, and 0 last.
+        for (name, priority, waiting) in [("long", 0, 0), ("a", 10, 1), ("b", 10, 2), ("p0", 0, 3)]
+        {
+            let url = sim.url();
+            let done = done.clone();
+            tasks.push(tokio::spawn(async move {
+                let c = client();
+                // The first holds the seat long enough for the others to queue behind it.
+                let max_tokens = if name == "long" { 200 } else { 12 };
+                let body = json!({"model": "qwen32b", "max_tokens": max_tokens, "priority": priority,
+                                  "messages": [{"role": "user", "content": "hi"}]});
+                let req = Request::post(format!("{url}/v1/chat/completions"))
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(body.to_string())))
+                    .unwrap();
+                let resp = c.request(req).await.unwrap();
+                assert_eq!(resp.status(), StatusCode::OK);
+                read_all(resp).await;
+                done.lock().unwrap().push(name);
+            }));
+            let engine = stats.clone();
+            eventually("the request is in", || {
+                engine.running.load(Relaxed) == 1 && engine.waiting.load(Relaxed) == waiting
+            })
+            .await;
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let order = done.lock().unwrap().clone();
+        let want = match policy {
+            args::SchedulingPolicy::Priority => ["long", "p0", "a", "b"],
+            args::SchedulingPolicy::Fcfs => ["long", "a", "b", "p0"],
+        };
+        assert_eq!(order, want, "{policy:?}");
+    }
+}
