@@ -402,6 +402,7 @@ impl Shared {
             up: self.up.clone(),
             prefix: self.prefix.clone(),
             timeout: self.timeout.max(Duration::from_millis(200)),
+            put: Arc::new(redis::Script::new(PUT_PIN)),
         }
     }
 
@@ -446,6 +447,8 @@ pub struct PinStore {
     up: Arc<AtomicBool>,
     prefix: Arc<str>,
     timeout: Duration,
+    /// `PUT_PIN`, hashed once.
+    put: Arc<redis::Script>,
 }
 
 impl std::fmt::Debug for PinStore {
@@ -476,8 +479,8 @@ impl PinStore {
         let (key, timeout) = (self.key(id), self.timeout);
         let owner = owner.to_owned();
         let secs = ttl.as_secs().max(1);
+        let script = self.put.clone();
         tokio::spawn(async move {
-            let script = redis::Script::new(PUT_PIN);
             let mut call = script.key(&key);
             call.arg(value).arg(owner).arg(secs);
             let set = call.invoke_async::<i64>(&mut c);

@@ -117,10 +117,12 @@ pub async fn read(
     }
 }
 
-/// The chunks of a body as they came (one chunk stays the connection's own bytes).
+/// The chunks of a body as they came: the first is kept as the connection's own bytes, and
+/// only a body of several chunks allocates a list (most JSON bodies come in one).
 #[derive(Default)]
 struct Parts {
-    chunks: Vec<Bytes>,
+    first: Option<Bytes>,
+    more: Vec<Bytes>,
     len: usize,
 }
 
@@ -136,7 +138,10 @@ impl Parts {
                     && !data.is_empty()
                 {
                     self.len += data.len();
-                    self.chunks.push(data);
+                    match self.first {
+                        None => self.first = Some(data),
+                        Some(_) => self.more.push(data),
+                    }
                 }
                 Ok(())
             }
@@ -145,12 +150,14 @@ impl Parts {
         }
     }
 
-    fn into_bytes(mut self) -> Bytes {
-        if self.chunks.len() <= 1 {
-            return self.chunks.pop().unwrap_or_default();
+    fn into_bytes(self) -> Bytes {
+        let first = self.first.unwrap_or_default();
+        if self.more.is_empty() {
+            return first;
         }
         let mut all = BytesMut::with_capacity(self.len);
-        for c in &self.chunks {
+        all.extend_from_slice(&first);
+        for c in &self.more {
             all.extend_from_slice(c);
         }
         all.freeze()
@@ -188,11 +195,6 @@ impl PendingBodies {
             per_key,
             by_key: DashMap::new(),
         }
-    }
-
-    /// Bytes held now, all keys together.
-    pub fn held(&self) -> usize {
-        self.held.load(Ordering::Relaxed)
     }
 
     /// Hold `bytes` for a body of `key` until the hold drops, or say which bound it passes.
