@@ -81,21 +81,10 @@ async fn chat(r: &Replica, key: &str, max_tokens: u32) -> fleetgate::client::Mea
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replicas_share_keys_limits_and_the_request_log() {
-    let Some(db) = pg_database("multi_replica").await else {
-        return;
-    };
-    let Some(redis) = redis_url("multi_replica").await else {
-        return;
-    };
-    let sim = sim(|a| {
-        a.decode_step_ms = 10.0;
-        a.decode_ms_per_seq = 0.0;
-    })
-    .await;
-    let dir = temp_dir("multi-replica");
-    std::fs::create_dir_all(&dir).unwrap();
+/// `REPLICAS` gateway processes on one PostgreSQL database and one Redis (a key prefix of
+/// their own), each serving `pools` (TOML), ready when this returns.
+async fn start_replicas(db: &str, redis: &str, dir: &std::path::Path, pools: &str) -> Vec<Replica> {
+    std::fs::create_dir_all(dir).unwrap();
     let prefix = format!("fg-multi-{}-{}:", std::process::id(), fastrand_suffix());
     let mut replicas = Vec::new();
     for i in 0..REPLICAS {
@@ -132,14 +121,8 @@ url = "{redis}"
 replicas = {REPLICAS}
 key_prefix = "{prefix}"
 
-[[pools]]
-model = "qwen32b"
-backends = ["{sim}"]
-max_in_flight_per_backend = 0
-"#,
-                db = db.url,
+{pools}"#,
                 spill = dir.join(format!("spill-{i}")).display(),
-                sim = sim.url(),
             ),
         )
         .unwrap();
@@ -163,6 +146,32 @@ max_in_flight_per_backend = 0
     for r in &replicas {
         wait_ready(r.port).await;
     }
+    replicas
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_keys_limits_and_the_request_log() {
+    let Some(db) = pg_database("multi_replica").await else {
+        return;
+    };
+    let Some(redis) = redis_url("multi_replica").await else {
+        return;
+    };
+    let sim = sim(|a| {
+        a.decode_step_ms = 10.0;
+        a.decode_ms_per_seq = 0.0;
+    })
+    .await;
+    let dir = temp_dir("multi-replica");
+    let pools = format!(
+        r#"[[pools]]
+model = "qwen32b"
+backends = ["{sim}"]
+max_in_flight_per_backend = 0
+"#,
+        sim = sim.url()
+    );
+    let mut replicas = start_replicas(&db.url, &redis, &dir, &pools).await;
 
     // 1. A key created on replica 0 works on every replica at once.
     let (s, created) = admin_call(
@@ -315,6 +324,216 @@ max_in_flight_per_backend = 0
         "the survivors' rows: {per_replica:?}"
     );
     drop(conn);
+    drop(replicas);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Longest-prefix routing across replicas: eight conversations, each turn resending the whole history, every turn sent to the next replica round robin (as a
+/// Service spreads them). Each conversation's later turns reach the backend its first turn went
+/// to, although the replica they reach never routed that conversation before: the replicas
+/// share what they sent where through Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_turn_finds_its_conversations_backend_whichever_replica_it_reaches() {
+    let Some(db) = pg_database("multi_replica_prefix").await else {
+        return;
+    };
+    let Some(redis) = redis_url("multi_replica_prefix").await else {
+        return;
+    };
+    let mut sims = Vec::new();
+    for _ in 0..4 {
+        sims.push(sim(|_| {}).await);
+    }
+    let dir = temp_dir("multi-replica-prefix");
+    let urls = sims
+        .iter()
+        .map(|s| format!("\"{}\"", s.url()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let pools = format!(
+        r#"[[pools]]
+model = "qwen32b"
+backends = [{urls}]
+max_in_flight_per_backend = 0
+
+[pools.affinity]
+by = "longest_prefix"
+block_bytes = 64
+"#
+    );
+    let replicas = start_replicas(&db.url, &redis, &dir, &pools).await;
+    let (s, created) = admin_call(
+        &replicas[0],
+        "POST",
+        "/admin/keys",
+        Some(serde_json::json!({"name": "agent", "environment": "prod"})),
+    )
+    .await;
+    assert_eq!(s, 201, "{created}");
+    let key = created["key"].as_str().unwrap().to_owned();
+    let served = || -> Vec<u64> {
+        sims.iter()
+            .map(|s| s.stats().requests.load(std::sync::atomic::Ordering::SeqCst))
+            .collect()
+    };
+    // Each conversation's own text comes first (a shared system prompt would send every new
+    // conversation where that prompt is, at this load, and make the test pass unshared).
+    let task = "Read the repository, plan the change, then edit it and run the tests. ".repeat(4);
+    let mut used = std::collections::BTreeSet::new();
+    for conv in 0..8usize {
+        let mut messages = vec![
+            serde_json::json!({"role": "user", "content": format!("Conversation {conv}: fix the failing test in module {conv}. {task}")}),
+        ];
+        let mut backends = Vec::new();
+        for turn in 0..3usize {
+            let r = &replicas[(conv + turn) % REPLICAS];
+            let before = served();
+            let body = serde_json::json!({
+                "model": "qwen32b", "messages": messages, "max_tokens": 4, "stream": true,
+            });
+            let m = post(
+                &r.url("/v1/chat/completions"),
+                &[("authorization", &format!("Bearer {key}"))],
+                body.to_string(),
+            )
+            .await;
+            assert_eq!(m.status, 200, "conversation {conv} turn {turn}");
+            let after = served();
+            let at = (0..sims.len()).find(|i| after[*i] > before[*i]).unwrap();
+            backends.push(at);
+            messages.push(serde_json::json!({"role": "assistant", "content": format!("Answer {turn} of conversation {conv}, with the reasoning behind it.")}));
+            messages.push(serde_json::json!({"role": "user", "content": format!("Turn {} of conversation {conv}: go on with the next step.", turn + 1)}));
+            // The agent reads the answer before it sends the next turn.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            backends.iter().all(|b| *b == backends[0]),
+            "conversation {conv}: turns went to backends {backends:?} (replicas {:?})",
+            (0..3).map(|t| (conv + t) % REPLICAS).collect::<Vec<_>>()
+        );
+        used.insert(backends[0]);
+    }
+    assert!(used.len() > 1, "the conversations spread: {used:?}");
+    drop(replicas);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Prod first across replicas: each replica may put `max_in_flight_per_backend` (the backend's
+/// one seat here) on the backend, so the backend's own queue, ordered by `[pools.priority]`,
+/// decides who goes next whichever replica sent what. A gray request holds the seat (through
+/// replica 0), two gray requests wait at the backend (sent by replicas 1 and 2), a third waits in
+/// replica 0's own queue, and then a prod request reaches replica 0, whose one place is taken:
+/// it passes the gray request waiting there and the capacity, and the backend admits it before
+/// every gray request that waited before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prod_goes_first_at_the_backend_whichever_replica_holds_the_seats() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let Some(db) = pg_database("multi_replica_priority").await else {
+        return;
+    };
+    let Some(redis) = redis_url("multi_replica_priority").await else {
+        return;
+    };
+    let sim = sim(|a| {
+        a.max_num_seqs = 1;
+        a.decode_step_ms = 5.0;
+        a.decode_ms_per_seq = 0.0;
+        a.scheduling_policy = fleetgate::sim::SchedulingPolicy::Priority;
+    })
+    .await;
+    let dir = temp_dir("multi-replica-priority");
+    let pools = format!(
+        r#"[[pools]]
+model = "qwen32b"
+backends = ["{sim}"]
+max_in_flight_per_backend = 1
+
+[pools.priority]
+"#,
+        sim = sim.url()
+    );
+    let replicas = start_replicas(&db.url, &redis, &dir, &pools).await;
+    let mut keys = Vec::new();
+    for env in ["gray", "prod"] {
+        let (s, created) = admin_call(
+            &replicas[0],
+            "POST",
+            "/admin/keys",
+            Some(serde_json::json!({"name": env, "environment": env})),
+        )
+        .await;
+        assert_eq!(s, 201, "{created}");
+        keys.push(created["key"].as_str().unwrap().to_owned());
+    }
+    let (gray, prod) = (keys[0].clone(), keys[1].clone());
+    let stats = sim.stats().clone();
+    let done = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    // (name, replica, key, tokens, backend running + waiting once it is sent)
+    for (name, replica, key, tokens, at_backend) in [
+        ("gray-holder", 0, &gray, 300, Some(0)),
+        ("gray-1", 1, &gray, 10, Some(1)),
+        ("gray-2", 2, &gray, 10, Some(2)),
+        ("gray-3", 0, &gray, 10, None),
+        ("prod", 0, &prod, 10, Some(3)),
+    ] {
+        let url = replicas[replica].url("/v1/chat/completions");
+        let auth = format!("Bearer {key}");
+        let done = done.clone();
+        let body = serde_json::json!({"model": "qwen32b", "max_tokens": tokens, "stream": true,
+                                      "messages": [{"role": "user", "content": "hi"}]});
+        tasks.push(tokio::spawn(async move {
+            let m = post(&url, &[("authorization", &auth)], body.to_string()).await;
+            assert_eq!(m.status, 200, "{name}: {:?}", m.body);
+            done.lock().unwrap().push(name);
+        }));
+        match at_backend {
+            Some(waiting) => {
+                let engine = stats.clone();
+                assert!(
+                    eventually(Duration::from_secs(10), || {
+                        engine.running.load(SeqCst) == 1 && engine.waiting.load(SeqCst) == waiting
+                    })
+                    .await,
+                    "{name} reached the backend"
+                );
+            }
+            None => {
+                // It waits in replica 0's queue: the backend sees nothing new.
+                assert!(
+                    eventually(Duration::from_secs(10), || {
+                        let text = std::process::Command::new("curl")
+                            .args(["-s", "-H"])
+                            .arg(format!("authorization: Bearer {}", token(Role::Admin)))
+                            .arg(format!(
+                                "http://127.0.0.1:{}/metrics",
+                                replicas[0].admin_port
+                            ))
+                            .output()
+                            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                            .unwrap_or_default();
+                        text.lines()
+                            .any(|l| l.starts_with("fleetgate_queue_depth") && l.ends_with(" 1"))
+                    })
+                    .await,
+                    "{name} waits in replica 0's queue"
+                );
+                assert_eq!(
+                    stats.waiting.load(SeqCst),
+                    2,
+                    "{name} is not at the backend"
+                );
+            }
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(
+        *done.lock().unwrap(),
+        ["gray-holder", "prod", "gray-1", "gray-2", "gray-3"],
+        "the backend admitted prod before the gray requests that waited before it, wherever they waited"
+    );
     drop(replicas);
     let _ = std::fs::remove_dir_all(&dir);
 }

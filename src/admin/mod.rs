@@ -34,6 +34,9 @@ pub struct AdminState {
     pub registry: prometheus::Registry,
     pub fleet: Arc<crate::pool::fleet::Fleet>,
     pub metrics: Arc<crate::telemetry::metrics::RequestMetrics>,
+    /// The limits (whether their Redis answers) and the prefix records shared through it.
+    pub limits: Arc<crate::limits::Limits>,
+    pub prefix_share: Option<Arc<crate::proxy::prefix_share::PrefixShare>>,
     pub console: crate::admin::console::Console,
     /// The admin listener serves TLS (the console's cookie is then `Secure`).
     pub tls: bool,
@@ -492,7 +495,40 @@ fn readiness(state: &AdminState) -> Bytes {
             "keys": auth.key_count(),
             "snapshot_age_seconds": auth.snapshot_age().as_secs_f64(),
         },
+        "redis": redis_readiness(state),
     }))
+}
+
+/// What the replicas share through Redis, and what each falls back to while it is away
+/// (`null` without `limits.shared = "redis"`: nothing is shared).
+fn redis_readiness(state: &AdminState) -> serde_json::Value {
+    let Some(shared) = state.limits.shared() else {
+        return serde_json::Value::Null;
+    };
+    let limits_up = shared.is_up();
+    let prefix_up = state.prefix_share.as_ref().is_none_or(|p| p.is_up());
+    let up = limits_up && prefix_up;
+    serde_json::json!({
+        "state": if up { "up" } else { "degraded" },
+        "limits": if limits_up { "shared" } else { "local" },
+        "prefix_index": if prefix_up { "shared" } else { "local" },
+        "detail": if up {
+            "limits, stored-response pins and longest-prefix records are shared with the other replicas".to_owned()
+        } else {
+            format!(
+                "Redis does not answer{}: {}",
+                if limits_up { " the prefix subscription" } else { "" },
+                [
+                    (!limits_up).then_some("each limit is enforced per replica at limit / replicas, stored-response pins stay local"),
+                    (!prefix_up).then_some("longest-prefix routing uses this replica's own index"),
+                ]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join("; ")
+            )
+        },
+    })
 }
 
 /// Drain or undrain a backend (the admin API and the console), recorded in the audit trail.

@@ -454,6 +454,25 @@ fn section(mt: &MultiTurn, outcomes: &[Outcome], cache: Option<CacheDelta>) -> (
             "cached_tokens_share": cached_share,
         }));
     }
+    // Turns after the first: what a cache-aware router can serve from the conversation's
+    // history (the first turn's prompt is new everywhere but its system prompt).
+    let later = Stats::of(
+        outcomes
+            .iter()
+            .filter(|o| o.ok() && mt.turn_of(o) > 0)
+            .filter_map(|o| o.ttft)
+            .map(|d| d.as_secs_f64() * 1e3)
+            .collect(),
+        &[99.0],
+    );
+    let later_p99 = later.get("p99").unwrap_or(0.0);
+    if mt.turns > 1 {
+        let _ = writeln!(
+            text,
+            "Later turns (2 to {}): TTFT median {:.2} ms, P99 {:.2} ms",
+            mt.turns, later.median, later_p99
+        );
+    }
     let hot_json = mt.hot.map(|h| {
         let (hot, others): (Vec<&Outcome>, Vec<&Outcome>) =
             outcomes.iter().partition(|o| mt.is_hot(o));
@@ -530,6 +549,7 @@ fn section(mt: &MultiTurn, outcomes: &[Outcome], cache: Option<CacheDelta>) -> (
         "system_len": mt.system_len,
         "think_ms": mt.think.as_secs_f64() * 1e3,
         "per_turn": rows,
+        "later_turns": {"median_ttft_ms": later.median, "p99_ttft_ms": later_p99},
         "hot": hot_json,
         "prefix_cache": cache_json,
     });

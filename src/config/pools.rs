@@ -279,6 +279,18 @@ impl EnginePriority {
             _ => Some(mine),
         }
     }
+
+    /// `env` is the one the backends put first (the lowest value, and some other environment's
+    /// is higher): its requests may pass the gateway's capacity, since every seat they find
+    /// taken is held by a request the backend will put behind them.
+    pub fn goes_first(&self, env: Environment) -> bool {
+        let mine = self.by_env[env.index()];
+        let (min, max) = (
+            self.by_env.iter().copied().min().unwrap_or(mine),
+            self.by_env.iter().copied().max().unwrap_or(mine),
+        );
+        mine == min && min < max
+    }
 }
 
 pub(super) fn validate(
@@ -558,5 +570,23 @@ mod priority_tests {
             None,
             "already so"
         );
+    }
+
+    /// Only the environment the backends strictly put first passes the gateway's capacity.
+    #[test]
+    fn only_the_strictly_first_environment_goes_first() {
+        let p = |by_env| EnginePriority {
+            by_env,
+            override_client: false,
+        };
+        let first = |by_env| {
+            Environment::ALL
+                .into_iter()
+                .filter(|e| p(by_env).goes_first(*e))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(first([20, 10, 0]), [Environment::Prod]);
+        assert_eq!(first([10, 0, 0]), [Environment::Gray, Environment::Prod]);
+        assert!(first([5, 5, 5]).is_empty(), "nothing is ordered");
     }
 }

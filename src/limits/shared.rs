@@ -216,6 +216,7 @@ struct SharedMetrics {
 
 /// The Redis side of the limits.
 pub struct Shared {
+    client: redis::Client,
     conn: Arc<ArcSwapOption<ConnectionManager>>,
     up: Arc<AtomicBool>,
     admit: redis::Script,
@@ -301,7 +302,7 @@ impl Shared {
         let (settle_tx, settle_rx) = mpsc::channel(65_536);
         let prefix: Arc<str> = Arc::from(format!("{{{}}}", cfg.key_prefix));
         tasks.spawn(health_loop(
-            client,
+            client.clone(),
             conn.clone(),
             up.clone(),
             metrics.clone(),
@@ -318,6 +319,7 @@ impl Shared {
         };
         tasks.spawn(settle_loop(settle_rx, settler, settle_stop));
         Ok(Self {
+            client,
             conn,
             up,
             admit: redis::Script::new(ADMIT),
@@ -406,6 +408,17 @@ impl Shared {
         }
     }
 
+    /// The same Redis for other shared state (the prefix records): its client (for
+    /// connections of their own, a subscription), the shared connection and its key prefix.
+    pub fn link(&self) -> RedisLink {
+        RedisLink {
+            client: self.client.clone(),
+            conn: self.conn.clone(),
+            up: self.up.clone(),
+            prefix: self.prefix.clone(),
+        }
+    }
+
     /// Give back (or take) tokens after a request ended; sent in the background.
     pub fn settle(&self, key_id: i64, capacity: u64, delta: i64) {
         if delta == 0 {
@@ -438,6 +451,34 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 return 1
 ";
+
+/// The deployment's Redis as the limits reach it, for the other state replicas share.
+#[derive(Clone)]
+pub struct RedisLink {
+    client: redis::Client,
+    conn: Arc<ArcSwapOption<ConnectionManager>>,
+    up: Arc<AtomicBool>,
+    prefix: Arc<str>,
+}
+
+impl RedisLink {
+    pub fn client(&self) -> &redis::Client {
+        &self.client
+    }
+
+    /// The shared connection while Redis answers the limits.
+    pub fn connection(&self) -> Option<ConnectionManager> {
+        self.conn
+            .load_full()
+            .filter(|_| self.up.load(Ordering::Acquire))
+            .map(|c| (*c).clone())
+    }
+
+    /// Every key and channel name starts with it (`{limits.redis.key_prefix}`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+}
 
 /// Short strings kept in Redis for a time, by id (a stored response's backend): written in the
 /// background, read with the limits' timeout. While Redis is down nothing is shared.

@@ -469,8 +469,13 @@ impl Backend {
     }
 
     pub(super) fn has_room(&self) -> Option<u32> {
+        self.has_room_within(1)
+    }
+
+    /// Room within `times` its capacity (the in-flight count now).
+    pub(super) fn has_room_within(&self, times: u32) -> Option<u32> {
         let n = self.in_flight.load(Ordering::SeqCst);
-        let cap = self.capacity();
+        let cap = self.capacity().saturating_mul(times);
         (cap == 0 || n < cap).then_some(n)
     }
 }

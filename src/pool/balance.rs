@@ -127,6 +127,19 @@ impl Balancer {
     }
 
     pub fn try_acquire_excluding(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
+        self.try_acquire_within(exclude, 1)
+    }
+
+    /// A slot beyond the backends' capacity, up to twice it, chosen as `try_acquire` chooses:
+    /// for a request the backends' own queue puts before everything the gateway holds
+    /// (`[pools.priority]`'s first environment). vLLM then holds it first among its waiting
+    /// requests, so it waits for the next free seat of the engine, not for one of this
+    /// replica's seats, whichever replica holds the rest.
+    pub fn try_acquire_overflow(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
+        self.try_acquire_within(exclude, 2)
+    }
+
+    fn try_acquire_within(self: &Arc<Self>, exclude: u64, times: u32) -> Option<InFlight> {
         let n = self.backends.len();
         if n == 0 {
             return None;
@@ -143,7 +156,7 @@ impl Balancer {
                     return None;
                 }
             }
-            b.has_room()
+            b.has_room_within(times)
         };
         let better = |a, b| self.less_loaded(a, b);
         for round in 0..8 {
@@ -529,6 +542,30 @@ mod tests {
             used.insert(s.position());
         }
         assert_eq!(used.len(), 3);
+    }
+
+    #[test]
+    fn overflow_takes_up_to_twice_the_capacity() {
+        let mut cfg = pool_cfg(1);
+        cfg.max_in_flight_per_backend = 2;
+        let pools = Generation::new(&[cfg], &QueueConfig::default()).unwrap();
+        let balancer = &pools.get("m").unwrap().balancer;
+        let held: Vec<InFlight> = (0..2).map(|_| balancer.try_acquire().unwrap()).collect();
+        assert!(balancer.try_acquire().is_none(), "full at its capacity");
+        let over: Vec<InFlight> = (0..2)
+            .map(|_| balancer.try_acquire_overflow(0).unwrap())
+            .collect();
+        assert!(
+            balancer.try_acquire_overflow(0).is_none(),
+            "twice the capacity at most"
+        );
+        drop(held);
+        assert!(
+            balancer.try_acquire().is_none(),
+            "a seat freed while the overflow holds the capacity is not one within it"
+        );
+        drop(over);
+        assert!(balancer.try_acquire().is_some());
     }
 
     #[test]

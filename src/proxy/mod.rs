@@ -28,6 +28,7 @@ pub mod error;
 mod fingerprint;
 pub mod headers;
 pub mod pins;
+pub mod prefix_share;
 pub mod relay;
 pub mod rename;
 pub mod retry;
@@ -46,7 +47,7 @@ use hyper::body::Incoming;
 
 use crate::key::Environment;
 use crate::limits::Admission;
-use crate::pool::{Balancer, Generation, Pool};
+use crate::pool::{Balancer, Generation, InFlight, Pool};
 use crate::protocol::endpoint::BodyKind;
 use crate::protocol::error::{ErrorKind, Shaped};
 use crate::protocol::view;
@@ -84,6 +85,8 @@ pub struct ProxyState {
     pub forwarding: upstream::Forwarding,
     /// Which backend holds each stored response (`pins`).
     pub pins: Arc<pins::Pins>,
+    /// Longest-prefix records shared with the other replicas (`prefix_share`), with Redis.
+    pub prefix_share: Option<Arc<prefix_share::PrefixShare>>,
     /// Cancelled when the shutdown grace period has run out: what is still open ends now,
     /// with an error the client can read (`ApiError::Shutdown`).
     pub closing: Closing,
@@ -347,6 +350,9 @@ async fn phases(
         );
         prepared.pinned = true;
         prepared.pin = view.store.then(|| pin_of(route.pool, &ex.record));
+        if prepared.prefix.is_some() {
+            prepared.prefix_share.clone_from(&state.prefix_share);
+        }
         drop(view);
         // Boxed, as every path only some requests take: the request's future (which a client
         // connection keeps allocated for its life) stays the size chat's needs.
@@ -381,6 +387,9 @@ async fn phases(
     }
     drop(view);
     prepared.target = target;
+    if prepared.prefix.is_some() {
+        prepared.prefix_share.clone_from(&state.prefix_share);
+    }
     // A stream that must wait answers at once, `: queued` comments keeping it alive; it
     // resumes at `wait_and_send` from its body.
     if ex.record.stream
@@ -625,6 +634,7 @@ async fn by_id(
         pinned: true,
         pin: None,
         prefix: None,
+        prefix_share: None,
     };
     let requeue = upstream::Requeue {
         max_wait: Duration::ZERO,
@@ -699,10 +709,16 @@ async fn admit(
 }
 
 fn asker<'a>(state: &'a ProxyState, pool: &'a Pool, record: &'a RequestRecord) -> Asker<'a> {
+    let key = record.key.as_deref();
     Asker {
-        key: record.key.as_deref(),
+        key,
         model: &pool.model,
         metrics: state.queue_metrics.as_ref(),
+        goes_first: key.is_some_and(|k| {
+            pool.config()
+                .priority
+                .is_some_and(|p| p.goes_first(k.environment))
+        }),
     }
 }
 
@@ -722,6 +738,18 @@ fn claim(
             .ok_or(QueueError::NoUsableBackend);
     }
     let balancer = &pool.balancer;
+    let asker = asker(state, pool, record);
+    // With `[pools.priority]`, the environment the backends put first may pass the capacity
+    // (up to twice it) when every backend is full: the seats it finds taken are held by
+    // requests vLLM will put behind it, whichever replica sent them.
+    let overflow = |slot: Option<InFlight>| {
+        slot.or_else(|| {
+            asker
+                .goes_first
+                .then(|| balancer.try_acquire_overflow(route.avoid))
+                .flatten()
+        })
+    };
     // Longest-prefix routing: the backends holding the prompt's longest known prefix first;
     // a request that waits for any slot, or falls back, counts as a miss.
     if let (Some(names), Some(index), Some(a)) = (&route.prefix, &pool.prefix, pool.affinity) {
@@ -730,20 +758,22 @@ fn claim(
         let claimed = queue::claim(
             balancer,
             || {
-                // Gray pinning first (its backends while one can take it), as on every pool.
-                balancer
-                    .try_acquire_prefix(&found, route.avoid, a.slack)
-                    .or_else(|| {
-                        (route.avoid != 0)
-                            .then(|| balancer.try_acquire_prefix(&found, 0, a.slack))
-                            .flatten()
-                    })
-                    .map(|(slot, on_prefix)| {
-                        hit.set(on_prefix);
-                        slot
-                    })
+                overflow(
+                    // Gray pinning first (its backends while one can take it), as on every pool.
+                    balancer
+                        .try_acquire_prefix(&found, route.avoid, a.slack)
+                        .or_else(|| {
+                            (route.avoid != 0)
+                                .then(|| balancer.try_acquire_prefix(&found, 0, a.slack))
+                                .flatten()
+                        })
+                        .map(|(slot, on_prefix)| {
+                            hit.set(on_prefix);
+                            slot
+                        }),
+                )
             },
-            &asker(state, pool, record),
+            &asker,
         );
         index.count(hit.get());
         return claimed;
@@ -754,8 +784,8 @@ fn claim(
         .map(|(key, a)| (key, a.slack));
     queue::claim(
         balancer,
-        || balancer.try_acquire_routed(route.avoid, affinity),
-        &asker(state, pool, record),
+        || overflow(balancer.try_acquire_routed(route.avoid, affinity)),
+        &asker,
     )
 }
 

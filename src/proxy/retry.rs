@@ -56,6 +56,7 @@ pub async fn send_with_retries(
             target: prepared.target.clone(),
             pin: prepared.pin.clone(),
             prefix: prepared.prefix.clone(),
+            prefix_share: prepared.prefix_share.clone(),
             ..prepared
         };
         let result = send(pool, slot, this, ex).await;
@@ -122,6 +123,8 @@ impl Requeue<'_> {
             key: key.as_deref(),
             model: &pool.model,
             metrics: self.metrics,
+            // A retry takes a slot within the capacity, in the queue's order.
+            goes_first: false,
         };
         let started = Instant::now();
         let claimed = queue::claim(balancer, || balancer.try_acquire_excluding(tried), &asker)?;

@@ -53,6 +53,8 @@ pub struct Prepared {
     pub pin: Option<super::pins::Pin>,
     /// `longest_prefix`: the prompt's block names, recorded for the backend it is sent to.
     pub prefix: Option<std::sync::Arc<[u64]>>,
+    /// Where the other replicas learn it (`limits.shared = "redis"`).
+    pub prefix_share: Option<std::sync::Arc<super::prefix_share::PrefixShare>>,
 }
 
 /// The request for the route's pool: the original bytes unless the model must be renamed. A
@@ -126,6 +128,7 @@ pub fn prepare(
         pinned: false,
         pin: None,
         prefix: route.prefix.clone(),
+        prefix_share: None,
     }
 }
 
@@ -172,6 +175,9 @@ pub(super) async fn send(
     // The backend now holds the prompt's prefixes (a retry elsewhere records them there too).
     if let (Some(names), Some(index)) = (&prepared.prefix, &pool.prefix) {
         index.record(names, u32::try_from(backend.slot).unwrap_or(u32::MAX));
+        if let Some(share) = &prepared.prefix_share {
+            share.publish(&pool.model, &backend.base, names);
+        }
     }
     ex.record.backend = Some(backend.base.clone());
     ex.record.backend_slot = Some(backend.slot);

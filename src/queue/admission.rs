@@ -93,6 +93,11 @@ impl<T> AdmissionQueue<T> {
         self.waiting() > 0
     }
 
+    /// Requests of `class` wait (a newcomer of that class must not pass them).
+    pub fn has_waiters_in(&self, class: Environment) -> bool {
+        self.has_waiters() && !self.lock().classes[class.index()].is_empty()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State<T>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

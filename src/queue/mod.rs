@@ -162,6 +162,10 @@ pub struct Asker<'a> {
     pub key: Option<&'a KeyRecord>,
     pub model: &'a Arc<str>,
     pub metrics: Option<&'a QueueMetrics>,
+    /// The backends' own queue puts this request before every other environment's
+    /// (`[pools.priority]`): it takes a slot now while none of its own environment waits,
+    /// passing the other environments' waiters (its `first` may then pass the capacity too).
+    pub goes_first: bool,
 }
 
 impl Asker<'_> {
@@ -186,25 +190,25 @@ impl Asker<'_> {
 
 /// A slot at once (`first`: the pool's choice under the route's constraints) while nobody
 /// waits before this request, else a place in the queue. A full queue, or a key holding its
-/// share of it, is refused at once.
+/// share of it, is refused at once. Nobody waits before a request that `goes_first` unless
+/// its own environment does.
 pub fn claim<S: Slots>(
     slots: &Arc<S>,
     first: impl FnOnce() -> Option<S::Slot>,
     asker: &Asker<'_>,
 ) -> Result<Claim<S>, QueueError> {
     let queue = slots.queue();
-    if !queue.has_waiters()
-        && let Some(slot) = first()
-    {
+    let (key_id, env) = match asker.key {
+        Some(k) => (k.id, k.environment),
+        None => (-1, Environment::Stress),
+    };
+    let nobody_before = !queue.has_waiters() || asker.goes_first && !queue.has_waiters_in(env);
+    if nobody_before && let Some(slot) = first() {
         return Ok(Claim::Now(slot));
     }
     if !slots.any_usable() {
         return Err(QueueError::NoUsableBackend);
     }
-    let (key_id, env) = match asker.key {
-        Some(k) => (k.id, k.environment),
-        None => (-1, Environment::Stress),
-    };
     let mut ticket = match queue.join(key_id, env, || slots.try_take()) {
         Ok(t) => t,
         Err(JoinRefused::Full { max_size }) => {

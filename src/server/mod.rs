@@ -205,6 +205,18 @@ impl Server {
         tasks.spawn(fleet.clone().load_loop(shutdown.child_token()));
         tasks.spawn(fleet.clone().discovery_loop(shutdown.child_token()));
         tasks.spawn(limits.clone().prune_loop(shutdown.child_token()));
+        // Longest-prefix records cross to the other replicas through the limits' Redis
+        // (whichever pools route by longest prefix, now or after a reload).
+        let prefix_share = match limits.shared() {
+            Some(shared) => Some(crate::proxy::prefix_share::PrefixShare::start(
+                shared.link(),
+                fleet.clone(),
+                Some(&registry),
+                &tasks,
+                shutdown.child_token(),
+            )?),
+            _ => None,
+        };
         let grace = config.server.shutdown_grace;
         if let Some(admin_listener) = admin_listener {
             let admin = Arc::new(AdminState {
@@ -214,6 +226,8 @@ impl Server {
                 registry: registry.clone(),
                 fleet: fleet.clone(),
                 metrics: metrics.clone(),
+                limits: limits.clone(),
+                prefix_share: prefix_share.clone(),
                 tls: config.admin.tls.is_some(),
                 console: crate::admin::console::Console::new(
                     &config.admin,
@@ -278,6 +292,7 @@ impl Server {
         let worker_state = || -> Result<ProxyState, StartError> {
             Ok(ProxyState {
                 pins: pins.clone(),
+                prefix_share: prefix_share.clone(),
                 generation: fleet.for_worker()?,
                 max_body_bytes: config.server.max_body_bytes,
                 max_audio_body_bytes: config.server.max_audio_body_bytes,

@@ -1,0 +1,364 @@
+//! Longest-prefix routing across replicas: every replica tells the others, through Redis
+//! pub/sub, which backend it sent each prompt to, and records what the others tell it in its
+//! own index (`pool::prefix`). A conversation's next turn then finds the backend holding its
+//! history whichever replica it reaches, as if one replica had seen every turn.
+//!
+//! Why pub/sub and not a shared index read per request: a turn's next turn comes after the
+//! model has answered (seconds), while a record crosses Redis in about a millisecond, so every
+//! replica can hold the whole fleet's index locally and the request path never waits on Redis.
+//! Its only cost there is a `try_send` of three reference-counted pointers into a bounded
+//! channel; publishing runs in a background task, batched in one pipeline per wake-up.
+//!
+//! When Redis is slow or away, nothing waits: records that cannot be sent are dropped and
+//! counted, each replica routes on what it has itself seen (and what it learnt before), the
+//! switch is logged once and shown by `fleetgate_prefix_share_up` and `/admin/ready`. The
+//! subscription pings every second and reconnects, so a paused Redis is noticed as well as a
+//! killed one. A replica that starts late knows only what is published from then on: the
+//! index is a cache with an age bound, not a record.
+//!
+//! A message: the sending replica's id (8 bytes), the pool's model and the backend's base URL
+//! (each a 2-byte length and its bytes), then the prompt's block names (8 bytes each, little
+//! endian). Backends are named by their base URL, as configured, since metrics slots are a
+//! replica's own numbering.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use prometheus::{IntCounter, IntGauge, Opts, Registry};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::limits::shared::RedisLink;
+use crate::pool::fleet::Fleet;
+
+/// Records waiting to be published; past it they are dropped (counted).
+const QUEUE: usize = 4096;
+/// Records sent in one pipeline at most.
+const BATCH: usize = 64;
+/// How long a publish or a ping may take before Redis counts as away.
+const TIMEOUT: Duration = Duration::from_secs(1);
+
+/// One prompt sent to one backend.
+struct Record {
+    model: Arc<str>,
+    backend: Arc<str>,
+    names: Arc<[u64]>,
+}
+
+#[derive(Debug)]
+struct Metrics {
+    up: IntGauge,
+    published: IntCounter,
+    received: IntCounter,
+    dropped: IntCounter,
+}
+
+impl Metrics {
+    fn new(registry: Option<&Registry>) -> std::io::Result<Self> {
+        let gauge = |n: &str, h: &str| IntGauge::with_opts(Opts::new(n, h));
+        let counter = |n: &str, h: &str| IntCounter::with_opts(Opts::new(n, h));
+        let m = Self {
+            up: gauge(
+                "fleetgate_prefix_share_up",
+                "1 while this replica receives the other replicas' prefix records through Redis; 0 while it routes on its own index",
+            )
+            .map_err(std::io::Error::other)?,
+            published: counter(
+                "fleetgate_prefix_share_published_total",
+                "Prefix records (one prompt sent to one backend) published to the other replicas",
+            )
+            .map_err(std::io::Error::other)?,
+            received: counter(
+                "fleetgate_prefix_share_received_total",
+                "Prefix records received from other replicas and recorded in this replica's index",
+            )
+            .map_err(std::io::Error::other)?,
+            dropped: counter(
+                "fleetgate_prefix_share_dropped_total",
+                "Prefix records not published (queue full, Redis slow or away) or received for a pool or backend this replica does not have",
+            )
+            .map_err(std::io::Error::other)?,
+        };
+        if let Some(r) = registry {
+            r.register(Box::new(m.up.clone()))
+                .map_err(std::io::Error::other)?;
+            for c in [&m.published, &m.received, &m.dropped] {
+                r.register(Box::new(c.clone()))
+                    .map_err(std::io::Error::other)?;
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// The request path's side: hands records to the publisher.
+#[derive(Debug)]
+pub struct PrefixShare {
+    tx: mpsc::Sender<Record>,
+    up: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Record {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Record")
+            .field("model", &self.model)
+            .field("backend", &self.backend)
+            .field("blocks", &self.names.len())
+            .finish()
+    }
+}
+
+impl PrefixShare {
+    /// Start publishing and subscribing on `tasks` until `stop`.
+    pub fn start(
+        link: RedisLink,
+        fleet: Arc<Fleet>,
+        registry: Option<&Registry>,
+        tasks: &TaskTracker,
+        stop: CancellationToken,
+    ) -> std::io::Result<Arc<Self>> {
+        let metrics = Arc::new(Metrics::new(registry)?);
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let replica: u64 = rand::random();
+        let channel: Arc<str> = Arc::from(format!("{}:prefix-index", link.prefix()));
+        let up = Arc::new(AtomicBool::new(false));
+        tasks.spawn(publish_loop(
+            rx,
+            link.clone(),
+            replica,
+            channel.clone(),
+            metrics.clone(),
+            stop.clone(),
+        ));
+        tasks.spawn(subscribe_loop(
+            link,
+            fleet,
+            replica,
+            channel,
+            metrics.clone(),
+            up.clone(),
+            stop,
+        ));
+        Ok(Arc::new(Self { tx, up, metrics }))
+    }
+
+    /// `backend` of `model`'s pool was sent the prompt of `names`: tell the other replicas.
+    pub fn publish(&self, model: &Arc<str>, backend: &Arc<str>, names: &Arc<[u64]>) {
+        let r = Record {
+            model: model.clone(),
+            backend: backend.clone(),
+            names: names.clone(),
+        };
+        if self.tx.try_send(r).is_err() {
+            self.metrics.dropped.inc();
+        }
+    }
+
+    /// The other replicas' records arrive (the subscription answers).
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+}
+
+fn encode(replica: u64, r: &Record) -> Vec<u8> {
+    let (model, backend) = (r.model.as_bytes(), r.backend.as_bytes());
+    let mut out = Vec::with_capacity(12 + model.len() + backend.len() + r.names.len() * 8);
+    out.extend_from_slice(&replica.to_le_bytes());
+    for s in [model, backend] {
+        let len = u16::try_from(s.len()).unwrap_or(u16::MAX);
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(&s[..usize::from(len)]);
+    }
+    for n in r.names.iter() {
+        out.extend_from_slice(&n.to_le_bytes());
+    }
+    out
+}
+
+/// `(replica, model, backend, names)` of a message, `None` if it is not one.
+fn decode(msg: &[u8]) -> Option<(u64, &str, &str, Vec<u64>)> {
+    let replica = u64::from_le_bytes(msg.get(..8)?.try_into().ok()?);
+    let mut rest = &msg[8..];
+    let mut text = || -> Option<&str> {
+        let len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
+        let s = std::str::from_utf8(rest.get(2..2 + len)?).ok()?;
+        rest = &rest[2 + len..];
+        Some(s)
+    };
+    let model = text()?;
+    let backend = text()?;
+    if rest.len() % 8 != 0 {
+        return None;
+    }
+    let names = rest
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect();
+    Some((replica, model, backend, names))
+}
+
+async fn publish_loop(
+    mut rx: mpsc::Receiver<Record>,
+    link: RedisLink,
+    replica: u64,
+    channel: Arc<str>,
+    metrics: Arc<Metrics>,
+    stop: CancellationToken,
+) {
+    let mut batch = Vec::with_capacity(BATCH);
+    loop {
+        let n = tokio::select! {
+            _ = stop.cancelled() => return,
+            n = rx.recv_many(&mut batch, BATCH) => n,
+        };
+        if n == 0 {
+            return;
+        }
+        let sent = match link.connection() {
+            Some(mut c) => {
+                let mut pipe = redis::pipe();
+                for r in &batch {
+                    pipe.cmd("PUBLISH")
+                        .arg(&*channel)
+                        .arg(encode(replica, r))
+                        .ignore();
+                }
+                matches!(
+                    tokio::time::timeout(TIMEOUT, pipe.query_async::<()>(&mut c)).await,
+                    Ok(Ok(()))
+                )
+            }
+            None => false,
+        };
+        let counter = if sent {
+            &metrics.published
+        } else {
+            &metrics.dropped
+        };
+        counter.inc_by(batch.len() as u64);
+        batch.clear();
+    }
+}
+
+async fn subscribe_loop(
+    link: RedisLink,
+    fleet: Arc<Fleet>,
+    replica: u64,
+    channel: Arc<str>,
+    metrics: Arc<Metrics>,
+    up: Arc<AtomicBool>,
+    stop: CancellationToken,
+) {
+    // Said once per switch, both ways.
+    let mut said_down = false;
+    loop {
+        let subscribed = async {
+            let mut ps = link.client().get_async_pubsub().await?;
+            ps.subscribe(&*channel).await?;
+            Ok::<_, redis::RedisError>(ps)
+        };
+        let ps = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = tokio::time::timeout(TIMEOUT, subscribed) => r,
+        };
+        match ps {
+            Ok(Ok(ps)) => {
+                up.store(true, Ordering::Release);
+                metrics.up.set(1);
+                if said_down {
+                    tracing::info!(
+                        "prefix records are shared between replicas again (Redis answers)"
+                    );
+                }
+                let (mut sink, mut messages) = ps.split();
+                let mut ping = tokio::time::interval(Duration::from_secs(1));
+                ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let why = loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        m = messages.next() => match m {
+                            Some(m) => learn(&fleet, replica, m.get_payload_bytes(), &metrics),
+                            None => break "the subscription ended".to_owned(),
+                        },
+                        _ = ping.tick() => {
+                            match tokio::time::timeout(TIMEOUT, sink.ping::<redis::Value>()).await {
+                                Ok(Ok(_)) => {}
+                                Ok(Err(e)) => break e.to_string(),
+                                Err(_) => break format!("no answer to a ping within {} ms", TIMEOUT.as_millis()),
+                            }
+                        }
+                    }
+                };
+                up.store(false, Ordering::Release);
+                metrics.up.set(0);
+                tracing::warn!(error = %why, "prefix records are no longer shared between replicas: routing on this replica's own index until Redis answers");
+                said_down = true;
+            }
+            Ok(Err(e)) if !said_down => {
+                tracing::warn!(error = %e, "prefix records cannot be shared between replicas: routing on this replica's own index until Redis answers");
+                said_down = true;
+            }
+            Err(_) if !said_down => {
+                tracing::warn!(
+                    "prefix records cannot be shared between replicas (Redis did not answer within 1 s): routing on this replica's own index until it does"
+                );
+                said_down = true;
+            }
+            _ => {}
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+/// Record another replica's message in this replica's index.
+fn learn(fleet: &Fleet, replica: u64, msg: &[u8], metrics: &Metrics) {
+    let Some((from, model, backend, names)) = decode(msg) else {
+        metrics.dropped.inc();
+        return;
+    };
+    if from == replica {
+        return;
+    }
+    let generation = fleet.current();
+    let found = generation.get(model).and_then(|pool| {
+        let index = pool.prefix.as_ref()?;
+        let b = pool.backends.iter().find(|b| &*b.base == backend)?;
+        Some((index, b.slot))
+    });
+    match found {
+        Some((index, slot)) => {
+            index.record(&names, u32::try_from(slot).unwrap_or(u32::MAX));
+            metrics.received.inc();
+        }
+        None => metrics.dropped.inc(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_survives_the_wire() {
+        let r = Record {
+            model: Arc::from("qwen32b"),
+            backend: Arc::from("http://10.0.0.7:8000"),
+            names: Arc::from(vec![1u64, u64::MAX, 42]),
+        };
+        let msg = encode(7, &r);
+        let (replica, model, backend, names) = decode(&msg).unwrap();
+        assert_eq!(
+            (replica, model, backend, names),
+            (7, "qwen32b", "http://10.0.0.7:8000", vec![1, u64::MAX, 42])
+        );
+        assert!(decode(&msg[..msg.len() - 1]).is_none(), "a cut message");
+        assert!(decode(b"short").is_none());
+    }
+}
