@@ -409,12 +409,10 @@ impl Shared {
     }
 
     /// The same Redis for other shared state (the prefix records): its client (for
-    /// connections of their own, a subscription), the shared connection and its key prefix.
+    /// connections of their own) and its key prefix.
     pub fn link(&self) -> RedisLink {
         RedisLink {
             client: self.client.clone(),
-            conn: self.conn.clone(),
-            up: self.up.clone(),
             prefix: self.prefix.clone(),
         }
     }
@@ -456,22 +454,20 @@ return 1
 #[derive(Clone)]
 pub struct RedisLink {
     client: redis::Client,
-    conn: Arc<ArcSwapOption<ConnectionManager>>,
-    up: Arc<AtomicBool>,
     prefix: Arc<str>,
+}
+
+impl std::fmt::Debug for RedisLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisLink")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RedisLink {
     pub fn client(&self) -> &redis::Client {
         &self.client
-    }
-
-    /// The shared connection while Redis answers the limits.
-    pub fn connection(&self) -> Option<ConnectionManager> {
-        self.conn
-            .load_full()
-            .filter(|_| self.up.load(Ordering::Acquire))
-            .map(|c| (*c).clone())
     }
 
     /// Every key and channel name starts with it (`{limits.redis.key_prefix}`).

@@ -98,7 +98,7 @@ impl Metrics {
 #[derive(Debug)]
 pub struct PrefixShare {
     tx: mpsc::Sender<Record>,
-    up: Arc<AtomicBool>,
+    up: Arc<Up>,
     metrics: Arc<Metrics>,
 }
 
@@ -125,17 +125,18 @@ impl PrefixShare {
         let (tx, rx) = mpsc::channel(QUEUE);
         let replica: u64 = rand::random();
         let channel: Arc<str> = Arc::from(format!("{}:prefix-index", link.prefix()));
-        let up = Arc::new(AtomicBool::new(false));
+        let up = Arc::new(Up::default());
         tasks.spawn(publish_loop(
             rx,
             link.clone(),
             replica,
             channel.clone(),
             metrics.clone(),
+            up.clone(),
             stop.clone(),
         ));
         tasks.spawn(subscribe_loop(
-            link,
+            link.clone(),
             fleet,
             replica,
             channel,
@@ -158,9 +159,31 @@ impl PrefixShare {
         }
     }
 
-    /// The other replicas' records arrive (the subscription answers).
+    /// Records go both ways: the other replicas' arrive (the subscription answers) and this
+    /// one's can be published (the shared connection answers).
     pub fn is_up(&self) -> bool {
-        self.up.load(Ordering::Acquire)
+        self.up.both()
+    }
+}
+
+/// Each way's state: this replica's records can be published, the others' arrive.
+#[derive(Debug, Default)]
+struct Up {
+    publish: AtomicBool,
+    subscribe: AtomicBool,
+}
+
+impl Up {
+    fn both(&self) -> bool {
+        self.publish.load(Ordering::Acquire) && self.subscribe.load(Ordering::Acquire)
+    }
+
+    /// Set one way's state (`fleetgate_prefix_share_up` is 1 while both are up); `true` when
+    /// it changed.
+    fn set(&self, way: &AtomicBool, on: bool, metrics: &Metrics) -> bool {
+        let changed = way.swap(on, Ordering::AcqRel) != on;
+        metrics.up.set(i64::from(self.both()));
+        changed
     }
 }
 
@@ -201,25 +224,49 @@ fn decode(msg: &[u8]) -> Option<(u64, &str, &str, Vec<u64>)> {
     Some((replica, model, backend, names))
 }
 
+/// Publishes batches on a connection of its own (the limits' connection manager, reconnecting
+/// with its own backoff, could keep records waiting well after Redis is back). A batch that
+/// fails drops the connection; a new one is tried every second, with or without records.
 async fn publish_loop(
     mut rx: mpsc::Receiver<Record>,
     link: RedisLink,
     replica: u64,
     channel: Arc<str>,
     metrics: Arc<Metrics>,
+    up: Arc<Up>,
     stop: CancellationToken,
 ) {
     let mut batch = Vec::with_capacity(BATCH);
+    let mut conn: Option<redis::aio::MultiplexedConnection> = None;
+    let mut next_try = tokio::time::Instant::now();
+    // Said once per switch, both ways (the first connection is not news).
+    let mut said_down = false;
     loop {
-        let n = tokio::select! {
+        tokio::select! {
             _ = stop.cancelled() => return,
-            n = rx.recv_many(&mut batch, BATCH) => n,
-        };
-        if n == 0 {
-            return;
+            n = rx.recv_many(&mut batch, BATCH) => if n == 0 { return },
+            _ = tokio::time::sleep_until(next_try), if conn.is_none() => {}
         }
-        let sent = match link.connection() {
-            Some(mut c) => {
+        let now = tokio::time::Instant::now();
+        if conn.is_none() && now >= next_try {
+            next_try = now + Duration::from_secs(1);
+            let connect = link.client().get_multiplexed_async_connection();
+            if let Ok(Ok(c)) = tokio::time::timeout(TIMEOUT, connect).await {
+                conn = Some(c);
+                up.set(&up.publish, true, &metrics);
+                if said_down {
+                    tracing::info!(
+                        "prefix records are published to the other replicas again (Redis answers)"
+                    );
+                    said_down = false;
+                }
+            }
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let sent = match conn.as_mut() {
+            Some(c) => {
                 let mut pipe = redis::pipe();
                 for r in &batch {
                     pipe.cmd("PUBLISH")
@@ -227,17 +274,32 @@ async fn publish_loop(
                         .arg(encode(replica, r))
                         .ignore();
                 }
-                matches!(
-                    tokio::time::timeout(TIMEOUT, pipe.query_async::<()>(&mut c)).await,
-                    Ok(Ok(()))
-                )
+                match tokio::time::timeout(TIMEOUT, pipe.query_async::<()>(c)).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!("no answer within {} ms", TIMEOUT.as_millis())),
+                }
             }
-            None => false,
+            None => Err(String::new()),
         };
-        let counter = if sent {
-            &metrics.published
-        } else {
-            &metrics.dropped
+        let counter = match sent {
+            Ok(()) => &metrics.published,
+            Err(why) => {
+                if conn.take().is_some() {
+                    next_try = tokio::time::Instant::now() + Duration::from_secs(1);
+                }
+                up.set(&up.publish, false, &metrics);
+                if !said_down {
+                    let why = if why.is_empty() {
+                        "no connection to Redis"
+                    } else {
+                        &why
+                    };
+                    tracing::warn!(error = %why, "prefix records cannot be published to the other replicas: they route on what they have seen until Redis answers");
+                    said_down = true;
+                }
+                &metrics.dropped
+            }
         };
         counter.inc_by(batch.len() as u64);
         batch.clear();
@@ -250,7 +312,7 @@ async fn subscribe_loop(
     replica: u64,
     channel: Arc<str>,
     metrics: Arc<Metrics>,
-    up: Arc<AtomicBool>,
+    up: Arc<Up>,
     stop: CancellationToken,
 ) {
     // Said once per switch, both ways.
@@ -267,8 +329,7 @@ async fn subscribe_loop(
         };
         match ps {
             Ok(Ok(ps)) => {
-                up.store(true, Ordering::Release);
-                metrics.up.set(1);
+                up.set(&up.subscribe, true, &metrics);
                 if said_down {
                     tracing::info!(
                         "prefix records are shared between replicas again (Redis answers)"
@@ -293,8 +354,7 @@ async fn subscribe_loop(
                         }
                     }
                 };
-                up.store(false, Ordering::Release);
-                metrics.up.set(0);
+                up.set(&up.subscribe, false, &metrics);
                 tracing::warn!(error = %why, "prefix records are no longer shared between replicas: routing on this replica's own index until Redis answers");
                 said_down = true;
             }

@@ -416,6 +416,96 @@ impl Cuttable {
     }
 }
 
+/// What a `Faulty` proxy does to the bytes it carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Carried as they come.
+    None,
+    /// Held, both ways, connections open: a server that is paused (SIGSTOP) or wedged.
+    Paused,
+    /// Each chunk held this long: a slow server or network.
+    Slow(Duration),
+}
+
+/// A TCP proxy the test can pause, slow down, cut (listener and connections closed) and start
+/// again on the same port: every way a shared server (Redis) can fail short of lying.
+pub struct Faulty {
+    pub port: u16,
+    fault: tokio::sync::watch::Sender<Fault>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Faulty {
+    pub async fn start(port: u16, upstream: std::net::SocketAddr) -> Self {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.set_reuseaddr(true).unwrap();
+        sock.bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+            .unwrap();
+        let listener = sock.listen(64).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (fault, rx) = tokio::sync::watch::channel(Fault::None);
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let Ok((inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                let Ok(out) = tokio::net::TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let (ir, iw) = inbound.into_split();
+                let (or, ow) = out.into_split();
+                conns.spawn(pump(ir, ow, rx.clone()));
+                conns.spawn(pump(or, iw, rx.clone()));
+            }
+        });
+        Self { port, fault, task }
+    }
+
+    pub fn set(&self, f: Fault) {
+        self.fault.send_replace(f);
+    }
+
+    /// Close the listener and every open connection (aborting the task drops them all).
+    pub fn cut(self) -> u16 {
+        self.task.abort();
+        self.port
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut fault: tokio::sync::watch::Receiver<Fault>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        loop {
+            let f = *fault.borrow_and_update();
+            match f {
+                Fault::None => break,
+                Fault::Slow(d) => {
+                    tokio::time::sleep(d).await;
+                    break;
+                }
+                Fault::Paused => {
+                    if fault.changed().await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
 /// Issue a key of `env` on this gateway's store, with `f` setting its limits; it is in the
 /// gateway's snapshot when this returns. Returns the secret and the record.
 pub async fn issue_key(
