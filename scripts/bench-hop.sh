@@ -34,6 +34,11 @@
 #                        from Debian when missing), 0 skips it; TP_CONNECTIONS (64),
 #                        TP_SECS_EACH (5), TP_ROUNDS (2) shape it
 #   FLEETGATE_BENCH_KEY  API key the driver sends (default: one created in the run's own store)
+#   GATEWAY_TOML         extra top-level TOML for the gateway (e.g. a [limits] section with
+#                        shared = "redis"), placed before the pools
+#   POOL_TOML            extra TOML for the main pass's pool (qwen32b), e.g. a [pools.affinity]
+#                        table: issue 41's prefix sharing was measured with by = "longest_prefix"
+#                        and GATEWAY_TOML's shared limits, against the same without Redis
 #   FLEETGATE_BIN        the fleetgate binary to measure (default: this checkout's, built
 #                        first); e.g. an earlier commit's for a before/after comparison
 set -euo pipefail
@@ -190,12 +195,15 @@ sqlite_path = "$TMP/fleetgate.db"
 [admin]
 listen = ""
 
+$(printf '%b' "${GATEWAY_TOML:-}")
+
 # No backend capacity cap (max_in_flight_per_backend = 0): nginx has no admission control, and
 # the memory phase holds 5000 streams on one sim. The admission path still runs (fast path).
 [[pools]]
 model = "qwen32b"
 backends = ["$SIM_URL"]
 max_in_flight_per_backend = 0
+$(printf '%b' "${POOL_TOML:-}")
 
 [[pools]]
 model = "slow"

@@ -30,14 +30,27 @@
 #
 # Environment (defaults in brackets):
 #   FLEETGATE_BIN      the fleetgate binary (this checkout's release build, built first)
+#   BENCH_BIN          the binary whose `bench` and `sim` run the loads (FLEETGATE_BIN): set it
+#                      to measure an older gateway with this checkout's load generator
 #   ROUNDS [2]         rounds of both fleets and both loads
 #   FLOOD_SECONDS [30] length of a flood run (the prod trickle starts 3 s in, ends 2 s early)
 #   FLOOD_CONCURRENCY [64]  gray streams open at once
 #   PROD_RATE [4]      prod requests per second (Poisson)
 #   DECODE_MS [10]     the sims' decode step, ms (independent of the batch size)
-#   OUTPUT_LEN [48]    output tokens of a flood or prod request
-#   BACKENDS [4] CONVERSATIONS [16] TURNS [6] SYSTEM_LEN [4096] USER_LEN [2048] AGENT_OUTPUT_LEN [64]
-#   THINK_MS [200] PREFILL_US [20]   the agent load (see scripts/bench-prefix.sh)
+#   OUTPUT_LEN [48]    output tokens of a flood or prod request (the flood's drawn from ±50 %, so
+#                      its requests do not end in lockstep waves)
+#   FLOOD_PREFILL_US [1] the flood sim's prefill time per prompt token, µs (a fast GPU; at 20
+#                      a wave of 32 new 256-token prompts is one 164 ms step that everyone,
+#                      prod included, waits behind)
+#   LOADS ["flood agent"] which loads to run
+#   BEFORE [1]         also run the flood against 3 replicas as they were before issue 41: the
+#                      ConfigMap without [pools.priority], in front of a sim with vLLM's default
+#                      first-come-first-served admission ("3, no priority")
+#   BACKENDS [4] CONVERSATIONS [16] TURNS [6] SYSTEM_LEN [4096] USER_LEN [512] AGENT_OUTPUT_LEN [64]
+#   THINK_MS [200]     the agent load (see scripts/bench-prefix.sh)
+#   PREFILL_US [100]   the agent sims' prefill time per uncached prompt token, µs (100 ms per 1k
+#                      tokens, a large model on one GPU): prefill, not this 2-core machine's
+#                      CPU, sets a later turn's TTFT, as on a real fleet
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -54,13 +67,17 @@ BACKENDS=${BACKENDS:-4}
 CONVERSATIONS=${CONVERSATIONS:-16}
 TURNS=${TURNS:-6}
 SYSTEM_LEN=${SYSTEM_LEN:-4096}
-USER_LEN=${USER_LEN:-2048}
+USER_LEN=${USER_LEN:-512}
 AGENT_OUTPUT_LEN=${AGENT_OUTPUT_LEN:-64}
 THINK_MS=${THINK_MS:-200}
-PREFILL_US=${PREFILL_US:-20}
+PREFILL_US=${PREFILL_US:-100}
+FLOOD_PREFILL_US=${FLOOD_PREFILL_US:-1}
+LOADS=${LOADS:-flood agent}
+BEFORE=${BEFORE:-1}
 PG=${FLEETGATE_BENCH_PG:-postgres://postgres@127.0.0.1:5432}
 REDIS=${FLEETGATE_BENCH_REDIS:-redis://127.0.0.1:6379}
 BIN=${FLEETGATE_BIN:-"$ROOT/target/release/fleetgate"}
+BENCH_BIN=${BENCH_BIN:-$BIN}
 
 SCRIPT_NAME=bench-replicas
 # shellcheck source=scripts/lib.sh
@@ -102,13 +119,15 @@ export VLLM_API_KEY=sim-key
 sim() {
     local name=$1
     shift
-    "$BIN" sim --host 127.0.0.1 --port 0 --served-model-name qwen32b --decode-step-ms "$DECODE_MS" \
+    "$BENCH_BIN" sim --host 127.0.0.1 --port 0 --served-model-name qwen32b --decode-step-ms "$DECODE_MS" \
         --decode-ms-per-seq 0 "$@" >"$TMP/$name.log" 2>&1 &
     STARTED+=($!)
     SIM_URL=$(wait_url "$TMP/$name.log" $! "$name")
 }
-sim flood-sim --max-num-seqs 32 --scheduling-policy priority
+sim flood-sim --max-num-seqs 32 --scheduling-policy priority --prefill-us-per-token "$FLOOD_PREFILL_US"
 FLOOD_SIM=$SIM_URL
+sim flood-sim-fcfs --max-num-seqs 32 --prefill-us-per-token "$FLOOD_PREFILL_US"
+FCFS_SIM=$SIM_URL
 AGENT_SIMS=()
 for i in $(seq 1 "$BACKENDS"); do
     sim "agent-sim$i" --max-num-seqs 64 --kv-cache-tokens 1000000 --enable-prompt-tokens-details \
@@ -122,13 +141,14 @@ CACHE_URLS=$(
 log "sims: flood $FLOOD_SIM, agent ${AGENT_SIMS[*]}"
 
 # --- the fleets -------------------------------------------------------------------------------
-# config NAME BACKENDS_TOML: the ConfigMap's fleetgate.toml with the laptop's changes.
+# config NAME BACKENDS_TOML [no-priority]: the ConfigMap's fleetgate.toml with the laptop's
+# changes (and without [pools.priority]).
 config() {
-    local name=$1 backends=$2
-    python3 - "$ROOT/deploy/kubernetes/configmap.yaml" "$backends" "$TMP/$name" "fg-bench-$$-$name:" \
+    local name=$1 backends=$2 variant=${3:-}
+    python3 - "$ROOT/deploy/kubernetes/configmap.yaml" "$backends" "$TMP/$name" "fg-bench-$$-$name:" "$variant" \
         >"$TMP/$name.toml" <<'EOF'
 import re, sys, yaml
-manifest, backends, base, prefix = sys.argv[1:]
+manifest, backends, base, prefix, variant = sys.argv[1:]
 text = yaml.safe_load(open(manifest))["data"]["fleetgate.toml"]
 def sub(pattern, repl, count=1):
     global text
@@ -142,15 +162,17 @@ sub(r'^log_format = "json"', 'log_format = "text"')
 sub(r'^spill_path = "[^"]*"', f'spill_path = "{base}.spill"')
 sub(r'^backends = \[\n.*?\n\]', f'backends = {backends}')
 sub(r'^replicas = 3', 'replicas = 3\nkey_prefix = "' + prefix + '"')
+if variant == "no-priority":
+    sub(r'^\[pools\.priority\]\n', '')
 print(text)
 EOF
 }
-# fleet NAME N BACKENDS_TOML: N replicas of one config behind one nginx (round robin); sets
+# fleet NAME N BACKENDS_TOML [VARIANT]: N replicas of one config behind one nginx (round robin); sets
 # FLEET_URL and the replicas' pids in PIDS[NAME].
 declare -A PIDS
 fleet() {
-    local name=$1 n=$2 backends=$3 i url servers="" port
-    config "$name" "$backends"
+    local name=$1 n=$2 backends=$3 variant=${4:-} i url servers="" port
+    config "$name" "$backends" "$variant"
     PIDS[$name]=""
     for i in $(seq 1 "$n"); do
         "$BIN" serve --config "$TMP/$name.toml" >"$TMP/$name-$i.log" 2>&1 &
@@ -205,6 +227,10 @@ fleet flood-1 1 "[\"$FLOOD_SIM\"]"
 URL[flood-1]=$FLEET_URL
 fleet flood-3 3 "[\"$FLOOD_SIM\"]"
 URL[flood-3]=$FLEET_URL
+if [ "$BEFORE" = 1 ]; then
+    fleet flood-before 3 "[\"$FCFS_SIM\"]" no-priority
+    URL[flood-before]=$FLEET_URL
+fi
 AGENT_TOML=$(printf '"%s", ' "${AGENT_SIMS[@]}")
 AGENT_TOML="[${AGENT_TOML%, }]"
 fleet agent-1 1 "$AGENT_TOML"
@@ -244,13 +270,13 @@ printf 'round\tload\treplicas\tcpu_ns\tfile\n' >"$RESULTS"
 seed=100
 flood_run() {
     local n=$1 out=$2 url=${URL[flood-$1]} gray
-    "$BIN" bench --base-url "$url" --endpoint-type openai-chat --model qwen32b --api-key-env GRAY_KEY \
+    "$BENCH_BIN" bench --base-url "$url" --endpoint-type openai-chat --model qwen32b --api-key-env GRAY_KEY \
         --max-concurrency "$FLOOD_CONCURRENCY" --duration-seconds "$FLOOD_SECONDS" \
-        --random-input-len 256 --random-output-len "$OUTPUT_LEN" --ignore-eos --num-prompts 512 \
+        --random-input-len 256 --random-output-len "$OUTPUT_LEN" --random-range-ratio 0.5 --ignore-eos --num-prompts 512 \
         --seed "$seed" --no-progress --output "$out-gray.json" >"$out-gray.txt" 2>&1 &
     gray=$!
     sleep 3
-    "$BIN" bench --base-url "$url" --endpoint-type openai-chat --model qwen32b --api-key-env PROD_KEY \
+    "$BENCH_BIN" bench --base-url "$url" --endpoint-type openai-chat --model qwen32b --api-key-env PROD_KEY \
         --request-rate "$PROD_RATE" --duration-seconds $((FLOOD_SECONDS - 5)) --num-prompts 256 \
         --random-input-len 256 --random-output-len "$OUTPUT_LEN" --ignore-eos \
         --metric-percentiles 50,99 --seed $((seed + 1)) --no-progress \
@@ -265,7 +291,7 @@ flood_run() {
 }
 agent_run() {
     local n=$1 out=$2
-    "$BIN" bench --base-url "${URL[agent-$n]}" --endpoint-type openai-chat --model qwen32b --api-key-env PROD_KEY \
+    "$BENCH_BIN" bench --base-url "${URL[agent-$n]}" --endpoint-type openai-chat --model qwen32b --api-key-env PROD_KEY \
         --multi-turn-conversations "$CONVERSATIONS" --multi-turn-turns "$TURNS" \
         --multi-turn-system-len "$SYSTEM_LEN" --multi-turn-user-len "$USER_LEN" \
         --multi-turn-think-ms "$THINK_MS" --random-output-len "$AGENT_OUTPUT_LEN" --ignore-eos \
@@ -278,8 +304,10 @@ agent_run() {
 for round in $(seq 1 "$ROUNDS"); do
     order="1 3"
     [ $((round % 2)) = 0 ] && order="3 1"
-    for load in flood agent; do
-        for n in $order; do
+    for load in $LOADS; do
+        targets=$order
+        [ "$load" = flood ] && [ "$BEFORE" = 1 ] && targets="$order before"
+        for n in $targets; do
             seed=$((seed + 2))
             out="$RUN_DIR/$round-$load-$n"
             log "round $round, $load, $n replica(s)"
@@ -322,10 +350,10 @@ def cell(runs, k):
 print("### Prod under a gray flood (one sim: 32 seats, the rest wait, --scheduling-policy priority)\n")
 print("| replicas | prod TTFT p50 ms | prod TTFT p99 ms | prod requests (failed) | gray requests (failed) | gateway CPU µs/request |")
 print("|---|---|---|---|---|---|")
-for n in ("1", "3"):
+for n in ("1", "3", "before"):
     runs = by.get(("flood", n), [])
     if runs:
-        print(f"| {n} | {cell(runs, 'p50')} | {cell(runs, 'p99')} | {sum(x['done'] for x in runs)} ({sum(x['failed'] for x in runs)}) "
+        print(f"| {'3, no priority' if n == 'before' else n} | {cell(runs, 'p50')} | {cell(runs, 'p99')} | {sum(x['done'] for x in runs)} ({sum(x['failed'] for x in runs)}) "
               f"| {sum(x['gray_done'] for x in runs)} ({sum(x['gray_failed'] for x in runs)}) | {cell(runs, 'cpu_us')} |")
 print()
 print("### Agent conversations (prefix-caching sims, by = \"longest_prefix\")\n")
@@ -356,9 +384,9 @@ EOF
 {
     echo "# One replica against three (deploy/kubernetes/configmap.yaml's settings)"
     echo
-    echo "Flood: $FLOOD_CONCURRENCY gray streams at once for $FLOOD_SECONDS s and prod at $PROD_RATE/s, $OUTPUT_LEN output tokens, decode step $DECODE_MS ms."
+    echo "Flood: $FLOOD_CONCURRENCY gray streams at once for $FLOOD_SECONDS s and prod at $PROD_RATE/s, 256 prompt and $OUTPUT_LEN output tokens (gray ±50 %), decode step $DECODE_MS ms, prefill $FLOOD_PREFILL_US µs/token."
     echo "Agent: $BACKENDS sims, $CONVERSATIONS conversations × $TURNS turns, system prompt $SYSTEM_LEN tokens, $USER_LEN new tokens and $AGENT_OUTPUT_LEN output tokens a turn, think $THINK_MS ms, prefill $PREFILL_US µs/token."
-    echo "fleetgate $("$BIN" --version 2>/dev/null | head -n1) at $(git rev-parse --short HEAD), $(date -u +%Y-%m-%d), $(nproc) cores; nginx round robin in front of each fleet."
+    echo "Gateway: $BIN ($("$BIN" --version 2>/dev/null | head -n1)); loads: $BENCH_BIN; checkout at $(git rev-parse --short HEAD), $(date -u +%Y-%m-%d), $(nproc) cores; nginx round robin in front of each fleet."
     echo
     cat "$RUN_DIR/summary.md"
 } >"$RUN_DIR/summary.full.md"

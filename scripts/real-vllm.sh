@@ -9,6 +9,8 @@
 #                                        --agents builds the 32k-context one (see below)
 #   scripts/real-vllm.sh start [--port P] [--api-key K] [--agents] [--store]
 #                              [--pooling embed|classify]
+#                              [--scheduling-policy fcfs|priority] [--max-num-seqs N]
+#                              [--enable-per-request-metrics]
 #                                        starts `vllm serve` in the background (a free port and a
 #                                        random key by default), waits for GET /health = 200 and
 #                                        prints FLEETGATE_TEST_VLLM=... FLEETGATE_TEST_VLLM_KEY=...
@@ -63,6 +65,18 @@
 # --store sets VLLM_ENABLE_RESPONSES_API_STORE=1: without it vLLM ignores `store: true` on
 # /v1/responses, so GET /v1/responses/{id}, previous_response_id, `background: true` and cancel
 # only work with it (the store is in memory, never freed; fine for tests).
+#
+# --scheduling-policy fcfs|priority, --max-num-seqs N and --enable-per-request-metrics are
+# vLLM's own flags, passed through (without them: vLLM's default policy, fcfs, --max-num-seqs 16,
+# no per-request metrics). Under `priority` vLLM admits waiting requests by their `priority`
+# (lower first, arrival order among equals; the body's field, or an `X-Vllm-Priority` header,
+# which wins); under fcfs it accepts `priority` and ignores it. --enable-per-request-metrics adds
+# `metrics` (queue_time_ms, time_to_first_token_ms, generation_time_ms, ...: the engine's own
+# times) to each answer, on a stream to its usage chunk (`include_usage`). They are added to the
+# mode (`status`, and run/mode, which tests/real_vllm.rs reads), e.g.
+# `plain+priority+max-num-seqs=1+per-request-metrics`, only when they differ from the defaults.
+# tests/real_vllm.rs `priority_orders_the_waiting_queue_as_the_sim_does` needs
+# `start --scheduling-policy priority --max-num-seqs 1 --enable-per-request-metrics`.
 #
 # --pooling embed|classify serves the same tiny model as a pooling model, as vLLM does for a
 # generative architecture with `--runner pooling --convert embed|classify`: embed serves
@@ -427,7 +441,7 @@ env_line() {
 }
 
 do_start() {
-    local port="" key="" agents=0 store=0 pooling=""
+    local port="" key="" agents=0 store=0 pooling="" policy="" max_num_seqs=16 per_request=0
     while [ $# -gt 0 ]; do
         case $1 in
         --port) port=${2:?--port needs a value}; shift 2 ;;
@@ -438,7 +452,12 @@ do_start() {
         --store) store=1; shift ;;
         --pooling) pooling=${2:?--pooling needs embed or classify}; shift 2 ;;
         --pooling=*) pooling=${1#--pooling=}; shift ;;
-        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify)" ;;
+        --scheduling-policy) policy=${2:?--scheduling-policy needs fcfs or priority}; shift 2 ;;
+        --scheduling-policy=*) policy=${1#--scheduling-policy=}; shift ;;
+        --max-num-seqs) max_num_seqs=${2:?--max-num-seqs needs a number}; shift 2 ;;
+        --max-num-seqs=*) max_num_seqs=${1#--max-num-seqs=}; shift ;;
+        --enable-per-request-metrics) per_request=1; shift ;;
+        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify, --scheduling-policy fcfs|priority, --max-num-seqs N, --enable-per-request-metrics)" ;;
         esac
     done
     local dir=$MODEL_DIR mode=plain model_arg="" extra=(--max-model-len 1024)
@@ -456,6 +475,18 @@ do_start() {
         ;;
     *) die "start: --pooling takes embed or classify, not $pooling" ;;
     esac
+    case $policy in
+    "" | fcfs) ;;
+    priority) mode="$mode+priority" ;;
+    *) die "start: --scheduling-policy takes fcfs or priority, not $policy" ;;
+    esac
+    [ -n "$policy" ] && extra+=(--scheduling-policy "$policy")
+    [[ $max_num_seqs =~ ^[1-9][0-9]*$ ]] || die "start: --max-num-seqs takes a positive number, not $max_num_seqs"
+    [ "$max_num_seqs" = 16 ] || mode="$mode+max-num-seqs=$max_num_seqs"
+    if [ $per_request = 1 ]; then
+        mode="$mode+per-request-metrics"
+        extra+=(--enable-per-request-metrics)
+    fi
     local pid
     if pid=$(running_pid); then
         log "already running (pid $pid, mode $(cat "$RUN/mode" 2>/dev/null || echo plain)) at http://127.0.0.1:$(cat "$RUN/port")"
@@ -482,7 +513,7 @@ do_start() {
         VLLM_ENABLE_RESPONSES_API_STORE=$store \
         nohup setsid "$VENV/bin/vllm" serve "$dir" --served-model-name tiny \
         --host 127.0.0.1 --port "$port" "${extra[@]}" --enforce-eager --dtype float32 \
-        --api-key "$key" --max-num-seqs 16 </dev/null >"$RUN/vllm.log" 2>&1 &
+        --api-key "$key" --max-num-seqs "$max_num_seqs" </dev/null >"$RUN/vllm.log" 2>&1 &
     pid=$!
     echo "$pid" >"$RUN/vllm.pid"
 

@@ -1634,6 +1634,20 @@ async fn multi_turn_conversations_carry_their_history_and_hit_the_prefix_cache()
         assert_eq!(report.json["completed"], 9, "{kind}");
         let t = turns(&report);
         assert_eq!(t.len(), 3, "{kind}: one row per turn");
+        // The later turns' TTFT lies within the range of turns 2 and 3's own.
+        let later = report.json["multi_turn"]["later_turns"]["median_ttft_ms"]
+            .as_f64()
+            .unwrap();
+        let rows = report.json["multi_turn"]["per_turn"].as_array().unwrap();
+        let (lo, hi) = (
+            rows[1]["median_ttft_ms"].as_f64().unwrap(),
+            rows[2]["median_ttft_ms"].as_f64().unwrap(),
+        );
+        assert!(
+            later > 0.0 && later >= lo.min(hi) - 1e-9 && later <= lo.max(hi) + 1e-9,
+            "{kind}: later turns {later} vs turns 2 and 3: {lo}, {hi}"
+        );
+        assert!(report.text.contains("Later turns (2 to 3)"), "{kind}");
         // Each turn carries the last one's prompt, its 20-token answer and 24 new tokens.
         for w in t.windows(2) {
             assert!(w[1].0 >= w[0].0 + 40.0, "{kind}: {t:?}");

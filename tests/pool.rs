@@ -1122,7 +1122,13 @@ async fn each_environments_priority_reaches_the_engine() {
             body["priority"] = c.into();
         }
         tasks.push(tokio::spawn(async move {
-            let m = post(&url, &[("authorization", &auth)], body.to_string()).await;
+            // The claim goes in vLLM's header too, which vLLM reads before the body's field.
+            let claim = claim.map(|c: i64| c.to_string()).unwrap_or_default();
+            let mut headers = vec![("authorization", auth.as_str())];
+            if !claim.is_empty() {
+                headers.push(("x-vllm-priority", claim.as_str()));
+            }
+            let m = post(&url, &headers, body.to_string()).await;
             assert_eq!(m.status, 200, "{name}: {:?}", m.body);
             done.lock().unwrap().push(name);
         }));

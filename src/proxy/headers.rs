@@ -16,8 +16,10 @@ use super::error::HeadExcess;
 /// and the headers vLLM reads as instructions from whoever deploys it, not from its clients:
 /// `x-data-parallel-rank` picks the engine rank a request runs on (the fleet's router's
 /// choice, not a client's), `endpoint-load-metrics-format` asks for the engine's load report
-/// in the answer's head.
-static STRIP_UPSTREAM: [HeaderName; 7] = [
+/// in the answer's head, and `x-vllm-priority` sets the request's place in the engine's queue
+/// ahead of the body's `priority` (vLLM 0.32): a client would otherwise claim a better place
+/// than `[pools.priority]` gives its environment.
+static STRIP_UPSTREAM: [HeaderName; 8] = [
     header::AUTHORIZATION,
     header::CONTENT_LENGTH,
     header::ACCEPT_ENCODING,
@@ -25,6 +27,7 @@ static STRIP_UPSTREAM: [HeaderName; 7] = [
     header::COOKIE,
     HeaderName::from_static("x-data-parallel-rank"),
     HeaderName::from_static("endpoint-load-metrics-format"),
+    HeaderName::from_static("x-vllm-priority"),
 ];
 
 /// Hop-by-hop headers by definition (RFC 9110 §7.6.1, and the older `Keep-Alive` and

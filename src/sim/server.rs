@@ -607,8 +607,18 @@ async fn generate(
 ) -> Result<Response<SimBody>, ApiError> {
     let arrived = Instant::now();
     ctx.stats.requests.fetch_add(1, Relaxed);
+    // vLLM 0.32 takes a request's priority from `X-Vllm-Priority` when present, before the
+    // body's `priority`.
+    let header_priority = req
+        .headers()
+        .get("x-vllm-priority")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok());
     let body = read_body(req).await?;
-    let parsed = api::parse_generation(endpoint, &body, &ctx.cfg)?;
+    let mut parsed = api::parse_generation(endpoint, &body, &ctx.cfg)?;
+    if let Some(p) = header_priority {
+        parsed.priority = p;
+    }
     if ctx.draw_failure() {
         ctx.stats.failed_injected.fetch_add(1, Relaxed);
         return Err(ApiError::InjectedFailure);
