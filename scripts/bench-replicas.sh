@@ -365,7 +365,7 @@ for n in ("1", "3"):
         print(f"| {n} | {cell(runs, 'later_p50')} | {cell(runs, 'later_p99')} | {cell(runs, 'p50')} "
               f"| {med([x['hit'] for x in runs]):.1f} % | {sum(x['done'] for x in runs)} ({sum(x['failed'] for x in runs)}) | {cell(runs, 'cpu_us')} |")
 print()
-rounds = len(by.get(("flood", "1"), []))
+rounds = max(len(by.get((load, "1"), [])) for load in ("flood", "agent"))
 print(f"Medians over {rounds} rounds (range in brackets); requests summed over the rounds. CPU: all the fleet's replicas' threads' run time over the run, per request.")
 def ratio(load, k):
     a = by.get((load, "1"), [])
