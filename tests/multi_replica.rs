@@ -389,6 +389,44 @@ max_in_flight_per_backend = 0
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Four sims and a pool (TOML) routing over them by longest prefix, in blocks of 64 bytes.
+async fn prefix_sims() -> (Vec<fleetgate::sim::SimServer>, String) {
+    let mut sims = Vec::new();
+    for _ in 0..4 {
+        sims.push(sim(|_| {}).await);
+    }
+    let urls = sims
+        .iter()
+        .map(|s| format!("\"{}\"", s.url()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let pools = format!(
+        r#"[[pools]]
+model = "qwen32b"
+backends = [{urls}]
+max_in_flight_per_backend = 0
+
+[pools.affinity]
+by = "longest_prefix"
+block_bytes = 64
+"#
+    );
+    (sims, pools)
+}
+
+/// A key of `env` issued through replica `r`'s admin API: its secret.
+async fn issue_key_on(r: &Replica, name: &str, env: &str) -> String {
+    let (s, created) = admin_call(
+        r,
+        "POST",
+        "/admin/keys",
+        Some(serde_json::json!({"name": name, "environment": env})),
+    )
+    .await;
+    assert_eq!(s, 201, "{created}");
+    created["key"].as_str().unwrap().to_owned()
+}
+
 /// Three turns of agent conversation `conv`, each resending the whole history, turn t sent to
 /// replica `(first + t) % REPLICAS` (as a Service spreads them): the sim that served each turn.
 /// Every turn must be answered, and within 10 s (a replica waiting on a Redis that does not
@@ -452,37 +490,10 @@ async fn a_later_turn_finds_its_conversations_backend_whichever_replica_it_reach
     let Some(redis) = redis_url("multi_replica_prefix").await else {
         return;
     };
-    let mut sims = Vec::new();
-    for _ in 0..4 {
-        sims.push(sim(|_| {}).await);
-    }
+    let (sims, pools) = prefix_sims().await;
     let dir = temp_dir("multi-replica-prefix");
-    let urls = sims
-        .iter()
-        .map(|s| format!("\"{}\"", s.url()))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let pools = format!(
-        r#"[[pools]]
-model = "qwen32b"
-backends = [{urls}]
-max_in_flight_per_backend = 0
-
-[pools.affinity]
-by = "longest_prefix"
-block_bytes = 64
-"#
-    );
     let replicas = start_replicas(&db.url, &redis, &dir, &pools).await;
-    let (s, created) = admin_call(
-        &replicas[0],
-        "POST",
-        "/admin/keys",
-        Some(serde_json::json!({"name": "agent", "environment": "prod"})),
-    )
-    .await;
-    assert_eq!(s, 201, "{created}");
-    let key = created["key"].as_str().unwrap().to_owned();
+    let key = issue_key_on(&replicas[0], "agent", "prod").await;
     // Each replica has subscribed to the others' records.
     prefix_index_is(&replicas, "shared").await;
     let mut used = std::collections::BTreeSet::new();
@@ -519,38 +530,11 @@ async fn redis_paused_killed_or_slow_costs_the_replicas_nothing_and_sharing_come
         .parse()
         .unwrap_or_else(|_| "127.0.0.1:6379".parse().unwrap());
     let mut proxy = Faulty::start(0, upstream).await;
-    let mut sims = Vec::new();
-    for _ in 0..4 {
-        sims.push(sim(|_| {}).await);
-    }
+    let (sims, pools) = prefix_sims().await;
     let dir = temp_dir("multi-replica-redis-faults");
-    let urls = sims
-        .iter()
-        .map(|s| format!("\"{}\"", s.url()))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let pools = format!(
-        r#"[[pools]]
-model = "qwen32b"
-backends = [{urls}]
-max_in_flight_per_backend = 0
-
-[pools.affinity]
-by = "longest_prefix"
-block_bytes = 64
-"#
-    );
     let redis_via_proxy = format!("redis://127.0.0.1:{}", proxy.port);
     let replicas = start_replicas(&db.url, &redis_via_proxy, &dir, &pools).await;
-    let (s, created) = admin_call(
-        &replicas[0],
-        "POST",
-        "/admin/keys",
-        Some(serde_json::json!({"name": "agent", "environment": "prod"})),
-    )
-    .await;
-    assert_eq!(s, 201, "{created}");
-    let key = created["key"].as_str().unwrap().to_owned();
+    let key = issue_key_on(&replicas[0], "agent", "prod").await;
     let all_say = |want: &'static str| prefix_index_is(&replicas, want);
     let shared_again = |conv: usize| {
         let (replicas, sims, key) = (&replicas, &sims, &key);
@@ -663,19 +647,8 @@ max_in_flight_per_backend = 1
         sim = sim.url()
     );
     let replicas = start_replicas(&db.url, &redis, &dir, &pools).await;
-    let mut keys = Vec::new();
-    for env in ["gray", "prod"] {
-        let (s, created) = admin_call(
-            &replicas[0],
-            "POST",
-            "/admin/keys",
-            Some(serde_json::json!({"name": env, "environment": env})),
-        )
-        .await;
-        assert_eq!(s, 201, "{created}");
-        keys.push(created["key"].as_str().unwrap().to_owned());
-    }
-    let (gray, prod) = (keys[0].clone(), keys[1].clone());
+    let gray = issue_key_on(&replicas[0], "gray", "gray").await;
+    let prod = issue_key_on(&replicas[0], "prod", "prod").await;
     let stats = sim.stats().clone();
     let done = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();

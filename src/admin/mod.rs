@@ -516,8 +516,12 @@ fn redis_readiness(state: &AdminState) -> serde_json::Value {
             "limits, stored-response pins and longest-prefix records are shared with the other replicas".to_owned()
         } else {
             format!(
-                "Redis does not answer{}: {}",
-                if limits_up { " the prefix subscription" } else { "" },
+                "Redis does not answer {}: {}",
+                match (limits_up, prefix_up) {
+                    (false, false) => "the limits nor the prefix records",
+                    (false, true) => "the limits",
+                    _ => "the prefix records",
+                },
                 [
                     (!limits_up).then_some("each limit is enforced per replica at limit / replicas, stored-response pins stay local"),
                     (!prefix_up).then_some("longest-prefix routing uses this replica's own index"),

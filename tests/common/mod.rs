@@ -379,42 +379,9 @@ pub async fn stores(
     out
 }
 
-/// A TCP forwarder standing in front of PostgreSQL that the test can cut and restore.
-pub struct Cuttable {
-    pub port: u16,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Cuttable {
-    pub async fn start(port: u16, upstream: std::net::SocketAddr) -> Self {
-        let sock = tokio::net::TcpSocket::new_v4().unwrap();
-        sock.set_reuseaddr(true).unwrap();
-        sock.bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
-            .unwrap();
-        let listener = sock.listen(64).unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let task = tokio::spawn(async move {
-            let mut conns = tokio::task::JoinSet::new();
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
-                    return;
-                };
-                conns.spawn(async move {
-                    if let Ok(mut out) = tokio::net::TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
-                    }
-                });
-            }
-        });
-        Self { port, task }
-    }
-
-    /// Close the listener and every open connection (aborting the task drops them all).
-    pub fn cut(self) -> u16 {
-        self.task.abort();
-        self.port
-    }
-}
+/// A TCP proxy the test can cut (listener and connections closed) and start again on the
+/// same port (`Cuttable::start(port, upstream)`): a `Faulty` proxy left without faults.
+pub type Cuttable = Faulty;
 
 /// What a `Faulty` proxy does to the bytes it carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
