@@ -116,6 +116,12 @@ pub async fn run(
         s.shutdown().await;
     }
     embed.shutdown().await;
+    let codex_home = demo_codex_home(&data_dir.join("fleetgate.db"));
+    if !codex_home.starts_with(&data_dir)
+        && let Some(per_demo) = codex_home.parent()
+    {
+        let _ = std::fs::remove_dir_all(per_demo);
+    }
     let _ = std::fs::remove_dir_all(&data_dir);
     Ok(())
 }
@@ -302,7 +308,7 @@ fn print_try_it(
     id: &str,
     console: Option<&str>,
 ) {
-    let codex_home = db.parent().unwrap_or_else(|| Path::new(".")).join("codex");
+    let codex_home = demo_codex_home(db);
     if let Err(e) = write_codex_config(&codex_home, gateway) {
         tracing::warn!(error = %e, "could not write Codex's config for the demo");
     }
@@ -353,7 +359,7 @@ fn print_try_it(
         "  export CODEX_KEY=$({exe} keys create --sqlite {db} --env prod --name codex -q)   # a key of its own for Codex"
     );
     outln!(
-        "  CODEX_HOME={codex_home} FLEETGATE_KEY=$CODEX_KEY codex exec --skip-git-repo-check 'say hi'   # Codex CLI (npm @openai/codex): its provider is in {codex_home}/config.toml"
+        "  CODEX_HOME={codex_home} FLEETGATE_KEY=$CODEX_KEY codex exec --skip-git-repo-check 'say hi' </dev/null   # Codex CLI (npm @openai/codex): its provider is in {codex_home}/config.toml; </dev/null: nothing more to read"
     );
     outln!(
         "  export CLAUDE_KEY=$({exe} keys create --sqlite {db} --env prod --name claude-code -q)   # and one for Claude Code"
@@ -362,7 +368,30 @@ fn print_try_it(
         "  ANTHROPIC_BASE_URL={gateway} ANTHROPIC_AUTH_TOKEN=$CLAUDE_KEY ANTHROPIC_MODEL={MODEL} CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 claude -p 'say hi'   # Claude Code (npm @anthropic-ai/claude-code)"
     );
     outln!("  {exe} keys revoke \"$OPENAI_API_KEY\" --sqlite {db} --reason 'demo over'");
-    outln!("  {curl}   # answers 401 key_revoked (within ~1 s of the revoke)");
+    outln!("  {curl}   # answers 401 key_revoked (the revoke returned once the gateway had it)");
+}
+
+/// Where the demo's Codex home goes: Codex will not set up its helper binaries under a
+/// temporary directory such as /tmp, where the demo's store lives, so it goes under the user's
+/// cache directory (`$XDG_CACHE_HOME`, else `$HOME/.cache`), one per demo store; the store's
+/// directory only when neither is set.
+fn demo_codex_home(db: &Path) -> std::path::PathBuf {
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .filter(|v| !v.is_empty())
+                .map(|h| std::path::PathBuf::from(h).join(".cache"))
+        });
+    let demo = db.parent().and_then(Path::file_name).map_or_else(
+        || "fleetgate-demo".into(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    match cache {
+        Some(c) => c.join("fleetgate").join(demo).join("codex"),
+        None => db.parent().unwrap_or_else(|| Path::new(".")).join("codex"),
+    }
 }
 
 /// Codex CLI's provider for this gateway (`$CODEX_HOME/config.toml`), as docs/agents.md gives
@@ -391,6 +420,7 @@ fn demo_sim_args(seed: u64) -> SimArgs {
         // What the agents need of a backend: their tools taken (vLLM with a tool parser), and
         // answers that end on their own (Claude Code asks 32000 tokens).
         enable_auto_tool_choice: true,
+        tool_call_parser: Some("hermes".to_owned()),
         output_tokens: Some(24),
         responses_store: true,
         ..SimArgs::default()

@@ -101,6 +101,8 @@ pub enum KeysCommand {
         /// `export OPENAI_API_KEY=$(fleetgate keys create --env prod --name x -q)`).
         #[arg(long, short)]
         quiet: bool,
+        #[command(flatten)]
+        actor: Actor,
     },
     /// List keys (never their secrets).
     #[command(
@@ -127,13 +129,22 @@ pub enum KeysCommand {
         id: String,
         #[arg(long)]
         reason: String,
+        #[command(flatten)]
+        actor: Actor,
     },
     /// Give a key a new secret; the old one keeps working for the grace period.
-    #[command(after_help = "Examples:\n  fleetgate keys rotate AbCdEfGhIjKl --grace 10m")]
+    #[command(
+        after_help = "Examples:\n  fleetgate keys rotate AbCdEfGhIjKl --grace 10m\n  export OPENAI_API_KEY=$(fleetgate keys rotate AbCdEfGhIjKl --grace 1h -q)"
+    )]
     Rotate {
         id: String,
         #[arg(long, default_value = "10m")]
         grace: String,
+        /// Print only the new key (for scripts).
+        #[arg(long, short)]
+        quiet: bool,
+        #[command(flatten)]
+        actor: Actor,
     },
     /// The audit trail (of one key, or all).
     #[command(
@@ -152,20 +163,51 @@ pub enum KeysCommand {
 pub struct KeysArgs {
     #[command(flatten)]
     pub store: StoreArgs,
-    /// Recorded in the audit trail as who made the change.
-    #[arg(long, global = true)]
-    pub actor: Option<String>,
     #[command(subcommand)]
     pub command: KeysCommand,
 }
 
-fn actor(given: &Option<String>) -> String {
-    given.clone().unwrap_or_else(|| {
-        format!(
-            "{}@cli",
-            std::env::var("USER").unwrap_or_else(|_| "operator".into())
-        )
-    })
+/// Who makes a change (`keys create`, `revoke`, `rotate`): only the commands that change a key
+/// take it.
+#[derive(Args, Debug, Clone, Default)]
+pub struct Actor {
+    /// Recorded in the audit trail as who made the change (default: `<local user>@cli`).
+    #[arg(long)]
+    pub actor: Option<String>,
+}
+
+impl Actor {
+    fn name(&self) -> String {
+        self.actor
+            .clone()
+            .unwrap_or_else(|| format!("{}@cli", local_user()))
+    }
+}
+
+/// The user running the command: `$USER`, else `$LOGNAME`, else the name /etc/passwd gives
+/// this process's user id, else `uid N` (a container often sets neither variable).
+pub fn local_user() -> String {
+    for var in ["USER", "LOGNAME"] {
+        if let Ok(v) = std::env::var(var)
+            && !v.trim().is_empty()
+        {
+            return v.trim().to_owned();
+        }
+    }
+    use std::os::unix::fs::MetadataExt;
+    let Ok(uid) = std::fs::metadata("/proc/self").map(|m| m.uid()) else {
+        return "unknown user".into();
+    };
+    std::fs::read_to_string("/etc/passwd")
+        .ok()
+        .and_then(|passwd| {
+            passwd.lines().find_map(|l| {
+                let mut f = l.split(':');
+                let name = f.next()?;
+                (f.nth(1)?.parse::<u32>().ok()? == uid).then(|| name.to_owned())
+            })
+        })
+        .unwrap_or_else(|| format!("uid {uid}"))
 }
 
 /// How a command may open the store.
@@ -278,7 +320,6 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
         _ => Opening::Existing,
     };
     let store = open(&args.store, how).await?;
-    let who = actor(&args.actor);
     match args.command {
         KeysCommand::Create {
             env,
@@ -292,6 +333,7 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
             metadata,
             json,
             quiet,
+            actor,
         } => {
             let req = CreateKey {
                 name,
@@ -311,12 +353,19 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
             } else {
                 Print::Text
             };
-            create(&store, &req, &who, print).await
+            create(&store, &req, &actor.name(), print).await
         }
         KeysCommand::List { env, json } => list(&store, env, json).await,
         KeysCommand::Show { id, json } => show(&store, key_id(&id), json).await,
-        KeysCommand::Revoke { id, reason } => revoke(&store, key_id(&id), &reason, &who).await,
-        KeysCommand::Rotate { id, grace } => rotate(&store, key_id(&id), &grace, &who).await,
+        KeysCommand::Revoke { id, reason, actor } => {
+            revoke(&store, key_id(&id), &reason, &actor.name()).await
+        }
+        KeysCommand::Rotate {
+            id,
+            grace,
+            quiet,
+            actor,
+        } => rotate(&store, key_id(&id), &grace, &actor.name(), quiet).await,
         KeysCommand::Audit { id, limit, json } => {
             audit(&store, id.as_deref().map(key_id), limit, json).await
         }
@@ -434,8 +483,11 @@ async fn revoke(store: &KeyStore, id: &str, reason: &str, who: &str) -> Result<(
         .revoke(id, reason, who)
         .await
         .map_err(|e| e.to_string())?;
+    // The gateways learn it through NOTIFY or their poll of the change counter: the command
+    // returns once they have, so that the next request with the key, sent after it, is refused.
+    tokio::time::sleep(crate::auth::sync::propagation(store.kind())).await;
     outln!(
-        "Revoked {} at {}: every gateway refuses it from now on.",
+        "Revoked {} at {}: every gateway on this store refuses it from now on.",
         k.public_id,
         when(k.revoked_at)
     );
@@ -443,12 +495,22 @@ async fn revoke(store: &KeyStore, id: &str, reason: &str, who: &str) -> Result<(
 }
 
 /// `fleetgate keys rotate`.
-async fn rotate(store: &KeyStore, id: &str, grace: &str, who: &str) -> Result<(), String> {
+async fn rotate(
+    store: &KeyStore,
+    id: &str,
+    grace: &str,
+    who: &str,
+    quiet: bool,
+) -> Result<(), String> {
     let grace: Duration = parse_duration(grace).map_err(|e| e.to_string())?;
     let (full, k) = store
         .rotate(id, grace, who)
         .await
         .map_err(|e| e.to_string())?;
+    if quiet {
+        outln!("{full}");
+        return Ok(());
+    }
     outln!(
         "New secret for {} (shown only this once):\n\n  {full}\n",
         k.public_id
@@ -525,7 +587,7 @@ pub fn run_admin_token(args: AdminTokenArgs) -> Result<(), String> {
     let cfg = Config::load(&args.config).map_err(|e| e.to_string())?;
     let role = role(&args.role);
     let ttl = parse_duration(&args.ttl).map_err(|e| e.to_string())?;
-    let sub = args.sub.unwrap_or_else(|| actor(&None));
+    let sub = args.sub.unwrap_or_else(|| format!("{}@cli", local_user()));
     let token = jwt::mint(&cfg.admin, role, &sub, ttl).map_err(|e| e.to_string())?;
     outln!("{token}");
     Ok(())
@@ -540,7 +602,8 @@ pub struct ConsoleLoginArgs {
     /// How long the session lasts once the link is opened (at most 7d), e.g. 8h.
     #[arg(long, default_value = "8h")]
     pub ttl: String,
-    /// Who signs in (recorded in the audit trail); default: $USER.
+    /// Who signs in: every console action is recorded in the audit trail under this name
+    /// (default: the local user, `$USER`, else `$LOGNAME`, else the name of this user id).
     #[arg(long)]
     pub sub: Option<String>,
     /// The console's address as the browser reaches it (default: from admin.listen), e.g.
@@ -579,9 +642,9 @@ pub fn run_console_login(args: ConsoleLoginArgs) -> Result<(), String> {
             return Err("the admin listener is off (admin.listen = \"\") and the console is served by it: set admin.listen, or pass --url".into());
         }
     };
-    let sub = args.sub.unwrap_or_else(|| actor(&None));
+    let sub = args.sub.unwrap_or_else(local_user);
     let token = crate::admin::console::session::mint_login(&cfg.admin, role, &sub, ttl).map_err(|e| match e {
-        jwt::MintError::NoSecret => "console-login signs links with admin.jwt_secret (HS256), which is not set. With RS256/ES256, open <admin listener>/console/login?token=<an admin API token from your issuer> instead: it signs in once.".to_owned(),
+        jwt::MintError::NoSecret => "console-login signs links with admin.jwt_secret (HS256), which is not set: set it, at least 32 characters, where the gateway starts and where you run this command (config/fleetgate.toml reads it from FLEETGATE_ADMIN_JWT_SECRET). With RS256/ES256, open <admin listener>/console/login?token=<an admin API token from your issuer> instead: it signs in once.".to_owned(),
         other => other.to_string(),
     })?;
     outln!("{base}/console/login?token={token}");
@@ -605,7 +668,8 @@ pub struct UsageArgs {
     /// A calendar month instead (UTC), e.g. 2026-11: the monthly totals per key.
     #[arg(long)]
     pub month: Option<String>,
-    /// Group by key, env, model or backend.
+    /// Group by key, env, model, backend or endpoint (chat, completions, responses, messages,
+    /// embeddings, ...).
     #[arg(long, default_value = "key")]
     pub by: GroupBy,
     #[arg(long)]
@@ -652,6 +716,7 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
             GroupBy::Environment => "ENV",
             GroupBy::Model => "MODEL",
             GroupBy::Backend => "BACKEND",
+            GroupBy::Endpoint => "ENDPOINT",
         },
         "REQUESTS",
         "ERRORS",

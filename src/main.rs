@@ -13,7 +13,8 @@ const EXIT_CODES: &str = "Exit codes:
   1    the command failed: the message on stderr says why (store unreachable, unknown key,
        a revoked key rotated, a server that could not start, no bench request succeeded, ...)
   2    bench: an --sla objective was violated
-  3    bench: the --compare verdict failed
+  3    bench: the --compare verdict failed (a line shown slower, or a side failed requests;
+       3 wins over 2 when both)
   64   bad command line or invalid config (the field and what to write instead)
   74   stdout could not be written (a full disk, ...)
   130  bench: interrupted by Ctrl-C (what finished is printed and saved)
@@ -78,7 +79,7 @@ enum Command {
     /// Load generator compatible with `vllm bench serve`; `--compare direct=URL gateway=URL`
     /// measures the gateway's cost against direct calls in one interleaved run.
     #[command(
-        after_help = "Examples:\n  fleetgate bench --base-url http://127.0.0.1:8080 --api-key-env FLEETGATE_API_KEY --num-prompts 200 --request-rate 8\n  fleetgate bench --compare direct=http://127.0.0.1:8001 gateway=http://127.0.0.1:8080 --api-key-env FLEETGATE_API_KEY --sla ttft_p99_ms=1500\n  fleetgate bench diff yesterday.json today.json\n(docs/bench.md has every flag)"
+        after_help = "Examples:\n  fleetgate bench --base-url http://127.0.0.1:8080 --api-key-env FLEETGATE_API_KEY --num-prompts 100 --request-rate 10 --random-input-len 256 --random-output-len 32\n  fleetgate bench --compare direct=http://127.0.0.1:8001,http://127.0.0.1:8002 gateway=http://127.0.0.1:8080 --api-key-env FLEETGATE_API_KEY --num-prompts 120 --request-rate 20 --random-input-len 64 --random-output-len 16 --sla ttft_p99_ms=1500\n  vllm bench serve's own flags run as written: --backend vllm --base_url http://127.0.0.1:8080 --endpoint-type openai-chat --endpoint /v1/chat/completions ...\n  fleetgate bench diff yesterday.json today.json\n(the examples run on the README's two sims and gateway; docs/bench.md has every flag; a comparison is judged only over the prompts both sides answered, and fails when a side failed any)"
     )]
     Bench(Box<fleetgate::bench::BenchArgs>),
     /// GET a URL and exit 0 on a 2xx answer, 1 otherwise: a container health check without
@@ -121,9 +122,52 @@ fn init_logging_default(format: LogFormat, default: &str) {
     }
 }
 
+/// The store flags (`--config FILE`, `--sqlite FILE`, `--database-url URL`, also as
+/// `--flag=value`) written before the subcommand move to just after it, where every command
+/// that reads the store takes them: `fleetgate --config F keys list` is `fleetgate keys --config
+/// F list`. Everything else stays where it is.
+fn store_flags_after_subcommand(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    const WITH_VALUE: [&str; 4] = ["--config", "-c", "--sqlite", "--database-url"];
+    let mut moved = Vec::new();
+    let mut rest = Vec::with_capacity(args.len());
+    let mut it = args.into_iter();
+    rest.extend(it.next()); // the program's name
+    while let Some(a) = it.next() {
+        let text = a.to_str().unwrap_or_default();
+        let name = text.split_once('=').map_or(text, |(n, _)| n);
+        if WITH_VALUE.contains(&name) {
+            let joined = name.len() < text.len();
+            moved.push(a);
+            if !joined {
+                moved.extend(it.next());
+            }
+            continue;
+        }
+        let is_subcommand = !text.starts_with('-');
+        rest.push(a);
+        if is_subcommand {
+            rest.append(&mut moved);
+            rest.extend(it);
+            return rest;
+        }
+    }
+    // No subcommand: leave the flags where they were, for clap to name the problem.
+    rest.extend(moved);
+    rest
+}
+
 fn main() -> ExitCode {
     // A bad command line exits 64 (EX_USAGE), not clap's 2: 2 is bench's "SLA violated".
-    let cli = match Cli::try_parse() {
+    let mut args = store_flags_after_subcommand(std::env::args_os().collect());
+    // `fleetgate bench` takes every `vllm bench serve` flag (fleetgate::bench::vllm_flags).
+    if args.get(1).is_some_and(|a| a == "bench") {
+        let (rest, warnings) = fleetgate::bench::vllm_flags::normalize(args.split_off(2));
+        args.extend(rest);
+        for w in warnings {
+            eprintln!("fleetgate bench: warning: {w}");
+        }
+    }
+    let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(e) => {
             let code = if e.use_stderr() { EXIT_CONFIG } else { 0 };

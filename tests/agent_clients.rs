@@ -135,6 +135,131 @@ async fn claude_code_completes_a_prompt_through_the_gateway() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The chat sims of README.md's "Try it with separate processes", started as separate
+/// processes with exactly the README's flags (only the port is a free one), killed on drop.
+struct ReadmeSims(Vec<std::process::Child>, Vec<String>);
+
+impl Drop for ReadmeSims {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+async fn readme_sims() -> ReadmeSims {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("## Try it with separate processes")
+        .nth(1)
+        .unwrap()
+        .split("\n## ")
+        .next()
+        .unwrap();
+    let mut sims = ReadmeSims(Vec::new(), Vec::new());
+    for line in section.lines().filter(|l| {
+        l.starts_with("./target/release/fleetgate sim ") && !l.contains("--runner pooling")
+    }) {
+        let command = line
+            .split(" #")
+            .next()
+            .unwrap()
+            .trim()
+            .trim_end_matches('&');
+        let mut args: Vec<String> = command
+            .split_whitespace()
+            .skip(1)
+            .map(str::to_owned)
+            .collect();
+        let at = args.iter().position(|a| a == "--port").unwrap() + 1;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        args[at] = port.to_string();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_fleetgate"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        sims.0.push(child);
+        let url = format!("http://127.0.0.1:{port}");
+        wait_for_200(&format!("{url}/health")).await;
+        sims.1.push(url);
+    }
+    assert_eq!(
+        sims.1.len(),
+        2,
+        "the README starts two chat sims:\n{section}"
+    );
+    sims
+}
+
+/// Codex CLI and Claude Code complete against the README's own sims, started as the README
+/// starts them (issue 42: with the sims' defaults, Claude Code got vLLM's 400 "auto" tool
+/// choice refusal, and with tools alone ran to its 32 000 tokens).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_agents_complete_against_the_readmes_sims() {
+    let (Some(claude), Some(codex)) = (agent_bin("claude"), agent_bin("codex")) else {
+        tool_or_skip(
+            "readme_sims",
+            "Claude Code and Codex CLI (npm @anthropic-ai/claude-code, @openai/codex)",
+            false,
+        );
+        return;
+    };
+    let sims = readme_sims().await;
+    let gw = gateway(vec![pool("qwen32b", &sims.1)]).await;
+    let (key, _) = issue_key(&gw, Environment::Prod, |_| {}).await;
+    let dir = temp_dir("readme-agents");
+    let work = dir.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let home = dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let base = format!("http://{}", gw.server.local_addr);
+    let env = claude_env(&home, &base, "ANTHROPIC_AUTH_TOKEN", &key, "qwen32b");
+    let r = run_agent(
+        &claude,
+        &["-p", "say hi", "--no-session-persistence"],
+        &env,
+        &work,
+        Duration::from_secs(90),
+    )
+    .await;
+    assert!(
+        r.ok,
+        "claude failed:\nstdout: {}\nstderr: {}",
+        r.stdout, r.stderr
+    );
+    assert!(!r.stdout.trim().is_empty(), "claude printed the answer");
+    let c = Codex::new(&dir.join("codex"), &format!("{base}/v1"), "qwen32b");
+    let r = run_agent(
+        &codex,
+        &Codex::exec_args("say hi"),
+        &c.env(&key),
+        &c.work,
+        Duration::from_secs(90),
+    )
+    .await;
+    assert!(
+        r.ok,
+        "codex failed:\nstdout: {}\nstderr: {}",
+        r.stdout, r.stderr
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || measured_rows(&gw, "messages")
+            >= 1
+            && measured_rows(&gw, "responses") >= 1)
+        .await,
+        "the request log holds both agents' requests"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The OpenAI Python SDK's Responses API, and the Anthropic Python SDK with its typed errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_sdks_speak_both_protocols_through_the_gateway() {

@@ -269,7 +269,9 @@ async fn compare_mode_reports_the_gateway_delta_and_its_own_time() {
     // One backend on both sides: like for like, from the gateway's per-request upstream TTFT.
     assert_eq!(cmp["like_for_like"]["comparable"], true, "{}", report.text);
     assert!(
-        report.text.contains("like for like: yes"),
+        report.text.contains(
+            "like for like, by timing: the backends behind gateway answered as direct's did"
+        ),
         "{}",
         report.text
     );
@@ -511,6 +513,11 @@ async fn sla_violations_exit_2_with_a_table() {
     let (_, report) = run(&met).await;
     assert_eq!(report.exit, 0, "{}", report.text);
     assert!(report.text.contains("every objective met"));
+    // Ten requests cost the client some CPU, and it is measured finer than /proc's 10 ms ticks.
+    let cpu = report.json["client"]["cpu_us_per_request"]
+        .as_f64()
+        .unwrap();
+    assert!(cpu > 0.0, "{}", report.json["client"]);
     let mut missed = common.to_vec();
     missed.extend([
         "--sla",
@@ -519,12 +526,22 @@ async fn sla_violations_exit_2_with_a_table() {
     let (_, report) = run(&missed).await;
     assert_eq!(report.exit, bench::EXIT_SLA);
     assert!(report.text.contains("SLA violated"));
-    assert!(report.text.contains("ttft_p99_ms"));
-    assert!(report.text.contains("e2el_mean_ms"));
-    assert!(
-        !report.text.contains("error_rate     "),
-        "met objectives are not listed"
-    );
+    // Every objective is listed with its verdict, and a limit is printed as it was written.
+    let line = |name: &str| {
+        report
+            .text
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no `{name}` line:\n{}", report.text))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let ttft = line("ttft_p99_ms");
+    assert_eq!((ttft[1].as_str(), ttft[3].as_str()), ("0.0001", "VIOLATED"));
+    assert_eq!(line("e2el_mean_ms")[3], "VIOLATED");
+    let errors = line("error_rate");
+    assert_eq!((errors[1].as_str(), errors[3].as_str()), ("0.5", "met"));
     let violated = report.json["sla"]["violated"].as_array().unwrap();
     assert_eq!(violated.len(), 2);
     // A misspelt objective is refused before anything is sent.
@@ -1874,4 +1891,78 @@ async fn prefix_repetition_prompts_share_their_prefixes_as_vllm_makes_them() {
     }
     assert_eq!(prefixes.len(), 2, "{prefixes:?}");
     assert!(prefixes.values().all(|n| *n == 4));
+}
+
+/// A comparison whose gateway side is refused (a key's rate limit: 429) judges only the prompts
+/// both sides answered, says loudly what was refused and why, and fails with the compare's exit
+/// code even when an --sla objective fails too (issue 42).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_side_fails_the_comparison_and_says_why() {
+    let s = sim(|a| a.zero_delay = true).await;
+    let gw = gateway(vec![pool("qwen32b", &[s.url()])]).await;
+    let (key, _) = issue_key(&gw, fleetgate::key::Environment::Stress, |k| {
+        k.requests_per_minute = Some(5)
+    })
+    .await;
+    let auth = format!("Authorization: Bearer {key}");
+    let direct = format!("direct={}", s.url());
+    let via = format!("gateway=http://{}", gw.server.local_addr);
+    let (_, report) = run(&[
+        "--compare",
+        &direct,
+        &via,
+        "--header",
+        &auth,
+        "--model",
+        "qwen32b",
+        "--num-prompts",
+        "40",
+        "--random-input-len",
+        "20",
+        "--random-output-len",
+        "4",
+        "--sla",
+        "ttft_p99_ms=0.000001",
+    ])
+    .await;
+    let (d, g) = (&report.summaries[0], &report.summaries[1]);
+    assert_eq!(d.completed, 40, "{}", report.text);
+    assert!(g.failed >= 30, "{}", report.text);
+    let cmp = &report.json["comparison"];
+    assert_eq!(cmp["pass"], false);
+    assert_eq!(cmp["failures"][0]["target"], "gateway");
+    assert!(
+        report.text.contains(&format!(
+            "WARNING: gateway failed {} of its 40 requests: {} × HTTP 429 requests_per_minute_exceeded (\"HTTP 429 requests_per_minute_exceeded: Rate limit reached for key",
+            g.failed, g.failed
+        )),
+        "{}",
+        report.text
+    );
+    assert!(
+        report
+            .text
+            .contains("HTTP 429 requests_per_minute_exceeded"),
+        "the refusal is named: {}",
+        report.text
+    );
+    let verdict = report
+        .text
+        .lines()
+        .find(|l| l.starts_with("verdict: "))
+        .unwrap();
+    assert!(
+        verdict.starts_with(&format!(
+            "verdict: FAIL — gateway failed {} of 40 requests",
+            g.failed
+        )),
+        "{verdict}"
+    );
+    // Every judged line is over the prompts both answered, never over a refused one.
+    for delta in cmp["deltas"].as_array().unwrap() {
+        assert_eq!(delta["paired_prompts"], 40 - g.failed, "{delta}");
+    }
+    // The like-for-like medians are over the same paired prompts too.
+    assert_eq!(cmp["like_for_like"]["paired_prompts"], 40 - g.failed);
+    assert_eq!(report.exit, bench::EXIT_COMPARE, "3 wins over the SLA's 2");
 }

@@ -287,14 +287,20 @@ fn demo_prints_the_table_and_how_to_try_it() {
 fn keys_cli_round_trip() {
     let dir = temp_dir("keys-cli");
     let db = dir.join("keys.db");
+    // `--actor` is taken by the commands that change a key, and only by them.
     let run = |args: &[&str]| {
+        let changes = matches!(args.first(), Some(&("create" | "revoke" | "rotate")));
         outcome(
             Command::new(BIN)
                 .arg("keys")
                 .arg("--sqlite")
                 .arg(&db)
-                .args(["--actor", "ops@test"])
-                .args(args),
+                .args(args)
+                .args(if changes {
+                    &["--actor", "ops@test"][..]
+                } else {
+                    &[]
+                }),
         )
     };
     let (code, out, err) = run(&[
@@ -359,6 +365,43 @@ fn keys_cli_round_trip() {
     let (code, _, err) = run(&["create", "--env", "dev", "--name", "x"]);
     assert_ne!(code, Some(0));
     assert!(err.contains("stress, gray or prod"), "{err}");
+    // `-q` on rotate: the new key alone, for `export X=$(fleetgate keys rotate ID -q)`.
+    let (_, out, _) = run(&["create", "--env", "gray", "--name", "rotated", "-q"]);
+    let first = out.trim().to_owned();
+    let rid = fleetgate::key::parse(&first).unwrap().public_id.to_owned();
+    let (code, out, err) = run(&["rotate", &rid, "--grace", "1m", "-q"]);
+    assert_eq!(code, Some(0), "{err}");
+    let second = out.trim();
+    assert_eq!(
+        fleetgate::key::parse(second).unwrap().public_id,
+        rid,
+        "one line, the new key: {out:?}"
+    );
+    assert_ne!(second, first);
+    // A read-only command takes no --actor (it records nothing).
+    let (code, _, err) = run(&["list", "--actor", "x"]);
+    assert_eq!(code, Some(64), "{err}");
+    // Store flags go anywhere, also before the subcommand (`fleetgate --sqlite DB keys list`).
+    let joined = format!("--sqlite={}", db.display());
+    for (before, after) in [
+        (vec!["--sqlite", db.to_str().unwrap()], vec!["keys", "list"]),
+        (
+            vec![],
+            vec!["keys", "list", "--sqlite", db.to_str().unwrap()],
+        ),
+        (vec![joined.as_str()], vec!["keys", "list"]),
+        (
+            vec!["--sqlite", db.to_str().unwrap()],
+            vec!["usage", "--by", "endpoint"],
+        ),
+    ] {
+        let (code, out, err) = outcome(Command::new(BIN).args(&before).args(&after));
+        assert_eq!(code, Some(0), "{before:?} {after:?}: {err}");
+        assert!(
+            out.contains(&rid) || after[0] == "usage",
+            "{before:?} {after:?}: {out}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -1007,4 +1050,249 @@ fn keys_create_takes_endpoint_families() {
     );
     let (_, listed, _) = fleetgate(&["keys", "list", "--sqlite", db]);
     assert!(!listed.contains("typo"), "nothing was created: {listed}");
+}
+
+/// Every flag of `vllm bench serve` 0.33 (tests/fixtures/vllm-bench-serve-flags.tsv, one row per
+/// choice where vLLM lists choices), as written and with vLLM's underscore spelling, is taken
+/// by `fleetgate bench`: never exit 64 on a valid vLLM command line (issue 42).
+#[test]
+fn bench_takes_every_vllm_bench_serve_flag() {
+    let table = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/vllm-bench-serve-flags.tsv"
+    ))
+    .unwrap();
+    let mut checked = 0;
+    for row in table.lines().filter(|l| !l.starts_with('#')) {
+        let cells: Vec<&str> = row.split('\t').collect();
+        let (flag, value) = (cells[0], cells.get(2).copied().unwrap_or(""));
+        let underscored = format!("--{}", flag[2..].replace('-', "_"));
+        for spelling in [flag, underscored.as_str()] {
+            let mut args = vec!["bench", spelling];
+            args.extend(value.split(' ').filter(|v| !v.is_empty()));
+            // --help ends the parse: what comes before it was understood.
+            args.push("--help");
+            let (code, out, err) = fleetgate(&args);
+            assert_eq!(code, Some(0), "fleetgate {}: {err}", args.join(" "));
+            assert!(out.contains("Usage"), "{out}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 250, "{checked} rows");
+    // And `vllm serve`'s tool and reasoning parsers on the sim, as the README starts it.
+    let (code, _, err) = fleetgate(&[
+        "sim",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--help",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+}
+
+/// The seeds' own `vllm bench serve` line (SEEDS.md; ShareGPT replaced by a small file of the
+/// same format) runs through the gateway as written; vLLM's `--host`/`--port` reach it too; a
+/// flag that would change the measurement and is not implemented stops the run before anything
+/// is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_seeds_vllm_bench_serve_line_runs_through_the_gateway() {
+    use std::sync::atomic::Ordering;
+    let s = sim(|a| a.zero_delay = true).await;
+    let gw = gateway(vec![pool("qwen32b", &[s.url()])]).await;
+    let dir = TempDir(temp_dir("bench-seed-line"));
+    let dataset = dir.0.join("ShareGPT_V3_unfiltered_cleaned_split.json");
+    let conversations: Vec<serde_json::Value> = (0..24)
+        .map(|i| {
+            serde_json::json!({"id": format!("c{i}"), "conversations": [
+                {"from": "human", "value": format!("Question {i}: explain how a reverse proxy keeps a stream flowing to its client.")},
+                {"from": "gpt", "value": "It relays every chunk the moment it arrives, never holding one back to fill a buffer."}
+            ]})
+        })
+        .collect();
+    std::fs::write(&dataset, serde_json::Value::from(conversations).to_string()).unwrap();
+    let base = format!("http://{}", gw.server.local_addr);
+    let auth = format!("Authorization: Bearer {}", gw.key);
+    let dataset = dataset.display().to_string();
+    let line = [
+        "bench",
+        "--backend",
+        "vllm",
+        "--base_url",
+        &base,
+        "--model",
+        "qwen32b",
+        "--tokenizer",
+        "/mnt/data/models/DeepSeek-R1-Distill-Qwen-32B",
+        "--endpoint-type",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--header",
+        &auth,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        &dataset,
+        "--sharegpt-output-len",
+        "1024",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "95,99",
+        "--num-prompts",
+        "16",
+        "--request-rate",
+        "8",
+    ]
+    .map(str::to_owned);
+    let run = |args: Vec<String>| async move {
+        tokio::task::spawn_blocking(move || {
+            outcome(Command::new(BIN).args(&args).env_remove("OPENAI_API_KEY"))
+        })
+        .await
+        .unwrap()
+    };
+    let (code, out, err) = run(line.to_vec()).await;
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("Successful requests:                     16"),
+        "{out}"
+    );
+    for metric in ["TTFT", "TPOT", "ITL", "E2EL"] {
+        for p in ["P95", "P99"] {
+            assert!(
+                out.contains(&format!("{p} {metric} (ms):")),
+                "{p} {metric}:\n{out}"
+            );
+        }
+    }
+    assert!(
+        err.contains(
+            "--backend vllm is ignored: --endpoint-type openai-chat gives the request format"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains("--tokenizer /mnt/data/models/DeepSeek-R1-Distill-Qwen-32B: no such file"),
+        "{err}"
+    );
+    assert_eq!(s.stats().requests.load(Ordering::SeqCst), 16);
+
+    // vLLM's --host/--port instead of --base_url, with flags that change nothing here.
+    let mut by_port: Vec<String> = line
+        .iter()
+        .filter(|a| !a.starts_with("http"))
+        .cloned()
+        .collect();
+    by_port.retain(|a| a != "--base_url");
+    by_port.extend(
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &gw.server.local_addr.port().to_string(),
+            "--trust-remote-code",
+            "--save-detailed",
+            "--disable-tqdm",
+            "--num-prompts",
+            "4",
+        ]
+        .map(str::to_owned),
+    );
+    let (code, out, err) = run(by_port.clone()).await;
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("Successful requests:                     4"),
+        "{out}"
+    );
+    assert!(
+        err.contains("warning: --trust-remote-code is ignored: "),
+        "{err}"
+    );
+    assert!(
+        err.contains("warning: --save-detailed is ignored: "),
+        "{err}"
+    );
+    assert_eq!(s.stats().requests.load(Ordering::SeqCst), 20);
+
+    // A ramp-up would change what is measured: refused, nothing sent, exit 1 (not 64).
+    let mut ramp = by_port;
+    ramp.extend(
+        [
+            "--ramp-up-strategy",
+            "linear",
+            "--ramp-up-start-rps",
+            "1",
+            "--ramp-up-end-rps",
+            "8",
+        ]
+        .map(str::to_owned),
+    );
+    let (code, _, err) = run(ramp).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("--ramp-up-strategy: a ramp of the request rate")
+            && err.contains("nothing was sent"),
+        "{err}"
+    );
+    assert_eq!(s.stats().requests.load(Ordering::SeqCst), 20);
+}
+
+/// Who a console session and an admin token are minted for when `--sub` is not given: the local
+/// user, also in a container where `$USER` is empty (issue 42: every console action was
+/// recorded as `operator@cli`). The secret's absence names how to set it.
+#[test]
+fn console_login_and_admin_token_name_the_local_user() {
+    let no_secret = temp_config(
+        "[server]\nlisten = \"127.0.0.1:0\"\n\n[admin]\nlisten = \"127.0.0.1:9\"\n\n[[pools]]\nmodel = \"m\"\nbackends = [\"http://127.0.0.1:9\"]\n",
+    );
+    let (code, _, err) = outcome(
+        Command::new(BIN)
+            .args(["admin-token", "--config"])
+            .arg(&no_secret.0),
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("set admin.jwt_secret") && err.contains("FLEETGATE_ADMIN_JWT_SECRET"),
+        "{err}"
+    );
+    let cfg = temp_config(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n\n[admin]\nlisten = \"127.0.0.1:9\"\njwt_secret = \"{}\"\n\n[[pools]]\nmodel = \"m\"\nbackends = [\"http://127.0.0.1:9\"]\n",
+        "s".repeat(40)
+    ));
+    let (code, out, err) = outcome(
+        Command::new(BIN)
+            .args(["console-login", "--config"])
+            .arg(&cfg.0)
+            .env("USER", "")
+            .env_remove("LOGNAME"),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("/console/login?token="), "{out}");
+    let who = err
+        .split("signs in once, as ")
+        .nth(1)
+        .and_then(|r| r.split(" (").next())
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(!who.is_empty() && !who.contains("operator"), "{err}");
+    // The same user names the admin token's subject, with `@cli`.
+    let (code, token, err) = outcome(
+        Command::new(BIN)
+            .args(["admin-token", "--config"])
+            .arg(&cfg.0)
+            .env("USER", "")
+            .env_remove("LOGNAME"),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let payload = token.trim().split('.').nth(1).unwrap();
+    use base64::Engine;
+    let claims: serde_json::Value = serde_json::from_slice(
+        &base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(payload)
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(claims["sub"], format!("{who}@cli"), "{claims}");
 }

@@ -1119,6 +1119,17 @@ async fn console_in_a_real_browser() {
     b.fill("#issue-name", evil).await;
     b.fill("#issue-models", "qwen32b").await;
     b.fill("#issue-endpoints", "chat, embeddings").await;
+    // An empty limit means the environment's default (docs/console.md), and the form says so.
+    for field in ["#issue-rpm", "#issue-tpm", "#issue-streams"] {
+        let placeholder = b
+            .css(field)
+            .await
+            .attr("placeholder")
+            .await
+            .unwrap()
+            .unwrap_or_default();
+        assert_eq!(placeholder, "the environment's default", "{field}");
+    }
     b.fill("#issue-rpm", "600").await;
     b.fill("#issue-metadata", r#"{"owner": "the \"quoted\" team"}"#)
         .await;

@@ -152,7 +152,28 @@ async fn unknown_route_and_wrong_method() {
         let v: serde_json::Value =
             serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
         assert_eq!(v["error"]["code"], code, "{method} {path}: {v}");
+        // The unknown-route message names every route the gateway forwards.
+        if status == 404 {
+            let msg = v["error"]["message"].as_str().unwrap();
+            for row in &fleetgate::protocol::endpoint::TABLE {
+                let route = format!("{} {}", row.method, row.path);
+                assert!(
+                    msg.contains(&route),
+                    "{method} {path}: no `{route}` in {msg}"
+                );
+            }
+        }
     }
+    // vLLM's probe path is open, as on vLLM: no key, the gateway's readiness.
+    let resp = c
+        .request(
+            http::Request::get(gw.url("/health"))
+                .body(http_body_util::Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "GET /health without a key");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

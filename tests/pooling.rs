@@ -116,6 +116,8 @@ async fn one_key_reaches_a_chat_pool_and_an_embeddings_pool() {
         msg.contains("generative model") && msg.contains("--runner pooling"),
         "{msg}"
     );
+    // The reason comes first, the backend's bare 404 after it.
+    assert!(msg.starts_with("Model `chat-m` does not serve"), "{msg}");
     let wrong = post(
         &gw.url("/v1/chat/completions"),
         &[],

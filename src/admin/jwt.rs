@@ -139,7 +139,7 @@ pub enum KeyConfigError {
 #[derive(Debug, thiserror::Error)]
 pub enum MintError {
     #[error(
-        "admin-token mints HS256 tokens: set admin.jwt_secret (for RS256/ES256, sign tokens with your own private key)"
+        "admin-token mints HS256 tokens: set admin.jwt_secret, at least 32 characters (config/fleetgate.toml reads it from FLEETGATE_ADMIN_JWT_SECRET: export it where the gateway starts and where you run this command, e.g. `export FLEETGATE_ADMIN_JWT_SECRET=$(head -c 24 /dev/urandom | base64)` before both); for RS256/ES256, sign tokens with your own private key"
     )]
     NoSecret,
     #[error(

@@ -265,6 +265,34 @@ impl Authenticator {
         }
     }
 
+    /// The snapshot now: a full reload taken from the store after this call replaces it only
+    /// through `replace_all_since`.
+    pub fn current(&self) -> Arc<KeySnapshot> {
+        self.snapshot.load_full()
+    }
+
+    /// Replace the snapshot with `keys`, read from the store while `before` was current; false
+    /// (nothing replaced) when the snapshot changed meanwhile: a key applied from a
+    /// notification or an admin call while the store was being read, which the read may
+    /// predate (a revocation would come back to life until the next poll).
+    pub fn replace_all_since(&self, before: &Arc<KeySnapshot>, keys: Vec<KeyRecord>) -> bool {
+        let map = keys
+            .into_iter()
+            .map(|k| (k.public_id.clone(), Arc::new(k)))
+            .collect();
+        let prev = self
+            .snapshot
+            .compare_and_swap(before, Arc::new(KeySnapshot { keys: map }));
+        if !Arc::ptr_eq(&prev, before) {
+            return false;
+        }
+        self.loaded_at.store(wall_ms(), Ordering::Relaxed);
+        if let Ok(mut n) = self.negative.lock() {
+            n.clear();
+        }
+        true
+    }
+
     /// Apply one key's new state (a notification), or its deletion.
     pub fn apply(&self, public_id: &str, record: Option<KeyRecord>) {
         self.snapshot.rcu(|old| {

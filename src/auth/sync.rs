@@ -14,7 +14,18 @@ use crate::config::DbKind;
 use crate::store::KEYS_CHANNEL;
 
 /// A cheap single-row read of a local file; short so revocations land well within 1 s.
-const SQLITE_POLL: Duration = Duration::from_millis(250);
+pub const SQLITE_POLL: Duration = Duration::from_millis(250);
+
+/// How long after a change is committed every gateway on a store of `kind` has applied it:
+/// three SQLite polls (a poll, the reload after it, and room for a busy machine), or the
+/// milliseconds a PostgreSQL NOTIFY takes (p99 8.7 ms measured; docs/benchmarks.md). `keys
+/// revoke` waits this long before it says every gateway refuses the key.
+pub fn propagation(kind: DbKind) -> Duration {
+    match kind {
+        DbKind::Sqlite => SQLITE_POLL * 3,
+        DbKind::Postgres => Duration::from_millis(100),
+    }
+}
 const MAX_BACKOFF: Duration = Duration::from_secs(15);
 
 /// Run until `stop` is cancelled.
@@ -27,25 +38,35 @@ pub async fn run(auth: Arc<Authenticator>, stop: CancellationToken) {
 
 /// Reload everything; returns whether it worked.
 pub async fn resync(auth: &Authenticator) -> bool {
-    match tokio::time::timeout(Duration::from_secs(10), auth.store().load_all()).await {
-        Ok(Ok(keys)) => {
-            let n = keys.len();
-            auth.replace_all(keys);
-            auth.set_store_health(StoreHealth::Up);
-            tracing::debug!(keys = n, "key snapshot reloaded");
-            true
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "key resync failed");
-            auth.set_store_health(StoreHealth::Down);
-            false
-        }
-        Err(_) => {
-            tracing::warn!("key resync timed out");
-            auth.set_store_health(StoreHealth::Down);
-            false
+    // A key applied while the store is read (a notification, an admin call) may be newer than
+    // the read: the read is then done again, a few times, before it is applied regardless.
+    for attempt in 1..=3 {
+        let before = auth.current();
+        match tokio::time::timeout(Duration::from_secs(10), auth.store().load_all()).await {
+            Ok(Ok(keys)) => {
+                let n = keys.len();
+                if attempt == 3 {
+                    auth.replace_all(keys);
+                } else if !auth.replace_all_since(&before, keys) {
+                    continue;
+                }
+                auth.set_store_health(StoreHealth::Up);
+                tracing::debug!(keys = n, "key snapshot reloaded");
+                return true;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "key resync failed");
+                auth.set_store_health(StoreHealth::Down);
+                return false;
+            }
+            Err(_) => {
+                tracing::warn!("key resync timed out");
+                auth.set_store_health(StoreHealth::Down);
+                return false;
+            }
         }
     }
+    true
 }
 
 async fn postgres_loop(auth: Arc<Authenticator>, stop: CancellationToken) {

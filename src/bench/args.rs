@@ -12,7 +12,8 @@ use super::dataset::RequestClass;
 pub enum EndpointType {
     /// `/v1/chat/completions` with `messages`.
     OpenaiChat,
-    /// `/v1/completions` with `prompt`.
+    /// `/v1/completions` with `prompt` (vLLM's `vllm` and `openai` backends).
+    #[value(alias = "vllm")]
     Openai,
     /// `/v1/responses` with `input` (OpenAI's Responses API, as Codex speaks it; vLLM's name).
     OpenaiResponses,
@@ -20,7 +21,15 @@ pub enum EndpointType {
     /// Code speaks it).
     AnthropicMessages,
     /// `/v1/embeddings` with `input` (a pooling server, `vllm serve --runner pooling`): one
-    /// whole JSON answer, no stream, so its only latency is the whole request (E2EL).
+    /// whole JSON answer, no stream, so its only latency is the whole request (E2EL). vLLM's
+    /// other embedding backends send the same request here.
+    #[value(
+        alias = "openai-embeddings-chat",
+        alias = "openai-embeddings-clip",
+        alias = "openai-embeddings-vlm2vec",
+        alias = "infinity-embeddings",
+        alias = "infinity-embeddings-clip"
+    )]
     OpenaiEmbeddings,
 }
 
@@ -103,8 +112,10 @@ pub enum BenchCommand {
 }
 
 /// `fleetgate bench` flags: `vllm bench serve`'s names, plus the comparison, SLA and labels.
+/// Every other flag of `vllm bench serve` is taken before clap reads these
+/// (`vllm_flags::normalize`). A flag given twice keeps its last value, as in vLLM.
 #[derive(clap::Args, Debug, Clone)]
-#[command(args_conflicts_with_subcommands = true)]
+#[command(args_conflicts_with_subcommands = true, args_override_self = true)]
 pub struct BenchArgs {
     #[command(subcommand)]
     pub command: Option<BenchCommand>,
@@ -116,20 +127,60 @@ pub struct BenchArgs {
     #[arg(long)]
     pub output: Option<PathBuf>,
     /// Server base URL, e.g. http://127.0.0.1:8080 (the gateway) or http://vllm:8000.
-    #[arg(long, alias = "base_url")]
+    #[arg(long)]
     pub base_url: Option<String>,
+    /// Without --base-url: the server's host (vLLM's default 127.0.0.1).
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Without --base-url: the server's port (vLLM's default 8000).
+    #[arg(long)]
+    pub port: Option<u16>,
     /// API path (default by --endpoint-type: /v1/chat/completions, /v1/completions,
     /// /v1/responses, /v1/messages or /v1/embeddings).
     #[arg(long)]
     pub endpoint: Option<String>,
-    #[arg(long, value_enum, default_value = "openai-chat")]
-    pub endpoint_type: EndpointType,
+    /// The request format (default openai-chat). vLLM's backend names are taken too: vllm
+    /// and openai (completions), openai-embeddings-chat, -clip, -vlm2vec, infinity-embeddings.
+    #[arg(long, value_enum)]
+    pub endpoint_type: Option<EndpointType>,
+    /// vLLM's name for the request format (`--backend vllm` is completions); --endpoint-type
+    /// wins when both are given.
+    #[arg(long, value_parser = parse_backend)]
+    pub backend: Option<Backend>,
     /// Model name to send (default: the first id of GET /v1/models).
     #[arg(long)]
     pub model: Option<String>,
-    /// Extra request header, `Name=value` or `Name: value` (repeatable).
-    #[arg(long = "header", value_name = "NAME=VALUE")]
+    /// With --model: the name put in the requests instead (vLLM's --served-model-name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Extra request headers, `Name=value` or `Name: value` (several after one --header, as
+    /// vLLM, or --header repeated).
+    #[arg(long = "header", value_name = "NAME=VALUE", num_args = 0.., action = clap::ArgAction::Append)]
     pub headers: Vec<String>,
+    /// Sampling: sent in every request (default: temperature 0, the server's defaults for the
+    /// rest).
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    #[arg(long)]
+    pub top_k: Option<i64>,
+    #[arg(long)]
+    pub min_p: Option<f64>,
+    #[arg(long)]
+    pub frequency_penalty: Option<f64>,
+    #[arg(long)]
+    pub presence_penalty: Option<f64>,
+    #[arg(long)]
+    pub repetition_penalty: Option<f64>,
+    /// A JSON object merged into every request body (after the sampling flags), e.g.
+    /// '{"chat_template_kwargs":{"enable_thinking":false}}'.
+    #[arg(long, value_name = "JSON")]
+    pub extra_body: Option<String>,
+    /// What `vllm bench serve` flags asked for that fleetgate bench does not implement
+    /// (`vllm_flags::normalize`): the run stops, naming them.
+    #[arg(long = "vllm-not-implemented", hide = true)]
+    pub vllm_not_implemented: Vec<String>,
     /// Environment variable holding the API key, sent as `Authorization: Bearer` (keys are
     /// never read from files or flags).
     #[arg(long, default_value = "OPENAI_API_KEY")]
@@ -151,6 +202,10 @@ pub struct BenchArgs {
     /// Lengths drawn from [len × (1 − r), len × (1 + r)].
     #[arg(long, default_value_t = 0.0)]
     pub random_range_ratio: f64,
+    /// random: tokens of one random prefix every prompt starts with (vLLM's), before its own
+    /// --random-input-len tokens.
+    #[arg(long, default_value_t = 0)]
+    pub random_prefix_len: u64,
     /// The model's tokenizer.json (Hugging Face format): exact token counts for ShareGPT
     /// filtering and random prompts (without it: characters / 4).
     #[arg(long)]
@@ -280,6 +335,30 @@ pub struct BenchArgs {
     pub no_progress: bool,
 }
 
+impl BenchArgs {
+    /// The request format: --endpoint-type, else vLLM's --backend, else openai-chat.
+    pub fn kind(&self) -> EndpointType {
+        self.endpoint_type
+            .or(self.backend.as_ref().map(|b| b.kind))
+            .unwrap_or(EndpointType::OpenaiChat)
+    }
+}
+
+/// vLLM's `--backend`: the name as given, and the request format it names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backend {
+    pub name: String,
+    pub kind: EndpointType,
+}
+
+fn parse_backend(s: &str) -> Result<Backend, String> {
+    use clap::ValueEnum;
+    EndpointType::from_str(s, false).map(|kind| Backend {
+        name: s.to_owned(),
+        kind,
+    })
+}
+
 /// The seed's settings.json.
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
@@ -382,7 +461,7 @@ pub(super) fn apply_settings(args: &mut BenchArgs, s: &Settings) {
     args.base_url = Some(base);
     if let Some(e) = endpoint {
         if e == "/v1/completions" {
-            args.endpoint_type = EndpointType::Openai;
+            args.endpoint_type = Some(EndpointType::Openai);
         }
         args.endpoint = Some(e);
     }

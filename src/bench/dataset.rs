@@ -58,6 +58,13 @@ impl std::fmt::Debug for Counter {
 impl Counter {
     /// Load a Hugging Face `tokenizer.json`.
     pub fn load(path: &Path) -> Result<Counter, String> {
+        // vLLM's --tokenizer is often a model directory: its tokenizer.json.
+        let file = if path.is_dir() {
+            path.join("tokenizer.json")
+        } else {
+            path.to_owned()
+        };
+        let path = file.as_path();
         tokenizers::Tokenizer::from_file(path)
             .map(|t| Counter::Tokenizer(std::sync::Arc::new(t)))
             .map_err(|e| {
@@ -395,7 +402,7 @@ pub fn sharegpt(
 }
 
 /// A request body for `prompt`, as `vllm bench serve` sends it: streamed, usage included,
-/// temperature 0. The Responses API names its limit `max_output_tokens`; neither it nor
+/// temperature 0, then `extra` over it (the sampling flags, `--extra-body`). The Responses API names its limit `max_output_tokens`; neither it nor
 /// Anthropic's API takes `stream_options` (their final events always carry usage). An embeddings
 /// request is the prompt as `input`, not streamed.
 pub fn body(
@@ -403,8 +410,15 @@ pub fn body(
     model: &str,
     kind: super::args::EndpointType,
     ignore_eos: bool,
+    extra: &serde_json::Map<String, serde_json::Value>,
 ) -> bytes::Bytes {
     use super::args::EndpointType;
+    let merged = |mut v: serde_json::Value| {
+        if let Some(o) = v.as_object_mut() {
+            o.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        bytes::Bytes::from(v.to_string())
+    };
     if kind == EndpointType::OpenaiEmbeddings {
         // What `vllm bench serve` sends (`async_request_openai_embeddings`): no output length,
         // no stream; `truncate_prompt_tokens: -1` so that a long prompt is cut to the model's
@@ -417,7 +431,7 @@ pub fn body(
         if ignore_eos {
             v["ignore_eos"] = true.into();
         }
-        return bytes::Bytes::from(v.to_string());
+        return merged(v);
     }
     let mut v = match kind {
         EndpointType::OpenaiChat | EndpointType::AnthropicMessages => serde_json::json!({
@@ -442,7 +456,7 @@ pub fn body(
     if ignore_eos {
         v["ignore_eos"] = true.into();
     }
-    bytes::Bytes::from(v.to_string())
+    merged(v)
 }
 
 #[cfg(test)]

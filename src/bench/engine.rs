@@ -27,15 +27,14 @@ pub struct RunResult {
     pub client_cpu: Option<Duration>,
 }
 
-/// CPU time (user + system) of the calling thread, from /proc (Linux; clock ticks of 10 ms).
+/// CPU time (user + system) of the calling thread, to the nanosecond
+/// (`CLOCK_THREAD_CPUTIME_ID`; /proc's clock ticks of 10 ms read a short run as 0).
 pub(super) fn thread_cpu() -> Option<Duration> {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split(' ').collect();
-    // After the command: state is field 3, utime 14, stime 15 (1-based) → 11 and 12 here.
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(Duration::from_millis((utime + stime) * 10))
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).ok()?;
+    Some(Duration::new(
+        u64::try_from(t.tv_sec()).ok()?,
+        u32::try_from(t.tv_nsec()).ok()?,
+    ))
 }
 
 /// Which target and prompt the j-th arrival carries. One target: prompt j. Two: each prompt

@@ -210,7 +210,20 @@ impl Interval {
     /// on the limit itself (no sample size decides it).
     pub fn prompts_to_decide(&self, n: usize, delta: f64, allowed: f64) -> Option<usize> {
         let half = (self.hi - self.lo) / 2.0;
-        let margin = (delta - allowed).abs();
+        Self::needed(n, half, (delta - allowed).abs())
+    }
+
+    /// The fewest prompts that could decide it: were the true delta at the end of this
+    /// interval farthest from `allowed`. The estimate above is as uncertain as the delta
+    /// itself: the nearer the true delta lies to the limit, the more prompts it takes, without
+    /// bound, so this lower bound is what a range can honestly give.
+    pub fn prompts_to_decide_at_least(&self, n: usize, allowed: f64) -> Option<usize> {
+        let half = (self.hi - self.lo) / 2.0;
+        let farthest = (self.lo - allowed).abs().max((self.hi - allowed).abs());
+        Self::needed(n, half, farthest)
+    }
+
+    fn needed(n: usize, half: f64, margin: f64) -> Option<usize> {
         if margin <= half * 1e-3 {
             return None;
         }

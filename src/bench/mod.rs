@@ -19,6 +19,7 @@ pub mod report;
 pub mod summary;
 pub mod sweep;
 pub mod verdict;
+pub mod vllm_flags;
 
 pub use args::BenchArgs;
 pub use command::run;

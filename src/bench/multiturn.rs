@@ -130,6 +130,7 @@ pub fn turn_body(
     history: &[(Role, String)],
     output_tokens: u64,
     ignore_eos: bool,
+    extra: &serde_json::Map<String, Value>,
 ) -> Bytes {
     let items: Vec<Value> = history
         .iter()
@@ -169,6 +170,9 @@ pub fn turn_body(
     v["stream"] = true.into();
     if ignore_eos {
         v["ignore_eos"] = true.into();
+    }
+    if let Some(o) = v.as_object_mut() {
+        o.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
     Bytes::from(v.to_string())
 }
@@ -281,6 +285,7 @@ async fn conversation(
                 &history,
                 prompt.output_tokens,
                 plan.ignore_eos,
+                &plan.body_extra,
             );
             history.pop();
             let (client, outcomes, timeout) = (&client, &outcomes, plan.timeout);
@@ -627,6 +632,7 @@ mod tests {
             &h,
             5,
             false,
+            &serde_json::Map::new(),
         ))
         .unwrap_or_default();
         assert_eq!(
@@ -645,6 +651,7 @@ mod tests {
             &h,
             5,
             false,
+            &serde_json::Map::new(),
         ))
         .unwrap_or_default();
         assert_eq!(r["instructions"], "sys");
@@ -657,6 +664,7 @@ mod tests {
             &h,
             5,
             true,
+            &serde_json::Map::new(),
         ))
         .unwrap_or_default();
         assert!(a.get("system").is_none());

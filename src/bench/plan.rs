@@ -76,6 +76,9 @@ pub struct Plan {
     pub notes: Vec<String>,
     /// vLLM's `ignore_eos`, asked of every request.
     pub ignore_eos: bool,
+    /// Merged into every request body last (sampling flags, `--extra-body`,
+    /// `--served-model-name`).
+    pub body_extra: serde_json::Map<String, Value>,
     /// Agent-shaped load instead of independent prompts (`--multi-turn-conversations`): then
     /// `prompts` holds each conversation's user messages, turn by turn.
     pub multi_turn: Option<MultiTurn>,
@@ -205,6 +208,23 @@ async fn plan_with(
     classes: Option<Vec<RequestClass>>,
     settings_json: Value,
 ) -> Result<Plan, String> {
+    // What a `vllm bench serve` line asked for that would change the measurement and is not
+    // implemented here: nothing is sent.
+    if !args.vllm_not_implemented.is_empty() {
+        return Err(format!(
+            "this vllm bench serve command line asks for what fleetgate bench does not implement, so nothing was sent: {}",
+            args.vllm_not_implemented.join("; ")
+        ));
+    }
+    if let (Some(t), Some(b)) = (args.endpoint_type, &args.backend)
+        && t != b.kind
+    {
+        eprintln!(
+            "fleetgate bench: warning: --backend {} is ignored: --endpoint-type {} gives the request format",
+            b.name,
+            t.name()
+        );
+    }
     // The order of the steps is the order the errors are reported in.
     let (rate, duration) = schedule(&args)?;
     let (kind, endpoint) = endpoint(&args)?;
@@ -262,9 +282,10 @@ async fn plan_with(
             kind.name()
         ));
     }
+    let body_extra = body_extra(&args)?;
     let bodies = prompts
         .iter()
-        .map(|p| dataset::body(p, &model, kind, args.ignore_eos))
+        .map(|p| dataset::body(p, &model, kind, args.ignore_eos, &body_extra))
         .collect();
     let (labels, label) = labels(&args, &model)?;
     // A multi-turn run sends one request per turn of each conversation, and per lane of the
@@ -305,7 +326,11 @@ async fn plan_with(
         added_percentiles,
         labels,
         label,
-        tokenizer_id: args.tokenizer.as_ref().map(|p| p.display().to_string()),
+        tokenizer_id: args
+            .tokenizer
+            .as_ref()
+            .filter(|p| p.exists())
+            .map(|p| p.display().to_string()),
         dataset_note,
         settings,
         progress: !args.no_progress,
@@ -314,8 +339,49 @@ async fn plan_with(
         capacity,
         notes,
         ignore_eos: args.ignore_eos,
+        body_extra,
         multi_turn,
     })
+}
+
+/// What every request body gets on top of the prompt's: the sampling flags, then
+/// `--extra-body`, then `--served-model-name` as the model (vLLM's order).
+fn body_extra(args: &BenchArgs) -> Result<serde_json::Map<String, Value>, String> {
+    let mut extra = serde_json::Map::new();
+    let floats = [
+        ("temperature", args.temperature),
+        ("top_p", args.top_p),
+        ("min_p", args.min_p),
+        ("frequency_penalty", args.frequency_penalty),
+        ("presence_penalty", args.presence_penalty),
+        ("repetition_penalty", args.repetition_penalty),
+    ];
+    for (k, v) in floats {
+        if let Some(v) = v {
+            if !v.is_finite() {
+                return Err(format!("--{}: {v} is not a number", k.replace('_', "-")));
+            }
+            extra.insert(k.into(), json!(v));
+        }
+    }
+    if let Some(k) = args.top_k {
+        extra.insert("top_k".into(), json!(k));
+    }
+    if let Some(text) = &args.extra_body {
+        match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(m)) => extra.extend(m),
+            Ok(_) => {
+                return Err(format!(
+                    "--extra-body `{text}`: a JSON object, e.g. '{{\"top_k\": 20}}'"
+                ));
+            }
+            Err(e) => return Err(format!("--extra-body is not JSON: {e}")),
+        }
+    }
+    if let Some(name) = &args.served_model_name {
+        extra.insert("model".into(), json!(name));
+    }
+    Ok(extra)
 }
 
 /// The multi-turn shape, and each conversation's user messages as prompts (conversation c's
@@ -363,10 +429,7 @@ fn multi_turn(
             lanes: HotConversation::lanes_for(share, conversations),
         }),
     };
-    let counter = match &args.tokenizer {
-        Some(p) => dataset::Counter::load(p)?,
-        None => dataset::Counter::Approximate,
-    };
+    let (counter, _) = counter(args)?;
     let n = conversations * args.multi_turn_turns;
     // The system prompt from a seed of its own, so it does not change with the conversations.
     let system = match args.multi_turn_system_len {
@@ -478,7 +541,7 @@ fn schedule(args: &BenchArgs) -> Result<(f64, Option<Duration>), String> {
 
 /// The endpoint type, and the API path, which must agree.
 fn endpoint(args: &BenchArgs) -> Result<(EndpointType, String), String> {
-    let kind = args.endpoint_type;
+    let kind = args.kind();
     let endpoint = args
         .endpoint
         .clone()
@@ -607,10 +670,22 @@ fn bearer_from(var: &str) -> Result<Option<HeaderValue>, String> {
 /// (name, URL) of each target: `--base-url` alone, or the two of `--compare`.
 fn target_urls(args: &BenchArgs) -> Result<Vec<(String, String)>, String> {
     if args.compare.is_empty() {
-        let base = args
-            .base_url
-            .clone()
-            .ok_or("--base-url is required (or --config settings.json, or --compare)")?;
+        // Without --base-url, vLLM's --host and --port (127.0.0.1:8000 by default).
+        let base = args.base_url.clone().unwrap_or_else(|| {
+            let host = args.host.as_deref().unwrap_or("127.0.0.1");
+            let host = if host.contains(':') && !host.starts_with('[') {
+                format!("[{host}]")
+            } else {
+                host.to_owned()
+            };
+            let url = format!("http://{host}:{}", args.port.unwrap_or(8000));
+            if args.host.is_none() && args.port.is_none() {
+                eprintln!(
+                    "fleetgate bench: no --base-url: sending to {url} (vLLM's default --host and --port)"
+                );
+            }
+            url
+        });
         return Ok(vec![("target".to_owned(), base)]);
     }
     if args.base_url.is_some() && args.config.is_none() {
@@ -644,6 +719,19 @@ fn selected_metrics(
         .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
         .collect();
+    // vLLM's client-side queue metrics: the time a request waited for the client's own
+    // --max-concurrency slot, which says nothing about the server.
+    let client_queue = ["client_queue_time", "e2el_including_client_queue"];
+    let mut notes = Vec::new();
+    let (queue, selected): (Vec<String>, Vec<String>) = selected
+        .into_iter()
+        .partition(|m| client_queue.contains(&m.as_str()));
+    if !queue.is_empty() {
+        notes.push(format!(
+            "{} not measured: fleetgate bench times a request from when it is sent, not while it waits for its own --max-concurrency slot",
+            queue.join(", ")
+        ));
+    }
     if let Some(bad) = selected
         .iter()
         .find(|m| !METRICS.iter().any(|(k, _, _)| k == m))
@@ -655,13 +743,17 @@ fn selected_metrics(
     let (selected, absent): (Vec<String>, Vec<String>) = selected
         .into_iter()
         .partition(|m| kind.metrics().contains(&m.as_str()));
-    let mut notes = Vec::new();
     if !absent.is_empty() {
         notes.push(format!(
             "{} answers are not streamed: {} not measured (the only latency is the whole request, E2EL)",
             kind.name(),
             absent.join(", ")
         ));
+    }
+    if selected.is_empty() && absent.is_empty() {
+        return Err(
+            "--percentile-metrics names nothing fleetgate bench measures: give ttft, tpot, itl or e2el".into(),
+        );
     }
     if selected.is_empty() {
         return Err(format!(
@@ -760,10 +852,10 @@ fn sweep_series(
             "--sweep measures one target; run the comparison at the rate you care about".into(),
         );
     }
-    if !args.endpoint_type.streams() {
+    if !args.kind().streams() {
         return Err(format!(
             "--sweep charts TTFT P99, which {} answers do not have; run one rate at a time (E2EL and throughput)",
-            args.endpoint_type.name()
+            args.kind().name()
         ));
     }
     // The table and the chart read P99.
@@ -787,21 +879,64 @@ fn capacity(args: &BenchArgs) -> Result<Option<(f64, f64, u32)>, String> {
     }
 }
 
+/// vLLM's `--random-prefix-len`: one random prefix of `len` tokens (from a seed of its own),
+/// the same at the start of every prompt.
+fn with_prefix(
+    mut prompts: Vec<Prompt>,
+    len: u64,
+    seed: u64,
+    counter: &dataset::Counter,
+) -> Vec<Prompt> {
+    if len == 0 {
+        return prompts;
+    }
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0x7072_6566);
+    let (prefix, tokens) = dataset::random_prompt(&mut rng, len, counter);
+    for p in &mut prompts {
+        p.text = format!("{prefix} {}", p.text);
+        p.input_tokens += tokens;
+    }
+    prompts
+}
+
+/// How prompts are counted: `--tokenizer` (a tokenizer.json, or a model directory holding
+/// one), and the note saying so. A path that does not exist is, for vLLM, a model id on
+/// Hugging Face's hub; nothing is downloaded here: prompts are counted as characters / 4, and
+/// a warning says so.
+fn counter(args: &BenchArgs) -> Result<(dataset::Counter, String), String> {
+    match &args.tokenizer {
+        Some(p) if p.exists() => Ok((
+            dataset::Counter::load(p)?,
+            format!("token counts by the tokenizer {}", p.display()),
+        )),
+        Some(p) => {
+            eprintln!(
+                "fleetgate bench: warning: --tokenizer {}: no such file or directory (fleetgate bench reads a tokenizer.json, or a model directory holding one, and downloads nothing); prompts are counted as characters / 4",
+                p.display()
+            );
+            Ok((
+                dataset::Counter::Approximate,
+                format!(
+                    "{} (--tokenizer {} not found)",
+                    dataset::APPROXIMATION,
+                    p.display()
+                ),
+            ))
+        }
+        None => Ok((
+            dataset::Counter::Approximate,
+            dataset::APPROXIMATION.to_owned(),
+        )),
+    }
+}
+
 /// The prompts (settings.json's classes, random, or ShareGPT) and a note saying which.
 fn prompts(
     args: &BenchArgs,
     classes: Option<Vec<RequestClass>>,
 ) -> Result<(Vec<Prompt>, String), String> {
-    let (counter, counting) = match &args.tokenizer {
-        Some(p) => (
-            dataset::Counter::load(p)?,
-            format!("token counts by the tokenizer {}", p.display()),
-        ),
-        None => (
-            dataset::Counter::Approximate,
-            dataset::APPROXIMATION.to_owned(),
-        ),
-    };
+    let (counter, counting) = counter(args)?;
     Ok(match (classes, args.dataset_name) {
         (Some(c), _) if !c.is_empty() => (
             dataset::classes(args.num_prompts, &c, args.seed, &counter)?,
@@ -811,18 +946,30 @@ fn prompts(
             ),
         ),
         (_, DatasetName::Random) => (
-            dataset::random(
-                args.num_prompts,
-                args.random_input_len,
-                args.random_output_len,
-                args.random_range_ratio,
+            with_prefix(
+                dataset::random(
+                    args.num_prompts,
+                    args.random_input_len,
+                    args.random_output_len,
+                    args.random_range_ratio,
+                    args.seed,
+                    &counter,
+                ),
+                args.random_prefix_len,
                 args.seed,
                 &counter,
             ),
-            if args.endpoint_type.streams() {
+            if args.kind().streams() {
                 format!(
-                    "random: {} in / {} out tokens (range ratio {}); {counting}",
-                    args.random_input_len, args.random_output_len, args.random_range_ratio
+                    "random: {}{} in / {} out tokens (range ratio {}); {counting}",
+                    if args.random_prefix_len > 0 {
+                        format!("a shared prefix of {} + ", args.random_prefix_len)
+                    } else {
+                        String::new()
+                    },
+                    args.random_input_len,
+                    args.random_output_len,
+                    args.random_range_ratio
                 )
             } else {
                 format!(

@@ -14,7 +14,7 @@ use super::plan::Plan;
 use super::summary::{METRICS, Stats, Summary, p_word};
 use super::sweep;
 use super::verdict::{
-    HopCheck, Judgement, LikeForLike, compare, render_compare, render_violations, violations,
+    Failures, HopCheck, Judgement, LikeForLike, compare, render_compare, render_sla, violations,
 };
 
 /// The terminal summary in `vllm bench serve`'s layout: its generation lines, or for an
@@ -484,7 +484,8 @@ pub fn build_report(plan: &Plan, run: &RunResult) -> Report {
     }
     if !plan.sla.is_empty() {
         let measured = &summaries[summaries.len() - 1];
-        if !sla_section(plan, measured, &mut json, &mut text) {
+        // A failed comparison's exit code (3) wins over the SLA's (2).
+        if !sla_section(plan, measured, &mut json, &mut text) && exit == 0 {
             exit = EXIT_SLA;
         }
     }
@@ -722,6 +723,7 @@ fn comparison(
     };
     let hop = HopCheck::beside(&run.outcomes, &summaries[0], &summaries[1], metric);
     let like = LikeForLike::against(&run.outcomes, plan.thresholds, metric);
+    let failures = Failures::of(names, summaries);
     text.push('\n');
     text.push_str(&render_compare(
         names,
@@ -731,8 +733,9 @@ fn comparison(
         &hop,
         &like,
         &summaries[1],
+        &failures,
     ));
-    let pass = deltas.iter().all(|d| d.pass);
+    let pass = failures.is_empty() && deltas.iter().all(|d| d.pass);
     let t = plan.thresholds;
     json.insert("targets".into(), Value::Object(per_target));
     json.insert(
@@ -753,6 +756,7 @@ fn comparison(
             "not_enough_samples": deltas.iter().filter(|d| d.judgement == Judgement::NotEnoughSamples).map(|d| format!("{}_{}", d.metric, d.stat)).collect::<Vec<_>>(),
             "hop": hop,
             "like_for_like": like,
+            "failures": failures,
             "pass": pass,
         }),
     );
@@ -774,11 +778,7 @@ fn sla_section(
             "violated": v.iter().map(|(o, got)| json!({"name": o.name, "limit": o.limit, "measured": got})).collect::<Vec<_>>(),
         }),
     );
-    if v.is_empty() {
-        text.push_str("SLA: every objective met\n");
-    } else {
-        text.push_str(&render_violations(&v));
-    }
+    text.push_str(&render_sla(measured, &plan.sla));
     v.is_empty()
 }
 

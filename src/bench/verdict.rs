@@ -71,14 +71,54 @@ pub fn violations(s: &Summary, sla: &[Objective]) -> Vec<(Objective, f64)> {
         .collect()
 }
 
-pub fn render_violations(v: &[(Objective, f64)]) -> String {
+/// The `--sla` table: every objective, its limit, what was measured and whether it was met
+/// (the header says whether any was violated).
+pub fn render_sla(s: &Summary, sla: &[Objective]) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "{:=^50}", " SLA violated ");
-    let _ = writeln!(o, "{:<24} {:>12} {:>12}", "objective", "limit", "measured");
-    for (obj, got) in v {
-        let _ = writeln!(o, "{:<24} {:>12.2} {:>12.2}", obj.name, obj.limit, got);
+    let violated = !violations(s, sla).is_empty();
+    let title = if violated {
+        " SLA violated "
+    } else {
+        " SLA: every objective met "
+    };
+    let _ = writeln!(o, "{title:=^62}");
+    let _ = writeln!(
+        o,
+        "{:<24} {:>12} {:>12}  result",
+        "objective", "limit", "measured"
+    );
+    for obj in sla {
+        let got = s.value(&obj.name);
+        let result = match got {
+            Some(v) if v > obj.limit => "VIOLATED",
+            Some(_) => "met",
+            None => "not measured",
+        };
+        let _ = writeln!(
+            o,
+            "{:<24} {:>12} {:>12}  {result}",
+            obj.name,
+            significant(obj.limit),
+            got.map_or_else(|| "-".to_owned(), significant)
+        );
     }
     o
+}
+
+/// A number with four significant digits and no trailing zeros (`0.001`, `1500`, `12.35`):
+/// a limit is printed as it was written, however small.
+pub fn significant(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return format!("{v}");
+    }
+    let magnitude = v.abs().log10().floor() as i32;
+    let decimals = usize::try_from((3 - magnitude).clamp(0, 12)).unwrap_or(0);
+    let text = format!("{v:.decimals$}");
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_owned()
+    } else {
+        text
+    }
 }
 
 /// Tolerances of the compare verdict. One-sided: a line fails only when the measured target is
@@ -155,9 +195,14 @@ pub struct Delta {
     /// Samples on the thinner side (prompts; ITL: gaps), against `min_samples`.
     pub samples: usize,
     pub min_samples: usize,
-    /// Prompts per target that would decide a line that is not distinguishable.
+    /// Prompts per target that would decide a line that is not distinguishable, were the
+    /// true delta the measured one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompts_to_decide: Option<usize>,
+    /// The fewest that could (the true delta at the interval's far end); nearer the limit,
+    /// more without bound.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompts_to_decide_at_least: Option<usize>,
     /// The tolerance in percent this line is judged against.
     pub limit_pct: f64,
     /// The largest slowdown allowed, max(limit_pct × baseline, floor).
@@ -223,6 +268,7 @@ pub fn compare(
                 samples: pairs.samples(),
                 min_samples: stat.min_samples(),
                 prompts_to_decide: None,
+                prompts_to_decide_at_least: None,
                 limit_pct,
                 allowed_ms: None,
                 judgement: Judgement::NotMeasured,
@@ -250,6 +296,9 @@ pub fn compare(
                         Some(i) => {
                             line.prompts_to_decide = i
                                 .prompts_to_decide(pairs.prompts(), y - x, allowed)
+                                .map(|n| n.max(line.min_samples));
+                            line.prompts_to_decide_at_least = i
+                                .prompts_to_decide_at_least(pairs.prompts(), allowed)
                                 .map(|n| n.max(line.min_samples));
                             Judgement::NotDistinguishable
                         }
@@ -467,16 +516,10 @@ impl LikeForLike {
         let upstream = |o: &Outcome| -> Vec<f64> { o.upstream_ms.into_iter().collect() };
         let pairs = Pairs::by(outcomes, direct_values, upstream);
         let median = Stat::Percentile(50.0);
-        // Each side's median over its own successful requests.
-        let side = |target: u8, values: &dyn Fn(&Outcome) -> Vec<f64>| {
-            let v: Vec<f64> = outcomes
-                .iter()
-                .filter(|o| o.ok() && o.target == target)
-                .flat_map(values)
-                .collect();
-            (!v.is_empty()).then(|| Stats::of(v, &[]).median)
-        };
-        let direct = side(0, &direct_values);
+        // Both medians over the same prompts: those both sides answered (a side's own
+        // requests alone would set unequal samples side by side).
+        let medians = pairs.values(median);
+        let direct = medians.map(|(d, _)| d);
         // Two measuring points (the client, the gateway) differ by their own HTTP stacks'
         // microseconds: a difference counts from the percentile tolerance or 1 ms up.
         let allowed = direct.map(|d| (t.percentile_pct / 100.0 * d).max(LIKE_FLOOR_MS));
@@ -488,7 +531,7 @@ impl LikeForLike {
         LikeForLike {
             metric,
             paired_prompts: pairs.prompts(),
-            gateway_upstream_median_ms: side(1, &upstream),
+            gateway_upstream_median_ms: medians.map(|(_, u)| u),
             direct_median_ms: direct,
             delta_ms: pairs.delta(median),
             ci_ms: ci,
@@ -519,7 +562,9 @@ impl LikeForLike {
                     i.hi
                 );
                 if ok {
-                    format!("like for like: yes — {figures}\n")
+                    format!(
+                        "like for like, by timing: the backends behind {gw} answered as {base}'s did — {figures}. A timing check cannot see which servers each side reached: {base}= must list every server of {gw}'s pool\n"
+                    )
                 } else {
                     format!(
                         "WARNING: not like for like — {figures}, beyond ±{:.3} ms: the two sides reached unequal backends, so the deltas above measure the backends, not the hop. Point {base}= at the servers of {gw}'s pool, comma-separated ({base}=http://host1:8000,http://host2:8000), so that both sides spread the same prompts over the same servers\n",
@@ -539,8 +584,77 @@ impl LikeForLike {
     }
 }
 
+/// The requests one side of a comparison failed (refused, cut, timed out): how many of how
+/// many, and their errors, the most frequent first.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Failures {
+    pub target: String,
+    pub failed: usize,
+    pub sent: usize,
+    /// The kinds of error (`HTTP 429 requests_per_minute_exceeded`), the most frequent first,
+    /// at most three: (kind, count, one of its messages cut to 200 characters).
+    pub errors: Vec<(String, usize, String)>,
+}
+
+impl Failures {
+    /// One per side that failed any request.
+    pub fn of(names: [&str; 2], summaries: &[Summary]) -> Vec<Failures> {
+        names
+            .iter()
+            .zip(summaries)
+            .filter(|(_, s)| s.failed > 0)
+            .map(|(name, s)| {
+                // Messages differ by key and retry time: counted by their kind, the part
+                // before the first `: ` (status and code).
+                let mut kinds: Vec<(String, usize, String)> = Vec::new();
+                for (e, n) in &s.errors {
+                    let kind = e.split_once(": ").map_or(e.as_str(), |(k, _)| k);
+                    match kinds.iter_mut().find(|k| k.0 == kind) {
+                        Some(k) => k.1 += n,
+                        None => kinds.push((kind.to_owned(), *n, e.chars().take(200).collect())),
+                    }
+                }
+                let mut errors = kinds;
+                errors.sort_by_key(|e| std::cmp::Reverse(e.1));
+                errors.truncate(3);
+                Failures {
+                    target: (*name).to_owned(),
+                    failed: s.failed,
+                    sent: s.failed + s.completed,
+                    errors,
+                }
+            })
+            .collect()
+    }
+
+    fn render(&self) -> String {
+        let errors: Vec<String> = self
+            .errors
+            .iter()
+            .map(|(kind, n, example)| {
+                if example == kind {
+                    format!("{n} × {kind}")
+                } else {
+                    format!("{n} × {kind} (\"{example}\")")
+                }
+            })
+            .collect();
+        format!(
+            "WARNING: {} failed {} of its {} requests: {}\n",
+            self.target,
+            self.failed,
+            self.sent,
+            errors.join("; ")
+        )
+    }
+}
+
 /// The comparison as text: the rule, one line per judged statistic with its interval, the
 /// gateway's own figures beside the client's, and the verdict.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the comparison's parts, each rendered in its place"
+)]
 pub fn render_compare(
     names: [&str; 2],
     deltas: &[Delta],
@@ -549,9 +663,19 @@ pub fn render_compare(
     hop: &HopCheck,
     like: &LikeForLike,
     measured_target: &Summary,
+    failures: &[Failures],
 ) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "{:=^110}", format!(" {} vs {} ", names[1], names[0]));
+    for f in failures {
+        o.push_str(&f.render());
+    }
+    if !failures.is_empty() {
+        let _ = writeln!(
+            o,
+            "WARNING: the lines below judge only the prompts both sides answered; a failed request is never judged, and the two sides did not carry the same load"
+        );
+    }
     let _ = writeln!(o, "rule: {}", t.rule(names));
     if let Some(d) = deltas.iter().find(|d| d.ci_ms.is_some()) {
         let _ = writeln!(
@@ -594,9 +718,14 @@ pub fn render_compare(
             Judgement::Over => "SLOWER than allowed".to_owned(),
             Judgement::NotDistinguishable => format!(
                 "not distinguishable at this sample size{}",
-                match d.prompts_to_decide {
-                    Some(n) => format!(" (~{n} prompts would decide)"),
-                    None => " (the delta sits on the limit)".to_owned(),
+                match (d.prompts_to_decide_at_least, d.prompts_to_decide) {
+                    (Some(least), Some(n)) if n > least => format!(
+                        " (≥{least} prompts to decide; ~{n} if the delta is as measured, more the nearer it is to the limit)"
+                    ),
+                    (Some(least), _) => format!(
+                        " (≥{least} prompts to decide; more the nearer the delta is to the limit)"
+                    ),
+                    (None, _) => " (the delta sits on the limit)".to_owned(),
                 }
             ),
             Judgement::NotEnoughSamples => format!(
@@ -636,14 +765,38 @@ pub fn render_compare(
             names[1], g.mean, g.median, g.max,
         );
     }
-    let _ = writeln!(o, "verdict: {}", verdict_words(names, deltas));
+    let _ = writeln!(o, "verdict: {}", verdict_words(names, deltas, failures));
     o
 }
 
 /// The verdict line: FAIL when a line is shown slower (its whole interval beyond the allowed
 /// delta) or cannot be measured; else PASS, saying what could not be told apart at this sample
 /// size and what was not judged.
-fn verdict_words(names: [&str; 2], deltas: &[Delta]) -> String {
+fn verdict_words(names: [&str; 2], deltas: &[Delta], failures: &[Failures]) -> String {
+    // A comparison holds only where both sides answer: a side that failed requests the other
+    // answered (a rate limit, a refusal, a cut stream) fails it, whatever its latencies.
+    if !failures.is_empty() {
+        let said: Vec<String> = failures
+            .iter()
+            .map(|f| {
+                format!(
+                    "{} failed {} of {} requests ({})",
+                    f.target,
+                    f.failed,
+                    f.sent,
+                    f.errors
+                        .iter()
+                        .map(|(kind, n, _)| format!("{n} × {kind}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })
+            .collect();
+        return format!(
+            "FAIL — {}: a comparison needs every request answered on both sides (lower --num-prompts or --request-rate, or use a key whose limits admit this load)",
+            said.join("; ")
+        );
+    }
     let list = |j: Judgement| {
         deltas
             .iter()
@@ -683,18 +836,27 @@ fn verdict_words(names: [&str; 2], deltas: &[Delta]) -> String {
             names[1]
         )
     } else {
-        let decide = deltas
-            .iter()
-            .filter(|d| d.judgement == Judgement::NotDistinguishable)
-            .filter_map(|d| d.prompts_to_decide)
+        let unclear_lines = || {
+            deltas
+                .iter()
+                .filter(|d| d.judgement == Judgement::NotDistinguishable)
+        };
+        let least = unclear_lines()
+            .filter_map(|d| d.prompts_to_decide_at_least)
             .max();
+        let decide = unclear_lines().filter_map(|d| d.prompts_to_decide).max();
         format!(
             "PASS — {} is not shown slower than allowed; not distinguishable at this sample size: {}{}",
             names[1],
             unclear.join(", "),
-            match decide {
-                Some(n) => format!(" (~{n} prompts per target would decide: --num-prompts {n})"),
-                None => String::new(),
+            match (least, decide) {
+                (Some(l), Some(n)) if n > l => format!(
+                    " (at least {l} prompts per target would decide, ~{n} if the deltas are as measured: --num-prompts {n}; an estimate as uncertain as the deltas, and without bound for a delta at its limit)"
+                ),
+                (Some(l), _) => format!(
+                    " (at least {l} prompts per target would decide: --num-prompts {l}; more for a delta nearer its limit)"
+                ),
+                _ => String::new(),
             }
         )
     };
@@ -810,6 +972,7 @@ mod tests {
             &HopCheck::of(&o, &a, &b),
             &LikeForLike::of(&o, t),
             &b,
+            &[],
         );
         (d, text)
     }
@@ -834,19 +997,21 @@ mod tests {
                 "{x:?}"
             );
             assert!(x.prompts_to_decide.unwrap() > 200, "{x:?}");
+            // The range's low end is below the estimate at the measured delta.
+            assert!(
+                x.prompts_to_decide_at_least.unwrap() <= x.prompts_to_decide.unwrap(),
+                "{x:?}"
+            );
         }
         assert!(
-            text.contains("not distinguishable at this sample size (~"),
+            text.contains("not distinguishable at this sample size (≥"),
             "{text}"
         );
         assert!(
             text.contains("verdict: PASS — gateway is not shown slower than allowed; not distinguishable at this sample size: TTFT mean, TTFT p50, TTFT p95, E2EL mean"),
             "{text}"
         );
-        assert!(
-            text.contains("prompts per target would decide: --num-prompts"),
-            "{text}"
-        );
+        assert!(text.contains("prompts per target would decide"), "{text}");
     }
 
     #[test]
@@ -998,6 +1163,7 @@ mod tests {
             &HopCheck::of(&one_token, &a, &b),
             &LikeForLike::of(&one_token, T),
             &b,
+            &[],
         );
         assert!(text.contains("not measured (second: no samples)"), "{text}");
         assert!(
@@ -1025,10 +1191,9 @@ mod tests {
         }
         let t = LikeForLike::of(&o, T);
         assert_eq!(t.comparable, Some(true), "{t:?}");
-        assert!(
-            t.render(["direct", "gateway"])
-                .starts_with("like for like: yes")
-        );
+        assert!(t.render(["direct", "gateway"]).starts_with(
+            "like for like, by timing: the backends behind gateway answered as direct's did"
+        ));
         // Behind the gateway, a pool twice as fast as the one direct server: warned.
         for x in o.iter_mut().filter(|x| x.target == 1) {
             x.upstream_ms = Some(ttft(x) / 2.0);
@@ -1070,6 +1235,7 @@ mod tests {
             &hop,
             &LikeForLike::of(&o, T),
             &b,
+            &[],
         );
         assert!(text.contains("gateway sent no hop figure"), "{text}");
         assert!(
@@ -1095,6 +1261,7 @@ mod tests {
             &h,
             &LikeForLike::of(&o, T),
             &b,
+            &[],
         );
         assert!(
             text.contains("the figure to believe: the hop gateway recorded, stamped per request from the kernel's receive time: median 0.210 ms over 3 requests; the client-side TTFT median delta (gateway − direct) is +0.250 ms, 95 % interval [+0.250, +0.250] ms; recorded / client-seen: 0.84"),

@@ -216,10 +216,19 @@ fn openai_error_body(
         ),
         _ => String::new(),
     };
-    let message = format!(
-        "Backend {backend} answered {} {reason}: {inner}.{hint}",
-        status.as_u16()
-    );
+    let message = if wrong_kind.is_some() && !gateway_credentials && tokenizer.is_none() {
+        // The clear reason first; the backend's own words (a bare "Not Found") after it.
+        format!(
+            "{} (Backend {backend} answered {} {reason}: {inner}.)",
+            hint.trim_start(),
+            status.as_u16()
+        )
+    } else {
+        format!(
+            "Backend {backend} answered {} {reason}: {inner}.{hint}",
+            status.as_u16()
+        )
+    };
     let kind = if status.is_server_error() || gateway_credentials {
         "upstream_error"
     } else {

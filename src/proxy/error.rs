@@ -225,7 +225,8 @@ impl ApiError {
             }
             ApiError::RouteNotFound { method, path } => (
                 format!(
-                    "Unknown route {method} {path}. fleetgate serves POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (with GET /v1/responses/{{id}} and POST /v1/responses/{{id}}/cancel), POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models and vLLM's POST /tokenize and POST /detokenize. OpenAI clients: the base URL ends in /v1 (not /v1/v1, /api or a trailing path); Anthropic clients (ANTHROPIC_BASE_URL): the base URL without /v1."
+                    "Unknown route {method} {path}. fleetgate serves {}, GET /v1/models, and the open probes GET /healthz, /readyz and /health; no other route of vLLM's server is forwarded (docs/security.md). OpenAI clients: the base URL ends in /v1 (not /v1/v1, /api or a trailing path); Anthropic clients (ANTHROPIC_BASE_URL): the base URL without /v1.",
+                    served_routes()
                 ),
                 "invalid_request_error",
                 None,
@@ -494,6 +495,19 @@ impl From<ViewError> for ApiError {
     fn from(e: ViewError) -> Self {
         ApiError::View(e)
     }
+}
+
+/// Every forwarded route, `METHOD /path` in the endpoint table's order, for the unknown-route
+/// message (made once, on the first such error).
+fn served_routes() -> &'static str {
+    static LIST: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        crate::protocol::endpoint::TABLE
+            .iter()
+            .map(|r| format!("{} {}", r.method, r.path))
+            .collect::<Vec<_>>()
+            .join(", ")
+    });
+    &LIST
 }
 
 #[cfg(test)]

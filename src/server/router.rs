@@ -1,4 +1,5 @@
-//! The HTTP router of the API listener: the open routes (`/healthz`, `/readyz`, `/`), then the key,
+//! The HTTP router of the API listener: the open routes (`/healthz`, `/readyz` and vLLM's `/health`,
+//! `/`), then the key,
 //! then the endpoint table (`protocol::endpoint`) and `GET /v1/models`; anything else is 404.
 
 use std::net::SocketAddr;
@@ -49,7 +50,9 @@ pub async fn route(
         ("/healthz", &Method::GET | &Method::HEAD) => {
             return json(StatusCode::OK, r#"{"status":"ok"}"#);
         }
-        ("/readyz", &Method::GET | &Method::HEAD) => return readyz(&state),
+        // vLLM's own probe path, open as vLLM's is: a load balancer or script written for a
+        // vLLM server asks the gateway whether it can serve (the same answer as `/readyz`).
+        ("/readyz" | "/health", &Method::GET | &Method::HEAD) => return readyz(&state),
         // Claude Code warms its connection with `HEAD <base URL>` (no key): answered, not
         // counted as a failed authentication of the address.
         ("/", &Method::HEAD | &Method::GET) => {

@@ -102,6 +102,17 @@ pub struct SimArgs {
     #[arg(long)]
     pub enable_auto_tool_choice: bool,
 
+    /// vLLM's tool-call parser (`hermes`, `llama3_json`, `mistral`, ...), which vLLM needs
+    /// beside --enable-auto-tool-choice: accepted so that a `vllm serve` line runs here as
+    /// written; the sim parses no tool calls (it calls no tools).
+    #[arg(long, value_name = "PARSER")]
+    pub tool_call_parser: Option<String>,
+
+    /// vLLM's reasoning parser (`deepseek_r1`, `qwen3`, ...): accepted as vLLM's; the sim's
+    /// answers have no reasoning part to parse.
+    #[arg(long, value_name = "PARSER")]
+    pub reasoning_parser: Option<String>,
+
     /// Keep every response of /v1/responses in memory, as vLLM does with
     /// VLLM_ENABLE_RESPONSES_API_STORE=1: then `GET /v1/responses/{id}`, its cancel and
     /// `previous_response_id` find it (without it they answer 404, as vLLM does).
@@ -193,6 +204,8 @@ impl Default for SimArgs {
             capture_streams: false,
             responses_store: false,
             enable_auto_tool_choice: false,
+            tool_call_parser: None,
+            reasoning_parser: None,
             output_tokens: None,
             runner: Runner::Generate,
             convert: Convert::Embed,
@@ -227,6 +240,9 @@ impl fmt::Debug for SimArgs {
             .field("stall_first_token_ms", &self.stall_first_token_ms)
             .field("warmup_secs", &self.warmup_secs)
             .field("zero_delay", &self.zero_delay)
+            .field("enable_auto_tool_choice", &self.enable_auto_tool_choice)
+            .field("tool_call_parser", &self.tool_call_parser)
+            .field("reasoning_parser", &self.reasoning_parser)
             .field("runner", &self.runner)
             .field("convert", &self.convert)
             .field("embedding_size", &self.embedding_size)

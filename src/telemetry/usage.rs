@@ -14,6 +14,8 @@ pub enum GroupBy {
     Environment,
     Model,
     Backend,
+    /// The API the request called: chat, completions, responses, messages, embeddings, ...
+    Endpoint,
 }
 
 impl std::str::FromStr for GroupBy {
@@ -24,7 +26,10 @@ impl std::str::FromStr for GroupBy {
             "env" | "environment" => Ok(GroupBy::Environment),
             "model" => Ok(GroupBy::Model),
             "backend" => Ok(GroupBy::Backend),
-            _ => Err(format!("`{s}`: group by key, env, model or backend")),
+            "endpoint" => Ok(GroupBy::Endpoint),
+            _ => Err(format!(
+                "`{s}`: group by key, env, model, backend or endpoint"
+            )),
         }
     }
 }
@@ -37,6 +42,7 @@ impl GroupBy {
             GroupBy::Key | GroupBy::Environment => "no key",
             GroupBy::Model => "no model",
             GroupBy::Backend => "no backend",
+            GroupBy::Endpoint => "no endpoint",
         }
     }
 
@@ -46,6 +52,7 @@ impl GroupBy {
             GroupBy::Environment => "environment",
             GroupBy::Model => "model",
             GroupBy::Backend => "backend",
+            GroupBy::Endpoint => "endpoint",
         }
     }
 }

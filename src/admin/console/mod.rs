@@ -704,7 +704,7 @@ fn optional_number(
         Some(v) => match v.parse::<i64>() {
             Ok(n) if n > 0 => Ok(Some(n)),
             _ => Err(format!(
-                "{what}: `{v}` is not a whole number above 0 (leave it empty for no limit)."
+                "{what}: `{v}` is not a whole number above 0 (leave it empty for the environment's default)."
             )),
         },
     }

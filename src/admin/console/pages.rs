@@ -591,9 +591,9 @@ fn issue_form(f: &Frame<'_>, v: &IssueForm, error: Option<&str>) -> Markup {
                 label { "Name " input #issue-name name="name" required value=(v.name) placeholder="e.g. team-search-prod"; }
                 label { "Models " input #issue-models name="models" value=(v.models) placeholder="all, or a comma-separated list"; }
                 label { "Endpoints " input #issue-endpoints name="endpoints" value=(v.endpoints) placeholder="all, or e.g. chat, embeddings, rerank"; }
-                label { "Requests per minute " input #issue-rpm name="requests_per_minute" inputmode="numeric" value=(v.rpm) placeholder="no limit"; }
-                label { "Tokens per minute " input #issue-tpm name="tokens_per_minute" inputmode="numeric" value=(v.tpm) placeholder="no limit"; }
-                label { "Concurrent streams " input #issue-streams name="max_concurrent_streams" inputmode="numeric" value=(v.streams) placeholder="no limit"; }
+                label { "Requests per minute " input #issue-rpm name="requests_per_minute" inputmode="numeric" value=(v.rpm) placeholder="the environment's default"; }
+                label { "Tokens per minute " input #issue-tpm name="tokens_per_minute" inputmode="numeric" value=(v.tpm) placeholder="the environment's default"; }
+                label { "Concurrent streams " input #issue-streams name="max_concurrent_streams" inputmode="numeric" value=(v.streams) placeholder="the environment's default"; }
                 label { "Expires in " input #issue-expires name="expires_in" value=(v.expires) placeholder="never, or e.g. 30d, 12h"; }
                 label { "Metadata (JSON object) " textarea #issue-metadata name="metadata" rows="2" placeholder="{\"owner\": \"search team\"}" { (v.metadata) } }
                 button #issue-submit type="submit" { "Issue key" }
