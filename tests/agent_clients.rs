@@ -47,6 +47,29 @@ async fn setup() -> (sim::SimServer, Gateway, String) {
 
 use fleetgate::sim;
 
+/// `claude -p "say hi"` with exactly `env`, in `work`: it completes and prints an answer.
+async fn claude_says_hi(
+    claude: &std::path::Path,
+    env: &[(&'static str, String)],
+    work: &std::path::Path,
+    what: &str,
+) {
+    let r = run_agent(
+        claude,
+        &["-p", "say hi", "--no-session-persistence"],
+        env,
+        work,
+        Duration::from_secs(90),
+    )
+    .await;
+    assert!(
+        r.ok,
+        "claude ({what}) failed:\nstdout: {}\nstderr: {}",
+        r.stdout, r.stderr
+    );
+    assert!(!r.stdout.trim().is_empty(), "claude printed the answer");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_cli_completes_a_prompt_through_the_gateway() {
     let Some(codex) = agent_bin("codex") else {
@@ -111,20 +134,7 @@ async fn claude_code_completes_a_prompt_through_the_gateway() {
         let home = dir.join(format!("home{i}"));
         std::fs::create_dir_all(&home).unwrap();
         let env = claude_env(&home, &base, var, &key, "qwen32b");
-        let r = run_agent(
-            &claude,
-            &["-p", "say hi", "--no-session-persistence"],
-            &env,
-            &work,
-            Duration::from_secs(90),
-        )
-        .await;
-        assert!(
-            r.ok,
-            "claude ({var}) failed:\nstdout: {}\nstderr: {}",
-            r.stdout, r.stderr
-        );
-        assert!(!r.stdout.trim().is_empty(), "claude printed the answer");
+        claude_says_hi(&claude, &env, &work, var).await;
         assert!(
             eventually(Duration::from_secs(5), || measured_rows(&gw, "messages")
                 > i)
@@ -222,20 +232,7 @@ async fn both_agents_complete_against_the_readmes_sims() {
     std::fs::create_dir_all(&home).unwrap();
     let base = format!("http://{}", gw.server.local_addr);
     let env = claude_env(&home, &base, "ANTHROPIC_AUTH_TOKEN", &key, "qwen32b");
-    let r = run_agent(
-        &claude,
-        &["-p", "say hi", "--no-session-persistence"],
-        &env,
-        &work,
-        Duration::from_secs(90),
-    )
-    .await;
-    assert!(
-        r.ok,
-        "claude failed:\nstdout: {}\nstderr: {}",
-        r.stdout, r.stderr
-    );
-    assert!(!r.stdout.trim().is_empty(), "claude printed the answer");
+    claude_says_hi(&claude, &env, &work, "the README's sims").await;
     let c = Codex::new(&dir.join("codex"), &format!("{base}/v1"), "qwen32b");
     let r = run_agent(
         &codex,

@@ -301,27 +301,28 @@ pub fn normalize(args: Vec<OsString>) -> (Vec<OsString>, Vec<String>) {
             continue;
         }
         match name.as_str() {
-            "--dataset-name" => {
+            // A value fleetgate bench does not generate (a dataset) or speak (a backend format)
+            // would measure something else: carried to the plan, which refuses the run.
+            "--dataset-name" | "--backend" => {
                 let v = take(Arity::One, &mut i);
                 let value = v.first().and_then(|v| v.to_str()).unwrap_or_default();
-                if DATASETS.contains(&value) || value.is_empty() {
+                let (known, what) = if name == "--dataset-name" {
+                    (
+                        DATASETS.contains(&value),
+                        "dataset (fleetgate bench generates random, sharegpt and prefix_repetition)",
+                    )
+                } else {
+                    (
+                        backend_format(value).is_some(),
+                        "request format (fleetgate bench speaks vllm/openai, openai-chat, openai-responses, anthropic-messages and the embeddings formats)",
+                    )
+                };
+                if known || value.is_empty() {
                     out.push(name.into());
                     out.extend(v);
                 } else {
                     out.push(not_implemented(&format!(
-                        "--dataset-name {value}: vLLM's {value} dataset (fleetgate bench generates random, sharegpt and prefix_repetition)"
-                    )));
-                }
-            }
-            "--backend" => {
-                let v = take(Arity::One, &mut i);
-                let value = v.first().and_then(|v| v.to_str()).unwrap_or_default();
-                if backend_format(value).is_some() {
-                    out.push(name.into());
-                    out.extend(v);
-                } else {
-                    out.push(not_implemented(&format!(
-                        "--backend {value}: vLLM's {value} request format (fleetgate bench speaks vllm/openai, openai-chat, openai-responses, anthropic-messages and the embeddings formats)"
+                        "{name} {value}: vLLM's {value} {what}"
                     )));
                 }
             }
