@@ -113,9 +113,14 @@ pub enum BenchCommand {
 
 /// `fleetgate bench` flags: `vllm bench serve`'s names, plus the comparison, SLA and labels.
 /// Every other flag of `vllm bench serve` is taken before clap reads these
-/// (`vllm_flags::normalize`). A flag given twice keeps its last value, as in vLLM.
+/// (`vllm_flags::normalize`). A flag given twice keeps its last value, and a unique prefix names
+/// its flag (`--num-prompt`), as in vLLM's parser.
 #[derive(clap::Args, Debug, Clone)]
-#[command(args_conflicts_with_subcommands = true, args_override_self = true)]
+#[command(
+    args_conflicts_with_subcommands = true,
+    args_override_self = true,
+    infer_long_args = true
+)]
 pub struct BenchArgs {
     #[command(subcommand)]
     pub command: Option<BenchCommand>,

@@ -326,6 +326,25 @@ pub fn normalize(args: Vec<OsString>) -> (Vec<OsString>, Vec<String>) {
                     )));
                 }
             }
+            // vLLM also takes a JSON object, one ratio per direction: the same ratio for both
+            // is the number; two different ones are not implemented.
+            "--random-range-ratio" => {
+                let v = take(Arity::One, &mut i);
+                let value = v.first().and_then(|v| v.to_str()).unwrap_or_default();
+                match range_ratio_json(value) {
+                    None => {
+                        out.push(name.into());
+                        out.extend(v);
+                    }
+                    Some(Ok(r)) => {
+                        out.push(name.into());
+                        out.push(r.to_string().into());
+                    }
+                    Some(Err(what)) => out.push(not_implemented(&format!(
+                        "--random-range-ratio {value}: {what}"
+                    ))),
+                }
+            }
             // vLLM 0.33's key-value result fields: fleetgate's labels.
             "--metadata" => {
                 for v in take(Arity::Many, &mut i) {
@@ -357,6 +376,28 @@ pub fn normalize(args: Vec<OsString>) -> (Vec<OsString>, Vec<String>) {
     }
     out.extend(last);
     (out, warnings)
+}
+
+/// vLLM's JSON form of `--random-range-ratio` (`{"input": r, "output": r}`): None when the value
+/// is not a JSON object (a plain number, for clap to read), the ratio when both directions
+/// have the same one, else why it is not implemented.
+fn range_ratio_json(value: &str) -> Option<Result<f64, String>> {
+    if !value.trim_start().starts_with('{') {
+        return None;
+    }
+    let v: serde_json::Value = match serde_json::from_str(value) {
+        Ok(v) => v,
+        Err(e) => return Some(Err(format!("not JSON: {e}"))),
+    };
+    let get = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+    let (input, output) = (get("input"), get("output"));
+    Some(if (input - output).abs() < 1e-12 {
+        Ok(input)
+    } else {
+        Err(format!(
+            "a range ratio per direction (input {input}, output {output}); fleetgate bench draws both lengths with one --random-range-ratio"
+        ))
+    })
 }
 
 /// The hidden flag carrying `what` (joined with `=`: the text starts with `--`).
@@ -425,6 +466,11 @@ mod tests {
         );
         assert!(a.ends_with(&["--backend".to_owned(), "vllm".to_owned()]));
         assert_eq!(w.len(), 1, "the sonnet length: {w:?}");
+        // vLLM's JSON range ratio: one ratio for both directions is the number.
+        let (a, _) = norm(r#"--random-range-ratio {"input":0.25,"output":0.25}"#);
+        assert_eq!(a, ["--random-range-ratio", "0.25"]);
+        let (a, _) = norm(r#"--random-range-ratio {"input":0.1,"output":0.5}"#);
+        assert!(a[0].starts_with(NOT_IMPLEMENTED_FLAG), "{a:?}");
         // Values that look like numbers are values.
         let (a, _) = norm("--lora-modules a b --seed -1");
         assert_eq!(a[1..], ["--seed", "-1"]);
