@@ -252,17 +252,10 @@ impl Authenticator {
         self.metrics.failures[failure.index()].inc();
     }
 
-    /// Replace the whole snapshot (start, periodic resync).
+    /// Replace the whole snapshot (start, and a resync that found it changing under it).
     pub fn replace_all(&self, keys: Vec<KeyRecord>) {
-        let map = keys
-            .into_iter()
-            .map(|k| (k.public_id.clone(), Arc::new(k)))
-            .collect();
-        self.snapshot.store(Arc::new(KeySnapshot { keys: map }));
-        self.loaded_at.store(wall_ms(), Ordering::Relaxed);
-        if let Ok(mut n) = self.negative.lock() {
-            n.clear();
-        }
+        self.snapshot.store(snapshot_of(keys));
+        self.reloaded();
     }
 
     /// The snapshot now: a full reload taken from the store after this call replaces it only
@@ -276,21 +269,20 @@ impl Authenticator {
     /// notification or an admin call while the store was being read, which the read may
     /// predate (a revocation would come back to life until the next poll).
     pub fn replace_all_since(&self, before: &Arc<KeySnapshot>, keys: Vec<KeyRecord>) -> bool {
-        let map = keys
-            .into_iter()
-            .map(|k| (k.public_id.clone(), Arc::new(k)))
-            .collect();
-        let prev = self
-            .snapshot
-            .compare_and_swap(before, Arc::new(KeySnapshot { keys: map }));
-        if !Arc::ptr_eq(&prev, before) {
-            return false;
+        let prev = self.snapshot.compare_and_swap(before, snapshot_of(keys));
+        let replaced = Arc::ptr_eq(&prev, before);
+        if replaced {
+            self.reloaded();
         }
+        replaced
+    }
+
+    /// After a full reload: its time, and no remembered unknown ids.
+    fn reloaded(&self) {
         self.loaded_at.store(wall_ms(), Ordering::Relaxed);
         if let Ok(mut n) = self.negative.lock() {
             n.clear();
         }
-        true
     }
 
     /// Apply one key's new state (a notification), or its deletion.
@@ -498,4 +490,13 @@ fn check_unknown(parsed: &key::ParsedKey<'_>) {
     const NO_KEY: [u8; 32] = [0; 32];
     let hash = key::hash_secret(parsed.secret);
     std::hint::black_box(key::ct_eq(&hash, std::hint::black_box(&NO_KEY)));
+}
+
+/// A snapshot of every key in `keys`, by public id.
+fn snapshot_of(keys: Vec<KeyRecord>) -> Arc<KeySnapshot> {
+    let keys = keys
+        .into_iter()
+        .map(|k| (k.public_id.clone(), Arc::new(k)))
+        .collect();
+    Arc::new(KeySnapshot { keys })
 }

@@ -15,6 +15,7 @@ use crate::store::KEYS_CHANNEL;
 
 /// A cheap single-row read of a local file; short so revocations land well within 1 s.
 pub const SQLITE_POLL: Duration = Duration::from_millis(250);
+const MAX_BACKOFF: Duration = Duration::from_secs(15);
 
 /// How long after a change is committed every gateway on a store of `kind` has applied it:
 /// three SQLite polls (a poll, the reload after it, and room for a busy machine), or the
@@ -26,7 +27,6 @@ pub fn propagation(kind: DbKind) -> Duration {
         DbKind::Postgres => Duration::from_millis(100),
     }
 }
-const MAX_BACKOFF: Duration = Duration::from_secs(15);
 
 /// Run until `stop` is cancelled.
 pub async fn run(auth: Arc<Authenticator>, stop: CancellationToken) {
@@ -39,15 +39,21 @@ pub async fn run(auth: Arc<Authenticator>, stop: CancellationToken) {
 /// Reload everything; returns whether it worked.
 pub async fn resync(auth: &Authenticator) -> bool {
     // A key applied while the store is read (a notification, an admin call) may be newer than
-    // the read: the read is then done again, a few times, before it is applied regardless.
-    for attempt in 1..=3 {
+    // the read: the read is then done again, twice at most, before it is applied regardless.
+    let mut attempt = 1;
+    loop {
         let before = auth.current();
         match tokio::time::timeout(Duration::from_secs(10), auth.store().load_all()).await {
             Ok(Ok(keys)) => {
                 let n = keys.len();
-                if attempt == 3 {
+                let applied = if attempt < 3 {
+                    auth.replace_all_since(&before, keys)
+                } else {
                     auth.replace_all(keys);
-                } else if !auth.replace_all_since(&before, keys) {
+                    true
+                };
+                if !applied {
+                    attempt += 1;
                     continue;
                 }
                 auth.set_store_health(StoreHealth::Up);
@@ -66,7 +72,6 @@ pub async fn resync(auth: &Authenticator) -> bool {
             }
         }
     }
-    true
 }
 
 async fn postgres_loop(auth: Arc<Authenticator>, stop: CancellationToken) {

@@ -413,12 +413,7 @@ pub fn body(
     extra: &serde_json::Map<String, serde_json::Value>,
 ) -> bytes::Bytes {
     use super::args::EndpointType;
-    let merged = |mut v: serde_json::Value| {
-        if let Some(o) = v.as_object_mut() {
-            o.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
-        }
-        bytes::Bytes::from(v.to_string())
-    };
+    let merged = |v| with_extra(v, extra);
     if kind == EndpointType::OpenaiEmbeddings {
         // What `vllm bench serve` sends (`async_request_openai_embeddings`): no output length,
         // no stream; `truncate_prompt_tokens: -1` so that a long prompt is cut to the model's
@@ -457,6 +452,18 @@ pub fn body(
         v["ignore_eos"] = true.into();
     }
     merged(v)
+}
+
+/// A request body `v` with `extra` merged over it (the sampling flags, `--extra-body`,
+/// `--served-model-name`), as bytes.
+pub fn with_extra(
+    mut v: serde_json::Value,
+    extra: &serde_json::Map<String, serde_json::Value>,
+) -> bytes::Bytes {
+    if let Some(o) = v.as_object_mut() {
+        o.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
+    bytes::Bytes::from(v.to_string())
 }
 
 #[cfg(test)]

@@ -255,23 +255,37 @@ pub fn whole_answer(
 }
 
 /// The `message` of an OpenAI error payload, else the payload itself (shortened).
-/// The OpenAI error body's `code` (or Anthropic's `error.type`), when it names one.
-fn error_code(payload: &[u8]) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_slice(payload).ok()?;
-    let code = v["error"]["code"]
-        .as_str()
-        .or_else(|| v["error"]["type"].as_str())?;
-    let ok = !code.is_empty()
-        && code.len() <= 64
-        && code
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
-    ok.then(|| code.to_owned())
-}
-
 fn error_message(payload: &[u8]) -> String {
     let v: Option<serde_json::Value> = serde_json::from_slice(payload).ok();
-    let msg = v.as_ref().and_then(|v| {
+    message_of(v.as_ref(), payload)
+}
+
+/// A refused request's error: `HTTP <status> <code>: <message>`, the code being the error
+/// body's `code` (or Anthropic's `error.type`) when it names one, so that refusals count by
+/// kind (`HTTP 429 requests_per_minute_exceeded`).
+fn status_error(status: u16, payload: &[u8]) -> String {
+    let v: Option<serde_json::Value> = serde_json::from_slice(payload).ok();
+    let code = v.as_ref().and_then(|v| {
+        v["error"]["code"]
+            .as_str()
+            .or_else(|| v["error"]["type"].as_str())
+            .filter(|c| {
+                !c.is_empty()
+                    && c.len() <= 64
+                    && c.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+            })
+    });
+    let message = message_of(v.as_ref(), payload);
+    match code {
+        Some(code) => format!("HTTP {status} {code}: {message}"),
+        None => format!("HTTP {status}: {message}"),
+    }
+}
+
+/// The message of a parsed error payload `v`, else the payload's text (shortened).
+fn message_of(v: Option<&serde_json::Value>, payload: &[u8]) -> String {
+    let msg = v.and_then(|v| {
         v["error"]["message"]
             .as_str()
             .map(str::to_owned)
@@ -423,14 +437,7 @@ async fn send_with(
         if end != BodyEnd::Complete {
             bytes.clear();
         }
-        let mut o = failed(match error_code(&bytes) {
-            Some(code) => format!(
-                "HTTP {} {code}: {}",
-                answer.status.as_u16(),
-                error_message(&bytes)
-            ),
-            None => format!("HTTP {}: {}", answer.status.as_u16(), error_message(&bytes)),
-        });
+        let mut o = failed(status_error(answer.status.as_u16(), &bytes));
         o.gateway_ms = gateway;
         o.hop_ms = hop_ms(&answer.headers, answer.trailers.as_ref());
         o.upstream_ms = upstream_ms(&answer.headers, answer.trailers.as_ref());

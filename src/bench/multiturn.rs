@@ -171,10 +171,7 @@ pub fn turn_body(
     if ignore_eos {
         v["ignore_eos"] = true.into();
     }
-    if let Some(o) = v.as_object_mut() {
-        o.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
-    }
-    Bytes::from(v.to_string())
+    super::dataset::with_extra(v, extra)
 }
 
 /// The run and what it measured: the engine's result and the prefix-cache counters before
