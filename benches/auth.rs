@@ -22,12 +22,12 @@ mod common;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
-use fleetgate::auth::Authenticator;
-use fleetgate::config::{AuthConfig, Config, DatabaseConfig, PoolConfig};
-use fleetgate::key::{self, Environment};
-use fleetgate::server::Server;
-use fleetgate::store::{CreateKey, KeyStore};
-use fleetgate::telemetry::Recorder;
+use fleetgate_gateway::auth::Authenticator;
+use fleetgate_gateway::config::{AuthConfig, Config, DatabaseConfig, PoolConfig};
+use fleetgate_gateway::key::{self, Environment};
+use fleetgate_gateway::server::Server;
+use fleetgate_gateway::store::{CreateKey, KeyStore};
+use fleetgate_gateway::telemetry::Recorder;
 use http::{HeaderMap, HeaderValue};
 
 use common::{ThrowawayPg, arg, key_record as record};
@@ -107,14 +107,14 @@ async fn key_check(n_keys: usize, iterations: usize) {
 /// The cost of recording one finished streamed request: Timeline derivations and the
 /// Prometheus observations done when its record drops (log events off).
 fn record_cost(iterations: usize) {
-    use fleetgate::telemetry::metrics::RequestMetrics;
-    use fleetgate::telemetry::{Recorder, RequestRecord};
-    let pools = fleetgate::pool::Generation::new(
+    use fleetgate_gateway::telemetry::metrics::RequestMetrics;
+    use fleetgate_gateway::telemetry::{Recorder, RequestRecord};
+    let pools = fleetgate_gateway::pool::Generation::new(
         &[PoolConfig::new(
             "m",
             vec!["http://127.0.0.1:9".parse().unwrap()],
         )],
-        &fleetgate::config::QueueConfig::default(),
+        &fleetgate_gateway::config::QueueConfig::default(),
     )
     .unwrap();
     let registry = prometheus::Registry::new();
@@ -252,8 +252,8 @@ async fn refusal_timing(name: &str, pairs: usize, pace: Duration, f: impl FnOnce
     let uri: http::Uri = format!("http://{}/v1/chat/completions", gw.local_addr)
         .parse()
         .unwrap();
-    let client = fleetgate::client::http_client();
-    let body = fleetgate::client::chat_body("m", "hi", 1, false);
+    let client = fleetgate_protocol::client::http_client();
+    let body = fleetgate_protocol::client::chat_body("m", "hi", 1, false);
     let send = async |key: &str| {
         let mut h = HeaderMap::new();
         h.insert(
@@ -261,7 +261,7 @@ async fn refusal_timing(name: &str, pairs: usize, pace: Duration, f: impl FnOnce
             HeaderValue::from_str(&format!("Bearer {key}")).unwrap(),
         );
         let t = Instant::now();
-        let m = fleetgate::client::send(&client, &uri, &h, body.clone(), false)
+        let m = fleetgate_protocol::client::send(&client, &uri, &h, body.clone(), false)
             .await
             .unwrap();
         assert_eq!(m.status, 401);

@@ -34,13 +34,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use fleetgate::client::{self, HttpClient};
-use fleetgate::config::{Config, EnvLimits, PoolConfig, ServerConfig};
-use fleetgate::key::Environment;
-use fleetgate::server::Server;
-use fleetgate::sim::{self, SimArgs};
-use fleetgate::store::CreateKey;
-use fleetgate::telemetry::Recorder;
+use fleetgate_gateway::config::{Config, EnvLimits, PoolConfig, ServerConfig};
+use fleetgate_gateway::key::Environment;
+use fleetgate_gateway::server::Server;
+use fleetgate_gateway::store::CreateKey;
+use fleetgate_gateway::telemetry::Recorder;
+use fleetgate_protocol::client::{self, HttpClient};
+use fleetgate_sim::SimArgs;
 use http::{HeaderMap, HeaderValue, Uri};
 use serde_json::{Value, json};
 
@@ -318,7 +318,7 @@ async fn main() {
     let prod_rps = arg("--prod-rps", 2) as f64;
     let factor = arg("--flood-factor", 5) as f64;
     let dir = std::env::temp_dir().join(format!("fleetgate-bench-flood-{}", std::process::id()));
-    let sim = sim::start(SimArgs {
+    let sim = fleetgate_sim::start(SimArgs {
         port: 0,
         max_num_seqs: SEQS,
         decode_step_ms: 15.0,

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Parser;
-use fleetgate::client::{self, HttpClient, Measured};
-use fleetgate::protocol::sse::{DataKind, SseScanner};
+use fleetgate_protocol::client::{self, HttpClient, Measured};
+use fleetgate_protocol::sse::{DataKind, SseScanner};
 use http::{HeaderMap, HeaderValue, Method, Request, Uri, header};
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
@@ -182,8 +182,8 @@ impl Protocol {
         }
     }
 
-    fn dialect(self) -> fleetgate::protocol::Dialect {
-        use fleetgate::protocol::Dialect;
+    fn dialect(self) -> fleetgate_protocol::Dialect {
+        use fleetgate_protocol::Dialect;
         match self {
             Protocol::Chat => Dialect::Chat,
             Protocol::Responses => Dialect::Responses,
@@ -299,7 +299,7 @@ fn check(m: &Measured, max_tokens: u32) -> Result<Sample, String> {
     Ok(Sample {
         ttft_us: ttft.as_secs_f64() * 1e6,
         e2el_us: e2el.as_secs_f64() * 1e6,
-        hop_us: fleetgate::bench::measure::hop_ms(&m.headers, m.trailers.as_ref())
+        hop_us: fleetgate_bench::measure::hop_ms(&m.headers, m.trailers.as_ref())
             .map_or(f64::NAN, |ms| ms * 1e3),
     })
 }

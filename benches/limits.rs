@@ -18,10 +18,10 @@ mod common;
 use std::sync::Arc;
 use std::time::Instant;
 
-use fleetgate::config::{BackendConfig, EnvLimits, LimitsConfig, PoolConfig, QueueConfig};
-use fleetgate::key::Environment;
-use fleetgate::limits::{Demand, Limits};
-use fleetgate::pool::Generation;
+use fleetgate_gateway::config::{BackendConfig, EnvLimits, LimitsConfig, PoolConfig, QueueConfig};
+use fleetgate_gateway::key::Environment;
+use fleetgate_gateway::limits::{Demand, Limits};
+use fleetgate_gateway::pool::Generation;
 
 use common::{arg, key_record};
 

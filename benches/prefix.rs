@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use fleetgate::pool::prefix::PrefixIndex;
+use fleetgate_gateway::pool::prefix::PrefixIndex;
 
 fn prompt(len: usize, conversation: usize) -> Vec<u8> {
     let system = "You are a coding agent; follow the tools' rules. ".repeat(20);

@@ -19,7 +19,7 @@ use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
-use fleetgate::rx_time;
+use fleetgate_gateway::rx_time;
 
 /// `n` request-sized writes, each read back on the accepted end by `recvmsg` with its stamp
 /// (`stamped`) or by `read`. Returns ns per read (write included, the same in both) and how

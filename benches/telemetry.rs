@@ -26,11 +26,11 @@ use common::{ThrowawayPg, arg};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fleetgate::config::{DatabaseConfig, RequestLogConfig};
-use fleetgate::key::KeyRecord;
-use fleetgate::store::KeyStore;
-use fleetgate::telemetry::request_log;
-use fleetgate::telemetry::{Recorder, RequestRecord};
+use fleetgate_gateway::config::{DatabaseConfig, RequestLogConfig};
+use fleetgate_gateway::key::KeyRecord;
+use fleetgate_gateway::store::KeyStore;
+use fleetgate_gateway::telemetry::request_log;
+use fleetgate_gateway::telemetry::{Recorder, RequestRecord};
 use http::HeaderValue;
 
 struct Shared {

@@ -34,7 +34,7 @@ CATEGORIES = [
     ("allocation (malloc/free)", r"malloc|_int_free|cfree|realloc|__libc_free|alloc::alloc"),
     ("socket reads with kernel receive stamps (fleetgate rx_time)", r"StampedStream|rx_time"),
     ("relay body (fleetgate)", r"RelayBody|proxy::relay"),
-    ("proxy request path (fleetgate)", r"fleetgate::proxy|fleetgate::route|fleetgate::queue|fleetgate::limits|fleetgate::auth"),
+    ("proxy request path (fleetgate)", r"fleetgate_gateway::(proxy|route|queue|limits|auth)"),
     ("hyper (other: dispatch, buffers)", r"hyper"),
     ("tokio: scheduler and wake-ups", r"tokio::runtime|tokio::sync"),
 ]

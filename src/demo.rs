@@ -7,17 +7,18 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
+use fleetgate_protocol::outln;
 use http::{HeaderMap, HeaderValue, Uri};
 use tokio::net::TcpListener;
 
-use crate::auth::Authenticator;
-use crate::client::{self, HttpClient, Measured};
-use crate::config::{Config, PoolConfig, PoolKind, ServerConfig};
-use crate::key::{Environment, KeyRecord};
-use crate::server::Server;
-use crate::sim::{self, SimArgs, SimServer};
-use crate::store::CreateKey;
-use crate::telemetry::Recorder;
+use fleetgate_gateway::auth::Authenticator;
+use fleetgate_gateway::config::{Config, PoolConfig, PoolKind, ServerConfig};
+use fleetgate_gateway::key::{Environment, KeyRecord};
+use fleetgate_gateway::server::Server;
+use fleetgate_gateway::store::CreateKey;
+use fleetgate_gateway::telemetry::Recorder;
+use fleetgate_protocol::client::{self, HttpClient, Measured};
+use fleetgate_sim::{SimArgs, SimServer};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
@@ -44,10 +45,10 @@ pub async fn run(
     until: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
     let sims = [
-        sim::start(demo_sim_args(1)).await?,
-        sim::start(demo_sim_args(2)).await?,
+        fleetgate_sim::start(demo_sim_args(1)).await?,
+        fleetgate_sim::start(demo_sim_args(2)).await?,
     ];
-    let embed = sim::start(embed_sim_args()).await?;
+    let embed = fleetgate_sim::start(embed_sim_args()).await?;
     let listener = bind(args.port).await?;
     let data_dir = std::env::temp_dir().join(format!("fleetgate-demo-{}", std::process::id()));
     let mut config = demo_config(&listener, &sims, &embed, &data_dir)?;
@@ -60,12 +61,14 @@ pub async fn run(
     };
     config.admin.listen = Some(SocketAddr::from(([127, 0, 0, 1], admin_port)));
     let secret: [u8; 24] = rand::random();
-    config.admin.jwt_key = Some(crate::config::JwtKey::Secret(crate::secret::Secret::new(
-        secret
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>(),
-    )));
+    config.admin.jwt_key = Some(fleetgate_gateway::config::JwtKey::Secret(
+        fleetgate_gateway::secret::Secret::new(
+            secret
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>(),
+        ),
+    ));
     let server = Server::start_on(listener, &config, Recorder::new(false))
         .await
         .map_err(std::io::Error::other)?;
@@ -86,9 +89,9 @@ pub async fn run(
     print_median(diffs);
     let console = match server.admin_addr {
         Some(admin) => {
-            let token = crate::admin::console::session::mint_login(
+            let token = fleetgate_gateway::admin::console::session::mint_login(
                 &config.admin,
-                crate::admin::jwt::Role::Admin,
+                fleetgate_gateway::admin::jwt::Role::Admin,
                 "demo",
                 Duration::from_secs(8 * 3600),
             )
@@ -432,8 +435,8 @@ fn embed_sim_args() -> SimArgs {
     SimArgs {
         port: 0,
         served_model_name: vec![EMBED_MODEL.to_owned()],
-        runner: sim::Runner::Pooling,
-        convert: sim::Convert::Embed,
+        runner: fleetgate_sim::Runner::Pooling,
+        convert: fleetgate_sim::Convert::Embed,
         ..SimArgs::default()
     }
 }

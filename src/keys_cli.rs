@@ -6,15 +6,16 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
+use fleetgate_protocol::outln;
 
-use crate::admin::jwt::{self, Role};
-use crate::clock::{format_wall_ms, parse_duration, wall_ms};
-use crate::config::{Config, DatabaseConfig, DbKind};
-use crate::key::Environment;
-use crate::key::KeyRecord;
-use crate::secret::Secret;
-use crate::store::{CreateKey, KeyStore};
-use crate::telemetry::usage::GroupBy;
+use fleetgate_gateway::admin::jwt::{self, Role};
+use fleetgate_gateway::clock::{format_wall_ms, parse_duration, wall_ms};
+use fleetgate_gateway::config::{Config, DatabaseConfig, DbKind};
+use fleetgate_gateway::key::Environment;
+use fleetgate_gateway::key::KeyRecord;
+use fleetgate_gateway::secret::Secret;
+use fleetgate_gateway::store::{CreateKey, KeyStore};
+use fleetgate_gateway::telemetry::usage::GroupBy;
 
 /// Where the key store is: a config file's `[database]`, or given directly. Global: accepted
 /// before or after the subcommand (`fleetgate keys --sqlite DB create …` and `fleetgate keys
@@ -374,7 +375,7 @@ pub async fn run_keys(args: KeysArgs) -> Result<(), String> {
 
 /// A key's public id, given as the id or as the whole key (`keys revoke "$OPENAI_API_KEY"`).
 fn key_id(given: &str) -> &str {
-    crate::key::parse(given.trim()).map_or(given, |k| k.public_id)
+    fleetgate_gateway::key::parse(given.trim()).map_or(given, |k| k.public_id)
 }
 
 /// `--expires` (e.g. `7d`) in seconds.
@@ -485,7 +486,7 @@ async fn revoke(store: &KeyStore, id: &str, reason: &str, who: &str) -> Result<(
         .map_err(|e| e.to_string())?;
     // The gateways learn it through NOTIFY or their poll of the change counter: the command
     // returns once they have, so that the next request with the key, sent after it, is refused.
-    tokio::time::sleep(crate::auth::sync::propagation(store.kind())).await;
+    tokio::time::sleep(fleetgate_gateway::auth::sync::propagation(store.kind())).await;
     outln!(
         "Revoked {} at {}: every gateway on this store refuses it from now on.",
         k.public_id,
@@ -617,7 +618,7 @@ pub fn run_console_login(args: ConsoleLoginArgs) -> Result<(), String> {
     let cfg = Config::load(&args.config).map_err(|e| e.to_string())?;
     let role = role(&args.role);
     let ttl = parse_duration(&args.ttl).map_err(|e| e.to_string())?;
-    if ttl > crate::admin::console::session::MAX_SESSION {
+    if ttl > fleetgate_gateway::admin::console::session::MAX_SESSION {
         return Err(format!(
             "--ttl {}: a console session lasts at most 7d",
             args.ttl
@@ -643,7 +644,7 @@ pub fn run_console_login(args: ConsoleLoginArgs) -> Result<(), String> {
         }
     };
     let sub = args.sub.unwrap_or_else(local_user);
-    let token = crate::admin::console::session::mint_login(&cfg.admin, role, &sub, ttl).map_err(|e| match e {
+    let token = fleetgate_gateway::admin::console::session::mint_login(&cfg.admin, role, &sub, ttl).map_err(|e| match e {
         jwt::MintError::NoSecret => "console-login signs links with admin.jwt_secret (HS256), which is not set: set it, at least 32 characters, where the gateway starts and where you run this command (config/fleetgate.toml reads it from FLEETGATE_ADMIN_JWT_SECRET). With RS256/ES256, open <admin listener>/console/login?token=<an admin API token from your issuer> instead: it signs in once.".to_owned(),
         other => other.to_string(),
     })?;
@@ -678,7 +679,7 @@ pub struct UsageArgs {
 
 /// `fleetgate usage`: the request log summarised.
 pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
-    use crate::telemetry::usage::{UsageQuery, month_window, usage};
+    use fleetgate_gateway::telemetry::usage::{UsageQuery, month_window, usage};
     let store = open(&args.store, Opening::Existing).await?;
     let (from, to) = match &args.month {
         Some(m) => month_window(m).map_err(|e| e.to_string())?,
@@ -725,13 +726,13 @@ pub async fn run_usage(args: UsageArgs) -> Result<(), String> {
         "TTFT ms p50/p95/p99",
         "OVERHEAD ms p50/p95/p99"
     );
-    let p = |v: &Option<crate::telemetry::usage::Percentiles>| {
+    let p = |v: &Option<fleetgate_gateway::telemetry::usage::Percentiles>| {
         v.as_ref().map_or_else(
             || "-".into(),
             |p| format!("{:.1}/{:.1}/{:.1}", p.p50, p.p95, p.p99),
         )
     };
-    let op = |v: &Option<crate::telemetry::usage::Percentiles>| {
+    let op = |v: &Option<fleetgate_gateway::telemetry::usage::Percentiles>| {
         v.as_ref().map_or_else(
             || "-".into(),
             |p| format!("{:.3}/{:.3}/{:.3}", p.p50, p.p95, p.p99),

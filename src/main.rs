@@ -3,9 +3,13 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+#[cfg(feature = "tools")]
+mod demo;
+mod keys_cli;
+
 use clap::{Parser, Subcommand};
-use fleetgate::config::{Config, LogFormat};
-use fleetgate::server::Server;
+use fleetgate_gateway::config::{Config, LogFormat};
+use fleetgate_gateway::server::Server;
 
 /// Exit codes, shown by `fleetgate --help` (the README has the same table).
 const EXIT_CODES: &str = "Exit codes:
@@ -41,47 +45,50 @@ enum Command {
         #[arg(long, short, default_value = "config/fleetgate.toml")]
         config: PathBuf,
     },
+    #[cfg(feature = "tools")]
     /// Run a simulated vLLM server (OpenAI-compatible, continuous-batching timing model).
     #[command(
         after_help = "Examples:\n  fleetgate sim --port 8001\n  fleetgate sim --port 8002 --zero-delay          # pure hop-cost measurements\n  fleetgate sim --port 8003 --fail-rate 0.1       # fault injection"
     )]
-    Sim(fleetgate::sim::SimArgs),
+    Sim(fleetgate_sim::SimArgs),
+    #[cfg(feature = "tools")]
     /// Two simulated backends behind the gateway, in one process: TTFT direct vs through it.
     #[command(
         after_help = "Examples:\n  fleetgate demo                  # serves on 127.0.0.1:8080 until Ctrl-C, prints the next steps\n  fleetgate demo --no-wait        # print the TTFT table and exit"
     )]
-    Demo(fleetgate::demo::DemoArgs),
+    Demo(demo::DemoArgs),
     /// Manage API keys in the key store.
     #[command(
         after_help = "Examples:\n  fleetgate keys create --env prod --name 'chat frontend' --models qwen32b --expires 90d\n  fleetgate keys list --env prod --sqlite fleetgate.db\n  fleetgate keys revoke ID --reason 'leaked in CI log'"
     )]
-    Keys(fleetgate::keys_cli::KeysArgs),
+    Keys(keys_cli::KeysArgs),
     /// Requests, errors, tokens and TTFT/overhead percentiles from the request log.
     #[command(
         after_help = "Examples:\n  fleetgate usage --env prod --since 24h --by key\n  fleetgate usage --month 2026-11 --by model --json"
     )]
-    Usage(fleetgate::keys_cli::UsageArgs),
+    Usage(keys_cli::UsageArgs),
     /// Apply pending database migrations.
     #[command(
         after_help = "Examples:\n  fleetgate migrate --config config/fleetgate.toml\n  fleetgate migrate --database-url postgres://fleetgate@db/fleetgate"
     )]
-    Migrate(fleetgate::keys_cli::StoreArgs),
+    Migrate(keys_cli::StoreArgs),
     /// Mint an admin API token from the configured HS256 secret.
     #[command(
         after_help = "Examples:\n  fleetgate admin-token --role viewer --ttl 8h\n  curl -H \"Authorization: Bearer $(fleetgate admin-token)\" http://127.0.0.1:8081/admin/backends"
     )]
-    AdminToken(fleetgate::keys_cli::AdminTokenArgs),
+    AdminToken(keys_cli::AdminTokenArgs),
     /// Print a one-time sign-in link to the console (the admin listener's web pages).
     #[command(
         after_help = "Examples:\n  fleetgate console-login --ttl 8h\n  fleetgate console-login --role viewer --ttl 1h --sub alice\n  fleetgate console-login --url https://gateway-admin.example.com   # behind a TLS proxy\n(docs/console.md)"
     )]
-    ConsoleLogin(fleetgate::keys_cli::ConsoleLoginArgs),
+    ConsoleLogin(keys_cli::ConsoleLoginArgs),
+    #[cfg(feature = "tools")]
     /// Load generator compatible with `vllm bench serve`; `--compare direct=URL gateway=URL`
     /// measures the gateway's cost against direct calls in one interleaved run.
     #[command(
         after_help = "Examples:\n  fleetgate bench --base-url http://127.0.0.1:8080 --api-key-env FLEETGATE_API_KEY --num-prompts 100 --request-rate 10 --random-input-len 256 --random-output-len 32\n  fleetgate bench --compare direct=http://127.0.0.1:8001,http://127.0.0.1:8002 gateway=http://127.0.0.1:8080 --api-key-env FLEETGATE_API_KEY --num-prompts 120 --request-rate 20 --random-input-len 64 --random-output-len 16 --sla ttft_p99_ms=1500\n  vllm bench serve's own flags run as written: --backend vllm --base_url http://127.0.0.1:8080 --endpoint-type openai-chat --endpoint /v1/chat/completions ...\n  fleetgate bench diff yesterday.json today.json\n(the examples run on the README's two sims and gateway; docs/bench.md has every flag; a comparison is judged only over the prompts both sides answered, and fails when a side failed any)"
     )]
-    Bench(Box<fleetgate::bench::BenchArgs>),
+    Bench(Box<fleetgate_bench::BenchArgs>),
     /// GET a URL and exit 0 on a 2xx answer, 1 otherwise: a container health check without
     /// curl (e.g. `fleetgate probe http://127.0.0.1:8080/readyz`).
     #[command(
@@ -156,17 +163,41 @@ fn store_flags_after_subcommand(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::
     rest
 }
 
-fn main() -> ExitCode {
-    // A bad command line exits 64 (EX_USAGE), not clap's 2: 2 is bench's "SLA violated".
-    let mut args = store_flags_after_subcommand(std::env::args_os().collect());
-    // `fleetgate bench` takes every `vllm bench serve` flag (fleetgate::bench::vllm_flags).
+/// `fleetgate bench` takes every `vllm bench serve` flag (`fleetgate_bench::vllm_flags`).
+#[cfg(feature = "tools")]
+fn tool_flags(mut args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>, ExitCode> {
     if args.get(1).is_some_and(|a| a == "bench") {
-        let (rest, warnings) = fleetgate::bench::vllm_flags::normalize(args.split_off(2));
+        let (rest, warnings) = fleetgate_bench::vllm_flags::normalize(args.split_off(2));
         args.extend(rest);
         for w in warnings {
             eprintln!("fleetgate bench: warning: {w}");
         }
     }
+    Ok(args)
+}
+
+/// A build without the tools (the container image's) says so for their commands, rather than
+/// clap's "unrecognized subcommand".
+#[cfg(not(feature = "tools"))]
+fn tool_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>, ExitCode> {
+    match args.get(1).and_then(|a| a.to_str()) {
+        Some(tool @ ("sim" | "bench" | "demo")) => {
+            eprintln!(
+                "fleetgate: `{tool}` is not in this build: it was built without the `tools` feature, as the container image is (the gateway alone); run `fleetgate {tool}` from a default build (`cargo build --release`)"
+            );
+            Err(ExitCode::from(EXIT_CONFIG))
+        }
+        _ => Ok(args),
+    }
+}
+
+fn main() -> ExitCode {
+    // A bad command line exits 64 (EX_USAGE), not clap's 2: 2 is bench's "SLA violated".
+    let args = store_flags_after_subcommand(std::env::args_os().collect());
+    let args = match tool_flags(args) {
+        Ok(args) => args,
+        Err(code) => return code,
+    };
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(e) => {
@@ -201,9 +232,10 @@ async fn run(cli: Cli) -> ExitCode {
             init_logging(config.server.log_format);
             serve(config, path).await
         }
+        #[cfg(feature = "tools")]
         Command::Sim(args) => {
             init_logging(LogFormat::Text);
-            match fleetgate::sim::run(args).await {
+            match fleetgate_sim::run(args).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("fleetgate sim: {e}");
@@ -211,10 +243,11 @@ async fn run(cli: Cli) -> ExitCode {
                 }
             }
         }
+        #[cfg(feature = "tools")]
         Command::Demo(args) => {
             // The demo prints its own table; logs only for warnings unless RUST_LOG says more.
             init_logging_default(LogFormat::Text, "warn");
-            match fleetgate::demo::run(args, wait_for_signal()).await {
+            match demo::run(args, wait_for_signal()).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("fleetgate demo: {e}");
@@ -222,6 +255,7 @@ async fn run(cli: Cli) -> ExitCode {
                 }
             }
         }
+        #[cfg(feature = "tools")]
         Command::Bench(args) => {
             init_logging_default(LogFormat::Text, "warn");
             // Ctrl-C stops sending and prints what was measured so far.
@@ -231,17 +265,17 @@ async fn run(cli: Cli) -> ExitCode {
                 wait_for_signal().await;
                 on_signal.cancel();
             });
-            ExitCode::from(fleetgate::bench::run(*args, stop).await)
+            ExitCode::from(fleetgate_bench::run(*args, stop).await)
         }
         Command::Probe {
             url,
             timeout_seconds,
         } => report(probe(&url, timeout_seconds).await),
-        Command::Keys(args) => report(fleetgate::keys_cli::run_keys(args).await),
-        Command::Usage(args) => report(fleetgate::keys_cli::run_usage(args).await),
-        Command::Migrate(args) => report(fleetgate::keys_cli::run_migrate(args).await),
-        Command::AdminToken(args) => report(fleetgate::keys_cli::run_admin_token(args)),
-        Command::ConsoleLogin(args) => report(fleetgate::keys_cli::run_console_login(args)),
+        Command::Keys(args) => report(keys_cli::run_keys(args).await),
+        Command::Usage(args) => report(keys_cli::run_usage(args).await),
+        Command::Migrate(args) => report(keys_cli::run_migrate(args).await),
+        Command::AdminToken(args) => report(keys_cli::run_admin_token(args)),
+        Command::ConsoleLogin(args) => report(keys_cli::run_console_login(args)),
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(c) => {
                 // Written with errors ignored: `check-config | head -1` must not panic.
@@ -260,8 +294,8 @@ async fn run(cli: Cli) -> ExitCode {
                         .backends
                         .iter()
                         .map(|b| match b.discover {
-                            fleetgate::config::Discover::Static => b.url.to_string(),
-                            fleetgate::config::Discover::Dns { interval } => format!(
+                            fleetgate_gateway::config::Discover::Static => b.url.to_string(),
+                            fleetgate_gateway::config::Discover::Dns { interval } => format!(
                                 "{} (every address, re-resolved every {:.1} s)",
                                 b.url,
                                 interval.as_secs_f64()
@@ -278,7 +312,7 @@ async fn run(cli: Cli) -> ExitCode {
                             .map(|n| format!(" (served as {n})"))
                             .unwrap_or_default(),
                         match p.kind {
-                            fleetgate::config::PoolKind::Generate => String::new(),
+                            fleetgate_gateway::config::PoolKind::Generate => String::new(),
                             kind => format!(" [{} model]", kind.as_str()),
                         }
                     );
@@ -298,7 +332,7 @@ async fn probe(url: &str, timeout_seconds: f64) -> Result<(), String> {
     let req = http::Request::get(uri)
         .body(http_body_util::Full::new(bytes::Bytes::new()))
         .map_err(|e| format!("probe: {e}"))?;
-    let client = fleetgate::client::http_client();
+    let client = fleetgate_protocol::client::http_client();
     let limit = std::time::Duration::from_secs_f64(timeout_seconds.max(0.001));
     match tokio::time::timeout(limit, client.request(req)).await {
         Ok(Ok(r)) if r.status().is_success() => Ok(()),
@@ -331,7 +365,8 @@ async fn serve(config: Config, path: std::path::PathBuf) -> ExitCode {
     tracing::info!(url = %server.base_url(), pools = config.pools.len(), "fleetgate listening");
     // SIGHUP (and, with server.watch_config, a changed file) reloads [[pools]].
     let stop_reloads = tokio_util::sync::CancellationToken::new();
-    let reloads = fleetgate::server::reload::run(&server, path, config, stop_reloads.clone());
+    let reloads =
+        fleetgate_gateway::server::reload::run(&server, path, config, stop_reloads.clone());
     tokio::select! {
         () = wait_for_signal() => {}
         () = reloads => {}

@@ -21,7 +21,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
-use fleetgate::key::Environment;
+use fleetgate_gateway::key::Environment;
 
 fn python_has(module: &str) -> bool {
     std::process::Command::new("python3")
@@ -32,7 +32,7 @@ fn python_has(module: &str) -> bool {
 
 /// A gateway in front of a sim that takes Claude Code's tools (`--enable-auto-tool-choice`),
 /// and a prod key with room for an agent's ~20k-token prompts.
-async fn setup() -> (sim::SimServer, Gateway, String) {
+async fn setup() -> (fleetgate_sim::SimServer, Gateway, String) {
     let sim = sim(|a| {
         a.enable_auto_tool_choice = true;
         a.responses_store = true;
@@ -44,8 +44,6 @@ async fn setup() -> (sim::SimServer, Gateway, String) {
     let (key, _) = issue_key(&gw, Environment::Prod, |_| {}).await;
     (sim, gw, key)
 }
-
-use fleetgate::sim;
 
 /// `claude -p "say hi"` with exactly `env`, in `work`: it completes and prints an answer.
 async fn claude_says_hi(

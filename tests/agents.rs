@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::client;
+use fleetgate_protocol::client;
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
@@ -397,7 +397,7 @@ async fn stored_responses_are_reached_where_they_live() {
         &gw,
         "POST",
         "/admin/backends/drain",
-        Some(&token(fleetgate::admin::jwt::Role::Admin)),
+        Some(&token(fleetgate_gateway::admin::jwt::Role::Admin)),
         Some(json!({"model": "qwen32b", "backend": holder})),
     )
     .await;
@@ -438,7 +438,7 @@ async fn background_responses_hold_their_slots_until_done_and_are_settled_once()
     let mut p = pool("qwen32b", &[one.url(), two.url()]);
     p.max_in_flight_per_backend = 1;
     let gw = gateway(vec![p]).await;
-    let (key, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+    let (key, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |k| {
         k.tokens_per_minute = Some(1000);
         k.max_concurrent_streams = Some(1);
     })
@@ -699,7 +699,7 @@ async fn another_keys_response_does_not_exist_for_it() {
     )
     .await;
     let id = json_body(&m)["id"].as_str().unwrap().to_owned();
-    let (other, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
+    let (other, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |_| {}).await;
     let bearer = format!("Bearer {other}");
     let c = client::http_client();
     let req = http::Request::get(gw.url(&format!("/v1/responses/{id}")))
@@ -735,11 +735,11 @@ async fn replicas_sharing_redis_share_stored_responses() {
     let two = sim(|a| a.responses_store = true).await;
     let db = temp_dir("pins-db").join("keys.db");
     let prefix = format!("fgtest-pins-{}-{}", std::process::id(), rand_suffix());
-    let shared = |c: &mut fleetgate::config::Config| {
+    let shared = |c: &mut fleetgate_gateway::config::Config| {
         c.database.sqlite_path = db.clone();
-        c.limits.shared = fleetgate::config::SharedLimits::Redis;
-        c.limits.redis = Some(fleetgate::config::RedisConfig {
-            url: fleetgate::secret::Secret::new(&redis),
+        c.limits.shared = fleetgate_gateway::config::SharedLimits::Redis;
+        c.limits.redis = Some(fleetgate_gateway::config::RedisConfig {
+            url: fleetgate_gateway::secret::Secret::new(&redis),
             timeout: Duration::from_millis(500),
             replicas: 2,
             key_prefix: prefix.clone(),

@@ -301,7 +301,7 @@ fn chattr(test: &str, flag: &str, files: &[&std::path::Path]) -> Option<()> {
 fn chat_key(
     gw: &Gateway,
     key: &str,
-) -> impl std::future::Future<Output = fleetgate::client::Measured> {
+) -> impl std::future::Future<Output = fleetgate_protocol::client::Measured> {
     let uri = gw.url("/v1/chat/completions");
     let auth = format!("Bearer {key}");
     async move {
@@ -324,7 +324,7 @@ fn chat_key(
 /// and every request-log row reaches the file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sqlite_write_fault_fails_loudly_and_the_store_recovers() {
-    use fleetgate::admin::jwt::Role;
+    use fleetgate_gateway::admin::jwt::Role;
     let test = "a_sqlite_write_fault_fails_loudly_and_the_store_recovers";
     let s = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[s.url()])], |c| {
@@ -466,7 +466,7 @@ async fn a_sqlite_write_fault_fails_loudly_and_the_store_recovers() {
 /// create, a revoke) succeeds on fresh connections, with no restart of the gateway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_revoke_during_a_connection_loss_and_writes_after_a_restart() {
-    use fleetgate::admin::jwt::Role;
+    use fleetgate_gateway::admin::jwt::Role;
     use sqlx::Connection;
     let Some(db) = pg_database("pg_revoke_during_loss").await else {
         return;
@@ -481,7 +481,7 @@ async fn postgres_revoke_during_a_connection_loss_and_writes_after_a_restart() {
     );
     let s = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[s.url()])], |c| {
-        c.database.url = Some(fleetgate::secret::Secret::new(via_proxy.clone()));
+        c.database.url = Some(fleetgate_gateway::secret::Secret::new(via_proxy.clone()));
         c.database.connect_timeout = Duration::from_millis(500);
         c.admin = admin_cfg();
     })
@@ -817,7 +817,7 @@ fn bearer(key: &str) -> String {
 
 async fn get_as(gw: &Gateway, path: &str, key: &str) -> (u16, serde_json::Value) {
     use http_body_util::BodyExt;
-    let c = fleetgate::client::http_client();
+    let c = fleetgate_protocol::client::http_client();
     let req = http::Request::get(gw.url(path))
         .header("authorization", bearer(key))
         .body(http_body_util::Full::new(bytes::Bytes::new()))
@@ -837,8 +837,8 @@ async fn get_as(gw: &Gateway, path: &str, key: &str) -> (u16, serde_json::Value)
 async fn a_key_cannot_take_over_another_keys_stored_response() {
     let sim = sim(|a| a.responses_store = true).await;
     let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
-    let (a, a_rec) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
-    let (b, b_rec) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
+    let (a, a_rec) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |_| {}).await;
+    let (b, b_rec) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |_| {}).await;
     let create = |instructions: &str, store: bool| {
         serde_json::json!({"model": "qwen32b", "input": "hi", "max_output_tokens": 2,
                            "instructions": instructions, "store": store})
@@ -917,7 +917,7 @@ async fn a_key_cannot_take_over_another_keys_stored_response() {
     })
     .await;
     let gw = gateway(vec![pool("qwen32b", &[url])]).await;
-    let (c, c_rec) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
+    let (c, c_rec) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |_| {}).await;
     let mut body: serde_json::Value = serde_json::from_str(&create("c", true)).unwrap();
     body["request_id"] = "chosen\\\"id".into();
     let m = post(
@@ -991,7 +991,7 @@ async fn bodies_still_arriving_are_bounded_per_key_and_for_the_gateway() {
     const MIB: usize = 1024 * 1024;
     let sim = sim(|_| {}).await;
     let mut p = pool("asr", &[sim.url()]);
-    p.kind = fleetgate::config::PoolKind::Transcription;
+    p.kind = fleetgate_gateway::config::PoolKind::Transcription;
     let gw = gateway_with(vec![p], |c| {
         c.server.max_body_bytes = MIB;
         c.server.max_audio_body_bytes = MIB;
@@ -1001,9 +1001,9 @@ async fn bodies_still_arriving_are_bounded_per_key_and_for_the_gateway() {
         c.server.body_timeout = Duration::from_secs(30);
     })
     .await;
-    let (a, _) = issue_key(&gw, fleetgate::key::Environment::Stress, |_| {}).await;
-    let (b, _) = issue_key(&gw, fleetgate::key::Environment::Stress, |_| {}).await;
-    let (c, _) = issue_key(&gw, fleetgate::key::Environment::Stress, |_| {}).await;
+    let (a, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Stress, |_| {}).await;
+    let (b, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Stress, |_| {}).await;
+    let (c, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Stress, |_| {}).await;
     let audio = "multipart/form-data; boundary=X";
     let path = "/v1/audio/transcriptions";
     // Key A holds its 2 MiB with two uploads one byte short.
@@ -1072,7 +1072,7 @@ async fn multipart_bodies_read_differently_by_vllm_are_refused() {
     })
     .await;
     let mut p = pool("whisper", &[url]);
-    p.kind = fleetgate::config::PoolKind::Transcription;
+    p.kind = fleetgate_gateway::config::PoolKind::Transcription;
     let gw = gateway(vec![p]).await;
     let part = |boundary: &str, name: &str, value: &str| {
         format!(
@@ -1155,7 +1155,7 @@ async fn absurd_usage_from_a_backend_is_not_settled() {
     })
     .await;
     let gw = gateway_with(vec![pool("m", &[url])], |c| c.admin = admin_cfg()).await;
-    let (key, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+    let (key, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |k| {
         k.tokens_per_minute = Some(10_000);
     })
     .await;
@@ -1193,7 +1193,7 @@ async fn absurd_usage_from_a_backend_is_not_settled() {
 async fn reservations_cover_what_vllm_may_generate() {
     let sim = sim(|_| {}).await;
     let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
-    let (key, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+    let (key, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |k| {
         k.tokens_per_minute = Some(20_000);
     })
     .await;
@@ -1306,7 +1306,7 @@ async fn nothing_after_the_terminal_event_and_no_vllm_internal_headers() {
 async fn a_revoked_keys_refusals_are_its_own_in_the_log() {
     let sim = sim(|_| {}).await;
     let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
-    let (key, rec) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
+    let (key, rec) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |_| {}).await;
     let revoked = gw
         .server
         .auth
@@ -1410,12 +1410,12 @@ async fn a_streamed_background_response_left_early_keeps_its_slot_until_done() {
     })
     .await;
     let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
-    let (key, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+    let (key, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |k| {
         k.max_concurrent_streams = Some(1);
     })
     .await;
     let body = r#"{"model":"qwen32b","input":"hi","max_output_tokens":60,"background":true,"stream":true}"#;
-    let c = fleetgate::client::http_client();
+    let c = fleetgate_protocol::client::http_client();
     let req = http::Request::post(gw.url("/v1/responses"))
         .header("authorization", bearer(&key))
         .header("content-type", "application/json")

@@ -83,7 +83,7 @@ async fn speech_is_transcribed_through_the_gateway() {
     let mut p = pool("asr", &[sim.url()]);
     p.served_model_name = Some("whisper-large-v3".into());
     // A speech model is warmed up with a transcription (half a second of silence), not a chat.
-    p.kind = fleetgate::config::PoolKind::Transcription;
+    p.kind = fleetgate_gateway::config::PoolKind::Transcription;
     p.warmup.requests = 1;
     let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
     assert_eq!(backend_states_become(&gw, &["healthy"]).await, ["healthy"]);

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 
 use clap::Parser;
 use common::*;
-use fleetgate::bench::{self, BenchArgs};
+use fleetgate_bench::BenchArgs;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
@@ -29,12 +29,12 @@ fn args(flags: &[&str]) -> BenchArgs {
     Cli::try_parse_from(all).unwrap().args
 }
 
-async fn run(flags: &[&str]) -> (bench::Plan, bench::Report) {
-    let plan = bench::plan(args(flags)).await.unwrap();
-    let result = bench::execute(Arc::new(plan.clone()), CancellationToken::new())
+async fn run(flags: &[&str]) -> (fleetgate_bench::Plan, fleetgate_bench::Report) {
+    let plan = fleetgate_bench::plan(args(flags)).await.unwrap();
+    let result = fleetgate_bench::execute(Arc::new(plan.clone()), CancellationToken::new())
         .await
         .unwrap();
-    let report = bench::build_report(&plan, &result);
+    let report = fleetgate_bench::build_report(&plan, &result);
     (plan, report)
 }
 
@@ -319,7 +319,7 @@ async fn compare_mode_reports_the_gateway_delta_and_its_own_time() {
         "{}",
         report.text
     );
-    assert_eq!(report.exit, bench::EXIT_COMPARE);
+    assert_eq!(report.exit, fleetgate_bench::EXIT_COMPARE);
     // Both targets' vLLM keys are kept.
     assert!(report.json["targets"]["direct"]["mean_ttft_ms"].is_number());
     assert!(report.json["targets"]["gateway"]["p99_ttft_ms"].is_number());
@@ -331,7 +331,7 @@ async fn compare_mode_reports_the_gateway_delta_and_its_own_time() {
 /// warning, from its per-request Server-Timing `upstream` beside the direct TTFTs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_spreads_direct_over_the_pool_and_warns_on_unequal_backends() {
-    let fast = |a: &mut fleetgate::sim::SimArgs| a.zero_delay = true;
+    let fast = |a: &mut fleetgate_sim::SimArgs| a.zero_delay = true;
     let (s1, s2) = (sim(fast).await, sim(fast).await);
     let gw = gateway(vec![pool("qwen32b", &[s1.url(), s2.url()])]).await;
     let auth = format!("Authorization: Bearer {}", gw.key);
@@ -360,7 +360,7 @@ async fn compare_spreads_direct_over_the_pool_and_warns_on_unequal_backends() {
         run(&f).await
     };
     // Direct alone: 40 prompts, 20 on each server.
-    let seen = |s: &fleetgate::sim::SimServer| s.stats().requests.load(Ordering::SeqCst);
+    let seen = |s: &fleetgate_sim::SimServer| s.stats().requests.load(Ordering::SeqCst);
     let (a0, b0) = (seen(&s1), seen(&s2));
     let urls = format!("{}, {}/v1", s1.url(), s2.url());
     let (plan, report) = run(&[
@@ -404,7 +404,7 @@ async fn compare_spreads_direct_over_the_pool_and_warns_on_unequal_backends() {
         report.text
     );
     // Each URL once.
-    let e = bench::plan(args(&[
+    let e = fleetgate_bench::plan(args(&[
         "--compare",
         &format!("direct={0},{0}", s1.url()),
         "gateway=http://127.0.0.1:9",
@@ -428,10 +428,10 @@ async fn the_verdicts_tolerances_and_labels_come_from_the_flags() {
         "2",
     ];
     // Defaults: +3 % (means), +5 % (percentiles), 1 ms floor; P95 joins P99.
-    let plan = bench::plan(args(&base)).await.unwrap();
+    let plan = fleetgate_bench::plan(args(&base)).await.unwrap();
     assert_eq!(
         plan.thresholds,
-        bench::verdict::Thresholds {
+        fleetgate_bench::verdict::Thresholds {
             mean_pct: 3.0,
             percentile_pct: 5.0,
             floor_ms: 1.0
@@ -458,7 +458,7 @@ async fn the_verdicts_tolerances_and_labels_come_from_the_flags() {
         "--label",
         "gpu=a6000",
     ]);
-    let plan = bench::plan(args(&flags)).await.unwrap();
+    let plan = fleetgate_bench::plan(args(&flags)).await.unwrap();
     assert_eq!(
         (plan.thresholds.percentile_pct, plan.thresholds.floor_ms),
         (7.0, 0.5)
@@ -472,7 +472,7 @@ async fn the_verdicts_tolerances_and_labels_come_from_the_flags() {
     );
     assert_eq!(plan.labels["gpu"], "a6000");
     // One target: nothing added.
-    let plan = bench::plan(args(&["--base-url", "http://127.0.0.1:9", "--model", "m"]))
+    let plan = fleetgate_bench::plan(args(&["--base-url", "http://127.0.0.1:9", "--model", "m"]))
         .await
         .unwrap();
     assert_eq!(plan.percentiles, [99.0]);
@@ -487,7 +487,7 @@ async fn the_verdicts_tolerances_and_labels_come_from_the_flags() {
     ] {
         let mut flags = base.to_vec();
         flags.extend(bad);
-        let e = bench::plan(args(&flags)).await.unwrap_err();
+        let e = fleetgate_bench::plan(args(&flags)).await.unwrap_err();
         assert!(e.contains(says), "{bad:?}: {e}");
     }
 }
@@ -524,7 +524,7 @@ async fn sla_violations_exit_2_with_a_table() {
         "ttft_p99_ms=0.0001,e2el_mean_ms=0.0001,error_rate=0.5",
     ]);
     let (_, report) = run(&missed).await;
-    assert_eq!(report.exit, bench::EXIT_SLA);
+    assert_eq!(report.exit, fleetgate_bench::EXIT_SLA);
     assert!(report.text.contains("SLA violated"));
     // Every objective is listed with its verdict, and a limit is printed as it was written.
     let line = |name: &str| {
@@ -547,14 +547,14 @@ async fn sla_violations_exit_2_with_a_table() {
     // A misspelt objective is refused before anything is sent.
     let mut bad = common.to_vec();
     bad.extend(["--sla", "ttft_q90_ms=5"]);
-    let err = bench::plan(args(&bad)).await.unwrap_err();
+    let err = fleetgate_bench::plan(args(&bad)).await.unwrap_err();
     assert!(err.contains("not a statistic"), "{err}");
     // A percentile the objective names is measured, though --metric-percentiles omits it (the
     // docs' own example: `--sla ttft_p99_ms=1500,e2el_p95_ms=60000`).
     let mut p90 = common.to_vec();
     p90.extend(["--sla", "ttft_p90_ms=0.0001"]);
     let (_, report) = run(&p90).await;
-    assert_eq!(report.exit, bench::EXIT_SLA, "{}", report.text);
+    assert_eq!(report.exit, fleetgate_bench::EXIT_SLA, "{}", report.text);
     assert!(report.text.contains("P90 TTFT (ms)"), "{}", report.text);
 }
 
@@ -585,7 +585,7 @@ async fn sharegpt_is_sampled_and_filtered_as_vllm_does() {
     ]);
     std::fs::write(&path, data.to_string()).unwrap();
     let (prompts, stats) =
-        fleetgate::bench::dataset::sharegpt(&path, 100, None, 0, &Default::default()).unwrap();
+        fleetgate_bench::dataset::sharegpt(&path, 100, None, 0, &Default::default()).unwrap();
     assert_eq!(stats.conversations, 6);
     assert_eq!(stats.fewer_than_two_turns, 1);
     assert_eq!(stats.prompt_too_short, 1, "`Hi`");
@@ -596,7 +596,7 @@ async fn sharegpt_is_sampled_and_filtered_as_vllm_does() {
     assert!(prompts.iter().all(|p| p.output_tokens >= 4));
     // A fixed output length lifts the output check (as --sharegpt-output-len does).
     let (fixed, stats) =
-        fleetgate::bench::dataset::sharegpt(&path, 100, Some(64), 0, &Default::default()).unwrap();
+        fleetgate_bench::dataset::sharegpt(&path, 100, Some(64), 0, &Default::default()).unwrap();
     assert_eq!(stats.output_too_short, 0);
     assert_eq!(fixed.len(), 3);
     assert!(fixed.iter().all(|p| p.output_tokens == 64));
@@ -639,7 +639,7 @@ async fn sharegpt_is_sampled_and_filtered_as_vllm_does() {
             {"from": "gpt", "value": "TCP is reliable and ordered; UDP is neither."}]}
     ]);
     std::fs::write(&path, data.to_string()).unwrap();
-    let approx = fleetgate::bench::dataset::sharegpt(&path, 10, None, 0, &Default::default())
+    let approx = fleetgate_bench::dataset::sharegpt(&path, 10, None, 0, &Default::default())
         .unwrap()
         .1;
     assert_eq!((approx.kept, approx.prompt_too_long), (2, 0));
@@ -683,8 +683,7 @@ async fn sharegpt_is_sampled_and_filtered_as_vllm_does() {
     );
     // Not a ShareGPT file: a clear error.
     std::fs::write(&path, b"{\"not\": \"a list\"}").unwrap();
-    let e =
-        fleetgate::bench::dataset::sharegpt(&path, 5, None, 0, &Default::default()).unwrap_err();
+    let e = fleetgate_bench::dataset::sharegpt(&path, 5, None, 0, &Default::default()).unwrap_err();
     assert!(e.contains("not a ShareGPT file"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -769,7 +768,7 @@ async fn settings_json_drives_a_timed_closed_loop_run() {
     let out = dir.join("result.json");
     let p = settings.display().to_string();
     let o = out.display().to_string();
-    let code = bench::run(
+    let code = fleetgate_bench::run(
         args(&["--config", &p, "--output", &o]),
         CancellationToken::new(),
     )
@@ -846,14 +845,14 @@ async fn a_bad_settings_file_exits_64_naming_the_key() {
         let path = dir.0.join(format!("settings-{i}.json"));
         std::fs::write(&path, text).unwrap();
         let p = path.display().to_string();
-        let e = bench::plan::read_settings(&path).unwrap_err();
+        let e = fleetgate_bench::plan::read_settings(&path).unwrap_err();
         assert!(e.contains(says) && e.contains(&p), "{text}: {e}");
-        let code = bench::run(args(&["--config", &p]), CancellationToken::new()).await;
-        assert_eq!(code, bench::EXIT_USAGE, "{text}");
+        let code = fleetgate_bench::run(args(&["--config", &p]), CancellationToken::new()).await;
+        assert_eq!(code, fleetgate_bench::EXIT_USAGE, "{text}");
     }
     let missing = dir.0.join("nope.json").display().to_string();
-    let code = bench::run(args(&["--config", &missing]), CancellationToken::new()).await;
-    assert_eq!(code, bench::EXIT_USAGE);
+    let code = fleetgate_bench::run(args(&["--config", &missing]), CancellationToken::new()).await;
+    assert_eq!(code, fleetgate_bench::EXIT_USAGE);
     assert_eq!(
         s.stats().requests.load(Ordering::SeqCst),
         0,
@@ -866,7 +865,7 @@ fn diff_lines_up_two_results() {
     let a = serde_json::json!({"mean_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "request_throughput": 8.0, "input_lens": [1]});
     let b =
         serde_json::json!({"mean_ttft_ms": 103.0, "p99_ttft_ms": 190.0, "request_throughput": 8.0});
-    let t = fleetgate::bench::report::diff(&a, &b).unwrap();
+    let t = fleetgate_bench::report::diff(&a, &b).unwrap();
     assert!(t.contains("mean_ttft_ms") && t.contains("+3.00%"), "{t}");
     assert!(t.contains("-5.00%"), "{t}");
     assert!(!t.contains("input_lens"));
@@ -874,13 +873,13 @@ fn diff_lines_up_two_results() {
         t.starts_with("A: a single-target run\nB: a single-target run\n"),
         "{t}"
     );
-    assert!(fleetgate::bench::report::diff(&serde_json::json!({}), &b).is_err());
+    assert!(fleetgate_bench::report::diff(&serde_json::json!({}), &b).is_err());
     // A compare result: the diff says which of its targets it read.
     let compare = serde_json::json!({
         "targets": {"direct": {"mean_ttft_ms": 90.0}, "gateway": {"mean_ttft_ms": 101.0}},
         "comparison": {"baseline": "direct", "measured": "gateway"},
     });
-    let t = fleetgate::bench::report::diff(&compare, &a).unwrap();
+    let t = fleetgate_bench::report::diff(&compare, &a).unwrap();
     assert!(
         t.starts_with("A: target `gateway` of a --compare run (the measured side; `direct` was its baseline)\n"),
         "{t}"
@@ -903,7 +902,7 @@ async fn a_sweep_finds_the_knee_draws_it_and_plans_capacity() {
     let chart = dir.join("sweep.svg");
     let out = dir.join("sweep.json");
     let (c, o) = (chart.display().to_string(), out.display().to_string());
-    let code = bench::run(
+    let code = fleetgate_bench::run(
         args(&[
             "--base-url",
             &s.url(),
@@ -1077,21 +1076,21 @@ async fn the_hop_cost_is_read_from_the_trailer_of_a_stream() {
     use std::sync::atomic::AtomicUsize;
     let te_seen = std::sync::Arc::new(AtomicUsize::new(0));
     let addr = timing_server(te_seen.clone()).await;
-    let client = fleetgate::client::http_client();
+    let client = fleetgate_protocol::client::http_client();
     let uri: http::Uri = format!("http://{addr}/v1/chat/completions")
         .parse()
         .unwrap();
-    let body = fleetgate::client::chat_body("m", "hi", 3, true);
-    let target = bench::plan::Target {
+    let body = fleetgate_protocol::client::chat_body("m", "hi", 3, true);
+    let target = fleetgate_bench::plan::Target {
         name: "t".into(),
         base: format!("http://{addr}"),
         uri: uri.clone(),
         replicas: vec![uri.clone()],
         headers: http::HeaderMap::new(),
-        dialect: fleetgate::protocol::Dialect::Chat,
+        dialect: fleetgate_protocol::Dialect::Chat,
         streamed: true,
     };
-    let o = bench::measure::send(
+    let o = fleetgate_bench::measure::send(
         &client,
         &target,
         0,
@@ -1112,12 +1111,12 @@ async fn the_hop_cost_is_read_from_the_trailer_of_a_stream() {
     );
     // Without `TE: trailers` the server keeps the trailer back: the bench's header is what
     // lets the hop figure through.
-    let req = fleetgate::client::post(&uri, &http::HeaderMap::new(), body);
-    let mut a = fleetgate::client::open(&client, req, std::time::Instant::now())
+    let req = fleetgate_protocol::client::post(&uri, &http::HeaderMap::new(), body);
+    let mut a = fleetgate_protocol::client::open(&client, req, std::time::Instant::now())
         .await
         .unwrap();
     let end = a.read(None, |_, _| {}).await;
-    assert_eq!(end, fleetgate::client::BodyEnd::Complete);
+    assert_eq!(end, fleetgate_protocol::client::BodyEnd::Complete);
     assert!(a.trailers.is_none(), "{:?}", a.trailers);
     // Through a whole compare run: the report's hop section and the line beside the client's
     // delta.
@@ -1213,7 +1212,7 @@ async fn the_agents_protocols_are_benchmarked_like_chat() {
         assert_eq!(report.json["endpoint_type"], kind, "{kind}");
     }
     // An endpoint that disagrees with its type is refused before anything is sent.
-    let err = bench::plan(args(&[
+    let err = fleetgate_bench::plan(args(&[
         "--base-url",
         &s.url(),
         "--endpoint-type",
@@ -1227,10 +1226,10 @@ async fn the_agents_protocols_are_benchmarked_like_chat() {
 }
 
 /// A `vllm serve --runner pooling` stand-in serving the embedding model `embed`.
-async fn embedding_sim() -> fleetgate::sim::SimServer {
+async fn embedding_sim() -> fleetgate_sim::SimServer {
     sim(|a| {
-        a.runner = fleetgate::sim::Runner::Pooling;
-        a.convert = fleetgate::sim::Convert::Embed;
+        a.runner = fleetgate_sim::Runner::Pooling;
+        a.convert = fleetgate_sim::Convert::Embed;
         a.served_model_name = vec!["embed".into()];
     })
     .await
@@ -1382,7 +1381,7 @@ async fn embeddings_are_benchmarked_directly_with_vllms_pooling_keys() {
         ("--percentile-metrics", "ttft,tpot"),
         ("--sweep", "rate=1,2"),
     ] {
-        let err = bench::plan(args(&[
+        let err = fleetgate_bench::plan(args(&[
             "--endpoint-type",
             "openai-embeddings",
             "--base-url",
@@ -1396,7 +1395,7 @@ async fn embeddings_are_benchmarked_directly_with_vllms_pooling_keys() {
         .unwrap_err();
         assert!(err.contains("openai-embeddings"), "{flag} {value}: {err}");
     }
-    let err = bench::plan(args(&[
+    let err = fleetgate_bench::plan(args(&[
         "--endpoint-type",
         "openai-embeddings",
         "--base-url",
@@ -1410,7 +1409,7 @@ async fn embeddings_are_benchmarked_directly_with_vllms_pooling_keys() {
     .unwrap_err();
     assert!(err.contains("e2el"), "{err}");
     // An embeddings path for a chat type, and a chat path for embeddings, disagree.
-    let err = bench::plan(args(&[
+    let err = fleetgate_bench::plan(args(&[
         "--endpoint-type",
         "openai-embeddings",
         "--endpoint",
@@ -1431,7 +1430,7 @@ async fn embeddings_are_benchmarked_directly_with_vllms_pooling_keys() {
 async fn embeddings_are_benchmarked_through_the_gateway() {
     let s = embedding_sim().await;
     let mut p = pool("embed", &[s.url()]);
-    p.kind = fleetgate::config::PoolKind::Embed;
+    p.kind = fleetgate_gateway::config::PoolKind::Embed;
     let gw = gateway(vec![p]).await;
     let auth = format!("Authorization: Bearer {}", gw.key);
     let base = format!("http://{}", gw.server.local_addr);
@@ -1496,7 +1495,7 @@ async fn embeddings_are_benchmarked_through_the_gateway() {
 async fn an_embeddings_comparison_judges_e2el_only() {
     let s = embedding_sim().await;
     let mut p = pool("embed", &[s.url()]);
-    p.kind = fleetgate::config::PoolKind::Embed;
+    p.kind = fleetgate_gateway::config::PoolKind::Embed;
     let gw = gateway(vec![p]).await;
     let auth = format!("Authorization: Bearer {}", gw.key);
     let direct = format!("direct={}", s.url());
@@ -1588,12 +1587,24 @@ async fn an_embeddings_comparison_judges_e2el_only() {
     }
     // Pass or fail is the machine's; the exit code follows the verdict.
     let pass = cmp["pass"].as_bool().unwrap();
-    assert_eq!(report.exit, if pass { 0 } else { bench::EXIT_COMPARE });
+    assert_eq!(
+        report.exit,
+        if pass {
+            0
+        } else {
+            fleetgate_bench::EXIT_COMPARE
+        }
+    );
 }
 
 /// A multi-turn run against `base` (16 shared system tokens, 24 user tokens and 20 answer
 /// tokens a turn), its report.
-async fn multi_turn(base: &str, kind: &str, conversations: &str, extra: &[&str]) -> bench::Report {
+async fn multi_turn(
+    base: &str,
+    kind: &str,
+    conversations: &str,
+    extra: &[&str],
+) -> fleetgate_bench::Report {
     let mut flags = vec![
         "--base-url",
         base,
@@ -1614,15 +1625,15 @@ async fn multi_turn(base: &str, kind: &str, conversations: &str, extra: &[&str])
         "--ignore-eos",
     ];
     flags.extend_from_slice(extra);
-    let plan = bench::plan(args(&flags)).await.unwrap();
+    let plan = fleetgate_bench::plan(args(&flags)).await.unwrap();
     assert!(plan.multi_turn.is_some());
-    bench::multiturn::run(Arc::new(plan), CancellationToken::new())
+    fleetgate_bench::multiturn::run(Arc::new(plan), CancellationToken::new())
         .await
         .unwrap()
 }
 
 /// (mean prompt tokens, cached share if the answers said) of each turn of a multi-turn report.
-fn turns(report: &bench::Report) -> Vec<(f64, Option<f64>)> {
+fn turns(report: &fleetgate_bench::Report) -> Vec<(f64, Option<f64>)> {
     report.json["multi_turn"]["per_turn"]
         .as_array()
         .unwrap()
@@ -1764,7 +1775,7 @@ async fn a_hot_conversation_sends_its_turns_by_lanes_over_one_history() {
     );
     // Each turn's lanes: a message of its own each, and at the sim the same prompt tokens (the
     // same history behind messages of one size), growing turn by turn with lane 0's answer.
-    let plan = bench::plan(args(&[
+    let plan = fleetgate_bench::plan(args(&[
         "--base-url",
         &s.url(),
         "--model",
@@ -1785,9 +1796,10 @@ async fn a_hot_conversation_sends_its_turns_by_lanes_over_one_history() {
     .unwrap();
     assert_eq!(plan.num_prompts, 18);
     let mt = plan.multi_turn.clone().unwrap();
-    let result = bench::multiturn::execute(Arc::new(plan.clone()), CancellationToken::new())
-        .await
-        .unwrap();
+    let result =
+        fleetgate_bench::multiturn::execute(Arc::new(plan.clone()), CancellationToken::new())
+            .await
+            .unwrap();
     assert_eq!(result.outcomes.len(), 18);
     let mut last = 0;
     for t in 0..3 {
@@ -1828,7 +1840,7 @@ async fn a_hot_share_out_of_range_or_without_conversations_is_refused() {
         args(&flags.iter().map(String::as_str).collect::<Vec<_>>())
     };
     for f in ["0", "1", "1.5", "-0.2", "NaN"] {
-        let err = bench::plan(refused(&[
+        let err = fleetgate_bench::plan(refused(&[
             "--multi-turn-conversations",
             "4",
             &format!("--multi-turn-hot-share={f}"),
@@ -1840,11 +1852,11 @@ async fn a_hot_share_out_of_range_or_without_conversations_is_refused() {
             "{f}: {err}"
         );
     }
-    let err = bench::plan(refused(&["--multi-turn-hot-share", "0.3"]))
+    let err = fleetgate_bench::plan(refused(&["--multi-turn-hot-share", "0.3"]))
         .await
         .unwrap_err();
     assert!(err.contains("--multi-turn-conversations"), "{err}");
-    let err = bench::plan(refused(&[
+    let err = fleetgate_bench::plan(refused(&[
         "--multi-turn-conversations",
         "1",
         "--multi-turn-hot-share",
@@ -1900,7 +1912,7 @@ async fn prefix_repetition_prompts_share_their_prefixes_as_vllm_makes_them() {
 async fn a_refused_side_fails_the_comparison_and_says_why() {
     let s = sim(|a| a.zero_delay = true).await;
     let gw = gateway(vec![pool("qwen32b", &[s.url()])]).await;
-    let (key, _) = issue_key(&gw, fleetgate::key::Environment::Stress, |k| {
+    let (key, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Stress, |k| {
         k.requests_per_minute = Some(5)
     })
     .await;
@@ -1964,5 +1976,9 @@ async fn a_refused_side_fails_the_comparison_and_says_why() {
     }
     // The like-for-like medians are over the same paired prompts too.
     assert_eq!(cmp["like_for_like"]["paired_prompts"], 40 - g.failed);
-    assert_eq!(report.exit, bench::EXIT_COMPARE, "3 wins over the SLA's 2");
+    assert_eq!(
+        report.exit,
+        fleetgate_bench::EXIT_COMPARE,
+        "3 wins over the SLA's 2"
+    );
 }

@@ -194,7 +194,7 @@ async fn serve_drains_a_stream_on_sigterm() {
         post(
             &uri,
             &[("x-request-id", "sigterm-1"), ("authorization", &auth)],
-            fleetgate::client::chat_body("qwen32b", "hi", 50, true),
+            fleetgate_protocol::client::chat_body("qwen32b", "hi", 50, true),
         )
         .await
     });
@@ -324,7 +324,10 @@ fn keys_cli_round_trip() {
         .find(|w| w.starts_with("fg-stress-"))
         .unwrap()
         .to_owned();
-    let id = fleetgate::key::parse(&key).unwrap().public_id.to_owned();
+    let id = fleetgate_gateway::key::parse(&key)
+        .unwrap()
+        .public_id
+        .to_owned();
 
     let (code, out, _) = run(&["list", "--env", "stress"]);
     assert_eq!(code, Some(0));
@@ -368,12 +371,15 @@ fn keys_cli_round_trip() {
     // `-q` on rotate: the new key alone, for `export X=$(fleetgate keys rotate ID -q)`.
     let (_, out, _) = run(&["create", "--env", "gray", "--name", "rotated", "-q"]);
     let first = out.trim().to_owned();
-    let rid = fleetgate::key::parse(&first).unwrap().public_id.to_owned();
+    let rid = fleetgate_gateway::key::parse(&first)
+        .unwrap()
+        .public_id
+        .to_owned();
     let (code, out, err) = run(&["rotate", &rid, "--grace", "1m", "-q"]);
     assert_eq!(code, Some(0), "{err}");
     let second = out.trim();
     assert_eq!(
-        fleetgate::key::parse(second).unwrap().public_id,
+        fleetgate_gateway::key::parse(second).unwrap().public_id,
         rid,
         "one line, the new key: {out:?}"
     );
@@ -419,7 +425,7 @@ async fn until_served_by(
         let m = post(
             uri,
             &[("authorization", &auth)],
-            fleetgate::client::chat_body("qwen32b", "hi", 2, true),
+            fleetgate_protocol::client::chat_body("qwen32b", "hi", 2, true),
         )
         .await;
         assert_eq!(m.status, 200, "{:?}", m.body);
@@ -819,7 +825,7 @@ fn store_flags_go_anywhere_and_the_key_table_lines_up() {
         key.starts_with("fg-stress-") && key.trim_end().lines().count() == 1,
         "-q prints the key alone: {key}"
     );
-    let id = fleetgate::key::parse(key.trim())
+    let id = fleetgate_gateway::key::parse(key.trim())
         .unwrap()
         .public_id
         .to_owned();
@@ -864,7 +870,7 @@ fn printing_commands_survive_a_closed_pipe() {
         "keys", "create", "--sqlite", db, "--env", "prod", "--name", "x", "-q",
     ]);
     assert_eq!(code, Some(0), "{err}");
-    let id = fleetgate::key::parse(key.trim())
+    let id = fleetgate_gateway::key::parse(key.trim())
         .unwrap()
         .public_id
         .to_owned();
@@ -1021,7 +1027,7 @@ fn keys_create_takes_endpoint_families() {
         "-q",
     ]);
     assert_eq!(code, Some(0), "{err}");
-    let id = fleetgate::key::parse(key.trim())
+    let id = fleetgate_gateway::key::parse(key.trim())
         .unwrap()
         .public_id
         .to_owned();

@@ -44,7 +44,7 @@ async fn healthz_on(s: &mut TcpStream) -> Option<String> {
     Some(String::from_utf8_lossy(&answer).into_owned())
 }
 
-async fn short_timeouts(max_connections: usize) -> (Gateway, sim::SimServer) {
+async fn short_timeouts(max_connections: usize) -> (Gateway, fleetgate_sim::SimServer) {
     let sim = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
         c.server.max_connections = max_connections;
@@ -59,11 +59,11 @@ async fn short_timeouts(max_connections: usize) -> (Gateway, sim::SimServer) {
 }
 
 /// A streamed chat of `max_tokens` through the gateway, with its key.
-async fn stream(gw: &Gateway, max_tokens: u32) -> fleetgate::client::Measured {
+async fn stream(gw: &Gateway, max_tokens: u32) -> fleetgate_protocol::client::Measured {
     post(
         &gw.url("/v1/chat/completions"),
         &[],
-        fleetgate::client::chat_body("qwen32b", "hi", max_tokens, true),
+        fleetgate_protocol::client::chat_body("qwen32b", "hi", max_tokens, true),
     )
     .await
 }
@@ -76,8 +76,6 @@ fn metric(gw: &Gateway, event: &str) -> f64 {
         .find_map(|l| l.strip_prefix(&prefix))
         .map_or(0.0, |v| v.trim().parse().unwrap())
 }
-
-use fleetgate::sim;
 
 #[tokio::test]
 async fn silent_connections_are_closed_and_the_cap_lets_the_next_client_in() {

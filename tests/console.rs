@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::admin::jwt::Role;
-use fleetgate::key::Environment;
+use fleetgate_gateway::admin::jwt::Role;
+use fleetgate_gateway::key::Environment;
 use http_body_util::BodyExt;
 
 fn chat_body() -> Bytes {
@@ -26,7 +26,7 @@ fn chat_body() -> Bytes {
 }
 
 fn link(role: Role) -> String {
-    fleetgate::admin::console::session::mint_login(
+    fleetgate_gateway::admin::console::session::mint_login(
         &admin_cfg(),
         role,
         "tester",
@@ -48,7 +48,7 @@ async fn send(
     headers: &[(&str, &str)],
     body: Option<String>,
 ) -> Answer {
-    let c = fleetgate::client::http_client();
+    let c = fleetgate_protocol::client::http_client();
     let mut req = http::Request::builder()
         .method(method)
         .uri(format!("http://{admin}{path}"));
@@ -129,8 +129,8 @@ async fn sign_in(admin: SocketAddr, role: Role) -> (String, String) {
 /// A gateway with the console on its admin listener, in front of one sim; on `db` when given
 /// (else the helper's own SQLite store): (the sim, the gateway, the admin listener's address).
 async fn console_gateway(
-    db: Option<fleetgate::config::DatabaseConfig>,
-) -> (fleetgate::sim::SimServer, Gateway, SocketAddr) {
+    db: Option<fleetgate_gateway::config::DatabaseConfig>,
+) -> (fleetgate_sim::SimServer, Gateway, SocketAddr) {
     let sim = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
         if let Some(db) = db {
@@ -613,7 +613,7 @@ async fn the_cookie_is_secure_over_tls() {
     let sim = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
         c.admin = admin_cfg();
-        c.admin.tls = Some(fleetgate::config::TlsConfig {
+        c.admin.tls = Some(fleetgate_gateway::config::TlsConfig {
             cert: cert_path.clone(),
             key: key_path.clone(),
         });
@@ -653,7 +653,7 @@ async fn the_cookie_is_secure_over_tls() {
     let set = r.headers()["set-cookie"].to_str().unwrap_or_default();
     assert!(set.contains("; Secure"), "{set}");
     // Plain HTTP to that listener is not served.
-    let plain = fleetgate::client::http_client()
+    let plain = fleetgate_protocol::client::http_client()
         .request(
             http::Request::get(format!("http://{admin}/console/"))
                 .body(http_body_util::Full::new(Bytes::new()))
@@ -745,7 +745,7 @@ async fn console_windows_follow_the_data() {
         // A gray key whose 40 requests, one a minute, ended 26 hours ago.
         let (_, quiet) = issue_key(&gw, Environment::Gray, |c| c.name = "yesterday".into()).await;
         let id = quiet.public_id.to_string();
-        let last = fleetgate::clock::wall_ms() - 26 * 3_600_000;
+        let last = fleetgate_gateway::clock::wall_ms() - 26 * 3_600_000;
         for i in 0..40i64 {
             sqlx::query(
                 "INSERT INTO request_log (row_id, at, request_id, key_id, environment, status, \
@@ -769,7 +769,7 @@ async fn console_windows_follow_the_data() {
             .nth(1)
             .and_then(|s| s.split("</p>").next())
             .unwrap_or_else(|| panic!("{kind}: no usage note: {page}"));
-        let last_text = fleetgate::clock::format_wall_ms(last);
+        let last_text = fleetgate_gateway::clock::format_wall_ms(last);
         assert!(
             note.contains(&format!(
                 "the window ends at its last request, {last_text} (1 d 2 h ago)"

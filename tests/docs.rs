@@ -17,7 +17,7 @@ fn read(rel: &str) -> String {
 
 /// The fields serde expected where it met `zzz_unknown` in `toml`.
 fn fields_of(toml: &str) -> Vec<String> {
-    let err = fleetgate::config::Config::parse("t.toml", toml, |_| Some("x".into()))
+    let err = fleetgate_gateway::config::Config::parse("t.toml", toml, |_| Some("x".into()))
         .err()
         .unwrap_or_else(|| panic!("no error for:\n{toml}"));
     let msg = err.message;
@@ -170,22 +170,22 @@ fn every_config_key_is_documented_in_its_section() {
 fn the_messages_operations_md_quotes_are_the_gateways() {
     let ops = read("docs/operations.md");
     let sources: String = [
-        "src/auth/mod.rs",
-        "src/auth/failure.rs",
-        "src/admin/jwt.rs",
-        "src/proxy/error.rs",
-        "src/proxy/mod.rs",
-        "src/proxy/upstream.rs",
-        "src/proxy/headers.rs",
-        "src/proxy/retry.rs",
-        "src/proxy/backend_error.rs",
-        "src/proxy/timing.rs",
-        "src/queue/mod.rs",
-        "src/limits/mod.rs",
-        "src/limits/refusal.rs",
-        "src/server/reload.rs",
-        "src/pool/cause.rs",
-        "src/pool/health.rs",
+        "crates/gateway/src/auth/mod.rs",
+        "crates/gateway/src/auth/failure.rs",
+        "crates/gateway/src/admin/jwt.rs",
+        "crates/gateway/src/proxy/error.rs",
+        "crates/gateway/src/proxy/mod.rs",
+        "crates/gateway/src/proxy/upstream.rs",
+        "crates/gateway/src/proxy/headers.rs",
+        "crates/gateway/src/proxy/retry.rs",
+        "crates/gateway/src/proxy/backend_error.rs",
+        "crates/gateway/src/proxy/timing.rs",
+        "crates/gateway/src/queue/mod.rs",
+        "crates/gateway/src/limits/mod.rs",
+        "crates/gateway/src/limits/refusal.rs",
+        "crates/gateway/src/server/reload.rs",
+        "crates/gateway/src/pool/cause.rs",
+        "crates/gateway/src/pool/health.rs",
     ]
     .iter()
     .map(|p| read(p))
@@ -238,6 +238,7 @@ fn no_development_machine_paths_are_shipped() {
     let mut files = Vec::new();
     for dir in [
         "src",
+        "crates",
         "scripts",
         "docs",
         "tests",
@@ -268,7 +269,7 @@ fn no_development_machine_paths_are_shipped() {
 /// The console's "Now" span is one number in the code, on the page and in docs/console.md.
 #[test]
 fn the_consoles_now_window_is_the_codes() {
-    use fleetgate::admin::console::{data, pages};
+    use fleetgate_gateway::admin::console::{data, pages};
     let secs = data::RATE_WINDOW.as_secs();
     let doc = read("docs/console.md");
     assert!(
@@ -319,7 +320,7 @@ fn the_example_settings_json_is_valid() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("settings.json");
     std::fs::write(&path, body).unwrap();
-    let s = fleetgate::bench::plan::read_settings(&path);
+    let s = fleetgate_bench::plan::read_settings(&path);
     let _ = std::fs::remove_dir_all(&dir);
     let s = s.unwrap_or_else(|e| panic!("{e}"));
     let names: Vec<_> = s

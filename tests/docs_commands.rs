@@ -393,7 +393,10 @@ impl Session {
             .trim_start_matches("http://")
             .trim_end_matches("/v1")
             .to_owned();
-        let id = fleetgate::key::parse(&key).unwrap().public_id.to_owned();
+        let id = fleetgate_gateway::key::parse(&key)
+            .unwrap()
+            .public_id
+            .to_owned();
         let demo_dir = Path::new(&store).parent().unwrap().display().to_string();
         self.subst.push(("fg-stress-...".into(), key));
         self.gateway = Some(addr);
@@ -519,7 +522,7 @@ impl Session {
                 if let Some(id) = stdout
                     .split(|c: char| c.is_whitespace() || matches!(c, '=' | '"' | ','))
                     .find_map(|w| {
-                        fleetgate::key::parse(w)
+                        fleetgate_gateway::key::parse(w)
                             .ok()
                             .map(|k| k.public_id.to_owned())
                     })

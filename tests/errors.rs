@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::client::{self, chat_body};
+use fleetgate_protocol::client::{self, chat_body};
 use http_body_util::BodyExt;
 
-async fn setup() -> (fleetgate::sim::SimServer, Gateway) {
+async fn setup() -> (fleetgate_sim::SimServer, Gateway) {
     let sim = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
         c.server.max_body_bytes = 4096;
@@ -155,7 +155,7 @@ async fn unknown_route_and_wrong_method() {
         // The unknown-route message names every route the gateway forwards.
         if status == 404 {
             let msg = v["error"]["message"].as_str().unwrap();
-            for row in &fleetgate::protocol::endpoint::TABLE {
+            for row in &fleetgate_protocol::endpoint::TABLE {
                 let route = format!("{} {}", row.method, row.path);
                 assert!(
                     msg.contains(&route),
@@ -527,10 +527,10 @@ async fn model_not_found_offers_what_models_shows_the_key() {
     let mut open = pool("qwen32b", &[sim.url()]);
     open.aliases = vec!["qwen".into()];
     let mut prod_only = pool("llama70b", &[sim.url()]);
-    prod_only.environments = Some(vec![fleetgate::key::Environment::Prod]);
+    prod_only.environments = Some(vec![fleetgate_gateway::key::Environment::Prod]);
     let other = pool("mistral", &[sim.url()]);
     let gw = gateway(vec![open, prod_only, other]).await;
-    let (limited, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+    let (limited, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |k| {
         k.allowed_models = Some(vec!["llama70b".into()]);
     })
     .await;

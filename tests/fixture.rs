@@ -11,9 +11,10 @@
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use fleetgate::bench::measure::StreamTimer;
-use fleetgate::protocol::sse::SseScanner;
-use fleetgate::telemetry::{Timeline, UsageSource};
+use fleetgate_bench::measure::StreamTimer;
+use fleetgate_gateway::telemetry::Timeline;
+use fleetgate_protocol::sse::SseScanner;
+use fleetgate_protocol::stream::UsageSource;
 
 struct Stream {
     name: String,

@@ -18,11 +18,11 @@
 use std::fmt;
 
 use bytes::Bytes;
-use fleetgate::config::Config;
-use fleetgate::key::{self, Environment};
-use fleetgate::protocol::Endpoint;
-use fleetgate::protocol::sse::{DataKind, SseScanner};
-use fleetgate::protocol::view;
+use fleetgate_gateway::config::Config;
+use fleetgate_gateway::key::{self, Environment};
+use fleetgate_protocol::Endpoint;
+use fleetgate_protocol::sse::{DataKind, SseScanner};
+use fleetgate_protocol::view;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunConfig, TestRunner};
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::bench::measure::hop_ms;
-use fleetgate::client::{self, chat_body, stream_text};
+use fleetgate_bench::measure::hop_ms;
+use fleetgate_protocol::client::{self, chat_body, stream_text};
 use http_body_util::BodyExt;
 
 fn stream_body(max_tokens: u32) -> Bytes {
@@ -253,7 +253,7 @@ async fn the_hop_cost_reaches_the_client() {
         hop_ms(&http::HeaderMap::new(), Some(&trailers)).unwrap_or_else(|| panic!("hop in {st}"));
     assert!((0.0..30.0).contains(&hop), "{st}");
     // The backend's own TTFT, for `bench --compare`'s like-for-like check.
-    let up = fleetgate::bench::measure::server_timing_ms(&trailers, "upstream")
+    let up = fleetgate_bench::measure::server_timing_ms(&trailers, "upstream")
         .unwrap_or_else(|| panic!("upstream in {st}"));
     assert!((0.0..30_000.0).contains(&up), "{st}");
 
@@ -380,7 +380,7 @@ async fn models_health_and_readiness() {
     // The details are on the admin listener, for a token holder.
     let (s, _) = admin(&gw2, "GET", "/admin/ready", None, None).await;
     assert_eq!(s, 401);
-    let viewer = token(fleetgate::admin::jwt::Role::Viewer);
+    let viewer = token(fleetgate_gateway::admin::jwt::Role::Viewer);
     let (s, v) = admin(&gw2, "GET", "/admin/ready", Some(&viewer), None).await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["ready"], false);
@@ -408,7 +408,7 @@ async fn stream_usage_reaches_the_client_as_asked() {
         }
         Bytes::from(body.to_string())
     };
-    let with_usage = |m: &fleetgate::client::Measured| {
+    let with_usage = |m: &fleetgate_protocol::client::Measured| {
         String::from_utf8_lossy(m.body.as_ref().unwrap())
             .lines()
             .filter_map(|l| l.strip_prefix("data: "))
@@ -590,7 +590,7 @@ async fn served_model_name_rename_and_upstream_key() {
     stub_task.abort();
 
     p.backends = pool("qwen32b", &[sim.url()]).backends;
-    p.upstream_api_key = Some(fleetgate::secret::Secret::new("backend-secret"));
+    p.upstream_api_key = Some(fleetgate_gateway::secret::Secret::new("backend-secret"));
     let gw = gateway(vec![p]).await;
     // The client's own key is not forwarded: the backend accepts only its key.
     let m = post(
@@ -614,7 +614,7 @@ async fn served_model_name_rename_and_upstream_key() {
     let mut p2 = pool("qwen32b", &[sim.url()]);
     p2.served_model_name = Some("Qwen/Qwen2.5-32B".into());
     p2.aliases = vec!["qwen".into()];
-    p2.upstream_api_key = Some(fleetgate::secret::Secret::new("backend-secret"));
+    p2.upstream_api_key = Some(fleetgate_gateway::secret::Secret::new("backend-secret"));
     let gw = gateway(vec![p2]).await;
     let m = post(
         &gw.url("/v1/chat/completions"),
@@ -705,7 +705,7 @@ async fn tls_gateway(
         std::fs::write(path, pem).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     }
     let gw = gateway_with(vec![pool("qwen32b", &[backend.to_owned()])], |c| {
-        c.server.tls = Some(fleetgate::config::TlsConfig {
+        c.server.tls = Some(fleetgate_gateway::config::TlsConfig {
             cert: cert_path.clone(),
             key: key_path,
         })
@@ -982,7 +982,7 @@ async fn tokenize_and_detokenize_reach_a_backend_of_the_model() {
     let mut p = pool("qwen32b", &[sim.url()]);
     p.served_model_name = Some("Qwen/Qwen2.5-32B".into());
     p.aliases = vec!["qwen".into()];
-    p.upstream_api_key = Some(fleetgate::secret::Secret::new("backend-secret"));
+    p.upstream_api_key = Some(fleetgate_gateway::secret::Secret::new("backend-secret"));
     let gw = gateway(vec![p]).await;
 
     let prompt = "hello there, sim";
@@ -1049,7 +1049,7 @@ async fn tokenize_and_detokenize_reach_a_backend_of_the_model() {
 async fn tokenize_is_refused_like_chat() {
     let sim = sim(|_| {}).await;
     let gw = gateway(vec![pool("qwen32b", &[sim.url()])]).await;
-    let (limited, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+    let (limited, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |k| {
         k.allowed_models = Some(vec!["other".into()]);
     })
     .await;
@@ -1057,7 +1057,7 @@ async fn tokenize_is_refused_like_chat() {
     let limited = format!("Bearer {limited}");
     let unknown = format!(
         "Bearer {}",
-        fleetgate::key::generate(fleetgate::key::Environment::Stress, None).full
+        fleetgate_gateway::key::generate(fleetgate_gateway::key::Environment::Stress, None).full
     );
     // (case, headers, body, status, code)
     type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], Bytes, u16, &'a str);
@@ -1147,7 +1147,7 @@ async fn tokenize_counts_as_a_request_but_not_as_inference() {
     let mut p = pool("qwen32b", &[sim.url()]);
     p.max_in_flight_per_backend = 1;
     let gw = gateway(vec![p]).await;
-    let (key, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |k| {
+    let (key, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |k| {
         k.requests_per_minute = Some(4);
         k.tokens_per_minute = Some(200);
         k.max_concurrent_streams = Some(1);

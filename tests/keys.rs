@@ -15,11 +15,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::admin::jwt::{self, Role};
-use fleetgate::client::{self, chat_body};
-use fleetgate::key::Environment;
-use fleetgate::secret::Secret;
-use fleetgate::store::{CreateKey, KeyStore, StoreError};
+use fleetgate_gateway::admin::jwt::{self, Role};
+use fleetgate_gateway::key::Environment;
+use fleetgate_gateway::secret::Secret;
+use fleetgate_gateway::store::{CreateKey, KeyStore, StoreError};
+use fleetgate_protocol::client::{self, chat_body};
 use http_body_util::BodyExt;
 
 fn create(env: Environment, name: &str) -> CreateKey {
@@ -281,7 +281,7 @@ async fn every_refusal_has_its_own_message_and_never_reaches_a_backend() {
     let mut mistyped = gw.key.clone();
     mistyped.pop();
     mistyped.push(if gw.key.ends_with('A') { 'B' } else { 'A' });
-    let unknown = fleetgate::key::generate(Environment::Stress, None).full;
+    let unknown = fleetgate_gateway::key::generate(Environment::Stress, None).full;
     // Let the expiry pass and the snapshot pick the changes up.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     gw.server.auth.replace_all(store.load_all().await.unwrap());
@@ -525,7 +525,7 @@ async fn a_throttled_address_is_refused_unchecked_after_a_delay_and_its_connecti
         c.auth.throttle_delay = throttle_delay;
     })
     .await;
-    let bad = fleetgate::key::generate(Environment::Stress, None).full;
+    let bad = fleetgate_gateway::key::generate(Environment::Stress, None).full;
     // One keep-alive connection guessing: the allowance is answered 401 and the connection
     // stays open.
     let mut conn = RawConn::connect(&gw, [127, 0, 0, 1]).await;
@@ -576,10 +576,13 @@ async fn an_unknown_id_and_a_wrong_secret_are_answered_alike_no_sooner_than_the_
         c.auth.throttle_delay = floor;
     })
     .await;
-    let known = fleetgate::key::parse(&gw.key).unwrap().public_id.to_owned();
-    let wrong_secret = fleetgate::key::generate(Environment::Stress, Some(&known)).full;
-    let wrong_env = fleetgate::key::generate(Environment::Prod, Some(&known)).full;
-    let unknown = fleetgate::key::generate(Environment::Stress, None).full;
+    let known = fleetgate_gateway::key::parse(&gw.key)
+        .unwrap()
+        .public_id
+        .to_owned();
+    let wrong_secret = fleetgate_gateway::key::generate(Environment::Stress, Some(&known)).full;
+    let wrong_env = fleetgate_gateway::key::generate(Environment::Prod, Some(&known)).full;
+    let unknown = fleetgate_gateway::key::generate(Environment::Stress, None).full;
     // The unknown id twice: once looked up in the store, once from the negative cache.
     let mut bodies = Vec::new();
     for (what, key) in [
@@ -614,7 +617,7 @@ async fn refusals_waiting_out_their_delay_are_bounded() {
         c.auth.max_delayed_answers = 1;
     })
     .await;
-    let bad = fleetgate::key::generate(Environment::Stress, None).full;
+    let bad = fleetgate_gateway::key::generate(Environment::Stress, None).full;
     let waiting = |gw: &Gateway| {
         gw.server.auth.update_gauges();
         metrics_text(gw).contains("fleetgate_auth_delayed_answers 1")
@@ -653,7 +656,10 @@ async fn rotation_grace_and_expiry() {
         c.admin = admin_cfg()
     })
     .await;
-    let id = fleetgate::key::parse(&gw.key).unwrap().public_id.to_owned();
+    let id = fleetgate_gateway::key::parse(&gw.key)
+        .unwrap()
+        .public_id
+        .to_owned();
     let (status, rotated) = admin(
         &gw,
         "POST",
@@ -684,7 +690,7 @@ async fn rotation_grace_and_expiry() {
 async fn an_admin_api_without_a_jwt_key_says_to_configure_one() {
     let sim = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-        c.admin = fleetgate::config::AdminConfig {
+        c.admin = fleetgate_gateway::config::AdminConfig {
             jwt_key: None,
             ..admin_cfg()
         }
@@ -986,7 +992,7 @@ async fn database_outage_keeps_cached_keys_working_and_recovers() {
     let auth = gw.server.auth.clone();
     assert!(
         eventually(Duration::from_secs(10), || auth.store_health()
-            == fleetgate::auth::StoreHealth::Down)
+            == fleetgate_gateway::auth::StoreHealth::Down)
         .await,
         "the outage was never noticed"
     );
@@ -995,7 +1001,7 @@ async fn database_outage_keeps_cached_keys_working_and_recovers() {
         200,
         "cached key still accepted while the store is down"
     );
-    let viewer = token(fleetgate::admin::jwt::Role::Viewer);
+    let viewer = token(fleetgate_gateway::admin::jwt::Role::Viewer);
     let (status, ready) = admin(&gw, "GET", "/admin/ready", Some(&viewer), None).await;
     assert_eq!(status, 200, "{ready}");
     assert_eq!(ready["key_store"]["state"], "degraded", "{ready}");
@@ -1003,7 +1009,7 @@ async fn database_outage_keeps_cached_keys_working_and_recovers() {
     let _proxy = Cuttable::start(port, upstream).await;
     assert!(
         eventually(Duration::from_secs(20), || auth.store_health()
-            == fleetgate::auth::StoreHealth::Up)
+            == fleetgate_gateway::auth::StoreHealth::Up)
         .await,
         "never recovered after the store came back"
     );

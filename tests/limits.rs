@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::config::{EnvLimits, SharedLimits};
-use fleetgate::key::Environment;
+use fleetgate_gateway::config::{EnvLimits, SharedLimits};
+use fleetgate_gateway::key::Environment;
 use http_body_util::BodyExt;
 
 fn chat(max_tokens: u32, stream: bool) -> Bytes {
@@ -33,7 +33,7 @@ fn bearer(key: &str) -> String {
     format!("Bearer {key}")
 }
 
-fn header<'a>(m: &'a fleetgate::client::Measured, name: &str) -> &'a str {
+fn header<'a>(m: &'a fleetgate_protocol::client::Measured, name: &str) -> &'a str {
     m.headers
         .get(name)
         .unwrap_or_else(|| panic!("no {name} header: {:?}", m.headers))
@@ -215,8 +215,8 @@ async fn environment_aggregate_rate_covers_all_its_keys() {
 
 /// One backend with room for one request: the admission queue decides the rest.
 async fn one_slot_gateway(
-    sim: &fleetgate::sim::SimServer,
-    f: impl FnOnce(&mut fleetgate::config::Config),
+    sim: &fleetgate_sim::SimServer,
+    f: impl FnOnce(&mut fleetgate_gateway::config::Config),
 ) -> Gateway {
     let mut p = pool("qwen32b", &[sim.url()]);
     p.max_in_flight_per_backend = 1;
@@ -356,10 +356,15 @@ async fn one_key_cannot_fill_the_queue() {
     assert_eq!(first.await.unwrap().status, 200);
 }
 
-fn shared_limits(c: &mut fleetgate::config::Config, url: &str, prefix: &str, replicas: u32) {
+fn shared_limits(
+    c: &mut fleetgate_gateway::config::Config,
+    url: &str,
+    prefix: &str,
+    replicas: u32,
+) {
     c.limits.shared = SharedLimits::Redis;
-    c.limits.redis = Some(fleetgate::config::RedisConfig {
-        url: fleetgate::secret::Secret::new(url),
+    c.limits.redis = Some(fleetgate_gateway::config::RedisConfig {
+        url: fleetgate_gateway::secret::Secret::new(url),
         timeout: Duration::from_millis(200),
         replicas,
         key_prefix: prefix.to_owned(),
@@ -496,8 +501,8 @@ async fn a_waiting_stream_gets_queued_comments_then_its_tokens() {
         "{}",
         String::from_utf8_lossy(&got)
     );
-    let mut metrics = fleetgate::telemetry::StreamMetrics::default();
-    let mut scanner = fleetgate::protocol::sse::SseScanner::new();
+    let mut metrics = fleetgate_protocol::stream::StreamMetrics::default();
+    let mut scanner = fleetgate_protocol::sse::SseScanner::new();
     scanner.feed(&got, |l| metrics.on_data(l.kind, l.usage, Duration::ZERO));
     assert_eq!(
         metrics.content_events, 5,
@@ -537,7 +542,7 @@ async fn a_waiting_stream_that_times_out_ends_with_an_error_event() {
 struct BehindCut {
     upstream: std::net::SocketAddr,
     proxy: Cuttable,
-    sim: fleetgate::sim::SimServer,
+    sim: fleetgate_sim::SimServer,
     gw: Gateway,
 }
 
@@ -623,8 +628,8 @@ async fn settlements_queued_at_shutdown_still_reach_redis() {
         return;
     };
     let prefix = unique_prefix("settle");
-    let cfg = fleetgate::config::RedisConfig {
-        url: fleetgate::secret::Secret::new(redis.clone()),
+    let cfg = fleetgate_gateway::config::RedisConfig {
+        url: fleetgate_gateway::secret::Secret::new(redis.clone()),
         timeout: Duration::from_millis(200),
         replicas: 1,
         key_prefix: prefix.clone(),
@@ -632,7 +637,7 @@ async fn settlements_queued_at_shutdown_still_reach_redis() {
     let tasks = tokio_util::task::TaskTracker::new();
     let stop = tokio_util::sync::CancellationToken::new();
     let settle_stop = tokio_util::sync::CancellationToken::new();
-    let shared = fleetgate::limits::shared::Shared::start(
+    let shared = fleetgate_gateway::limits::shared::Shared::start(
         &cfg,
         None,
         &tasks,

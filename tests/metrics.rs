@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::client::{self, chat_body};
+use fleetgate_protocol::client::{self, chat_body};
 use http_body_util::BodyExt;
 
 /// `name{labels} value` lines → map (labels kept as written).

@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use fleetgate::admin::jwt::Role;
+use fleetgate_gateway::admin::jwt::Role;
 
 const BIN: &str = env!("CARGO_BIN_EXE_fleetgate");
 const REPLICAS: usize = 3;
@@ -56,7 +56,7 @@ async fn admin_call(
     body: Option<serde_json::Value>,
 ) -> (u16, serde_json::Value) {
     use http_body_util::BodyExt;
-    let c = fleetgate::client::http_client();
+    let c = fleetgate_protocol::client::http_client();
     let req = http::Request::builder()
         .method(method)
         .uri(format!("http://127.0.0.1:{}{path}", r.admin_port))
@@ -108,7 +108,10 @@ async fn metric_sum(replicas: &[Replica], name: &str) -> f64 {
             .header("authorization", format!("Bearer {}", token(Role::Admin)))
             .body(http_body_util::Full::new(bytes::Bytes::new()))
             .unwrap();
-        let resp = fleetgate::client::http_client().request(req).await.unwrap();
+        let resp = fleetgate_protocol::client::http_client()
+            .request(req)
+            .await
+            .unwrap();
         let text = resp.into_body().collect().await.unwrap().to_bytes();
         sum += String::from_utf8_lossy(&text)
             .lines()
@@ -118,11 +121,11 @@ async fn metric_sum(replicas: &[Replica], name: &str) -> f64 {
     sum
 }
 
-async fn chat(r: &Replica, key: &str, max_tokens: u32) -> fleetgate::client::Measured {
+async fn chat(r: &Replica, key: &str, max_tokens: u32) -> fleetgate_protocol::client::Measured {
     post(
         &r.url("/v1/chat/completions"),
         &[("authorization", &format!("Bearer {key}"))],
-        fleetgate::client::chat_body("qwen32b", "hi", max_tokens, true),
+        fleetgate_protocol::client::chat_body("qwen32b", "hi", max_tokens, true),
     )
     .await
 }
@@ -286,11 +289,16 @@ max_in_flight_per_backend = 0
                     );
                     // A stream of the replica killed before its head reached the client
                     // fails outright: `Err`.
-                    fleetgate::client::send(
-                        &fleetgate::client::http_client(),
+                    fleetgate_protocol::client::send(
+                        &fleetgate_protocol::client::http_client(),
                         &uri,
                         &h,
-                        fleetgate::client::chat_body("qwen32b", "a long answer", 100, true),
+                        fleetgate_protocol::client::chat_body(
+                            "qwen32b",
+                            "a long answer",
+                            100,
+                            true,
+                        ),
                         true,
                     )
                     .await
@@ -390,7 +398,7 @@ max_in_flight_per_backend = 0
 }
 
 /// Four sims and a pool (TOML) routing over them by longest prefix, in blocks of 64 bytes.
-async fn prefix_sims() -> (Vec<fleetgate::sim::SimServer>, String) {
+async fn prefix_sims() -> (Vec<fleetgate_sim::SimServer>, String) {
     let mut sims = Vec::new();
     for _ in 0..4 {
         sims.push(sim(|_| {}).await);
@@ -433,7 +441,7 @@ async fn issue_key_on(r: &Replica, name: &str, env: &str) -> String {
 /// answer would hang here).
 async fn converse(
     replicas: &[Replica],
-    sims: &[fleetgate::sim::SimServer],
+    sims: &[fleetgate_sim::SimServer],
     key: &str,
     conv: usize,
     first: usize,
@@ -632,7 +640,7 @@ async fn prod_goes_first_at_the_backend_whichever_replica_holds_the_seats() {
         a.max_num_seqs = 1;
         a.decode_step_ms = 5.0;
         a.decode_ms_per_seq = 0.0;
-        a.scheduling_policy = fleetgate::sim::SchedulingPolicy::Priority;
+        a.scheduling_policy = fleetgate_sim::SchedulingPolicy::Priority;
     })
     .await;
     let dir = temp_dir("multi-replica-priority");

@@ -349,8 +349,8 @@ fn rand_seed() -> [u8; 32] {
 }
 
 async fn client_post(addr: SocketAddr, key: &str) -> u16 {
-    let body = fleetgate::client::chat_body("qwen32b", "still there?", 4, true);
-    let c = fleetgate::client::http_client();
+    let body = fleetgate_protocol::client::chat_body("qwen32b", "still there?", 4, true);
+    let c = fleetgate_protocol::client::http_client();
     let mut h = http::HeaderMap::new();
     h.insert(
         http::header::AUTHORIZATION,
@@ -359,7 +359,7 @@ async fn client_post(addr: SocketAddr, key: &str) -> u16 {
     let uri: http::Uri = format!("http://{addr}/v1/chat/completions")
         .parse()
         .unwrap();
-    fleetgate::client::send(&c, &uri, &h, body, false)
+    fleetgate_protocol::client::send(&c, &uri, &h, body, false)
         .await
         .unwrap()
         .status

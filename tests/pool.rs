@@ -14,11 +14,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::admin::jwt::Role;
-use fleetgate::config::{BackendConfig, PoolConfig};
+use fleetgate_gateway::admin::jwt::Role;
+use fleetgate_gateway::config::{BackendConfig, PoolConfig};
 
 fn chat(model: &str, max_tokens: u32, stream: bool) -> Bytes {
-    fleetgate::client::chat_body(model, "Say something", max_tokens, stream)
+    fleetgate_protocol::client::chat_body(model, "Say something", max_tokens, stream)
 }
 
 fn backend(url: String, weight: u32) -> BackendConfig {
@@ -60,7 +60,7 @@ async fn aliases_reach_the_pool_and_are_listed() {
         Some("qwen32b"),
         "recorded under the pool's name"
     );
-    let c = fleetgate::client::http_client();
+    let c = fleetgate_protocol::client::http_client();
     let resp = c
         .request(
             authed(&gw, "GET", "/v1/models")
@@ -84,7 +84,7 @@ async fn aliases_reach_the_pool_and_are_listed() {
 /// `GET /v1/models` with the gateway's key, as JSON.
 async fn models(gw: &Gateway) -> serde_json::Value {
     use http_body_util::BodyExt;
-    let resp = fleetgate::client::http_client()
+    let resp = fleetgate_protocol::client::http_client()
         .request(
             authed(gw, "GET", "/v1/models")
                 .body(http_body_util::Full::new(Bytes::new()))
@@ -135,7 +135,7 @@ async fn models_carry_the_backends_card_under_the_client_names() {
 async fn a_backend_refusing_the_upstream_key_is_misconfigured_until_it_is_fixed() {
     let sim = sim(|a| a.api_key = Some("the-right-key".into())).await;
     let mut p = pool("qwen32b", &[sim.url()]);
-    p.upstream_api_key = Some(fleetgate::secret::Secret::new("a-wrong-key"));
+    p.upstream_api_key = Some(fleetgate_gateway::secret::Secret::new("a-wrong-key"));
     let gw = gateway_with(vec![p.clone()], |c| c.admin = admin_cfg()).await;
     let state = backend_states_become(&gw, &["misconfigured"]).await;
     assert_eq!(state, ["misconfigured"]);
@@ -147,7 +147,7 @@ async fn a_backend_refusing_the_upstream_key_is_misconfigured_until_it_is_fixed(
     // Its /health keeps answering 200: still misconfigured, and not ready.
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(admin_backends(&gw, "state").await, ["misconfigured"]);
-    let ready = fleetgate::client::http_client()
+    let ready = fleetgate_protocol::client::http_client()
         .request(
             http::Request::get(gw.url("/readyz"))
                 .body(http_body_util::Full::new(Bytes::new()))
@@ -169,8 +169,8 @@ async fn a_backend_refusing_the_upstream_key_is_misconfigured_until_it_is_fixed(
         "{e}"
     );
     // The operator fixes the key: a reload, and the backend serves.
-    p.upstream_api_key = Some(fleetgate::secret::Secret::new("the-right-key"));
-    let mut next = fleetgate::config::Config::with_pools(vec![p]);
+    p.upstream_api_key = Some(fleetgate_gateway::secret::Secret::new("the-right-key"));
+    let mut next = fleetgate_gateway::config::Config::with_pools(vec![p]);
     next.admin = admin_cfg();
     gw.server.reload(&next).unwrap();
     let mut state = Vec::new();
@@ -291,7 +291,7 @@ async fn a_retry_after_a_refused_connection_waits_for_a_slot_when_the_others_are
     let pool = pools.get("qwen32b").unwrap();
     let held = pool
         .balancer
-        .try_acquire_excluding(fleetgate::pool::bit(0))
+        .try_acquire_excluding(fleetgate_gateway::pool::bit(0))
         .expect("the live backend's slot");
     assert_eq!(held.backend().base.as_ref(), live.url().as_str());
     let busy = tokio::spawn(async move {
@@ -525,18 +525,18 @@ async fn long_prompts_go_to_their_pool_when_the_environment_may_use_it() {
     let short = sim(|a| a.zero_delay = true).await;
     let long = sim(|a| a.zero_delay = true).await;
     let mut main = pool("qwen32b", &[short.url()]);
-    main.long_prompt = Some(fleetgate::config::LongPromptConfig {
+    main.long_prompt = Some(fleetgate_gateway::config::LongPromptConfig {
         min_prompt_tokens: 100,
         pool: "qwen32b-long".into(),
     });
     let mut long_pool = pool("qwen32b-long", &[long.url()]);
     long_pool.served_model_name = Some("qwen32b".into());
-    long_pool.environments = Some(vec![fleetgate::key::Environment::Prod]);
+    long_pool.environments = Some(vec![fleetgate_gateway::key::Environment::Prod]);
     let gw = gateway(vec![main, long_pool]).await;
-    let (prod, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
+    let (prod, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |_| {}).await;
     let url = gw.url("/v1/chat/completions");
     let long_prompt = "word ".repeat(120); // 600 characters ≈ 150 tokens
-    let body = |prompt: &str| fleetgate::client::chat_body("qwen32b", prompt, 2, true);
+    let body = |prompt: &str| fleetgate_protocol::client::chat_body("qwen32b", prompt, 2, true);
     let auth = format!("Bearer {prod}");
     for (id, prompt, key) in [
         ("short-prod", "hi", auth.as_str()),
@@ -585,7 +585,7 @@ async fn gray_keys_are_pinned_to_the_canary() {
     ];
     p.gray_pin_label = Some("canary".into());
     let gw = gateway(vec![p]).await;
-    let (gray, _) = issue_key(&gw, fleetgate::key::Environment::Gray, |_| {}).await;
+    let (gray, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Gray, |_| {}).await;
     let url = gw.url("/v1/chat/completions");
     let auth = format!("Bearer {gray}");
     for _ in 0..20 {
@@ -676,7 +676,7 @@ async fn load_aware_balancing_sees_load_from_outside_the_gateway() {
     let busy = sim(|a| a.decode_step_ms = 20.0).await;
     let idle = sim(|a| a.decode_step_ms = 20.0).await;
     let mut p = pool("qwen32b", &[busy.url(), idle.url()]);
-    p.load_aware = Some(fleetgate::config::LoadAwareConfig {
+    p.load_aware = Some(fleetgate_gateway::config::LoadAwareConfig {
         metrics_path: "/metrics".into(),
         interval: Duration::from_millis(50),
     });
@@ -725,8 +725,8 @@ async fn requests_of_one_user_stay_on_one_backend() {
     ];
     let urls: Vec<String> = sims.iter().map(|s| s.url()).collect();
     let mut p = pool("qwen32b", &urls);
-    p.affinity = Some(fleetgate::config::AffinityConfig {
-        by: fleetgate::config::AffinityBy::User,
+    p.affinity = Some(fleetgate_gateway::config::AffinityConfig {
+        by: fleetgate_gateway::config::AffinityBy::User,
         prefix_bytes: 512,
         slack: 4,
         block_bytes: 256,
@@ -807,7 +807,7 @@ async fn reload_adds_and_removes_backends_while_streams_continue() {
     );
 
     // The old backend leaves, the new one joins.
-    let next = fleetgate::config::Config::with_pools(vec![pool("qwen32b", &[new.url()])]);
+    let next = fleetgate_gateway::config::Config::with_pools(vec![pool("qwen32b", &[new.url()])]);
     let summary = gw.server.reload(&next).unwrap();
     assert_eq!(
         summary.backends_added,
@@ -877,7 +877,7 @@ async fn reload_changes_weights_in_place() {
     p.backends[1].labels = vec!["promoted".into()];
     let summary = gw
         .server
-        .reload(&fleetgate::config::Config::with_pools(vec![p]))
+        .reload(&fleetgate_gateway::config::Config::with_pools(vec![p]))
         .unwrap();
     assert!(summary.is_empty(), "{summary}");
     let url = gw.url("/v1/chat/completions");
@@ -908,7 +908,7 @@ async fn dns_discovery_makes_each_address_a_backend() {
     let port = s.addr().port();
     let mut p = PoolConfig::new("qwen32b", vec![]);
     let mut entry = BackendConfig::new(format!("http://localhost:{port}").parse().unwrap());
-    entry.discover = fleetgate::config::Discover::Dns {
+    entry.discover = fleetgate_gateway::config::Discover::Dns {
         interval: Duration::from_millis(200),
     };
     entry.labels = vec!["discovered".into()];
@@ -945,7 +945,7 @@ async fn dns_discovery_makes_each_address_a_backend() {
     // A name that does not resolve leaves its pool without backends: a clear 503.
     let mut p = PoolConfig::new("ghost", vec![]);
     let mut entry = BackendConfig::new("http://fleetgate-test.invalid:8000".parse().unwrap());
-    entry.discover = fleetgate::config::Discover::Dns {
+    entry.discover = fleetgate_gateway::config::Discover::Dns {
         interval: Duration::from_millis(200),
     };
     p.backends = vec![entry];
@@ -992,7 +992,7 @@ async fn dns_answers_that_change_move_traffic_and_streams_finish() {
             .parse()
             .unwrap(),
     );
-    entry.discover = fleetgate::config::Discover::Dns {
+    entry.discover = fleetgate_gateway::config::Discover::Dns {
         interval: Duration::from_millis(100),
     };
     p.backends = vec![entry];
@@ -1086,15 +1086,15 @@ async fn dns_answers_that_change_move_traffic_and_streams_finish() {
 /// priority than its environment's is given its environment's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_environments_priority_reaches_the_engine() {
-    use fleetgate::key::Environment;
+    use fleetgate_gateway::key::Environment;
     let sim = sim(|a| {
         a.max_num_seqs = 1;
         a.decode_step_ms = 5.0;
-        a.scheduling_policy = fleetgate::sim::SchedulingPolicy::Priority;
+        a.scheduling_policy = fleetgate_sim::SchedulingPolicy::Priority;
     })
     .await;
     let mut p = pool("qwen32b", &[sim.url()]);
-    p.priority = Some(fleetgate::config::EnginePriority {
+    p.priority = Some(fleetgate_gateway::config::EnginePriority {
         by_env: [20, 10, 0],
         override_client: false,
     });

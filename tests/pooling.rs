@@ -11,9 +11,9 @@
 mod common;
 
 use common::*;
-use fleetgate::config::{PoolConfig, PoolKind};
-use fleetgate::key::Environment;
-use fleetgate::sim::{Convert, Runner, SimServer};
+use fleetgate_gateway::config::{PoolConfig, PoolKind};
+use fleetgate_gateway::key::Environment;
+use fleetgate_sim::{Convert, Runner, SimServer};
 use serde_json::{Value, json};
 
 const EMBEDDING_SIZE: u32 = 48;
@@ -158,7 +158,10 @@ async fn client_get(gw: &Gateway, path: &str) -> Value {
     let req = authed(gw, "GET", path)
         .body(http_body_util::Full::new(bytes::Bytes::new()))
         .unwrap();
-    let resp = fleetgate::client::http_client().request(req).await.unwrap();
+    let resp = fleetgate_protocol::client::http_client()
+        .request(req)
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap()
 }
@@ -410,7 +413,7 @@ async fn a_keys_endpoint_families_bound_what_it_calls() {
         |c| c.admin = admin_cfg(),
     )
     .await;
-    let admin_token = token(fleetgate::admin::jwt::Role::Admin);
+    let admin_token = token(fleetgate_gateway::admin::jwt::Role::Admin);
     let (status, created) = admin(
         &gw,
         "POST",
@@ -523,7 +526,7 @@ async fn a_pool_of_the_wrong_kind_says_so() {
             &gw,
             "GET",
             "/admin/backends",
-            Some(&token(fleetgate::admin::jwt::Role::Viewer)),
+            Some(&token(fleetgate_gateway::admin::jwt::Role::Viewer)),
             None,
         )
         .await;

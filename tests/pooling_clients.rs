@@ -18,9 +18,9 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
-use fleetgate::config::PoolKind;
-use fleetgate::key::Environment;
-use fleetgate::sim::{Convert, Runner, SimServer};
+use fleetgate_gateway::config::PoolKind;
+use fleetgate_gateway::key::Environment;
+use fleetgate_sim::{Convert, Runner, SimServer};
 
 const MODEL: &str = "embed-m";
 const EMBEDDING_SIZE: u32 = 48;

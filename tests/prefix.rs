@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::config::{AffinityBy, AffinityConfig, PoolConfig};
+use fleetgate_gateway::config::{AffinityBy, AffinityConfig, PoolConfig};
 use serde_json::{Value, json};
 
 fn longest_prefix(urls: &[String], slack: u32) -> PoolConfig {
@@ -50,7 +50,10 @@ async fn scrape(gw: &Gateway) -> String {
     let req = http::Request::get(format!("http://{}/metrics", gw.server.admin_addr.unwrap()))
         .body(http_body_util::Full::new(Bytes::new()))
         .unwrap();
-    let resp = fleetgate::client::http_client().request(req).await.unwrap();
+    let resp = fleetgate_protocol::client::http_client()
+        .request(req)
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     String::from_utf8(body.to_vec()).unwrap()
@@ -131,7 +134,7 @@ async fn consecutive_turns_of_a_conversation_land_on_one_backend() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loaded_backend_falls_back_to_the_usual_choice() {
     // Streams that stay open ~1 s each, so requests in flight are what the router sees.
-    let slow = |a: &mut fleetgate::sim::SimArgs| {
+    let slow = |a: &mut fleetgate_sim::SimArgs| {
         a.decode_step_ms = 20.0;
         a.max_num_seqs = 64;
     };
@@ -183,15 +186,15 @@ async fn gray_keys_stay_on_the_canary() {
     let stable = sim(|a| a.zero_delay = true).await;
     let canary = sim(|a| a.zero_delay = true).await;
     let mut p = longest_prefix(&[stable.url()], 4);
-    p.backends.push(fleetgate::config::BackendConfig {
+    p.backends.push(fleetgate_gateway::config::BackendConfig {
         labels: vec!["canary".into()],
-        ..fleetgate::config::BackendConfig::new(canary.url().parse().unwrap())
+        ..fleetgate_gateway::config::BackendConfig::new(canary.url().parse().unwrap())
     });
     p.gray_pin_label = Some("canary".into());
     let gw = gateway(vec![p]).await;
     let url = gw.url("/v1/chat/completions");
-    let (prod, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
-    let (gray, _) = issue_key(&gw, fleetgate::key::Environment::Gray, |_| {}).await;
+    let (prod, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |_| {}).await;
+    let (gray, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Gray, |_| {}).await;
     let canary_url = canary.url();
     let on_canary = |b: &str| canary_url.trim_end_matches('/') == b.trim_end_matches('/');
     let send = |key: String, id: String, history: Vec<Value>| {

@@ -88,7 +88,7 @@ async fn real_at(test: &str, var: &str, start: &str) -> Option<Real> {
 }
 
 async fn get(url: &str, key: Option<&str>) -> (u16, String) {
-    let c = fleetgate::client::http_client();
+    let c = fleetgate_protocol::client::http_client();
     let mut req = http::Request::get(url);
     if let Some(k) = key {
         req = req.header("authorization", format!("Bearer {k}"));
@@ -108,9 +108,9 @@ async fn gateway_to(r: &Real, client_name: &str, key: &str, load_aware: bool) ->
     if client_name != r.model {
         p.served_model_name = Some(r.model.clone());
     }
-    p.upstream_api_key = Some(fleetgate::secret::Secret::new(key));
+    p.upstream_api_key = Some(fleetgate_gateway::secret::Secret::new(key));
     if load_aware {
-        p.load_aware = Some(fleetgate::config::LoadAwareConfig {
+        p.load_aware = Some(fleetgate_gateway::config::LoadAwareConfig {
             metrics_path: "/metrics".into(),
             interval: Duration::from_millis(100),
         });
@@ -123,7 +123,11 @@ async fn gateway_to(r: &Real, client_name: &str, key: &str, load_aware: bool) ->
 }
 
 /// POST to the real server directly (its key) or through the gateway (the harness key).
-async fn direct(r: &Real, path: &str, body: &serde_json::Value) -> fleetgate::client::Measured {
+async fn direct(
+    r: &Real,
+    path: &str,
+    body: &serde_json::Value,
+) -> fleetgate_protocol::client::Measured {
     let auth = format!("Bearer {}", r.key);
     post(
         &format!("{}{path}", r.url).parse().unwrap(),
@@ -137,11 +141,11 @@ async fn through(
     gw: &Gateway,
     path: &str,
     body: &serde_json::Value,
-) -> fleetgate::client::Measured {
+) -> fleetgate_protocol::client::Measured {
     post(&gw.url(path), &[], Bytes::from(body.to_string())).await
 }
 
-fn text(m: &fleetgate::client::Measured) -> String {
+fn text(m: &fleetgate_protocol::client::Measured) -> String {
     String::from_utf8_lossy(m.body.as_ref().expect("body kept")).into_owned()
 }
 
@@ -228,8 +232,8 @@ async fn pooling_answers_are_relayed_byte_for_byte() {
     };
     let _turn = SERIAL.lock().await;
     let mut p = pool(&r.model, std::slice::from_ref(&r.url));
-    p.kind = fleetgate::config::PoolKind::Embed;
-    p.upstream_api_key = Some(fleetgate::secret::Secret::new(&r.key));
+    p.kind = fleetgate_gateway::config::PoolKind::Embed;
+    p.upstream_api_key = Some(fleetgate_gateway::secret::Secret::new(&r.key));
     let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
     wait_for_200(&gw.url("/readyz").to_string()).await;
 
@@ -447,7 +451,7 @@ async fn models_carry_the_backends_card() {
 }
 
 async fn post_get(gw: &Gateway, path: &str) -> String {
-    let c = fleetgate::client::http_client();
+    let c = fleetgate_protocol::client::http_client();
     let resp = c
         .request(
             authed(gw, "GET", path)
@@ -659,7 +663,7 @@ async fn benches_direct_and_through_the_gateway() {
     // here): exit 0 or the comparison's failure code, never another failure.
     let code = fleetgate_bench.status.code();
     assert!(
-        matches!(code, Some(0)) || code == Some(i32::from(fleetgate::bench::report::EXIT_COMPARE)),
+        matches!(code, Some(0)) || code == Some(i32::from(fleetgate_bench::report::EXIT_COMPARE)),
         "fleetgate bench exited {code:?}"
     );
     let result: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
@@ -929,7 +933,7 @@ const AGENT_LIMIT: Duration = Duration::from_secs(120);
 /// A gateway in front of the server, and a prod key for an agent.
 async fn agents_gateway(r: &Real) -> (Gateway, String) {
     let gw = gateway_to(r, &r.model, &r.key, false).await;
-    let (key, _) = issue_key(&gw, fleetgate::key::Environment::Prod, |_| {}).await;
+    let (key, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |_| {}).await;
     (gw, key)
 }
 
@@ -1367,7 +1371,7 @@ async fn priority_orders_the_waiting_queue_as_the_sim_does() {
         a.served_model_name = vec![r.model.clone()];
         a.max_model_len = 1024;
         a.max_num_seqs = 1;
-        a.scheduling_policy = fleetgate::sim::SchedulingPolicy::Priority;
+        a.scheduling_policy = fleetgate_sim::SchedulingPolicy::Priority;
         // About vLLM's pace here (~3.5 ms per token).
         a.decode_step_ms = 3.5;
     })

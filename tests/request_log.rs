@@ -12,18 +12,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use fleetgate::client::chat_body;
-use fleetgate::secret::Secret;
+use fleetgate_gateway::secret::Secret;
+use fleetgate_protocol::client::chat_body;
 use sqlx::Row;
 
-async fn rows(store: &fleetgate::store::KeyStore) -> Vec<sqlx::any::AnyRow> {
+async fn rows(store: &fleetgate_gateway::store::KeyStore) -> Vec<sqlx::any::AnyRow> {
     sqlx::query("SELECT * FROM request_log ORDER BY at, row_id")
         .fetch_all(store.pool())
         .await
         .unwrap()
 }
 
-async fn wait_rows(store: &fleetgate::store::KeyStore, n: usize) -> Vec<sqlx::any::AnyRow> {
+async fn wait_rows(store: &fleetgate_gateway::store::KeyStore, n: usize) -> Vec<sqlx::any::AnyRow> {
     for _ in 0..500 {
         let r = rows(store).await;
         if r.len() >= n {
@@ -158,7 +158,10 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
             s.get::<Option<String>, _>("client_addr").as_deref(),
             Some("127.0.0.1")
         );
-        let key_id = fleetgate::key::parse(&gw.key).unwrap().public_id.to_owned();
+        let key_id = fleetgate_gateway::key::parse(&gw.key)
+            .unwrap()
+            .public_id
+            .to_owned();
         assert_eq!(s.get::<Option<String>, _>("key_id"), Some(key_id));
         let up = s.get::<Option<i64>, _>("upstream_ttft_us").unwrap();
         let client = s.get::<Option<i64>, _>("client_ttft_us").unwrap();
@@ -171,7 +174,7 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
         assert_eq!(s.get::<i32, _>("content_events"), 6);
         // The hop cost, from the kernel's stamps (Linux): at most what the client saw less what
         // the backend took, plus the time the request waited in the kernel.
-        if fleetgate::rx_time::SUPPORTED {
+        if fleetgate_gateway::rx_time::SUPPORTED {
             let hop = s.get::<Option<i64>, _>("hop_us");
             assert!(
                 hop.is_some_and(|h| h >= 0 && h < client - up + 50_000),
@@ -185,7 +188,7 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
 
         let p = by_id("log-plain");
         assert_eq!(p.get::<i32, _>("stream"), 0);
-        if fleetgate::rx_time::SUPPORTED {
+        if fleetgate_gateway::rx_time::SUPPORTED {
             assert!(p.get::<Option<i64>, _>("hop_us").is_some(), "{kind}");
         }
         assert_eq!(
@@ -227,12 +230,13 @@ async fn rows_written_during_an_outage_are_spilled_and_replayed_exactly_once() {
     .await;
     let spill = gw.db_dir.0.join("request-log.spill");
     // A direct view of the same database, not through the proxy.
-    let direct = fleetgate::store::KeyStore::connect(&fleetgate::config::DatabaseConfig {
-        url: Some(Secret::new(db.url.clone())),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let direct =
+        fleetgate_gateway::store::KeyStore::connect(&fleetgate_gateway::config::DatabaseConfig {
+            url: Some(Secret::new(db.url.clone())),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let chat = gw.url("/v1/chat/completions");
     for i in 0..5 {
         let id = format!("before-{i}");
@@ -305,7 +309,10 @@ async fn admin_usage(gw: &Gateway, token: &str, query: &str) -> serde_json::Valu
     .header("authorization", format!("Bearer {token}"))
     .body(http_body_util::Full::new(Bytes::new()))
     .unwrap();
-    let resp = fleetgate::client::http_client().request(req).await.unwrap();
+    let resp = fleetgate_protocol::client::http_client()
+        .request(req)
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap()
 }
@@ -315,7 +322,7 @@ async fn admin_usage(gw: &Gateway, token: &str, query: &str) -> serde_json::Valu
 async fn usage_reads_the_log_back() {
     let sim = sim(|_| {}).await;
     let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
-        c.admin.jwt_key = Some(fleetgate::config::JwtKey::Secret(Secret::new(
+        c.admin.jwt_key = Some(fleetgate_gateway::config::JwtKey::Secret(Secret::new(
             "usage-test-secret-0123456789abcdef",
         )));
     })
@@ -369,14 +376,14 @@ async fn usage_reads_the_log_back() {
         (Some(1), Some(1))
     );
 
-    let token = fleetgate::admin::jwt::mint(
-        &fleetgate::config::AdminConfig {
-            jwt_key: Some(fleetgate::config::JwtKey::Secret(Secret::new(
+    let token = fleetgate_gateway::admin::jwt::mint(
+        &fleetgate_gateway::config::AdminConfig {
+            jwt_key: Some(fleetgate_gateway::config::JwtKey::Secret(Secret::new(
                 "usage-test-secret-0123456789abcdef",
             ))),
             ..Default::default()
         },
-        fleetgate::admin::jwt::Role::Viewer,
+        fleetgate_gateway::admin::jwt::Role::Viewer,
         "t",
         Duration::from_secs(60),
     )
@@ -394,7 +401,10 @@ async fn usage_reads_the_log_back() {
 
     // By key: each key's name and environment beside its id.
     let v = admin_usage(&gw, &token, "by=key&since=1h").await;
-    let id = fleetgate::key::parse(&gw.key).unwrap().public_id.to_owned();
+    let id = fleetgate_gateway::key::parse(&gw.key)
+        .unwrap()
+        .public_id
+        .to_owned();
     let mine = v["data"]
         .as_array()
         .unwrap()
@@ -486,13 +496,13 @@ async fn a_full_batch_is_written_at_once_a_partial_one_at_the_interval_or_at_shu
 
 /// One spilled row, as an older process would have written it to its spill file (a minute
 /// ago: well inside the log's retention, which the writer applies as it starts).
-fn spilled_row(i: i64) -> fleetgate::telemetry::request_log::LogRow {
+fn spilled_row(i: i64) -> fleetgate_gateway::telemetry::request_log::LogRow {
     let minute_ago = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as i64
         - 60_000;
-    fleetgate::telemetry::request_log::LogRow {
+    fleetgate_gateway::telemetry::request_log::LogRow {
         row_id: format!("0a1b2c3d0042-{i:x}"),
         at: minute_ago + i,
         request_id: format!("spilled-{i}"),
@@ -525,9 +535,9 @@ fn spilled_row(i: i64) -> fleetgate::telemetry::request_log::LogRow {
 
 /// Start a writer on `db` with `rows` in its spill file; return when the file is replayed.
 async fn replay_spill(
-    store: &fleetgate::store::KeyStore,
+    store: &fleetgate_gateway::store::KeyStore,
     dir: &std::path::Path,
-    rows: &[fleetgate::telemetry::request_log::LogRow],
+    rows: &[fleetgate_gateway::telemetry::request_log::LogRow],
 ) {
     let spill = dir.join("request-log.spill");
     let mut text = String::new();
@@ -540,11 +550,11 @@ async fn replay_spill(
     std::fs::write(&spill, text).unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
     let tasks = tokio_util::task::TaskTracker::new();
-    let config = fleetgate::config::RequestLogConfig {
+    let config = fleetgate_gateway::config::RequestLogConfig {
         spill_path: spill.clone(),
         ..Default::default()
     };
-    let log = fleetgate::telemetry::request_log::start(
+    let log = fleetgate_gateway::telemetry::request_log::start(
         store.clone(),
         config,
         &prometheus::Registry::new(),
@@ -572,7 +582,9 @@ async fn replay_spill(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spill_file_replayed_twice_stores_each_row_once() {
     for (db, _guard) in stores("request_log_replay_twice").await {
-        let store = fleetgate::store::KeyStore::connect(&db).await.unwrap();
+        let store = fleetgate_gateway::store::KeyStore::connect(&db)
+            .await
+            .unwrap();
         store.migrate().await.unwrap();
         let dir = TempDir(temp_dir("replay-twice"));
         let first: Vec<_> = (0..3).map(spilled_row).collect();
@@ -617,12 +629,12 @@ async fn a_spill_file_replayed_twice_stores_each_row_once() {
 async fn concurrent_migrations_of_one_sqlite_file_both_succeed() {
     for round in 0..8 {
         let dir = TempDir(temp_dir(&format!("migrate-race-{round}")));
-        let db = fleetgate::config::DatabaseConfig {
+        let db = fleetgate_gateway::config::DatabaseConfig {
             sqlite_path: dir.0.join("fresh.db"),
             ..Default::default()
         };
         let stores: Vec<_> = futures_util::future::join_all(
-            (0..3).map(|_| fleetgate::store::KeyStore::connect(&db)),
+            (0..3).map(|_| fleetgate_gateway::store::KeyStore::connect(&db)),
         )
         .await
         .into_iter()
@@ -641,11 +653,13 @@ async fn concurrent_migrations_of_one_sqlite_file_both_succeed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upgrading_the_sqlite_request_log_keeps_its_rows() {
     let dir = TempDir(temp_dir("log-upgrade"));
-    let db = fleetgate::config::DatabaseConfig {
+    let db = fleetgate_gateway::config::DatabaseConfig {
         sqlite_path: dir.0.join("old.db"),
         ..Default::default()
     };
-    let store = fleetgate::store::KeyStore::connect(&db).await.unwrap();
+    let store = fleetgate_gateway::store::KeyStore::connect(&db)
+        .await
+        .unwrap();
     // The store as the release before this migration left it.
     let mut before = sqlx::migrate!("./migrations/sqlite");
     let upto = before
@@ -672,7 +686,9 @@ async fn upgrading_the_sqlite_request_log_keeps_its_rows() {
     // that last saw the old schema re-prepares `SELECT *` with more columns than sqlx sized
     // the row for (the test's `SELECT *`; the gateway names its columns).
     drop(store);
-    let store = fleetgate::store::KeyStore::connect(&db).await.unwrap();
+    let store = fleetgate_gateway::store::KeyStore::connect(&db)
+        .await
+        .unwrap();
     let stored = rows(&store).await;
     assert_eq!(stored.len(), 2);
     assert_eq!(stored[1].get::<String, _>("request_id"), "old-request-1");

@@ -124,7 +124,7 @@ async fn recording_backend() -> (std::net::SocketAddr, Received, tokio::task::Jo
 /// Send `method target` with `auth` (an Authorization value, or none) and the request id `id`;
 /// the status.
 async fn send(gw: &Gateway, method: &str, target: &str, auth: Option<&str>, id: &str) -> u16 {
-    let c = fleetgate::client::http_client();
+    let c = fleetgate_protocol::client::http_client();
     let uri: http::Uri = format!("http://{}{target}", gw.server.local_addr)
         .parse()
         .unwrap_or_else(|e| panic!("{target}: {e}"));

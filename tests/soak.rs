@@ -31,10 +31,10 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use common::*;
-use fleetgate::admin::jwt::Role;
-use fleetgate::client::{self, BodyEnd, HttpClient};
-use fleetgate::protocol::sse::{DataKind, SseScanner};
-use fleetgate::telemetry::StreamMetrics;
+use fleetgate_gateway::admin::jwt::Role;
+use fleetgate_protocol::client::{self, BodyEnd, HttpClient};
+use fleetgate_protocol::sse::{DataKind, SseScanner};
+use fleetgate_protocol::stream::StreamMetrics;
 use http::{HeaderMap, HeaderValue};
 
 const BIN: &str = env!("CARGO_BIN_EXE_fleetgate");

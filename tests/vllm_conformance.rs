@@ -364,7 +364,7 @@ fn compare(name: &str, want: &Value, status: u16, body: &[u8]) -> Vec<String> {
             let theirs = families(vb["raw"].as_str().unwrap());
             let raw = String::from_utf8_lossy(body);
             let theirs_raw = vb["raw"].as_str().unwrap();
-            // What the gateway reads for load-aware balancing (src/pool/health.rs), and
+            // What the gateway reads for load-aware balancing (crates/gateway/src/pool/health.rs), and
             // what dashboards and autoscalers built for vLLM read.
             for family in [
                 "vllm:num_requests_running",
@@ -424,9 +424,9 @@ fn compare(name: &str, want: &Value, status: u16, body: &[u8]) -> Vec<String> {
 
 /// The captures of `groups` (the manifest's `group`: how the server was started), each sent
 /// once to `sim` in file order, and how the sim's answers differ from vLLM's.
-async fn replay(sim: &fleetgate::sim::SimServer, groups: &[&str]) -> (usize, Vec<String>) {
+async fn replay(sim: &fleetgate_sim::SimServer, groups: &[&str]) -> (usize, Vec<String>) {
     let base = sim.url();
-    let client = fleetgate::client::http_client();
+    let client = fleetgate_protocol::client::http_client();
     let manifest: Value =
         serde_json::from_slice(&std::fs::read(Path::new(CAPTURES).join("manifest.json")).unwrap())
             .unwrap();
@@ -491,8 +491,8 @@ async fn the_pooling_runner_answers_like_vllm_0_32() {
         a.served_model_name = vec!["tiny".into()];
         a.max_model_len = 1024;
         a.api_key = Some(KEY.into());
-        a.runner = fleetgate::sim::Runner::Pooling;
-        a.convert = fleetgate::sim::Convert::Embed;
+        a.runner = fleetgate_sim::Runner::Pooling;
+        a.convert = fleetgate_sim::Convert::Embed;
         a.embedding_size = 128;
         a.zero_delay = true;
     })
@@ -515,8 +515,8 @@ async fn the_classify_runner_answers_like_vllm_0_32() {
         a.served_model_name = vec!["tiny".into()];
         a.max_model_len = 1024;
         a.api_key = Some(KEY.into());
-        a.runner = fleetgate::sim::Runner::Pooling;
-        a.convert = fleetgate::sim::Convert::Classify;
+        a.runner = fleetgate_sim::Runner::Pooling;
+        a.convert = fleetgate_sim::Convert::Classify;
         a.num_labels = 2;
         a.zero_delay = true;
     })
@@ -578,7 +578,7 @@ async fn stored_responses_answer_like_vllm_0_32() {
     })
     .await;
     let base = sim.url();
-    let client = fleetgate::client::http_client();
+    let client = fleetgate_protocol::client::http_client();
     let manifest: Value =
         serde_json::from_slice(&std::fs::read(Path::new(CAPTURES).join("manifest.json")).unwrap())
             .unwrap();

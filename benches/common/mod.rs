@@ -5,10 +5,10 @@
     reason = "benchmark helpers: each binary uses some, and fails loudly"
 )]
 
-use fleetgate::config::DatabaseConfig;
-use fleetgate::key::Environment;
-use fleetgate::key::KeyRecord;
-use fleetgate::secret::Secret;
+use fleetgate_gateway::config::DatabaseConfig;
+use fleetgate_gateway::key::Environment;
+use fleetgate_gateway::key::KeyRecord;
+use fleetgate_gateway::secret::Secret;
 use sqlx::Connection;
 
 /// `--name N` from the command line, or `default`.
@@ -84,10 +84,10 @@ impl ThrowawayPg {
 }
 
 /// The Timeline of a typical finished stream (64 tokens, 20 ms TTFT, 0.7 s), starting at `t0`.
-pub fn streamed_timeline(t0: std::time::Instant) -> fleetgate::telemetry::Timeline {
+pub fn streamed_timeline(t0: std::time::Instant) -> fleetgate_gateway::telemetry::Timeline {
     use std::time::Duration;
     let ms = Duration::from_millis;
-    let mut tl = fleetgate::telemetry::Timeline::start(t0);
+    let mut tl = fleetgate_gateway::telemetry::Timeline::start(t0);
     tl.stamp_body_read(t0 + Duration::from_micros(5));
     tl.stamp_admitted(t0 + Duration::from_micros(5));
     tl.stamp_upstream_sent(t0 + Duration::from_micros(10));
@@ -99,7 +99,7 @@ pub fn streamed_timeline(t0: std::time::Instant) -> fleetgate::telemetry::Timeli
     stream.last_content = Some(ms(690));
     stream.last_data = Some(ms(691));
     stream.content_events = 65;
-    stream.usage = Some(fleetgate::telemetry::Usage {
+    stream.usage = Some(fleetgate_protocol::usage::Usage {
         prompt_tokens: 100,
         completion_tokens: 64,
     });

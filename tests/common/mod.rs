@@ -11,11 +11,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fleetgate::client::{self, HttpClient, Measured};
-use fleetgate::config::{Config, PoolConfig, ServerConfig};
-use fleetgate::server::Server;
-use fleetgate::sim::{self, SimArgs, SimServer};
-use fleetgate::telemetry::{Recorder, RequestRecord};
+use fleetgate_gateway::config::{Config, PoolConfig, ServerConfig};
+use fleetgate_gateway::server::Server;
+use fleetgate_gateway::telemetry::{Recorder, RequestRecord};
+use fleetgate_protocol::client::{self, HttpClient, Measured};
+use fleetgate_sim::{SimArgs, SimServer};
 use http::{HeaderMap, HeaderValue, Uri};
 use tokio::net::TcpListener;
 
@@ -29,7 +29,7 @@ pub async fn sim(f: impl FnOnce(&mut SimArgs)) -> SimServer {
         ..SimArgs::default()
     };
     f(&mut args);
-    sim::start(args).await.expect("sim starts")
+    fleetgate_sim::start(args).await.expect("sim starts")
 }
 
 /// What the gateway recorded, one snapshot per finished request.
@@ -45,7 +45,7 @@ pub struct Seen {
     pub retries: u8,
     /// The public id of the key the request is counted under (a refused key's included).
     pub key_id: Option<String>,
-    pub timeline: fleetgate::telemetry::Timeline,
+    pub timeline: fleetgate_gateway::telemetry::Timeline,
 }
 
 pub struct Gateway {
@@ -155,9 +155,9 @@ pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -
         .auth
         .store()
         .create(
-            &fleetgate::store::CreateKey {
+            &fleetgate_gateway::store::CreateKey {
                 name: "test".into(),
-                environment: Some(fleetgate::key::Environment::Stress),
+                environment: Some(fleetgate_gateway::key::Environment::Stress),
                 ..Default::default()
             },
             "test",
@@ -353,15 +353,15 @@ pub async fn pg_database(test: &str) -> Option<PgTestDb> {
 pub async fn stores(
     test: &str,
 ) -> Vec<(
-    fleetgate::config::DatabaseConfig,
+    fleetgate_gateway::config::DatabaseConfig,
     Box<dyn std::any::Any + Send>,
 )> {
     let dir = temp_dir("store");
     let mut out: Vec<(
-        fleetgate::config::DatabaseConfig,
+        fleetgate_gateway::config::DatabaseConfig,
         Box<dyn std::any::Any + Send>,
     )> = vec![(
-        fleetgate::config::DatabaseConfig {
+        fleetgate_gateway::config::DatabaseConfig {
             sqlite_path: dir.join("keys.db"),
             ..Default::default()
         },
@@ -369,8 +369,8 @@ pub async fn stores(
     )];
     if let Some(db) = pg_database(test).await {
         out.push((
-            fleetgate::config::DatabaseConfig {
-                url: Some(fleetgate::secret::Secret::new(db.url.clone())),
+            fleetgate_gateway::config::DatabaseConfig {
+                url: Some(fleetgate_gateway::secret::Secret::new(db.url.clone())),
                 ..Default::default()
             },
             Box::new(db),
@@ -477,10 +477,10 @@ async fn pump(
 /// gateway's snapshot when this returns. Returns the secret and the record.
 pub async fn issue_key(
     gw: &Gateway,
-    env: fleetgate::key::Environment,
-    f: impl FnOnce(&mut fleetgate::store::CreateKey),
-) -> (String, fleetgate::key::KeyRecord) {
-    let mut req = fleetgate::store::CreateKey {
+    env: fleetgate_gateway::key::Environment,
+    f: impl FnOnce(&mut fleetgate_gateway::store::CreateKey),
+) -> (String, fleetgate_gateway::key::KeyRecord) {
+    let mut req = fleetgate_gateway::store::CreateKey {
         name: format!("{env} test key"),
         environment: Some(env),
         ..Default::default()
@@ -554,19 +554,20 @@ pub fn metrics_text(gw: &Gateway) -> String {
 pub const JWT_SECRET: &str = "test-secret-0123456789abcdef0123456789";
 
 /// An admin listener on a free port that accepts HS256 tokens signed with `JWT_SECRET`.
-pub fn admin_cfg() -> fleetgate::config::AdminConfig {
-    fleetgate::config::AdminConfig {
+pub fn admin_cfg() -> fleetgate_gateway::config::AdminConfig {
+    fleetgate_gateway::config::AdminConfig {
         listen: Some("127.0.0.1:0".parse().unwrap()),
-        jwt_key: Some(fleetgate::config::JwtKey::Secret(
-            fleetgate::secret::Secret::new(JWT_SECRET),
+        jwt_key: Some(fleetgate_gateway::config::JwtKey::Secret(
+            fleetgate_gateway::secret::Secret::new(JWT_SECRET),
         )),
-        ..fleetgate::config::AdminConfig::default()
+        ..fleetgate_gateway::config::AdminConfig::default()
     }
 }
 
 /// A token for `admin_cfg()` with this role, valid five minutes.
-pub fn token(role: fleetgate::admin::jwt::Role) -> String {
-    fleetgate::admin::jwt::mint(&admin_cfg(), role, "tester", Duration::from_secs(300)).unwrap()
+pub fn token(role: fleetgate_gateway::admin::jwt::Role) -> String {
+    fleetgate_gateway::admin::jwt::mint(&admin_cfg(), role, "tester", Duration::from_secs(300))
+        .unwrap()
 }
 
 /// (status, body) of an admin API call.
@@ -621,7 +622,7 @@ pub async fn admin_backends(gw: &Gateway, field: &str) -> Vec<String> {
         gw,
         "GET",
         "/admin/backends",
-        Some(&token(fleetgate::admin::jwt::Role::Viewer)),
+        Some(&token(fleetgate_gateway::admin::jwt::Role::Viewer)),
         None,
     )
     .await;

@@ -1,0 +1,874 @@
+//! The response relay: upstream body frames are handed to the client as they arrive, the same
+//! `Bytes`, never buffered, merged or re-serialised. For SSE it scans each frame just enough to
+//! stamp the first token and count content events, enforces the first-token / idle / total
+//! timeouts, and turns a failure after the stream started into a final
+//! `data: {"error":...}` event and `data: [DONE]` instead of a silently cut stream.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use crate::pool::driven::UpstreamBody;
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+use tokio_util::sync::WaitForCancellationFutureOwned;
+
+use super::Exchange;
+use super::error::{ApiError, TimeoutKind};
+use super::fingerprint;
+use crate::config::Timeouts;
+use crate::pool::upstream_client::UpstreamRx;
+use crate::pool::{Backend, InFlight};
+use crate::queue::QueuedBody;
+use crate::telemetry::RequestRecord;
+use fleetgate_protocol::Dialect;
+use fleetgate_protocol::error::ErrorKind;
+use fleetgate_protocol::sse::{DataKind, SseScanner};
+
+pin_project! {
+    /// The body type of every gateway response: a complete body, or a relayed upstream body.
+    #[project = GatewayBodyProj]
+    #[project_ref = GatewayBodyRef]
+    pub enum GatewayBody {
+        Full { data: Option<Bytes> },
+        Relay { #[pin] relay: RelayBody },
+        Queued { #[pin] queued: QueuedBody<RelayBody> },
+    }
+}
+
+impl GatewayBody {
+    pub fn full(b: impl Into<Bytes>) -> Self {
+        GatewayBody::Full {
+            data: Some(b.into()),
+        }
+    }
+    pub fn empty() -> Self {
+        GatewayBody::Full { data: None }
+    }
+    pub fn queued(queued: QueuedBody<RelayBody>) -> Self {
+        GatewayBody::Queued { queued }
+    }
+
+    pub fn relay(relay: RelayBody) -> Self {
+        GatewayBody::Relay { relay }
+    }
+}
+
+impl Body for GatewayBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.project() {
+            GatewayBodyProj::Full { data } => Poll::Ready(data.take().map(|b| Ok(Frame::data(b)))),
+            GatewayBodyProj::Relay { relay } => relay.poll_frame(cx),
+            GatewayBodyProj::Queued { queued } => queued.poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            GatewayBody::Full { data } => data.is_none(),
+            GatewayBody::Relay { relay } => relay.is_end_stream(),
+            GatewayBody::Queued { .. } => false,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            GatewayBody::Full { data: Some(b) } => SizeHint::with_exact(b.len() as u64),
+            GatewayBody::Full { data: None } => SizeHint::with_exact(0),
+            GatewayBody::Relay { relay } => relay.size_hint(),
+            GatewayBody::Queued { .. } => SizeHint::default(),
+        }
+    }
+}
+
+enum State {
+    Relaying,
+    /// A failure after the stream started: the error event still to send.
+    Closing(Bytes),
+    /// Upstream trailers, passed on after the data before them.
+    Trailers(http::HeaderMap),
+    Ended,
+}
+
+pin_project! {
+    pub struct RelayBody {
+        #[pin]
+        upstream: UpstreamBody,
+        #[pin]
+        timer: Sleep,
+        sse: bool,
+        dialect: Dialect,
+        scanner: SseScanner,
+        // A new stored response's id is learned from the answer (the backend holds it).
+        pin: Option<super::pins::Learn>,
+        state: State,
+        sent_at: Instant,
+        last_read: Instant,
+        timeouts: Timeouts,
+        ready: Ready,
+        // Non-streaming bodies: the last two frames, where the `usage` object usually is, and
+        // the first, where it is when the answer names it before its results (rerank).
+        tail: [Option<Bytes>; 2],
+        first_frame: Option<Bytes>,
+        strip_usage: bool,
+        itl: Option<prometheus::Histogram>,
+        timing_trailer: bool,
+        // The client's name for the model, back in the answer (`None`: it needs no change).
+        rename: Option<Box<super::rename::Rename>>,
+        // The end of the shutdown grace period: the stream ends with an error event.
+        #[pin]
+        closing: WaitForCancellationFutureOwned,
+        grace: Duration,
+        // A streamed background response: its id (once read), and what hands its work to a
+        // watcher if the client leaves before the end.
+        background: Option<Box<super::background::Handover>>,
+        background_id: Option<String>,
+        // Declared before `ex` so the slot is released before the request is recorded.
+        slot: InFlight,
+        ex: Exchange,
+    }
+
+    impl PinnedDrop for RelayBody {
+        // The client of a streamed background response left before its end: the backend goes
+        // on, so its slot and its key's admission go to a watcher rather than being released.
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if let Some(handover) = this.background.take()
+                && let Some(id) = this.background_id.take()
+                && !this.ex.record.timeline.stream().done
+            {
+                let admission = this.ex.admission.take();
+                handover.watch(id, this.slot.hand_over(), admission);
+            }
+        }
+    }
+}
+
+impl RelayBody {
+    /// `ex.record.timeline.upstream_sent()` must be set.
+    pub fn new(
+        upstream: UpstreamBody,
+        options: RelayOptions,
+        slot: InFlight,
+        mut ex: Exchange,
+        first: Option<Bytes>,
+    ) -> Self {
+        let RelayOptions {
+            sse,
+            dialect,
+            mut pin,
+            timeouts,
+            strip_usage,
+            itl,
+            timing_trailer,
+            closing,
+            mut rename,
+            max_line,
+            background,
+        } = options;
+        let mut background_id = None;
+        let now = Instant::now();
+        let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
+        let mut scanner = SseScanner::for_dialect(dialect, max_line);
+        let mut ready = Ready::default();
+        if let Some(data) = first {
+            // A frame read together with the head: account for it as if just relayed.
+            let data = if sse {
+                scan_frame(
+                    &mut scanner,
+                    &mut ex.record,
+                    data,
+                    now,
+                    Scan {
+                        strip_usage,
+                        itl: itl.as_ref(),
+                        backend: slot.backend(),
+                        pin: &mut pin,
+                        learned: background.as_ref().map(|_| &mut background_id),
+                    },
+                )
+            } else {
+                learn_whole(&mut pin, &data);
+                Some(data)
+            };
+            let data = match rename.as_mut() {
+                Some(r) => data.and_then(|d| r.pass(d)),
+                None => data,
+            };
+            if let Some(data) = data {
+                ready.push(data);
+            }
+        }
+        let first_token = ex.record.timeline.upstream_first_token().is_some();
+        if first_token && sse {
+            observe_first_token(&slot, &mut ex.record, upstream.rx());
+        }
+        let deadline = deadline(sent_at, now, sse, first_token, &timeouts);
+        Self {
+            upstream,
+            timer: tokio::time::sleep_until(deadline.into()),
+            sse,
+            dialect,
+            scanner,
+            pin,
+            state: State::Relaying,
+            sent_at,
+            last_read: now,
+            timeouts,
+            ready,
+            tail: [None, None],
+            first_frame: None,
+            strip_usage,
+            itl,
+            timing_trailer,
+            rename,
+            closing: closing.token.cancelled_owned(),
+            grace: closing.grace,
+            background,
+            background_id,
+            slot,
+            ex,
+        }
+    }
+
+    fn deadline(&self) -> Instant {
+        deadline(
+            self.sent_at,
+            self.last_read,
+            self.sse,
+            self.ex.record.timeline.upstream_first_token().is_some(),
+            &self.timeouts,
+        )
+    }
+
+    fn timeout_kind(&self, now: Instant) -> TimeoutKind {
+        if now >= self.sent_at + self.timeouts.total {
+            TimeoutKind::Total
+        } else if self.sse && self.ex.record.timeline.upstream_first_token().is_none() {
+            TimeoutKind::FirstToken
+        } else {
+            TimeoutKind::Idle
+        }
+    }
+
+    fn limit_of(&self, kind: TimeoutKind) -> Duration {
+        match kind {
+            TimeoutKind::FirstToken => self.timeouts.first_token,
+            TimeoutKind::Idle => self.timeouts.idle,
+            TimeoutKind::Total => self.timeouts.total,
+        }
+    }
+}
+
+/// The instant the current timeout fires: before the first token of a stream the first-token
+/// limit, after it the idle limit since the last read; never later than the total limit.
+fn deadline(
+    sent_at: Instant,
+    last_read: Instant,
+    sse: bool,
+    first_token_seen: bool,
+    t: &Timeouts,
+) -> Instant {
+    let total = sent_at + t.total;
+    let soft = if sse && !first_token_seen {
+        sent_at + t.first_token
+    } else {
+        last_read + t.idle
+    };
+    soft.min(total)
+}
+
+/// What the relay does besides passing bytes on.
+pub struct RelayOptions {
+    /// The body is an SSE stream (scanned for timing).
+    pub sse: bool,
+    /// How the stream's events read, and how the gateway's own error events are shaped.
+    pub dialect: Dialect,
+    /// Learn the id of the stored response this answer creates.
+    pub pin: Option<super::pins::Learn>,
+    pub timeouts: Timeouts,
+    /// The gateway added `include_usage` upstream: remove the usage event from the client's
+    /// stream (the Timeline keeps its counts).
+    pub strip_usage: bool,
+    /// Every gap between content events is observed here.
+    pub itl: Option<prometheus::Histogram>,
+    /// End a finished stream with a `Server-Timing` trailer (the client sent `TE: trailers`).
+    pub timing_trailer: bool,
+    /// The end of the shutdown grace period.
+    pub closing: super::Closing,
+    /// The client's name for the model, back in the answer.
+    pub rename: Option<Box<super::rename::Rename>>,
+    /// The longest SSE line carried across reads (`server.max_stream_line_bytes`).
+    pub max_line: usize,
+    /// A streamed background response: how its work is handed to a watcher.
+    pub background: Option<Box<super::background::Handover>>,
+}
+
+/// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
+/// ITL histogram, stamp the upstream first token, flag an in-stream error, and cut out the
+/// usage event the gateway asked for (`strip_usage`), keeping its `system_fingerprint` on the
+/// finish chunks (see `fingerprint`). Returns what to hand on (`None`: nothing).
+fn scan_frame(
+    scanner: &mut SseScanner,
+    record: &mut RequestRecord,
+    data: Bytes,
+    now: Instant,
+    scan: Scan<'_>,
+) -> Option<Bytes> {
+    let Scan {
+        strip_usage,
+        itl,
+        backend,
+        pin,
+        mut learned,
+    } = scan;
+    let tl = &mut record.timeline;
+    // The stream already ended at its terminal event: a backend's bytes after it are not part
+    // of the answer, and are neither relayed nor counted.
+    if tl.stream().done {
+        return None;
+    }
+    let at = tl.offset(now);
+    let mut cut = None;
+    // Where the terminal event ends in this frame: the frame is cut there.
+    let mut end = None;
+    // Finish chunks in this frame that want the fingerprint.
+    let mut finish_at = Vec::new();
+    // (Only chat chunks have a usage chunk to cut or a fingerprint to learn.)
+    let chat = scanner.dialect() == Dialect::Chat;
+    scanner.feed(&data, |line| {
+        if tl.stream().done {
+            return;
+        }
+        if line.kind == DataKind::Done {
+            end = line.event_span.as_ref().map(|span| span.end);
+        }
+        if pin.is_some()
+            && line.kind == DataKind::NoOutput
+            && let Some(id) = fleetgate_protocol::dialect::response_id(line.payload)
+            && let Some(learn) = pin.take()
+        {
+            if let Some(keep) = learned.as_deref_mut() {
+                *keep = Some(id.clone());
+            }
+            learn.learned(id);
+        }
+        if chat && is_usage(&line) {
+            // Every usage chunk says what the backend's fingerprint is now.
+            backend.learn_fingerprint(fingerprint::value_of(line.payload));
+            if strip_usage {
+                cut = line.event_span.clone();
+            }
+        } else if strip_usage
+            && line.event_span.is_some()
+            && matches!(line.kind, DataKind::Content | DataKind::NoOutput)
+            && let Some(at) = fingerprint::wanted_at(&data, line.payload)
+        {
+            finish_at.push(at);
+        }
+        if let Some(gap) = tl.on_upstream_event(line.kind, line.usage, now, at)
+            && let Some(h) = itl
+        {
+            h.observe(gap.as_secs_f64());
+        }
+    });
+    if tl.stream().error && record.error.is_none() {
+        record.error = Some(ErrorKind::UpstreamStreamError);
+    }
+    let mut data = data;
+    if let Some(end) = end
+        && end < data.len()
+    {
+        data.truncate(end);
+    }
+    if cut.is_none() && finish_at.is_empty() {
+        return Some(data);
+    }
+    // The usage chunk of this very frame, if it came with the finish chunk, was learned above.
+    let value = if finish_at.is_empty() {
+        None
+    } else {
+        backend.fingerprint()
+    };
+    fingerprint::edit(data, &finish_at, value.as_deref(), cut)
+}
+
+/// What scanning a frame uses besides the scanner and the record.
+struct Scan<'a> {
+    strip_usage: bool,
+    itl: Option<&'a prometheus::Histogram>,
+    backend: &'a Backend,
+    pin: &'a mut Option<super::pins::Learn>,
+    /// Where the learned id is kept too (a streamed background response).
+    learned: Option<&'a mut Option<String>>,
+}
+
+/// The usage chunk of a chat stream: `choices: []` with a `usage` object.
+fn is_usage(line: &fleetgate_protocol::sse::DataLine<'_>) -> bool {
+    line.kind == DataKind::NoChoices && line.usage.is_some()
+}
+
+/// A whole answer that creates a stored response names it first (`{"id":"resp_...",...`):
+/// learned from the frame that holds the id.
+fn learn_whole(pin: &mut Option<super::pins::Learn>, data: &[u8]) {
+    if pin.is_some()
+        && let Some(id) = super::pins::leading_id(data)
+        && let Some(learn) = pin.take()
+    {
+        learn.learned(id);
+    }
+}
+
+/// The `Server-Timing` trailer of a finished stream, when the client accepts one.
+fn timing_trailer(wanted: bool, record: &RequestRecord) -> Option<http::HeaderMap> {
+    if wanted {
+        super::upstream::stream_timing(record)
+    } else {
+        None
+    }
+}
+
+/// Once the first token has been seen: take the upstream socket's stamps (the kernel's arrival
+/// of the bytes that carried it) and feed the backend's mean TTFT.
+fn observe_first_token(slot: &InFlight, record: &mut RequestRecord, rx: Option<&UpstreamRx>) {
+    let t = &mut record.timeline;
+    if t.upstream_first_token().is_none() {
+        return;
+    }
+    if let Some(rx) = rx {
+        let (written, arrived) = rx.0.first_token_arrival();
+        t.stamp_upstream_wire(written, arrived);
+    }
+    if let (Some(first), Some(sent)) = (t.upstream_first_token(), t.upstream_sent()) {
+        slot.backend()
+            .observe_ttft(first.saturating_duration_since(sent));
+    }
+}
+
+impl Body for RelayBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        loop {
+            if let Some(out) = self.as_mut().after_relaying() {
+                return out;
+            }
+            let this = self.as_mut().project();
+            if !this.ready.is_empty()
+                && *this.sse
+                && this.ex.record.timeline.client_first_token().is_none()
+            {
+                // A frame read with the head: it goes out with the head.
+                return Poll::Ready(Some(Ok(Frame::data(self.as_mut().deliver()))));
+            }
+            let step = match this.upstream.poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => self.as_mut().on_frame(frame),
+                Poll::Ready(None) => self.as_mut().on_end(),
+                Poll::Ready(Some(Err(e))) => self.as_mut().on_error(&e),
+                Poll::Pending => match self.as_mut().on_pending() {
+                    Some(out) => Some(out),
+                    // Upstream has nothing now: is a timeout due?
+                    None => self.as_mut().on_quiet(cx),
+                },
+            };
+            if let Some(out) = step {
+                return out;
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.state, State::Ended) && self.ready.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.state {
+            // (A renamed model changes the length: no exact size then.)
+            State::Relaying if !self.sse && self.ready.is_empty() && self.rename.is_none() => {
+                self.upstream.size_hint()
+            }
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+/// What `poll_frame` returns; a step that gives `None` lets the loop go on.
+type Out = Poll<Option<Result<Frame<Bytes>, std::io::Error>>>;
+
+impl RelayBody {
+    /// The states past relaying: the error event still to send, trailers, the end. `None`
+    /// while relaying.
+    fn after_relaying(self: Pin<&mut Self>) -> Option<Out> {
+        let this = self.project();
+        match std::mem::replace(this.state, State::Ended) {
+            State::Ended => Some(Poll::Ready(None)),
+            State::Closing(tail) => {
+                // Frames read before the failure go first, in the same write.
+                let out = match this.ready.take() {
+                    Some(held) => {
+                        let mut both = BytesMut::with_capacity(held.len() + tail.len());
+                        both.extend_from_slice(&held);
+                        both.extend_from_slice(&tail);
+                        both.freeze()
+                    }
+                    None => tail,
+                };
+                this.ex.record.finish(Instant::now());
+                Some(Poll::Ready(Some(Ok(Frame::data(out)))))
+            }
+            State::Trailers(t) => Some(Poll::Ready(Some(Ok(Frame::trailers(t))))),
+            State::Relaying => {
+                *this.state = State::Relaying;
+                None
+            }
+        }
+    }
+
+    /// A frame from upstream: scanned (SSE), gathered, and handed on at once up to the first
+    /// token; after it, frames already read are gathered into one write.
+    fn on_frame(mut self: Pin<&mut Self>, frame: Frame<Bytes>) -> Option<Out> {
+        let this = self.as_mut().project();
+        let now = Instant::now();
+        *this.last_read = now;
+        let mut data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                // Trailers: after whatever was read before them.
+                if let Ok(t) = frame.into_trailers() {
+                    *this.state = State::Trailers(t);
+                }
+                if !this.ready.is_empty() {
+                    return Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))));
+                }
+                return None;
+            }
+        };
+        if *this.sse {
+            let had_first = this.ex.record.timeline.upstream_first_token().is_some();
+            let scanned = scan_frame(
+                this.scanner,
+                &mut this.ex.record,
+                data,
+                now,
+                Scan {
+                    strip_usage: *this.strip_usage,
+                    itl: this.itl.as_ref(),
+                    backend: this.slot.backend(),
+                    pin: this.pin,
+                    learned: this.background.as_ref().map(|_| &mut *this.background_id),
+                },
+            );
+            if !had_first && this.ex.record.timeline.upstream_first_token().is_some() {
+                observe_first_token(this.slot, &mut this.ex.record, this.upstream.rx());
+                // The timer is re-armed lazily, which only works for deadlines that move later;
+                // the first token moves it from the first-token limit to the idle limit, which
+                // is usually earlier, so it is re-armed here, once per stream.
+                let idle = deadline(*this.sent_at, now, true, true, this.timeouts);
+                this.timer.reset(idle.into());
+            }
+            if this.scanner.overlong() {
+                // The backend broke the protocol: a line with no end, past the limit. What the
+                // scanner carried is freed; the stream ends with an error event, and dropping
+                // the upstream body closes the connection (the backend stops writing).
+                this.ex.record.error = Some(ErrorKind::UpstreamProtocol);
+                let err = ApiError::UpstreamLineTooLong {
+                    backend: this.slot.backend().shown.to_string(),
+                    limit: this.scanner.max_line(),
+                };
+                tracing::warn!(backend = %this.slot.backend().base, limit = this.scanner.max_line(), "backend sent an SSE line past the limit: stream ended");
+                *this.state = State::Closing(err.sse_event(*this.dialect, true));
+                return None;
+            }
+            match scanned {
+                Some(rest) => data = rest,
+                None => return None, // only the hidden usage event: nothing to send
+            }
+        }
+        if let Some(r) = this.rename.as_mut() {
+            // `None`: held, the start of a field the next frame completes.
+            data = r.pass(data)?;
+        }
+        if !*this.sse {
+            learn_whole(this.pin, &data);
+            if this.first_frame.is_none() {
+                *this.first_frame = Some(data.clone());
+            }
+            this.tail[0] = this.tail[1].replace(data.clone());
+        }
+        let full = !this.ready.push(data);
+        // Up to the first token every frame of a stream leaves at once: TTFT is never traded
+        // for fewer writes. After it, frames already read are gathered. A whole answer (no
+        // SSE) is gathered from the start, so its end is read with its last bytes: the client
+        // connection drops the body once the content length is written, and the request must
+        // be finished by then (a tokenizer answer has no first token to stamp before).
+        let first_token_unsent =
+            *this.sse && this.ex.record.timeline.client_first_token().is_none();
+        if full || first_token_unsent {
+            return Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))));
+        }
+        None
+    }
+
+    /// Upstream's body ended: a stream without `[DONE]` is cut (an error event says so);
+    /// a non-streamed body gives up its usage; what was gathered goes out.
+    fn on_end(mut self: Pin<&mut Self>) -> Option<Out> {
+        let this = self.as_mut().project();
+        let now = Instant::now();
+        if let Some(rest) = this.rename.as_mut().and_then(|r| r.finish()) {
+            this.ready.push(rest);
+        }
+        if *this.sse {
+            let tl = &mut this.ex.record.timeline;
+            let at = tl.offset(now);
+            this.scanner.finish(|line| {
+                tl.on_upstream_event(line.kind, line.usage, now, at);
+            });
+            if !tl.stream().done && !tl.stream().error {
+                this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
+                let err = ApiError::UpstreamStreamCut {
+                    backend: this.slot.backend().shown.to_string(),
+                };
+                *this.state =
+                    State::Closing(err.sse_event(*this.dialect, this.scanner.has_partial_line()));
+                return None;
+            }
+        } else {
+            this.ex
+                .record
+                .timeline
+                .set_usage(fleetgate_protocol::stream::usage_in_answer(
+                    this.first_frame.as_deref(),
+                    this.tail,
+                ));
+        }
+        if this.ready.is_empty() {
+            let trailer = timing_trailer(*this.timing_trailer, &this.ex.record);
+            this.ex.record.finish(now);
+            if let Some(t) = trailer {
+                *this.state = State::Trailers(t);
+                return None;
+            }
+            return Some(Poll::Ready(None));
+        }
+        // Deliver what was read; the next poll ends the body (after the trailer, if any).
+        let out = self.as_mut().deliver();
+        let this = self.project();
+        let now = Instant::now();
+        *this.state = match timing_trailer(*this.timing_trailer, &this.ex.record) {
+            Some(t) => State::Trailers(t),
+            None => State::Ended,
+        };
+        this.ex.record.finish(now);
+        Some(Poll::Ready(Some(Ok(Frame::data(out)))))
+    }
+
+    /// Upstream failed after the head: an error event for a stream, an I/O error otherwise.
+    fn on_error(self: Pin<&mut Self>, e: &std::io::Error) -> Option<Out> {
+        if self.answered() {
+            return self.end_answered();
+        }
+        let this = self.project();
+        this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
+        let err = ApiError::UpstreamStreamFailed {
+            backend: this.slot.backend().shown.to_string(),
+            detail: e.to_string(),
+        };
+        if *this.sse {
+            let partial = this.scanner.has_partial_line();
+            *this.state = State::Closing(err.sse_event(*this.dialect, partial));
+            return None;
+        }
+        this.ex.record.finish(Instant::now());
+        Some(Poll::Ready(Some(Err(std::io::Error::other(err.message())))))
+    }
+
+    /// Nothing more right now: what was gathered goes out. The upstream connection is driven
+    /// by this poll, so "nothing more" means its socket has nothing more: nothing is ever held
+    /// waiting for bytes that have not arrived. `None`: nothing gathered.
+    fn on_pending(self: Pin<&mut Self>) -> Option<Out> {
+        if self.ready.is_empty() {
+            return None;
+        }
+        Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))))
+    }
+
+    /// Upstream is quiet: pending until the current timeout; when it fires, an error event
+    /// for a stream, a timed-out I/O error otherwise.
+    fn on_quiet(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<Out> {
+        if self.as_mut().project().closing.poll(cx).is_ready() {
+            return self.on_closing();
+        }
+        if self.as_mut().project().timer.poll(cx).is_pending() {
+            return Some(Poll::Pending);
+        }
+        let deadline = self.deadline();
+        let now = Instant::now();
+        if now < deadline {
+            // Data arrived since the timer was armed: re-arm lazily (no reset per chunk).
+            self.as_mut().project().timer.reset(deadline.into());
+            return None;
+        }
+        if self.answered() {
+            return self.end_answered();
+        }
+        let kind = self.timeout_kind(now);
+        let limit = self.limit_of(kind);
+        let this = self.project();
+        this.ex.record.error = Some(ErrorKind::UpstreamTimeout);
+        let err = ApiError::UpstreamTimeout {
+            backend: this.slot.backend().shown.to_string(),
+            kind,
+            after_ms: limit.as_millis(),
+        };
+        if *this.sse {
+            let partial = this.scanner.has_partial_line();
+            *this.state = State::Closing(err.sse_event(*this.dialect, partial));
+            return None;
+        }
+        *this.state = State::Ended;
+        this.ex.record.finish(now);
+        Some(Poll::Ready(Some(Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            err.message(),
+        )))))
+    }
+
+    /// The shutdown grace period ended with the stream still open: a stream ends with an error
+    /// event and `[DONE]` (then the chunked terminator), a whole answer is cut; the record says
+    /// `shutdown`, not that the client left.
+    fn on_closing(self: Pin<&mut Self>) -> Option<Out> {
+        if self.answered() {
+            return self.end_answered();
+        }
+        let this = self.project();
+        this.ex.record.error = Some(ErrorKind::Shutdown);
+        let err = ApiError::Shutdown {
+            grace_ms: this.grace.as_millis(),
+        };
+        if *this.sse {
+            let partial = this.scanner.has_partial_line();
+            *this.state = State::Closing(err.sse_event(*this.dialect, partial));
+            return None;
+        }
+        *this.state = State::Ended;
+        this.ex.record.finish(Instant::now());
+        Some(Poll::Ready(Some(Err(std::io::Error::other(err.message())))))
+    }
+
+    /// A stream whose terminal event has been read is a complete answer: whatever the backend
+    /// does after it (fails, stalls, sends more) is not the client's concern.
+    fn answered(&self) -> bool {
+        self.sse && self.ex.record.timeline.stream().done
+    }
+
+    /// End a complete stream quietly: what was gathered goes out, then the body ends.
+    fn end_answered(mut self: Pin<&mut Self>) -> Option<Out> {
+        let this = self.as_mut().project();
+        *this.state = State::Ended;
+        if this.ready.is_empty() {
+            this.ex.record.finish(Instant::now());
+            return Some(Poll::Ready(None));
+        }
+        Some(Poll::Ready(Some(Ok(Frame::data(self.deliver())))))
+    }
+
+    /// Hand the gathered frames to the client connection, stamping the first token. Once the
+    /// stream's terminal event (`[DONE]`, `response.completed`, `message_stop`) is handed on,
+    /// the answer is complete: a client that hangs up on reading it (Codex does) has not left
+    /// early, even if the backend's end of body is still on its way.
+    fn deliver(self: Pin<&mut Self>) -> Bytes {
+        let this = self.project();
+        let out = this.ready.take().unwrap_or_default();
+        let now = Instant::now();
+        let tl = &mut this.ex.record.timeline;
+        tl.stamp_delivered(now);
+        if tl.stream().done {
+            this.ex.record.finish(now);
+        }
+        out
+    }
+}
+
+/// Frames read from upstream and not yet handed on. One frame is kept as it came (no copy);
+/// frames that arrive while it waits for its write are appended behind it.
+#[derive(Default)]
+struct Ready {
+    first: Option<Bytes>,
+    more: Option<BytesMut>,
+}
+
+/// Most bytes gathered for one write; past it they go at once.
+const MAX_GATHER: usize = 32 * 1024;
+
+impl Ready {
+    fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
+    /// Add a frame; false when enough is gathered to write now.
+    fn push(&mut self, data: Bytes) -> bool {
+        match (&self.first, &mut self.more) {
+            (None, _) => self.first = Some(data),
+            (Some(first), None) => {
+                let mut buf = BytesMut::with_capacity((first.len() + data.len()) * 4);
+                buf.extend_from_slice(first);
+                buf.extend_from_slice(&data);
+                self.more = Some(buf);
+            }
+            (Some(_), Some(buf)) => buf.extend_from_slice(&data),
+        }
+        self.len() < MAX_GATHER
+    }
+
+    fn len(&self) -> usize {
+        match (&self.first, &self.more) {
+            (_, Some(b)) => b.len(),
+            (Some(f), None) => f.len(),
+            (None, None) => 0,
+        }
+    }
+
+    /// Everything gathered, leaving it empty. A single frame is the upstream's own `Bytes`.
+    fn take(&mut self) -> Option<Bytes> {
+        let first = self.first.take()?;
+        Some(match self.more.take() {
+            Some(b) => b.freeze(),
+            None => first,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_tail_parses_as_one_error_event() {
+        let tail = ApiError::UpstreamStreamFailed {
+            backend: "http://b:1".into(),
+            detail: "boom".into(),
+        }
+        .sse_event(Dialect::Chat, true);
+        let mut scanner = SseScanner::new();
+        scanner.feed(b"data: {\"choi", |_| {});
+        let mut kinds = Vec::new();
+        scanner.feed(&tail, |l| kinds.push(l.kind));
+        // The half line is closed (it is not a valid event), then error, then [DONE].
+        assert_eq!(
+            &kinds[kinds.len() - 2..],
+            &[DataKind::Error, DataKind::Done]
+        );
+    }
+}

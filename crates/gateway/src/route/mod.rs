@@ -1,0 +1,193 @@
+//! Model routing: which pool serves a request and with which preferences among its backends.
+//! `resolve` turns the client's model name (or an alias) into a pool, checks the key's rights
+//! to the model and the pool's environments, moves long prompts to their own pool, and works
+//! out the backend preferences (gray keys pinned to canary backends, affinity by user or
+//! prompt prefix). No I/O: everything comes from the request view and the current pools.
+
+use std::sync::Arc;
+
+use crate::auth::AuthFailure;
+use crate::config::AffinityBy;
+use crate::key::{Environment, KeyRecord};
+use crate::pool::{Generation, Pool, fnv1a};
+use fleetgate_protocol::Endpoint;
+use fleetgate_protocol::view::RequestView;
+
+/// Where a request goes.
+#[derive(Debug)]
+pub struct Route<'p> {
+    pub pool: &'p Pool,
+    /// Backends to avoid while another can take the request (gray keys pinned to the canary
+    /// backends); 0: none.
+    pub avoid: u64,
+    /// Affinity hash: requests with the same one prefer the same backend (its prefix cache).
+    pub affinity: Option<u64>,
+    /// `longest_prefix`: the names of the prompt's blocks (`pool::prefix`), to find the
+    /// backend holding the longest of them and to teach the index where the prompt went.
+    pub prefix: Option<Arc<[u64]>>,
+    /// The backends' own name for the model as a JSON string, when the client named another
+    /// (an alias, or the pool's name under a different `served_model_name`): spliced into
+    /// the body.
+    pub rename: Option<&'p [u8]>,
+}
+
+/// Why a request has no route.
+#[derive(Debug, Clone)]
+pub enum RouteError {
+    /// No pool serves that name.
+    ModelNotFound { model: String, available: String },
+    /// The key may not use the model, or its environment may not use the pool (named, with
+    /// its metrics slot, for the record).
+    Denied {
+        failure: AuthFailure,
+        model: Arc<str>,
+        pool_slot: usize,
+    },
+}
+
+/// Route a request in `pools` (the generation it keeps to its end). `prompt_tokens` estimates
+/// a prompt's tokens from its characters (the limits' estimate, so both agree).
+pub fn resolve<'p>(
+    view: &RequestView<'_>,
+    body: &[u8],
+    endpoint: Endpoint,
+    key: Option<&KeyRecord>,
+    pools: &'p Generation,
+    prompt_tokens: impl Fn(usize) -> u64,
+) -> Result<Route<'p>, RouteError> {
+    let pool = pools
+        .get(&view.model)
+        .ok_or_else(|| RouteError::ModelNotFound {
+            model: view.model.clone().into_owned(),
+            available: pools.model_list_for(key),
+        })?;
+    if let Some(key) = key
+        && let Err(failure) = check_rights(key, pool)
+    {
+        return Err(RouteError::Denied {
+            failure,
+            model: pool.model.clone(),
+            pool_slot: pool.slot,
+        });
+    }
+    let pool = long_prompt_pool(pool, pools, key, prompt_tokens(view.prompt_chars));
+    let avoid = match key {
+        Some(k) if k.environment == Environment::Gray => pool.balancer.gray_exclude,
+        _ => 0,
+    };
+    let rename = (*view.model != *pool.served_name).then_some(&*pool.served_json);
+    let (affinity, prefix) = match pool.affinity {
+        Some(a) if a.by == AffinityBy::LongestPrefix => (None, prefix_names(pool, body, endpoint)),
+        _ => (affinity(pool, view, body, endpoint), None),
+    };
+    Ok(Route {
+        pool,
+        avoid,
+        affinity,
+        prefix,
+        rename,
+    })
+}
+
+/// The key may use the model, and its environment the pool.
+pub fn check_rights(key: &KeyRecord, pool: &Pool) -> Result<(), AuthFailure> {
+    if !key.allows_model(&pool.model) {
+        return Err(AuthFailure::ModelNotAllowed {
+            model: pool.model.to_string(),
+            allowed: key.allowed_models.clone().unwrap_or_default(),
+        });
+    }
+    if let Some(envs) = &pool.environments
+        && !envs.contains(&key.environment)
+    {
+        return Err(AuthFailure::EnvironmentNotAllowed {
+            env: key.environment,
+            model: pool.model.to_string(),
+            allowed: envs.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// Long prompts go to their own pool (if the key's environment may use it), so they do not
+/// hold up short ones.
+fn long_prompt_pool<'p>(
+    pool: &'p Pool,
+    pools: &'p Generation,
+    key: Option<&KeyRecord>,
+    prompt_tokens: u64,
+) -> &'p Pool {
+    if let Some((min_tokens, target)) = pool.long_prompt
+        && prompt_tokens >= min_tokens
+        && let Some(t) = pools.at(target)
+        && key.is_none_or(|k| {
+            t.environments
+                .as_ref()
+                .is_none_or(|e| e.contains(&k.environment))
+        })
+    {
+        return t;
+    }
+    pool
+}
+
+/// The block names of the prompt as the backend will see it: the body from the first of the
+/// endpoint's prompt fields on (a template renders tools and the system text before the
+/// messages; a body's later fields only change its last blocks). Only for generating
+/// endpoints of a pool that routes by longest prefix.
+fn prefix_names(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<[u64]>> {
+    let index = pool
+        .prefix
+        .as_ref()
+        .filter(|_| endpoint.needs().generates)?;
+    let fields: &[&[u8]] = match endpoint {
+        Endpoint::Chat | Endpoint::ChatBatch => &[b"\"tools\"", b"\"messages\""],
+        Endpoint::Completions => &[b"\"prompt\""],
+        Endpoint::Responses => &[b"\"instructions\"", b"\"tools\"", b"\"input\""],
+        Endpoint::Messages => &[b"\"system\"", b"\"tools\"", b"\"messages\""],
+        _ => return None,
+    };
+    let start = fields
+        .iter()
+        .filter_map(|f| memchr::memmem::find(body, f))
+        .min()?;
+    Some(Arc::from(index.names(&body[start..])))
+}
+
+/// Backend affinity: requests of the same user, or with the same prompt prefix, prefer the
+/// same backend (its prefix cache). Computed only for pools that ask for it, and never for
+/// tokenization, which leaves nothing in a cache.
+fn affinity(pool: &Pool, view: &RequestView<'_>, body: &[u8], endpoint: Endpoint) -> Option<u64> {
+    let a = pool.affinity.filter(|_| endpoint.needs().generates)?;
+    match a.by {
+        AffinityBy::User => view.user.map(|u| fnv1a(u.as_bytes())),
+        AffinityBy::LongestPrefix => None,
+        AffinityBy::Prefix => {
+            let field: &[u8] = match endpoint {
+                Endpoint::Chat | Endpoint::Messages | Endpoint::ChatBatch => b"\"messages\"",
+                Endpoint::Completions => b"\"prompt\"",
+                Endpoint::Responses => b"\"input\"",
+                Endpoint::Tokenize
+                | Endpoint::Detokenize
+                | Endpoint::CountTokens
+                | Endpoint::ResponseGet
+                | Endpoint::ResponseCancel
+                | Endpoint::Embeddings
+                | Endpoint::CohereEmbed
+                | Endpoint::Rerank
+                | Endpoint::RerankV1
+                | Endpoint::RerankV2
+                | Endpoint::Score
+                | Endpoint::ScoreV1
+                | Endpoint::Classify
+                | Endpoint::Pooling
+                | Endpoint::Transcriptions
+                | Endpoint::Translations => return None,
+            };
+            memchr::memmem::find(body, field).map(|at| {
+                let end = (at + field.len() + a.prefix_bytes).min(body.len());
+                fnv1a(&body[at..end])
+            })
+        }
+    }
+}

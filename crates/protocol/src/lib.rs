@@ -1,0 +1,18 @@
+//! The wire protocols fleetgate speaks, shared by the gateway and the tools: the endpoints, one
+//! dialect per protocol (how its events and usage read), the error bodies (OpenAI's and
+//! Anthropic's) and the payload-free error kinds, the SSE scanner, the request-body view (parsed
+//! once, the bytes kept), the figures of a stream (`stream`), and the measuring client the bench
+//! and the demo use. Nothing here knows about the request path.
+
+pub mod cli_out;
+pub mod client;
+pub mod dialect;
+pub mod endpoint;
+pub mod error;
+pub mod sse;
+pub mod stream;
+pub mod usage;
+pub mod view;
+
+pub use dialect::Dialect;
+pub use endpoint::Endpoint;
