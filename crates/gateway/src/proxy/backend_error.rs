@@ -9,7 +9,8 @@ use http::header;
 use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 
-use super::{APPLICATION_JSON, Exchange, X_REQUEST_ID};
+use super::exchange::Exchange;
+use super::headers::{APPLICATION_JSON, X_REQUEST_ID};
 use crate::pool::driven::UpstreamBody;
 use crate::pool::{Backend, Pool};
 use fleetgate_protocol::Endpoint;

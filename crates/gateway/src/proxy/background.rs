@@ -16,9 +16,11 @@ use http::{Request, Response};
 use http_body_util::{BodyExt, Full, Limited};
 use tokio_util::sync::CancellationToken;
 
-use super::relay::GatewayBody;
+use super::error::ApiError;
+use super::exchange::Exchange;
+use super::pins;
+use super::state::ProxyState;
 use super::upstream::RelayParts;
-use super::{Exchange, ProxyState, pins};
 use crate::limits::Admission;
 use crate::pool::{Backend, InFlight, UpstreamClient};
 
@@ -30,13 +32,14 @@ const MAX_FAILED_POLLS: u32 = 10;
 /// The most bytes of a background answer (the POST's, or a poll's) read.
 const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
-/// Answer a background POST whole, and watch the work it started until it ends.
+/// Answer a background POST whole, and watch the work it started until it ends; or the error
+/// to answer with, when the backend's answer broke off.
 pub(super) async fn answer(
     state: &ProxyState,
     resp: Response<()>,
     parts: RelayParts,
     mut ex: Exchange,
-) -> Response<GatewayBody> {
+) -> Result<Response<Bytes>, (ApiError, Exchange)> {
     let (mut head, ()) = resp.into_parts();
     let RelayParts {
         upstream,
@@ -54,8 +57,8 @@ pub(super) async fn answer(
     .await;
     let body = match read {
         Ok(Ok(collected)) => collected.to_bytes(),
-        Ok(Err(e)) => return failed(&slot, ex, &e.to_string()),
-        Err(_) => return failed(&slot, ex, "the answer did not arrive in time"),
+        Ok(Err(e)) => return Err((failed(&slot, &e.to_string()), ex)),
+        Err(_) => return Err((failed(&slot, "the answer did not arrive in time"), ex)),
     };
     let now = Instant::now();
     ex.record.timeline.stamp_client_first_byte(now);
@@ -102,23 +105,16 @@ pub(super) async fn answer(
             tokio::spawn(watch.run(slot, Held::Exchange(Box::new(ex))));
         }
     }
-    Response::from_parts(head, GatewayBody::full(body))
+    Ok(Response::from_parts(head, body))
 }
 
-/// The backend's answer broke off: a 502 naming it; slot and admission are released.
-fn failed(slot: &InFlight, mut ex: Exchange, why: &str) -> Response<GatewayBody> {
-    let err = super::ApiError::UpstreamStreamFailed {
+/// The backend's answer broke off: a 502 naming it (slot and admission are released as the
+/// error is answered).
+fn failed(slot: &InFlight, why: &str) -> ApiError {
+    ApiError::UpstreamStreamFailed {
         backend: slot.backend().shown.to_string(),
         detail: why.to_owned(),
-    };
-    ex.record.error = Some(err.kind());
-    ex.record.status = err.status().as_u16();
-    ex.record.finish(Instant::now());
-    super::error_response(
-        &err,
-        fleetgate_protocol::Dialect::Responses,
-        &ex.record.request_id,
-    )
+    }
 }
 
 /// The response object's `status` says the backend still works on it.

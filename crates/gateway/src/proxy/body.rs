@@ -13,7 +13,7 @@ use http::header::{self, HeaderValue};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use super::error::ApiError;
+use super::error::{ApiError, PendingScope};
 use fleetgate_protocol::endpoint::BodyKind;
 
 /// The length a request's `Content-Length` declares (read before the header is cleaned away
@@ -176,15 +176,6 @@ pub struct PendingBodies {
     limit: usize,
     per_key: usize,
     by_key: DashMap<i64, usize>,
-}
-
-/// Which bound a body would pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PendingScope {
-    /// `server.max_pending_body_bytes`, every key together.
-    Gateway,
-    /// `server.max_pending_body_bytes_per_key`.
-    Key,
 }
 
 impl PendingBodies {

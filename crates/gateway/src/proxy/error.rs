@@ -7,14 +7,22 @@ use bytes::Bytes;
 
 use crate::auth::AuthFailure;
 use crate::limits::Refusal;
-use crate::queue::QueueRefusal;
+use crate::pool::Pool;
+use crate::pool::cause::ConnectCause;
+use crate::queue::{QueueError, QueueRefusal};
 use fleetgate_protocol::Dialect;
 use fleetgate_protocol::error::{ErrorKind, Shaped, anthropic_status, error_body};
 use fleetgate_protocol::view::ViewError;
 use http::{HeaderValue, StatusCode, header};
 
-/// Why a backend could not be reached (named the same way for the health probes).
-pub use crate::pool::cause::ConnectCause;
+/// Which bound a body would pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PendingScope {
+    /// `server.max_pending_body_bytes`, every key together.
+    Gateway,
+    /// `server.max_pending_body_bytes_per_key`.
+    Key,
+}
 
 /// Which upstream timeout fired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,10 +82,7 @@ pub enum ApiError {
     BodyStalled { after_ms: u128 },
     /// Past the bytes of bodies still arriving that the gateway (or this key) may hold.
     #[error("pending request bodies over {limit} bytes")]
-    PendingBodies {
-        scope: super::body::PendingScope,
-        limit: usize,
-    },
+    PendingBodies { scope: PendingScope, limit: usize },
     /// The body is not the JSON the endpoint takes (the view's own error, kept whole).
     #[error("{0}")]
     View(ViewError),
@@ -138,11 +143,11 @@ impl ApiError {
             ApiError::BodyRead(_) => ErrorKind::BodyRead,
             ApiError::BodyTimeout { .. } | ApiError::BodyStalled { .. } => ErrorKind::BodyTimeout,
             ApiError::PendingBodies {
-                scope: super::body::PendingScope::Gateway,
+                scope: PendingScope::Gateway,
                 ..
             } => ErrorKind::Overloaded,
             ApiError::PendingBodies {
-                scope: super::body::PendingScope::Key,
+                scope: PendingScope::Key,
                 ..
             } => ErrorKind::RateLimited,
             ApiError::View(ViewError::InvalidJson(_)) => ErrorKind::InvalidJson,
@@ -289,7 +294,7 @@ impl ApiError {
                 "body_timeout",
             ),
             ApiError::PendingBodies {
-                scope: super::body::PendingScope::Gateway,
+                scope: PendingScope::Gateway,
                 limit,
             } => (
                 format!(
@@ -300,7 +305,7 @@ impl ApiError {
                 "gateway_overloaded",
             ),
             ApiError::PendingBodies {
-                scope: super::body::PendingScope::Key,
+                scope: PendingScope::Key,
                 limit,
             } => (
                 format!(
@@ -508,6 +513,54 @@ fn served_routes() -> &'static str {
             .join(", ")
     });
     &LIST
+}
+
+impl ApiError {
+    /// The queue phase's refusal, or no backend of the pool able to take the request.
+    pub fn from_queue(e: QueueError, pool: &Pool) -> ApiError {
+        match e {
+            QueueError::NoUsableBackend => ApiError::no_backend(pool),
+            QueueError::Refused(r) => ApiError::QueueRefused(r),
+        }
+    }
+
+    fn no_backend(pool: &Pool) -> ApiError {
+        if pool.backends.is_empty() {
+            return ApiError::NoBackend {
+                model: pool.model.to_string(),
+                detail: "it has no backends right now: its DNS-discovered entries have found no address yet (see GET /admin/backends and the gateway's log)".to_owned(),
+            };
+        }
+        ApiError::NoBackend {
+            model: pool.model.to_string(),
+            detail: format!(
+                "none of its {} backend(s) can take requests: {}",
+                pool.backends.len(),
+                pool.backends
+                    .iter()
+                    .map(|b| {
+                        let why = match b.state() {
+                            crate::pool::BackendState::Down => {
+                                "failed its last health check or connection"
+                            }
+                            crate::pool::BackendState::Draining => "draining",
+                            crate::pool::BackendState::Ejected => {
+                                "ejected after consecutive failures"
+                            }
+                            crate::pool::BackendState::Warming => "warming up",
+                            crate::pool::BackendState::Removed => "removed by a reload",
+                            crate::pool::BackendState::Misconfigured => {
+                                "refuses the gateway's upstream_api_key: see GET /admin/backends"
+                            }
+                            _ => "at capacity",
+                        };
+                        format!("{} ({why})", b.shown)
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,42 @@
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
-use super::X_REQUEST_ID;
 use super::error::HeadExcess;
+
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
+pub static TEXT_EVENT_STREAM: HeaderValue = HeaderValue::from_static("text/event-stream");
+pub static NO_CACHE: HeaderValue = HeaderValue::from_static("no-cache");
+
+/// The client's `x-request-id` if usable, else a new one: `fg-`, a per-process random prefix
+/// (which replica made it), and 96 random bits: unguessable (a stored response's id is made
+/// from it) and unique across replicas.
+pub fn request_id(headers: &HeaderMap) -> HeaderValue {
+    if let Some(v) = headers.get(&X_REQUEST_ID)
+        && !v.is_empty()
+        && v.len() <= 128
+    {
+        return v.clone();
+    }
+    static PREFIX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let prefix = *PREFIX.get_or_init(rand::random::<u32>);
+    let bits: u128 = rand::random();
+    let mut buf = [0u8; 3 + 8 + 1 + 24];
+    buf[..3].copy_from_slice(b"fg-");
+    hex_into(&mut buf[3..11], u64::from(prefix), 8);
+    buf[11] = b'-';
+    hex_into(&mut buf[12..20], (bits >> 64) as u64, 8);
+    hex_into(&mut buf[20..], bits as u64, 16);
+    HeaderValue::from_bytes(&buf).unwrap_or_else(|_| HeaderValue::from_static("fg-invalid"))
+}
+
+fn hex_into(out: &mut [u8], mut v: u64, digits: usize) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for i in (0..digits).rev() {
+        out[i] = HEX[(v & 0xf) as usize];
+        v >>= 4;
+    }
+}
 
 /// Headers of the client's never passed upstream besides the hop-by-hop ones and `host` (taken
 /// out first by `outgoing`, for `X-Forwarded-Host`; the backend's own is sent): its credentials
@@ -291,4 +325,20 @@ fn accepts_trailers(h: &HeaderMap) -> bool {
             .split(|b| *b == b',')
             .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids() {
+        let mut h = HeaderMap::new();
+        let a = request_id(&h);
+        let b = request_id(&h);
+        assert_ne!(a, b);
+        assert!(a.to_str().unwrap().starts_with("fg-"));
+        h.insert(&X_REQUEST_ID, HeaderValue::from_static("mine"));
+        assert_eq!(request_id(&h), "mine");
+    }
 }

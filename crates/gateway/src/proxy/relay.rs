@@ -15,8 +15,8 @@ use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
-use super::Exchange;
 use super::error::{ApiError, TimeoutKind};
+use super::exchange::Exchange;
 use super::fingerprint;
 use crate::config::Timeouts;
 use crate::pool::upstream_client::UpstreamRx;
@@ -303,7 +303,7 @@ pub struct RelayOptions {
     /// End a finished stream with a `Server-Timing` trailer (the client sent `TE: trailers`).
     pub timing_trailer: bool,
     /// The end of the shutdown grace period.
-    pub closing: super::Closing,
+    pub closing: super::state::Closing,
     /// The client's name for the model, back in the answer.
     pub rename: Option<Box<super::rename::Rename>>,
     /// The longest SSE line carried across reads (`server.max_stream_line_bytes`).
@@ -430,7 +430,7 @@ fn learn_whole(pin: &mut Option<super::pins::Learn>, data: &[u8]) {
 /// The `Server-Timing` trailer of a finished stream, when the client accepts one.
 fn timing_trailer(wanted: bool, record: &RequestRecord) -> Option<http::HeaderMap> {
     if wanted {
-        super::upstream::stream_timing(record)
+        super::timing::stream_timing(record)
     } else {
         None
     }

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::Exchange;
 use super::error::ApiError;
+use super::exchange::Exchange;
 use super::upstream::{Prepared, Sent, send};
 use crate::pool::{InFlight, Pool};
 
@@ -86,7 +86,7 @@ pub async fn send_with_retries(
             // a moment later would serve.
             None if counted => match requeue.wait(pool, balancer, tried, ex).await {
                 Ok(next) => next,
-                Err(e) => return Err(super::queue_error(e, pool)),
+                Err(e) => return Err(ApiError::from_queue(e, pool)),
             },
             None => return result,
         };

@@ -10,8 +10,10 @@ use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, Version};
 use http_body_util::Full;
 
-use super::error::{ApiError, ConnectCause, TimeoutKind};
-use super::{Exchange, X_REQUEST_ID};
+use super::error::{ApiError, TimeoutKind};
+use super::exchange::Exchange;
+use super::headers::{Outgoing, X_REQUEST_ID, strip_hop_by_hop};
+use crate::pool::cause::ConnectCause;
 use crate::pool::driven::{SendError, UpstreamBody};
 use crate::pool::{Backend, InFlight, Pool, Reachability};
 use crate::route::Route;
@@ -20,13 +22,7 @@ use fleetgate_protocol::endpoint::BodyKind;
 use fleetgate_protocol::view::{self, RequestView};
 
 use super::backend_error::error_answer;
-use super::headers::strip_hop_by_hop;
-pub use super::headers::{
-    Forwarding, HeadLimits, MAX_FORWARDED_FIELDS, Outgoing, Sender, check_head, outgoing,
-};
-pub use super::retry::{Requeue, send_with_retries};
-pub use super::timing::{SERVER_TIMING, stream_timing};
-use super::timing::{SERVER_TIMING_VALUE, server_timing};
+use super::timing::{SERVER_TIMING, SERVER_TIMING_VALUE, server_timing};
 
 /// The request as it goes upstream, owned: it may wait in the queue past the handler.
 pub struct Prepared {

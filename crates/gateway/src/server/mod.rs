@@ -2,11 +2,9 @@
 //! and HTTP/2 (prior knowledge or ALPN) on each connection, routes requests, and drains
 //! in-flight streams on shutdown within the grace period.
 //!
-//! Request path, in order (see `router::route`):
-//! 1. route by method and path; open routes (`/healthz`, `/readyz`) answer here;
-//! 2. `proxy::forward` — body, view, pool, backend, upstream, relay — stamping the Timeline;
-//! 3. the `RequestRecord` created here travels with the response body and records the
-//!    request when dropped, whatever ended it.
+//! `router::route` routes each request by method and path (open routes such as `/healthz`
+//! answer there), creates its `RequestRecord`, and hands a forwarded route to
+//! `proxy::forward`, whose phases docs/architecture.md lists.
 
 pub mod conn_limit;
 pub mod reload;
@@ -37,7 +35,7 @@ use crate::key::KeyRecord;
 use crate::pool::Generation;
 use crate::pool::fleet::{Fleet, ReloadError, ReloadSummary};
 use crate::proxy::relay::GatewayBody;
-use crate::proxy::{self, ProxyState};
+use crate::proxy::{self, state::ProxyState};
 use crate::rx_time::{self, RxClock, Side, StampedStream};
 use crate::store::{KeyStore, StoreError};
 use crate::telemetry::Recorder;
@@ -302,8 +300,8 @@ impl Server {
                 },
                 pending_bodies: pending_bodies.clone(),
                 max_stream_line: config.server.max_stream_line_bytes,
-                forwarding: crate::proxy::upstream::Forwarding::new(&config.server),
-                head_limits: crate::proxy::upstream::HeadLimits {
+                forwarding: crate::proxy::headers::Forwarding::new(&config.server),
+                head_limits: crate::proxy::headers::HeadLimits {
                     max_head: config.server.max_upstream_head_bytes,
                     max_value: config.server.max_upstream_header_value_bytes,
                 },
@@ -312,7 +310,7 @@ impl Server {
                 limits: limits.clone(),
                 queue: config.queue.clone(),
                 queue_metrics: Some(crate::queue::QueueMetrics::new(&metrics.rejections)),
-                closing: proxy::Closing {
+                closing: proxy::state::Closing {
                     token: streams_end.child_token(),
                     grace,
                 },
@@ -518,7 +516,7 @@ async fn accept_loop<H, F>(
     F: std::future::Future<Output = Response<GatewayBody>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // One head limit for both protocols, above what is forwarded (`proxy::upstream::check_head`
+    // One head limit for both protocols, above what is forwarded (`proxy::headers::check_head`
     // answers a head the backends would refuse with its own 431): HTTP/1.1 reads the head into
     // a buffer of at most `max_buf_size` (hyper's default ~400 KiB, at most 100 fields), HTTP/2
     // announces `SETTINGS_MAX_HEADER_LIST_SIZE` (h2's default 16 KiB). Beyond it, hyper and h2

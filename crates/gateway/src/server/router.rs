@@ -60,7 +60,7 @@ pub async fn route(
         }
         _ => {}
     }
-    let request_id = proxy::request_id(req.headers());
+    let request_id = proxy::headers::request_id(req.headers());
     let mut record = RequestRecord::new(received, request_id, state.proxy.recorder.clone());
     record.client_addr = Some(peer);
     // Counted under its route's family from the start (a refused key included).
@@ -73,7 +73,7 @@ pub async fn route(
         record.status = err.status_in(dialect).as_u16();
         record.error = Some(err.kind());
         record.finish(Instant::now());
-        proxy::error_response(&err, dialect, &record.request_id)
+        proxy::answer::error_response(&err, dialect, &record.request_id)
     };
     // Everything but the open routes above needs a key. A refusal comes back only after its
     // delay (`auth::Authenticator::authenticate`).
@@ -117,8 +117,10 @@ pub async fn route(
                 None => state.pools().models_body(),
             };
             let mut resp = json(StatusCode::OK, body);
-            resp.headers_mut()
-                .insert(proxy::X_REQUEST_ID.clone(), record.request_id.clone());
+            resp.headers_mut().insert(
+                proxy::headers::X_REQUEST_ID.clone(),
+                record.request_id.clone(),
+            );
             record.status = 200;
             record.finish(Instant::now());
             resp

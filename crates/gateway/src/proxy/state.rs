@@ -1,0 +1,59 @@
+//! What the forwarding path shares across requests: the worker's pools and limits, the body
+//! and head limits, the stored-response pins, and the end of the shutdown grace period.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::error::ApiError;
+use super::{body, headers, pins, prefix_share};
+use crate::queue;
+
+/// What the forwarding path needs, shared by all requests.
+#[derive(Debug)]
+pub struct ProxyState {
+    /// This worker's pools, swapped by a reload (`pool::fleet`).
+    pub generation: crate::pool::fleet::CurrentGeneration,
+    pub max_body_bytes: usize,
+    /// The audio routes' `multipart/form-data` bodies (`server.max_audio_body_bytes`).
+    pub max_audio_body_bytes: usize,
+    /// The whole request body must arrive within this, with no pause longer than the idle
+    /// limit.
+    pub body_timeouts: body::BodyTimeouts,
+    /// The bytes of bodies still arriving, for every worker (`server.max_pending_body_*`).
+    pub pending_bodies: Arc<body::PendingBodies>,
+    /// What a forwarded request's head may come to (`server.max_upstream_*`).
+    pub head_limits: headers::HeadLimits,
+    pub recorder: Arc<crate::telemetry::Recorder>,
+    pub auth: Arc<crate::auth::Authenticator>,
+    pub limits: Arc<crate::limits::Limits>,
+    pub queue: crate::config::QueueConfig,
+    pub queue_metrics: Option<queue::QueueMetrics>,
+    /// The longest SSE line a relay carries across reads (`server.max_stream_line_bytes`).
+    pub max_stream_line: usize,
+    /// How forwarded requests say whom they came from.
+    pub forwarding: headers::Forwarding,
+    /// Which backend holds each stored response (`pins`).
+    pub pins: Arc<pins::Pins>,
+    /// Longest-prefix records shared with the other replicas (`prefix_share`), with Redis.
+    pub prefix_share: Option<Arc<prefix_share::PrefixShare>>,
+    /// Cancelled when the shutdown grace period has run out: what is still open ends now,
+    /// with an error the client can read (`ApiError::Shutdown`).
+    pub closing: Closing,
+}
+
+/// The end of the shutdown grace period, as the request path sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Closing {
+    /// This worker's own child of the server's token (its waiters never share a lock with
+    /// another worker's).
+    pub token: tokio_util::sync::CancellationToken,
+    pub grace: Duration,
+}
+
+impl Closing {
+    pub fn error(&self) -> ApiError {
+        ApiError::Shutdown {
+            grace_ms: self.grace.as_millis(),
+        }
+    }
+}
