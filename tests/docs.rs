@@ -334,3 +334,81 @@ fn the_example_settings_json_is_valid() {
         .collect();
     assert_eq!(names, ["short", "long", "tail"]);
 }
+
+/// docs/architecture.md's endpoint table is the endpoint table, rendered row by row (a new row
+/// of `TABLE` fails here with the line to add).
+#[test]
+fn the_architecture_endpoint_table_is_the_table() {
+    use fleetgate_protocol::endpoint::{BodyKind, Needs, TABLE};
+    fn needs(n: Needs) -> String {
+        let mut parts = Vec::new();
+        if n.generates {
+            parts.push("generates");
+        }
+        if n.takes_slot {
+            parts.push("slot");
+        }
+        if n.spends_tokens {
+            parts.push(if n.reserves_output {
+                "tokens"
+            } else {
+                "tokens (input reserved)"
+            });
+        }
+        if !n.takes_slot && !n.spends_tokens {
+            parts.push("request rate only");
+        }
+        match n.body {
+            BodyKind::Json => {}
+            BodyKind::None => parts.push("no body"),
+            BodyKind::Multipart => parts.push("multipart form"),
+        }
+        if n.pinned {
+            parts.push("pinned");
+        }
+        if n.injects_usage {
+            parts.push("usage injected");
+        }
+        parts.join(", ")
+    }
+    let expected: Vec<String> = TABLE
+        .iter()
+        .map(|row| {
+            let prompt = row
+                .prompt
+                .iter()
+                .map(|f| format!("`{}`", String::from_utf8_lossy(f).trim_matches('"')))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(
+                "| `{} {}` | `{:?}` | {} | {} | {} | {} | `{}` |",
+                row.method,
+                row.path,
+                row.endpoint,
+                row.family.as_str(),
+                row.dialect.as_str(),
+                needs(row.needs),
+                if prompt.is_empty() {
+                    "—".to_owned()
+                } else {
+                    prompt
+                },
+                row.name
+            )
+        })
+        .collect();
+    let doc = read("docs/architecture.md");
+    let section = &doc[doc.find("### Endpoints and dialects").unwrap()..];
+    let documented: Vec<&str> = section
+        .lines()
+        .skip_while(|l| !l.starts_with("| method and path"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    assert_eq!(
+        documented,
+        expected,
+        "docs/architecture.md's endpoint table, as TABLE gives it:\n{}",
+        expected.join("\n")
+    );
+}

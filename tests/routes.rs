@@ -53,6 +53,26 @@ fn table() -> Vec<(String, String, Action)> {
     rows
 }
 
+/// The rows docs/security.md says are forwarded are the endpoint table's, no more, no fewer.
+#[test]
+fn the_forwarded_rows_are_the_endpoint_table() {
+    let mut documented: Vec<(String, String)> = table()
+        .into_iter()
+        .filter(|(_, _, action)| *action == Action::Forwarded)
+        .map(|(method, path, _)| (method, path.replace("{response_id}", "{id}")))
+        .collect();
+    let mut forwarded: Vec<(String, String)> = fleetgate_protocol::endpoint::TABLE
+        .iter()
+        .map(|row| (row.method.to_string(), row.path.to_owned()))
+        .collect();
+    documented.sort();
+    forwarded.sort();
+    assert_eq!(
+        documented, forwarded,
+        "docs/security.md's forwarded rows against crates/protocol/src/endpoint.rs's TABLE"
+    );
+}
+
 /// The body a row is sent with: a valid request for the forwarded ones.
 fn body_for(path: &str) -> &'static str {
     match path {

@@ -6,123 +6,304 @@ use http::Method;
 
 use super::Dialect;
 
-/// One row of the endpoint table.
+/// One row of the endpoint table: everything the gateway knows about an endpoint.
 #[derive(Debug)]
 pub struct Row {
     pub method: Method,
-    /// The path, the same on the gateway and on the backend.
+    /// The path, the same on the gateway and on the backend; `{id}` stands for one path segment
+    /// naming a stored response (`ID_CHARS`).
     pub path: &'static str,
     pub endpoint: Endpoint,
+    /// The request log's name of the endpoint.
+    pub name: &'static str,
+    /// The metrics' `endpoint` label and what a key's `allowed_endpoints` names.
+    pub family: Family,
+    /// The wire protocol of its answers and of the gateway's errors on it.
+    pub dialect: Dialect,
+    pub needs: Needs,
+    /// The body's prompt fields (quoted JSON keys), in the order a chat template renders them:
+    /// longest-prefix routing reads the prompt from the first one found, prefix affinity hashes
+    /// the start of the last. Empty where there is no prompt worth a backend's prefix cache.
+    pub prompt: &'static [&'static [u8]],
 }
 
-/// Every forwarded route. vLLM serves its tokenizer at the server root, not under `/v1`
-/// (`vllm bench serve` aligns its prompts with `<base>/tokenize`). `{id}` stands for one path
-/// segment naming a stored response (`ID_CHARS`).
+const TOOLS: &[u8] = b"\"tools\"";
+const MESSAGES: &[u8] = b"\"messages\"";
+const PROMPT: &[u8] = b"\"prompt\"";
+const INSTRUCTIONS: &[u8] = b"\"instructions\"";
+const INPUT: &[u8] = b"\"input\"";
+const SYSTEM: &[u8] = b"\"system\"";
+
+/// A generating endpoint: it takes a slot and spends tokens, its reservation including an
+/// output limit.
+const GENERATES: Needs = Needs {
+    generates: true,
+    takes_slot: true,
+    spends_tokens: true,
+    reserves_output: true,
+    body: BodyKind::Json,
+    pinned: false,
+    injects_usage: false,
+};
+/// Chat and completions: a stream that did not ask for usage gets it upstream.
+const CHAT: Needs = Needs {
+    injects_usage: true,
+    ..GENERATES
+};
+/// A new response: it learns where it is stored, and a continuation goes there.
+const RESPONDS: Needs = Needs {
+    pinned: true,
+    ..GENERATES
+};
+/// A pooling model (embeddings, rerank, score, classify, pooling): a slot and tokens, but it
+/// generates nothing and reserves its input only.
+const POOLS: Needs = Needs {
+    generates: false,
+    reserves_output: false,
+    ..GENERATES
+};
+/// Speech to text generates, but its form names no output limit, and a whole answer's usage
+/// counts seconds of audio, not tokens: it reserves nothing and spends what its stream reports.
+const TRANSCRIBES: Needs = Needs {
+    reserves_output: false,
+    body: BodyKind::Multipart,
+    ..GENERATES
+};
+/// The tokenizer routes: they count against the key's requests per minute only, and never
+/// wait for a slot.
+const TOKENIZES: Needs = Needs {
+    generates: false,
+    takes_slot: false,
+    spends_tokens: false,
+    reserves_output: false,
+    body: BodyKind::Json,
+    pinned: false,
+    injects_usage: false,
+};
+/// A read or a cancel of a stored response: no body, on the backend that holds it.
+const BY_ID: Needs = Needs {
+    body: BodyKind::None,
+    pinned: true,
+    ..TOKENIZES
+};
+
+/// Every forwarded route, one row per endpoint, in the order of `Endpoint`'s variants.
 pub static TABLE: [Row; 21] = [
+    // Chat chunks report usage only when asked: the gateway asks.
     Row {
         method: Method::POST,
         path: "/v1/chat/completions",
         endpoint: Endpoint::Chat,
+        name: "chat",
+        family: Family::Chat,
+        dialect: Dialect::Chat,
+        needs: CHAT,
+        prompt: &[TOOLS, MESSAGES],
     },
     Row {
         method: Method::POST,
         path: "/v1/completions",
         endpoint: Endpoint::Completions,
+        name: "completions",
+        family: Family::Completions,
+        dialect: Dialect::Chat,
+        needs: CHAT,
+        prompt: &[PROMPT],
     },
+    // vLLM serves its tokenizer at the server root, not under `/v1` (`vllm bench serve` aligns
+    // its prompts with `<base>/tokenize`).
     Row {
         method: Method::POST,
         path: "/tokenize",
         endpoint: Endpoint::Tokenize,
+        name: "tokenize",
+        family: Family::Tokenize,
+        dialect: Dialect::Json,
+        needs: TOKENIZES,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/detokenize",
         endpoint: Endpoint::Detokenize,
+        name: "detokenize",
+        family: Family::Tokenize,
+        dialect: Dialect::Json,
+        needs: TOKENIZES,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/v1/responses",
         endpoint: Endpoint::Responses,
+        name: "responses",
+        family: Family::Responses,
+        dialect: Dialect::Responses,
+        needs: RESPONDS,
+        prompt: &[INSTRUCTIONS, TOOLS, INPUT],
     },
     Row {
         method: Method::GET,
         path: "/v1/responses/{id}",
         endpoint: Endpoint::ResponseGet,
+        name: "responses_get",
+        family: Family::Responses,
+        dialect: Dialect::Responses,
+        needs: BY_ID,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/v1/responses/{id}/cancel",
         endpoint: Endpoint::ResponseCancel,
+        name: "responses_cancel",
+        family: Family::Responses,
+        dialect: Dialect::Responses,
+        needs: BY_ID,
+        prompt: &[],
     },
+    // Its final events always carry usage.
     Row {
         method: Method::POST,
         path: "/v1/messages",
         endpoint: Endpoint::Messages,
+        name: "messages",
+        family: Family::Messages,
+        dialect: Dialect::Anthropic,
+        needs: GENERATES,
+        prompt: &[SYSTEM, TOOLS, MESSAGES],
     },
     Row {
         method: Method::POST,
         path: "/v1/messages/count_tokens",
         endpoint: Endpoint::CountTokens,
+        name: "messages_count_tokens",
+        family: Family::Tokenize,
+        dialect: Dialect::Anthropic,
+        needs: TOKENIZES,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/v1/embeddings",
         endpoint: Endpoint::Embeddings,
+        name: "embeddings",
+        family: Family::Embeddings,
+        dialect: Dialect::Json,
+        needs: POOLS,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/v2/embed",
         endpoint: Endpoint::CohereEmbed,
+        name: "embed_v2",
+        family: Family::Embeddings,
+        dialect: Dialect::Json,
+        needs: POOLS,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/rerank",
         endpoint: Endpoint::Rerank,
+        name: "rerank",
+        family: Family::Rerank,
+        dialect: Dialect::Json,
+        needs: POOLS,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/v1/rerank",
         endpoint: Endpoint::RerankV1,
+        name: "rerank_v1",
+        family: Family::Rerank,
+        dialect: Dialect::Json,
+        needs: POOLS,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/v2/rerank",
         endpoint: Endpoint::RerankV2,
+        name: "rerank_v2",
+        family: Family::Rerank,
+        dialect: Dialect::Json,
+        needs: POOLS,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/score",
         endpoint: Endpoint::Score,
+        name: "score",
+        family: Family::Score,
+        dialect: Dialect::Json,
+        needs: POOLS,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/v1/score",
         endpoint: Endpoint::ScoreV1,
+        name: "score_v1",
+        family: Family::Score,
+        dialect: Dialect::Json,
+        needs: POOLS,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/classify",
         endpoint: Endpoint::Classify,
+        name: "classify",
+        family: Family::Classify,
+        dialect: Dialect::Json,
+        needs: POOLS,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/pooling",
         endpoint: Endpoint::Pooling,
+        name: "pooling",
+        family: Family::Pooling,
+        dialect: Dialect::Json,
+        needs: POOLS,
+        prompt: &[],
     },
+    // A batch answers whole, and always with usage.
     Row {
         method: Method::POST,
         path: "/v1/chat/completions/batch",
         endpoint: Endpoint::ChatBatch,
+        name: "chat_batch",
+        family: Family::Chat,
+        dialect: Dialect::Chat,
+        needs: GENERATES,
+        prompt: &[TOOLS, MESSAGES],
     },
+    // A transcription's stream chunks are chat-shaped (`choices[].delta.content`).
     Row {
         method: Method::POST,
         path: "/v1/audio/transcriptions",
         endpoint: Endpoint::Transcriptions,
+        name: "transcriptions",
+        family: Family::Audio,
+        dialect: Dialect::Chat,
+        needs: TRANSCRIBES,
+        prompt: &[],
     },
     Row {
         method: Method::POST,
         path: "/v1/audio/translations",
         endpoint: Endpoint::Translations,
+        name: "translations",
+        family: Family::Audio,
+        dialect: Dialect::Chat,
+        needs: TRANSCRIBES,
+        prompt: &[],
     },
 ];
 
@@ -152,8 +333,8 @@ pub fn lookup(path: &str) -> Option<Found<'_>> {
     }
     let rest = path.strip_prefix("/v1/responses/")?;
     let (id, row) = match rest.strip_suffix("/cancel") {
-        Some(id) => (id, &TABLE[6]),
-        None => (rest, &TABLE[5]),
+        Some(id) => (id, Endpoint::ResponseCancel.row()),
+        None => (rest, Endpoint::ResponseGet.row()),
     };
     is_id(id).then_some(Found { row, id: Some(id) })
 }
@@ -363,32 +544,15 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
+    /// Its row of the endpoint table.
+    pub fn row(self) -> &'static Row {
+        &TABLE[self as usize]
+    }
+
     /// The path, the same on the gateway and on the backend (vLLM serves its tokenizer at the
     /// server root, not under `/v1`); `{id}` for the routes that name a response.
     pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "/v1/chat/completions",
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Tokenize => "/tokenize",
-            Endpoint::Detokenize => "/detokenize",
-            Endpoint::Responses => "/v1/responses",
-            Endpoint::ResponseGet => "/v1/responses/{id}",
-            Endpoint::ResponseCancel => "/v1/responses/{id}/cancel",
-            Endpoint::Messages => "/v1/messages",
-            Endpoint::CountTokens => "/v1/messages/count_tokens",
-            Endpoint::Embeddings => "/v1/embeddings",
-            Endpoint::CohereEmbed => "/v2/embed",
-            Endpoint::Rerank => "/rerank",
-            Endpoint::RerankV1 => "/v1/rerank",
-            Endpoint::RerankV2 => "/v2/rerank",
-            Endpoint::Score => "/score",
-            Endpoint::ScoreV1 => "/v1/score",
-            Endpoint::Classify => "/classify",
-            Endpoint::Pooling => "/pooling",
-            Endpoint::ChatBatch => "/v1/chat/completions/batch",
-            Endpoint::Transcriptions => "/v1/audio/transcriptions",
-            Endpoint::Translations => "/v1/audio/translations",
-        }
+        self.row().path
     }
 
     /// Its row's position in `TABLE` (the rows follow the variants' order).
@@ -398,75 +562,17 @@ impl Endpoint {
 
     /// The request log's name of the endpoint.
     pub fn as_str(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "chat",
-            Endpoint::Completions => "completions",
-            Endpoint::Tokenize => "tokenize",
-            Endpoint::Detokenize => "detokenize",
-            Endpoint::Responses => "responses",
-            Endpoint::ResponseGet => "responses_get",
-            Endpoint::ResponseCancel => "responses_cancel",
-            Endpoint::Messages => "messages",
-            Endpoint::CountTokens => "messages_count_tokens",
-            Endpoint::Embeddings => "embeddings",
-            Endpoint::CohereEmbed => "embed_v2",
-            Endpoint::Rerank => "rerank",
-            Endpoint::RerankV1 => "rerank_v1",
-            Endpoint::RerankV2 => "rerank_v2",
-            Endpoint::Score => "score",
-            Endpoint::ScoreV1 => "score_v1",
-            Endpoint::Classify => "classify",
-            Endpoint::Pooling => "pooling",
-            Endpoint::ChatBatch => "chat_batch",
-            Endpoint::Transcriptions => "transcriptions",
-            Endpoint::Translations => "translations",
-        }
+        self.row().name
     }
 
     /// The endpoint's family: the metrics' `endpoint` label (never the path).
-    pub const fn family(self) -> Family {
-        match self {
-            Endpoint::Chat | Endpoint::ChatBatch => Family::Chat,
-            Endpoint::Completions => Family::Completions,
-            Endpoint::Tokenize | Endpoint::Detokenize | Endpoint::CountTokens => Family::Tokenize,
-            Endpoint::Responses | Endpoint::ResponseGet | Endpoint::ResponseCancel => {
-                Family::Responses
-            }
-            Endpoint::Messages => Family::Messages,
-            Endpoint::Embeddings | Endpoint::CohereEmbed => Family::Embeddings,
-            Endpoint::Rerank | Endpoint::RerankV1 | Endpoint::RerankV2 => Family::Rerank,
-            Endpoint::Score | Endpoint::ScoreV1 => Family::Score,
-            Endpoint::Classify => Family::Classify,
-            Endpoint::Pooling => Family::Pooling,
-            Endpoint::Transcriptions | Endpoint::Translations => Family::Audio,
-        }
+    pub fn family(self) -> Family {
+        self.row().family
     }
 
     /// The wire protocol of its answers and of the gateway's errors on it.
-    pub const fn dialect(self) -> Dialect {
-        match self {
-            // A transcription's stream chunks are chat-shaped (`choices[].delta.content`).
-            Endpoint::Chat
-            | Endpoint::Completions
-            | Endpoint::ChatBatch
-            | Endpoint::Transcriptions
-            | Endpoint::Translations => Dialect::Chat,
-            Endpoint::Tokenize
-            | Endpoint::Detokenize
-            | Endpoint::Embeddings
-            | Endpoint::CohereEmbed
-            | Endpoint::Rerank
-            | Endpoint::RerankV1
-            | Endpoint::RerankV2
-            | Endpoint::Score
-            | Endpoint::ScoreV1
-            | Endpoint::Classify
-            | Endpoint::Pooling => Dialect::Json,
-            Endpoint::Responses | Endpoint::ResponseGet | Endpoint::ResponseCancel => {
-                Dialect::Responses
-            }
-            Endpoint::Messages | Endpoint::CountTokens => Dialect::Anthropic,
-        }
+    pub fn dialect(self) -> Dialect {
+        self.row().dialect
     }
 
     /// What it asks of the request path. The generating endpoints take a slot and spend
@@ -474,67 +580,13 @@ impl Endpoint {
     /// reserve only their input (they generate nothing); the tokenizer endpoints and the
     /// routes by response id do neither (they count against the key's requests per minute
     /// only, and never wait for a slot).
-    pub const fn needs(self) -> Needs {
-        const GENERATES: Needs = Needs {
-            generates: true,
-            takes_slot: true,
-            spends_tokens: true,
-            reserves_output: true,
-            body: BodyKind::Json,
-            pinned: false,
-            injects_usage: false,
-        };
-        const TOKENIZES: Needs = Needs {
-            generates: false,
-            takes_slot: false,
-            spends_tokens: false,
-            reserves_output: false,
-            body: BodyKind::Json,
-            pinned: false,
-            injects_usage: false,
-        };
-        match self {
-            // Chat chunks report usage only when asked: the gateway asks.
-            Endpoint::Chat | Endpoint::Completions => Needs {
-                injects_usage: true,
-                ..GENERATES
-            },
-            // Their final events always carry usage.
-            Endpoint::Messages => GENERATES,
-            Endpoint::Responses => Needs {
-                pinned: true,
-                ..GENERATES
-            },
-            // A batch answers whole, and always with usage.
-            Endpoint::ChatBatch => GENERATES,
-            Endpoint::Embeddings
-            | Endpoint::CohereEmbed
-            | Endpoint::Rerank
-            | Endpoint::RerankV1
-            | Endpoint::RerankV2
-            | Endpoint::Score
-            | Endpoint::ScoreV1
-            | Endpoint::Classify
-            | Endpoint::Pooling => Needs {
-                generates: false,
-                reserves_output: false,
-                ..GENERATES
-            },
-            // Speech to text generates, but its form names no output limit, and a whole
-            // answer's usage counts seconds of audio, not tokens: it reserves nothing and
-            // spends what its stream reports.
-            Endpoint::Transcriptions | Endpoint::Translations => Needs {
-                reserves_output: false,
-                body: BodyKind::Multipart,
-                ..GENERATES
-            },
-            Endpoint::Tokenize | Endpoint::Detokenize | Endpoint::CountTokens => TOKENIZES,
-            Endpoint::ResponseGet | Endpoint::ResponseCancel => Needs {
-                body: BodyKind::None,
-                pinned: true,
-                ..TOKENIZES
-            },
-        }
+    pub fn needs(self) -> Needs {
+        self.row().needs
+    }
+
+    /// The body's prompt fields (`Row::prompt`).
+    pub fn prompt_fields(self) -> &'static [&'static [u8]] {
+        self.row().prompt
     }
 }
 
@@ -559,11 +611,24 @@ mod tests {
         assert_eq!(labels.len(), Family::ALL.len());
     }
 
-    /// The rows follow the variants' order (`Endpoint::index`, the backends' URIs).
+    /// The rows follow the variants' order (`Endpoint::row`, `Endpoint::index`, the backends'
+    /// URIs).
     #[test]
     fn rows_are_indexed_by_endpoint() {
         for (i, row) in TABLE.iter().enumerate() {
             assert_eq!(row.endpoint.index(), i, "{}", row.path);
+            assert!(std::ptr::eq(row.endpoint.row(), row), "{}", row.path);
+        }
+    }
+
+    /// Only the endpoints that generate name prompt fields (the prefix routing reads them).
+    #[test]
+    fn prompt_fields_are_quoted_keys_of_generating_endpoints() {
+        for row in &TABLE {
+            assert!(row.prompt.is_empty() || row.needs.generates, "{}", row.path);
+            for f in row.prompt {
+                assert!(f.len() > 2 && f.starts_with(b"\"") && f.ends_with(b"\""));
+            }
         }
     }
 
@@ -581,11 +646,17 @@ mod tests {
         assert!(Families::parse::<&str>(&[]).unwrap().is_empty());
     }
 
-    /// Each endpoint has one row, under its own path; nothing else is found.
+    /// Each endpoint has one row, under its own path and log name; nothing else is found.
     #[test]
     fn the_table_routes_each_endpoint_by_its_path() {
+        let mut paths: Vec<_> = TABLE.iter().map(|r| r.path).collect();
+        let mut names: Vec<_> = TABLE.iter().map(|r| r.name).collect();
+        paths.sort_unstable();
+        paths.dedup();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!((paths.len(), names.len()), (TABLE.len(), TABLE.len()));
         for row in &TABLE {
-            assert_eq!(row.path, row.endpoint.path());
             if !row.path.contains("{id}") {
                 assert_eq!(lookup(row.path).map(|f| f.row.endpoint), Some(row.endpoint));
             }

@@ -140,13 +140,7 @@ fn prefix_names(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<[u64
         .prefix
         .as_ref()
         .filter(|_| endpoint.needs().generates)?;
-    let fields: &[&[u8]] = match endpoint {
-        Endpoint::Chat | Endpoint::ChatBatch => &[b"\"tools\"", b"\"messages\""],
-        Endpoint::Completions => &[b"\"prompt\""],
-        Endpoint::Responses => &[b"\"instructions\"", b"\"tools\"", b"\"input\""],
-        Endpoint::Messages => &[b"\"system\"", b"\"tools\"", b"\"messages\""],
-        _ => return None,
-    };
+    let fields = endpoint.prompt_fields();
     let start = fields
         .iter()
         .filter_map(|f| memchr::memmem::find(body, f))
@@ -163,27 +157,7 @@ fn affinity(pool: &Pool, view: &RequestView<'_>, body: &[u8], endpoint: Endpoint
         AffinityBy::User => view.user.map(|u| fnv1a(u.as_bytes())),
         AffinityBy::LongestPrefix => None,
         AffinityBy::Prefix => {
-            let field: &[u8] = match endpoint {
-                Endpoint::Chat | Endpoint::Messages | Endpoint::ChatBatch => b"\"messages\"",
-                Endpoint::Completions => b"\"prompt\"",
-                Endpoint::Responses => b"\"input\"",
-                Endpoint::Tokenize
-                | Endpoint::Detokenize
-                | Endpoint::CountTokens
-                | Endpoint::ResponseGet
-                | Endpoint::ResponseCancel
-                | Endpoint::Embeddings
-                | Endpoint::CohereEmbed
-                | Endpoint::Rerank
-                | Endpoint::RerankV1
-                | Endpoint::RerankV2
-                | Endpoint::Score
-                | Endpoint::ScoreV1
-                | Endpoint::Classify
-                | Endpoint::Pooling
-                | Endpoint::Transcriptions
-                | Endpoint::Translations => return None,
-            };
+            let field = endpoint.prompt_fields().last()?;
             memchr::memmem::find(body, field).map(|at| {
                 let end = (at + field.len() + a.prefix_bytes).min(body.len());
                 fnv1a(&body[at..end])
