@@ -33,7 +33,8 @@ use bytes::{Bytes, BytesMut};
 use common::*;
 use fleetgate_gateway::admin::jwt::Role;
 use fleetgate_protocol::client::{self, BodyEnd, HttpClient};
-use fleetgate_protocol::sse::{DataKind, SseScanner};
+use fleetgate_protocol::event::DataKind;
+use fleetgate_protocol::sse::SseScanner;
 use fleetgate_protocol::stream::StreamMetrics;
 use http::{HeaderMap, HeaderValue};
 

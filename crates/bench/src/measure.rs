@@ -1,5 +1,5 @@
 //! One request of the load generator, timed by vLLM 0.33's `vllm bench serve` definitions (see
-//! `protocol::sse::DataKind::Content`): TTFT at the first token event, one ITL per later token
+//! `protocol::event::DataKind::Content`): TTFT at the first token event, one ITL per later token
 //! event (the gap to the one before), E2EL at the last token event, output tokens from
 //! `usage.completion_tokens`, TPOT = (E2EL − TTFT) / (output tokens − 1). An
 //! in-stream `{"error": ...}` event, a non-2xx status, a cut body or a stream without a token
@@ -13,7 +13,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, header};
 
 use fleetgate_protocol::client::{self, BodyEnd, HttpClient};
-use fleetgate_protocol::sse::{DataKind, SseScanner};
+use fleetgate_protocol::event::DataKind;
+use fleetgate_protocol::sse::SseScanner;
 use fleetgate_protocol::stream::StreamMetrics;
 
 /// What one request gave.

@@ -14,7 +14,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::Dialect;
-use crate::sse::{DataKind, SseScanner};
+use crate::event::DataKind;
+use crate::sse::SseScanner;
 use crate::stream::StreamMetrics;
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;

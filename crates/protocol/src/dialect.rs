@@ -5,7 +5,7 @@
 //!
 //! | dialect | token event | clean end | usage |
 //! |---|---|---|---|
-//! | chat chunks | vLLM 0.33's `vllm bench serve` rule (`sse::classify`) | `data: [DONE]` | the usage chunk |
+//! | chat chunks | vLLM 0.33's `vllm bench serve` rule (`event::classify`) | `data: [DONE]` | the usage chunk |
 //! | Responses events | `response.output_text.delta`, `response.reasoning_text.delta`, `response.function_call_arguments.delta` | `response.completed` / `response.incomplete` (`response.failed` ends it failed) | `response.usage` of the final event |
 //! | Anthropic events | `content_block_delta` | `message_stop` | `message_start`'s input + the last `message_delta`'s (cumulative) output |
 //! | JSON | the whole answer | the body | `usage` in the body |
@@ -16,7 +16,7 @@ use std::sync::LazyLock;
 use memchr::{memchr, memmem};
 use serde::Deserialize;
 
-use super::sse::{self, DataKind, USAGE};
+use super::event::{self, DataKind, USAGE};
 use super::usage::{UsagePart, usage_in};
 
 /// A wire protocol, as its endpoint speaks it.
@@ -73,7 +73,7 @@ struct UsageEnvelope {
 /// A chat or completions chunk: classified by vLLM's rule; usage read from the usage chunk, or
 /// from any chunk when `continuous_usage_stats` puts it on every one (the last one wins).
 fn chat_event(payload: &[u8]) -> Event {
-    let kind = sse::classify(payload);
+    let kind = event::classify(payload);
     let usage = match kind {
         DataKind::Content => USAGE.find(payload).and_then(|at| {
             let after = payload[at + 7..].trim_ascii_start().strip_prefix(b":")?;
@@ -143,7 +143,7 @@ fn typed_event(payload: &[u8], kinds: Kinds) -> Event {
         },
         // Not an event of this protocol: a chat-style `{"error": ...}` still counts as one.
         None => Event {
-            kind: if sse::classify(payload) == DataKind::Error {
+            kind: if event::classify(payload) == DataKind::Error {
                 DataKind::Error
             } else {
                 DataKind::NoOutput

@@ -9,6 +9,7 @@ pub mod client;
 pub mod dialect;
 pub mod endpoint;
 pub mod error;
+pub mod event;
 pub mod sse;
 pub mod stream;
 pub mod usage;

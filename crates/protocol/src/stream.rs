@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::sse::DataKind;
+use crate::event::DataKind;
 use crate::usage::{Usage, UsagePart};
 
 /// Where the output-token count of a request came from.

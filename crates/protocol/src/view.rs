@@ -1643,7 +1643,7 @@ mod tests {
     }
 
     /// `continuous_usage_stats` without `include_usage` gets no usage from vLLM: with the
-    /// injected `include_usage` it must not turn into usage on every chunk (issue 19).
+    /// injected `include_usage` it must not turn into usage on every chunk.
     #[test]
     fn continuous_usage_without_include_usage_stays_without_usage() {
         let body = Bytes::from_static(

@@ -2,10 +2,11 @@
 //! audience, issuer).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use super::raw::RawAdmin;
+use super::server::RawTls;
 use super::{ConfigError, FileErrors};
 use crate::secret::Secret;
 
@@ -127,4 +128,41 @@ pub(super) fn validate(ad: RawAdmin, err: FileErrors<'_>) -> Result<AdminConfig,
             key: err.path(t.key),
         }),
     })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAdmin {
+    #[serde(default = "default_admin_listen")]
+    pub(super) listen: String,
+    #[serde(default)]
+    pub(super) jwt_algorithm: JwtAlgorithm,
+    pub(super) jwt_secret: Option<String>,
+    pub(super) jwt_public_key_file: Option<PathBuf>,
+    pub(super) jwt_audience: Option<String>,
+    pub(super) jwt_issuer: Option<String>,
+    /// Longest accepted time from now to a token's `exp`, in seconds.
+    pub(super) jwt_max_lifetime_s: Option<u64>,
+    /// TLS on the admin listener (the API, `/metrics` and the console).
+    #[serde(default)]
+    pub(super) tls: Option<RawTls>,
+}
+
+impl Default for RawAdmin {
+    fn default() -> Self {
+        Self {
+            listen: default_admin_listen(),
+            jwt_algorithm: JwtAlgorithm::HS256,
+            jwt_secret: None,
+            jwt_public_key_file: None,
+            jwt_audience: None,
+            jwt_issuer: None,
+            jwt_max_lifetime_s: None,
+            tls: None,
+        }
+    }
+}
+
+fn default_admin_listen() -> String {
+    "127.0.0.1:8081".to_owned()
 }

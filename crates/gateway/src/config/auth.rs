@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use super::raw::RawAuth;
+use serde::Deserialize;
+
 use super::{ConfigError, FileErrors};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,4 +91,65 @@ pub(super) fn validate(a: RawAuth, err: FileErrors<'_>) -> Result<AuthConfig, Co
         max_delayed_answers: a.max_delayed_answers,
         resync_interval: Duration::from_secs(a.resync_interval_seconds),
     })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAuth {
+    #[serde(default = "default_lookups")]
+    pub(super) lookups_per_second: u32,
+    #[serde(default = "default_negative_cache")]
+    pub(super) negative_cache_seconds: u64,
+    #[serde(default = "default_failures")]
+    pub(super) failures_per_minute: u32,
+    #[serde(default = "default_failure_delay")]
+    pub(super) failure_delay_ms: u64,
+    #[serde(default = "default_throttle_delay")]
+    pub(super) throttle_delay_ms: u64,
+    #[serde(default = "default_max_delayed")]
+    pub(super) max_delayed_answers: usize,
+    #[serde(default = "default_resync")]
+    pub(super) resync_interval_seconds: u64,
+}
+
+impl Default for RawAuth {
+    fn default() -> Self {
+        Self {
+            lookups_per_second: default_lookups(),
+            negative_cache_seconds: default_negative_cache(),
+            failures_per_minute: default_failures(),
+            failure_delay_ms: default_failure_delay(),
+            throttle_delay_ms: default_throttle_delay(),
+            max_delayed_answers: default_max_delayed(),
+            resync_interval_seconds: default_resync(),
+        }
+    }
+}
+
+fn default_lookups() -> u32 {
+    20
+}
+
+fn default_negative_cache() -> u64 {
+    10
+}
+
+fn default_failures() -> u32 {
+    30
+}
+
+fn default_failure_delay() -> u64 {
+    100
+}
+
+fn default_throttle_delay() -> u64 {
+    1000
+}
+
+fn default_max_delayed() -> usize {
+    10_000
+}
+
+fn default_resync() -> u64 {
+    30
 }

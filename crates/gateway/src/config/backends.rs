@@ -1,12 +1,13 @@
 //! `[[pools]].backends`: one entry per backend (a base URL, or a table with its weight,
 //! capacity, labels, key and discovery mode), checked and normalised to a base URL.
 
+use std::fmt;
 use std::time::Duration;
 
 use http::Uri;
 use http::uri::InvalidUri;
+use serde::Deserialize;
 
-use super::raw::{RawBackend, RawBackendTable};
 use super::{ConfigError, FileErrors};
 use crate::secret::Secret;
 
@@ -212,4 +213,49 @@ fn table(
         upstream_api_key: t.upstream_api_key.map(Secret::new),
         discover,
     })
+}
+
+/// A backend: its base URL, or a table with the URL and its weight, capacity, labels, key.
+pub(super) enum RawBackend {
+    Url(String),
+    Table(RawBackendTable),
+}
+
+impl<'de> Deserialize<'de> for RawBackend {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RawBackend;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a backend base URL, or a table { url = \"...\", weight, capacity, labels, upstream_api_key }")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawBackend, E> {
+                Ok(RawBackend::Url(v.to_owned()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<RawBackend, A::Error> {
+                // Through the table's own Deserialize: unknown keys are named.
+                RawBackendTable::deserialize(serde::de::value::MapAccessDeserializer::new(m))
+                    .map(RawBackend::Table)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBackendTable {
+    pub(super) url: String,
+    #[serde(default = "default_weight")]
+    pub(super) weight: u32,
+    pub(super) capacity: Option<u32>,
+    #[serde(default)]
+    pub(super) labels: Vec<String>,
+    pub(super) upstream_api_key: Option<String>,
+    pub(super) discover: Option<String>,
+    pub(super) refresh_interval_ms: Option<u64>,
+}
+
+fn default_weight() -> u32 {
+    1
 }

@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::raw::RawDatabase;
+use serde::Deserialize;
+
 use super::{ConfigError, FileErrors};
 use crate::secret::Secret;
 
@@ -102,6 +103,44 @@ pub(super) fn validate(d: RawDatabase, err: FileErrors<'_>) -> Result<DatabaseCo
         max_connections: d.max_connections,
         connect_timeout: Duration::from_millis(d.connect_timeout_ms.max(1)),
     })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDatabase {
+    pub(super) url: Option<String>,
+    #[serde(default = "default_sqlite_path")]
+    pub(super) sqlite_path: PathBuf,
+    #[serde(default = "default_max_connections")]
+    pub(super) max_connections: u32,
+    #[serde(default = "default_db_connect_ms")]
+    pub(super) connect_timeout_ms: u64,
+    #[serde(default = "super::default_true")]
+    pub(super) migrate_on_start: bool,
+}
+
+impl Default for RawDatabase {
+    fn default() -> Self {
+        Self {
+            url: None,
+            sqlite_path: default_sqlite_path(),
+            max_connections: default_max_connections(),
+            connect_timeout_ms: default_db_connect_ms(),
+            migrate_on_start: true,
+        }
+    }
+}
+
+fn default_sqlite_path() -> PathBuf {
+    PathBuf::from("fleetgate.db")
+}
+
+fn default_max_connections() -> u32 {
+    8
+}
+
+fn default_db_connect_ms() -> u64 {
+    5000
 }
 
 #[cfg(test)]

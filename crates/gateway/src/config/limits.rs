@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::raw::{RawEnvLimits, RawLimits, RawRedis};
 use super::{ConfigError, Environment, FileErrors};
 use crate::secret::Secret;
 
@@ -186,4 +185,87 @@ fn env_limits(
         aggregate_burst: raw.aggregate_burst,
         aggregate_max_concurrent: raw.aggregate_max_concurrent,
     })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLimits {
+    #[serde(default)]
+    pub(super) shared: SharedLimits,
+    pub(super) redis: Option<RawRedis>,
+    #[serde(default = "default_max_tokens")]
+    pub(super) default_max_tokens: u32,
+    #[serde(default = "default_chars_per_token")]
+    pub(super) chars_per_token: u32,
+    #[serde(default = "default_prune_idle")]
+    pub(super) prune_idle_seconds: u64,
+    #[serde(default)]
+    pub(super) stress: RawEnvLimits,
+    #[serde(default)]
+    pub(super) gray: RawEnvLimits,
+    #[serde(default)]
+    pub(super) prod: RawEnvLimits,
+}
+
+impl Default for RawLimits {
+    fn default() -> Self {
+        Self {
+            shared: SharedLimits::Local,
+            redis: None,
+            default_max_tokens: default_max_tokens(),
+            chars_per_token: default_chars_per_token(),
+            prune_idle_seconds: default_prune_idle(),
+            stress: RawEnvLimits::default(),
+            gray: RawEnvLimits::default(),
+            prod: RawEnvLimits::default(),
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEnvLimits {
+    pub(super) requests_per_minute: Option<u32>,
+    pub(super) request_burst: Option<u32>,
+    pub(super) tokens_per_minute: Option<u64>,
+    pub(super) max_concurrent_streams: Option<u32>,
+    pub(super) aggregate_requests_per_second: Option<u32>,
+    pub(super) aggregate_burst: Option<u32>,
+    pub(super) aggregate_max_concurrent: Option<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRedis {
+    pub(super) url: String,
+    #[serde(default = "default_redis_timeout")]
+    pub(super) timeout_ms: u64,
+    #[serde(default = "default_replicas")]
+    pub(super) replicas: u32,
+    #[serde(default = "default_key_prefix")]
+    pub(super) key_prefix: String,
+}
+
+fn default_max_tokens() -> u32 {
+    1024
+}
+
+fn default_chars_per_token() -> u32 {
+    4
+}
+
+fn default_prune_idle() -> u64 {
+    600
+}
+
+fn default_redis_timeout() -> u64 {
+    50
+}
+
+fn default_replicas() -> u32 {
+    1
+}
+
+fn default_key_prefix() -> String {
+    "fleetgate".into()
 }

@@ -1,7 +1,8 @@
 //! Typed configuration: a raw serde layer that rejects unknown fields and reports the path of
-//! any mistake, then validation into the structs the program uses. Each section's validated
-//! type lives next to its validation; this module holds `Config` and the load/parse entry
-//! points.
+//! any mistake, then validation into the structs the program uses. Each section's raw type, its
+//! defaults and its validation into the checked type live in the section's module (`server`,
+//! `pools`, ...); this module holds `Config`, the file's top-level raw shape (`RawConfig`) and
+//! the load/parse entry points.
 
 mod admin;
 mod auth;
@@ -9,15 +10,26 @@ mod backends;
 mod database;
 mod interpolate;
 mod limits;
+mod pool_health;
 mod pools;
 mod queue;
-mod raw;
 mod request_log;
 mod server;
 #[cfg(test)]
 mod tests;
 
 use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use admin::RawAdmin;
+use auth::RawAuth;
+use database::RawDatabase;
+use limits::RawLimits;
+use pools::RawPool;
+use queue::RawQueue;
+use request_log::RawRequestLog;
+use server::RawServer;
 
 pub use admin::{AdminConfig, JwtAlgorithm, JwtKey};
 pub use auth::AuthConfig;
@@ -27,10 +39,10 @@ pub use backends::{
 pub use database::{DatabaseConfig, DbKind};
 pub use interpolate::{InterpolateError, interpolate_env};
 pub use limits::{EnvLimits, LimitsConfig, RedisConfig, SharedLimits};
+pub use pool_health::{EjectionConfig, HealthConfig, LoadAwareConfig, RetryConfig, WarmupConfig};
 pub use pools::{
-    AffinityBy, AffinityConfig, DEFAULT_MAX_IN_FLIGHT, EjectionConfig, EnginePriority,
-    HealthConfig, LoadAwareConfig, LongPromptConfig, PoolConfig, PoolKind, RetryConfig, Timeouts,
-    WarmupConfig,
+    AffinityBy, AffinityConfig, DEFAULT_MAX_IN_FLIGHT, EnginePriority, LongPromptConfig,
+    PoolConfig, PoolKind, Timeouts,
 };
 pub use queue::QueueConfig;
 pub use request_log::RequestLogConfig;
@@ -171,12 +183,12 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let err = FileErrors { file, dir };
         let text = interpolate_env(text, env).map_err(|e| err.at("-", e.to_string()))?;
-        validate(raw::parse(&text, err)?, err)
+        validate(parse(&text, err)?, err)
     }
 }
 
 /// Section by section; with several mistakes this order decides which one is reported.
-fn validate(raw: raw::RawConfig, err: FileErrors<'_>) -> Result<Config, ConfigError> {
+fn validate(raw: RawConfig, err: FileErrors<'_>) -> Result<Config, ConfigError> {
     let server = server::validate(raw.server, err)?;
     let pools = pools::validate(raw.pools, err)?;
     let migrate_on_start = raw.database.migrate_on_start;
@@ -197,4 +209,41 @@ fn validate(raw: raw::RawConfig, err: FileErrors<'_>) -> Result<Config, ConfigEr
         limits,
         queue,
     })
+}
+
+/// Deserialize interpolated TOML text, naming the path of the first field that does not fit
+/// (`server.lisen`, `pools[0].backends[1]`).
+fn parse(text: &str, err: FileErrors<'_>) -> Result<RawConfig, ConfigError> {
+    let de = toml::Deserializer::parse(text).map_err(|e| err.at("-", e.to_string()))?;
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        err.at(path, e.into_inner().message())
+    })
+}
+
+/// The file as written: its tables, each read by its section's raw type.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    server: RawServer,
+    #[serde(default)]
+    pools: Vec<RawPool>,
+    #[serde(default)]
+    database: RawDatabase,
+    #[serde(default)]
+    auth: RawAuth,
+    #[serde(default)]
+    admin: RawAdmin,
+    #[serde(default)]
+    request_log: RawRequestLog,
+    #[serde(default)]
+    limits: RawLimits,
+    #[serde(default)]
+    queue: RawQueue,
+}
+
+/// `#[serde(default = "super::default_true")]` for the sections' switches that default on.
+fn default_true() -> bool {
+    true
 }

@@ -8,8 +8,11 @@ use std::time::Duration;
 use http::Uri;
 use serde::Deserialize;
 
-use super::backends::{self, BackendConfig};
-use super::raw::{RawPool, RawTimeouts};
+use super::backends::{self, BackendConfig, RawBackend};
+use super::pool_health::{
+    EjectionConfig, HealthConfig, LoadAwareConfig, RawEjection, RawHealth, RawLoadAware,
+    RawRetries, RawWarmup, RetryConfig, WarmupConfig,
+};
 use super::{ConfigError, Environment, FileErrors};
 use crate::secret::Secret;
 
@@ -111,96 +114,10 @@ pub struct AffinityConfig {
 }
 
 #[derive(Debug, Clone)]
-pub struct LoadAwareConfig {
-    pub metrics_path: String,
-    pub interval: Duration,
-}
-
-/// Active health probes of a pool's backends (the interval is `server.health_interval_ms`).
-#[derive(Debug, Clone)]
-pub struct HealthConfig {
-    pub path: String,
-    pub timeout: Duration,
-    /// Consecutive good probes that bring a down backend back.
-    pub healthy_threshold: u32,
-    /// Consecutive failed probes that take a backend down.
-    pub unhealthy_threshold: u32,
-}
-
-impl Default for HealthConfig {
-    fn default() -> Self {
-        Self {
-            path: "/health".into(),
-            timeout: Duration::from_secs(2),
-            healthy_threshold: 1,
-            unhealthy_threshold: 1,
-        }
-    }
-}
-
-/// Warm-up of a backend that is new or comes back from down: `requests` small completions
-/// that must all succeed before it takes traffic, then its share ramps up over `slow_start`.
-#[derive(Debug, Clone)]
-pub struct WarmupConfig {
-    pub requests: u32,
-    pub prompt: String,
-    pub slow_start: Duration,
-}
-
-impl Default for WarmupConfig {
-    fn default() -> Self {
-        Self {
-            requests: 0,
-            prompt: "Hello".into(),
-            slow_start: Duration::ZERO,
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
 pub struct LongPromptConfig {
     pub min_prompt_tokens: u64,
     /// The model name of the pool that takes them.
     pub pool: String,
-}
-
-/// Retries on another backend, before any byte of the answer reached the client.
-#[derive(Debug, Clone, Copy)]
-pub struct RetryConfig {
-    /// Extra attempts per request (0: no retries).
-    pub max_retries: u32,
-    /// Retries allowed as a share of the pool's requests (0.2: at most one retry per five
-    /// requests over time), so a failing fleet is not hit twice as hard.
-    pub budget_ratio: f64,
-}
-
-impl Default for RetryConfig {
-    fn default() -> Self {
-        Self {
-            max_retries: 2,
-            budget_ratio: 0.2,
-        }
-    }
-}
-
-/// Passive ejection of a backend that keeps failing.
-#[derive(Debug, Clone, Copy)]
-pub struct EjectionConfig {
-    /// Consecutive connect errors or 5xx answers that eject a backend (0: never).
-    pub consecutive_failures: u32,
-    /// First ejection; each further one doubles it (with ±20 % jitter), up to `max`.
-    pub base: Duration,
-    pub max: Duration,
-}
-
-impl Default for EjectionConfig {
-    fn default() -> Self {
-        Self {
-            consecutive_failures: 3,
-            base: Duration::from_secs(1),
-            max: Duration::from_secs(60),
-        }
-    }
 }
 
 pub const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
@@ -541,6 +458,115 @@ fn check_references(pools: &[PoolConfig], err: FileErrors<'_>) -> Result<(), Con
         }
     }
     Ok(())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPool {
+    pub(super) model: String,
+    pub(super) served_model_name: Option<String>,
+    #[serde(default)]
+    pub(super) aliases: Vec<String>,
+    pub(super) backends: Vec<RawBackend>,
+    #[serde(default)]
+    pub(super) kind: PoolKind,
+    pub(super) upstream_api_key: Option<String>,
+    pub(super) ca_file: Option<PathBuf>,
+    #[serde(default)]
+    pub(super) timeouts: RawTimeouts,
+    pub(super) environments: Option<Vec<Environment>>,
+    pub(super) max_in_flight_per_backend: Option<u32>,
+    #[serde(default)]
+    pub(super) retries: RawRetries,
+    #[serde(default)]
+    pub(super) ejection: RawEjection,
+    pub(super) long_prompt: Option<RawLongPrompt>,
+    pub(super) gray_pin_label: Option<String>,
+    #[serde(default)]
+    pub(super) health: RawHealth,
+    #[serde(default)]
+    pub(super) warmup: RawWarmup,
+    pub(super) load_aware: Option<RawLoadAware>,
+    pub(super) affinity: Option<RawAffinity>,
+    pub(super) priority: Option<RawEnginePriority>,
+}
+
+/// `[pools.priority]`: each environment's vLLM `priority`, sent to the backends.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEnginePriority {
+    #[serde(default = "default_priority_prod")]
+    pub(super) prod: i64,
+    #[serde(default = "default_priority_gray")]
+    pub(super) gray: i64,
+    #[serde(default = "default_priority_stress")]
+    pub(super) stress: i64,
+    #[serde(default)]
+    pub(super) override_client: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAffinity {
+    pub(super) by: AffinityBy,
+    #[serde(default = "default_prefix_bytes")]
+    pub(super) prefix_bytes: usize,
+    #[serde(default = "default_slack")]
+    pub(super) slack: u32,
+    #[serde(default = "default_block_bytes")]
+    pub(super) block_bytes: usize,
+    #[serde(default = "default_max_blocks")]
+    pub(super) max_blocks: usize,
+    #[serde(default = "default_max_age")]
+    pub(super) max_age_seconds: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLongPrompt {
+    pub(super) min_prompt_tokens: u64,
+    pub(super) pool: String,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTimeouts {
+    pub(super) connect_ms: Option<u64>,
+    pub(super) first_token_ms: Option<u64>,
+    pub(super) idle_ms: Option<u64>,
+    pub(super) total_ms: Option<u64>,
+}
+
+fn default_priority_prod() -> i64 {
+    0
+}
+
+fn default_priority_gray() -> i64 {
+    10
+}
+
+fn default_priority_stress() -> i64 {
+    20
+}
+
+fn default_block_bytes() -> usize {
+    256
+}
+
+fn default_max_blocks() -> usize {
+    262_144
+}
+
+fn default_max_age() -> u64 {
+    600
+}
+
+fn default_prefix_bytes() -> usize {
+    512
+}
+
+fn default_slack() -> u32 {
+    4
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use super::raw::RawQueue;
+use serde::Deserialize;
+
 use super::{ConfigError, Environment, FileErrors};
 
 /// The admission queue in front of each pool's backends.
@@ -66,4 +67,69 @@ pub(super) fn validate(raw: RawQueue, err: FileErrors<'_>) -> Result<QueueConfig
         keepalive_interval: (raw.keepalive_interval_ms > 0)
             .then(|| Duration::from_millis(raw.keepalive_interval_ms)),
     })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawQueue {
+    #[serde(default = "default_queue_size")]
+    pub(super) max_size: usize,
+    #[serde(default = "default_queue_per_key")]
+    pub(super) max_per_key: usize,
+    #[serde(default)]
+    pub(super) max_wait_seconds: RawQueueWait,
+    #[serde(default)]
+    pub(super) keepalive_interval_ms: u64,
+}
+
+impl Default for RawQueue {
+    fn default() -> Self {
+        Self {
+            max_size: default_queue_size(),
+            max_per_key: default_queue_per_key(),
+            max_wait_seconds: RawQueueWait::default(),
+            keepalive_interval_ms: 0,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawQueueWait {
+    #[serde(default = "default_wait_stress")]
+    pub(super) stress: f64,
+    #[serde(default = "default_wait_gray")]
+    pub(super) gray: f64,
+    #[serde(default = "default_wait_prod")]
+    pub(super) prod: f64,
+}
+
+impl Default for RawQueueWait {
+    fn default() -> Self {
+        Self {
+            stress: default_wait_stress(),
+            gray: default_wait_gray(),
+            prod: default_wait_prod(),
+        }
+    }
+}
+
+fn default_queue_size() -> usize {
+    1024
+}
+
+fn default_queue_per_key() -> usize {
+    128
+}
+
+fn default_wait_stress() -> f64 {
+    5.0
+}
+
+fn default_wait_gray() -> f64 {
+    15.0
+}
+
+fn default_wait_prod() -> f64 {
+    30.0
 }

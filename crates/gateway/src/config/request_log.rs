@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::raw::RawRequestLog;
+use serde::Deserialize;
+
 use super::{ConfigError, FileErrors};
 
 /// `[request_log]` settings.
@@ -53,4 +54,54 @@ pub(super) fn validate(
         spill_path: err.path(rl.spill_path),
         retention_days: rl.retention_days,
     })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRequestLog {
+    #[serde(default = "super::default_true")]
+    pub(super) enabled: bool,
+    #[serde(default = "default_log_capacity")]
+    pub(super) channel_capacity: usize,
+    #[serde(default = "default_batch_rows")]
+    pub(super) batch_rows: usize,
+    #[serde(default = "default_flush_ms")]
+    pub(super) flush_interval_ms: u64,
+    #[serde(default = "default_spill_path")]
+    pub(super) spill_path: PathBuf,
+    #[serde(default = "default_retention")]
+    pub(super) retention_days: u32,
+}
+
+impl Default for RawRequestLog {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            channel_capacity: default_log_capacity(),
+            batch_rows: default_batch_rows(),
+            flush_interval_ms: default_flush_ms(),
+            spill_path: default_spill_path(),
+            retention_days: default_retention(),
+        }
+    }
+}
+
+fn default_log_capacity() -> usize {
+    65_536
+}
+
+fn default_batch_rows() -> usize {
+    1000
+}
+
+fn default_flush_ms() -> u64 {
+    200
+}
+
+fn default_spill_path() -> PathBuf {
+    PathBuf::from("fleetgate-request-log.spill")
+}
+
+fn default_retention() -> u32 {
+    30
 }

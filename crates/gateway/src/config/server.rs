@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::raw::RawServer;
 use super::{ConfigError, FileErrors};
 
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -307,4 +306,171 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
         trusted_proxies,
         expose_backend_addresses: s.expose_backend_addresses,
     })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    #[serde(default = "default_listen")]
+    pub(super) listen: String,
+    #[serde(default = "default_max_body")]
+    pub(super) max_body_bytes: u64,
+    #[serde(default = "default_max_audio_body")]
+    pub(super) max_audio_body_bytes: u64,
+    #[serde(default = "default_max_request_head")]
+    pub(super) max_request_head_bytes: u64,
+    #[serde(default = "default_max_upstream_head")]
+    pub(super) max_upstream_head_bytes: u64,
+    #[serde(default = "default_max_upstream_header_value")]
+    pub(super) max_upstream_header_value_bytes: u64,
+    #[serde(default = "default_grace")]
+    pub(super) shutdown_grace_seconds: f64,
+    pub(super) tls: Option<RawTls>,
+    #[serde(default)]
+    pub(super) log_format: LogFormat,
+    #[serde(default = "super::default_true")]
+    pub(super) request_log_events: bool,
+    #[serde(default = "default_health_interval")]
+    pub(super) health_interval_ms: u64,
+    #[serde(default)]
+    pub(super) workers: usize,
+    #[serde(default)]
+    pub(super) watch_config: bool,
+    #[serde(default)]
+    pub(super) max_connections: usize,
+    #[serde(default)]
+    pub(super) max_connections_per_address: u32,
+    #[serde(default = "default_max_stream_line")]
+    pub(super) max_stream_line_bytes: u64,
+    #[serde(default = "default_response_pin_capacity")]
+    pub(super) response_pin_capacity: usize,
+    #[serde(default = "default_response_pin_ttl")]
+    pub(super) response_pin_ttl_s: u64,
+    #[serde(default = "default_header_timeout")]
+    pub(super) header_timeout_seconds: f64,
+    #[serde(default = "default_keepalive_timeout")]
+    pub(super) keepalive_timeout_seconds: f64,
+    #[serde(default = "default_body_timeout")]
+    pub(super) body_timeout_seconds: f64,
+    #[serde(default = "default_body_idle_timeout")]
+    pub(super) body_idle_timeout_seconds: f64,
+    #[serde(default = "default_max_pending_body")]
+    pub(super) max_pending_body_bytes: u64,
+    #[serde(default = "default_max_pending_body_per_key")]
+    pub(super) max_pending_body_bytes_per_key: u64,
+    #[serde(default = "super::default_true")]
+    pub(super) forwarded_headers: bool,
+    #[serde(default)]
+    pub(super) trusted_proxies: Vec<String>,
+    #[serde(default)]
+    pub(super) expose_backend_addresses: bool,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+            max_body_bytes: default_max_body(),
+            max_audio_body_bytes: default_max_audio_body(),
+            max_request_head_bytes: default_max_request_head(),
+            max_upstream_head_bytes: default_max_upstream_head(),
+            max_upstream_header_value_bytes: default_max_upstream_header_value(),
+            shutdown_grace_seconds: default_grace(),
+            tls: None,
+            log_format: LogFormat::Text,
+            request_log_events: true,
+            health_interval_ms: default_health_interval(),
+            workers: 0,
+            watch_config: false,
+            max_connections: 0,
+            max_connections_per_address: 0,
+            max_stream_line_bytes: default_max_stream_line(),
+            response_pin_capacity: default_response_pin_capacity(),
+            response_pin_ttl_s: default_response_pin_ttl(),
+            header_timeout_seconds: default_header_timeout(),
+            keepalive_timeout_seconds: default_keepalive_timeout(),
+            body_timeout_seconds: default_body_timeout(),
+            body_idle_timeout_seconds: default_body_idle_timeout(),
+            max_pending_body_bytes: default_max_pending_body(),
+            max_pending_body_bytes_per_key: default_max_pending_body_per_key(),
+            forwarded_headers: true,
+            trusted_proxies: Vec::new(),
+            expose_backend_addresses: false,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTls {
+    pub(super) cert: PathBuf,
+    pub(super) key: PathBuf,
+}
+
+fn default_body_timeout() -> f64 {
+    30.0
+}
+
+fn default_body_idle_timeout() -> f64 {
+    10.0
+}
+
+fn default_max_pending_body() -> u64 {
+    super::server::DEFAULT_MAX_PENDING_BODY_BYTES as u64
+}
+
+fn default_max_pending_body_per_key() -> u64 {
+    super::server::DEFAULT_MAX_PENDING_BODY_BYTES_PER_KEY as u64
+}
+
+fn default_header_timeout() -> f64 {
+    10.0
+}
+
+fn default_keepalive_timeout() -> f64 {
+    60.0
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8080".to_owned()
+}
+
+fn default_max_body() -> u64 {
+    DEFAULT_MAX_BODY_BYTES as u64
+}
+
+fn default_max_audio_body() -> u64 {
+    DEFAULT_MAX_AUDIO_BODY_BYTES as u64
+}
+
+fn default_max_request_head() -> u64 {
+    DEFAULT_MAX_REQUEST_HEAD_BYTES as u64
+}
+
+fn default_max_upstream_head() -> u64 {
+    DEFAULT_MAX_UPSTREAM_HEAD_BYTES as u64
+}
+
+fn default_max_upstream_header_value() -> u64 {
+    DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES as u64
+}
+
+fn default_response_pin_capacity() -> usize {
+    100_000
+}
+
+fn default_response_pin_ttl() -> u64 {
+    24 * 3600
+}
+
+fn default_max_stream_line() -> u64 {
+    fleetgate_protocol::sse::DEFAULT_MAX_LINE as u64
+}
+
+fn default_grace() -> f64 {
+    30.0
+}
+
+fn default_health_interval() -> u64 {
+    5000
 }

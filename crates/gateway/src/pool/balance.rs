@@ -9,6 +9,7 @@ use crate::config::{EjectionConfig, PoolConfig, RetryConfig};
 use crate::queue::{AdmissionQueue, Slots};
 
 use super::backend::{Backend, Reachability, weight_of};
+use super::hash::mix64;
 use super::prefix::Tenants;
 
 /// Retries allowed as a share of requests: each request deposits `ratio` of a retry, a retry
@@ -60,20 +61,6 @@ pub struct Balancer {
     pub gray_exclude: u64,
     /// Running sums of the backends' weights, for weighted sampling.
     cumulative: Vec<u32>,
-}
-
-/// splitmix64's finaliser: a well-mixed 64-bit hash of `x`.
-pub fn mix64(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// FNV-1a over `bytes`: the same value in every replica (affinity keys).
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }
 
 /// Bit of backend `i` in an exclusion mask (backends past 64 are never excluded).
@@ -512,6 +499,7 @@ impl Drop for InFlight {
 mod tests {
     use super::*;
     use crate::config::QueueConfig;
+    use crate::pool::hash::fnv1a;
     use crate::pool::{Generation, pool_cfg};
 
     #[test]

@@ -42,7 +42,7 @@ use hyper_util::client::legacy::connect::Connection as _;
 use hyper_util::rt::TokioIo;
 use tower::Service;
 
-use super::upstream_client::{StampingConnector, UpstreamRx};
+use super::connector::{StampingConnector, UpstreamRx};
 use crate::rx_time::StampedStream;
 
 type Io = MaybeHttpsStream<TokioIo<StampedStream>>;

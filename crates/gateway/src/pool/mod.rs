@@ -12,8 +12,10 @@
 mod backend;
 mod balance;
 pub mod cause;
+pub mod connector;
 pub mod driven;
 pub mod fleet;
+pub mod hash;
 mod health;
 pub mod prefix;
 pub mod upstream_client;
@@ -30,7 +32,7 @@ use crate::config::{PoolConfig, QueueConfig, Timeouts};
 use crate::queue::AdmissionQueue;
 
 pub use backend::{Backend, BackendState, LastError, Reachability};
-pub use balance::{Balancer, InFlight, RetryBudget, bit, fnv1a, mix64};
+pub use balance::{Balancer, InFlight, RetryBudget, bit};
 pub use health::vllm_load;
 pub use upstream_client::UpstreamClient;
 

@@ -20,7 +20,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::balance::mix64;
+use super::hash::mix64;
 use crate::clock::mono_ms;
 
 const SHARDS: usize = 16;

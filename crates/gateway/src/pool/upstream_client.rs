@@ -1,27 +1,21 @@
 //! The upstream HTTP client a pool sends through: rustls with the web PKI roots and an
 //! optional extra CA, kept across reloads while its settings are unchanged.
 
-use std::future::Future;
 use std::io;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper::Uri;
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::{Client, ResponseFuture};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tower::Service;
-
-use crate::rx_time::{self, RxClock, Side, StampedStream};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::config::PoolConfig;
 
 use super::Pool;
+use super::connector::StampingConnector;
 use super::driven::{Conns, SendError, UpstreamBody};
 
 /// A pool's upstream client: requests through `send` drive their connection from their own
@@ -50,48 +44,6 @@ impl UpstreamClient {
     /// Idle connections kept for requests.
     pub fn idle_connections(&self) -> usize {
         self.conns.idle()
-    }
-}
-
-/// The receive stamps of the upstream connection an answer came on, in its extensions.
-#[derive(Debug, Clone)]
-pub struct UpstreamRx(pub Arc<RxClock>);
-
-/// hyper's TCP connector, with every connection's reads stamped by the kernel up to the first
-/// token of each answer (`rx_time`).
-#[derive(Clone)]
-pub struct StampingConnector(HttpConnector);
-
-type Connecting =
-    Pin<Box<dyn Future<Output = Result<TokioIo<StampedStream>, ConnectError>> + Send + 'static>>;
-type ConnectError = <HttpConnector as Service<Uri>>::Error;
-
-impl Service<Uri> for StampingConnector {
-    type Response = TokioIo<StampedStream>;
-    type Error = ConnectError;
-    type Future = Connecting;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.0.poll_ready(cx)
-    }
-
-    fn call(&mut self, dst: Uri) -> Self::Future {
-        let connecting = self.0.call(dst);
-        Box::pin(async move {
-            let tcp = connecting.await?.into_inner();
-            // Without the option the connection works as before; its answers carry no hop.
-            let _ = rx_time::enable(&tcp);
-            let clock = Arc::new(RxClock::new(Side::Upstream));
-            Ok(TokioIo::new(StampedStream::new(tcp, clock)))
-        })
-    }
-}
-
-/// An answer's connection tells the client its receive stamps (`UpstreamRx` in the answer's
-/// extensions).
-impl Connection for StampedStream {
-    fn connected(&self) -> Connected {
-        Connected::new().extra(UpstreamRx(self.clock().clone()))
     }
 }
 
@@ -164,6 +116,7 @@ const MAX_IDLE_PER_BACKEND: usize = 1024;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hyper_util::rt::TokioIo;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A raw backend's next connection: its request read, `ok` answered with a length.

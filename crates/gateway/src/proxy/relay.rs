@@ -19,13 +19,14 @@ use super::error::{ApiError, TimeoutKind};
 use super::exchange::Exchange;
 use super::fingerprint;
 use crate::config::Timeouts;
-use crate::pool::upstream_client::UpstreamRx;
+use crate::pool::connector::UpstreamRx;
 use crate::pool::{Backend, InFlight};
 use crate::queue::QueuedBody;
 use crate::telemetry::RequestRecord;
 use fleetgate_protocol::Dialect;
 use fleetgate_protocol::error::ErrorKind;
-use fleetgate_protocol::sse::{DataKind, SseScanner};
+use fleetgate_protocol::event::DataKind;
+use fleetgate_protocol::sse::SseScanner;
 
 pin_project! {
     /// The body type of every gateway response: a complete body, or a relayed upstream body.

@@ -39,7 +39,7 @@ pub(super) fn pin_of(pool: &Pool, record: &RequestRecord) -> pins::Pin {
 /// The position of the backend holding stored response `id` in `pool`, when it can take the
 /// request: a read or a cancel (`reading`) still reaches a draining backend (the response is
 /// there until it stops), a new response does not.
-pub(super) fn pinned_backend(
+fn pinned_backend(
     state: &ProxyState,
     id: &str,
     pin: Option<pins::Pin>,

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use crate::auth::AuthFailure;
 use crate::config::AffinityBy;
 use crate::key::{Environment, KeyRecord};
-use crate::pool::{Generation, Pool, fnv1a};
+use crate::pool::hash::fnv1a;
+use crate::pool::{Generation, Pool};
 use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::view::RequestView;
 

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use fleetgate_protocol::sse::DataKind;
+use fleetgate_protocol::event::DataKind;
 use fleetgate_protocol::stream::{StreamMetrics, tpot};
 use fleetgate_protocol::usage::{Usage, UsagePart};
 

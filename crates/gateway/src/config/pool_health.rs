@@ -1,0 +1,215 @@
+//! A pool's backend health settings: `[pools.health]` (probes), `[pools.warmup]` (a recovered
+//! backend's ramp), `[pools.retries]`, `[pools.ejection]` and `[pools.load_aware]` (the
+//! backends' own load, scraped): each raw table, its defaults and its checked type.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone)]
+pub struct LoadAwareConfig {
+    pub metrics_path: String,
+    pub interval: Duration,
+}
+
+/// Active health probes of a pool's backends (the interval is `server.health_interval_ms`).
+#[derive(Debug, Clone)]
+pub struct HealthConfig {
+    pub path: String,
+    pub timeout: Duration,
+    /// Consecutive good probes that bring a down backend back.
+    pub healthy_threshold: u32,
+    /// Consecutive failed probes that take a backend down.
+    pub unhealthy_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            path: "/health".into(),
+            timeout: Duration::from_secs(2),
+            healthy_threshold: 1,
+            unhealthy_threshold: 1,
+        }
+    }
+}
+
+/// Warm-up of a backend that is new or comes back from down: `requests` small completions
+/// that must all succeed before it takes traffic, then its share ramps up over `slow_start`.
+#[derive(Debug, Clone)]
+pub struct WarmupConfig {
+    pub requests: u32,
+    pub prompt: String,
+    pub slow_start: Duration,
+}
+
+impl Default for WarmupConfig {
+    fn default() -> Self {
+        Self {
+            requests: 0,
+            prompt: "Hello".into(),
+            slow_start: Duration::ZERO,
+        }
+    }
+}
+
+/// Retries on another backend, before any byte of the answer reached the client.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryConfig {
+    /// Extra attempts per request (0: no retries).
+    pub max_retries: u32,
+    /// Retries allowed as a share of the pool's requests (0.2: at most one retry per five
+    /// requests over time), so a failing fleet is not hit twice as hard.
+    pub budget_ratio: f64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            max_retries: 2,
+            budget_ratio: 0.2,
+        }
+    }
+}
+
+/// Passive ejection of a backend that keeps failing.
+#[derive(Debug, Clone, Copy)]
+pub struct EjectionConfig {
+    /// Consecutive connect errors or 5xx answers that eject a backend (0: never).
+    pub consecutive_failures: u32,
+    /// First ejection; each further one doubles it (with ±20 % jitter), up to `max`.
+    pub base: Duration,
+    pub max: Duration,
+}
+
+impl Default for EjectionConfig {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 3,
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLoadAware {
+    #[serde(default = "default_metrics_path")]
+    pub(super) metrics_path: String,
+    #[serde(default = "default_scrape_ms")]
+    pub(super) interval_ms: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawHealth {
+    #[serde(default = "default_health_path")]
+    pub(super) path: String,
+    #[serde(default = "default_health_timeout")]
+    pub(super) timeout_ms: u64,
+    #[serde(default = "default_one")]
+    pub(super) healthy_threshold: u32,
+    #[serde(default = "default_one")]
+    pub(super) unhealthy_threshold: u32,
+}
+
+impl Default for RawHealth {
+    fn default() -> Self {
+        Self {
+            path: default_health_path(),
+            timeout_ms: default_health_timeout(),
+            healthy_threshold: 1,
+            unhealthy_threshold: 1,
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWarmup {
+    #[serde(default)]
+    pub(super) requests: u32,
+    pub(super) prompt: Option<String>,
+    #[serde(default)]
+    pub(super) slow_start_seconds: f64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRetries {
+    #[serde(default = "default_max_retries")]
+    pub(super) max_retries: u32,
+    #[serde(default = "default_budget_percent")]
+    pub(super) budget_percent: f64,
+}
+
+impl Default for RawRetries {
+    fn default() -> Self {
+        Self {
+            max_retries: default_max_retries(),
+            budget_percent: default_budget_percent(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEjection {
+    #[serde(default = "default_consecutive_failures")]
+    pub(super) consecutive_failures: u32,
+    #[serde(default = "default_eject_base")]
+    pub(super) base_ms: u64,
+    #[serde(default = "default_eject_max")]
+    pub(super) max_ms: u64,
+}
+
+impl Default for RawEjection {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: default_consecutive_failures(),
+            base_ms: default_eject_base(),
+            max_ms: default_eject_max(),
+        }
+    }
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".into()
+}
+
+fn default_scrape_ms() -> u64 {
+    1000
+}
+
+fn default_health_path() -> String {
+    "/health".into()
+}
+
+fn default_health_timeout() -> u64 {
+    2000
+}
+
+fn default_one() -> u32 {
+    1
+}
+
+fn default_max_retries() -> u32 {
+    2
+}
+
+fn default_budget_percent() -> f64 {
+    20.0
+}
+
+fn default_consecutive_failures() -> u32 {
+    3
+}
+
+fn default_eject_base() -> u64 {
+    1000
+}
+
+fn default_eject_max() -> u64 {
+    60_000
+}
