@@ -1081,7 +1081,7 @@ async fn the_hop_cost_is_read_from_the_trailer_of_a_stream() {
         .parse()
         .unwrap();
     let body = fleetgate_protocol::client::chat_body("m", "hi", 3, true);
-    let target = fleetgate_bench::plan::Target {
+    let target = fleetgate_bench::spec::Target {
         name: "t".into(),
         base: format!("http://{addr}"),
         uri: uri.clone(),
@@ -1806,7 +1806,7 @@ async fn a_hot_conversation_sends_its_turns_by_lanes_over_one_history() {
         let lanes: Vec<_> = result
             .outcomes
             .iter()
-            .filter(|o| mt.is_hot(o) && mt.turn_of(o) == t)
+            .filter(|o| mt.is_hot(o.prompt) && mt.turn_of(o.prompt) == t)
             .collect();
         assert_eq!(lanes.len(), 3, "turn {t}");
         assert!(lanes.iter().all(|o| o.ok()));

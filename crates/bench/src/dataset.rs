@@ -16,6 +16,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 
+use super::spec::RequestClass;
+
 /// One request to send.
 #[derive(Debug, Clone)]
 pub struct Prompt {
@@ -235,17 +237,6 @@ pub fn prefix_repetition(
     Ok(out)
 }
 
-/// One weighted request class of settings.json.
-#[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct RequestClass {
-    #[serde(default)]
-    pub name: Option<String>,
-    pub weight: f64,
-    pub input_tokens: u64,
-    pub output_tokens: u64,
-}
-
 /// `n` prompts drawn from weighted classes.
 pub fn classes(
     n: usize,
@@ -408,11 +399,11 @@ pub fn sharegpt(
 pub fn body(
     prompt: &Prompt,
     model: &str,
-    kind: super::args::EndpointType,
+    kind: super::spec::EndpointType,
     ignore_eos: bool,
     extra: &serde_json::Map<String, serde_json::Value>,
 ) -> bytes::Bytes {
-    use super::args::EndpointType;
+    use super::spec::EndpointType;
     let merged = |v| with_extra(v, extra);
     if kind == EndpointType::OpenaiEmbeddings {
         // What `vllm bench serve` sends (`async_request_openai_embeddings`): no output length,

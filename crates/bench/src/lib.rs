@@ -8,6 +8,7 @@
 //! request is reported and it cannot borrow the machine's other core from what it measures.
 
 pub mod args;
+pub mod capacity;
 pub mod command;
 pub mod dataset;
 pub mod engine;
@@ -16,6 +17,7 @@ pub mod measure;
 pub mod multiturn;
 pub mod plan;
 pub mod report;
+pub mod spec;
 pub mod summary;
 pub mod sweep;
 pub mod verdict;

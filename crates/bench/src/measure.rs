@@ -355,7 +355,7 @@ fn trailer_or_head_ms(
 /// Send one request to `target` and time it. `started` is the run's start (for `sent_at`).
 pub async fn send(
     client: &HttpClient,
-    target: &super::plan::Target,
+    target: &super::spec::Target,
     prompt: usize,
     body: Bytes,
     expected_input: u64,
@@ -378,7 +378,7 @@ pub async fn send(
 /// `Outcome::cached_tokens`) for a conversation's next turn.
 pub async fn send_keeping_text(
     client: &HttpClient,
-    target: &super::plan::Target,
+    target: &super::spec::Target,
     prompt: usize,
     body: Bytes,
     expected_input: u64,
@@ -399,7 +399,7 @@ pub async fn send_keeping_text(
 
 async fn send_with(
     client: &HttpClient,
-    target: &super::plan::Target,
+    target: &super::spec::Target,
     prompt: usize,
     body: Bytes,
     (expected_input, keep_text): (u64, bool),

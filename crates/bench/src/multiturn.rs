@@ -13,96 +13,12 @@ use serde_json::{Value, json};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::args::EndpointType;
 use super::engine::{RunResult, thread_cpu};
 use super::measure::{self, Outcome};
 use super::plan::Plan;
 use super::report::{Report, build_report};
+use super::spec::{EndpointType, MultiTurn};
 use super::summary::Stats;
-
-/// The shape of a multi-turn run (the `--multi-turn-*` flags, resolved).
-#[derive(Debug, Clone)]
-pub struct MultiTurn {
-    pub conversations: usize,
-    pub turns: usize,
-    pub user_len: u64,
-    pub system_len: u64,
-    pub think: Duration,
-    /// The system prompt every conversation starts with (empty: none).
-    pub system: String,
-    /// Base URLs whose `/metrics` carry vLLM's prefix-cache counters.
-    pub cache_metrics: Vec<String>,
-    /// Uneven load (`--multi-turn-hot-share`): conversation 0 sends each turn by several lanes.
-    pub hot: Option<HotConversation>,
-}
-
-/// Conversation 0 when `--multi-turn-hot-share` makes it hot: every turn of it is sent by
-/// `lanes` parallel requests over the same history, as an agent fanning out sub-agents or
-/// parallel tool calls over one long context.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct HotConversation {
-    /// The share of all requests asked (`--multi-turn-hot-share`).
-    pub share: f64,
-    pub lanes: usize,
-}
-
-impl HotConversation {
-    /// Lanes for a share `f` of the requests of `conversations`:
-    /// L = max(2, round(f / (1 − f) × (conversations − 1))), so the hot conversation sends
-    /// L / (L + conversations − 1) of the requests (f = 1/3 of 16: 8 lanes, 8/23).
-    pub fn lanes_for(share: f64, conversations: usize) -> usize {
-        let others = conversations.saturating_sub(1) as f64;
-        // Bounded by the plan's check of the share (0 < f < 1) and the conversations. The nudge
-        // keeps an exact half a half: 1/3 of 16 is 7.5 lanes, 7.4999… in floating point.
-        let lanes = (share / (1.0 - share) * others + 1e-9).round();
-        if lanes.is_finite() && lanes > 2.0 {
-            lanes as usize
-        } else {
-            2
-        }
-    }
-
-    /// The share of all requests the hot conversation sends when every turn is answered.
-    pub fn planned_share(&self, conversations: usize) -> f64 {
-        self.lanes as f64 / (self.lanes + conversations.saturating_sub(1)) as f64
-    }
-}
-
-impl MultiTurn {
-    /// The index in `Plan::prompts` (and `Outcome::prompt`) of a conversation's turn: the
-    /// prompt there is that turn's new user message.
-    pub fn index(&self, conversation: usize, turn: usize) -> usize {
-        conversation * self.turns + turn
-    }
-
-    /// Requests a turn of conversation `c` sends at once: the hot conversation's lanes, else 1.
-    pub fn lanes(&self, c: usize) -> usize {
-        match self.hot {
-            Some(h) if c == 0 => h.lanes,
-            _ => 1,
-        }
-    }
-
-    /// The index in `Plan::prompts` of lane `lane` of a conversation's turn: lane 0 is the
-    /// conversation's own prompt; the hot conversation's other lanes have theirs after all
-    /// conversations', `turns` per lane, so that `turn_of` holds for them too.
-    pub fn lane_index(&self, conversation: usize, lane: usize, turn: usize) -> usize {
-        match lane {
-            0 => self.index(conversation, turn),
-            k => self.index(self.conversations + k - 1, turn),
-        }
-    }
-
-    /// Whether an outcome was a request of the hot conversation (any lane).
-    pub fn is_hot(&self, o: &Outcome) -> bool {
-        self.hot.is_some() && (o.prompt < self.turns || o.prompt >= self.conversations * self.turns)
-    }
-
-    /// The turn (0-based) an outcome was.
-    pub fn turn_of(&self, o: &Outcome) -> usize {
-        o.prompt % self.turns.max(1)
-    }
-}
 
 /// Who said a message of the history.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -406,7 +322,10 @@ fn section(mt: &MultiTurn, outcomes: &[Outcome], cache: Option<CacheDelta>) -> (
     );
     let mut rows = Vec::with_capacity(mt.turns);
     for t in 0..mt.turns {
-        let mine: Vec<&Outcome> = outcomes.iter().filter(|o| mt.turn_of(o) == t).collect();
+        let mine: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(|o| mt.turn_of(o.prompt) == t)
+            .collect();
         let ok: Vec<&Outcome> = mine.iter().copied().filter(|o| o.ok()).collect();
         let ttft = Stats::of(
             ok.iter()
@@ -461,7 +380,7 @@ fn section(mt: &MultiTurn, outcomes: &[Outcome], cache: Option<CacheDelta>) -> (
     let later = Stats::of(
         outcomes
             .iter()
-            .filter(|o| o.ok() && mt.turn_of(o) > 0)
+            .filter(|o| o.ok() && mt.turn_of(o.prompt) > 0)
             .filter_map(|o| o.ttft)
             .map(|d| d.as_secs_f64() * 1e3)
             .collect(),
@@ -477,7 +396,7 @@ fn section(mt: &MultiTurn, outcomes: &[Outcome], cache: Option<CacheDelta>) -> (
     }
     let hot_json = mt.hot.map(|h| {
         let (hot, others): (Vec<&Outcome>, Vec<&Outcome>) =
-            outcomes.iter().partition(|o| mt.is_hot(o));
+            outcomes.iter().partition(|o| mt.is_hot(o.prompt));
         let ttft = |of: &[&Outcome]| {
             let s = Stats::of(
                 of.iter()
@@ -561,6 +480,7 @@ fn section(mt: &MultiTurn, outcomes: &[Outcome], cache: Option<CacheDelta>) -> (
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::HotConversation;
 
     #[test]
     fn reads_the_prefix_cache_counters_of_vllm_metrics() {
@@ -610,9 +530,9 @@ mod tests {
             prompt,
             ..Outcome::default()
         };
-        let hot: Vec<usize> = (0..18).filter(|p| mt.is_hot(&o(*p))).collect();
+        let hot: Vec<usize> = (0..18).filter(|p| mt.is_hot(o(*p).prompt)).collect();
         assert_eq!(hot, [0, 1, 2, 12, 13, 14, 15, 16, 17]);
-        assert_eq!(mt.turn_of(&o(16)), 1);
+        assert_eq!(mt.turn_of(o(16).prompt), 1);
     }
 
     #[test]

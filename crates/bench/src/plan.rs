@@ -9,32 +9,12 @@ use http::{HeaderMap, HeaderValue, Uri};
 use serde_json::{Value, json};
 
 use super::args::{
-    BenchArgs, DatasetName, EndpointType, Settings, apply_settings, base_of, header_pair, kv,
-    parse_rate,
+    BenchArgs, DatasetName, Settings, apply_settings, base_of, header_pair, kv, parse_rate,
 };
-use super::dataset::{self, Prompt, RequestClass};
-use super::multiturn::{HotConversation, MultiTurn};
+use super::dataset::{self, Prompt};
+use super::spec::{self, EndpointType, HotConversation, MultiTurn, RequestClass, Target};
 use super::summary::{Goodput, METRICS};
-use super::sweep;
 use super::verdict::{Objective, Thresholds, parse_sla};
-
-/// A server the run sends to.
-#[derive(Debug, Clone)]
-pub struct Target {
-    pub name: String,
-    /// Its base URL (several: `, `-joined, as given).
-    pub base: String,
-    /// The endpoint's URI on its first server.
-    pub uri: Uri,
-    /// The endpoint's URI on each of its servers (`direct=URL1,URL2`): prompt i goes to
-    /// `replicas[i % len]`, spreading the target's requests evenly, as a gateway spreads its pool.
-    pub replicas: Vec<Uri>,
-    pub headers: HeaderMap,
-    /// How its answers' events read.
-    pub dialect: fleetgate_protocol::Dialect,
-    /// Its answers stream token events (else: one whole JSON answer, an embedding's).
-    pub streamed: bool,
-}
 
 /// Everything a run needs, resolved from the flags and settings.
 #[derive(Debug, Clone)]
@@ -68,7 +48,7 @@ pub struct Plan {
     pub dataset_note: String,
     pub settings: Value,
     pub progress: bool,
-    pub sweep: Option<(sweep::Axis, Vec<f64>)>,
+    pub sweep: Option<(spec::Axis, Vec<f64>)>,
     pub sweep_chart: PathBuf,
     /// (target QPS, redundancy, instances measured).
     pub capacity: Option<(f64, f64, u32)>,
@@ -843,7 +823,7 @@ fn verdict_thresholds(
 fn sweep_series(
     args: &BenchArgs,
     percentiles: &mut Vec<f64>,
-) -> Result<Option<(sweep::Axis, Vec<f64>)>, String> {
+) -> Result<Option<(spec::Axis, Vec<f64>)>, String> {
     let Some(s) = &args.sweep else {
         return Ok(None);
     };
@@ -862,7 +842,7 @@ fn sweep_series(
     if !percentiles.iter().any(|p| (*p - 99.0).abs() < 1e-9) {
         percentiles.push(99.0);
     }
-    Ok(Some(sweep::parse(s)?))
+    Ok(Some(spec::parse_sweep(s)?))
 }
 
 /// Capacity planning: (target QPS, redundancy, instances measured), with `--target-qps`.

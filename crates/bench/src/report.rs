@@ -6,13 +6,13 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
-use super::args::EndpointType;
+use super::capacity;
 use super::engine::RunResult;
 use super::interval::CONFIDENCE_PCT;
 use super::measure::Outcome;
 use super::plan::Plan;
+use super::spec::EndpointType;
 use super::summary::{METRICS, Stats, Summary, p_word};
-use super::sweep;
 use super::verdict::{
     Failures, HopCheck, Judgement, LikeForLike, compare, render_compare, render_sla, violations,
 };
@@ -494,7 +494,10 @@ pub fn build_report(plan: &Plan, run: &RunResult) -> Report {
         let at_sla = violations(measured, &plan.sla).is_empty() && measured.completed > 0;
         let thr = at_sla.then_some(measured.request_throughput);
         text.push_str(&capacity_text(q, red, inst, thr, "this run"));
-        json.insert("capacity".into(), sweep::capacity_json(q, red, thr, inst));
+        json.insert(
+            "capacity".into(),
+            capacity::capacity_json(q, red, thr, inst),
+        );
     }
     if summaries.iter().all(|s| s.completed == 0) {
         exit = 1;
@@ -783,7 +786,7 @@ fn sla_section(
 }
 
 pub(super) fn capacity_text(q: f64, red: f64, inst: u32, thr: Option<f64>, source: &str) -> String {
-    match thr.and_then(|t| sweep::capacity(q, red, t, inst).map(|n| (t, n))) {
+    match thr.and_then(|t| capacity::capacity(q, red, t, inst).map(|n| (t, n))) {
         Some((t, n)) => format!(
             "capacity: {t:.2} req/s measured on {inst} instance(s) at the SLA ({source}) → {:.2} per instance; {q} QPS × {red} redundancy needs {n} instance(s)\n",
             t / f64::from(inst)

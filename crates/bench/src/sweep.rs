@@ -10,58 +10,13 @@ use serde_json::{Value, json};
 
 use tokio_util::sync::CancellationToken;
 
+use super::capacity::capacity_json;
 use super::engine::execute;
 use super::plan::Plan;
 use super::report::{EXIT_INTERRUPTED, EXIT_SLA, Report, build_report, capacity_text};
+use super::spec::Axis;
 use super::summary::Summary;
 use super::verdict::{Objective, violations};
-
-/// What a sweep varies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Axis {
-    Rate,
-    Concurrency,
-}
-
-impl Axis {
-    pub fn name(self) -> &'static str {
-        match self {
-            Axis::Rate => "request rate (req/s)",
-            Axis::Concurrency => "max concurrency",
-        }
-    }
-}
-
-/// `rate=2,4,8` or `concurrency=1,2,4`.
-pub fn parse(text: &str) -> Result<(Axis, Vec<f64>), String> {
-    let (k, v) = text
-        .split_once('=')
-        .ok_or_else(|| format!("--sweep `{text}`: write rate=2,4,8 or concurrency=1,2,4"))?;
-    let axis = match k.trim() {
-        "rate" | "request_rate" => Axis::Rate,
-        "concurrency" | "max_concurrency" => Axis::Concurrency,
-        other => return Err(format!("--sweep: `{other}` is not rate or concurrency")),
-    };
-    let mut values = Vec::new();
-    for p in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let x: f64 = p
-            .parse()
-            .ok()
-            .filter(|x: &f64| *x > 0.0 && x.is_finite())
-            .ok_or_else(|| format!("--sweep: `{p}` is not a positive number"))?;
-        if axis == Axis::Concurrency && x.fract() != 0.0 {
-            return Err(format!("--sweep: concurrency `{p}` must be a whole number"));
-        }
-        values.push(x);
-    }
-    if values.len() < 2 {
-        return Err("--sweep needs at least two values".into());
-    }
-    if values.windows(2).any(|w| w[1] <= w[0]) {
-        return Err("--sweep values must increase".into());
-    }
-    Ok((axis, values))
-}
 
 /// One point of the sweep.
 #[derive(Debug, Clone)]
@@ -285,28 +240,6 @@ pub fn svg(axis: Axis, points: &[Point], knee: Option<usize>) -> String {
     o
 }
 
-/// Instances needed for `target_qps` with `redundancy`, given the measured throughput of
-/// `instances` instances at the SLA.
-pub fn capacity(target_qps: f64, redundancy: f64, measured: f64, instances: u32) -> Option<u64> {
-    let per_instance = measured / f64::from(instances.max(1));
-    (per_instance > 0.0).then(|| (target_qps * redundancy / per_instance).ceil() as u64)
-}
-
-pub fn capacity_json(
-    target_qps: f64,
-    redundancy: f64,
-    measured: Option<f64>,
-    instances: u32,
-) -> Value {
-    json!({
-        "target_qps": target_qps,
-        "redundancy": redundancy,
-        "measured_instances": instances,
-        "per_instance_throughput_at_sla": measured.map(|m| m / f64::from(instances.max(1))),
-        "instances_needed": measured.and_then(|m| capacity(target_qps, redundancy, m, instances)),
-    })
-}
-
 /// Run every point of the sweep; the report holds the table, the chart's path and capacity.
 pub(super) async fn run(
     plan: Arc<Plan>,
@@ -467,16 +400,5 @@ mod tests {
         assert!(
             svg.starts_with("<svg") && svg.contains("knee") && svg.trim_end().ends_with("</svg>")
         );
-    }
-
-    #[test]
-    fn capacity_follows_the_seed_formula() {
-        // 100 QPS × 1.25 / (30 req/s on 2 instances = 15 each) = 8.33 → 9.
-        assert_eq!(capacity(100.0, 1.25, 30.0, 2), Some(9));
-        assert_eq!(capacity(100.0, 1.25, 0.0, 1), None);
-        assert!(parse("rate=2,4,8").is_ok());
-        assert!(parse("rate=4,2").is_err());
-        assert!(parse("concurrency=1.5,2").is_err());
-        assert!(parse("speed=1,2").is_err());
     }
 }
