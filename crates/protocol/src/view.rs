@@ -156,7 +156,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
     let generation = if endpoint.needs().generates {
         generation_fields(&raw, body, endpoint)?
     } else {
-        Generation::NONE
+        GenerationFields::NONE
     };
     let mut previous_response_id = None;
     let mut background = false;
@@ -317,7 +317,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, ViewErr
         }
         _ => None,
     };
-    let Generation {
+    let GenerationFields {
         stream,
         max_tokens,
         n,
@@ -441,9 +441,9 @@ pub async fn parse_form<'a>(
     Ok(RequestView {
         model: Cow::Owned(model),
         model_span,
-        ..RequestView::whole(Generation {
+        ..RequestView::whole(GenerationFields {
             stream,
-            ..Generation::NONE
+            ..GenerationFields::NONE
         })
     })
 }
@@ -644,7 +644,7 @@ fn parse_pooling(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, Vie
         model_span,
         prompt_chars,
         user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
-        ..RequestView::whole(Generation::NONE)
+        ..RequestView::whole(GenerationFields::NONE)
     })
 }
 
@@ -686,18 +686,18 @@ fn parse_batch(body: &[u8]) -> Result<RequestView<'_>, ViewError> {
         model_span,
         prompt_chars: chars,
         user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
-        ..RequestView::whole(Generation {
+        ..RequestView::whole(GenerationFields {
             max_tokens: output_limit(max_completion_tokens, max_tokens),
             // One answer per conversation, like `n` choices of one prompt.
             n: u32::try_from(count).unwrap_or(u32::MAX),
-            ..Generation::NONE
+            ..GenerationFields::NONE
         })
     })
 }
 
 impl RequestView<'_> {
     /// A view with no model yet, of a body answered whole.
-    fn whole(g: Generation) -> Self {
+    fn whole(g: GenerationFields) -> Self {
         RequestView {
             model: Cow::Borrowed(""),
             model_span: 0..0,
@@ -718,7 +718,7 @@ impl RequestView<'_> {
 }
 
 /// The fields that steer generation (stream, token limits, n, stream_options).
-struct Generation {
+struct GenerationFields {
     stream: bool,
     max_tokens: Option<u64>,
     n: u32,
@@ -726,9 +726,9 @@ struct Generation {
     stream_options_span: Option<Range<usize>>,
 }
 
-impl Generation {
+impl GenerationFields {
     /// A body that generates nothing (the tokenizer endpoints).
-    const NONE: Generation = Generation {
+    const NONE: GenerationFields = GenerationFields {
         stream: false,
         max_tokens: None,
         n: 1,
@@ -741,7 +741,7 @@ fn generation_fields(
     raw: &RawBody<'_>,
     body: &[u8],
     endpoint: Endpoint,
-) -> Result<Generation, ViewError> {
+) -> Result<GenerationFields, ViewError> {
     let stream = match raw.stream.map(RawValue::get) {
         None | Some("null") | Some("false") => false,
         Some("true") => true,
@@ -755,10 +755,10 @@ fn generation_fields(
     match endpoint {
         // The Responses API names its limit `max_output_tokens`, and has no `n`.
         Endpoint::Responses => {
-            return Ok(Generation {
+            return Ok(GenerationFields {
                 stream,
                 max_tokens: opt_u64(raw.max_output_tokens, "max_output_tokens")?,
-                ..Generation::NONE
+                ..GenerationFields::NONE
             });
         }
         // Anthropic requires `max_tokens` (its API refuses a request without it).
@@ -769,10 +769,10 @@ fn generation_fields(
                     "`max_tokens` is required on /v1/messages: the most tokens the answer may have, e.g. \"max_tokens\": 1024.",
                 ));
             };
-            return Ok(Generation {
+            return Ok(GenerationFields {
                 stream,
                 max_tokens: Some(max_tokens),
-                ..Generation::NONE
+                ..GenerationFields::NONE
             });
         }
         _ => {}
@@ -804,7 +804,7 @@ fn generation_fields(
             so.include_usage
         }
     };
-    Ok(Generation {
+    Ok(GenerationFields {
         stream,
         max_tokens: output_limit(max_completion_tokens, max_tokens),
         n,

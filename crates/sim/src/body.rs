@@ -10,7 +10,7 @@ use hyper::body::{Body, Frame, SizeHint};
 use super::agents::{MessagesFrames, ResponsesFrames, Store};
 use super::args::StreamFault;
 use super::audio::AudioFrames;
-use super::engine::Generation;
+use super::engine::SeqHandle;
 use super::frames::{self, FrameWriter};
 use super::stats::SimStats;
 
@@ -79,7 +79,7 @@ pub(crate) enum Frames {
 
 /// The SSE token stream of one request.
 pub(crate) struct TokenStream {
-    generation: Generation,
+    generation: SeqHandle,
     frames: Frames,
     phase: Phase,
     include_usage: bool,
@@ -93,7 +93,7 @@ pub(crate) struct TokenStream {
 
 impl TokenStream {
     pub fn new(
-        generation: Generation,
+        generation: SeqHandle,
         frames: Frames,
         with_role_chunk: bool,
         include_usage: bool,

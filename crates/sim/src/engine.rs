@@ -311,7 +311,7 @@ impl Engine {
         prompt_blocks: &[u64],
         output: Output,
         arrived: Instant,
-    ) -> Generation {
+    ) -> SeqHandle {
         let Output {
             max_tokens,
             token_seed,
@@ -349,7 +349,7 @@ impl Engine {
                 Ordering::Relaxed,
             );
         }
-        Generation {
+        SeqHandle {
             feed,
             tokens: TokenSource::new(token_seed),
             prompt_tokens,
@@ -435,7 +435,7 @@ enum GenState {
 
 /// One request's view of its sequence. Dropping it while live is the cancellation signal: the
 /// scheduler removes the sequence at its next step and `SimStats::cancelled` is counted at once.
-pub(crate) struct Generation {
+pub(crate) struct SeqHandle {
     feed: Feed,
     tokens: TokenSource,
     pub prompt_tokens: u32,
@@ -450,7 +450,7 @@ pub(crate) struct Generation {
     state: GenState,
 }
 
-impl Generation {
+impl SeqHandle {
     pub fn emitted(&self) -> u32 {
         self.emitted
     }
@@ -552,7 +552,7 @@ impl Generation {
     }
 }
 
-impl Drop for Generation {
+impl Drop for SeqHandle {
     fn drop(&mut self) {
         if self.leave(GenState::Failed) {
             self.stats.cancelled.fetch_add(1, Ordering::Relaxed);

@@ -9,7 +9,7 @@
 //! - `pooling`: the pooling routes of `--runner pooling` (embeddings, score, rerank,
 //!   classify, pooling).
 //! - `audio`: speech-to-text (`/v1/audio/transcriptions`, `/translations`), multipart in.
-//! - `engine`: the continuous-batching model and its scheduler task; the `Generation` handle
+//! - `engine`: the continuous-batching model and its scheduler task; the `SeqHandle`
 //!   whose drop is the cancellation signal.
 //! - `body` / `frames`: the SSE stream, formatted by hand for a cheap per-token path.
 //! - `prefix_cache`: vLLM's automatic prefix caching (chained block hashes, LRU).
