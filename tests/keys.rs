@@ -1016,3 +1016,142 @@ async fn database_outage_keeps_cached_keys_working_and_recovers() {
     assert_eq!(chat(&gw, &gw.key).await.status, 200);
     drop(db);
 }
+
+/// One raw request to the admin listener: (status, headers, body as sent on the wire).
+async fn admin_raw(
+    gw: &Gateway,
+    req: http::request::Builder,
+    body: Bytes,
+) -> (u16, http::HeaderMap, Bytes) {
+    let path = req.uri_ref().unwrap().to_string();
+    let req = req
+        .uri(format!("http://{}{path}", gw.server.admin_addr.unwrap()))
+        .body(http_body_util::Full::new(body))
+        .unwrap();
+    let resp = client::http_client().request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    (
+        status,
+        headers,
+        resp.into_body().collect().await.unwrap().to_bytes(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_gives_request_ids_security_headers_gzip_and_one_body_limit() {
+    use std::io::Read;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sim = sim(|_| {}).await;
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+        c.admin = admin_cfg()
+    })
+    .await;
+    let bearer = format!("Bearer {}", token(Role::Admin));
+
+    // A request id: made when the caller brings none, the caller's kept when it does.
+    let get = || http::Request::builder().method("GET").uri("/admin/keys");
+    let (s, h, _) = admin_raw(&gw, get().header("authorization", &bearer), Bytes::new()).await;
+    assert_eq!(s, 200);
+    let made = h["x-request-id"].to_str().unwrap();
+    assert!(made.starts_with("fg-") && made.len() > 10, "{made}");
+    let (_, h, _) = admin_raw(
+        &gw,
+        get()
+            .header("authorization", &bearer)
+            .header("x-request-id", "ops-42"),
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(h["x-request-id"], "ops-42");
+
+    // Security headers on the JSON API and on a refusal, not only on the console's pages.
+    let (s, h, _) = admin_raw(&gw, get(), Bytes::new()).await;
+    assert_eq!(s, 401);
+    assert_eq!(h["x-content-type-options"], "nosniff");
+    assert_eq!(h["x-frame-options"], "DENY");
+    assert_eq!(h["cache-control"], "no-store");
+    assert_eq!(h["referrer-policy"], "same-origin");
+    // An asset keeps its own caching.
+    let (s, h, _) = admin_raw(
+        &gw,
+        http::Request::builder().uri("/console/assets/console.css"),
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(h["cache-control"], "no-cache");
+
+    // gzip for a client that asks for it (a Prometheus scrape), plain text otherwise.
+    let metrics = || http::Request::builder().uri("/metrics");
+    let (s, h, plain) = admin_raw(&gw, metrics(), Bytes::new()).await;
+    assert_eq!(s, 200);
+    assert!(h.get("content-encoding").is_none(), "{h:?}");
+    let (s, h, zipped) = admin_raw(
+        &gw,
+        metrics().header("accept-encoding", "gzip"),
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(h["content-encoding"], "gzip");
+    assert!(
+        zipped.len() * 3 < plain.len(),
+        "{} against {}",
+        zipped.len(),
+        plain.len()
+    );
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(&zipped[..])
+        .read_to_string(&mut text)
+        .unwrap();
+    assert!(text.contains("# TYPE fleetgate_"), "{text:.200}");
+
+    // One body limit, answered in OpenAI's format: a Content-Length over it before the body
+    // is read, and a chunked body that grows past it.
+    let count = async || {
+        let (_, keys) = admin(&gw, "GET", "/admin/keys", Some(&token(Role::Admin)), None).await;
+        keys["data"].as_array().unwrap().len()
+    };
+    let keys_before = count().await;
+    let big = Bytes::from(vec![b' '; 70 * 1024]);
+    let post = || {
+        http::Request::builder()
+            .method("POST")
+            .uri("/admin/keys")
+            .header("authorization", &bearer)
+            .header("content-type", "application/json")
+    };
+    let (s, h, body) = admin_raw(&gw, post(), big.clone()).await;
+    assert_eq!(s, 413, "{body:?}");
+    assert_eq!(h["content-type"], "application/json");
+    let e: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(e["error"]["code"], "request_too_large", "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("65536"),
+        "{e}"
+    );
+    // Chunked, over raw HTTP/1.1: no length to refuse up front.
+    let mut conn = tokio::net::TcpStream::connect(gw.server.admin_addr.unwrap())
+        .await
+        .unwrap();
+    let mut wire = format!(
+        "POST /admin/keys HTTP/1.1\r\nhost: admin\r\nauthorization: {bearer}\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    )
+    .into_bytes();
+    for chunk in big.chunks(8 * 1024) {
+        wire.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        wire.extend_from_slice(chunk);
+        wire.extend_from_slice(b"\r\n");
+    }
+    wire.extend_from_slice(b"0\r\n\r\n");
+    // The gateway may answer and close before the whole body is written.
+    let _ = conn.write_all(&wire).await;
+    let mut answer = Vec::new();
+    let _ = conn.read_to_end(&mut answer).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains(r#""code":"request_too_large""#), "{answer}");
+    // Nothing was created.
+    assert_eq!(count().await, keys_before);
+}

@@ -10,14 +10,14 @@
 
 pub mod console;
 pub mod jwt;
+pub mod middleware;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
+use http_body_util::BodyExt;
 use serde::Deserialize;
 
 use crate::auth::Authenticator;
@@ -27,6 +27,7 @@ use crate::proxy::relay::GatewayBody;
 use crate::store::{CreateKey, StoreError};
 use fleetgate_protocol::error::error_body;
 use jwt::{JwtError, Role, Verifier};
+use middleware::Body;
 
 pub struct AdminState {
     pub auth: Arc<Authenticator>,
@@ -144,11 +145,19 @@ fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-async fn read_json<T: for<'de> Deserialize<'de>>(body: Incoming) -> Result<T, AdminError> {
-    let bytes = Limited::new(body, 64 * 1024)
+async fn read_json<T: for<'de> Deserialize<'de>>(body: Body) -> Result<T, AdminError> {
+    let bytes = body
         .collect()
         .await
         .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                return error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    "request_too_large",
+                    &middleware::too_large_message(),
+                );
+            }
             error(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
@@ -191,7 +200,7 @@ struct Caller {
     role: Role,
 }
 
-fn authorize(state: &AdminState, req: &Request<Incoming>) -> Result<Caller, AdminError> {
+fn authorize(state: &AdminState, req: &Request<Body>) -> Result<Caller, AdminError> {
     let token = req
         .headers()
         .get(header::AUTHORIZATION)
@@ -237,7 +246,7 @@ fn key_json(k: &KeyRecord) -> serde_json::Value {
 }
 
 /// Serve one admin request.
-pub async fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<GatewayBody> {
+pub async fn handle(state: Arc<AdminState>, req: Request<Body>) -> Response<GatewayBody> {
     let path = req.uri().path().to_owned();
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/metrics") => {
@@ -277,7 +286,7 @@ struct DrainBody {
 /// The JWT-guarded routes.
 async fn keys_api(
     state: &AdminState,
-    req: Request<Incoming>,
+    req: Request<Body>,
     path: &str,
 ) -> Result<(StatusCode, Bytes), AdminError> {
     let method = req.method().clone();
@@ -322,7 +331,7 @@ async fn keys_api(
 /// `GET /admin/keys[?env=]`
 async fn list_keys(
     state: &AdminState,
-    req: &Request<Incoming>,
+    req: &Request<Body>,
 ) -> Result<(StatusCode, Bytes), AdminError> {
     let store = state.auth.store();
     let env = match query_param(req.uri().query(), "env").map(str::parse::<Environment>) {
@@ -348,7 +357,7 @@ async fn list_keys(
 /// `POST /admin/keys`
 async fn create_key(
     state: &AdminState,
-    req: Request<Incoming>,
+    req: Request<Body>,
     caller: &Caller,
 ) -> Result<(StatusCode, Bytes), AdminError> {
     let store = state.auth.store();
@@ -372,7 +381,7 @@ async fn create_key(
 /// `POST /admin/keys/{id}/revoke`
 async fn revoke_key(
     state: &AdminState,
-    req: Request<Incoming>,
+    req: Request<Body>,
     caller: &Caller,
     id: &str,
 ) -> Result<(StatusCode, Bytes), AdminError> {
@@ -392,7 +401,7 @@ async fn revoke_key(
 /// `POST /admin/keys/{id}/rotate`
 async fn rotate_key(
     state: &AdminState,
-    req: Request<Incoming>,
+    req: Request<Body>,
     caller: &Caller,
     id: &str,
 ) -> Result<(StatusCode, Bytes), AdminError> {
@@ -419,7 +428,7 @@ async fn rotate_key(
 /// `GET /admin/usage[?by=&month=|since=&env=]`
 async fn usage_report(
     state: &AdminState,
-    req: &Request<Incoming>,
+    req: &Request<Body>,
 ) -> Result<(StatusCode, Bytes), AdminError> {
     let store = state.auth.store();
     use crate::telemetry::usage::{GroupBy, UsageQuery, month_window, usage};
@@ -576,7 +585,7 @@ pub(crate) async fn set_drain(
 /// `POST /admin/backends/drain` and `/undrain`
 async fn drain_backend(
     state: &AdminState,
-    req: Request<Incoming>,
+    req: Request<Body>,
     caller: &Caller,
     action: &str,
 ) -> Result<(StatusCode, Bytes), AdminError> {
@@ -611,7 +620,7 @@ async fn drain_backend(
 /// `GET /admin/audit[?key=&actor=&action=&limit=]`
 async fn audit_log(
     state: &AdminState,
-    req: &Request<Incoming>,
+    req: &Request<Body>,
 ) -> Result<(StatusCode, Bytes), AdminError> {
     let store = state.auth.store();
     let key = query_param(req.uri().query(), "key");

@@ -27,6 +27,7 @@ use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tower::ServiceExt;
 
 use crate::admin::AdminState;
 use crate::auth::Authenticator;
@@ -34,7 +35,6 @@ use crate::config::Config;
 use crate::key::KeyRecord;
 use crate::pool::Generation;
 use crate::pool::fleet::{Fleet, ReloadError, ReloadSummary};
-use crate::proxy::relay::GatewayBody;
 use crate::proxy::{self, state::ProxyState};
 use crate::rx_time::{self, RxClock, Side, StampedStream};
 use crate::store::{KeyStore, StoreError};
@@ -243,6 +243,7 @@ impl Server {
                     },
                 ),
             });
+            let admin_service = crate::admin::middleware::service(admin);
             // The admin listener has its own places, so operators get in when the API
             // listener is full.
             let admin_limit = ConnLimit::new(
@@ -260,7 +261,15 @@ impl Server {
                     streams_end: None,
                 },
                 admin_limit,
-                move |req, _peer, _arrival| crate::admin::handle(admin.clone(), req),
+                move |req, _peer, _arrival| {
+                    let served = admin_service.clone().oneshot(req);
+                    async move {
+                        match served.await {
+                            Ok(resp) => resp,
+                            Err(never) => match never {},
+                        }
+                    }
+                },
             ));
         }
         let is_tls = tls.is_some();
@@ -504,7 +513,7 @@ impl Drop for Server {
 
 /// Serve `listener` until `shutdown`, within `limit`'s bounds (connections, timeouts, the
 /// largest request head read, the same for HTTP/1.1 and HTTP/2).
-async fn accept_loop<H, F>(
+async fn accept_loop<H, F, B>(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
@@ -513,7 +522,9 @@ async fn accept_loop<H, F>(
     handler: H,
 ) where
     H: Fn(Request<Incoming>, SocketAddr, Option<Instant>) -> F + Clone + Send + Sync + 'static,
-    F: std::future::Future<Output = Response<GatewayBody>> + Send + 'static,
+    F: std::future::Future<Output = Response<B>> + Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // One head limit for both protocols, above what is forwarded (`proxy::headers::check_head`

@@ -22,11 +22,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
+use http_body_util::BodyExt;
 use maud::Markup;
 
 use crate::admin::AdminState;
+use crate::admin::middleware::Body;
 use crate::key::Environment;
 use crate::proxy::relay::GatewayBody;
 use crate::store::{CreateKey, StoreError};
@@ -84,24 +84,14 @@ impl Console {
     }
 }
 
+/// An HTML page. The admin listener's layers add the other security headers and
+/// `Cache-Control: no-store` (`admin::middleware`).
 fn page(status: StatusCode, m: Markup) -> Response<GatewayBody> {
     let mut r = Response::new(GatewayBody::full(m.into_string()));
     *r.status_mut() = status;
     let h = r.headers_mut();
     h.insert(header::CONTENT_TYPE, HTML.clone());
     h.insert(header::CONTENT_SECURITY_POLICY, CSP.clone());
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    // Not `no-referrer`: with it, browsers send `Origin: null` on form posts, which the
-    // same-origin check refuses. Nothing leaves for another site either way.
-    h.insert(
-        header::REFERRER_POLICY,
-        HeaderValue::from_static("same-origin"),
-    );
-    h.insert(
-        header::X_CONTENT_TYPE_OPTIONS,
-        HeaderValue::from_static("nosniff"),
-    );
-    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     r
 }
 
@@ -111,8 +101,6 @@ fn redirect(to: &str) -> Response<GatewayBody> {
     if let Ok(v) = HeaderValue::from_str(to) {
         r.headers_mut().insert(header::LOCATION, v);
     }
-    r.headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     r
 }
 
@@ -121,10 +109,6 @@ fn asset(content_type: &'static str, body: &'static str) -> Response<GatewayBody
     let h = r.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert(
-        header::X_CONTENT_TYPE_OPTIONS,
-        HeaderValue::from_static("nosniff"),
-    );
     r
 }
 
@@ -135,21 +119,22 @@ fn pairs(s: Option<&[u8]>) -> BTreeMap<String, String> {
         .collect()
 }
 
-fn query(req: &Request<Incoming>) -> BTreeMap<String, String> {
+fn query(req: &Request<Body>) -> BTreeMap<String, String> {
     pairs(req.uri().query().map(str::as_bytes))
 }
 
-async fn read_form(body: Incoming) -> Option<BTreeMap<String, String>> {
-    let bytes = Limited::new(body, 64 * 1024)
+/// The form's pairs; `Err(true)` when the body is over the listener's limit.
+async fn read_form(body: Body) -> Result<BTreeMap<String, String>, bool> {
+    let bytes = body
         .collect()
         .await
-        .ok()?
+        .map_err(|e| e.is::<http_body_util::LengthLimitError>())?
         .to_bytes();
-    Some(pairs(Some(&bytes)))
+    Ok(pairs(Some(&bytes)))
 }
 
 /// Served over TLS: by this listener, or by a TLS-terminating proxy in front that says so.
-fn is_secure(state: &AdminState, req: &Request<Incoming>) -> bool {
+fn is_secure(state: &AdminState, req: &Request<Body>) -> bool {
     state.tls
         || req
             .headers()
@@ -157,7 +142,7 @@ fn is_secure(state: &AdminState, req: &Request<Incoming>) -> bool {
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"https"))
 }
 
-fn host(req: &Request<Incoming>) -> Option<&str> {
+fn host(req: &Request<Body>) -> Option<&str> {
     req.headers()
         .get(header::HOST)
         .and_then(|v| v.to_str().ok())
@@ -167,7 +152,7 @@ fn host(req: &Request<Incoming>) -> Option<&str> {
 /// A browser's `Origin` on a POST must be this host, as the request names it (`Host`) or as a
 /// reverse proxy in front says the browser did (`X-Forwarded-Host`). Absent: older clients;
 /// the CSRF token still has to match.
-fn same_origin(req: &Request<Incoming>) -> bool {
+fn same_origin(req: &Request<Body>) -> bool {
     let Some(origin) = req
         .headers()
         .get(header::ORIGIN)
@@ -187,7 +172,7 @@ fn same_origin(req: &Request<Incoming>) -> bool {
 }
 
 /// Serve one request under `/console` (or `/`, which leads there).
-pub async fn handle(state: &AdminState, req: Request<Incoming>) -> Response<GatewayBody> {
+pub async fn handle(state: &AdminState, req: Request<Body>) -> Response<GatewayBody> {
     let path = req.uri().path().to_owned();
     let console = &state.console;
     match (req.method(), path.as_str()) {
@@ -271,7 +256,7 @@ pub async fn handle(state: &AdminState, req: Request<Incoming>) -> Response<Gate
     }
 }
 
-async fn sign_in(state: &AdminState, req: &Request<Incoming>) -> Response<GatewayBody> {
+async fn sign_in(state: &AdminState, req: &Request<Body>) -> Response<GatewayBody> {
     let q = query(req);
     let Some(token) = q.get("token").filter(|t| !t.is_empty()) else {
         return page(StatusCode::OK, pages::sign_in_help(None));
@@ -604,7 +589,7 @@ async fn audit_page(
 async fn post(
     state: &AdminState,
     f: &Frame<'_>,
-    req: Request<Incoming>,
+    req: Request<Body>,
     path: &str,
 ) -> Response<GatewayBody> {
     if !same_origin(&req) {
@@ -619,16 +604,30 @@ async fn post(
         );
     }
     let api_host = host(&req).map(str::to_owned);
-    let Some(form) = read_form(req.into_body()).await else {
-        return page(
-            StatusCode::BAD_REQUEST,
-            pages::problem(
-                f,
-                Section::Overview,
-                "Refused",
-                "The form could not be read (over 64 KiB?); nothing was changed.",
-            ),
-        );
+    let form = match read_form(req.into_body()).await {
+        Ok(form) => form,
+        Err(too_large) => {
+            let (status, why) = if too_large {
+                (
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    crate::admin::middleware::too_large_message(),
+                )
+            } else {
+                (
+                    StatusCode::BAD_REQUEST,
+                    "The form could not be read: the connection ended before it did.".to_owned(),
+                )
+            };
+            return page(
+                status,
+                pages::problem(
+                    f,
+                    Section::Overview,
+                    "Refused",
+                    &format!("{why} Nothing was changed."),
+                ),
+            );
+        }
     };
     let csrf_ok = form
         .get("csrf")
