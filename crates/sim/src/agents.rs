@@ -11,7 +11,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::api::ApiError;
+use super::api::error::ApiError;
 use super::tokens::push_json_str;
 
 /// The Responses API's object, in the order vLLM 0.32 writes its fields.

@@ -7,7 +7,7 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::Serialize;
 
-use super::api::{self, ApiError};
+use super::api::{self, error::ApiError};
 use super::args::SimConfig;
 use super::tokens::{fnv1a, push_json_str};
 

@@ -166,7 +166,7 @@ impl FrameWriter {
         if finish.is_some() && fingerprint {
             self.buf.put_slice(br#","system_fingerprint":""#);
             self.buf
-                .put_slice(super::api::SYSTEM_FINGERPRINT.as_bytes());
+                .put_slice(super::api::answer::SYSTEM_FINGERPRINT.as_bytes());
             self.buf.put_u8(b'"');
         }
         self.buf.put_u8(b'}');
@@ -196,7 +196,7 @@ impl FrameWriter {
         }
         self.buf.put_slice(br#"},"system_fingerprint":""#);
         self.buf
-            .put_slice(super::api::SYSTEM_FINGERPRINT.as_bytes());
+            .put_slice(super::api::answer::SYSTEM_FINGERPRINT.as_bytes());
         self.buf.put_slice(b"\"}\n\n");
         self.take()
     }
@@ -243,9 +243,15 @@ mod tests {
             "on the usage chunk then"
         );
         let alone = json(&w.token(" end", Some("length"), true));
-        assert_eq!(alone["system_fingerprint"], crate::api::SYSTEM_FINGERPRINT);
+        assert_eq!(
+            alone["system_fingerprint"],
+            crate::api::answer::SYSTEM_FINGERPRINT
+        );
         let usage = json(&w.usage(3, 4));
-        assert_eq!(usage["system_fingerprint"], crate::api::SYSTEM_FINGERPRINT);
+        assert_eq!(
+            usage["system_fingerprint"],
+            crate::api::answer::SYSTEM_FINGERPRINT
+        );
         assert_eq!(usage["choices"].as_array().unwrap().len(), 0);
         assert_eq!(usage["usage"]["total_tokens"], 7);
 

@@ -3,11 +3,12 @@
 //!
 //! Layout:
 //! - `args`: the flags and their validation into `SimConfig`.
-//! - `server`: accept loop and the request path (auth → route → parse → fault → generate).
+//! - `server`: accept loop and the request path (auth → route → parse → fault → generate),
+//!   one submodule per kind of route.
 //! - `api`: request parsing, error bodies and the non-streaming JSON shapes (and the chat
-//!   batch).
+//!   batch), one submodule per concern.
 //! - `pooling`: the pooling routes of `--runner pooling` (embeddings, score, rerank,
-//!   classify, pooling).
+//!   classify, pooling) and the sim's pooling model.
 //! - `audio`: speech-to-text (`/v1/audio/transcriptions`, `/translations`), multipart in.
 //! - `engine`: the continuous-batching model and its scheduler task; the `SeqHandle`
 //!   whose drop is the cancellation signal.
