@@ -287,7 +287,7 @@ fn the_consoles_now_window_is_the_codes() {
         "an approximate span"
     );
     let live = |over_seconds: f64, rate: Option<f64>| {
-        pages::live(
+        pages::overview::live(
             &data::LiveFigures {
                 rate: [rate; 4],
                 error_rate: [None; 4],
@@ -295,7 +295,7 @@ fn the_consoles_now_window_is_the_codes() {
                 requests_total: [0; 4],
                 queue: Vec::new(),
             },
-            &pages::Fleet { up: 0, total: 0 },
+            &pages::overview::Fleet { up: 0, total: 0 },
         )
         .into_string()
     };

@@ -496,13 +496,13 @@ async fn a_full_batch_is_written_at_once_a_partial_one_at_the_interval_or_at_shu
 
 /// One spilled row, as an older process would have written it to its spill file (a minute
 /// ago: well inside the log's retention, which the writer applies as it starts).
-fn spilled_row(i: i64) -> fleetgate_gateway::telemetry::request_log::LogRow {
+fn spilled_row(i: i64) -> fleetgate_gateway::telemetry::request_log::row::SpillRow {
     let minute_ago = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as i64
         - 60_000;
-    fleetgate_gateway::telemetry::request_log::LogRow {
+    fleetgate_gateway::telemetry::request_log::row::SpillRow {
         row_id: format!("0a1b2c3d0042-{i:x}"),
         at: minute_ago + i,
         request_id: format!("spilled-{i}"),
@@ -537,7 +537,7 @@ fn spilled_row(i: i64) -> fleetgate_gateway::telemetry::request_log::LogRow {
 async fn replay_spill(
     store: &fleetgate_gateway::store::KeyStore,
     dir: &std::path::Path,
-    rows: &[fleetgate_gateway::telemetry::request_log::LogRow],
+    rows: &[fleetgate_gateway::telemetry::request_log::row::SpillRow],
 ) {
     let spill = dir.join("request-log.spill");
     let mut text = String::new();

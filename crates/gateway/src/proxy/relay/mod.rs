@@ -15,18 +15,19 @@ use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
+mod ready;
+mod scan;
+
 use super::error::{ApiError, TimeoutKind};
 use super::exchange::Exchange;
-use super::fingerprint;
 use crate::config::Timeouts;
-use crate::pool::connector::UpstreamRx;
-use crate::pool::{Backend, InFlight};
+use crate::pool::InFlight;
 use crate::queue::QueuedBody;
-use crate::telemetry::RequestRecord;
 use fleetgate_protocol::Dialect;
 use fleetgate_protocol::error::ErrorKind;
-use fleetgate_protocol::event::DataKind;
 use fleetgate_protocol::sse::SseScanner;
+use ready::Ready;
+use scan::{Scan, learn_whole, observe_first_token, scan_frame, timing_trailer};
 
 pin_project! {
     /// The body type of every gateway response: a complete body, or a relayed upstream body.
@@ -311,147 +312,6 @@ pub struct RelayOptions {
     pub max_line: usize,
     /// A streamed background response: how its work is handed to a watcher.
     pub background: Option<Box<super::background::Handover>>,
-}
-
-/// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
-/// ITL histogram, stamp the upstream first token, flag an in-stream error, and cut out the
-/// usage event the gateway asked for (`strip_usage`), keeping its `system_fingerprint` on the
-/// finish chunks (see `fingerprint`). Returns what to hand on (`None`: nothing).
-fn scan_frame(
-    scanner: &mut SseScanner,
-    record: &mut RequestRecord,
-    data: Bytes,
-    now: Instant,
-    scan: Scan<'_>,
-) -> Option<Bytes> {
-    let Scan {
-        strip_usage,
-        itl,
-        backend,
-        pin,
-        mut learned,
-    } = scan;
-    let tl = &mut record.timeline;
-    // The stream already ended at its terminal event: a backend's bytes after it are not part
-    // of the answer, and are neither relayed nor counted.
-    if tl.stream().done {
-        return None;
-    }
-    let at = tl.offset(now);
-    let mut cut = None;
-    // Where the terminal event ends in this frame: the frame is cut there.
-    let mut end = None;
-    // Finish chunks in this frame that want the fingerprint.
-    let mut finish_at = Vec::new();
-    // (Only chat chunks have a usage chunk to cut or a fingerprint to learn.)
-    let chat = scanner.dialect() == Dialect::Chat;
-    scanner.feed(&data, |line| {
-        if tl.stream().done {
-            return;
-        }
-        if line.kind == DataKind::Done {
-            end = line.event_span.as_ref().map(|span| span.end);
-        }
-        if pin.is_some()
-            && line.kind == DataKind::NoOutput
-            && let Some(id) = fleetgate_protocol::dialect::response_id(line.payload)
-            && let Some(learn) = pin.take()
-        {
-            if let Some(keep) = learned.as_deref_mut() {
-                *keep = Some(id.clone());
-            }
-            learn.learned(id);
-        }
-        if chat && is_usage(&line) {
-            // Every usage chunk says what the backend's fingerprint is now.
-            backend.learn_fingerprint(fingerprint::value_of(line.payload));
-            if strip_usage {
-                cut = line.event_span.clone();
-            }
-        } else if strip_usage
-            && line.event_span.is_some()
-            && matches!(line.kind, DataKind::Content | DataKind::NoOutput)
-            && let Some(at) = fingerprint::wanted_at(&data, line.payload)
-        {
-            finish_at.push(at);
-        }
-        if let Some(gap) = tl.on_upstream_event(line.kind, line.usage, now, at)
-            && let Some(h) = itl
-        {
-            h.observe(gap.as_secs_f64());
-        }
-    });
-    if tl.stream().error && record.error.is_none() {
-        record.error = Some(ErrorKind::UpstreamStreamError);
-    }
-    let mut data = data;
-    if let Some(end) = end
-        && end < data.len()
-    {
-        data.truncate(end);
-    }
-    if cut.is_none() && finish_at.is_empty() {
-        return Some(data);
-    }
-    // The usage chunk of this very frame, if it came with the finish chunk, was learned above.
-    let value = if finish_at.is_empty() {
-        None
-    } else {
-        backend.fingerprint()
-    };
-    fingerprint::edit(data, &finish_at, value.as_deref(), cut)
-}
-
-/// What scanning a frame uses besides the scanner and the record.
-struct Scan<'a> {
-    strip_usage: bool,
-    itl: Option<&'a prometheus::Histogram>,
-    backend: &'a Backend,
-    pin: &'a mut Option<super::pins::Learn>,
-    /// Where the learned id is kept too (a streamed background response).
-    learned: Option<&'a mut Option<String>>,
-}
-
-/// The usage chunk of a chat stream: `choices: []` with a `usage` object.
-fn is_usage(line: &fleetgate_protocol::sse::DataLine<'_>) -> bool {
-    line.kind == DataKind::NoChoices && line.usage.is_some()
-}
-
-/// A whole answer that creates a stored response names it first (`{"id":"resp_...",...`):
-/// learned from the frame that holds the id.
-fn learn_whole(pin: &mut Option<super::pins::Learn>, data: &[u8]) {
-    if pin.is_some()
-        && let Some(id) = super::pins::leading_id(data)
-        && let Some(learn) = pin.take()
-    {
-        learn.learned(id);
-    }
-}
-
-/// The `Server-Timing` trailer of a finished stream, when the client accepts one.
-fn timing_trailer(wanted: bool, record: &RequestRecord) -> Option<http::HeaderMap> {
-    if wanted {
-        super::timing::stream_timing(record)
-    } else {
-        None
-    }
-}
-
-/// Once the first token has been seen: take the upstream socket's stamps (the kernel's arrival
-/// of the bytes that carried it) and feed the backend's mean TTFT.
-fn observe_first_token(slot: &InFlight, record: &mut RequestRecord, rx: Option<&UpstreamRx>) {
-    let t = &mut record.timeline;
-    if t.upstream_first_token().is_none() {
-        return;
-    }
-    if let Some(rx) = rx {
-        let (written, arrived) = rx.0.first_token_arrival();
-        t.stamp_upstream_wire(written, arrived);
-    }
-    if let (Some(first), Some(sent)) = (t.upstream_first_token(), t.upstream_sent()) {
-        slot.backend()
-            .observe_ttft(first.saturating_duration_since(sent));
-    }
 }
 
 impl Body for RelayBody {
@@ -802,58 +662,10 @@ impl RelayBody {
     }
 }
 
-/// Frames read from upstream and not yet handed on. One frame is kept as it came (no copy);
-/// frames that arrive while it waits for its write are appended behind it.
-#[derive(Default)]
-struct Ready {
-    first: Option<Bytes>,
-    more: Option<BytesMut>,
-}
-
-/// Most bytes gathered for one write; past it they go at once.
-const MAX_GATHER: usize = 32 * 1024;
-
-impl Ready {
-    fn is_empty(&self) -> bool {
-        self.first.is_none()
-    }
-
-    /// Add a frame; false when enough is gathered to write now.
-    fn push(&mut self, data: Bytes) -> bool {
-        match (&self.first, &mut self.more) {
-            (None, _) => self.first = Some(data),
-            (Some(first), None) => {
-                let mut buf = BytesMut::with_capacity((first.len() + data.len()) * 4);
-                buf.extend_from_slice(first);
-                buf.extend_from_slice(&data);
-                self.more = Some(buf);
-            }
-            (Some(_), Some(buf)) => buf.extend_from_slice(&data),
-        }
-        self.len() < MAX_GATHER
-    }
-
-    fn len(&self) -> usize {
-        match (&self.first, &self.more) {
-            (_, Some(b)) => b.len(),
-            (Some(f), None) => f.len(),
-            (None, None) => 0,
-        }
-    }
-
-    /// Everything gathered, leaving it empty. A single frame is the upstream's own `Bytes`.
-    fn take(&mut self) -> Option<Bytes> {
-        let first = self.first.take()?;
-        Some(match self.more.take() {
-            Some(b) => b.freeze(),
-            None => first,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use fleetgate_protocol::event::DataKind;
 
     #[test]
     fn error_tail_parses_as_one_error_event() {
