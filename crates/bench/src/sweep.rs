@@ -16,7 +16,7 @@ use super::plan::Plan;
 use super::report::{EXIT_INTERRUPTED, EXIT_SLA, Report, build_report, capacity_text};
 use super::spec::Axis;
 use super::summary::Summary;
-use super::verdict::{Objective, violations};
+use super::verdict::sla::{Objective, violations};
 
 /// One point of the sweep.
 #[derive(Debug, Clone)]
