@@ -234,7 +234,7 @@ fn check_body(text: &[u8]) -> Result<(), TestCaseError> {
             (None, v.stream),
             (Some(&b"\"served/name\""[..]), v.stream),
         ] {
-            let up = view::upstream_body(&body, &v, rename, inject);
+            let up = view::splice::upstream_body(&body, &v, rename, inject);
             let keys: Keys = serde_json::from_slice(&up).map_err(|e| {
                 TestCaseError::fail(format!(
                     "upstream body is not a JSON object ({e}): {}",

@@ -272,7 +272,7 @@ async fn view_of<'b>(
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default();
-        return Ok(Box::pin(view::parse_form(body, ct, endpoint)).await?);
+        return Ok(Box::pin(view::form::parse(body, ct, endpoint)).await?);
     }
     Ok(view::parse(body, endpoint)?)
 }

@@ -92,7 +92,7 @@ pub fn prepare(
         _ => None,
     };
     let upstream_body =
-        view::upstream_body_owned(body, view, rename, inject_usage, owner, priority);
+        view::splice::upstream_body_owned(body, view, rename, inject_usage, owner, priority);
     let Outgoing {
         mut headers,
         trailers,
