@@ -182,19 +182,11 @@ async fn check_models(pool: &Pool, backend: &Backend) {
         backend.clear_last_error();
     }
     if status.is_success() {
-        backend.set_model_card(model_card(&body, &pool.served_name));
+        backend.set_model_card(fleetgate_protocol::models::find_card(
+            &body,
+            &pool.served_name,
+        ));
     }
-}
-
-/// The card of `served` in an OpenAI `/v1/models` list (the only card when the list has one).
-pub fn model_card(body: &[u8], served: &str) -> Option<serde_json::Value> {
-    let list: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let data = list.get("data")?.as_array()?;
-    data.iter()
-        .find(|c| c.get("id").and_then(|i| i.as_str()) == Some(served))
-        .or_else(|| (data.len() == 1).then(|| &data[0]))
-        .filter(|c| c.is_object())
-        .cloned()
 }
 
 /// Read a backend's own load from its Prometheus text: vLLM's running + waiting requests and
@@ -375,17 +367,6 @@ async fn warm_up(pool: &Pool, backend: &Backend) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn picks_the_pool_models_card() {
-        let list = br#"{"object":"list","data":[{"id":"a","max_model_len":1024},{"id":"b","root":"/m/b"}]}"#;
-        assert_eq!(model_card(list, "b").unwrap()["root"], "/m/b");
-        assert!(model_card(list, "c").is_none());
-        let one = br#"{"object":"list","data":[{"id":"x","max_model_len":8}]}"#;
-        assert_eq!(model_card(one, "other").unwrap()["max_model_len"], 8);
-        assert!(model_card(b"not json", "a").is_none());
-        assert!(model_card(br#"{"data":[1]}"#, "a").is_none());
-    }
 
     #[test]
     fn reads_vllm_load() {

@@ -30,6 +30,7 @@ use http::HeaderValue;
 
 use crate::config::{PoolConfig, QueueConfig, Timeouts};
 use crate::queue::AdmissionQueue;
+use fleetgate_protocol::models;
 
 pub use backend::{Backend, BackendState, LastError, Reachability};
 pub use balance::{Balancer, InFlight, RetryBudget, bit};
@@ -180,7 +181,7 @@ fn model_ids<'a>(pools: impl Iterator<Item = &'a Pool>) -> impl Iterator<Item = 
 /// `GET /v1/models`, a healthy backend's first) under the name clients use, or a plain entry
 /// before any backend has answered.
 fn models_list_body<'a>(pools: impl Iterator<Item = &'a Pool>) -> Bytes {
-    let mut data = Vec::new();
+    let mut cards = Vec::new();
     for p in pools {
         let card = p
             .backends
@@ -189,20 +190,10 @@ fn models_list_body<'a>(pools: impl Iterator<Item = &'a Pool>) -> Bytes {
             .chain(p.backends.iter())
             .find_map(|b| b.model_card());
         for id in model_ids(std::iter::once(p)) {
-            data.push(match &card {
-                Some(c) => {
-                    let mut c = (**c).clone();
-                    c["id"] = serde_json::Value::from(id);
-                    c
-                }
-                None => serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "fleetgate"}),
-            });
+            cards.push(models::card(id, card.as_deref()));
         }
     }
-    Bytes::from(
-        serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
-            .unwrap_or_default(),
-    )
+    models::list_body(cards)
 }
 
 /// "`a`, `b`": the names for a message.

@@ -11,7 +11,6 @@ pub mod body;
 mod claim;
 pub mod error;
 mod exchange;
-mod fingerprint;
 pub mod headers;
 pub mod pins;
 pub mod prefix_share;

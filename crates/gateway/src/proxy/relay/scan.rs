@@ -8,11 +8,12 @@ use bytes::Bytes;
 
 use crate::pool::connector::UpstreamRx;
 use crate::pool::{Backend, InFlight};
-use crate::proxy::{fingerprint, pins};
+use crate::proxy::pins;
 use crate::telemetry::RequestRecord;
 use fleetgate_protocol::Dialect;
 use fleetgate_protocol::error::ErrorKind;
 use fleetgate_protocol::event::DataKind;
+use fleetgate_protocol::fingerprint;
 use fleetgate_protocol::sse::SseScanner;
 
 /// Account for one upstream frame of an SSE stream: feed the Timeline's stream figures and the
