@@ -2,6 +2,12 @@
 //! by `headers`), sent (with `retry` before the first byte), the response head read within the
 //! first-token limit, a backend's error rewrapped (`backend_error`), the gateway's timing
 //! stamped on it (`timing`).
+//!
+//! The client's head is cleaned before the body is read (`headers`): hop-by-hop headers as RFC
+//! 9110 §7.6.1 defines them (`Connection` and every header it names), credentials and cookies
+//! go; `TE: trailers` is read before it goes; the head a backend would get is held to
+//! `server.max_upstream_*` (431, no backend contacted). A pinned request (a continuation, a
+//! request by response id) is never retried on another backend.
 
 use std::time::Instant;
 

@@ -5,6 +5,12 @@
 //! `router::route` routes each request by method and path (open routes such as `/healthz`
 //! answer there), creates its `RequestRecord`, and hands a forwarded route to
 //! `proxy::forward`, whose phases docs/architecture.md lists.
+//!
+//! One worker thread per core, each a single-threaded event loop with its own upstream clients,
+//! accepts from the one socket. TCP_NODELAY; hyper-util's auto server (HTTP/1.1, and h2 by prior
+//! knowledge or ALPN) with keep-alive; one request-head limit for both protocols
+//! (`server.max_request_head_bytes`); connection caps per listener and per address
+//! (`conn_limit`).
 
 pub mod conn_limit;
 pub mod reload;

@@ -1,6 +1,9 @@
 //! The HTTP router of the API listener: the open routes (`/healthz`, `/readyz` and vLLM's `/health`,
 //! `/`), then the key,
 //! then the endpoint table (`protocol::endpoint`) and `GET /v1/models`; anything else is 404.
+//!
+//! A 405 and the authentication refusals speak the route's dialect (Anthropic's on
+//! `/v1/messages`); an unknown path gets OpenAI's 404, naming every route the table forwards.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -3,6 +3,15 @@
 //! stamp the first token and count content events, enforces the first-token / idle / total
 //! timeouts, and turns a failure after the stream started into a final
 //! `data: {"error":...}` event and `data: [DONE]` instead of a silently cut stream.
+//!
+//! Two splices, and only these: the client's name for the model in place of the served one
+//! (`proxy::rename`; a field split across frames is held until the next frame completes it), and
+//! the `system_fingerprint` of a usage chunk the gateway asked for and removes, put back into the
+//! finish chunks (`fleetgate_protocol::fingerprint`). Every frame up to the first token leaves at
+//! once; after it, the frames the upstream socket already holds leave in one write: the relay
+//! drives the upstream connection itself (`pool::driven`), so "nothing more now" means the socket
+//! is empty, never a timer. A new stored response's id is pinned to the backend that answered
+//! (`proxy::pins`). A stream that ended cleanly gets nothing appended.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
