@@ -583,7 +583,7 @@ async fn gray_keys_are_pinned_to_the_canary() {
             ..backend(canary.url(), 1)
         },
     ];
-    p.gray_pin_label = Some("canary".into());
+    p.gray_canary_label = Some("canary".into());
     let gw = gateway(vec![p]).await;
     let (gray, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Gray, |_| {}).await;
     let url = gw.url("/v1/chat/completions");

@@ -190,7 +190,7 @@ async fn gray_keys_stay_on_the_canary() {
         labels: vec!["canary".into()],
         ..fleetgate_gateway::config::BackendConfig::new(canary.url().parse().unwrap())
     });
-    p.gray_pin_label = Some("canary".into());
+    p.gray_canary_label = Some("canary".into());
     let gw = gateway(vec![p]).await;
     let url = gw.url("/v1/chat/completions");
     let (prod, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |_| {}).await;

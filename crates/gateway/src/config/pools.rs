@@ -43,7 +43,7 @@ pub struct PoolConfig {
     pub long_prompt: Option<LongPromptConfig>,
     /// Gray keys' requests go to this pool's backends with this label (a canary) while one
     /// of them can take requests.
-    pub gray_pin_label: Option<String>,
+    pub gray_canary_label: Option<String>,
     pub health: HealthConfig,
     pub warmup: WarmupConfig,
     /// Read each backend's own load from its Prometheus `/metrics` (vLLM's
@@ -162,7 +162,7 @@ impl PoolConfig {
             retries: RetryConfig::default(),
             ejection: EjectionConfig::default(),
             long_prompt: None,
-            gray_pin_label: None,
+            gray_canary_label: None,
             health: HealthConfig::default(),
             warmup: WarmupConfig::default(),
             load_aware: None,
@@ -290,6 +290,22 @@ fn pool(
         }),
         None => None,
     };
+    let gray_canary_label = match (p.gray_canary_label, p.gray_pin_label) {
+        (Some(_), Some(_)) => {
+            return Err(err.at(
+                at("gray_pin_label"),
+                "is the former name of gray_canary_label: give only gray_canary_label",
+            ));
+        }
+        (None, Some(label)) => {
+            tracing::warn!(
+                key = %at("gray_pin_label"),
+                "`gray_pin_label` is now `gray_canary_label`: rename it in the config (the old name is still read)"
+            );
+            Some(label)
+        }
+        (label, None) => label,
+    };
     let load_aware = match p.load_aware {
         Some(l) if !l.metrics_path.starts_with('/') || l.interval_ms == 0 => {
             return Err(err.at(
@@ -327,7 +343,7 @@ fn pool(
             min_prompt_tokens: l.min_prompt_tokens,
             pool: l.pool,
         }),
-        gray_pin_label: p.gray_pin_label,
+        gray_canary_label,
         health: HealthConfig {
             path: p.health.path,
             timeout: Duration::from_millis(p.health.timeout_ms),
@@ -424,7 +440,7 @@ fn timeouts(
     })
 }
 
-/// What pools say about each other: a long-prompt pool must exist, a gray pin must name a
+/// What pools say about each other: a long-prompt pool must exist, a gray canary must name a
 /// label of the pool's own backends.
 fn check_references(pools: &[PoolConfig], err: FileErrors<'_>) -> Result<(), ConfigError> {
     for (i, p) in pools.iter().enumerate() {
@@ -448,11 +464,11 @@ fn check_references(pools: &[PoolConfig], err: FileErrors<'_>) -> Result<(), Con
                 ));
             }
         }
-        if let Some(label) = &p.gray_pin_label
+        if let Some(label) = &p.gray_canary_label
             && !p.backends.iter().any(|b| b.labels.contains(label))
         {
             return Err(err.at(
-                format!("pools[{i}].gray_pin_label"),
+                format!("pools[{i}].gray_canary_label"),
                 format!("no backend of this pool has the label `{label}`"),
             ));
         }
@@ -481,6 +497,9 @@ pub(super) struct RawPool {
     #[serde(default)]
     pub(super) ejection: RawEjection,
     pub(super) long_prompt: Option<RawLongPrompt>,
+    pub(super) gray_canary_label: Option<String>,
+    /// `gray_canary_label`'s former name, still read (a warning says to rename it): "pin" now
+    /// names only a stored response's backend.
     pub(super) gray_pin_label: Option<String>,
     #[serde(default)]
     pub(super) health: RawHealth,

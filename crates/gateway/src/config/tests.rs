@@ -240,3 +240,27 @@ fn auth_brake_defaults_and_its_mistakes() {
         assert_eq!(e.field, field, "{auth}: {e}");
     }
 }
+
+#[test]
+fn the_gray_canary_label_is_read_under_its_former_name_too() {
+    let pool = |keys: &str| {
+        format!(
+            "[[pools]]\nmodel = \"m\"\n{keys}\nbackends = [{{ url = \"http://a:1\", labels = [\"canary\"] }}, \"http://b:1\"]\n"
+        )
+    };
+    let now = parse(&pool("gray_canary_label = \"canary\"")).unwrap();
+    assert_eq!(now.pools[0].gray_canary_label.as_deref(), Some("canary"));
+    let before = parse(&pool("gray_pin_label = \"canary\"")).unwrap();
+    assert_eq!(before.pools[0].gray_canary_label.as_deref(), Some("canary"));
+    let both = parse(&pool(
+        "gray_canary_label = \"canary\"\ngray_pin_label = \"canary\"",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(both.contains("pools[0].gray_pin_label"), "{both}");
+    assert!(both.contains("give only gray_canary_label"), "{both}");
+    let unknown = parse(&pool("gray_canary_label = \"nope\""))
+        .unwrap_err()
+        .to_string();
+    assert!(unknown.contains("pools[0].gray_canary_label"), "{unknown}");
+}

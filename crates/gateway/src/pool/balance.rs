@@ -1,5 +1,5 @@
 //! Choosing a backend: weighted power of two choices over a pool's backends, affinity by
-//! rendezvous hashing, exclusion masks for retries and gray pinning, the in-flight slot that
+//! rendezvous hashing, exclusion masks for retries and the gray canary, the in-flight slot that
 //! hands itself to the next waiter, and the retry budget.
 
 use std::sync::Arc;
@@ -57,7 +57,7 @@ pub struct Balancer {
     pub retry_budget: RetryBudget,
     pub retries: RetryConfig,
     pub ejection: EjectionConfig,
-    /// Backends gray keys avoid while one outside this mask can serve (0: no pinning).
+    /// Backends gray keys avoid while one outside this mask can serve (0: no canary).
     pub gray_exclude: u64,
     /// Running sums of the backends' weights, for weighted sampling.
     cumulative: Vec<u32>,
@@ -76,14 +76,14 @@ impl Balancer {
         queue: Arc<AdmissionQueue<InFlight>>,
         cfg: &PoolConfig,
     ) -> Self {
-        let pinned = cfg.gray_pin_label.as_deref().map_or(0, |label| {
+        let canary = cfg.gray_canary_label.as_deref().map_or(0, |label| {
             cfg.backends
                 .iter()
                 .enumerate()
                 .filter(|(_, b)| b.labels.iter().any(|l| l == label))
                 .fold(0u64, |m, (i, _)| m | bit(i))
         });
-        let gray_exclude = if pinned == 0 { 0 } else { !pinned };
+        let gray_exclude = if canary == 0 { 0 } else { !canary };
         let mut sum = 0u32;
         let cumulative = cfg
             .backends
@@ -215,7 +215,7 @@ impl Balancer {
     /// in-flight number: it takes no capacity slot an inference request could use, never
     /// waits in the queue, and its end hands nothing on. Chosen like the others (two weighted
     /// draws, the less loaded wins) among the backends that may take requests, capacity and
-    /// slow start aside; avoiding `avoid` (gray pinning) while another backend can take it.
+    /// slow start aside; avoiding `avoid` (the gray canary) while another backend can take it.
     pub fn try_acquire_uncounted(self: &Arc<Self>, avoid: u64) -> Option<InFlight> {
         self.pick_uncounted(avoid)
             .or_else(|| (avoid != 0).then(|| self.pick_uncounted(0)).flatten())
@@ -402,7 +402,7 @@ impl Balancer {
         })
     }
 
-    /// The first choice for a routed request: avoiding `avoid` (gray pinning) while another
+    /// The first choice for a routed request: avoiding `avoid` (the gray canary) while another
     /// backend can take it, on its affinity backend when it has one (and that one is not
     /// overloaded).
     pub fn try_acquire_routed(

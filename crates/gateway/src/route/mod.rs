@@ -1,7 +1,7 @@
 //! Model routing: which pool serves a request and with which preferences among its backends.
 //! `resolve` turns the client's model name (or an alias) into a pool, checks the key's rights
 //! to the model and the pool's environments, moves long prompts to their own pool, and works
-//! out the backend preferences (gray keys pinned to canary backends, affinity by user or
+//! out the backend preferences (gray keys sent to canary backends first, affinity by user or
 //! prompt prefix). No I/O: everything comes from the request view and the current pools.
 
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use fleetgate_protocol::view::RequestView;
 #[derive(Debug)]
 pub struct Route<'p> {
     pub pool: &'p Pool,
-    /// Backends to avoid while another can take the request (gray keys pinned to the canary
+    /// Backends to avoid while another can take the request (gray keys sent to the canary
     /// backends); 0: none.
     pub avoid: u64,
     /// Affinity hash: requests with the same one prefer the same backend (its prefix cache).
