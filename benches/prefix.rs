@@ -1,4 +1,4 @@
-//! Longest-prefix routing's CPU per request (issue 33): naming a prompt's blocks, looking the
+//! Longest-prefix routing's CPU per request: naming a prompt's blocks, looking the
 //! names up and recording them, for prompts of 1k, 10k and 100k characters, against an index
 //! that already holds many conversations.
 //!
