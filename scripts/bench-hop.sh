@@ -10,7 +10,7 @@
 #     tokens arriving one by one (skip with PACED=0);
 #   - fleetgate in front of all three (one pool per model) and nginx in front of all three
 #     (one port per sim).
-# Then it runs the driver (benches/hop.rs), then the not-streamed throughput pass (wrk, closed
+# Then it runs the driver (benches/hop/), then the not-streamed throughput pass (wrk, closed
 # loop; THROUGHPUT=0 skips it), stops everything it started, and leaves the JSON and
 # markdown under bench-out/hop-<UTC time>/ (bench-out/ is git-ignored), also copied to
 # bench-out/hop-latest.{md,json}. The markdown summary is printed at the end. Flags given to the
