@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Measures the bounds docs/reliability.md ("Attacks of issue 29") states, against a release
+# Measures the bounds docs/reliability.md (its section on attacks of the release build) states, against a release
 # build on 127.0.0.1 only:
 #
 #   1. RSS under a hostile backend: STREAMS (8) streams at once to a backend that answers each
@@ -44,8 +44,7 @@ def serve(s):
             if not d:
                 return
             head += d
-        # (The request line's target, in origin or absolute form: builds before issue 29 sent
-        # the absolute form.)
+        # (The request line's target, in origin or absolute form: either holds the path.)
         if b"/v1/chat/completions " not in head.split(b"\r\n", 1)[0]:
             body = b'{"object":"list","data":[]}'
             s.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))

@@ -26,7 +26,7 @@
 #   SIM_FLAGS            timing flags of the main-pass sim (default --zero-delay)
 #   PACED                1 (default) runs the paced pass, 0 skips it
 #   PACED_ARGS           driver flags of the paced pass (default below); e.g. the streamed-CPU
-#                        case of issue 16: PACED_STEP_MS=10 PACED_ARGS="--rate 100 --rounds 30
+#                        case: PACED_STEP_MS=10 PACED_ARGS="--rate 100 --rounds 30
 #                        --warmup-rounds 5 --slice-secs 5 --repeats 3"
 #   PACED_STEP_MS        the paced sim's decode step in ms (default 1: ~2 ms per token with the
 #                        timer's granularity)
@@ -37,7 +37,7 @@
 #   GATEWAY_TOML         extra top-level TOML for the gateway (e.g. a [limits] section with
 #                        shared = "redis"), placed before the pools
 #   POOL_TOML            extra TOML for the main pass's pool (qwen32b), e.g. a [pools.affinity]
-#                        table: issue 41's prefix sharing was measured with by = "longest_prefix"
+#                        table: prefix sharing across replicas is measured with by = "longest_prefix"
 #                        and GATEWAY_TOML's shared limits, against the same without Redis
 #   FLEETGATE_BIN        the fleetgate binary to measure (default: this checkout's, built
 #                        first); e.g. an earlier commit's for a before/after comparison

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces the prefix-routing comparison of docs/benchmarks.md ("Prefix routing", issue 33 §4)
+# Reproduces the prefix-routing comparison of docs/benchmarks.md ("Prefix routing")
 # in one command:
 #   scripts/bench-prefix.sh
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Many gateways, one fleet (issue 41 §4): one fleetgate replica against three behind a
+# Many gateways, one fleet: one fleetgate replica against three behind a
 # round-robin proxy, on the shipped ConfigMap's settings, in one run:
 #   scripts/bench-replicas.sh
 #
@@ -43,7 +43,7 @@
 #                      a wave of 32 new 256-token prompts is one 164 ms step that everyone,
 #                      prod included, waits behind)
 #   LOADS ["flood agent"] which loads to run
-#   BEFORE [1]         also run the flood against 3 replicas as they were before issue 41: the
+#   BEFORE [1]         also run the flood against 3 replicas without priorities: the
 #                      ConfigMap without [pools.priority], in front of a sim with vLLM's default
 #                      first-come-first-served admission ("3, no priority")
 #   BACKENDS [4] CONVERSATIONS [16] TURNS [6] SYSTEM_LEN [4096] USER_LEN [512] AGENT_OUTPUT_LEN [64]
