@@ -73,9 +73,9 @@
 # which wins); under fcfs it accepts `priority` and ignores it. --enable-per-request-metrics adds
 # `metrics` (queue_time_ms, time_to_first_token_ms, generation_time_ms, ...: the engine's own
 # times) to each answer, on a stream to its usage chunk (`include_usage`). They are added to the
-# mode (`status`, and run/mode, which tests/real_vllm.rs reads), e.g.
+# mode (`status`, and run/mode, which tests/it/real_vllm/ reads), e.g.
 # `plain+priority+max-num-seqs=1+per-request-metrics`, only when they differ from the defaults.
-# tests/real_vllm.rs `priority_orders_the_waiting_queue_as_the_sim_does` needs
+# tests/it/real_vllm/ `priority_orders_the_waiting_queue_as_the_sim_does` needs
 # `start --scheduling-policy priority --max-num-seqs 1 --enable-per-request-metrics`.
 #
 # --pooling embed|classify serves the same tiny model as a pooling model, as vLLM does for a
@@ -432,7 +432,7 @@ free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }
 
-# A pooling server goes under names of its own (tests/real_vllm.rs `real_pooling`): under
+# A pooling server goes under names of its own (tests/it/real_vllm/ `real_pooling`): under
 # FLEETGATE_TEST_VLLM the generative tests would run against it and fail (it has no chat route).
 env_line() {
     local var=FLEETGATE_TEST_VLLM

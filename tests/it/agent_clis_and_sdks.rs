@@ -7,7 +7,7 @@
 //!
 //! The agents run with their retries off and under a wall-clock limit (Codex waits forever
 //! for a network it cannot reach; Claude Code retries for minutes by default), set up by the
-//! helpers tests/real_vllm.rs shares (tests/common: `Codex`, `claude_env`, `run_agent`).
+//! helpers tests/it/real_vllm/ shares (tests/it/common/agents.rs: `Codex`, `claude_env`, `run_agent`).
 
 use std::process::Stdio;
 use std::time::Duration;

@@ -2,11 +2,11 @@
 //! gateway sends upstream from it), the SSE scanner, the key parser and the config parser.
 //! Each target checks properties, not only "no panic".
 //!
-//! `cargo test --test fuzz` runs a short pass of each (256 cases). The long run documented in
+//! `cargo test --test it parser_fuzz::` runs a short pass of each (256 cases). The long run documented in
 //! docs/reliability.md sets the number of cases per target:
 //!
 //! ```sh
-//! FLEETGATE_FUZZ_CASES=10000000 cargo test --release --test fuzz -- --nocapture
+//! FLEETGATE_FUZZ_CASES=10000000 cargo test --release --test it parser_fuzz:: -- --nocapture
 //! ```
 
 use std::fmt;

@@ -295,7 +295,7 @@ async fn served_model_name_rename_and_upstream_key() {
     .await;
     // A backend that refuses the gateway on a request (its probes passed: vLLM's `/health` and
     // this one's `/v1/models` need no key): its bare {"error":"Unauthorized"} comes back
-    // wrapped. (A backend whose `/v1/models` refuses the key never gets requests: tests/pool.rs.)
+    // wrapped. (A backend whose `/v1/models` refuses the key never gets requests: tests/it/model_names.rs.)
     let (stub, stub_task) = stub_backend(|path| match path {
         "/v1/chat/completions" => (401, "application/json", br#"{"error":"Unauthorized"}"#),
         _ => (200, "application/json", br#"{"object":"list","data":[]}"#),

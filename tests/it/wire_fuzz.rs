@@ -272,7 +272,7 @@ async fn fuzz_on_the_wire() {
                 c.server.max_body_bytes = 64 * 1024;
                 // Every attempt comes from 127.0.0.1: with the default allowance the address
                 // is throttled after 30 refusals and the rest of the run would only meet the
-                // throttle (tested on its own in tests/keys.rs), not the parsers.
+                // throttle (tested on its own in tests/it/keys/refusals.rs), not the parsers.
                 c.auth.failures_per_minute = 1_000_000;
             })
             .await;

@@ -197,7 +197,7 @@ async fn agents_gateway(r: &Real) -> (Gateway, String) {
 /// The gateway's request-log rows of `endpoint`, described: at least one, each a 200 with its
 /// TTFT, hop and usage that relayed the answer to its end. Codex hangs up the moment it reads
 /// `response.completed`, often before the gateway has read vLLM's end of body (0.3 ms later):
-/// the answer was whole, and the row says so (no `client_disconnected`; tests/agents.rs
+/// the answer was whole, and the row says so (no `client_disconnected`; tests/it/agent_protocols.rs
 /// `a_client_leaving_after_the_terminal_event_got_its_answer`).
 async fn agent_rows(gw: &Gateway, endpoint: &str) -> String {
     let rows = || -> Vec<Seen> {

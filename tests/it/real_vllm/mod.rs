@@ -2,11 +2,11 @@
 //! `scripts/real-vllm.sh start` prints:
 //!
 //!     FLEETGATE_TEST_VLLM=http://127.0.0.1:PORT FLEETGATE_TEST_VLLM_KEY=KEY \
-//!         cargo test --test real_vllm -- --nocapture
+//!         cargo test --test it real_vllm:: -- --nocapture
 //!
 //! Without `FLEETGATE_TEST_VLLM` every test here says loudly that it was skipped and passes,
 //! under `CI=true` too: vLLM's install is about 6 GB, so CI runs the captured answers instead
-//! (tests/vllm_conformance.rs). `vllm bench serve` comes from the venv of
+//! (tests/it/vllm_conformance.rs). `vllm bench serve` comes from the venv of
 //! `$FLEETGATE_VLLM_HOME` (default `${XDG_CACHE_HOME:-~/.cache}/fleetgate/vllm`), as
 //! scripts/real-vllm.sh installs it.
 //!
