@@ -1,7 +1,8 @@
 //! The coding agents' protocols through the gateway: OpenAI's Responses API and
 //! Anthropic's Messages API, each relayed byte for byte and measured like chat (TTFT, usage,
 //! hop, the request log's endpoint), Anthropic's clients answered in Anthropic's shape, and a
-//! stored response reached on the backend that holds it.
+//! client leaving right after the terminal event counted as answered. Stored responses:
+//! stored_responses.rs.
 
 use std::time::Duration;
 
