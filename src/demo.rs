@@ -301,7 +301,7 @@ fn print_median(mut diffs: Vec<f64>) {
 
 /// Everything needed to try the running gateway by hand: the newcomer's path, each command
 /// runnable as printed (the binary by its full path: `cargo run` puts none on the PATH).
-/// tests/docs_commands.rs runs these lines exactly as printed.
+/// tests/it/docs_commands.rs runs these lines exactly as printed.
 fn print_try_it(
     gateway: &str,
     sims: &[SimServer],

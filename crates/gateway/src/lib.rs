@@ -4,7 +4,7 @@
 //! are in `fleetgate_protocol`.
 //!
 //! Modules are listed by layer, lowest first; a module imports its own layer or lower ones,
-//! never in a circle (tests/layering.rs keeps it so). docs/architecture.md draws the map.
+//! never in a circle (tests/it/layering.rs keeps it so). docs/architecture.md draws the map.
 
 // Layer 0: shared by everything.
 pub mod clock;
