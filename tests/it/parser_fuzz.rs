@@ -568,3 +568,72 @@ fn fuzz_config_parser() {
     runner().run(&"\\PC{0,200}", |t| check_config(&t)).unwrap();
     report("config parser", 2, started);
 }
+
+// ---------------------------------------------------------------------------------------
+// W3C trace context
+
+/// A `traceparent` the gateway writes reads back as what it wrote, and one byte changed in a
+/// valid header either reads as another valid one or not at all: never a panic, and never a
+/// header of another length or with uppercase hex taken as valid.
+#[test]
+fn fuzz_traceparent_round_trips_and_refuses_what_is_not_exactly_right() {
+    use fleetgate_protocol::trace_context::{SpanId, TraceId, TraceParent};
+    let started = std::time::Instant::now();
+    let ids = (
+        any::<[u8; 16]>(),
+        any::<[u8; 8]>(),
+        any::<[u8; 8]>(),
+        any::<u8>(),
+    )
+        .prop_filter("W3C forbids all-zero ids", |(t, p, c, _)| {
+            *t != [0; 16] && *p != [0; 8] && *c != [0; 8]
+        });
+    runner()
+        .run(&ids, |(trace, parent, child, flags)| {
+            let p = TraceParent {
+                trace_id: TraceId(trace),
+                parent_id: SpanId(parent),
+                flags,
+            };
+            let header = p.child_header(SpanId(child));
+            let back = TraceParent::parse(header.as_bytes()).unwrap();
+            prop_assert_eq!(back.trace_id, p.trace_id);
+            prop_assert_eq!(back.parent_id, SpanId(child));
+            prop_assert_eq!(back.flags, flags);
+            prop_assert_eq!(header.len(), 55);
+            Ok(())
+        })
+        .unwrap();
+    let valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mutated = (0..valid.len(), any::<u8>(), any::<bool>()).prop_map(|(at, byte, cut)| {
+        let mut b = valid.as_bytes().to_vec();
+        if cut {
+            b.truncate(at);
+        } else {
+            b[at] = byte;
+        }
+        b
+    });
+    runner()
+        .run(&mutated, |b| {
+            if let Some(p) = TraceParent::parse(&b) {
+                prop_assert_eq!(b.len(), 55);
+                prop_assert!(
+                    b.iter()
+                        .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c) || *c == b'-'),
+                    "{:?}",
+                    String::from_utf8_lossy(&b)
+                );
+                prop_assert!(p.trace_id != TraceId([0; 16]));
+            }
+            Ok(())
+        })
+        .unwrap();
+    runner()
+        .run(&prop::collection::vec(any::<u8>(), 0..128), |b| {
+            let _ = TraceParent::parse(&b);
+            Ok(())
+        })
+        .unwrap();
+    report("traceparent", 3, started);
+}

@@ -9,6 +9,9 @@ use fleetgate_gateway::secret::Secret;
 use fleetgate_protocol::client::chat_body;
 use sqlx::Row;
 
+/// The W3C recommendation's own example.
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
 async fn rows(store: &fleetgate_gateway::store::KeyStore) -> Vec<sqlx::any::AnyRow> {
     sqlx::query("SELECT * FROM request_log ORDER BY at, row_id")
         .fetch_all(store.pool())
@@ -42,15 +45,30 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
                 .to_string(),
         );
         assert_eq!(
-            post(&chat, &[("x-request-id", "log-stream")], streamed)
-                .await
-                .status,
+            post(
+                &chat,
+                &[
+                    ("x-request-id", "log-stream"),
+                    ("traceparent", TRACEPARENT),
+                    ("tracestate", "rojo=00f067aa0ba902b7")
+                ],
+                streamed
+            )
+            .await
+            .status,
             200
         );
         assert_eq!(
             post(
                 &chat,
-                &[("x-request-id", "log-plain")],
+                // A malformed traceparent is ignored, never refused.
+                &[
+                    ("x-request-id", "log-plain"),
+                    (
+                        "traceparent",
+                        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"
+                    )
+                ],
                 chat_body("qwen32b", "hi", 4, false)
             )
             .await
@@ -60,7 +78,7 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
         assert_eq!(
             post(
                 &chat,
-                &[("x-request-id", "log-404")],
+                &[("x-request-id", "log-404"), ("traceparent", TRACEPARENT)],
                 chat_body("nope", "hi", 4, true)
             )
             .await
@@ -127,6 +145,20 @@ async fn every_request_gets_one_consistent_row_on_both_stores() {
                 .get::<Option<i64>, _>("upstream_ttft_us")
                 .is_some()
         );
+        // The client's W3C trace, on its rows: a refused request's too; none for a malformed
+        // traceparent or none at all.
+        for (id, trace) in [
+            ("log-stream", Some("4bf92f3577b34da6a3ce929d0e0e4736")),
+            ("log-404", Some("4bf92f3577b34da6a3ce929d0e0e4736")),
+            ("log-plain", None),
+            ("log-messages", None),
+        ] {
+            assert_eq!(
+                by_id(id).get::<Option<String>, _>("trace_id").as_deref(),
+                trace,
+                "{kind} {id}"
+            );
+        }
 
         let s = by_id("log-stream");
         assert_eq!(s.get::<i32, _>("status"), 200, "{kind}");
@@ -523,6 +555,7 @@ fn spilled_row(i: i64) -> fleetgate_gateway::telemetry::request_log::row::SpillR
         content_events: 16,
         client_addr: Some("10.1.2.3".into()),
         endpoint: Some("responses".into()),
+        trace_id: Some(format!("{i:032x}")),
     }
 }
 
@@ -610,6 +643,13 @@ async fn a_spill_file_replayed_twice_stores_each_row_once() {
         assert_eq!(
             r.get::<Option<String>, _>("client_addr").as_deref(),
             Some("10.1.2.3")
+        );
+        let request = r.get::<String, _>("request_id");
+        let i: i64 = request.trim_start_matches("spilled-").parse().unwrap();
+        assert_eq!(
+            r.get::<Option<String>, _>("trace_id"),
+            Some(format!("{i:032x}")),
+            "a replayed row keeps its trace"
         );
     }
 }

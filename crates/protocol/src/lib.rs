@@ -1,7 +1,8 @@
 //! The wire protocols fleetgate speaks, shared by the gateway and the tools: the endpoints, one
 //! dialect per protocol (how its events and usage read), the error bodies (OpenAI's and
 //! Anthropic's) and the payload-free error kinds, the SSE scanner, the request-body view (parsed
-//! once, the bytes kept), the `system_fingerprint` splice, the `/v1/models` body, the figures of a stream (`stream`), and the measuring client the bench
+//! once, the bytes kept), the `system_fingerprint` splice, the `/v1/models` body, W3C trace context, the figures of a
+//! stream (`stream`), and the measuring client the bench
 //! and the demo use. Nothing here knows about the request path.
 
 pub mod cli_out;
@@ -14,6 +15,7 @@ pub mod fingerprint;
 pub mod models;
 pub mod sse;
 pub mod stream;
+pub mod trace_context;
 pub mod usage;
 pub mod view;
 

@@ -19,7 +19,7 @@ use crate::proxy;
 use crate::proxy::error::ApiError;
 use crate::proxy::relay::GatewayBody;
 use crate::telemetry::RequestRecord;
-use fleetgate_protocol::{Dialect, endpoint};
+use fleetgate_protocol::{Dialect, endpoint, trace_context};
 
 pub(super) static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
 
@@ -66,6 +66,9 @@ pub async fn route(
     let request_id = proxy::headers::request_id(req.headers());
     let mut record = RequestRecord::new(received, request_id, state.proxy.recorder.clone());
     record.client_addr = Some(peer);
+    // The client's trace, when it names one: on the record's row and event (`traceparent`
+    // still goes to the backend as it came).
+    record.trace_id = trace_context::parent_of(req.headers()).map(|p| p.trace_id);
     // Counted under its route's family from the start (a refused key included).
     record.endpoint = endpoint.map(|r| r.endpoint);
     if let Some(at) = arrival {

@@ -136,6 +136,8 @@ pub struct RequestRecord {
     pub error: Option<ErrorKind>,
     /// Attempts on other backends before the one that answered.
     pub retries: u8,
+    /// The W3C trace the request joined (its valid `traceparent`).
+    pub trace_id: Option<fleetgate_protocol::trace_context::TraceId>,
     recorder: Arc<Recorder>,
 }
 
@@ -155,6 +157,7 @@ impl RequestRecord {
             status: 0,
             error: None,
             retries: 0,
+            trace_id: None,
             recorder,
         }
     }
@@ -237,6 +240,7 @@ fn emit_event(r: &RequestRecord) {
         status = r.status,
         error = r.error.map_or("-", ErrorKind::as_str),
         retries = r.retries,
+        trace_id = r.trace_id.map(tracing::field::display),
         queue_wait_ms = ms(Some(t.queue_wait())),
         upstream_ttft_ms = ms(t.upstream_ttft()),
         client_ttft_ms = ms(t.client_ttft()),

@@ -67,6 +67,7 @@ impl RequestLog {
                 timeline: r.timeline.clone(),
                 client_addr: r.client_addr,
                 endpoint: r.endpoint,
+                trace_id: r.trace_id,
             },
         };
         match self.tx.try_send(pending) {

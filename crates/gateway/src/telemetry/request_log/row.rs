@@ -40,12 +40,15 @@ pub struct SpillRow {
     /// The endpoint (`chat`, `responses`, `messages`, …); absent in older spill files.
     #[serde(default)]
     pub endpoint: Option<String>,
+    /// The W3C trace the request joined (32 hex digits); absent in older spill files.
+    #[serde(default)]
+    pub trace_id: Option<String>,
 }
 
 pub(super) const COLUMNS: &str = "row_id, at, request_id, key_id, environment, model, backend, status, error, \
     stream, prompt_tokens, completion_tokens, usage_source, queue_wait_us, upstream_ttft_us, \
     client_ttft_us, overhead_pre_us, overhead_relay_us, e2el_us, tpot_us, itl_mean_us, itl_p99_us, \
-    itl_max_us, content_events, client_addr, hop_us, endpoint";
+    itl_max_us, content_events, client_addr, hop_us, endpoint, trace_id";
 
 pub(super) fn us(d: Option<Duration>) -> Option<i64> {
     d.map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
@@ -69,6 +72,7 @@ pub(super) struct RecordCopy {
     pub(super) timeline: crate::telemetry::Timeline,
     pub(super) client_addr: Option<std::net::SocketAddr>,
     pub(super) endpoint: Option<fleetgate_protocol::Endpoint>,
+    pub(super) trace_id: Option<fleetgate_protocol::trace_context::TraceId>,
 }
 
 /// A row's values, borrowed from its `Pending` (nothing allocated, except a request id that
@@ -92,6 +96,8 @@ pub(super) struct Fields<'a> {
     pub(super) client_addr: Option<std::net::IpAddr>,
     pub(super) hop_us: Option<i64>,
     pub(super) endpoint: Option<&'static str>,
+    /// The trace id's 32 hex digits.
+    pub(super) trace_id: Option<[u8; 32]>,
 }
 
 pub(super) fn count(n: u64) -> i64 {
@@ -132,6 +138,7 @@ impl Pending {
             client_addr: r.client_addr.map(|a| a.ip()),
             hop_us: us(t.hop()),
             endpoint: r.endpoint.map(fleetgate_protocol::Endpoint::as_str),
+            trace_id: r.trace_id.map(|t| t.hex()),
         }
     }
 
@@ -178,6 +185,10 @@ impl Pending {
             content_events: f.content_events,
             client_addr: f.client_addr.map(|a| a.to_string()),
             endpoint: f.endpoint.map(str::to_owned),
+            trace_id: f
+                .trace_id
+                .as_ref()
+                .map(|h| String::from_utf8_lossy(h).into_owned()),
         }
     }
 }

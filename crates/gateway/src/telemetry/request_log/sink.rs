@@ -8,7 +8,7 @@ use crate::config::DbKind;
 use crate::store::{BulkPool, KeyStore};
 
 /// Columns per row.
-pub(super) const WIDTH: usize = 27;
+pub(super) const WIDTH: usize = 28;
 
 /// Rows per SQLite statement, largest first: a batch is cut into statements of these sizes,
 /// so at most a few distinct statements exist, each prepared once and then cached.
@@ -107,7 +107,12 @@ impl Sink {
                             .bind(f.content_events)
                             .bind(f.client_addr.map(|a| a.to_string()))
                             .bind(f.hop_us)
-                            .bind(f.endpoint);
+                            .bind(f.endpoint)
+                            .bind(
+                                f.trace_id
+                                    .as_ref()
+                                    .map(|h| String::from_utf8_lossy(h).into_owned()),
+                            );
                     }
                     q.execute(&mut *tx).await?;
                     rest = tail;
@@ -182,6 +187,7 @@ pub(super) fn encode_copy(buf: &mut Vec<u8>, prefix: &str, rows: &[Pending]) {
         }
         int8(buf, f.hop_us);
         text(buf, f.endpoint.map(str::as_bytes));
+        text(buf, f.trace_id.as_ref().map(|h| &h[..]));
     }
     buf.extend_from_slice(&(-1i16).to_be_bytes());
 }
@@ -288,7 +294,8 @@ pub(super) async fn insert_rows(
             .bind(r.content_events)
             .bind(r.client_addr.clone())
             .bind(r.hop_us)
-            .bind(r.endpoint.clone());
+            .bind(r.endpoint.clone())
+            .bind(r.trace_id.clone());
     }
     q.execute(&mut **tx).await?;
     Ok(())
