@@ -8,6 +8,7 @@
 
 mod access;
 mod browser;
+mod requests;
 mod windows;
 
 use std::collections::HashMap;

@@ -25,6 +25,69 @@ fn env_index(e: Option<&str>) -> usize {
     }
 }
 
+/// One request as the Requests page shows it, from its request-log row.
+pub struct RequestRow {
+    pub at: i64,
+    pub request_id: String,
+    pub endpoint: Option<String>,
+    pub key_id: Option<String>,
+    pub model: Option<String>,
+    pub backend: Option<String>,
+    pub status: i32,
+    pub error: Option<String>,
+    pub ttft_ms: Option<f64>,
+    pub hop_us: Option<i64>,
+    pub trace_id: Option<String>,
+}
+
+/// How far back the Requests page looks (the `at` index bounds the search).
+pub const REQUESTS_WINDOW_MS: i64 = 24 * 3600 * 1000;
+
+/// Most rows the Requests page lists.
+pub const REQUESTS_SHOWN: i64 = 50;
+
+/// The requests of the last `REQUESTS_WINDOW_MS` before `now`, newest first: all of them, or
+/// those whose request id or W3C trace id is `find`.
+pub async fn find_requests(
+    store: &KeyStore,
+    now: i64,
+    find: Option<&str>,
+) -> Result<Vec<RequestRow>, StoreError> {
+    let sql = format!(
+        "SELECT at, request_id, endpoint, key_id, model, backend, status, error, client_ttft_us, \
+         hop_us, trace_id FROM request_log WHERE at >= $1 {} ORDER BY at DESC LIMIT {REQUESTS_SHOWN}",
+        if find.is_some() {
+            "AND (request_id = $2 OR trace_id = $2)"
+        } else {
+            ""
+        }
+    );
+    let mut q = sqlx::query(&sql).bind(now - REQUESTS_WINDOW_MS);
+    if let Some(f) = find {
+        q = q.bind(f.to_owned());
+    }
+    let rows = q.fetch_all(store.pool()).await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in &rows {
+        out.push(RequestRow {
+            at: r.try_get("at")?,
+            request_id: r.try_get("request_id")?,
+            endpoint: r.try_get("endpoint")?,
+            key_id: r.try_get("key_id")?,
+            model: r.try_get("model")?,
+            backend: r.try_get("backend")?,
+            status: r.try_get("status")?,
+            error: r.try_get("error")?,
+            ttft_ms: r
+                .try_get::<Option<i64>, _>("client_ttft_us")?
+                .map(|us| us as f64 / 1000.0),
+            hop_us: r.try_get("hop_us")?,
+            trace_id: r.try_get("trace_id")?,
+        });
+    }
+    Ok(out)
+}
+
 /// One request-log row, as the console reads it (times in milliseconds).
 pub struct LogRow {
     pub at: i64,

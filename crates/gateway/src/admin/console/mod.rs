@@ -245,6 +245,7 @@ pub async fn handle(state: &AdminState, req: Request<Body>) -> Response<GatewayB
             pages::overview::backends(&frame, &state.fleet.current().backends_json()),
         ),
         ["console", "audit"] => audit_page(state, &frame, &query(&req)).await,
+        ["console", "requests"] => requests_page(state, &frame, &query(&req)).await,
         _ => page(
             StatusCode::NOT_FOUND,
             pages::problem(
@@ -554,6 +555,27 @@ async fn key_usage(
         ends_at_last: to <= now,
         now,
     })
+}
+
+async fn requests_page(
+    state: &AdminState,
+    f: &Frame<'_>,
+    q: &BTreeMap<String, String>,
+) -> Response<GatewayBody> {
+    let find = q.get("q").map(|s| s.trim()).unwrap_or_default();
+    let rows = data::find_requests(
+        state.auth.store(),
+        crate::clock::wall_ms(),
+        Some(find).filter(|s| !s.is_empty()),
+    )
+    .await;
+    match rows {
+        Ok(rows) => page(StatusCode::OK, pages::requests::requests(f, &rows, find)),
+        Err(e) => page(
+            StatusCode::SERVICE_UNAVAILABLE,
+            pages::problem(f, Section::Requests, "Requests", &store_message(&e)),
+        ),
+    }
 }
 
 async fn audit_page(

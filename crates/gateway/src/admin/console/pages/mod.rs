@@ -8,6 +8,7 @@ use super::session::Session;
 pub mod keys;
 pub mod latency;
 pub mod overview;
+pub mod requests;
 
 /// The sections of the navigation bar.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -15,6 +16,7 @@ pub enum Section {
     Overview,
     Keys,
     Backends,
+    Requests,
     Audit,
 }
 
@@ -63,6 +65,7 @@ pub fn layout(
                         (item(Section::Overview, "/console/", "Overview"))
                         (item(Section::Keys, "/console/keys", "Keys"))
                         (item(Section::Backends, "/console/backends", "Backends"))
+                        (item(Section::Requests, "/console/requests", "Requests"))
                         (item(Section::Audit, "/console/audit", "Audit"))
                     }
                     span.who {
