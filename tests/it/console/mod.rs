@@ -85,6 +85,14 @@ async fn send(
     }
 }
 
+/// A console page a signed-in operator opens: 200, its HTML.
+async fn page_ok(admin: SocketAddr, cookie: &str, path: impl AsRef<str>) -> String {
+    let path = path.as_ref();
+    let a = send(admin, "GET", path, &[("cookie", cookie)], None).await;
+    assert_eq!(a.status, 200, "{path}: {}", a.body);
+    a.body
+}
+
 /// Sign in with a link; returns the `Cookie` header value and the session's CSRF token.
 async fn sign_in(admin: SocketAddr, role: Role) -> (String, String) {
     let a = send(

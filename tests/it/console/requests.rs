@@ -10,14 +10,6 @@ async fn a_request_is_found_by_its_request_id_or_its_trace_id() {
         let kind = db.kind().as_str();
         let (_sim, gw, admin) = console_gateway(Some(db.clone())).await;
         let (cookie, _) = sign_in(admin, Role::Viewer).await;
-        let get = |path: String| {
-            let cookie = cookie.clone();
-            async move {
-                let a = send(admin, "GET", &path, &[("cookie", &cookie)], None).await;
-                assert_eq!(a.status, 200, "{path}: {}", a.body);
-                a.body
-            }
-        };
         let (key, _) = issue_key(&gw, Environment::Prod, |_| {}).await;
         let auth = format!("Bearer {key}");
         let chat = gw.url("/v1/chat/completions");
@@ -43,7 +35,7 @@ async fn a_request_is_found_by_its_request_id_or_its_trace_id() {
         // The rows reach the store in the background.
         let mut latest = String::new();
         for _ in 0..250 {
-            latest = get("/console/requests".into()).await;
+            latest = page_ok(admin, &cookie, "/console/requests").await;
             if latest.contains("console-traced") && latest.contains("console-plain") {
                 break;
             }
@@ -53,7 +45,7 @@ async fn a_request_is_found_by_its_request_id_or_its_trace_id() {
         assert!(latest.contains("console-traced"), "{kind}: {latest}");
 
         // By trace id: the traced request only, with its trace linked.
-        let by_trace = get(format!("/console/requests?q={TRACE}")).await;
+        let by_trace = page_ok(admin, &cookie, format!("/console/requests?q={TRACE}")).await;
         assert!(by_trace.contains("console-traced"), "{kind}: {by_trace}");
         assert!(!by_trace.contains("console-plain"), "{kind}: {by_trace}");
         assert!(
@@ -61,10 +53,10 @@ async fn a_request_is_found_by_its_request_id_or_its_trace_id() {
             "{kind}: {by_trace}"
         );
         // By request id: its trace id shown.
-        let by_id = get("/console/requests?q=console-traced".into()).await;
+        let by_id = page_ok(admin, &cookie, "/console/requests?q=console-traced").await;
         assert!(by_id.contains(TRACE), "{kind}: {by_id}");
         // Nothing found says so, and what was typed is escaped.
-        let none = get("/console/requests?q=%3Cscript%3Ex".into()).await;
+        let none = page_ok(admin, &cookie, "/console/requests?q=%3Cscript%3Ex").await;
         assert!(none.contains("id=\"no-requests\""), "{kind}: {none}");
         assert!(!none.contains("<script>x"), "{kind}: {none}");
         assert!(none.contains("&lt;script&gt;x"), "{kind}: {none}");

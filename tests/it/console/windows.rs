@@ -12,14 +12,6 @@ async fn console_windows_follow_the_data() {
         let kind = db.kind().as_str();
         let (_sim, gw, admin) = console_gateway(Some(db.clone())).await;
         let (cookie, _) = sign_in(admin, Role::Viewer).await;
-        let get = |path: String| {
-            let cookie = cookie.clone();
-            async move {
-                let a = send(admin, "GET", &path, &[("cookie", &cookie)], None).await;
-                assert_eq!(a.status, 200, "{path}: {}", a.body);
-                a.body
-            }
-        };
 
         // The overview: three requests just now.
         let (key, _) = issue_key(&gw, Environment::Prod, |_| {}).await;
@@ -31,7 +23,7 @@ async fn console_windows_follow_the_data() {
         }
         let mut charts = String::new();
         for _ in 0..500 {
-            charts = get("/console/charts".into()).await;
+            charts = page_ok(admin, &cookie, "/console/charts").await;
             if charts.contains("data-env=\"prod\"><td><span class=\"env prod\">prod</span></td><td class=\"num\">3<") {
                 break;
             }
@@ -78,7 +70,7 @@ async fn console_windows_follow_the_data() {
             .await
             .unwrap_or_else(|e| panic!("{kind}: insert: {e}"));
         }
-        let page = get(format!("/console/keys/{id}")).await;
+        let page = page_ok(admin, &cookie, format!("/console/keys/{id}")).await;
         let note = page
             .split("id=\"usage-note\">")
             .nth(1)
@@ -117,7 +109,7 @@ async fn console_windows_follow_the_data() {
             "{kind}: hop p50 of 40..=79 µs: {page}"
         );
         // Asked for the last hour: nothing, and the page says when its last request was.
-        let hour = get(format!("/console/keys/{id}?since=1h")).await;
+        let hour = page_ok(admin, &cookie, format!("/console/keys/{id}?since=1h")).await;
         assert!(
             hour.contains(&format!(
                 "No request in the last hour; its last request was at {last_text}"
@@ -126,7 +118,7 @@ async fn console_windows_follow_the_data() {
         );
         // A key without any request says that, too.
         let (_, fresh) = issue_key(&gw, Environment::Stress, |_| {}).await;
-        let none = get(format!("/console/keys/{}", fresh.public_id)).await;
+        let none = page_ok(admin, &cookie, format!("/console/keys/{}", fresh.public_id)).await;
         assert!(
             none.contains("No request with this key is in the request log."),
             "{kind}: {none}"
