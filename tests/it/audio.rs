@@ -8,7 +8,7 @@ use crate::common::*;
 const BOUNDARY: &str = "fleetgate-audio-test";
 
 /// A mono 16 kHz 16-bit PCM WAV of `ms` milliseconds of a quiet tone.
-fn wav(ms: u32) -> Vec<u8> {
+pub(crate) fn wav(ms: u32) -> Vec<u8> {
     let rate = 16_000u32;
     let samples = rate * ms / 1000;
     let data_len = samples * 2;
@@ -34,7 +34,7 @@ fn wav(ms: u32) -> Vec<u8> {
 
 /// A multipart body with these text fields and, when given, the audio `file` (sent first, as
 /// curl does with `-F file=@a.wav -F model=...`).
-fn form(fields: &[(&str, &str)], file: Option<&[u8]>) -> Vec<u8> {
+pub(crate) fn form(fields: &[(&str, &str)], file: Option<&[u8]>) -> Vec<u8> {
     let mut out = Vec::new();
     if let Some(file) = file {
         out.extend_from_slice(
@@ -58,7 +58,7 @@ fn form(fields: &[(&str, &str)], file: Option<&[u8]>) -> Vec<u8> {
     out
 }
 
-fn multipart() -> (&'static str, String) {
+pub(crate) fn multipart() -> (&'static str, String) {
     (
         "content-type",
         format!("multipart/form-data; boundary={BOUNDARY}"),

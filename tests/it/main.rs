@@ -41,6 +41,7 @@ mod store_faults;
 // What the gateway records.
 mod fixture;
 mod metrics;
+mod otel_traces;
 mod request_log;
 
 // Several replicas, and faults under load.

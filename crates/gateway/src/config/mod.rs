@@ -10,6 +10,7 @@ mod backends;
 mod database;
 mod interpolate;
 mod limits;
+mod otel;
 mod pool_health;
 mod pools;
 mod queue;
@@ -26,6 +27,7 @@ use admin::RawAdmin;
 use auth::RawAuth;
 use database::RawDatabase;
 use limits::RawLimits;
+use otel::RawTracing;
 use pools::RawPool;
 use queue::RawQueue;
 use request_log::RawRequestLog;
@@ -39,6 +41,7 @@ pub use backends::{
 pub use database::{DatabaseConfig, DbKind};
 pub use interpolate::{InterpolateError, interpolate_env};
 pub use limits::{EnvLimits, LimitsConfig, RedisConfig, SharedLimits};
+pub use otel::{OtlpExport, SamplerChoice, TracingConfig};
 pub use pool_health::{EjectionConfig, HealthConfig, LoadAwareConfig, RetryConfig, WarmupConfig};
 pub use pools::{
     AffinityBy, AffinityConfig, DEFAULT_MAX_IN_FLIGHT, EnginePriority, LongPromptConfig,
@@ -110,6 +113,8 @@ pub struct Config {
     pub request_log: RequestLogConfig,
     pub limits: LimitsConfig,
     pub queue: QueueConfig,
+    /// `[tracing]` with the `OTEL_*` environment over it.
+    pub tracing: TracingConfig,
 }
 
 impl Config {
@@ -129,6 +134,7 @@ impl Config {
             ("[request_log]", self.request_log != next.request_log),
             ("[limits]", self.limits != next.limits),
             ("[queue]", self.queue != next.queue),
+            ("[tracing]", self.tracing != next.tracing),
         ]
         .into_iter()
         .filter_map(|(section, changed)| changed.then_some(section))
@@ -147,6 +153,7 @@ impl Config {
             request_log: RequestLogConfig::default(),
             limits: LimitsConfig::default(),
             queue: QueueConfig::default(),
+            tracing: TracingConfig::default(),
         }
     }
 }
@@ -182,13 +189,17 @@ impl Config {
         dir: Option<&Path>,
     ) -> Result<Config, ConfigError> {
         let err = FileErrors { file, dir };
-        let text = interpolate_env(text, env).map_err(|e| err.at("-", e.to_string()))?;
-        validate(parse(&text, err)?, err)
+        let text = interpolate_env(text, &env).map_err(|e| err.at("-", e.to_string()))?;
+        validate(parse(&text, err)?, &env, err)
     }
 }
 
 /// Section by section; with several mistakes this order decides which one is reported.
-fn validate(raw: RawConfig, err: FileErrors<'_>) -> Result<Config, ConfigError> {
+fn validate(
+    raw: RawConfig,
+    env: &dyn Fn(&str) -> Option<String>,
+    err: FileErrors<'_>,
+) -> Result<Config, ConfigError> {
     let server = server::validate(raw.server, err)?;
     let pools = pools::validate(raw.pools, err)?;
     let migrate_on_start = raw.database.migrate_on_start;
@@ -198,6 +209,7 @@ fn validate(raw: RawConfig, err: FileErrors<'_>) -> Result<Config, ConfigError> 
     let request_log = request_log::validate(raw.request_log, err)?;
     let limits = limits::validate(raw.limits, err)?;
     let queue = queue::validate(raw.queue, err)?;
+    let tracing = otel::validate(raw.tracing, env, err)?;
     Ok(Config {
         server,
         pools,
@@ -208,6 +220,7 @@ fn validate(raw: RawConfig, err: FileErrors<'_>) -> Result<Config, ConfigError> 
         request_log,
         limits,
         queue,
+        tracing,
     })
 }
 
@@ -241,6 +254,8 @@ struct RawConfig {
     limits: RawLimits,
     #[serde(default)]
     queue: RawQueue,
+    #[serde(default)]
+    tracing: RawTracing,
 }
 
 /// `#[serde(default = "super::default_true")]` for the sections' switches that default on.

@@ -295,6 +295,10 @@ fn route_phase<'p>(
         Ok(route) => {
             record.model = Some(route.pool.model.clone());
             record.pool_slot = Some(route.pool.slot);
+            if let Some(scope) = record.otel.as_deref_mut() {
+                scope.max_tokens = view.max_tokens;
+                scope.response_model = Some(route.pool.served_name.clone());
+            }
             Ok(route)
         }
         Err(RouteError::ModelNotFound { model, available }) => {

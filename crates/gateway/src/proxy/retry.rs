@@ -91,8 +91,16 @@ pub async fn send_with_retries(
             None => return result,
         };
         tracing::debug!(request_id = ?ex.record.request_id, from = ?ex.record.backend, to = %next.backend().base, "retrying on another backend");
-        // The failed attempt's stamps are forgotten: the Timeline describes the one that
-        // answers.
+        // The failed attempt ends its span; its stamps are forgotten: the Timeline describes
+        // the one that answers.
+        if let Some(scope) = ex.record.otel.as_deref_mut() {
+            let (status, error) = match &result {
+                Ok(Sent::Full(resp)) => (resp.status().as_u16(), ex.record.error),
+                Err(e) => (0, Some(e.kind())),
+                Ok(Sent::Relay(..)) => (0, None),
+            };
+            scope.attempt_failed(Instant::now(), status, error);
+        }
         ex.record.error = None;
         ex.record.timeline.forget_attempt();
         ex.record.retries = ex.record.retries.saturating_add(1);

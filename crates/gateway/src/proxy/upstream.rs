@@ -192,10 +192,15 @@ pub(super) async fn send(
     // Inference, pooling included: a whole answer's head is its first token (the hop's
     // measure), as on a non-streaming chat.
     let inference = endpoint.needs().takes_slot;
-    let upstream_req = upstream_request(&backend, prepared)?;
+    let mut upstream_req = upstream_request(&backend, prepared)?;
 
     // Send; wait for the head within the first-token (and total) limit.
     let sent = Instant::now();
+    // Traced: this attempt is its own span, named in the `traceparent` the backend gets.
+    if let Some(scope) = ex.record.otel.as_deref_mut() {
+        let traceparent = scope.attempt(&backend.base, sent);
+        scope.write_headers(upstream_req.headers_mut(), traceparent);
+    }
     ex.record.timeline.stamp_upstream_sent(sent);
     let t = pool.timeouts;
     let head_deadline = sent + t.first_token.min(t.total);

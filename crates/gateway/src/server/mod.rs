@@ -76,6 +76,8 @@ pub enum StartError {
     Metrics(#[from] prometheus::Error),
     #[error("admin API: {0}")]
     Admin(#[from] crate::admin::jwt::KeyConfigError),
+    #[error("tracing: {0}")]
+    Tracing(#[from] crate::telemetry::otel::StartError),
 }
 
 /// How a listener stops: the grace period for in-flight requests, and the signal that ends
@@ -167,6 +169,14 @@ impl Server {
                 &tasks,
             )?;
             recorder.set_request_log(log);
+        }
+        if let Some(export) = &config.tracing.export {
+            recorder.set_tracing(crate::telemetry::otel::Pipeline::start(
+                export,
+                &registry,
+                &tasks,
+                writers_stop.clone(),
+            )?);
         }
         let recorder = Arc::new(recorder);
         let tls = match &config.server.tls {

@@ -66,9 +66,17 @@ pub async fn route(
     let request_id = proxy::headers::request_id(req.headers());
     let mut record = RequestRecord::new(received, request_id, state.proxy.recorder.clone());
     record.client_addr = Some(peer);
-    // The client's trace, when it names one: on the record's row and event (`traceparent`
-    // still goes to the backend as it came).
-    record.trace_id = trace_context::parent_of(req.headers()).map(|p| p.trace_id);
+    // The request's trace: with tracing on, the client's or a new one (the backend gets a
+    // `traceparent` naming the gateway's span); off, the client's, when it names one (its
+    // `traceparent` goes to the backend as it came). On the record's row and event.
+    match state.proxy.recorder.tracing() {
+        Some(p) => {
+            let scope = p.begin(req.headers(), received);
+            record.trace_id = Some(scope.trace_id);
+            record.otel = Some(scope);
+        }
+        None => record.trace_id = trace_context::parent_of(req.headers()).map(|p| p.trace_id),
+    }
     // Counted under its route's family from the start (a refused key included).
     record.endpoint = endpoint.map(|r| r.endpoint);
     if let Some(at) = arrival {

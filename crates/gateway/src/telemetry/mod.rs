@@ -3,6 +3,7 @@
 //! `RequestRecord` is dropped.
 
 pub mod metrics;
+pub mod otel;
 pub mod request_log;
 pub mod timeline;
 pub mod usage;
@@ -25,6 +26,8 @@ pub struct Recorder {
     observer: Option<Observer>,
     metrics: Option<Arc<metrics::RequestMetrics>>,
     log: Option<Arc<request_log::RequestLog>>,
+    /// OpenTelemetry export, when `[tracing]` (or `OTEL_*`) names a collector.
+    otel: Option<Arc<otel::Pipeline>>,
     /// Backends already named in the log for an implausible usage (said once each).
     implausible_said: std::sync::Mutex<std::collections::HashSet<Arc<str>>>,
 }
@@ -47,6 +50,7 @@ impl Recorder {
             observer: None,
             metrics: None,
             log: None,
+            otel: None,
             implausible_said: std::sync::Mutex::default(),
         }
     }
@@ -59,6 +63,16 @@ impl Recorder {
     /// Write every finished request to the request log too.
     pub fn set_request_log(&mut self, log: Arc<request_log::RequestLog>) {
         self.log = Some(log);
+    }
+
+    /// Export every sampled request's spans too.
+    pub fn set_tracing(&mut self, p: Arc<otel::Pipeline>) {
+        self.otel = Some(p);
+    }
+
+    /// The tracing pipeline, when tracing is on.
+    pub fn tracing(&self) -> Option<&Arc<otel::Pipeline>> {
+        self.otel.as_ref()
     }
 
     pub fn request_log(&self) -> Option<&Arc<request_log::RequestLog>> {
@@ -138,6 +152,8 @@ pub struct RequestRecord {
     pub retries: u8,
     /// The W3C trace the request joined (its valid `traceparent`).
     pub trace_id: Option<fleetgate_protocol::trace_context::TraceId>,
+    /// The request's place in its trace, when tracing is on.
+    pub otel: Option<Box<otel::Scope>>,
     recorder: Arc<Recorder>,
 }
 
@@ -158,6 +174,7 @@ impl RequestRecord {
             error: None,
             retries: 0,
             trace_id: None,
+            otel: None,
             recorder,
         }
     }
@@ -184,6 +201,9 @@ impl RequestRecord {
         }
         let recorder = self.recorder.clone();
         recorder.record(self);
+        if let Some(scope) = self.otel.take() {
+            scope.finish(self);
+        }
     }
 }
 

@@ -1,0 +1,248 @@
+//! The exporter's task: finished requests come through a bounded queue (`try_send`: the
+//! request path never waits), their spans are built here and exported in batches of
+//! `max_export_batch_size`, at least every `schedule_delay`, each within `export_timeout`.
+//!
+//! A collector that is down or slow costs the request path nothing: while an export waits,
+//! requests queue up to `max_queue_size`; beyond, their spans are dropped. Every dropped span
+//! is counted in `fleetgate_trace_spans_dropped_total`, by reason, and the first drop of an
+//! outage is said in the log once (and the recovery after it).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use opentelemetry::{InstrumentationScope, KeyValue};
+use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::trace::{SpanData, SpanExporter as _};
+use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::Scope;
+use crate::config::OtlpExport;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot build the OTLP exporter for {endpoint}: {source}")]
+    Exporter {
+        endpoint: String,
+        source: opentelemetry_otlp::ExporterBuildError,
+    },
+    #[error("cannot build the OTLP exporter's TLS client: {0}")]
+    Tls(#[from] rustls::Error),
+    #[error(transparent)]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// `fleetgate_trace_*`: what was exported and what was not.
+#[derive(Clone, Debug)]
+pub struct ExportMetrics {
+    pub exported: IntCounter,
+    /// By `reason`: `queue_full` (the exporter was behind), `export_failed` (the collector
+    /// refused, failed or did not answer in time).
+    pub dropped: IntCounterVec,
+}
+
+impl ExportMetrics {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let exported = IntCounter::new(
+            "fleetgate_trace_spans_exported_total",
+            "Spans the OTLP collector accepted.",
+        )?;
+        registry.register(Box::new(exported.clone()))?;
+        let dropped = IntCounterVec::new(
+            Opts::new(
+                "fleetgate_trace_spans_dropped_total",
+                "Spans never exported: the queue to the exporter was full (queue_full), or the collector refused, failed or timed out (export_failed).",
+            ),
+            &["reason"],
+        )?;
+        registry.register(Box::new(dropped.clone()))?;
+        Ok(Self { exported, dropped })
+    }
+}
+
+/// The request path's end of the queue.
+pub(super) struct Queue {
+    tx: mpsc::Sender<Box<Scope>>,
+    queue_full: IntCounter,
+    /// A full queue was said in the log (until the next export that succeeds).
+    said: Arc<AtomicBool>,
+}
+
+impl Queue {
+    /// Queue a sampled request's spans, or drop and count them.
+    pub(super) fn send(&self, scope: Box<Scope>) {
+        let spans = 1 + scope.attempts.len() as u64;
+        if self.tx.try_send(scope).is_err() {
+            self.queue_full.inc_by(spans);
+            if !self.said.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "trace export is behind (the collector is slow or down): spans are dropped until it catches up; counted in fleetgate_trace_spans_dropped_total{{reason=\"queue_full\"}}"
+                );
+            }
+        }
+    }
+}
+
+/// Build the exporter and start its task.
+pub(super) fn start(
+    cfg: &OtlpExport,
+    registry: &Registry,
+    tasks: &TaskTracker,
+    stop: CancellationToken,
+) -> Result<Queue, StartError> {
+    let metrics = ExportMetrics::new(registry)?;
+    let headers: HashMap<String, String> = cfg
+        .headers
+        .iter()
+        .map(|(k, v)| (k.clone(), v.expose().to_owned()))
+        .collect();
+    let mut builder = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_http_client(super::client::Collector::new(cfg.timeout)?)
+        .with_endpoint(cfg.endpoint.clone())
+        .with_protocol(Protocol::HttpBinary)
+        .with_timeout(cfg.timeout)
+        .with_headers(headers);
+    if cfg.gzip {
+        builder = builder.with_compression(opentelemetry_otlp::Compression::Gzip);
+    }
+    let mut exporter = builder.build().map_err(|source| StartError::Exporter {
+        endpoint: cfg.endpoint.clone(),
+        source,
+    })?;
+    exporter.set_resource(&resource(cfg));
+    let (tx, rx) = mpsc::channel(cfg.max_queue_size);
+    let said = Arc::new(AtomicBool::new(false));
+    let task = Exporter {
+        rx,
+        exporter,
+        batch: cfg.max_export_batch_size,
+        delay: cfg.schedule_delay,
+        timeout: cfg.export_timeout,
+        metrics: metrics.clone(),
+        said: said.clone(),
+        failing: false,
+        scope: InstrumentationScope::builder("fleetgate")
+            .with_version(env!("CARGO_PKG_VERSION"))
+            .build(),
+    };
+    tasks.spawn(task.run(stop));
+    Ok(Queue {
+        tx,
+        queue_full: metrics.dropped.with_label_values(&["queue_full"]),
+        said,
+    })
+}
+
+/// The resource every span is exported with: `service.name` from the file (or `fleetgate`)
+/// and its attributes, then `OTEL_RESOURCE_ATTRIBUTES` over them (the SDK's own reader), then
+/// `OTEL_SERVICE_NAME` over all, as the specification orders them.
+fn resource(cfg: &OtlpExport) -> Resource {
+    let mut b = Resource::builder_empty()
+        .with_attribute(KeyValue::new("telemetry.sdk.language", "rust"))
+        .with_attribute(KeyValue::new("telemetry.sdk.name", "opentelemetry"))
+        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .with_service_name(cfg.service_name.clone())
+        .with_attributes(
+            cfg.resource
+                .iter()
+                .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+        )
+        .with_detector(Box::new(
+            opentelemetry_sdk::resource::EnvResourceDetector::new(),
+        ));
+    if let Some(name) = &cfg.service_name_env {
+        b = b.with_service_name(name.clone());
+    }
+    b.build()
+}
+
+struct Exporter {
+    rx: mpsc::Receiver<Box<Scope>>,
+    exporter: opentelemetry_otlp::SpanExporter,
+    batch: usize,
+    delay: Duration,
+    timeout: Duration,
+    metrics: ExportMetrics,
+    said: Arc<AtomicBool>,
+    /// The last export failed (said in the log; the recovery is said too).
+    failing: bool,
+    scope: InstrumentationScope,
+}
+
+impl Exporter {
+    async fn run(mut self, stop: CancellationToken) {
+        let mut spans: Vec<SpanData> = Vec::with_capacity(self.batch);
+        loop {
+            let deadline = tokio::time::Instant::now() + self.delay;
+            let mut stopping = false;
+            while spans.len() < self.batch {
+                tokio::select! {
+                    got = self.rx.recv() => match got {
+                        Some(scope) => super::span::build(*scope, &self.scope, &mut spans),
+                        None => { stopping = true; break; }
+                    },
+                    () = tokio::time::sleep_until(deadline) => break,
+                    () = stop.cancelled() => { stopping = true; break; }
+                }
+            }
+            if stopping {
+                // The last requests have been recorded: export what is queued, then end.
+                while let Ok(scope) = self.rx.try_recv() {
+                    super::span::build(*scope, &self.scope, &mut spans);
+                }
+                while !spans.is_empty() {
+                    let rest = spans.split_off(spans.len().min(self.batch));
+                    let batch = std::mem::replace(&mut spans, rest);
+                    self.export(batch).await;
+                }
+                let _ = self.exporter.shutdown();
+                return;
+            }
+            if !spans.is_empty() {
+                let batch = std::mem::replace(&mut spans, Vec::with_capacity(self.batch));
+                self.export(batch).await;
+            }
+        }
+    }
+
+    async fn export(&mut self, batch: Vec<SpanData>) {
+        let n = batch.len() as u64;
+        let failure = match tokio::time::timeout(self.timeout, self.exporter.export(batch)).await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!(
+                "no answer within {} ms (tracing.export_timeout_ms, OTEL_BSP_EXPORT_TIMEOUT)",
+                self.timeout.as_millis()
+            )),
+        };
+        match failure {
+            None => {
+                self.metrics.exported.inc_by(n);
+                if self.failing || self.said.swap(false, Ordering::Relaxed) {
+                    tracing::info!("trace export works again");
+                }
+                self.failing = false;
+            }
+            Some(why) => {
+                self.metrics
+                    .dropped
+                    .with_label_values(&["export_failed"])
+                    .inc_by(n);
+                if !self.failing {
+                    tracing::warn!(
+                        error = %why,
+                        spans = n,
+                        "trace export failed: these spans are dropped, and so are the next ones until the collector answers (said once; counted in fleetgate_trace_spans_dropped_total{{reason=\"export_failed\"}})"
+                    );
+                }
+                self.failing = true;
+            }
+        }
+    }
+}
