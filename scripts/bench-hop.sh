@@ -39,6 +39,9 @@
 #   POOL_TOML            extra TOML for the main pass's pool (qwen32b), e.g. a [pools.affinity]
 #                        table: prefix sharing across replicas is measured with by = "longest_prefix"
 #                        and GATEWAY_TOML's shared limits, against the same without Redis
+#   TRACING              1: OpenTelemetry on at a 100 % sample (sampler always_on), every span
+#                        exported over OTLP/HTTP to a local sink (scripts/otlp-sink.py, which
+#                        answers 200); default 0, tracing off as shipped
 #   FLEETGATE_BIN        the fleetgate binary to measure (default: this checkout's, built
 #                        first); e.g. an earlier commit's for a before/after comparison
 set -euo pipefail
@@ -164,6 +167,16 @@ else
     PACED_PID="" PACED_URL=$SIM_URL
 fi
 
+# TRACING=1: a collector that accepts every export, and a [tracing] section sampling everything.
+TRACING_TOML=""
+if [ "${TRACING:-0}" = 1 ]; then
+    python3 "$ROOT/scripts/otlp-sink.py" >"$TMP/otlp-sink.log" 2>&1 &
+    SINK_PID=$!
+    STARTED+=("$SINK_PID")
+    SINK_URL=$(wait_url "$TMP/otlp-sink.log" "$SINK_PID" "otlp-sink")
+    TRACING_TOML=$(printf '[tracing]\nendpoint = "%s"\nsampler = "always_on"\nschedule_delay_ms = 1000\nmax_queue_size = 65536\nmax_export_batch_size = 512\n' "$SINK_URL")
+fi
+
 # Every client of this run is one address (the load generator on 127.0.0.1), and the memory
 # phase holds 5000 connections: more than its default share (half of max_connections). A
 # build from before the setting (FLEETGATE_BIN) has no share to raise.
@@ -196,6 +209,8 @@ sqlite_path = "$TMP/fleetgate.db"
 listen = ""
 
 $(printf '%b' "${GATEWAY_TOML:-}")
+
+$TRACING_TOML
 
 # No backend capacity cap (max_in_flight_per_backend = 0): nginx has no admission control, and
 # the memory phase holds 5000 streams on one sim. The admission path still runs (fast path).
@@ -395,6 +410,16 @@ if [ "$THROUGHPUT" = 1 ]; then
         echo "Each request: a chat completion of max_tokens 16, not streamed, to the zero-delay sim."
         echo "CPU per request = the process's utime+stime over its target's slices / requests, in"
         echo "clock ticks of 1/$HZ s. wrk shares the two cores with the proxy and the sim."
+        echo
+    } >>"$RUN_DIR/summary.md"
+fi
+
+if [ "${TRACING:-0}" = 1 ]; then
+    # Proof that the spans went out: the sink's exports (a batch per second at most).
+    sleep 1.5
+    {
+        echo "Tracing on (always_on): the OTLP sink received $(grep -c '^export /v1/traces' "$TMP/otlp-sink.log" || true) exports,"
+        echo "$(awk '/^export \/v1\/traces/ {b += $3} END {print b + 0}' "$TMP/otlp-sink.log") bytes of protobuf in all."
         echo
     } >>"$RUN_DIR/summary.md"
 fi

@@ -98,6 +98,10 @@ fn every_config_key_is_documented_in_its_section() {
             "## `[queue]`",
         ),
         (
+            format!("[tracing]\nzzz_unknown = 1\n[[pools]]\n{POOL}"),
+            "## `[tracing]`",
+        ),
+        (
             format!("[[pools]]\nzzz_unknown = 1\n{POOL}"),
             "## `[[pools]]`",
         ),
