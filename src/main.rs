@@ -289,6 +289,17 @@ async fn run(cli: Cli) -> ExitCode {
                     c.server.tls.is_some()
                 );
                 let _ = writeln!(out, "store {}", c.database.describe());
+                // Where the environment's OTEL_* variables lead too: they win over the file.
+                let _ = match &c.tracing.export {
+                    Some(e) => writeln!(
+                        out,
+                        "tracing: OTLP/HTTP to {} (sampler {:?}, service {})",
+                        e.endpoint,
+                        e.sampler,
+                        e.service_name_env.as_deref().unwrap_or(&e.service_name)
+                    ),
+                    None => writeln!(out, "tracing: off"),
+                };
                 for p in &c.pools {
                     let backends: Vec<String> = p
                         .backends

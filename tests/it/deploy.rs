@@ -215,7 +215,10 @@ fn the_configmap_is_a_valid_config_the_pods_can_fill_in() {
     })
     .unwrap_or_else(|e| panic!("the ConfigMap's fleetgate.toml: {e}"));
     assert!(!c.migrate_on_start, "the Job migrates");
-    assert_eq!(c.tracing, fleetgate_gateway::config::TracingConfig::default());
+    assert_eq!(
+        c.tracing,
+        fleetgate_gateway::config::TracingConfig::default()
+    );
     assert!(c.server.watch_config);
     assert!(matches!(
         c.pools[0].backends[0].discover,

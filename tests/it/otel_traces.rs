@@ -281,7 +281,7 @@ async fn every_protocol_gets_a_server_span_and_a_client_span() {
 async fn refused_requests_are_exported_with_an_error_status() {
     let collector = OtlpReceiver::start().await;
     let sim = sim(|_| {}).await;
-    let gw = gateway_with(vec![pool("qwen", &[sim.url()])], |c| {
+    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
         c.tracing = tracing_to(&collector.endpoint());
     })
     .await;
@@ -293,7 +293,7 @@ async fn refused_requests_are_exported_with_an_error_status() {
             ("authorization", "Bearer fg-stress-nope-nope"),
             ("traceparent", TRACEPARENT),
         ],
-        chat_body("qwen", "hi", 4, false),
+        chat_body("qwen32b", "hi", 4, false),
     )
     .await;
     assert_eq!(bad_key.status, 401);
@@ -304,7 +304,22 @@ async fn refused_requests_are_exported_with_an_error_status() {
     )
     .await;
     assert_eq!(no_model.status, 404);
-    for (id, status) in [("r-401", 401), ("r-404", 404)] {
+    // A key over its requests per minute: 429.
+    let (limited, _) = issue_key(&gw, fleetgate_gateway::key::Environment::Prod, |k| {
+        k.requests_per_minute = Some(1)
+    })
+    .await;
+    let auth = format!("Bearer {limited}");
+    for (id, status) in [("r-ok", 200), ("r-429", 429)] {
+        let m = post(
+            &chat,
+            &[("x-request-id", id), ("authorization", &auth)],
+            chat_body("qwen32b", "hi", 4, false),
+        )
+        .await;
+        assert_eq!(m.status, status, "{id}");
+    }
+    for (id, status) in [("r-401", 401), ("r-404", 404), ("r-429", 429)] {
         let spans = collector.request(id, 1).await;
         assert_eq!(spans.len(), 1, "{id}: no backend was called: {spans:#?}");
         let server = one(&spans, SERVER);

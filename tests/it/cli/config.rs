@@ -162,3 +162,51 @@ fn a_config_files_store_is_the_same_from_any_directory() {
     assert!(out.contains("schema is current"), "{out}");
     assert!(elsewhere.0.join("new.db").exists());
 }
+
+/// `[tracing]` and the `OTEL_*` environment, as `serve` reads them: the environment wins per
+/// setting, and a protocol fleetgate does not export is refused (exit 64) naming the variable.
+#[test]
+fn tracing_is_read_from_the_file_and_the_environment_wins() {
+    let cfg = temp_config(
+        "[tracing]\nendpoint = \"http://file-collector:4318\"\nsampler = \"always_off\"\n[[pools]]\nmodel = \"m\"\nbackends = [\"http://127.0.0.1:8000\"]\n",
+    );
+    let check = |env: &[(&str, &str)]| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["check-config", "--config"]).arg(&cfg.0);
+        for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("OTEL_")) {
+            cmd.env_remove(k);
+        }
+        cmd.envs(env.iter().copied());
+        cmd.output().unwrap()
+    };
+    let out = check(&[]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(
+            "tracing: OTLP/HTTP to http://file-collector:4318/v1/traces (sampler AlwaysOff, service fleetgate)"
+        ),
+        "{stdout}"
+    );
+    let out = check(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://env-collector:4318"),
+        ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+        ("OTEL_TRACES_SAMPLER_ARG", "0.1"),
+        ("OTEL_SERVICE_NAME", "edge"),
+    ]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("tracing: OTLP/HTTP to http://env-collector:4318/v1/traces (sampler ParentBasedTraceIdRatio(0.1), service edge)"),
+        "{stdout}"
+    );
+    let out = check(&[("OTEL_SDK_DISABLED", "true")]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("tracing: off\n"));
+    let out = check(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")]);
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("OTEL_EXPORTER_OTLP_PROTOCOL (environment)") && stderr.contains("4318"),
+        "{stderr}"
+    );
+}

@@ -51,7 +51,21 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    http_backend_on(TcpListener::bind("127.0.0.1:0").await.unwrap(), answer)
+}
+
+/// `http_backend` on a listener bound by the caller (a fixed port another process sends to).
+pub fn http_backend_on<F, Fut, B>(
+    listener: TcpListener,
+    answer: F,
+) -> (SocketAddr, tokio::task::JoinHandle<()>)
+where
+    F: Fn(http::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = http::Response<B>> + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let addr = listener.local_addr().unwrap();
     let server = tokio::spawn(async move {
         loop {

@@ -97,58 +97,73 @@ impl OtlpReceiver {
     }
 
     pub async fn answering(status: u16, delay: Duration) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::answering_on(listener, status, delay)
+    }
+
+    /// A receiver on `addr` (where another process was told to export).
+    pub async fn at(addr: SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .unwrap_or_else(|e| panic!("cannot listen on {addr} for OTLP: {e}"));
+        Self::answering_on(listener, 200, Duration::ZERO)
+    }
+
+    fn answering_on(listener: tokio::net::TcpListener, status: u16, delay: Duration) -> Self {
         let spans = Arc::new(Mutex::new(Vec::new()));
         let heads = Arc::new(Mutex::new(Vec::new()));
         let (keep, keep_heads) = (spans.clone(), heads.clone());
-        let (addr, task) = super::http_backend(move |req: http::Request<hyper::body::Incoming>| {
-            let (keep, keep_heads) = (keep.clone(), keep_heads.clone());
-            async move {
-                assert_eq!(req.uri().path(), "/v1/traces");
-                assert_eq!(
-                    req.headers().get("content-type").unwrap(),
-                    "application/x-protobuf"
-                );
-                let gzip = req
-                    .headers()
-                    .get("content-encoding")
-                    .is_some_and(|v| v == "gzip");
-                keep_heads.lock().unwrap().push(req.headers().clone());
-                let body = req.into_body().collect().await.unwrap().to_bytes();
-                let body = if gzip {
-                    let mut out = Vec::new();
-                    flate2::read::GzDecoder::new(&body[..])
-                        .read_to_end(&mut out)
-                        .unwrap();
-                    Bytes::from(out)
-                } else {
-                    body
-                };
-                tokio::time::sleep(delay).await;
-                if status == 200 {
-                    let export = ExportTraceServiceRequest::decode(body).unwrap();
-                    let mut kept = keep.lock().unwrap();
-                    for rs in export.resource_spans {
-                        let resource = rs.resource.map(|r| r.attributes).unwrap_or_default();
-                        for ss in rs.scope_spans {
-                            for span in ss.spans {
-                                kept.push(Received {
-                                    span,
-                                    resource: resource.clone(),
-                                });
+        let (addr, task) = super::http_backend_on(
+            listener,
+            move |req: http::Request<hyper::body::Incoming>| {
+                let (keep, keep_heads) = (keep.clone(), keep_heads.clone());
+                async move {
+                    assert_eq!(req.uri().path(), "/v1/traces");
+                    assert_eq!(
+                        req.headers().get("content-type").unwrap(),
+                        "application/x-protobuf"
+                    );
+                    let gzip = req
+                        .headers()
+                        .get("content-encoding")
+                        .is_some_and(|v| v == "gzip");
+                    keep_heads.lock().unwrap().push(req.headers().clone());
+                    let body = req.into_body().collect().await.unwrap().to_bytes();
+                    let body = if gzip {
+                        let mut out = Vec::new();
+                        flate2::read::GzDecoder::new(&body[..])
+                            .read_to_end(&mut out)
+                            .unwrap();
+                        Bytes::from(out)
+                    } else {
+                        body
+                    };
+                    tokio::time::sleep(delay).await;
+                    if status == 200 {
+                        let export = ExportTraceServiceRequest::decode(body).unwrap();
+                        let mut kept = keep.lock().unwrap();
+                        for rs in export.resource_spans {
+                            let resource = rs.resource.map(|r| r.attributes).unwrap_or_default();
+                            for ss in rs.scope_spans {
+                                for span in ss.spans {
+                                    kept.push(Received {
+                                        span,
+                                        resource: resource.clone(),
+                                    });
+                                }
                             }
                         }
                     }
+                    http::Response::builder()
+                        .status(status)
+                        .header("content-type", "application/x-protobuf")
+                        .body(http_body_util::Full::new(Bytes::from(
+                            ExportTraceServiceResponse::default().encode_to_vec(),
+                        )))
+                        .unwrap()
                 }
-                http::Response::builder()
-                    .status(status)
-                    .header("content-type", "application/x-protobuf")
-                    .body(http_body_util::Full::new(Bytes::from(
-                        ExportTraceServiceResponse::default().encode_to_vec(),
-                    )))
-                    .unwrap()
-            }
-        })
-        .await;
+            },
+        );
         Self {
             addr,
             spans,

@@ -17,11 +17,15 @@
 //! `priority_orders_the_waiting_queue_as_the_sim_does` needs a one-seat server in priority mode
 //! (`start --scheduling-policy priority --max-num-seqs 1 --enable-per-request-metrics`) and says
 //! loudly that it skipped against any other; the other tests are not meant for that one.
+//! `traces::vllms_span_sits_under_the_gateways_call_in_the_clients_trace` needs a server
+//! started with `--otlp-traces-endpoint URL` (`FLEETGATE_TEST_VLLM_OTLP`, printed by `start`,
+//! is where it runs its OTLP receiver) and says loudly that it skipped without one.
 
 mod agents;
 mod benches;
 mod priority;
 mod relay;
+mod traces;
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
