@@ -1,6 +1,7 @@
 //! The exporter's task: finished requests come through a bounded queue (`try_send`: the
-//! request path never waits), their spans are built here and exported in batches of
-//! `max_export_batch_size`, at least every `schedule_delay`, each within `export_timeout`.
+//! request path never waits, and wakes the task only when a batch is queued), their spans are
+//! built here and exported in batches of `max_export_batch_size`, at least every
+//! `schedule_delay`, each within `export_timeout`.
 //!
 //! A collector that is down or slow costs the request path nothing: while an export waits,
 //! requests queue up to `max_queue_size`; beyond, their spans are dropped. Every dropped span
@@ -17,7 +18,7 @@ use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{SpanData, SpanExporter as _};
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -68,6 +69,9 @@ impl ExportMetrics {
 /// The request path's end of the queue.
 pub(super) struct Queue {
     tx: mpsc::Sender<Box<Scope>>,
+    /// Requests queued at which the exporter is woken before its delay ends (a batch).
+    wake_at: usize,
+    wake: Arc<Notify>,
     queue_full: IntCounter,
     /// A full queue was said in the log (until the next export that succeeds).
     said: Arc<AtomicBool>,
@@ -77,7 +81,11 @@ impl Queue {
     /// Queue a sampled request's spans, or drop and count them.
     pub(super) fn send(&self, scope: Box<Scope>) {
         let spans = 1 + scope.attempts.len() as u64;
-        if self.tx.try_send(scope).is_err() {
+        if self.tx.try_send(scope).is_ok() {
+            if self.tx.max_capacity() - self.tx.capacity() >= self.wake_at {
+                self.wake.notify_one();
+            }
+        } else {
             self.queue_full.inc_by(spans);
             if !self.said.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
@@ -118,7 +126,9 @@ pub(super) fn start(
     exporter.set_resource(&resource(cfg));
     let (tx, rx) = mpsc::channel(cfg.max_queue_size);
     let said = Arc::new(AtomicBool::new(false));
+    let wake = Arc::new(Notify::new());
     let task = Exporter {
+        wake: wake.clone(),
         rx,
         exporter,
         batch: cfg.max_export_batch_size,
@@ -134,6 +144,9 @@ pub(super) fn start(
     tasks.spawn(task.run(stop));
     Ok(Queue {
         tx,
+        // A request is a SERVER span and at least one CLIENT span.
+        wake_at: (cfg.max_export_batch_size / 2).max(1),
+        wake,
         queue_full: metrics.dropped.with_label_values(&["queue_full"]),
         said,
     })
@@ -164,6 +177,7 @@ fn resource(cfg: &OtlpExport) -> Resource {
 
 struct Exporter {
     rx: mpsc::Receiver<Box<Scope>>,
+    wake: Arc<Notify>,
     exporter: opentelemetry_otlp::SpanExporter,
     batch: usize,
     delay: Duration,
@@ -179,34 +193,49 @@ impl Exporter {
     async fn run(mut self, stop: CancellationToken) {
         let mut spans: Vec<SpanData> = Vec::with_capacity(self.batch);
         loop {
-            let deadline = tokio::time::Instant::now() + self.delay;
-            let mut stopping = false;
+            tokio::select! {
+                biased;
+                got = self.rx.recv() => match got {
+                    Some(scope) => {
+                        super::span::build(*scope, &self.scope, &mut spans);
+                        // Let requests gather without a wake-up each: the queue is not polled
+                        // while this waits, so a request's `try_send` wakes nobody (until a
+                        // batch is queued).
+                        tokio::select! {
+                            () = tokio::time::sleep(self.delay) => {}
+                            () = self.wake.notified() => {}
+                            () = stop.cancelled() => {}
+                        }
+                        self.drain(&mut spans).await;
+                    }
+                    None => break,
+                },
+                () = stop.cancelled() => break,
+            }
+        }
+        // The last requests have been recorded: export what is queued, then end.
+        self.drain(&mut spans).await;
+        let _ = self.exporter.shutdown();
+    }
+
+    /// Build the spans of every queued request and export them, a batch at a time.
+    async fn drain(&mut self, spans: &mut Vec<SpanData>) {
+        loop {
             while spans.len() < self.batch {
-                tokio::select! {
-                    got = self.rx.recv() => match got {
-                        Some(scope) => super::span::build(*scope, &self.scope, &mut spans),
-                        None => { stopping = true; break; }
-                    },
-                    () = tokio::time::sleep_until(deadline) => break,
-                    () = stop.cancelled() => { stopping = true; break; }
+                match self.rx.try_recv() {
+                    Ok(scope) => super::span::build(*scope, &self.scope, spans),
+                    Err(_) => break,
                 }
             }
-            if stopping {
-                // The last requests have been recorded: export what is queued, then end.
-                while let Ok(scope) = self.rx.try_recv() {
-                    super::span::build(*scope, &self.scope, &mut spans);
-                }
-                while !spans.is_empty() {
-                    let rest = spans.split_off(spans.len().min(self.batch));
-                    let batch = std::mem::replace(&mut spans, rest);
-                    self.export(batch).await;
-                }
-                let _ = self.exporter.shutdown();
+            if spans.is_empty() {
                 return;
             }
-            if !spans.is_empty() {
-                let batch = std::mem::replace(&mut spans, Vec::with_capacity(self.batch));
-                self.export(batch).await;
+            let rest = spans.split_off(spans.len().min(self.batch));
+            let batch = std::mem::replace(spans, rest);
+            let full = batch.len() >= self.batch;
+            self.export(batch).await;
+            if !full && spans.is_empty() {
+                return;
             }
         }
     }
