@@ -152,8 +152,9 @@ pub struct Scope {
     pub max_tokens: Option<u64>,
     /// The model name the backend was asked for (the pool's served name).
     pub response_model: Option<Arc<str>>,
-    /// The record's figures, copied in when it is written.
-    done: Option<Finished>,
+    /// The record's figures, copied in when it is written (boxed: a stream in flight carries
+    /// only the scope).
+    done: Option<Box<Finished>>,
     pipeline: Arc<Pipeline>,
 }
 
@@ -200,6 +201,8 @@ impl Scope {
     pub fn attempt(&mut self, backend: &Arc<str>, at: Instant) -> HeaderValue {
         let span_id = self.pipeline.new_span_id();
         if self.sampled {
+            // Most requests make one attempt.
+            self.attempts.reserve_exact(1);
             self.attempts.push(Attempt {
                 span_id,
                 backend: backend.clone(),
@@ -244,7 +247,7 @@ impl Scope {
         if !self.sampled {
             return;
         }
-        self.done = Some(Finished {
+        self.done = Some(Box::new(Finished {
             timeline: r.timeline.clone(),
             request_id: r.request_id.clone(),
             endpoint: r.endpoint,
@@ -254,7 +257,7 @@ impl Scope {
             status: r.status,
             error: r.error,
             retries: r.retries,
-        });
+        }));
         let pipeline = self.pipeline.clone();
         pipeline.queue.send(self);
     }
