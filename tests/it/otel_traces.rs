@@ -244,6 +244,26 @@ async fn every_protocol_gets_a_server_span_and_a_client_span() {
         assert_eq!(client.int("http.response.status_code"), Some(200), "{path}");
         let model = server.str("gen_ai.request.model").unwrap();
         assert_eq!(server.span.name, format!("{op} {model}"), "{path}");
+        // Why the answer ended, in the protocol's own words, as the client read it.
+        let body = String::from_utf8_lossy(m.body.as_deref().unwrap_or_default()).into_owned();
+        let said = server.strs("gen_ai.response.finish_reasons");
+        match path {
+            "/v1/chat/completions" | "/v1/completions" | "/v1/messages" | "/v1/responses" => {
+                assert_eq!(said.len(), 1, "{path}: {server:#?}");
+                let key = match path {
+                    "/v1/messages" => "\"stop_reason\":\"",
+                    // (An answer cut at its limit says why, else its status.)
+                    "/v1/responses" if said[0] == "max_output_tokens" => "\"reason\":\"",
+                    "/v1/responses" => "\"status\":\"",
+                    _ => "\"finish_reason\":\"",
+                };
+                assert!(
+                    body.contains(&format!("{key}{}\"", said[0])),
+                    "{path}: {said:?} not in {body}"
+                );
+            }
+            _ => assert!(said.is_empty(), "{path}: {said:?}"),
+        }
         if op != "tokenize" {
             assert!(
                 server.int("gen_ai.usage.input_tokens").unwrap_or(0) > 0

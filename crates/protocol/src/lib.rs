@@ -12,6 +12,7 @@ pub mod endpoint;
 pub mod error;
 pub mod event;
 pub mod fingerprint;
+pub mod finish;
 pub mod models;
 pub mod sse;
 pub mod stream;

@@ -32,6 +32,20 @@ impl Received {
             _ => None,
         }
     }
+    /// A string array attribute (empty when absent).
+    pub fn strs(&self, key: &str) -> Vec<String> {
+        match self.attr(key) {
+            Some(any_value::Value::ArrayValue(a)) => a
+                .values
+                .iter()
+                .filter_map(|v| match &v.value {
+                    Some(any_value::Value::StringValue(s)) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
     pub fn int(&self, key: &str) -> Option<i64> {
         match self.attr(key)? {
             any_value::Value::IntValue(i) => Some(*i),

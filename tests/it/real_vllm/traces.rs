@@ -86,6 +86,12 @@ async fn vllms_span_sits_under_the_gateways_call_in_the_clients_trace() {
             client_span,
             "the gateway joins the client's trace"
         );
+        // max_tokens 8 at temperature 0: the answer is cut at its limit.
+        assert_eq!(
+            s.strs("gen_ai.response.finish_reasons"),
+            ["length"],
+            "{s:#?}"
+        );
         assert_eq!(s.resource_str("service.name"), Some("fleetgate"));
     }
     for v in &vllm {

@@ -522,6 +522,21 @@ impl RelayBody {
                     this.first_frame.as_deref(),
                     this.tail,
                 ));
+            // A traced answer's finish reasons: in its first frame, else its last ones.
+            if let Some(scope) = this.ex.record.otel.as_deref_mut().filter(|s| s.sampled()) {
+                let dialect = *this.dialect;
+                for frame in std::iter::once(this.first_frame.as_deref())
+                    .chain(this.tail.iter().map(|t| t.as_deref()))
+                    .flatten()
+                {
+                    fleetgate_protocol::finish::reasons_in(dialect, frame, |r| {
+                        scope.finish_reason(r);
+                    });
+                    if scope.has_finish_reasons() {
+                        break;
+                    }
+                }
+            }
         }
         if this.ready.is_empty() {
             let trailer = timing_trailer(*this.timing_trailer, &this.ex.record);

@@ -47,7 +47,10 @@ pub(super) fn scan_frame(
     // Finish chunks in this frame that want the fingerprint.
     let mut finish_at = Vec::new();
     // (Only chat chunks have a usage chunk to cut or a fingerprint to learn.)
-    let chat = scanner.dialect() == Dialect::Chat;
+    let dialect = scanner.dialect();
+    let chat = dialect == Dialect::Chat;
+    // A traced request's finish reasons, for its span.
+    let mut traced = record.otel.as_deref_mut().filter(|s| s.sampled());
     scanner.feed(&data, |line| {
         if tl.stream().done {
             return;
@@ -77,6 +80,11 @@ pub(super) fn scan_frame(
             && let Some(at) = fingerprint::wanted_at(&data, line.payload)
         {
             finish_at.push(at);
+        }
+        if let Some(scope) = traced.as_deref_mut() {
+            fleetgate_protocol::finish::reasons_in(dialect, line.payload, |r| {
+                scope.finish_reason(r);
+            });
         }
         if let Some(gap) = tl.on_upstream_event(line.kind, line.usage, now, at)
             && let Some(h) = itl

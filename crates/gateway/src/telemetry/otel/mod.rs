@@ -110,6 +110,7 @@ impl Pipeline {
             attempts: Vec::new(),
             max_tokens: None,
             response_model: None,
+            finish_reasons: Vec::new(),
             done: None,
             pipeline: self.clone(),
         })
@@ -152,6 +153,8 @@ pub struct Scope {
     pub max_tokens: Option<u64>,
     /// The model name the backend was asked for (the pool's served name).
     pub response_model: Option<Arc<str>>,
+    /// Why the answer ended, as the backend said it (one per choice).
+    finish_reasons: Vec<Box<str>>,
     /// The record's figures, copied in when it is written (boxed: a stream in flight carries
     /// only the scope).
     done: Option<Box<Finished>>,
@@ -216,6 +219,18 @@ impl Scope {
             flags: u8::from(self.sampled),
         }
         .child_header(span_id)
+    }
+
+    /// The backend said the answer (or one of its choices) ended for `reason`.
+    pub fn finish_reason(&mut self, reason: &str) {
+        // (Bounded: a request asks for at most a few choices.)
+        if self.finish_reasons.len() < 16 {
+            self.finish_reasons.push(reason.into());
+        }
+    }
+
+    pub fn has_finish_reasons(&self) -> bool {
+        !self.finish_reasons.is_empty()
     }
 
     /// The latest attempt failed at `at` with `status` (0: no answer) and `error`; another

@@ -10,7 +10,7 @@ use std::time::{Instant, SystemTime};
 use opentelemetry::trace::{
     Event, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
 };
-use opentelemetry::{InstrumentationScope, KeyValue};
+use opentelemetry::{Array, InstrumentationScope, KeyValue, StringValue, Value};
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanLinks};
 
 use super::{Finished, Scope};
@@ -25,6 +25,7 @@ pub const GEN_AI_RESPONSE_MODEL: &str = "gen_ai.response.model";
 pub const GEN_AI_REQUEST_MAX_TOKENS: &str = "gen_ai.request.max_tokens";
 pub const GEN_AI_USAGE_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
 pub const GEN_AI_USAGE_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
+pub const GEN_AI_RESPONSE_FINISH_REASONS: &str = "gen_ai.response.finish_reasons";
 // The HTTP and general conventions.
 pub const SERVER_ADDRESS: &str = "server.address";
 pub const SERVER_PORT: &str = "server.port";
@@ -189,6 +190,18 @@ fn server_attributes(scope: &Scope, done: &Finished) -> Vec<KeyValue> {
         a.push(KeyValue::new(
             GEN_AI_USAGE_OUTPUT_TOKENS,
             i64::try_from(n).unwrap_or(i64::MAX),
+        ));
+    }
+    if !scope.finish_reasons.is_empty() {
+        a.push(KeyValue::new(
+            GEN_AI_RESPONSE_FINISH_REASONS,
+            Value::Array(Array::String(
+                scope
+                    .finish_reasons
+                    .iter()
+                    .map(|r| StringValue::from(r.to_string()))
+                    .collect(),
+            )),
         ));
     }
     a.push(KeyValue::new(
