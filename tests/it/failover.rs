@@ -60,17 +60,11 @@ async fn a_retry_after_a_refused_connection_waits_for_a_slot_when_the_others_are
         c.server.health_interval = Duration::from_secs(3600);
     })
     .await;
-    let pools = gw.server.pools();
-    let backends = &pools.get("qwen32b").unwrap().backends;
-    assert!(
-        eventually(Duration::from_secs(5), || backends
-            .iter()
-            .all(|b| b.state().as_str() == "healthy"))
-        .await
-    );
+    assert!(all_backends_healthy(&gw, "qwen32b").await);
     doomed.shutdown().await;
     let url = gw.url("/v1/chat/completions");
     // The live backend's one slot is taken for 0.3 s...
+    let pools = gw.server.pools();
     let pool = pools.get("qwen32b").unwrap();
     let held = pool
         .balancer

@@ -371,14 +371,7 @@ async fn a_retry_on_another_backend_is_its_own_client_span() {
         c.server.health_interval = Duration::from_secs(3600);
     })
     .await;
-    let pools = gw.server.pools();
-    let backends = &pools.get("qwen32b").unwrap().backends;
-    assert!(
-        eventually(Duration::from_secs(5), || backends
-            .iter()
-            .all(|b| b.state().as_str() == "healthy"))
-        .await
-    );
+    assert!(all_backends_healthy(&gw, "qwen32b").await);
     let doomed_port = doomed.addr().port();
     doomed.shutdown().await;
     // Requests until one was sent to the dead backend first and retried.

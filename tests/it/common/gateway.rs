@@ -179,6 +179,16 @@ pub async fn issue_key(
 }
 
 /// The gateway's Prometheus registry in text format, as `GET /metrics` serves it.
+/// Every backend of `model`'s pool reads healthy, within 5 s.
+pub async fn all_backends_healthy(gw: &Gateway, model: &str) -> bool {
+    let pools = gw.server.pools();
+    let backends = &pools.get(model).unwrap().backends;
+    eventually(Duration::from_secs(5), || {
+        backends.iter().all(|b| b.state().as_str() == "healthy")
+    })
+    .await
+}
+
 pub fn metrics_text(gw: &Gateway) -> String {
     prometheus::TextEncoder::new()
         .encode_to_string(&gw.server.registry.gather())
