@@ -5,7 +5,9 @@
 # Installs Debian's nginx if it is missing, builds fleetgate in release mode and starts, on
 # 127.0.0.1 only:
 #   - a zero-delay sim (model qwen32b): the main pass, phases 1-2;
-#   - a slow sim (model slow): phase 3, streams that stay open;
+#   - a slow sim (model slow): phase 3, streams that stay open, and phase 0 (`--phases burst`:
+#     bursts of 5000 streams opened at once through each proxy, cold then warm, with the RSS
+#     after each; run it first, e.g. `--phases burst,latency,memory`);
 #   - a paced sim (model paced, one token per ~2 ms step): the second pass, phases 1-2 with
 #     tokens arriving one by one (skip with PACED=0);
 #   - fleetgate in front of all three (one pool per model) and nginx in front of all three

@@ -96,6 +96,16 @@ pub struct Args {
     #[arg(long, default_value_t = 90.0)]
     pub mem_wait_secs: f64,
 
+    /// Phase 0 (burst): streams opened at once, each on a new connection, per burst.
+    #[arg(long, default_value_t = 5000)]
+    pub burst_streams: usize,
+    /// Phase 0: bursts through each proxy (the first cold, the others warm).
+    #[arg(long, default_value_t = 5)]
+    pub burst_rounds: usize,
+    /// Phase 0: completion tokens per stream (the slow sim: one per decode step).
+    #[arg(long, default_value_t = 10)]
+    pub burst_max_tokens: u32,
+
     /// Driver runtime threads: 1 runs a current-thread runtime (lowest latency at concurrency 1).
     #[arg(long, default_value_t = 1)]
     pub driver_threads: usize,

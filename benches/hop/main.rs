@@ -22,6 +22,7 @@
 //! writes the JSON.
 
 mod args;
+mod burst;
 mod error;
 mod latency;
 mod memory;
@@ -64,8 +65,8 @@ fn main() -> Res<()> {
 async fn run(args: Args) -> Res<()> {
     let phases: Vec<&str> = args.phases.iter().map(|s| s.trim()).collect();
     for p in &phases {
-        if !["latency", "openloop", "memory"].contains(p) {
-            return Err(format!("unknown phase `{p}` (latency, openloop, memory)").into());
+        if !["burst", "latency", "openloop", "memory"].contains(p) {
+            return Err(format!("unknown phase `{p}` (burst, latency, openloop, memory)").into());
         }
     }
     let bases = [&args.direct, &args.fleetgate, &args.nginx];
@@ -110,6 +111,32 @@ async fn run(args: Args) -> Res<()> {
         "label": args.label,
     });
     report::heading(&mut md, &args, &env);
+
+    // The burst phase runs first: its first burst is the proxies' first traffic but for the
+    // one request that checked each target above.
+    if phases.contains(&"burst") {
+        let mut plan = Vec::new();
+        for (name, base, pids) in [
+            (
+                "fleetgate",
+                args.mem_fleetgate.clone(),
+                args.gateway_pid.into_iter().collect::<Vec<_>>(),
+            ),
+            ("nginx", args.mem_nginx.clone(), args.nginx_pids.clone()),
+        ] {
+            match base {
+                Some(base) if !pids.is_empty() => plan.push((name, base, pids)),
+                _ => eprintln!("hop: burst via {name} skipped (no --mem-{name} or no pid)"),
+            }
+        }
+        eprintln!(
+            "hop: burst: {} rounds of {} streams at once per proxy",
+            args.burst_rounds, args.burst_streams
+        );
+        let bursts = burst::bursts(&args, &plan, &headers).await?;
+        report::burst_section(&mut md, &args, &bursts);
+        out["burst"] = Value::Array(bursts);
+    }
 
     let mut added_p50 = None;
     let mut hop_rows: Vec<Value> = Vec::new();
