@@ -102,6 +102,10 @@ pub struct Args {
     /// Phase 0: bursts through each proxy (the first cold, the others warm).
     #[arg(long, default_value_t = 5)]
     pub burst_rounds: usize,
+    /// Phase 0: how long after a burst's streams have ended its "RSS after" is read (an
+    /// allocator that returns memory with a decay needs seconds).
+    #[arg(long, default_value_t = 2.0)]
+    pub burst_settle_secs: f64,
     /// Phase 0: completion tokens per stream (the slow sim: one per decode step).
     #[arg(long, default_value_t = 10)]
     pub burst_max_tokens: u32,

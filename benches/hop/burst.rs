@@ -117,7 +117,7 @@ async fn burst(args: &Args, base: &str, pids: &[u32], headers: &HeaderMap) -> Re
     sampling.store(false, Ordering::Relaxed);
     let peak = sampler.await.unwrap_or(0);
     // The streams have ended and their connections closed: what the process keeps.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs_f64(args.burst_settle_secs)).await;
     let (after, hwm) = rss_kib(pids)?;
     ttft.sort_by(f64::total_cmp);
     let mut why = failed.clone();

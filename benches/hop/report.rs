@@ -317,8 +317,8 @@ pub fn memory_section(md: &mut String, args: &Args, mem: &[Value]) {
 pub fn burst_section(md: &mut String, args: &Args, bursts: &[Value]) {
     let _ = writeln!(
         md,
-        "### 0. Bursts of {} streams opened at once, each on a new connection ({} rounds; the first is the process's first traffic)\n\n| via | burst | ok | TTFT p50 | TTFT p99 | RSS peak | RSS after |\n|---|---|---|---|---|---|---|",
-        args.burst_streams, args.burst_rounds
+        "### 0. Bursts of {} streams opened at once, each on a new connection ({} rounds; the first is the process's first traffic)\n\n| via | burst | ok | TTFT p50 | TTFT p99 | RSS peak | RSS {} s after |\n|---|---|---|---|---|---|---|",
+        args.burst_streams, args.burst_rounds, args.burst_settle_secs
     );
     for b in bursts {
         let via = b["via"].as_str().unwrap_or("");
