@@ -188,7 +188,7 @@ impl std::fmt::Debug for RequestMetrics {
     }
 }
 
-fn counter_vec(
+pub(crate) fn counter_vec(
     registry: &Registry,
     name: &str,
     help: &str,

@@ -17,7 +17,7 @@ use opentelemetry::{InstrumentationScope, KeyValue};
 use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{SpanData, SpanExporter as _};
-use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
+use prometheus::{IntCounter, Registry};
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -38,13 +38,15 @@ pub enum StartError {
     Metrics(#[from] prometheus::Error),
 }
 
-/// `fleetgate_trace_*`: what was exported and what was not.
+/// `fleetgate_trace_*`: what was exported and what was not, each series resolved once (and
+/// shown at 0 from the start).
 #[derive(Clone, Debug)]
-pub struct ExportMetrics {
-    pub exported: IntCounter,
-    /// By `reason`: `queue_full` (the exporter was behind), `export_failed` (the collector
-    /// refused, failed or did not answer in time).
-    pub dropped: IntCounterVec,
+struct ExportMetrics {
+    exported: IntCounter,
+    /// `fleetgate_trace_spans_dropped_total{reason="queue_full"}`: the exporter was behind.
+    queue_full: IntCounter,
+    /// `{reason="export_failed"}`: the collector refused, failed or did not answer in time.
+    export_failed: IntCounter,
 }
 
 impl ExportMetrics {
@@ -54,15 +56,17 @@ impl ExportMetrics {
             "Spans the OTLP collector accepted.",
         )?;
         registry.register(Box::new(exported.clone()))?;
-        let dropped = IntCounterVec::new(
-            Opts::new(
-                "fleetgate_trace_spans_dropped_total",
-                "Spans never exported: the queue to the exporter was full (queue_full), or the collector refused, failed or timed out (export_failed).",
-            ),
+        let dropped = crate::telemetry::metrics::counter_vec(
+            registry,
+            "fleetgate_trace_spans_dropped_total",
+            "Spans never exported: the queue to the exporter was full (queue_full), or the collector refused, failed or timed out (export_failed).",
             &["reason"],
         )?;
-        registry.register(Box::new(dropped.clone()))?;
-        Ok(Self { exported, dropped })
+        Ok(Self {
+            exported,
+            queue_full: dropped.with_label_values(&["queue_full"]),
+            export_failed: dropped.with_label_values(&["export_failed"]),
+        })
     }
 }
 
@@ -147,7 +151,7 @@ pub(super) fn start(
         // A request is a SERVER span and at least one CLIENT span.
         wake_at: (cfg.max_export_batch_size / 2).max(1),
         wake,
-        queue_full: metrics.dropped.with_label_values(&["queue_full"]),
+        queue_full: metrics.queue_full.clone(),
         said,
     })
 }
@@ -259,10 +263,7 @@ impl Exporter {
                 self.failing = false;
             }
             Some(why) => {
-                self.metrics
-                    .dropped
-                    .with_label_values(&["export_failed"])
-                    .inc_by(n);
+                self.metrics.export_failed.inc_by(n);
                 if !self.failing {
                     tracing::warn!(
                         error = %why,

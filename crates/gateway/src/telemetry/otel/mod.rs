@@ -31,7 +31,7 @@ use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::error::ErrorKind;
 use fleetgate_protocol::trace_context::{self, SpanId, TraceId, TraceParent};
 
-pub use export::{ExportMetrics, StartError};
+pub use export::StartError;
 
 use super::Timeline;
 
