@@ -276,3 +276,71 @@ async fn one_address_cannot_take_every_connection_place() {
     assert!(answer.starts_with("HTTP/1.1 200"));
     drop(silent);
 }
+
+/// `count` connections to `addr` opened at once: how many completed their handshake within
+/// `limit` (each one is kept open until the end of the call).
+async fn connect_many(addr: std::net::SocketAddr, count: usize, limit: Duration) -> usize {
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..count {
+        set.spawn(async move { tokio::time::timeout(limit, TcpStream::connect(addr)).await });
+    }
+    let mut open = Vec::new();
+    while let Some(r) = set.join_next().await {
+        if let Ok(Ok(Ok(s))) = r {
+            open.push(s);
+        }
+    }
+    open.len()
+}
+
+/// A reconnect storm waits in the accept queue (`server.listen_backlog`): with the gateway at
+/// its connection cap, so that it accepts none of them, 1 500 connections opened at once all
+/// complete their handshake, where tokio's own backlog (1 024) would drop the SYNs past it and
+/// make each of those clients wait its 1 s retransmission, again and again. A small backlog
+/// shows the same check can fail.
+#[tokio::test]
+async fn a_reconnect_storm_waits_in_the_listen_backlog() {
+    let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .map_or(4096, |s| s.trim().parse().unwrap_or(4096));
+    assert!(
+        somaxconn >= 2048,
+        "net.core.somaxconn is {somaxconn}: the kernel caps every backlog below this test's 2048 (Linux has defaulted to 4096 since 5.4)"
+    );
+    for (backlog, storm) in [(2048u32, 1500usize), (16, 100)] {
+        let sim = sim(|_| {}).await;
+        let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+            c.server.listen_backlog = backlog;
+            c.server.max_connections = 1;
+            c.server.max_connections_per_address = 1;
+        })
+        .await;
+        let addr = gw.server.local_addr;
+        // The one place, taken: the listener stops accepting.
+        let mut first = TcpStream::connect(addr).await.unwrap();
+        assert!(
+            healthz_on(&mut TcpStream::connect(addr).await.unwrap())
+                .await
+                .is_none(),
+            "at the cap a new connection waits unanswered"
+        );
+        let limit = if backlog > 16 {
+            Duration::from_secs(30)
+        } else {
+            // Long enough for a dropped SYN's first retransmission (1 s).
+            Duration::from_millis(2500)
+        };
+        let connected = connect_many(addr, storm, limit).await;
+        if backlog > 16 {
+            assert_eq!(connected, storm, "every connection of the storm completes");
+        } else {
+            // Linux queues backlog + 1 completed connections (one is the probe above).
+            assert!(
+                connected <= backlog as usize + 2,
+                "with a backlog of {backlog}, {connected} of {storm} completed: the setting is not applied"
+            );
+        }
+        // The place frees: the queue is served.
+        first.shutdown().await.unwrap();
+        drop(first);
+    }
+}

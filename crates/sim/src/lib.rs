@@ -119,7 +119,7 @@ pub async fn start(args: SimArgs) -> io::Result<SimServer> {
     socket.bind(addr)?;
     let bound = socket.local_addr()?;
     let listener = if cfg.warmup.is_zero() {
-        Listener::Listening(socket.listen(1024)?)
+        Listener::Listening(socket.listen(server::LISTEN_BACKLOG)?)
     } else {
         Listener::WarmingUp(socket, cfg.warmup)
     };

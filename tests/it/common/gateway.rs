@@ -104,7 +104,12 @@ pub async fn gateway_with(pools: Vec<PoolConfig>, f: impl FnOnce(&mut Config)) -
     config.request_log.flush_interval = Duration::from_millis(20);
     config.admin.listen = Some("127.0.0.1:0".parse().unwrap());
     f(&mut config);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // Bound as `serve` binds, with the configured accept queue.
+    let listener = fleetgate_gateway::server::listen(
+        "127.0.0.1:0".parse().unwrap(),
+        config.server.listen_backlog,
+    )
+    .unwrap();
     let records = Arc::new(Mutex::new(Vec::new()));
     let sink = records.clone();
     let recorder = Recorder::new(false).with_observer(move |r: &RequestRecord| {

@@ -50,6 +50,9 @@ pub enum LogFormat {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
+    /// The API listener's accept queue: connections the kernel completes and holds until a
+    /// worker accepts them (the kernel caps it at `net.core.somaxconn`).
+    pub listen_backlog: u32,
     pub max_body_bytes: usize,
     /// The largest `multipart/form-data` body of the audio routes (an audio file is larger
     /// than any JSON body).
@@ -122,6 +125,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            listen_backlog: DEFAULT_LISTEN_BACKLOG,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_audio_body_bytes: DEFAULT_MAX_AUDIO_BODY_BYTES,
             max_request_head_bytes: DEFAULT_MAX_REQUEST_HEAD_BYTES,
@@ -257,6 +261,15 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
     if s.health_interval_ms == 0 {
         return Err(err.at("server.health_interval_ms", "must be > 0"));
     }
+    if s.listen_backlog == 0 || s.listen_backlog > i32::MAX as u32 {
+        return Err(err.at(
+            "server.listen_backlog",
+            format!(
+                "must be between 1 and {} (the default, {DEFAULT_LISTEN_BACKLOG}, holds a reconnect storm; the kernel caps it at net.core.somaxconn)",
+                i32::MAX
+            ),
+        ));
+    }
     let mut trusted_proxies = Vec::with_capacity(s.trusted_proxies.len());
     for (i, text) in s.trusted_proxies.iter().enumerate() {
         let net = text
@@ -279,6 +292,7 @@ pub(super) fn validate(s: RawServer, err: FileErrors<'_>) -> Result<ServerConfig
     });
     Ok(ServerConfig {
         listen,
+        listen_backlog: s.listen_backlog,
         max_body_bytes: usize::try_from(s.max_body_bytes).unwrap_or(usize::MAX),
         max_audio_body_bytes: usize::try_from(s.max_audio_body_bytes).unwrap_or(usize::MAX),
         max_request_head_bytes: listener_head,
@@ -340,6 +354,8 @@ pub(super) struct RawServer {
     pub(super) max_connections: usize,
     #[serde(default)]
     pub(super) max_connections_per_address: u32,
+    #[serde(default = "default_listen_backlog")]
+    pub(super) listen_backlog: u32,
     #[serde(default = "default_max_stream_line")]
     pub(super) max_stream_line_bytes: u64,
     #[serde(default = "default_response_pin_capacity")]
@@ -384,6 +400,7 @@ impl Default for RawServer {
             watch_config: false,
             max_connections: 0,
             max_connections_per_address: 0,
+            listen_backlog: default_listen_backlog(),
             max_stream_line_bytes: default_max_stream_line(),
             response_pin_capacity: default_response_pin_capacity(),
             response_pin_ttl_s: default_response_pin_ttl(),
@@ -461,6 +478,16 @@ fn default_response_pin_capacity() -> usize {
 
 fn default_response_pin_ttl() -> u64 {
     24 * 3600
+}
+
+/// Room for a reconnect storm: thousands of clients connecting in the same millisecond (a
+/// rolling update, a client pool after a network blip) wait in the accept queue instead of
+/// having their SYNs dropped, which costs each of them a 1 s retransmission. Linux's default
+/// `net.core.somaxconn` since 5.4; tokio's `TcpListener::bind` asks for 1 024, nginx for 511.
+pub(crate) const DEFAULT_LISTEN_BACKLOG: u32 = 4096;
+
+fn default_listen_backlog() -> u32 {
+    DEFAULT_LISTEN_BACKLOG
 }
 
 fn default_max_stream_line() -> u64 {

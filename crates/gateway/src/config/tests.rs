@@ -137,6 +137,19 @@ fn head_limits_keep_the_listener_above_what_is_forwarded() {
 }
 
 #[test]
+fn the_listen_backlog_defaults_to_a_storms_worth_and_refuses_zero() {
+    let pool = "[[pools]]\nmodel='m'\nbackends=['http://a:1']\n";
+    assert_eq!(parse(pool).unwrap().server.listen_backlog, 4096);
+    let c = parse(&format!("[server]\nlisten_backlog = 65535\n{pool}")).unwrap();
+    assert_eq!(c.server.listen_backlog, 65535);
+    for bad in ["0", "4294967295"] {
+        let e = parse(&format!("[server]\nlisten_backlog = {bad}\n{pool}")).unwrap_err();
+        assert_eq!(e.field, "server.listen_backlog", "{bad}");
+        assert!(e.message.contains("net.core.somaxconn"), "{}", e.message);
+    }
+}
+
+#[test]
 fn unknown_field_names_its_path() {
     let e =
         parse("[server]\nlisen='x'\n[[pools]]\nmodel='m'\nbackends=['http://a']\n").unwrap_err();

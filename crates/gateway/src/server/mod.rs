@@ -117,7 +117,7 @@ impl Server {
     /// Bind, connect the key store, start everything. Returns once listening.
     pub async fn start(config: &Config) -> Result<Server, StartError> {
         let recorder = Recorder::new(config.server.request_log_events);
-        let listener = TcpListener::bind(config.server.listen).await.map_err(|e| {
+        let listener = listen(config.server.listen, config.server.listen_backlog).map_err(|e| {
             io::Error::new(
                 e.kind(),
                 format!("cannot listen on {}: {e}", config.server.listen),
@@ -405,6 +405,38 @@ impl Server {
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
     }
+}
+
+/// Bind `addr` with an accept queue of `backlog` (as `TcpListener::bind` does, SO_REUSEADDR on,
+/// but with our backlog instead of tokio's 1 024). Warns when the kernel caps it lower.
+pub fn listen(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    if let Some(cap) = somaxconn()
+        && cap < backlog
+    {
+        tracing::warn!(
+            listen_backlog = backlog,
+            somaxconn = cap,
+            "the kernel caps the listen backlog at net.core.somaxconn: in a reconnect storm, \
+             connections past it have their SYN dropped and wait 1 s to retry; raise \
+             net.core.somaxconn (sysctl) to at least server.listen_backlog"
+        );
+    }
+    socket.listen(backlog)
+}
+
+/// `net.core.somaxconn`, the kernel's cap on any listen backlog (Linux; None elsewhere).
+fn somaxconn() -> Option<u32> {
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Connect to the key store, migrate it when asked, and read every key.

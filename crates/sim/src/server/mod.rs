@@ -94,6 +94,10 @@ impl SimContext {
     }
 }
 
+/// The accept queue of vLLM's HTTP server: uvicorn's default `backlog` (2048). A burst of
+/// connections from a gateway waits in it as it would at vLLM, rather than at tokio's 1 024.
+pub(crate) const LISTEN_BACKLOG: u32 = 2048;
+
 /// The socket before and after `listen()`.
 pub(crate) enum Listener {
     Listening(TcpListener),
@@ -110,7 +114,7 @@ pub(crate) async fn serve(listener: Listener, ctx: Arc<SimContext>, cancel: Canc
                 () = cancel.cancelled() => return,
                 () = tokio::time::sleep(warmup) => {}
             }
-            match socket.listen(1024) {
+            match socket.listen(LISTEN_BACKLOG) {
                 Ok(l) => {
                     tracing::info!("sim warm-up over, accepting connections");
                     l
