@@ -5,12 +5,13 @@
 # Installs Debian's nginx if it is missing, builds fleetgate in release mode and starts, on
 # 127.0.0.1 only:
 #   - a zero-delay sim (model qwen32b): the main pass, phases 1-2;
-#   - a slow sim (model slow): phase 3, streams that stay open, and phase 0 (`--phases burst`:
-#     bursts of 5000 streams opened at once through each proxy, cold then warm, with the RSS
-#     after each; run it first, e.g. `--phases burst,latency,memory`);
+#   - a slow sim (model slow): phase 3, streams that stay open;
+#   - a burst sim (model burst, a token every 100 ms, no prefill queue): phase 0 (`--phases
+#     burst`: bursts of 5000 streams opened at once through each proxy and directly, cold then
+#     warm, with the RSS after each; run it first, e.g. `--phases burst,latency,memory`);
 #   - a paced sim (model paced, one token per ~2 ms step): the second pass, phases 1-2 with
 #     tokens arriving one by one (skip with PACED=0);
-#   - fleetgate in front of all three (one pool per model) and nginx in front of all three
+#   - fleetgate in front of all four (one pool per model) and nginx in front of all four
 #     (one port per sim).
 # Then it runs the driver (benches/hop/), then the not-streamed throughput pass (wrk, closed
 # loop; THROUGHPUT=0 skips it), stops everything it started, and leaves the JSON and
@@ -158,6 +159,12 @@ SIM_PID=$SIM_STARTED_PID SIM_URL=$SIM_STARTED_URL
 start_sim sim-slow slow --decode-step-ms 200 --decode-ms-per-seq 0 --prefill-us-per-token 0 \
     --max-num-seqs 10000 --max-num-batched-tokens 20000
 SLOW_URL=$SIM_STARTED_URL
+# The bursts' backend (phase 0): a token every 100 ms to every running sequence and room for
+# all 5000 in one step's batch (no prefill queue), so that a stream's first token comes one
+# step after it arrives and the streams of a burst overlap; burst directly too, as the floor.
+start_sim sim-burst burst --decode-step-ms 100 --decode-ms-per-seq 0 --prefill-us-per-token 0 \
+    --max-num-seqs 10000 --max-num-batched-tokens 1000000
+BURST_PID=$SIM_STARTED_PID BURST_URL=$SIM_STARTED_URL
 if [ "$PACED" = 1 ]; then
     # One token per scheduler step of 1 ms (about 2 ms with the timer's granularity): every
     # SSE frame arrives in its own read, as from a real server. Room for the ~60 streams that
@@ -228,6 +235,11 @@ backends = ["$SLOW_URL"]
 max_in_flight_per_backend = 0
 
 [[pools]]
+model = "burst"
+backends = ["$BURST_URL"]
+max_in_flight_per_backend = 0
+
+[[pools]]
 model = "paced"
 backends = ["$PACED_URL"]
 max_in_flight_per_backend = 0
@@ -255,6 +267,7 @@ wait_http "$GW_URL/healthz" fleetgate
 NGINX_PORT=$(free_port)
 NGINX_SLOW_PORT=$(free_port)
 NGINX_PACED_PORT=$(free_port)
+NGINX_BURST_PORT=$(free_port)
 N="$TMP/nginx"
 nginx_server() { # port upstream
     cat <<EOF
@@ -304,9 +317,11 @@ http {
 $(nginx_upstream sim "$SIM_URL")
 $(nginx_upstream slow "$SLOW_URL")
 $(nginx_upstream paced "$PACED_URL")
+$(nginx_upstream burst "$BURST_URL")
 $(nginx_server "$NGINX_PORT" sim)
 $(nginx_server "$NGINX_SLOW_PORT" slow)
 $(nginx_server "$NGINX_PACED_PORT" paced)
+$(nginx_server "$NGINX_BURST_PORT" burst)
 }
 EOF
 
@@ -325,7 +340,8 @@ done
 NGINX_URL="http://127.0.0.1:$NGINX_PORT"
 NGINX_SLOW_URL="http://127.0.0.1:$NGINX_SLOW_PORT"
 NGINX_PACED_URL="http://127.0.0.1:$NGINX_PACED_PORT"
-for u in "$NGINX_URL" "$NGINX_SLOW_URL" "$NGINX_PACED_URL"; do wait_http "$u/health" nginx; done
+NGINX_BURST_URL="http://127.0.0.1:$NGINX_BURST_PORT"
+for u in "$NGINX_URL" "$NGINX_SLOW_URL" "$NGINX_PACED_URL" "$NGINX_BURST_URL"; do wait_http "$u/health" nginx; done
 
 # --- run --------------------------------------------------------------------------------------
 CPU_MODEL=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
@@ -346,6 +362,7 @@ log "main pass (sim: $SIM_FLAGS; pids: gateway $GW_PID, nginx workers $NGINX_WOR
 cargo bench -q --bench hop -- "${COMMON[@]}" \
     --label "sim $SIM_FLAGS" --direct "$SIM_URL" --nginx "$NGINX_URL" --model qwen32b --sim-pid "$SIM_PID" \
     --mem-fleetgate "$GW_URL" --mem-nginx "$NGINX_SLOW_URL" --mem-model slow \
+    --burst-model burst --burst-nginx "$NGINX_BURST_URL" --burst-direct "$BURST_URL" --burst-sim-pid "$BURST_PID" \
     --out "$RUN_DIR/hop.json" "$@" >>"$RUN_DIR/summary.md"
 
 if [ "$PACED" = 1 ]; then

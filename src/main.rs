@@ -191,6 +191,13 @@ fn tool_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>, 
     }
 }
 
+/// jemalloc, with background threads that return freed pages to the system a few seconds
+/// after a burst (glibc's malloc kept a burst's peak resident for good: docs/benchmarks.md,
+/// "Bursts").
+#[cfg(all(feature = "jemalloc", not(target_env = "msvc")))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() -> ExitCode {
     // A bad command line exits 64 (EX_USAGE), not clap's 2: 2 is bench's "SLA violated".
     let args = store_flags_after_subcommand(std::env::args_os().collect());

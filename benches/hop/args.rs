@@ -106,9 +106,26 @@ pub struct Args {
     /// allocator that returns memory with a decay needs seconds).
     #[arg(long, default_value_t = 2.0)]
     pub burst_settle_secs: f64,
-    /// Phase 0: completion tokens per stream (the slow sim: one per decode step).
-    #[arg(long, default_value_t = 10)]
+    /// Phase 0: after the last burst, how long to wait before reading each process's RSS once
+    /// more (0: not read). Past the gateway's upstream idle timeout (90 s), its pool of idle
+    /// backend connections has closed: what is left is what the process keeps.
+    #[arg(long, default_value_t = 0.0)]
+    pub burst_drain_secs: f64,
+    /// Phase 0: completion tokens per stream (the burst sim: one per decode step).
+    #[arg(long, default_value_t = 20)]
     pub burst_max_tokens: u32,
+    /// Phase 0: the model the bursts ask for (the burst sim's; default `--mem-model`).
+    #[arg(long)]
+    pub burst_model: Option<String>,
+    /// Phase 0: base URL of nginx in front of the burst sim (default `--mem-nginx`).
+    #[arg(long)]
+    pub burst_nginx: Option<String>,
+    /// Phase 0: base URL of the burst sim itself, burst directly too: the backend's own floor.
+    #[arg(long)]
+    pub burst_direct: Option<String>,
+    /// Phase 0: pid of the burst sim (its RSS is reported with the direct bursts).
+    #[arg(long)]
+    pub burst_sim_pid: Option<u32>,
 
     /// Driver runtime threads: 1 runs a current-thread runtime (lowest latency at concurrency 1).
     #[arg(long, default_value_t = 1)]

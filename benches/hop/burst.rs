@@ -20,7 +20,7 @@ use tokio::task::JoinSet;
 use crate::args::Args;
 use crate::error::Res;
 use crate::memory::mib;
-use crate::procfs::rss_kib;
+use crate::procfs::{TcpStorm, rss_kib};
 use crate::target::{chat_uri, request_body};
 
 /// One stream of a burst: its time to first token, or why it has none.
@@ -66,7 +66,8 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 /// all sent at once.
 async fn burst(args: &Args, base: &str, pids: &[u32], headers: &HeaderMap) -> Res<Value> {
     let uri = chat_uri(base)?;
-    let body = request_body(&args.mem_model, args.burst_max_tokens, false);
+    let model = args.burst_model.as_deref().unwrap_or(&args.mem_model);
+    let body = request_body(model, args.burst_max_tokens, false);
     // A new client per burst: no connection is reused from the last one.
     let c = client::http_client();
     let n = args.burst_streams;
@@ -87,6 +88,7 @@ async fn burst(args: &Args, base: &str, pids: &[u32], headers: &HeaderMap) -> Re
             peak
         })
     };
+    let storm = TcpStorm::read()?;
     let started = Instant::now();
     for _ in 0..n {
         let mut req = Request::new(Full::new(body.clone()));
@@ -113,6 +115,9 @@ async fn burst(args: &Args, base: &str, pids: &[u32], headers: &HeaderMap) -> Re
         set.abort_all();
     }
     let secs = started.elapsed().as_secs_f64();
+    // Counted for the whole machine: the proxy's listener and the backend's (its upstream
+    // connects) both; the bursts run one at a time, so each burst's losses are its own.
+    let storm = TcpStorm::read()?.since(storm);
     drop(c);
     sampling.store(false, Ordering::Relaxed);
     let peak = sampler.await.unwrap_or(0);
@@ -120,6 +125,8 @@ async fn burst(args: &Args, base: &str, pids: &[u32], headers: &HeaderMap) -> Re
     tokio::time::sleep(Duration::from_secs_f64(args.burst_settle_secs)).await;
     let (after, hwm) = rss_kib(pids)?;
     ttft.sort_by(f64::total_cmp);
+    // A stream that waited a SYN retransmission (1 s) or more.
+    let over_1s = ttft.iter().filter(|&&t| t >= 1000.0).count();
     let mut why = failed.clone();
     why.sort_unstable();
     why.dedup();
@@ -132,14 +139,18 @@ async fn burst(args: &Args, base: &str, pids: &[u32], headers: &HeaderMap) -> Re
         "ttft_p50_ms": quantile(&ttft, 0.5),
         "ttft_p99_ms": quantile(&ttft, 0.99),
         "ttft_max_ms": ttft.last().copied().unwrap_or(f64::NAN),
+        "ttft_over_1s": over_1s,
+        "listen_drops": storm.listen_drops,
+        "syn_retrans": storm.syn_retrans,
         "rss_peak_kib": peak.max(after),
         "rss_after_kib": after,
         "hwm_kib": hwm,
     }))
 }
 
-/// `args.burst_rounds` bursts through each proxy, alternating (fleetgate, nginx, fleetgate, ...):
-/// the first of each is cold. Returns one record per proxy with its idle RSS and its bursts.
+/// `args.burst_rounds` bursts through each proxy, alternating (fleetgate, nginx, direct,
+/// fleetgate, ...): the first of each is cold. Direct bursts go to the backend itself: its own
+/// TTFT is the floor under both proxies'. Returns one record per proxy with its idle RSS and its bursts.
 pub async fn bursts(
     args: &Args,
     plan: &[(&'static str, String, Vec<u32>)],
@@ -156,18 +167,37 @@ pub async fn bursts(
         for (i, (name, base, pids)) in plan.iter().enumerate() {
             let b = burst(args, base, pids, headers).await?;
             eprintln!(
-                "hop: burst {} via {name}: {}/{} ok, TTFT p50 {:.1} ms, p99 {:.1} ms, RSS peak {:.1} MiB, after {:.1} MiB",
+                "hop: burst {} via {name}: {}/{} ok, TTFT p50 {:.1} ms, p99 {:.1} ms, {} at 1 s or more, {} listen drops, {} SYN retransmits, RSS peak {:.1} MiB, after {:.1} MiB",
                 round + 1,
                 b["ok"],
                 b["streams"],
                 b["ttft_p50_ms"].as_f64().unwrap_or(f64::NAN),
                 b["ttft_p99_ms"].as_f64().unwrap_or(f64::NAN),
+                b["ttft_over_1s"],
+                b["listen_drops"],
+                b["syn_retrans"],
                 mib(b["rss_peak_kib"].as_u64().unwrap_or(0)),
                 mib(b["rss_after_kib"].as_u64().unwrap_or(0)),
             );
             if let Some(list) = out[i]["bursts"].as_array_mut() {
                 list.push(b);
             }
+        }
+    }
+    if args.burst_drain_secs > 0.0 {
+        eprintln!(
+            "hop: burst: waiting {:.0} s for the idle connections to close",
+            args.burst_drain_secs
+        );
+        tokio::time::sleep(Duration::from_secs_f64(args.burst_drain_secs)).await;
+        for (i, (name, _, pids)) in plan.iter().enumerate() {
+            let rss = rss_kib(pids)?.0;
+            eprintln!(
+                "hop: burst: {name} RSS {:.1} MiB {:.0} s after the last burst",
+                mib(rss),
+                args.burst_drain_secs
+            );
+            out[i]["rss_drained_kib"] = json!(rss);
         }
     }
     Ok(out)

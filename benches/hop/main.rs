@@ -122,11 +122,20 @@ async fn run(args: Args) -> Res<()> {
                 args.mem_fleetgate.clone(),
                 args.gateway_pid.into_iter().collect::<Vec<_>>(),
             ),
-            ("nginx", args.mem_nginx.clone(), args.nginx_pids.clone()),
+            (
+                "nginx",
+                args.burst_nginx.clone().or_else(|| args.mem_nginx.clone()),
+                args.nginx_pids.clone(),
+            ),
+            (
+                "direct",
+                args.burst_direct.clone(),
+                args.burst_sim_pid.into_iter().collect(),
+            ),
         ] {
             match base {
                 Some(base) if !pids.is_empty() => plan.push((name, base, pids)),
-                _ => eprintln!("hop: burst via {name} skipped (no --mem-{name} or no pid)"),
+                _ => eprintln!("hop: burst via {name} skipped (no base URL or no pid)"),
             }
         }
         eprintln!(

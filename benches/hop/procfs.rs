@@ -138,3 +138,42 @@ impl Watched {
         }
     }
 }
+
+/// The kernel's TCP counters that tell a connection storm's losses (TcpExt in
+/// /proc/net/netstat, for the whole machine): accept-queue overflows (the SYN or the handshake's
+/// last ACK dropped because a listener's backlog was full) and SYN retransmissions (a client
+/// that waited its 1 s retransmission timeout for that).
+#[derive(Clone, Copy, Default)]
+pub struct TcpStorm {
+    pub listen_drops: u64,
+    pub syn_retrans: u64,
+}
+
+impl TcpStorm {
+    pub fn read() -> Res<TcpStorm> {
+        let text = std::fs::read_to_string("/proc/net/netstat")?;
+        let mut lines = text.lines();
+        let mut out = TcpStorm::default();
+        // The file is pairs of lines: "TcpExt: Name Name ..." then "TcpExt: 1 2 ...".
+        while let (Some(names), Some(values)) = (lines.next(), lines.next()) {
+            if !names.starts_with("TcpExt:") {
+                continue;
+            }
+            for (n, v) in names.split_whitespace().zip(values.split_whitespace()) {
+                match n {
+                    "ListenDrops" => out.listen_drops = v.parse()?,
+                    "TCPSynRetrans" => out.syn_retrans = v.parse()?,
+                    _ => {}
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn since(self, before: TcpStorm) -> TcpStorm {
+        TcpStorm {
+            listen_drops: self.listen_drops.saturating_sub(before.listen_drops),
+            syn_retrans: self.syn_retrans.saturating_sub(before.syn_retrans),
+        }
+    }
+}

@@ -257,8 +257,10 @@ fn the_configmap_is_a_valid_config_the_pods_can_fill_in() {
 fn the_dockerfile_builds_what_ci_builds() {
     let docker = read(&Path::new(ROOT).join("deploy/Dockerfile"));
     assert!(
-        docker.contains("RUN cargo build --release --locked --bin fleetgate --no-default-features"),
-        "the image's build step: the gateway without the tools"
+        docker.contains(
+            "RUN cargo build --release --locked --bin fleetgate --no-default-features --features jemalloc"
+        ),
+        "the image's build step: the gateway without the tools, with jemalloc"
     );
     let ci = read(&Path::new(ROOT).join(".ci/run"));
     assert!(
