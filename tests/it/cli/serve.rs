@@ -107,6 +107,52 @@ async fn serve_drains_a_stream_on_sigterm() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A listen backlog above the kernel's cap still starts, and says at start what caps it and how
+/// to raise it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_says_when_the_kernel_caps_the_listen_backlog() {
+    let sim = sim(|_| {}).await;
+    let port = closed_port().await.port();
+    let dir = temp_dir("cli");
+    let cfg = temp_config(&format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nlisten_backlog = 2147483647\nshutdown_grace_seconds = 1\n\n[database]\nsqlite_path = \"{}\"\n\n[admin]\nlisten = \"\"\n\n[[pools]]\nmodel = \"qwen32b\"\nbackends = [\"{}\"]\n",
+        dir.join("keys.db").display(),
+        sim.url()
+    ));
+    let child = KillOnDrop(Some(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg.0)
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    wait_for_200(&format!("http://127.0.0.1:{port}/healthz")).await;
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = tokio::task::spawn_blocking(move || child.take().wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let logs = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = logs
+        .lines()
+        .find(|l| l.contains("the kernel caps the listen backlog at net.core.somaxconn"))
+        .unwrap_or_else(|| panic!("no warning about the cap in:\n{logs}"));
+    assert!(line.contains("listen_backlog=2147483647"), "{line}");
+    assert!(line.contains("somaxconn="), "{line}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn demo_prints_the_table_and_how_to_try_it() {
     let mut child = Command::new(BIN)
