@@ -162,8 +162,9 @@ SLOW_URL=$SIM_STARTED_URL
 # The bursts' backend (phase 0): a token every 100 ms to every running sequence and room for
 # all 5000 in one step's batch (no prefill queue), so that a stream's first token comes one
 # step after it arrives and the streams of a burst overlap; burst directly too, as the floor.
+# Idle kept-alive connections are closed after 5 s, as vLLM's server closes them.
 start_sim sim-burst burst --decode-step-ms 100 --decode-ms-per-seq 0 --prefill-us-per-token 0 \
-    --max-num-seqs 10000 --max-num-batched-tokens 1000000
+    --max-num-seqs 10000 --max-num-batched-tokens 1000000 --timeout-keep-alive 5
 BURST_PID=$SIM_STARTED_PID BURST_URL=$SIM_STARTED_URL
 if [ "$PACED" = 1 ]; then
     # One token per scheduler step of 1 ms (about 2 ms with the timer's granularity): every

@@ -15,6 +15,8 @@ use tokio::net::TcpListener;
 struct RawBackend {
     addr: SocketAddr,
     heads: Arc<Mutex<Vec<String>>>,
+    /// Each request's line with the number of the connection it came on (0, 1, ...).
+    lines: Arc<Mutex<Vec<(usize, String)>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -29,10 +31,16 @@ impl RawBackend {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let heads = Arc::new(Mutex::new(Vec::new()));
+        let lines = Arc::new(Mutex::new(Vec::new()));
         let seen = heads.clone();
+        let on_conn = lines.clone();
         let task = tokio::spawn(async move {
+            let mut conn = 0;
             while let Ok((mut sock, _)) = listener.accept().await {
                 let seen = seen.clone();
+                let on_conn = on_conn.clone();
+                let this = conn;
+                conn += 1;
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     loop {
@@ -61,6 +69,8 @@ impl RawBackend {
                             }
                         }
                         buf.drain(..end + 4 + len);
+                        let line = head.lines().next().unwrap_or("").to_owned();
+                        on_conn.lock().unwrap().push((this, line));
                         seen.lock().unwrap().push(head);
                         let body = r#"{"id":"c","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2},"tokens":[1]}"#;
                         let answer = format!(
@@ -74,7 +84,12 @@ impl RawBackend {
                 });
             }
         });
-        Self { addr, heads, task }
+        Self {
+            addr,
+            heads,
+            lines,
+            task,
+        }
     }
 
     /// The heads of requests to `path` (probes left out).
@@ -139,6 +154,43 @@ async fn upstream_requests_are_in_origin_form_with_the_backends_host() {
             );
         }
     }
+}
+
+/// A connection idle past the gateway's idle timeout (4 s) is not used again: vLLM's server
+/// closes its idle connections after 5 s, and a request sent as that close crosses it fails
+/// ("connection closed before message completed": a health probe marked the backend down, a
+/// request with no other backend to retry got a 502). Within the timeout it is reused.
+#[tokio::test]
+async fn a_connection_idle_past_four_seconds_is_not_reused() {
+    let raw = RawBackend::start().await;
+    let gw = gateway_with(vec![pool("m", &[format!("http://{}", raw.addr)])], |c| {
+        // No probe in between to muddle the count, and one worker: each worker keeps its own
+        // idle connections.
+        c.server.health_interval = Duration::from_secs(600);
+        c.server.workers = 1;
+    })
+    .await;
+    let chat = |gw: &Gateway| {
+        let url = gw.url("/v1/chat/completions");
+        async move { post(&url, &[("content-type", "application/json")], CHAT).await }
+    };
+    for wait in [Duration::from_millis(500), Duration::from_millis(4500)] {
+        assert_eq!(chat(&gw).await.status, 200);
+        tokio::time::sleep(wait).await;
+        assert_eq!(chat(&gw).await.status, 200);
+    }
+    let on: Vec<usize> = raw
+        .lines
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, l)| l.starts_with("POST /v1/chat/completions"))
+        .map(|(c, _)| *c)
+        .collect();
+    assert_eq!(on.len(), 4, "{on:?}");
+    assert_eq!(on[0], on[1], "reused after 0.5 s idle: {on:?}");
+    assert_eq!(on[1], on[2], "reused at once: {on:?}");
+    assert_ne!(on[2], on[3], "a new connection after 4.5 s idle: {on:?}");
 }
 
 /// Through Debian's nginx in front of the sim: nginx answers 400 to a request without Host.

@@ -85,6 +85,12 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.0)]
     pub warmup_secs: f64,
 
+    /// Close a kept-alive connection idle this many seconds between requests, as vLLM's
+    /// server does after 5 (uvicorn's `timeout_keep_alive`, `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`).
+    /// 0: never (the default: tests keep their connections).
+    #[arg(long, default_value_t = 0.0)]
+    pub timeout_keep_alive: f64,
+
     /// Zero all per-token timing: frames are produced as fast as the client reads them.
     #[arg(long)]
     pub zero_delay: bool,
@@ -200,6 +206,7 @@ impl Default for SimArgs {
             error_after_chunks: None,
             stall_first_token_ms: 0.0,
             warmup_secs: 0.0,
+            timeout_keep_alive: 0.0,
             zero_delay: false,
             capture_streams: false,
             responses_store: false,
@@ -239,6 +246,7 @@ impl fmt::Debug for SimArgs {
             .field("error_after_chunks", &self.error_after_chunks)
             .field("stall_first_token_ms", &self.stall_first_token_ms)
             .field("warmup_secs", &self.warmup_secs)
+            .field("timeout_keep_alive", &self.timeout_keep_alive)
             .field("zero_delay", &self.zero_delay)
             .field("enable_auto_tool_choice", &self.enable_auto_tool_choice)
             .field("tool_call_parser", &self.tool_call_parser)
@@ -328,6 +336,8 @@ pub(crate) struct SimConfig {
     pub fail_rate: f64,
     pub fault: Option<StreamFault>,
     pub warmup: Duration,
+    /// `--timeout-keep-alive`; None: kept-alive connections are never closed for idleness.
+    pub keep_alive_timeout: Option<Duration>,
     pub capture: bool,
     pub responses_store: bool,
     pub auto_tool_choice: bool,
@@ -469,6 +479,12 @@ impl TryFrom<&SimArgs> for SimConfig {
             fail_rate: a.fail_rate,
             fault,
             warmup: duration_flag("warmup-secs", a.warmup_secs, Duration::from_secs(1))?,
+            keep_alive_timeout: Some(duration_flag(
+                "timeout-keep-alive",
+                a.timeout_keep_alive,
+                Duration::from_secs(1),
+            )?)
+            .filter(|d| !d.is_zero()),
             capture: a.capture_streams,
             responses_store: a.responses_store,
             auto_tool_choice: a.enable_auto_tool_choice,

@@ -306,11 +306,11 @@ async fn fault_soak() {
     let samples = sampler.await.unwrap();
 
     // Idle: the client's connections close at once (the client is dropped). A's idle upstream
-    // connections close when the upstream client's idle sweep finds them older than 90 s; the
-    // sweep itself runs every 90 s per worker, so the last ones go 90 to 180 s after their
-    // last use, and until then A holds up to its peak concurrency of them. The check waits
-    // (polling, at most 190 s) for the descriptors to come back within the slack, and at least
-    // 5 s; the long run waits the whole 190 s so its figures are those of a fully idle gateway.
+    // connections close when the upstream client's idle sweep (every second) finds them older
+    // than the idle timeout (4 s), so within about 5 s of their last use; until then A holds up
+    // to its peak concurrency of them. The check waits (polling, at most 190 s) for the
+    // descriptors to come back within the slack, and at least 5 s; the long run waits the whole
+    // 190 s so its figures are those of a fully idle gateway.
     drop(load);
     let idle_start = Instant::now();
     let full_idle = Duration::from_secs(190);

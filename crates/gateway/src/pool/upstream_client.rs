@@ -61,8 +61,13 @@ pub(super) fn client_for(cfg: &PoolConfig, prev: Option<&Pool>) -> io::Result<Up
     }
 }
 
-/// An idle keep-alive connection to a backend is closed after this long.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// An idle keep-alive connection to a backend is closed after this long: less than the 5 s
+/// after which vLLM's server (uvicorn's `timeout_keep_alive`, `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`)
+/// closes it, so that a request or a probe is never sent on a connection the backend is closing
+/// at that moment (it fails as "closed before message completed": a probe marked the backend
+/// down, a request with no other backend got a 502). After a burst, the thousands of idle
+/// connections it leaves close within seconds, and their memory with them.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 fn build_client(cfg: &PoolConfig, idle: Duration) -> io::Result<UpstreamClient> {
     let mut roots = rustls::RootCertStore::empty();

@@ -151,6 +151,7 @@ pub(crate) async fn serve(listener: Listener, ctx: Arc<SimContext>, cancel: Canc
 }
 
 async fn serve_connection(stream: TcpStream, ctx: Arc<SimContext>) {
+    let keep_alive = ctx.cfg.keep_alive_timeout;
     // Each frame is written as produced; Nagle would hold small frames back and distort ITL.
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(error = %e, "sim could not set TCP_NODELAY");
@@ -159,11 +160,18 @@ async fn serve_connection(stream: TcpStream, ctx: Arc<SimContext>) {
         let ctx = ctx.clone();
         async move { Ok::<_, Infallible>(handle(req, &ctx).await) }
     });
-    // No header-read timer: hyper only arms it when a timer is configured, and the sim's
-    // zero-delay mode is meant to measure a proxy hop without timer overhead.
-    let conn = http1::Builder::new()
-        .keep_alive(true)
-        .serve_connection(TokioIo::new(stream), svc);
+    // No header-read timer unless `--timeout-keep-alive` asks for one: hyper only arms it when
+    // a timer is configured, and the sim's zero-delay mode is meant to measure a proxy hop
+    // without timer overhead. With one, hyper's header timer runs from the end of each answer:
+    // an idle kept-alive connection is closed after it, as uvicorn closes vLLM's.
+    let mut builder = http1::Builder::new();
+    builder.keep_alive(true);
+    if let Some(idle) = keep_alive {
+        builder
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(idle);
+    }
+    let conn = builder.serve_connection(TokioIo::new(stream), svc);
     if let Err(e) = conn.await {
         // Client hang-ups land here too; they are routine for a test server.
         tracing::debug!(error = %e, "sim connection ended");

@@ -38,6 +38,60 @@ async fn warmup_refuses_then_accepts() {
     sim.shutdown().await;
 }
 
+/// `GET /health` on a kept-alive connection, then how long until the sim closes it (None: still
+/// open after `limit`).
+async fn closed_after_answer(sim: &crate::SimServer, limit: Duration) -> Option<Duration> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(sim.addr()).await.unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: sim\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0, "closed before answering");
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(got.starts_with(b"HTTP/1.1 200"));
+    let answered = std::time::Instant::now();
+    // The body of /health is small: whatever else arrives is it, then the close.
+    loop {
+        match tokio::time::timeout(limit, s.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(answered.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// `--timeout-keep-alive` closes an idle kept-alive connection as vLLM's server does; without
+/// it the sim keeps it.
+#[tokio::test]
+async fn an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout() {
+    let sim = start(SimArgs {
+        timeout_keep_alive: 0.3,
+        ..zero_delay()
+    })
+    .await
+    .unwrap();
+    let closed = closed_after_answer(&sim, Duration::from_secs(10)).await;
+    let after = closed.expect("the idle connection is closed");
+    assert!(
+        after >= Duration::from_millis(250),
+        "closed after {after:?}"
+    );
+    sim.shutdown().await;
+
+    let sim = start(zero_delay()).await.unwrap();
+    assert_eq!(
+        closed_after_answer(&sim, Duration::from_secs(1)).await,
+        None,
+        "kept without the flag"
+    );
+    sim.shutdown().await;
+}
+
 #[tokio::test]
 async fn injected_faults() {
     let c = client();
