@@ -85,9 +85,12 @@ async fn console_windows_follow_the_data() {
         );
         // 39 minutes and a bit: 40 one-minute buckets, on yesterday's date.
         assert!(note.contains(" (40 min)."), "{kind}: {note}");
-        let yesterday = &last_text[..10];
+        // The window starts on the day of its first request (the 40 minutes may cross
+        // midnight, when the page names both days).
+        let first_text = fleetgate_gateway::clock::format_wall_ms(last - 39 * 60_000);
+        let first_day = &first_text[..10];
         assert!(
-            page.contains(&format!("per minute, {yesterday} ")),
+            page.contains(&format!("per minute, {first_day} ")),
             "{kind}: the charts say the day: {page}"
         );
         assert!(page.contains("id=\"usage-requests\">40<"), "{kind}: {page}");
