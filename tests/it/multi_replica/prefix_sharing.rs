@@ -29,16 +29,32 @@ block_bytes = 64
     (sims, pools)
 }
 
+/// Whether Redis answers while a conversation runs (see `converse`).
+#[derive(Clone, Copy)]
+enum Redis {
+    Answers,
+    Faulty,
+}
+
+const RECEIVED: &str = "fleetgate_prefix_share_received_total";
+
 /// Three turns of agent conversation `conv`, each resending the whole history, turn t sent to
 /// replica `(first + t) % REPLICAS` (as a Service spreads them): the sim that served each turn.
 /// Every turn must be answered, and within 10 s (a replica waiting on a Redis that does not
 /// answer would hang here).
+///
+/// With `Redis::Answers`, the next turn is sent once the other two replicas have received the
+/// turn's record (within 5 s): an agent reads, thinks and runs tools between turns, seconds
+/// that a fixed 50 ms pause stood for and that a loaded CI machine could outlast (the
+/// publisher's 20 ms linger, Redis and the subscriber's wake-up all run on its two cores).
+/// With `Redis::Faulty` it pauses 50 ms and goes on: no record is expected.
 async fn converse(
     replicas: &[Replica],
     sims: &[fleetgate_sim::SimServer],
     key: &str,
     conv: usize,
     first: usize,
+    redis: Redis,
 ) -> Vec<usize> {
     let served = || -> Vec<u64> {
         sims.iter()
@@ -52,6 +68,7 @@ async fn converse(
         serde_json::json!({"role": "user", "content": format!("Conversation {conv}: fix the failing test in module {conv}. {task}")}),
     ];
     let mut backends = Vec::new();
+    let mut received = metric_sum(replicas, RECEIVED).await;
     for turn in 0..3usize {
         let r = &replicas[(first + turn) % REPLICAS];
         let before = served();
@@ -75,7 +92,21 @@ async fn converse(
         messages.push(serde_json::json!({"role": "assistant", "content": format!("Answer {turn} of conversation {conv}, with the reasoning behind it.")}));
         messages.push(serde_json::json!({"role": "user", "content": format!("Turn {} of conversation {conv}: go on with the next step.", turn + 1)}));
         // The agent reads the answer before it sends the next turn.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        match redis {
+            Redis::Answers => {
+                let want = received + (REPLICAS - 1) as f64;
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while metric_sum(replicas, RECEIVED).await < want {
+                    assert!(
+                        Instant::now() < deadline,
+                        "conversation {conv} turn {turn}: the other replicas never received its record"
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                received = want;
+            }
+            Redis::Faulty => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
     }
     backends
 }
@@ -100,7 +131,7 @@ async fn a_later_turn_finds_its_conversations_backend_whichever_replica_it_reach
     prefix_index_is(&replicas, "shared").await;
     let mut used = std::collections::BTreeSet::new();
     for conv in 0..8usize {
-        let backends = converse(&replicas, &sims, &key, conv, conv).await;
+        let backends = converse(&replicas, &sims, &key, conv, conv, Redis::Answers).await;
         assert!(
             backends.iter().all(|b| *b == backends[0]),
             "conversation {conv}: turns went to backends {backends:?} (replicas {:?})",
@@ -141,7 +172,7 @@ async fn redis_paused_killed_or_slow_costs_the_replicas_nothing_and_sharing_come
     let shared_again = |conv: usize| {
         let (replicas, sims, key) = (&replicas, &sims, &key);
         async move {
-            let backends = converse(replicas, sims, key, conv, conv).await;
+            let backends = converse(replicas, sims, key, conv, conv, Redis::Answers).await;
             assert!(
                 backends.iter().all(|b| *b == backends[0]),
                 "conversation {conv}: turns went to backends {backends:?} once Redis answered again"
@@ -155,7 +186,7 @@ async fn redis_paused_killed_or_slow_costs_the_replicas_nothing_and_sharing_come
 
     // Paused: connections open, nothing answers.
     proxy.set(Fault::Paused);
-    converse(&replicas, &sims, &key, 1, 1).await;
+    converse(&replicas, &sims, &key, 1, 1, Redis::Faulty).await;
     all_say("local").await;
     let (_, ready) = admin_call(&replicas[2], "GET", "/admin/ready", None).await;
     assert_eq!(ready["redis"]["state"], "degraded", "{ready}");
@@ -172,7 +203,7 @@ async fn redis_paused_killed_or_slow_costs_the_replicas_nothing_and_sharing_come
 
     // Killed: refused connections.
     let port = proxy.cut();
-    converse(&replicas, &sims, &key, 3, 0).await;
+    converse(&replicas, &sims, &key, 3, 0, Redis::Faulty).await;
     all_say("local").await;
     proxy = Faulty::start(port, upstream).await;
     all_say("shared").await;
@@ -181,7 +212,7 @@ async fn redis_paused_killed_or_slow_costs_the_replicas_nothing_and_sharing_come
     // Slow: every answer late (past the limits' timeout, within the prefix records' one
     // second). Turns are answered at once all the same; the records arrive late, and all of
     // them: once the last has crossed, sharing goes on.
-    let received = metric_sum(&replicas, "fleetgate_prefix_share_received_total").await;
+    let received = metric_sum(&replicas, RECEIVED).await;
     let published = metric_sum(&replicas, "fleetgate_prefix_share_published_total").await;
     let handled = || async {
         metric_sum(&replicas, "fleetgate_prefix_share_published_total").await
@@ -189,8 +220,8 @@ async fn redis_paused_killed_or_slow_costs_the_replicas_nothing_and_sharing_come
     };
     proxy.set(Fault::Slow(Duration::from_millis(300)));
     let before = handled().await;
-    converse(&replicas, &sims, &key, 5, 2).await;
-    converse(&replicas, &sims, &key, 6, 1).await;
+    converse(&replicas, &sims, &key, 5, 2, Redis::Faulty).await;
+    converse(&replicas, &sims, &key, 6, 1, Redis::Faulty).await;
     proxy.set(Fault::None);
     let deadline = Instant::now() + Duration::from_secs(20);
     while handled().await < before + 6.0 {
@@ -202,9 +233,7 @@ async fn redis_paused_killed_or_slow_costs_the_replicas_nothing_and_sharing_come
     }
     let sent = metric_sum(&replicas, "fleetgate_prefix_share_published_total").await - published;
     assert_eq!(sent, 6.0, "a slow Redis loses no record");
-    while metric_sum(&replicas, "fleetgate_prefix_share_received_total").await
-        < received + 2.0 * sent
-    {
+    while metric_sum(&replicas, RECEIVED).await < received + 2.0 * sent {
         assert!(Instant::now() < deadline, "the slow records never arrived");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
