@@ -86,28 +86,21 @@ async fn bench_ctrl_c_prints_what_was_measured() {
     })
     .await;
     let base = s.url();
-    let child = KillOnDrop(Some(
-        Command::new(BIN)
-            .args([
-                "bench",
-                "--base-url",
-                &base,
-                "--model",
-                "qwen32b",
-                "--num-prompts",
-                "40",
-                "--random-input-len",
-                "8",
-                "--random-output-len",
-                "100",
-                "--max-concurrency",
-                "2",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
+    let child = spawn_piped(Command::new(BIN).args([
+        "bench",
+        "--base-url",
+        &base,
+        "--model",
+        "qwen32b",
+        "--num-prompts",
+        "40",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "100",
+        "--max-concurrency",
+        "2",
+    ]));
     let stats = s.stats().clone();
     // Wait until a few requests have finished.
     assert!(
@@ -117,15 +110,7 @@ async fn bench_ctrl_c_prints_what_was_measured() {
             >= 4)
         .await
     );
-    let status = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let out = tokio::task::spawn_blocking(move || child.take().wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
+    let out = stop_and_collect(child, "INT").await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(130), "{stdout}");
     assert!(stdout.contains("Serving Benchmark Result"), "{stdout}");

@@ -63,6 +63,46 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// Spawn `cmd` with its output piped, killed if the test fails before it is collected.
+fn spawn_piped(cmd: &mut Command) -> KillOnDrop {
+    KillOnDrop(Some(
+        cmd.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ))
+}
+
+/// `fleetgate serve --config cfg` (with `env` set), once its `/healthz` on `port` answers 200.
+async fn serve_until_healthy(cfg: &std::path::Path, port: u16, env: &[(&str, &str)]) -> KillOnDrop {
+    let child = spawn_piped(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(cfg)
+            .envs(env.iter().copied()),
+    );
+    wait_for_200(&format!("http://127.0.0.1:{port}/healthz")).await;
+    child
+}
+
+/// Send `signal` (`"TERM"`, `"HUP"`, `"INT"`) to the child.
+fn send_signal(child: &KillOnDrop, signal: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{signal}"), child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{signal} failed");
+}
+
+/// Send `signal` and wait for the child to exit: its status and output.
+async fn stop_and_collect(child: KillOnDrop, signal: &str) -> std::process::Output {
+    send_signal(&child, signal);
+    tokio::task::spawn_blocking(move || child.take().wait_with_output())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 /// Run the binary; (exit code, stdout, stderr).
 fn fleetgate(args: &[&str]) -> (Option<i32>, String, String) {
     outcome(Command::new(BIN).args(args))

@@ -36,16 +36,7 @@ async fn serve_drains_a_stream_on_sigterm() {
     let created: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let key = created["key"].as_str().unwrap().to_owned();
     assert!(key.starts_with("fg-prod-"));
-    let child = KillOnDrop(Some(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg.0)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
-    wait_for_200(&format!("http://127.0.0.1:{port}/healthz")).await;
+    let child = serve_until_healthy(&cfg.0, port, &[]).await;
     let uri: http::Uri = format!("http://127.0.0.1:{port}/v1/chat/completions")
         .parse()
         .unwrap();
@@ -66,11 +57,7 @@ async fn serve_drains_a_stream_on_sigterm() {
             == 1)
         .await
     );
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    send_signal(&child, "TERM");
     let m = stream.await.unwrap();
     assert_eq!(m.status, 200);
     assert!(m.metrics.done, "stream cut by SIGTERM");
@@ -119,26 +106,8 @@ async fn serve_says_when_the_kernel_caps_the_listen_backlog() {
         dir.join("keys.db").display(),
         sim.url()
     ));
-    let child = KillOnDrop(Some(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg.0)
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
-    wait_for_200(&format!("http://127.0.0.1:{port}/healthz")).await;
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let out = tokio::task::spawn_blocking(move || child.take().wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
+    let child = serve_until_healthy(&cfg.0, port, &[("NO_COLOR", "1")]).await;
+    let out = stop_and_collect(child, "TERM").await;
     let logs = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -237,30 +206,14 @@ async fn serve_reloads_pools_on_sighup_and_when_the_file_changes() {
     assert!(out.status.success());
     let created: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let key = created["key"].as_str().unwrap().to_owned();
-    let child = KillOnDrop(Some(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg.0)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
+    let child = serve_until_healthy(&cfg.0, port, &[("RUST_LOG", "info")]).await;
     let uri: http::Uri = format!("http://127.0.0.1:{port}/v1/chat/completions")
         .parse()
         .unwrap();
-    wait_for_200(&format!("http://127.0.0.1:{port}/healthz")).await;
     let (sa, sb) = (a.stats().clone(), b.stats().clone());
     assert!(until_served_by(&uri, &key, &sa.requests, Duration::from_secs(2)).await);
 
-    let hup = || {
-        let status = Command::new("kill")
-            .args(["-HUP", &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-    };
+    let hup = || send_signal(&child, "HUP");
     // SIGHUP: the pool moves to b. (The watcher would see the change as well; the signal
     // applies it first.)
     std::fs::write(&cfg.0, config_with(&b.url(), "")).unwrap();
@@ -289,15 +242,7 @@ async fn serve_reloads_pools_on_sighup_and_when_the_file_changes() {
         "the watcher did not apply the changed file"
     );
 
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let out = tokio::task::spawn_blocking(move || child.take().wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
+    let out = stop_and_collect(child, "TERM").await;
     assert!(out.status.success());
     let logs = String::from_utf8_lossy(&out.stdout);
     let reloaded_by = |trigger: &str| {
