@@ -107,8 +107,9 @@ pub struct Args {
     #[arg(long, default_value_t = 2.0)]
     pub burst_settle_secs: f64,
     /// Phase 0: after the last burst, how long to wait before reading each process's RSS once
-    /// more (0: not read). Past the gateway's upstream idle timeout (90 s), its pool of idle
-    /// backend connections has closed: what is left is what the process keeps.
+    /// more (0: not read). Past the gateway's upstream idle timeout (4 s) and jemalloc's
+    /// decay (10 s), its idle backend connections have closed and freed pages gone back: what
+    /// is left is what the process keeps.
     #[arg(long, default_value_t = 0.0)]
     pub burst_drain_secs: f64,
     /// Phase 0: completion tokens per stream (the burst sim: one per decode step).
