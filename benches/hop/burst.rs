@@ -20,7 +20,7 @@ use tokio::task::JoinSet;
 use crate::args::Args;
 use crate::error::Res;
 use crate::memory::mib;
-use crate::procfs::{TcpStorm, rss_kib};
+use crate::procfs::{TcpStorm, rss_anon_kib, rss_kib};
 use crate::target::{chat_uri, request_body};
 
 /// One stream of a burst: its time to first token, or why it has none.
@@ -160,7 +160,8 @@ pub async fn bursts(
         .iter()
         .map(|(name, _, pids)| {
             let idle = rss_kib(pids).map(|r| r.0).unwrap_or(0);
-            json!({"via": name, "rss_idle_kib": idle, "bursts": []})
+            let anon = rss_anon_kib(pids).unwrap_or(0);
+            json!({"via": name, "rss_idle_kib": idle, "rss_idle_anon_kib": anon, "bursts": []})
         })
         .collect();
     for round in 0..args.burst_rounds {
@@ -198,6 +199,7 @@ pub async fn bursts(
                 args.burst_drain_secs
             );
             out[i]["rss_drained_kib"] = json!(rss);
+            out[i]["rss_drained_anon_kib"] = json!(rss_anon_kib(pids)?);
         }
     }
     Ok(out)

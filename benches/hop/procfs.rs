@@ -35,26 +35,34 @@ fn self_cpu_secs() -> Res<f64> {
 
 /// VmRSS and VmHWM of a set of processes, summed, in KiB.
 pub fn rss_kib(pids: &[u32]) -> Res<(u64, u64)> {
-    let (mut rss, mut hwm) = (0, 0);
+    let [rss, hwm] = status_kib(pids, ["VmRSS:", "VmHWM:"])?;
+    Ok((rss, hwm))
+}
+
+/// RssAnon of a set of processes, summed, in KiB: the resident set without the binary's and
+/// libraries' file pages (which a process that has run more of its code has more of).
+pub fn rss_anon_kib(pids: &[u32]) -> Res<u64> {
+    let [anon] = status_kib(pids, ["RssAnon:"])?;
+    Ok(anon)
+}
+
+/// The `/proc/<pid>/status` fields `names` (in kB), each summed over `pids`.
+fn status_kib<const N: usize>(pids: &[u32], names: [&str; N]) -> Res<[u64; N]> {
+    let mut sums = [0; N];
     for pid in pids {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
         for line in status.lines() {
-            let field = |prefix: &str| -> Option<u64> {
-                line.strip_prefix(prefix)?
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse()
-                    .ok()
-            };
-            if let Some(v) = field("VmRSS:") {
-                rss += v;
-            } else if let Some(v) = field("VmHWM:") {
-                hwm += v;
+            for (name, sum) in names.iter().zip(sums.iter_mut()) {
+                let value = line
+                    .strip_prefix(name)
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+                if let Some(v) = value {
+                    *sum += v;
+                }
             }
         }
     }
-    Ok((rss, hwm))
+    Ok(sums)
 }
 
 /// Busy time of the whole machine (all CPUs, everything but idle and iowait), in seconds.

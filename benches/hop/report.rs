@@ -323,7 +323,11 @@ pub fn burst_section(md: &mut String, args: &Args, bursts: &[Value]) {
     for b in bursts {
         let via = b["via"].as_str().unwrap_or("");
         let idle = mib(b["rss_idle_kib"].as_u64().unwrap_or(0));
-        let _ = writeln!(md, "| {via} | idle | | | | | | | {idle:.1} MiB | |");
+        let anon = mib(b["rss_idle_anon_kib"].as_u64().unwrap_or(0));
+        let _ = writeln!(
+            md,
+            "| {via} | idle | | | | | | | {idle:.1} MiB (anonymous {anon:.1}) | |"
+        );
         for (i, r) in b["bursts"].as_array().into_iter().flatten().enumerate() {
             let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
             let _ = writeln!(
@@ -345,9 +349,10 @@ pub fn burst_section(md: &mut String, args: &Args, bursts: &[Value]) {
         if let Some(kib) = b["rss_drained_kib"].as_u64() {
             let _ = writeln!(
                 md,
-                "| {via} | {:.0} s after the last | | | | | | | | {:.1} MiB |",
+                "| {via} | {:.0} s after the last | | | | | | | | {:.1} MiB (anonymous {:.1}) |",
                 args.burst_drain_secs,
-                mib(kib)
+                mib(kib),
+                mib(b["rss_drained_anon_kib"].as_u64().unwrap_or(0))
             );
         }
     }
