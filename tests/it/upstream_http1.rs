@@ -14,9 +14,8 @@ use tokio::net::TcpListener;
 /// small JSON body (a chat completion), keeping the connection open.
 struct RawBackend {
     addr: SocketAddr,
-    heads: Arc<Mutex<Vec<String>>>,
-    /// Each request's line with the number of the connection it came on (0, 1, ...).
-    lines: Arc<Mutex<Vec<(usize, String)>>>,
+    /// Each request's head with the number of the connection it came on (0, 1, ...).
+    heads: Arc<Mutex<Vec<(usize, String)>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -31,14 +30,11 @@ impl RawBackend {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let heads = Arc::new(Mutex::new(Vec::new()));
-        let lines = Arc::new(Mutex::new(Vec::new()));
         let seen = heads.clone();
-        let on_conn = lines.clone();
         let task = tokio::spawn(async move {
             let mut conn = 0;
             while let Ok((mut sock, _)) = listener.accept().await {
                 let seen = seen.clone();
-                let on_conn = on_conn.clone();
                 let this = conn;
                 conn += 1;
                 tokio::spawn(async move {
@@ -69,9 +65,7 @@ impl RawBackend {
                             }
                         }
                         buf.drain(..end + 4 + len);
-                        let line = head.lines().next().unwrap_or("").to_owned();
-                        on_conn.lock().unwrap().push((this, line));
-                        seen.lock().unwrap().push(head);
+                        seen.lock().unwrap().push((this, head));
                         let body = r#"{"id":"c","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2},"tokens":[1]}"#;
                         let answer = format!(
                             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
@@ -84,12 +78,7 @@ impl RawBackend {
                 });
             }
         });
-        Self {
-            addr,
-            heads,
-            lines,
-            task,
-        }
+        Self { addr, heads, task }
     }
 
     /// The heads of requests to `path` (probes left out).
@@ -99,6 +88,7 @@ impl RawBackend {
             .lock()
             .unwrap()
             .iter()
+            .map(|(_, h)| h)
             .filter(|h| h.lines().next().is_some_and(|l| l.contains(&line)))
             .cloned()
             .collect()
@@ -180,7 +170,7 @@ async fn a_connection_idle_past_four_seconds_is_not_reused() {
         assert_eq!(chat(&gw).await.status, 200);
     }
     let on: Vec<usize> = raw
-        .lines
+        .heads
         .lock()
         .unwrap()
         .iter()
