@@ -198,6 +198,25 @@ fn tool_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>, 
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// Hands the calling thread's jemalloc cache back to the arenas, from where its pages return
+/// to the system with the decay (run by a parking runtime thread: `server::idle`). Disabling
+/// the thread's cache flushes it (jemalloc's `thread.tcache.enabled`, which unlike
+/// `thread.tcache.flush` takes a value and so has a safe call); enabling it again starts an
+/// empty one.
+#[cfg(all(feature = "jemalloc", not(target_env = "msvc")))]
+fn release_thread_cache() {
+    use tikv_jemalloc_ctl::{Access, AsName, Mib};
+    static TCACHE_ENABLED: std::sync::OnceLock<Option<Mib<[usize; 3]>>> =
+        std::sync::OnceLock::new();
+    let Some(mib) = TCACHE_ENABLED.get_or_init(|| b"thread.tcache.enabled\0".name().mib().ok())
+    else {
+        return;
+    };
+    if mib.write(false).is_ok() {
+        let _ = mib.write(true);
+    }
+}
+
 fn main() -> ExitCode {
     // A bad command line exits 64 (EX_USAGE), not clap's 2: 2 is bench's "SLA violated".
     let args = store_flags_after_subcommand(std::env::args_os().collect());
@@ -213,8 +232,11 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    #[cfg(all(feature = "jemalloc", not(target_env = "msvc")))]
+    fleetgate_gateway::server::idle::set_release(release_thread_cache);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        .on_thread_park(fleetgate_gateway::server::idle::parked)
         .build()
     {
         Ok(rt) => rt,

@@ -282,6 +282,7 @@ fn the_dockerfile_builds_what_ci_builds() {
     for needed in [
         "Cargo.toml",
         "Cargo.lock",
+        ".cargo",
         "src",
         "crates",
         "migrations",

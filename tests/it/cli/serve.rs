@@ -289,3 +289,21 @@ async fn serve_reloads_pools_on_sighup_and_when_the_file_changes() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The binary carries jemalloc's settings of `.cargo/config.toml` (the 64 KiB slabs that keep
+/// what a burst leaves small), after the background threads of tikv-jemallocator's feature:
+/// jemalloc names every source of settings it read when asked to (`confirm_conf`).
+#[cfg(feature = "jemalloc")]
+#[test]
+fn the_binary_carries_its_jemalloc_settings() {
+    let (code, _, stderr) = outcome(
+        Command::new(BIN)
+            .arg("--version")
+            .env("_RJEM_MALLOC_CONF", "confirm_conf:true"),
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stderr.contains(r#"--with-malloc-conf): "background_thread:true,slab_sizes:4096-8192:16""#),
+        "jemalloc's compiled-in settings, as it reports them: {stderr}"
+    );
+}

@@ -13,6 +13,7 @@
 //! (`conn_limit`).
 
 pub mod conn_limit;
+pub mod idle;
 pub mod reload;
 pub mod router;
 pub mod tls;
@@ -517,6 +518,7 @@ fn spawn_workers(
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
+            .on_thread_park(idle::parked)
             .build()?;
         std::thread::Builder::new()
             .name(format!("fleetgate-worker-{i}"))
