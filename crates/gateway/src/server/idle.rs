@@ -6,8 +6,9 @@
 //! 5 000 streams, docs/benchmarks.md "What stays") for as long as it stays quiet. The binary
 //! hands its allocator's release to [`set_release`]; every runtime thread of the gateway calls
 //! [`parked`] as it parks, and the release runs there at most once per [`INTERVAL`] per thread.
-//! A busy worker seldom parks and never more than once a second releases; an idle one releases
-//! what the last work freed as soon as it has nothing else to do.
+//! A busy worker releases at most once a second, however often it parks; one whose work has
+//! ended releases what that work freed at its next park, and the wake-ups of an idle worker
+//! (its pool's sweep, each second) then find its cache empty.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
