@@ -159,8 +159,7 @@ pub async fn bursts(
     let mut out: Vec<Value> = plan
         .iter()
         .map(|(name, _, pids)| {
-            let idle = rss_kib(pids).map(|r| r.0).unwrap_or(0);
-            let anon = rss_anon_kib(pids).unwrap_or(0);
+            let (idle, anon) = rss_anon_kib(pids).unwrap_or((0, 0));
             json!({"via": name, "rss_idle_kib": idle, "rss_idle_anon_kib": anon, "bursts": []})
         })
         .collect();
@@ -192,14 +191,14 @@ pub async fn bursts(
         );
         tokio::time::sleep(Duration::from_secs_f64(args.burst_drain_secs)).await;
         for (i, (name, _, pids)) in plan.iter().enumerate() {
-            let rss = rss_kib(pids)?.0;
+            let (rss, anon) = rss_anon_kib(pids)?;
             eprintln!(
                 "hop: burst: {name} RSS {:.1} MiB {:.0} s after the last burst",
                 mib(rss),
                 args.burst_drain_secs
             );
             out[i]["rss_drained_kib"] = json!(rss);
-            out[i]["rss_drained_anon_kib"] = json!(rss_anon_kib(pids)?);
+            out[i]["rss_drained_anon_kib"] = json!(anon);
         }
     }
     Ok(out)

@@ -39,11 +39,12 @@ pub fn rss_kib(pids: &[u32]) -> Res<(u64, u64)> {
     Ok((rss, hwm))
 }
 
-/// RssAnon of a set of processes, summed, in KiB: the resident set without the binary's and
-/// libraries' file pages (which a process that has run more of its code has more of).
-pub fn rss_anon_kib(pids: &[u32]) -> Res<u64> {
-    let [anon] = status_kib(pids, ["RssAnon:"])?;
-    Ok(anon)
+/// VmRSS and RssAnon of a set of processes, summed, in KiB: the resident set, and its part
+/// without the binary's and libraries' file pages (which a process that has run more of its
+/// code has more of).
+pub fn rss_anon_kib(pids: &[u32]) -> Res<(u64, u64)> {
+    let [rss, anon] = status_kib(pids, ["VmRSS:", "RssAnon:"])?;
+    Ok((rss, anon))
 }
 
 /// The `/proc/<pid>/status` fields `names` (in kB), each summed over `pids`.
