@@ -519,6 +519,69 @@ async fn a_full_batch_is_written_at_once_a_partial_one_at_the_interval_or_at_shu
     }
 }
 
+/// Connections the request log's writer holds open.
+fn writer_connections(store: &fleetgate_gateway::store::KeyStore) -> u32 {
+    match store.bulk() {
+        fleetgate_gateway::store::BulkPool::Postgres(p) => p.size(),
+        fleetgate_gateway::store::BulkPool::Sqlite(p) => p.size(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writer_closes_its_connection_when_idle_and_opens_one_for_the_next_batch() {
+    use fleetgate_gateway::store::BULK_IDLE;
+    for (db, _guard) in stores("request_log_idle").await {
+        let kind = db.kind().as_str();
+        let sim = sim(|a| a.decode_step_ms = 0.0).await;
+        let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+            c.database = db.clone();
+            c.request_log.flush_interval = Duration::from_millis(20);
+        })
+        .await;
+        let store = gw.server.auth.store().clone();
+        let chat = gw.url("/v1/chat/completions");
+        let send = |id: &'static str| {
+            let chat = chat.clone();
+            async move {
+                let r = post(
+                    &chat,
+                    &[("x-request-id", id)],
+                    chat_body("qwen32b", "hi", 2, true),
+                )
+                .await;
+                assert_eq!(r.status, 200);
+            }
+        };
+        assert_eq!(writer_connections(&store), 0, "{kind}: connected lazily");
+        send("before-idle").await;
+        assert_eq!(wait_rows(&store, 1).await.len(), 1, "{kind}");
+        assert_eq!(
+            writer_connections(&store),
+            1,
+            "{kind}: the batch opened the writer's connection"
+        );
+        // sqlx looks for idle connections every BULK_IDLE: closed within two of them.
+        let deadline = tokio::time::Instant::now() + BULK_IDLE * 3;
+        while writer_connections(&store) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            writer_connections(&store),
+            0,
+            "{kind}: an idle writer gives its connection (and SQLite's page cache) back"
+        );
+        send("after-idle").await;
+        let all = wait_rows(&store, 2).await;
+        assert_eq!(
+            all.iter()
+                .map(|r| r.get::<String, _>("request_id"))
+                .collect::<Vec<_>>(),
+            ["before-idle", "after-idle"],
+            "{kind}: the next batch opens a connection and is stored"
+        );
+    }
+}
+
 /// One spilled row, as an older process would have written it to its spill file (a minute
 /// ago: well inside the log's retention, which the writer applies as it starts).
 fn spilled_row(i: i64) -> fleetgate_gateway::telemetry::request_log::row::SpillRow {

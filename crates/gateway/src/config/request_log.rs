@@ -38,10 +38,7 @@ pub(super) fn validate(
     err: FileErrors<'_>,
 ) -> Result<RequestLogConfig, ConfigError> {
     if rl.batch_rows == 0 || rl.batch_rows > 1000 {
-        return Err(err.at(
-            "request_log.batch_rows",
-            "must be between 1 and 1000 (one INSERT carries 25 values per row)",
-        ));
+        return Err(err.at("request_log.batch_rows", "must be between 1 and 1000"));
     }
     if rl.retention_days == 0 {
         return Err(err.at("request_log.retention_days", "must be ≥ 1"));

@@ -232,7 +232,16 @@ fn key_from_row(row: &AnyRow) -> Result<KeyRecord, StoreError> {
     })
 }
 
-/// One lazily connected connection of the engine's own driver, to the same database.
+/// How long the bulk writer's connection stays open without a batch. Past it the pool closes
+/// the connection (sqlx checks every `BULK_IDLE`, so it closes 1–2 × `BULK_IDLE` after the last
+/// batch) and the next batch opens another. A burst fills SQLite's page cache (2 MB by
+/// default) and prepares the 256-row `INSERT`, in SQLite's own memory, which is given back only
+/// when the connection closes; on PostgreSQL an idle replica's writer holds no server backend.
+/// Under steady traffic a batch comes every `flush_interval`, so the connection stays.
+pub const BULK_IDLE: Duration = Duration::from_secs(5);
+
+/// One lazily connected connection of the engine's own driver, to the same database, closed
+/// after `BULK_IDLE` without use.
 fn bulk_pool(config: &DatabaseConfig, kind: DbKind) -> Result<BulkPool, StoreError> {
     use std::str::FromStr;
     let url = config.connect_url();
@@ -240,12 +249,14 @@ fn bulk_pool(config: &DatabaseConfig, kind: DbKind) -> Result<BulkPool, StoreErr
         DbKind::Postgres => BulkPool::Postgres(
             sqlx::postgres::PgPoolOptions::new()
                 .max_connections(1)
+                .idle_timeout(BULK_IDLE)
                 .acquire_timeout(config.connect_timeout)
                 .connect_lazy_with(sqlx::postgres::PgConnectOptions::from_str(&url)?),
         ),
         DbKind::Sqlite => BulkPool::Sqlite(
             sqlx::sqlite::SqlitePoolOptions::new()
                 .max_connections(1)
+                .idle_timeout(BULK_IDLE)
                 .acquire_timeout(config.connect_timeout)
                 .connect_lazy_with(
                     sqlx::sqlite::SqliteConnectOptions::from_str(&url)?
@@ -316,7 +327,8 @@ impl KeyStore {
         })
     }
 
-    /// The engine's own pool (one connection, opened on first use) for bulk writes.
+    /// The engine's own pool for bulk writes: one connection, opened on first use and closed
+    /// after `BULK_IDLE` without a batch.
     pub fn bulk(&self) -> &BulkPool {
         &self.bulk
     }
