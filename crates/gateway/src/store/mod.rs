@@ -235,8 +235,9 @@ fn key_from_row(row: &AnyRow) -> Result<KeyRecord, StoreError> {
 /// How long the bulk writer's connection stays open without a batch. Past it the pool closes
 /// the connection (sqlx checks every `BULK_IDLE`, so it closes 1–2 × `BULK_IDLE` after the last
 /// batch) and the next batch opens another. A burst fills SQLite's page cache (2 MB by
-/// default) and prepares the 256-row `INSERT`, in SQLite's own memory, which is given back only
-/// when the connection closes; on PostgreSQL an idle replica's writer holds no server backend.
+/// default) and prepares the multi-row `INSERT`s, in SQLite's own memory, which is given back
+/// only when the connection closes; on PostgreSQL an idle replica's writer holds no server
+/// backend.
 /// Under steady traffic a batch comes every `flush_interval`, so the connection stays.
 pub const BULK_IDLE: Duration = Duration::from_secs(5);
 

@@ -11,8 +11,13 @@ use crate::store::{BulkPool, KeyStore};
 pub(super) const WIDTH: usize = 28;
 
 /// Rows per SQLite statement, largest first: a batch is cut into statements of these sizes,
-/// so at most a few distinct statements exist, each prepared once and then cached.
-pub(super) const SQLITE_ROWS: [usize; 5] = [256, 64, 16, 4, 1];
+/// so at most a few distinct statements exist, each prepared once and then cached. 64 rows, not
+/// more: SQLite allocates with glibc's malloc, which keeps up to twice the largest block it
+/// has unmapped before it gives freed memory back, and a larger statement prepares larger
+/// blocks. After a burst, with the writer's connection closed, its heap kept 1.8 MB with
+/// 256-row statements and 0.9 MB with 64-row ones, for the same CPU per row (32 rows cost
+/// 0.5 µs more per row; docs/benchmarks.md, "What stays, given back").
+pub(super) const SQLITE_ROWS: [usize; 4] = [64, 16, 4, 1];
 
 /// Fresh batches into the store, in the engine's own bulk form (replayed spill rows take
 /// `insert`, which skips rows already stored).
