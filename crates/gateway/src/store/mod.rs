@@ -237,8 +237,8 @@ fn key_from_row(row: &AnyRow) -> Result<KeyRecord, StoreError> {
 /// batch) and the next batch opens another. A burst fills SQLite's page cache (2 MB by
 /// default) and prepares the multi-row `INSERT`s, in SQLite's own memory, which is given back
 /// only when the connection closes; on PostgreSQL an idle replica's writer holds no server
-/// backend.
-/// Under steady traffic a batch comes every `flush_interval`, so the connection stays.
+/// backend. Under steady traffic a batch comes every `flush_interval`, so the connection stays;
+/// opening one is part of the batch's write and its 5 s timeout (past it, the batch spills).
 pub const BULK_IDLE: Duration = Duration::from_secs(5);
 
 /// One lazily connected connection of the engine's own driver, to the same database, closed
