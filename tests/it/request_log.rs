@@ -30,6 +30,17 @@ async fn wait_rows(store: &fleetgate_gateway::store::KeyStore, n: usize) -> Vec<
     rows(store).await
 }
 
+/// One streamed chat through the gateway at `chat`, tagged `id`; it must succeed.
+async fn stream_one(chat: &http::Uri, id: &str) {
+    let r = post(
+        chat,
+        &[("x-request-id", id)],
+        chat_body("qwen32b", "hi", 2, true),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_request_gets_one_consistent_row_on_both_stores() {
     for (db, _guard) in stores("request_log_rows").await {
@@ -264,17 +275,7 @@ async fn rows_written_during_an_outage_are_spilled_and_replayed_exactly_once() {
         .unwrap();
     let chat = gw.url("/v1/chat/completions");
     for i in 0..5 {
-        let id = format!("before-{i}");
-        assert_eq!(
-            post(
-                &chat,
-                &[("x-request-id", &id)],
-                chat_body("qwen32b", "hi", 2, true)
-            )
-            .await
-            .status,
-            200
-        );
+        stream_one(&chat, &format!("before-{i}")).await;
     }
     assert_eq!(wait_rows(&direct, 5).await.len(), 5);
 
@@ -478,27 +479,15 @@ async fn a_full_batch_is_written_at_once_a_partial_one_at_the_interval_or_at_shu
         .await;
         let store = gw.server.auth.store().clone();
         let chat = gw.url("/v1/chat/completions");
-        let send = |id: String| {
-            let chat = chat.clone();
-            async move {
-                let r = post(
-                    &chat,
-                    &[("x-request-id", &id)],
-                    chat_body("qwen32b", "hi", 2, true),
-                )
-                .await;
-                assert_eq!(r.status, 200);
-            }
-        };
         for i in 0..4 {
-            send(format!("full-{i}")).await;
+            stream_one(&chat, &format!("full-{i}")).await;
         }
         assert_eq!(
             wait_rows(&store, 4).await.len(),
             4,
             "{kind}: a full batch is written without waiting an hour"
         );
-        send("partial".to_owned()).await;
+        stream_one(&chat, "partial").await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert_eq!(
             rows(&store).await.len(),
@@ -540,20 +529,8 @@ async fn the_writer_closes_its_connection_when_idle_and_opens_one_for_the_next_b
         .await;
         let store = gw.server.auth.store().clone();
         let chat = gw.url("/v1/chat/completions");
-        let send = |id: &'static str| {
-            let chat = chat.clone();
-            async move {
-                let r = post(
-                    &chat,
-                    &[("x-request-id", id)],
-                    chat_body("qwen32b", "hi", 2, true),
-                )
-                .await;
-                assert_eq!(r.status, 200);
-            }
-        };
         assert_eq!(writer_connections(&store), 0, "{kind}: connected lazily");
-        send("before-idle").await;
+        stream_one(&chat, "before-idle").await;
         assert_eq!(wait_rows(&store, 1).await.len(), 1, "{kind}");
         assert_eq!(
             writer_connections(&store),
@@ -570,7 +547,7 @@ async fn the_writer_closes_its_connection_when_idle_and_opens_one_for_the_next_b
             0,
             "{kind}: an idle writer gives its connection (and SQLite's page cache) back"
         );
-        send("after-idle").await;
+        stream_one(&chat, "after-idle").await;
         let all = wait_rows(&store, 2).await;
         assert_eq!(
             all.iter()

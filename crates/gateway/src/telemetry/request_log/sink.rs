@@ -16,7 +16,7 @@ pub(super) const WIDTH: usize = 28;
 /// has unmapped before it gives freed memory back, and a larger statement prepares larger
 /// blocks. After a burst, with the writer's connection closed, its heap kept 1.8 MB with
 /// 256-row statements and 0.9 MB with 64-row ones, for the same CPU per row (32 rows cost
-/// 0.5 µs more per row; docs/benchmarks.md, "What stays, given back").
+/// 0.5 µs more per row; docs/benchmarks.md, "What the request log's writer keeps").
 pub(super) const SQLITE_ROWS: [usize; 4] = [64, 16, 4, 1];
 
 /// Fresh batches into the store, in the engine's own bulk form (replayed spill rows take
