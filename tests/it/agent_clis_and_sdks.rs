@@ -132,6 +132,49 @@ async fn claude_code_completes_a_prompt_through_the_gateway() {
             "the request log holds Claude Code's request ({var}) with TTFT and hop"
         );
     }
+    // A revoked key, with Claude Code's own retries as it ships them (it retries a 401 for
+    // minutes unless told not to): the refusal's `x-should-retry: false` stops it at once,
+    // and it prints the gateway's reason.
+    let (revoked, rec) = issue_key(&gw, Environment::Prod, |_| {}).await;
+    let store = gw.server.auth.store();
+    store
+        .revoke(&rec.public_id, "left the team", "test")
+        .await
+        .unwrap();
+    gw.server
+        .auth
+        .apply(&rec.public_id, store.get(&rec.public_id).await.unwrap());
+    for (i, var) in ["ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_API_KEY"]
+        .into_iter()
+        .enumerate()
+    {
+        let home = dir.join(format!("revoked{i}"));
+        std::fs::create_dir_all(&home).unwrap();
+        let env: Vec<_> = claude_env(&home, &base, var, &revoked, "qwen32b")
+            .into_iter()
+            .filter(|(k, _)| *k != "CLAUDE_CODE_MAX_RETRIES")
+            .collect();
+        let started = std::time::Instant::now();
+        let r = run_agent(
+            &claude,
+            &["-p", "say hi", "--no-session-persistence"],
+            &env,
+            &work,
+            Duration::from_secs(120),
+        )
+        .await;
+        let took = started.elapsed();
+        assert!(!r.ok, "{var}: a revoked key succeeded: {}", r.stdout);
+        let said = format!("{}{}", r.stdout, r.stderr);
+        assert!(
+            said.contains("revoked"),
+            "{var}: the reason is shown: {said}"
+        );
+        assert!(
+            took < Duration::from_secs(5),
+            "{var}: Claude Code gave up after {took:?}, not at once: {said}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -3,11 +3,13 @@
 //! pinned to the canary, and each environment's priority passed to the engine.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::common::*;
 use bytes::Bytes;
 use fleetgate_gateway::config::{BackendConfig, PoolConfig};
+use http::HeaderMap;
 
 pub(crate) fn chat(model: &str, max_tokens: u32, stream: bool) -> Bytes {
     fleetgate_protocol::client::chat_body(model, "Say something", max_tokens, stream)
@@ -371,4 +373,206 @@ async fn each_environments_priority_reaches_the_engine() {
         ["stress", "prod", "gray", "stress-claiming"],
         "the backend admitted prod before the requests that waited before it, and gray before stress"
     );
+}
+
+/// A stress key's `priority`, in every spelling a client can give it, reaches the backend as
+/// its environment's 20 on every route vLLM orders by it (chat, completions, Responses, the
+/// chat batch, every pooling route), and not at all where vLLM reads none (Messages, the
+/// tokenizer); a value that is no integer, or a key given twice, is refused before any
+/// backend sees it; the gateway never sends the field twice; vLLM's `X-Vllm-Priority` header
+/// never reaches the backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_priority_is_held_to_its_environment_on_every_route() {
+    use fleetgate_gateway::key::Environment;
+    let seen: Arc<Mutex<Vec<(String, HeaderMap, Bytes)>>> = Arc::default();
+    let log = seen.clone();
+    let (addr, task) = http_backend(move |req: http::Request<hyper::body::Incoming>| {
+        let log = log.clone();
+        async move {
+            use http_body_util::BodyExt;
+            let (head, body) = req.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            if head.uri.path() != "/health" {
+                log.lock()
+                    .unwrap()
+                    .push((head.uri.path().to_owned(), head.headers, body));
+            }
+            http::Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(Bytes::from_static(
+                    br#"{"id":"c","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#,
+                )))
+                .unwrap()
+        }
+    })
+    .await;
+    let mut p = pool("m", &[format!("http://{addr}")]);
+    p.priority = Some(fleetgate_gateway::config::EnginePriority {
+        by_env: [20, 10, 0],
+        override_client: false,
+    });
+    let gw = gateway(vec![p]).await;
+    let (stress, _) = issue_key(&gw, Environment::Stress, |_| {}).await;
+    let auth = format!("Bearer {stress}");
+    let routes: [(&str, &str, bool); 14] = [
+        (
+            "/v1/chat/completions",
+            r#""messages":[{"role":"user","content":"hi"}]"#,
+            true,
+        ),
+        ("/v1/completions", r#""prompt":"hi""#, true),
+        ("/v1/responses", r#""input":"hi","store":false"#, true),
+        (
+            "/v1/chat/completions/batch",
+            r#""messages":[[{"role":"user","content":"hi"}]]"#,
+            true,
+        ),
+        ("/v1/embeddings", r#""input":"hi""#, true),
+        ("/v2/embed", r#""texts":["hi"]"#, true),
+        ("/pooling", r#""input":"hi""#, true),
+        ("/classify", r#""input":"hi""#, true),
+        ("/score", r#""queries":"a","documents":["b"]"#, true),
+        ("/v1/rerank", r#""query":"a","documents":["b"]"#, true),
+        (
+            "/v1/messages",
+            r#""max_tokens":4,"messages":[{"role":"user","content":"hi"}]"#,
+            false,
+        ),
+        (
+            "/v1/messages/count_tokens",
+            r#""messages":[{"role":"user","content":"hi"}]"#,
+            false,
+        ),
+        ("/tokenize", r#""prompt":"hi""#, false),
+        ("/detokenize", r#""tokens":[1,2]"#, false),
+    ];
+    for (path, rest, ordered) in routes {
+        for spelling in [
+            r#""priority":-5,"#,
+            r#""priority":-9223372036854775808,"#,
+            r#""pr\u0069ority":-5,"#,
+            r#""priority":-0,"#,
+            r#""priority":null,"#,
+            r#""priority" : 50 ,"#,
+            "",
+        ] {
+            let body = format!(r#"{{"model":"m",{spelling}{rest}}}"#);
+            seen.lock().unwrap().clear();
+            let m = post(
+                &gw.url(path),
+                &[("authorization", &auth), ("x-vllm-priority", "-100")],
+                body.clone(),
+            )
+            .await;
+            assert_eq!(m.status, 200, "{path} {body}: {:?}", m.body);
+            let got = seen.lock().unwrap().clone();
+            assert_eq!(got.len(), 1, "{path} {body}");
+            let (at, head, sent) = &got[0];
+            assert_eq!(at, path);
+            assert!(head.get("x-vllm-priority").is_none(), "{path}: header kept");
+            let text = String::from_utf8_lossy(sent);
+            let v: serde_json::Value = serde_json::from_slice(sent)
+                .unwrap_or_else(|e| panic!("{path} {body}: sent {text}: {e}"));
+            assert!(
+                text.matches("priority").count() <= 1,
+                "{path} {body}: the field twice: {text}"
+            );
+            let expected = match (ordered, spelling) {
+                (false, _) => serde_json::Value::Null,
+                // A worse priority than the environment's is the client's to keep.
+                (true, s) if s.contains("50") => 50.into(),
+                (true, _) => 20.into(),
+            };
+            assert_eq!(
+                v.get("priority").cloned().unwrap_or_default(),
+                expected,
+                "{path} {body}: {text}"
+            );
+        }
+        // (body, given twice): a key given twice is refused on every route, as serde reads it.
+        for (refused, twice) in [
+            (r#""priority":"-5","#, false),
+            (r#""priority":1e309,"#, false),
+            (r#""priority":20,"priority":-5,"#, true),
+            (r#""priority":20,"pr\u0069ority":-5,"#, true),
+        ] {
+            let body = format!(r#"{{"model":"m",{refused}{rest}}}"#);
+            seen.lock().unwrap().clear();
+            let m = post(&gw.url(path), &[("authorization", &auth)], body.clone()).await;
+            if ordered || twice {
+                assert_eq!(m.status, 400, "{path} {body}: {:?}", m.body);
+                assert!(seen.lock().unwrap().is_empty(), "{path} {body}: forwarded");
+            } else {
+                // Unread there: taken out, whatever it holds.
+                assert_eq!(m.status, 200, "{path} {body}: {:?}", m.body);
+                let sent = seen.lock().unwrap()[0].2.clone();
+                let v: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+                assert!(v.get("priority").is_none(), "{path} {body}");
+            }
+        }
+    }
+    task.abort();
+}
+
+/// The environment the backends put first passes the pool's capacity only where the backend
+/// is told who goes first: at a full backend (two seats, both taken by stress), a prod chat
+/// request overflows to the backend at once, while a prod Messages request (whose vLLM request
+/// has no `priority`) waits in the gateway's queue, though the overflow has room for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overflow_applies_only_where_the_engine_orders_by_priority() {
+    use fleetgate_gateway::key::Environment;
+    use std::sync::atomic::Ordering::SeqCst;
+    let sim = sim(|a| {
+        a.max_num_seqs = 1;
+        a.decode_step_ms = 5.0;
+        a.scheduling_policy = fleetgate_sim::SchedulingPolicy::Priority;
+    })
+    .await;
+    let mut p = pool("qwen32b", &[sim.url()]);
+    p.max_in_flight_per_backend = 2;
+    p.priority = Some(fleetgate_gateway::config::EnginePriority {
+        by_env: [20, 10, 0],
+        override_client: false,
+    });
+    let gw = gateway(vec![p]).await;
+    let (stress, _) = issue_key(&gw, Environment::Stress, |_| {}).await;
+    let (prod, _) = issue_key(&gw, Environment::Prod, |_| {}).await;
+    let stats = sim.stats().clone();
+    let send = |key: &str, path: &str, tokens: u32| {
+        let url = gw.url(path);
+        let auth = format!("Bearer {key}");
+        let body = serde_json::json!({"model": "qwen32b", "max_tokens": tokens,
+                                      "messages": [{"role": "user", "content": "hi"}]});
+        tokio::spawn(async move {
+            let m = post(&url, &[("authorization", &auth)], body.to_string()).await;
+            assert_eq!(m.status, 200, "{:?}", m.body);
+        })
+    };
+    let at_backend = || stats.running.load(SeqCst) + stats.waiting.load(SeqCst);
+    let queued = || metrics_text(&gw).contains("fleetgate_queue_depth{model=\"qwen32b\"} 1");
+    let holder = send(&stress, "/v1/chat/completions", 600);
+    assert!(eventually(Duration::from_secs(10), || at_backend() == 1).await);
+    let second = send(&stress, "/v1/chat/completions", 10);
+    assert!(eventually(Duration::from_secs(10), || at_backend() == 2).await);
+    let chat = send(&prod, "/v1/chat/completions", 10);
+    assert!(
+        eventually(Duration::from_secs(10), || at_backend() == 3).await,
+        "prod's chat request passes the capacity"
+    );
+    let messages = send(&prod, "/v1/messages", 10);
+    assert!(
+        eventually(Duration::from_secs(10), queued).await,
+        "prod's Messages request waits in the gateway's queue: {} at the backend; {}",
+        at_backend(),
+        metrics_text(&gw)
+            .lines()
+            .filter(|l| l.contains("queue"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(at_backend(), 3, "and not at the backend");
+    for t in [holder, second, chat, messages] {
+        t.await.unwrap();
+    }
 }

@@ -133,8 +133,6 @@ async fn unknown_route_and_wrong_method() {
     let (_sim, gw) = setup().await;
     let c = client::http_client();
     for (method, path, status, code) in [
-        ("POST", "/v1/v1/chat/completions", 404, "unknown_url"),
-        ("POST", "/api/chat/completions", 404, "unknown_url"),
         ("GET", "/index.html", 404, "unknown_url"),
         ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
         ("DELETE", "/v1/models", 405, "method_not_allowed"),
@@ -150,7 +148,7 @@ async fn unknown_route_and_wrong_method() {
         let v: serde_json::Value =
             serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
         assert_eq!(v["error"]["code"], code, "{method} {path}: {v}");
-        // The unknown-route message names every route the gateway forwards.
+        // A path near no route: the message names every route the gateway forwards.
         if status == 404 {
             let msg = v["error"]["message"].as_str().unwrap();
             for row in &fleetgate_protocol::endpoint::TABLE {
@@ -161,6 +159,71 @@ async fn unknown_route_and_wrong_method() {
                 );
             }
         }
+    }
+    // A mistyped base URL: the 404 opens with the fix for that mistake, and names the route
+    // that was meant.
+    for (method, path, fix, meant) in [
+        (
+            "POST",
+            "/api/chat/completions",
+            "Remove `/api` from the base URL",
+            "POST /v1/chat/completions",
+        ),
+        (
+            "POST",
+            "/v1/api/embeddings",
+            "Remove `/api` from the base URL",
+            "POST /v1/embeddings",
+        ),
+        (
+            "POST",
+            "/v1//chat/completions",
+            "Remove the trailing `/` from the base URL",
+            "POST /v1/chat/completions",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions/",
+            "Drop the trailing `/` from the path",
+            "POST /v1/chat/completions",
+        ),
+        (
+            "GET",
+            "/v1/models/",
+            "Drop the trailing `/` from the path",
+            "GET /v1/models",
+        ),
+        (
+            "POST",
+            "/v1/v1/messages",
+            "Remove one `/v1`",
+            "POST /v1/messages",
+        ),
+        (
+            "POST",
+            "/chat/completions",
+            "Add `/v1` to the end of the base URL",
+            "POST /v1/chat/completions",
+        ),
+    ] {
+        let req = authed(&gw, method, path)
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        let resp = c.request(req).await.unwrap();
+        assert_eq!(resp.status(), 404, "{method} {path}");
+        let v: serde_json::Value =
+            serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(v["error"]["code"], "unknown_url", "{method} {path}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.starts_with(fix), "{method} {path}: {msg}");
+        assert!(
+            msg.contains(&format!("meant as {meant}")),
+            "{method} {path}: {msg}"
+        );
+        assert!(
+            msg.len() < 400,
+            "{method} {path}: short enough to be read: {msg}"
+        );
     }
     // vLLM's probe path is open, as on vLLM: no key, the gateway's readiness.
     let resp = c

@@ -44,6 +44,13 @@ const GENERATES: Needs = Needs {
     body: BodyKind::Json,
     pinned: false,
     injects_usage: false,
+    engine_priority: true,
+};
+/// Anthropic's Messages: vLLM's request model has no `priority` (it converts the request to
+/// a chat completion without one), so its engine cannot order it.
+const MESSAGES_API: Needs = Needs {
+    engine_priority: false,
+    ..GENERATES
 };
 /// Chat and completions: a stream that did not ask for usage gets it upstream.
 const CHAT: Needs = Needs {
@@ -67,6 +74,7 @@ const POOLS: Needs = Needs {
 const TRANSCRIBES: Needs = Needs {
     reserves_output: false,
     body: BodyKind::Multipart,
+    engine_priority: false,
     ..GENERATES
 };
 /// The tokenizer routes: they count against the key's requests per minute only, and never
@@ -79,6 +87,7 @@ const TOKENIZES: Needs = Needs {
     body: BodyKind::Json,
     pinned: false,
     injects_usage: false,
+    engine_priority: false,
 };
 /// A read or a cancel of a stored response: no body, on the backend that holds it.
 const BY_ID: Needs = Needs {
@@ -170,7 +179,7 @@ pub static TABLE: [Row; 21] = [
         name: "messages",
         family: Family::Messages,
         dialect: Dialect::Anthropic,
-        needs: GENERATES,
+        needs: MESSAGES_API,
         prompt: &[SYSTEM, TOOLS, MESSAGES],
     },
     Row {
@@ -372,6 +381,13 @@ pub struct Needs {
     pub pinned: bool,
     /// A stream that did not ask for usage gets it upstream, hidden from the client.
     pub injects_usage: bool,
+    /// vLLM orders this route's requests by the body's `priority` (its request model declares
+    /// the field: chat, completions, Responses, the chat batch, every pooling route). With
+    /// `[pools.priority]` the gateway writes the environment's value there, and the environment
+    /// the backends put first may pass the pool's capacity. On every other route a client's
+    /// `priority` is taken out of the body: nothing there would read it, and an engine that
+    /// starts to should not find a client's.
+    pub engine_priority: bool,
 }
 
 /// A family of endpoints: what the metrics label a request with (a fixed set, so a series

@@ -5,6 +5,7 @@
 //! stream (`stream`), and the measuring client the bench
 //! and the demo use. Nothing here knows about the request path.
 
+pub mod base_url;
 pub mod cli_out;
 pub mod client;
 pub mod dialect;

@@ -100,6 +100,20 @@ async fn every_refusal_has_its_own_message_and_never_reaches_a_backend() {
             "invalid_api_key",
         ),
         (
+            "anthropic key",
+            vec![("x-api-key", "sk-ant-api03-abcDEF123".into())],
+            chat_for("qwen32b"),
+            401,
+            "invalid_api_key",
+        ),
+        (
+            "claude account's oauth token",
+            vec![("authorization", "Bearer sk-ant-oat01-abcDEF123".into())],
+            chat_for("qwen32b"),
+            401,
+            "oauth_not_supported",
+        ),
+        (
             "mistyped",
             vec![("authorization", format!("Bearer {mistyped}"))],
             chat_for("qwen32b"),
@@ -166,10 +180,32 @@ async fn every_refusal_has_its_own_message_and_never_reaches_a_backend() {
         if status == 401 {
             assert!(m.headers.contains_key("www-authenticate"), "{name}");
         }
-        messages.insert(err["message"].as_str().unwrap().to_owned());
+        // The SDKs (and Codex and Claude Code through them) stop retrying on it.
+        assert_eq!(
+            m.headers.get("x-should-retry").map(|v| v.as_bytes()),
+            Some(&b"false"[..]),
+            "{name}"
+        );
+        let message = err["message"].as_str().unwrap();
+        match name {
+            "openai key" => assert!(
+                message.contains("OpenAI") && message.contains("OPENAI_API_KEY"),
+                "{message}"
+            ),
+            "anthropic key" => assert!(
+                message.contains("Anthropic API key") && message.contains("ANTHROPIC_API_KEY"),
+                "{message}"
+            ),
+            "claude account's oauth token" => assert!(
+                message.contains("Claude account") && message.contains("ANTHROPIC_AUTH_TOKEN"),
+                "{message}"
+            ),
+            _ => {}
+        }
+        messages.insert(message.to_owned());
     }
     // mistyped and truncated share the checksum message; every other cause has its own.
-    assert_eq!(messages.len(), 12);
+    assert_eq!(messages.len(), 14);
     assert_eq!(
         sim.stats().requests.load(Ordering::SeqCst),
         0,

@@ -3,7 +3,7 @@
 
 use http::HeaderMap;
 
-use super::AuthFailure;
+use super::{AuthFailure, OAuthIssuer};
 
 /// Read the credentials of a request: the key text, or why there is none usable.
 pub fn credentials(headers: &HeaderMap) -> Result<&str, AuthFailure> {
@@ -31,8 +31,11 @@ pub fn credentials(headers: &HeaderMap) -> Result<&str, AuthFailure> {
         if scheme.eq_ignore_ascii_case("basic") {
             return Err(AuthFailure::BasicScheme);
         }
-        if looks_like_oauth(v) || scheme.eq_ignore_ascii_case("oauth") {
-            return Err(AuthFailure::OAuthToken);
+        if let Some(issuer) = oauth_issuer(v) {
+            return Err(AuthFailure::OAuthToken(issuer));
+        }
+        if scheme.eq_ignore_ascii_case("oauth") {
+            return Err(AuthFailure::OAuthToken(OAuthIssuer::Other));
         }
         if rest.is_empty() && (v.starts_with("fg-") || v.starts_with("sk-")) {
             // A bare key without a scheme.
@@ -58,18 +61,27 @@ fn token(t: &str) -> Result<&str, AuthFailure> {
     if t.chars().any(char::is_whitespace) {
         return Err(AuthFailure::Whitespace);
     }
-    if looks_like_oauth(t) {
-        return Err(AuthFailure::OAuthToken);
+    if let Some(issuer) = oauth_issuer(t) {
+        return Err(AuthFailure::OAuthToken(issuer));
     }
     Ok(t)
 }
 
-/// A JWT (three base64url parts, header starting `eyJ`) or a well-known OAuth access token.
-fn looks_like_oauth(t: &str) -> bool {
+/// Who issued `t`, when it is an OAuth access token: a Claude account's (`sk-ant-oat01-...`,
+/// what Claude Code sends when it is logged in to a subscription), or another (a JWT: three
+/// base64url parts, header starting `eyJ`; Google's `ya29.`; GitHub's `gho_`).
+fn oauth_issuer(t: &str) -> Option<OAuthIssuer> {
     let t = t.rsplit([' ', '\t']).next().unwrap_or(t);
-    (t.starts_with("eyJ") && t.matches('.').count() == 2)
+    if t.starts_with("sk-ant-oat") {
+        Some(OAuthIssuer::ClaudeAccount)
+    } else if (t.starts_with("eyJ") && t.matches('.').count() == 2)
         || t.starts_with("ya29.")
         || t.starts_with("gho_")
+    {
+        Some(OAuthIssuer::Other)
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -126,7 +138,17 @@ mod tests {
                 Some("Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.sig"),
                 None
             ),
-            Err(AuthFailure::OAuthToken)
+            Err(AuthFailure::OAuthToken(OAuthIssuer::Other))
+        );
+        // Claude Code logged in to a Claude account sends its OAuth token as a bearer.
+        assert_eq!(
+            creds(Some("Bearer sk-ant-oat01-abcDEF_123"), None),
+            Err(AuthFailure::OAuthToken(OAuthIssuer::ClaudeAccount))
+        );
+        // An Anthropic API key is a key, refused later as not fleetgate's.
+        assert_eq!(
+            creds(None, Some("sk-ant-api03-abcDEF_123")),
+            Ok("sk-ant-api03-abcDEF_123".into())
         );
         assert_eq!(
             creds(Some("Token abc"), None),

@@ -18,11 +18,9 @@ pub enum AuthFailure {
     Quoted,
     Whitespace,
     BasicScheme,
-    OAuthToken,
+    OAuthToken(OAuthIssuer),
     OtherScheme(String),
-    NotFleetgate {
-        openai_style: bool,
-    },
+    NotFleetgate(ForeignKey),
     UnknownEnvironment,
     Mistyped,
     UnknownKey,
@@ -56,6 +54,38 @@ pub enum AuthFailure {
     },
     /// `Authorization: Bearer` and `x-api-key` name different keys.
     TwoKeys,
+}
+
+/// Whose OAuth access token a client sent instead of a key: the fix differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OAuthIssuer {
+    /// `sk-ant-oat...`: Claude Code logged in to a Claude account (`/login`).
+    ClaudeAccount,
+    /// A JWT, Google's or GitHub's token.
+    Other,
+}
+
+/// Whose key a refused non-fleetgate key looks like, read from its well-known prefix, so the
+/// message names the variable to change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForeignKey {
+    /// `sk-ant-...` (an Anthropic API key, `sk-ant-api03-...`).
+    Anthropic,
+    /// `sk-...`.
+    OpenAi,
+    Unknown,
+}
+
+impl ForeignKey {
+    pub fn of(text: &str) -> ForeignKey {
+        if text.starts_with("sk-ant-") {
+            ForeignKey::Anthropic
+        } else if text.starts_with("sk-") {
+            ForeignKey::OpenAi
+        } else {
+            ForeignKey::Unknown
+        }
+    }
 }
 
 /// Label for the failure counter: a fixed set.
@@ -94,9 +124,9 @@ impl AuthFailure {
             AuthFailure::Quoted => 2,
             AuthFailure::Whitespace => 3,
             AuthFailure::BasicScheme => 4,
-            AuthFailure::OAuthToken => 5,
+            AuthFailure::OAuthToken(_) => 5,
             AuthFailure::OtherScheme(_) => 6,
-            AuthFailure::NotFleetgate { .. } => 7,
+            AuthFailure::NotFleetgate(_) => 7,
             AuthFailure::UnknownEnvironment => 8,
             AuthFailure::Mistyped => 9,
             AuthFailure::UnknownKey => 10,
@@ -126,9 +156,9 @@ impl AuthFailure {
             | AuthFailure::Quoted
             | AuthFailure::Whitespace
             | AuthFailure::BasicScheme
-            | AuthFailure::OAuthToken
+            | AuthFailure::OAuthToken(_)
             | AuthFailure::OtherScheme(_)
-            | AuthFailure::NotFleetgate { .. }
+            | AuthFailure::NotFleetgate(_)
             | AuthFailure::UnknownEnvironment
             | AuthFailure::Mistyped
             | AuthFailure::UnknownKey
@@ -162,8 +192,8 @@ impl AuthFailure {
             | AuthFailure::BasicScheme
             | AuthFailure::OtherScheme(_)
             | AuthFailure::TwoKeys => "invalid_authorization_header",
-            AuthFailure::OAuthToken => "oauth_not_supported",
-            AuthFailure::NotFleetgate { .. }
+            AuthFailure::OAuthToken(_) => "oauth_not_supported",
+            AuthFailure::NotFleetgate(_)
             | AuthFailure::UnknownEnvironment
             | AuthFailure::Mistyped
             | AuthFailure::UnknownKey => "invalid_api_key",
@@ -185,10 +215,12 @@ impl AuthFailure {
             AuthFailure::Quoted => "The key is wrapped in quotes: send it bare, `Authorization: Bearer fg-...` (check the client's config file or environment variable).".into(),
             AuthFailure::Whitespace => "The key has extra whitespace in or around it (a copied line break or double space?): send exactly `Authorization: Bearer <key>`.".into(),
             AuthFailure::BasicScheme => "HTTP Basic authentication is not supported: send `Authorization: Bearer <key>`.".into(),
-            AuthFailure::OAuthToken => "Only static API keys are accepted; OAuth is not supported. Configure the client with an API key (`fg-<env>-...`) instead of an OAuth login.".into(),
+            AuthFailure::OAuthToken(OAuthIssuer::ClaudeAccount) => "That is a Claude account's OAuth token (`sk-ant-oat...`: Claude Code logged in with `/login`), not a fleetgate key. Set ANTHROPIC_AUTH_TOKEN to the fleetgate key `fg-<env>-...` (it replaces the login's token) and ANTHROPIC_BASE_URL to the gateway's URL without /v1; or run `claude /logout` and set ANTHROPIC_API_KEY to the key.".into(),
+            AuthFailure::OAuthToken(OAuthIssuer::Other) => "Only static API keys are accepted; OAuth is not supported. Configure the client with an API key (`fg-<env>-...`) instead of an OAuth login.".into(),
             AuthFailure::OtherScheme(s) => format!("The Authorization scheme `{s}` is not supported: send `Authorization: Bearer <key>`."),
-            AuthFailure::NotFleetgate { openai_style: true } => "That looks like an OpenAI (`sk-...`) key, not a fleetgate key: use the `fg-<env>-...` key issued for this gateway.".into(),
-            AuthFailure::NotFleetgate { openai_style: false } => "That is not a fleetgate key: keys look like `fg-<env>-<id>-<secret>`. Check that the client uses the key issued for this gateway.".into(),
+            AuthFailure::NotFleetgate(ForeignKey::Anthropic) => "That looks like an Anthropic API key (`sk-ant-...`), not a fleetgate key: set ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN) to the `fg-<env>-...` key issued for this gateway, and ANTHROPIC_BASE_URL to the gateway's URL without /v1.".into(),
+            AuthFailure::NotFleetgate(ForeignKey::OpenAi) => "That looks like an OpenAI (`sk-...`) key, not a fleetgate key: set OPENAI_API_KEY to the `fg-<env>-...` key issued for this gateway, and OPENAI_BASE_URL to the gateway's URL ending in /v1.".into(),
+            AuthFailure::NotFleetgate(ForeignKey::Unknown) => "That is not a fleetgate key: keys look like `fg-<env>-<id>-<secret>`. Check that the client uses the key issued for this gateway.".into(),
             AuthFailure::UnknownEnvironment => "The key names an environment this gateway does not issue (stress, gray, prod): the key is mistyped or from another system.".into(),
             AuthFailure::Mistyped => "The key is mistyped or truncated (its checksum does not match): copy the whole key again.".into(),
             AuthFailure::UnknownKey => "The key is not valid on this gateway (unknown, or its secret does not match): ask an operator for a current key.".into(),
@@ -230,9 +262,12 @@ mod tests {
             AuthFailure::Quoted,
             AuthFailure::Whitespace,
             AuthFailure::BasicScheme,
-            AuthFailure::OAuthToken,
+            AuthFailure::OAuthToken(OAuthIssuer::Other),
+            AuthFailure::OAuthToken(OAuthIssuer::ClaudeAccount),
             AuthFailure::OtherScheme("Token".into()),
-            AuthFailure::NotFleetgate { openai_style: true },
+            AuthFailure::NotFleetgate(ForeignKey::OpenAi),
+            AuthFailure::NotFleetgate(ForeignKey::Anthropic),
+            AuthFailure::NotFleetgate(ForeignKey::Unknown),
             AuthFailure::UnknownEnvironment,
             AuthFailure::Mistyped,
             AuthFailure::UnknownKey,

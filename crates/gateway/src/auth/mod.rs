@@ -15,7 +15,7 @@ pub mod sync;
 mod throttle;
 
 pub use credentials::credentials;
-pub use failure::{AuthFailure, FAILURE_REASONS};
+pub use failure::{AuthFailure, FAILURE_REASONS, ForeignKey, OAuthIssuer};
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -367,9 +367,7 @@ impl Authenticator {
         let text = credentials(headers).map_err(|f| self.fail(f, peer))?;
         let parsed = key::parse(text).map_err(|e| {
             let f = match e {
-                KeyFormatError::NotFleetgate => AuthFailure::NotFleetgate {
-                    openai_style: text.starts_with("sk-"),
-                },
+                KeyFormatError::NotFleetgate => AuthFailure::NotFleetgate(ForeignKey::of(text)),
                 KeyFormatError::UnknownEnvironment => AuthFailure::UnknownEnvironment,
                 KeyFormatError::Mistyped => AuthFailure::Mistyped,
             };

@@ -197,16 +197,17 @@ impl EnginePriority {
         }
     }
 
-    /// `env` is the one the backends put first (the lowest value, and some other environment's
-    /// is higher): its requests may pass the gateway's capacity, since every seat they find
-    /// taken is held by a request the backend will put behind them.
+    /// `env` is the one the backends put first (its value lower than every other
+    /// environment's): its requests may pass the gateway's capacity, since every seat they find
+    /// taken is held by a request the backend will put behind them. A tie at the lowest value
+    /// gives no environment that right: the seats a tied environment takes are not put behind
+    /// the other's (with `prod = gray = 0`, gray would otherwise ride prod's overflow).
     pub fn goes_first(&self, env: Environment) -> bool {
         let mine = self.by_env[env.index()];
-        let (min, max) = (
-            self.by_env.iter().copied().min().unwrap_or(mine),
-            self.by_env.iter().copied().max().unwrap_or(mine),
-        );
-        mine == min && min < max
+        Environment::ALL
+            .iter()
+            .filter(|e| **e != env)
+            .all(|e| self.by_env[e.index()] > mine)
     }
 }
 
@@ -631,7 +632,11 @@ mod priority_tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(first([20, 10, 0]), [Environment::Prod]);
-        assert_eq!(first([10, 0, 0]), [Environment::Gray, Environment::Prod]);
+        assert!(
+            first([10, 0, 0]).is_empty(),
+            "prod = gray: neither rides an overflow the backends would not order"
+        );
+        assert_eq!(first([10, 10, 0]), [Environment::Prod], "gray = stress");
         assert!(first([5, 5, 5]).is_empty(), "nothing is ordered");
     }
 }

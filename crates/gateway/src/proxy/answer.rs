@@ -11,7 +11,7 @@ use http_body_util::BodyExt;
 
 use super::error::ApiError;
 use super::exchange::Exchange;
-use super::headers::{APPLICATION_JSON, X_REQUEST_ID};
+use super::headers::{APPLICATION_JSON, X_REQUEST_ID, X_SHOULD_RETRY};
 use super::relay::{self, GatewayBody, RelayBody};
 use super::state::ProxyState;
 use super::upstream::{RelayParts, Sent};
@@ -33,6 +33,11 @@ pub fn error_response(
     h.insert(X_REQUEST_ID.clone(), request_id.clone());
     if let Some((name, value)) = err.extra_header() {
         h.insert(name, value);
+    }
+    // An authentication or rights refusal answers the same to the same key until an operator
+    // acts: a client's retry loop only hides the message.
+    if matches!(err, ApiError::Auth(_)) {
+        h.insert(X_SHOULD_RETRY.clone(), HeaderValue::from_static("false"));
     }
     resp
 }

@@ -25,11 +25,14 @@ pub(super) fn asker<'a>(
         key,
         model: &pool.model,
         metrics: state.queue_metrics.as_ref(),
-        goes_first: key.is_some_and(|k| {
-            pool.config()
-                .priority
-                .is_some_and(|p| p.goes_first(k.environment))
-        }),
+        // Only where the backend is told who goes first: elsewhere an overflowing request
+        // would wait in the engine's queue beside the ones it passed.
+        goes_first: record.endpoint.is_some_and(|e| e.needs().engine_priority)
+            && key.is_some_and(|k| {
+                pool.config()
+                    .priority
+                    .is_some_and(|p| p.goes_first(k.environment))
+            }),
     }
 }
 

@@ -229,10 +229,30 @@ impl ApiError {
                 )
             }
             ApiError::RouteNotFound { method, path } => (
-                format!(
-                    "Unknown route {method} {path}. fleetgate serves {}, GET /v1/models, and the open probes GET /healthz, /readyz and /health; no other route of vLLM's server is forwarded (docs/security.md). OpenAI clients: the base URL ends in /v1 (not /v1/v1, /api or a trailing path); Anthropic clients (ANTHROPIC_BASE_URL): the base URL without /v1.",
-                    served_routes()
-                ),
+                match fleetgate_protocol::base_url::meant(path) {
+                    // The fix first: the rest of a long message goes unread.
+                    Some((mistakes, route)) => {
+                        let mut fix = String::new();
+                        for (i, m) in mistakes.iter().enumerate() {
+                            fix.push_str(if i == 0 { "" } else { "; and " });
+                            fix.push_str(m.fix());
+                        }
+                        let mut fix = fix.into_bytes();
+                        if let Some(first) = fix.first_mut() {
+                            first.make_ascii_uppercase();
+                        }
+                        format!(
+                            "{}: {method} {path} is meant as {} {}. OpenAI clients: the base URL is http://<gateway>/v1; Anthropic clients (ANTHROPIC_BASE_URL): http://<gateway>, without /v1.",
+                            String::from_utf8_lossy(&fix),
+                            route.method,
+                            route.path
+                        )
+                    }
+                    None => format!(
+                        "Unknown route {method} {path}. fleetgate serves {}, GET /v1/models, and the open probes GET /healthz, /readyz and /health; no other route of vLLM's server is forwarded (docs/security.md). OpenAI clients: the base URL ends in /v1 (not /v1/v1, /api or a trailing path); Anthropic clients (ANTHROPIC_BASE_URL): the base URL without /v1.",
+                        served_routes()
+                    ),
+                },
                 "invalid_request_error",
                 None,
                 "unknown_url",

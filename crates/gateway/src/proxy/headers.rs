@@ -9,6 +9,10 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use super::error::HeadExcess;
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// Read by the OpenAI and Anthropic SDKs (and so by Codex and Claude Code) before their own
+/// retry rules: `false` stops them retrying an answer that will not change, such as a revoked
+/// key's 401, which Claude Code otherwise retries for minutes.
+pub static X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 pub static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
 pub static TEXT_EVENT_STREAM: HeaderValue = HeaderValue::from_static("text/event-stream");
 pub static NO_CACHE: HeaderValue = HeaderValue::from_static("no-cache");

@@ -25,6 +25,7 @@ use crate::pool::{Backend, InFlight, Pool, Reachability};
 use crate::route::Route;
 use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::endpoint::BodyKind;
+use fleetgate_protocol::view::splice::PriorityEdit;
 use fleetgate_protocol::view::{self, RequestView};
 
 use super::backend_error::error_answer;
@@ -85,17 +86,23 @@ pub fn prepare(
         .as_deref()
         .filter(|_| endpoint == Endpoint::Responses)
         .map(|k| &*k.public_id);
-    // vLLM's `priority` for the request's environment (`[pools.priority]`).
-    let priority = match (route.pool.config().priority, &record.key) {
-        (Some(p), Some(key))
-            if matches!(
-                endpoint,
-                Endpoint::Chat | Endpoint::Completions | Endpoint::Responses
-            ) =>
-        {
-            p.for_request(key.environment, view.priority.as_ref().map(|(v, _)| *v))
+    // vLLM's `priority` for the request's environment (`[pools.priority]`), where the engine
+    // orders by it; elsewhere a client's is taken out.
+    let priority = if !endpoint.needs().engine_priority {
+        match view.priority {
+            Some(_) => PriorityEdit::Remove,
+            None => PriorityEdit::Keep,
         }
-        _ => None,
+    } else {
+        match (route.pool.config().priority, &record.key) {
+            (Some(p), Some(key)) => p
+                .for_request(
+                    key.environment,
+                    view.priority.as_ref().and_then(|c| c.value),
+                )
+                .map_or(PriorityEdit::Keep, PriorityEdit::Write),
+            _ => PriorityEdit::Keep,
+        }
     };
     let upstream_body =
         view::splice::upstream_body_owned(body, view, rename, inject_usage, owner, priority);

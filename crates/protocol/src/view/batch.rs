@@ -5,8 +5,10 @@ use serde_json::value::RawValue;
 
 use super::prompt::{Conversations, Count};
 use super::{
-    GenerationFields, RequestView, ViewError, from_body, invalid, model_of, opt_u64, output_limit,
+    GenerationFields, RequestView, ViewError, client_priority, from_body, invalid, model_of,
+    opt_u64, output_limit, present_raw,
 };
+use crate::Endpoint;
 
 /// `/v1/chat/completions/batch`: `messages` is a list of conversations, each answered.
 #[derive(Deserialize)]
@@ -22,6 +24,8 @@ struct BatchBody<'a> {
     messages: Option<Count<Conversations>>,
     #[serde(borrow)]
     user: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present_raw")]
+    priority: Option<&'a RawValue>,
 }
 
 pub(super) fn parse(body: &[u8]) -> Result<RequestView<'_>, ViewError> {
@@ -51,6 +55,7 @@ pub(super) fn parse(body: &[u8]) -> Result<RequestView<'_>, ViewError> {
         model_span,
         prompt_chars: chars,
         user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
+        priority: client_priority(raw.priority, body, Endpoint::ChatBatch)?,
         ..RequestView::whole(GenerationFields {
             max_tokens: output_limit(max_completion_tokens, max_tokens),
             // One answer per conversation, like `n` choices of one prompt.

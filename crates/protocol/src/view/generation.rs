@@ -10,8 +10,8 @@ use serde_json::value::RawValue;
 
 use super::prompt::{CompletionPrompts, Content, Count, Input, Messages};
 use super::{
-    GenerationFields, RequestView, ViewError, from_body, invalid, model_of, opt_u64, output_limit,
-    short, span_of,
+    GenerationFields, RequestView, ViewError, client_priority, from_body, invalid, model_of,
+    opt_u64, output_limit, present_raw, short, span_of,
 };
 use crate::Endpoint;
 
@@ -50,7 +50,7 @@ struct RawBody<'a> {
     store: Option<&'a RawValue>,
     #[serde(borrow)]
     request_id: Option<&'a RawValue>,
-    #[serde(borrow)]
+    #[serde(borrow, default, deserialize_with = "present_raw")]
     priority: Option<&'a RawValue>,
     /// `/detokenize`'s token ids; read only there (another endpoint's body may carry a field of
     /// that name in any shape).
@@ -58,11 +58,6 @@ struct RawBody<'a> {
     tokens: Option<&'a RawValue>,
     #[serde(borrow)]
     user: Option<&'a RawValue>,
-}
-
-/// A field's raw value whenever the field is present, `null` included.
-fn present_raw<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
-    <&RawValue>::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -228,26 +223,7 @@ pub(super) fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, 
         | Endpoint::Transcriptions
         | Endpoint::Translations => 0,
     };
-    let priority = match (endpoint, raw.priority) {
-        (Endpoint::Chat | Endpoint::Completions | Endpoint::Responses, Some(r))
-            if r.get() != "null" =>
-        {
-            let value = r.get().parse::<i64>().map_err(|_| {
-                invalid(
-                    "priority",
-                    format!(
-                        "`priority` must be an integer (lower is served first), got `{}`.",
-                        short(r.get())
-                    ),
-                )
-            })?;
-            Some((
-                value,
-                span_of(body, r.get().as_bytes()).ok_or(ViewError::Unlocatable)?,
-            ))
-        }
-        _ => None,
-    };
+    let priority = client_priority(raw.priority, body, endpoint)?;
     let GenerationFields {
         stream,
         max_tokens,

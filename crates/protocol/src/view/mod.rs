@@ -71,9 +71,51 @@ pub struct RequestView<'a> {
     /// Responses: the byte range of the client's `request_id` value (a JSON string), from
     /// which vLLM makes the response's id.
     pub request_id_span: Option<Range<usize>>,
-    /// vLLM's scheduling `priority` the client sent (chat, completions, Responses), and where
-    /// its value is.
-    pub priority: Option<(i64, Range<usize>)>,
+    /// The `priority` field the client sent, on any route (`null` included).
+    pub priority: Option<ClientPriority>,
+}
+
+/// A client's `priority` field: vLLM's place in its waiting queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientPriority {
+    /// Its value where vLLM reads one (`Needs::engine_priority`); `None` for `null`, and on
+    /// the routes that read none (the field is taken out there, whatever it holds).
+    pub value: Option<i64>,
+    /// The byte range of its value in the body.
+    pub span: Range<usize>,
+}
+
+/// The `priority` field (raw, `null` included), read as the route's engine reads it: an
+/// integer (or `null`) where vLLM orders by it, anything elsewhere.
+fn client_priority(
+    raw: Option<&RawValue>,
+    body: &[u8],
+    endpoint: Endpoint,
+) -> Result<Option<ClientPriority>, ViewError> {
+    let Some(r) = raw else {
+        return Ok(None);
+    };
+    let value = match r.get() {
+        "null" => None,
+        _ if !endpoint.needs().engine_priority => None,
+        text => Some(text.parse::<i64>().map_err(|_| {
+            invalid(
+                "priority",
+                format!(
+                    "`priority` must be an integer (lower is served first), got `{}`.",
+                    short(text)
+                ),
+            )
+        })?),
+    };
+    let span = span_of(body, r.get().as_bytes()).ok_or(ViewError::Unlocatable)?;
+    Ok(Some(ClientPriority { value, span }))
+}
+
+/// A field's raw value whenever the field is present, `null` included (a plain `Option`
+/// reads `null` as absent, and the body's field would then be added a second time).
+fn present_raw<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
 }
 fn invalid(param: &'static str, message: impl Into<String>) -> ViewError {
     ViewError::InvalidRequest {

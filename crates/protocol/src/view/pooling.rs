@@ -5,7 +5,10 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::prompt::{Count, Input, Text};
-use super::{GenerationFields, RequestView, ViewError, from_body, invalid, model_of};
+use super::{
+    GenerationFields, RequestView, ViewError, client_priority, from_body, invalid, model_of,
+    present_raw,
+};
 use crate::Endpoint;
 use crate::endpoint::Family;
 
@@ -17,6 +20,8 @@ struct PoolingBody<'a> {
     model: Option<&'a RawValue>,
     #[serde(borrow)]
     user: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present_raw")]
+    priority: Option<&'a RawValue>,
     /// Text, texts or token ids (`/v1/embeddings`, `/classify`, `/pooling`).
     input: Option<Count<Input>>,
     /// Chat messages, embedded or classified through the chat template.
@@ -104,6 +109,7 @@ pub(super) fn parse(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, 
         model_span,
         prompt_chars,
         user: raw.user.map(RawValue::get).filter(|u| *u != "null"),
+        priority: client_priority(raw.priority, body, endpoint)?,
         ..RequestView::whole(GenerationFields::NONE)
     })
 }

@@ -3,7 +3,7 @@
 use bytes::Bytes;
 
 use super::form::{parse as parse_form, repeated_parameter};
-use super::splice::{upstream_body, upstream_body_owned};
+use super::splice::{PriorityEdit, upstream_body, upstream_body_owned};
 use super::*;
 
 fn err(body: &str, ep: Endpoint) -> (Option<String>, String) {
@@ -41,24 +41,119 @@ fn max_completion_tokens_wins_and_prompt_forms() {
     assert_eq!(v.n, 1, "token ids are one prompt");
 }
 
-/// The vLLM `priority` is spliced: a client's value replaced in place, or the field added
-/// after the opening brace; the rest of the body is the client's bytes.
+/// The vLLM `priority` is spliced: a client's value replaced in place (`null` included, never
+/// a second key), or the field added after the opening brace; the rest of the body is the
+/// client's bytes.
 #[test]
 fn priority_is_spliced() {
     let body = Bytes::from_static(br#"{"model":"m","priority": -5,"messages":[]}"#);
     let v = parse(&body, Endpoint::Chat).unwrap();
-    assert_eq!(v.priority.as_ref().map(|p| p.0), Some(-5));
-    let out = upstream_body_owned(&body, &v, None, false, None, Some(20));
+    assert_eq!(v.priority.as_ref().and_then(|p| p.value), Some(-5));
+    let out = upstream_body_owned(&body, &v, None, false, None, PriorityEdit::Write(20));
     assert_eq!(&out[..], br#"{"model":"m","priority": 20,"messages":[]}"#);
     let body = Bytes::from_static(br#"{"model":"m","input":"hi"}"#);
     let v = parse(&body, Endpoint::Responses).unwrap();
-    let out = upstream_body_owned(&body, &v, None, false, None, Some(0));
+    let out = upstream_body_owned(&body, &v, None, false, None, PriorityEdit::Write(0));
     assert_eq!(&out[..], br#"{"priority":0,"model":"m","input":"hi"}"#);
+    let body = Bytes::from_static(br#"{"model":"m","priority":null,"messages":[]}"#);
+    let v = parse(&body, Endpoint::Chat).unwrap();
+    assert_eq!(v.priority.as_ref().map(|p| p.value), Some(None));
+    let out = upstream_body_owned(&body, &v, None, false, None, PriorityEdit::Write(20));
+    assert_eq!(&out[..], br#"{"model":"m","priority":20,"messages":[]}"#);
     let (p, _) = err(
         r#"{"model":"m","priority":"high","messages":[]}"#,
         Endpoint::Chat,
     );
     assert_eq!(p.as_deref(), Some("priority"));
+}
+
+/// Every route whose engine orders by `priority` reads the client's (an integer, in any
+/// spelling serde reads as the key), and refuses one that is no integer or comes twice.
+#[test]
+fn priority_is_read_on_every_route_vllm_orders_by_it() {
+    let bodies = [
+        (Endpoint::Embeddings, r#""input":"hi""#),
+        (Endpoint::CohereEmbed, r#""texts":["hi"]"#),
+        (Endpoint::Pooling, r#""input":"hi""#),
+        (Endpoint::Classify, r#""input":"hi""#),
+        (Endpoint::Score, r#""queries":"a","documents":["b"]"#),
+        (Endpoint::Rerank, r#""query":"a","documents":["b"]"#),
+        (
+            Endpoint::ChatBatch,
+            r#""messages":[[{"role":"user","content":"hi"}]]"#,
+        ),
+        (Endpoint::Chat, r#""messages":[]"#),
+    ];
+    for (endpoint, rest) in bodies {
+        assert!(endpoint.needs().engine_priority, "{endpoint:?}");
+        for (spelling, value) in [
+            (r#""priority":-5"#, -5),
+            (r#""priority":-9223372036854775808"#, i64::MIN),
+            (r#""pr\u0069ority":-5"#, -5),
+            (r#""priority":-0"#, 0),
+        ] {
+            let body = Bytes::from(format!(r#"{{"model":"m",{spelling},{rest}}}"#));
+            let v = parse(&body, endpoint).unwrap();
+            assert_eq!(
+                v.priority.as_ref().and_then(|p| p.value),
+                Some(value),
+                "{endpoint:?} {spelling}"
+            );
+            let out = upstream_body_owned(&body, &v, None, false, None, PriorityEdit::Write(20));
+            let sent: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(sent["priority"], 20, "{endpoint:?} {spelling}");
+        }
+        for refused in [
+            r#""priority":"-5""#,
+            r#""priority":1e309"#,
+            r#""priority":-5.5"#,
+            r#""priority":{"a":1}"#,
+            r#""priority":20,"priority":-5"#,
+            r#""priority":20,"pr\u0069ority":-5"#,
+        ] {
+            let body = format!(r#"{{"model":"m",{refused},{rest}}}"#);
+            assert!(
+                parse(body.as_bytes(), endpoint).is_err(),
+                "{endpoint:?} {refused}"
+            );
+        }
+    }
+}
+
+/// Where vLLM reads no `priority` (Messages, the tokenizer), a client's is taken out whole,
+/// whatever it holds and wherever it stands, and the body stays valid JSON.
+#[test]
+fn priority_is_removed_where_no_engine_reads_it() {
+    for (endpoint, rest) in [
+        (
+            Endpoint::Messages,
+            r#""max_tokens":8,"messages":[{"role":"user","content":"hi"}]"#,
+        ),
+        (Endpoint::CountTokens, r#""messages":[]"#),
+        (Endpoint::Tokenize, r#""prompt":"hi""#),
+    ] {
+        assert!(!endpoint.needs().engine_priority, "{endpoint:?}");
+        for (before, after) in [
+            (r#"{"model":"m","priority":-5,"#, "}"),
+            (r#"{"priority" : "-5" , "model":"m","#, "}"),
+            (r#"{"model":"m","pr\u0069ority":{"x":[1,"}"]},"#, "}"),
+            (r#"{"model":"m","k\"\\":1,"priority":null,"#, "}"),
+        ] {
+            let body = Bytes::from(format!("{before}{rest}{after}"));
+            let v = parse(&body, endpoint).unwrap();
+            assert!(v.priority.is_some(), "{body:?}");
+            let out = upstream_body_owned(&body, &v, None, false, None, PriorityEdit::Remove);
+            let sent: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            assert!(sent.get("priority").is_none(), "{body:?} -> {out:?}");
+            assert_eq!(sent["model"], "m");
+        }
+        // As the last member, and as the only one after the model.
+        let body = Bytes::from(format!(r#"{{"model":"m",{rest}, "priority": 3 }}"#));
+        let v = parse(&body, endpoint).unwrap();
+        let out = upstream_body_owned(&body, &v, None, false, None, PriorityEdit::Remove);
+        let sent: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert!(sent.get("priority").is_none(), "{out:?}");
+    }
 }
 
 /// A `Content-Type` parameter named twice is found whatever its case or quoting, and a
