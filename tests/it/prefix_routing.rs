@@ -228,3 +228,102 @@ async fn gray_keys_stay_on_the_canary() {
         );
     }
 }
+
+/// Records reach only the deployment they are meant for, and none displaces the index: with
+/// the shared limits in Redis database 1, a record published on the channel of the same key
+/// prefix in database 0 (pub/sub channels ignore the database) or on the channel's former,
+/// prefix-only name is never received, one longer than the longest prompt the gateway takes
+/// (`server.max_body_bytes` / `block_bytes`) is dropped and counted, and a record of the
+/// deployment's own is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_records_are_scoped_to_one_deployment_and_bounded() {
+    let Some(redis) = redis_url("prefix_records_are_scoped_to_one_deployment_and_bounded").await
+    else {
+        return;
+    };
+    let s = sim(|_| {}).await;
+    let prefix = format!("fgtest-scoped-{}", std::process::id());
+    let db1 = format!("{}/1", redis.trim_end_matches('/'));
+    let gw = gateway_with(vec![longest_prefix(&[s.url()], 4)], |c| {
+        c.server.max_body_bytes = 64 * 1024;
+        c.limits.shared = fleetgate_gateway::config::SharedLimits::Redis;
+        c.limits.redis = Some(fleetgate_gateway::config::RedisConfig {
+            url: fleetgate_gateway::secret::Secret::new(db1.as_str()),
+            timeout: Duration::from_millis(200),
+            replicas: 2,
+            key_prefix: prefix.clone(),
+        });
+    })
+    .await;
+    let metric = |name: &'static str| {
+        let gw = &gw;
+        async move {
+            scrape(gw)
+                .await
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix(name)
+                        .map(|v| v.trim().parse::<f64>().unwrap())
+                })
+                .unwrap_or(-1.0)
+        }
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while metric("fleetgate_prefix_share_up ").await != 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A message as another replica encodes it (proxy::prefix_share's format).
+    let message = |names: u32| {
+        let mut m = 99u64.to_le_bytes().to_vec();
+        for text in ["qwen32b", s.url().as_str()] {
+            m.extend_from_slice(&(text.len() as u16).to_le_bytes());
+            m.extend_from_slice(text.as_bytes());
+        }
+        m.extend_from_slice(&names.to_le_bytes());
+        for n in 0..u64::from(names) {
+            m.extend_from_slice(&(n + 1).to_le_bytes());
+        }
+        m
+    };
+    let client = redis::Client::open(redis.as_str()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let max_names = 64 * 1024 / 64;
+    for (channel, names) in [
+        // Keys and channels carry the prefix as a Redis Cluster hash tag.
+        (format!("{{{prefix}}}:prefix-index"), 3),
+        (format!("{{{prefix}}}:db0:prefix-index"), 3),
+        (format!("{{{prefix}}}:db1:prefix-index"), max_names + 1),
+        (format!("{{{prefix}}}:db1:prefix-index"), max_names),
+    ] {
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(&channel)
+            .arg(message(names))
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while metric("fleetgate_prefix_share_received_total ").await < 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the deployment's own record arrived: {}",
+            scrape(&gw)
+                .await
+                .lines()
+                .filter(|l| l.contains("prefix_share"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric("fleetgate_prefix_share_received_total ").await, 1.0);
+    assert_eq!(
+        metric("fleetgate_prefix_share_dropped_total ").await,
+        1.0,
+        "the oversized record was dropped"
+    );
+}

@@ -298,3 +298,31 @@ fn console_login_and_admin_token_name_the_local_user() {
     .unwrap();
     assert_eq!(claims["sub"], format!("{who}@cli"), "{claims}");
 }
+
+/// A PostgreSQL store nobody listens at is named as unreachable, with its host and port and
+/// the cause, never the URL's password.
+#[test]
+fn an_unreachable_store_is_named_with_its_host_and_port() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://ops:s3cretpass@127.0.0.1:{port}/fleet");
+    let (code, _, err) = outcome(Command::new(BIN).args([
+        "keys",
+        "revoke",
+        "fg-prod-abc",
+        "--reason",
+        "test",
+        "--database-url",
+        &url,
+    ]));
+    assert_ne!(code, Some(0), "{err}");
+    assert!(
+        err.contains(&format!("127.0.0.1:{port} is unreachable")) && err.contains("refused"),
+        "{err}"
+    );
+    assert!(!err.contains("s3cretpass"), "{err}");
+    assert!(!err.contains("pool timed out"), "{err}");
+}

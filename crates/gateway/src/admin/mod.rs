@@ -121,7 +121,7 @@ fn store_error(e: &StoreError) -> AdminError {
                 ),
             )
         }
-        StoreError::NotDurable(_) | StoreError::Migrate(_) => {
+        StoreError::NotDurable(_) | StoreError::Migrate(_) | StoreError::Unreachable { .. } => {
             tracing::error!(error = %e, "admin: key store error");
             error(
                 StatusCode::SERVICE_UNAVAILABLE,

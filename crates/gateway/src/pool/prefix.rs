@@ -96,6 +96,11 @@ impl PrefixIndex {
         }
     }
 
+    /// The bytes of text one name stands for.
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
     /// The chained names of `text`'s full blocks, first block first (a text shorter than one
     /// block has none).
     pub fn names(&self, text: &[u8]) -> Vec<u64> {

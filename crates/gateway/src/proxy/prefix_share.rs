@@ -17,6 +17,12 @@
 //! killed one. A replica that starts late knows only what is published from then on: the
 //! index is a cache with an age bound, not a record.
 //!
+//! The channel is named by `limits.redis.key_prefix` and the Redis database number: pub/sub
+//! channels ignore the database, so two deployments on one Redis, in databases of their own,
+//! would otherwise exchange records. A received record longer than the longest prompt this
+//! replica takes (`server.max_body_bytes` over the pool's `block_bytes`) is dropped and
+//! counted: no sender can displace the index with one record.
+//!
 //! A message: the sending replica's id (8 bytes), then per record the pool's model and the
 //! backend's base URL (each a 2-byte length and its bytes), the number of block names (4 bytes)
 //! and the names (8 bytes each), all little endian. Backends are named by their base URL, as
@@ -117,9 +123,11 @@ impl std::fmt::Debug for Record {
 
 impl PrefixShare {
     /// Start publishing and subscribing on `tasks` until `stop`.
+    /// `max_prompt_bytes` bounds a received record (`server.max_body_bytes`).
     pub fn start(
         link: RedisLink,
         fleet: Arc<Fleet>,
+        max_prompt_bytes: usize,
         registry: Option<&Registry>,
         tasks: &TaskTracker,
         stop: CancellationToken,
@@ -127,7 +135,7 @@ impl PrefixShare {
         let metrics = Arc::new(Metrics::new(registry)?);
         let (tx, rx) = mpsc::channel(QUEUE);
         let replica: u64 = rand::random();
-        let channel: Arc<str> = Arc::from(format!("{}:prefix-index", link.prefix()));
+        let channel = channel_of(&link);
         let up = Arc::new(Up::default());
         tasks.spawn(publish_loop(
             rx,
@@ -140,8 +148,11 @@ impl PrefixShare {
         ));
         tasks.spawn(subscribe_loop(
             link.clone(),
-            fleet,
-            replica,
+            Learner {
+                fleet,
+                replica,
+                max_prompt_bytes,
+            },
             channel,
             metrics.clone(),
             up.clone(),
@@ -188,6 +199,19 @@ impl Up {
         metrics.up.set(i64::from(self.both()));
         changed
     }
+}
+
+/// The records' channel: the deployment's key prefix and its Redis database.
+fn channel_of(link: &RedisLink) -> Arc<str> {
+    let db = link.client().get_connection_info().redis.db;
+    Arc::from(format!("{}:db{db}:prefix-index", link.prefix()))
+}
+
+/// What the subscriber records received messages into, and how it bounds them.
+struct Learner {
+    fleet: Arc<Fleet>,
+    replica: u64,
+    max_prompt_bytes: usize,
 }
 
 /// One message for a batch: the sending replica, then each record.
@@ -337,8 +361,7 @@ async fn publish_loop(
 
 async fn subscribe_loop(
     link: RedisLink,
-    fleet: Arc<Fleet>,
-    replica: u64,
+    learner: Learner,
     channel: Arc<str>,
     metrics: Arc<Metrics>,
     up: Arc<Up>,
@@ -371,7 +394,7 @@ async fn subscribe_loop(
                     tokio::select! {
                         _ = stop.cancelled() => return,
                         m = messages.next() => match m {
-                            Some(m) => learn(&fleet, replica, m.get_payload_bytes(), &metrics),
+                            Some(m) => learner.learn(m.get_payload_bytes(), &metrics),
                             None => break "the subscription ended".to_owned(),
                         },
                         _ = ping.tick() => {
@@ -406,29 +429,34 @@ async fn subscribe_loop(
     }
 }
 
-/// Record another replica's message in this replica's index.
-fn learn(fleet: &Fleet, replica: u64, msg: &[u8], metrics: &Metrics) {
-    // Its own messages come back too: told apart by the first eight bytes, before decoding.
-    if msg.get(..8) == Some(&replica.to_le_bytes()[..]) {
-        return;
-    }
-    let Some((_, records)) = decode(msg) else {
-        metrics.dropped.inc();
-        return;
-    };
-    let generation = fleet.current();
-    for (model, backend, names) in records {
-        let found = generation.get(model).and_then(|pool| {
-            let index = pool.prefix.as_ref()?;
-            let b = pool.backends.iter().find(|b| &*b.base == backend)?;
-            Some((index, b.slot))
-        });
-        match found {
-            Some((index, slot)) => {
-                index.record(&names, u32::try_from(slot).unwrap_or(u32::MAX));
-                metrics.received.inc();
+impl Learner {
+    /// Record another replica's message in this replica's index.
+    fn learn(&self, msg: &[u8], metrics: &Metrics) {
+        // Its own messages come back too: told apart by the first eight bytes, before decoding.
+        if msg.get(..8) == Some(&self.replica.to_le_bytes()[..]) {
+            return;
+        }
+        let Some((_, records)) = decode(msg) else {
+            metrics.dropped.inc();
+            return;
+        };
+        let generation = self.fleet.current();
+        for (model, backend, names) in records {
+            let found = generation.get(model).and_then(|pool| {
+                let index = pool.prefix.as_ref()?;
+                let b = pool.backends.iter().find(|b| &*b.base == backend)?;
+                Some((index, b.slot))
+            });
+            match found {
+                Some((index, _)) if names.len() > self.max_prompt_bytes / index.block_bytes() => {
+                    metrics.dropped.inc();
+                }
+                Some((index, slot)) => {
+                    index.record(&names, u32::try_from(slot).unwrap_or(u32::MAX));
+                    metrics.received.inc();
+                }
+                None => metrics.dropped.inc(),
             }
-            None => metrics.dropped.inc(),
         }
     }
 }

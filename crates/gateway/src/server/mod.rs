@@ -226,6 +226,7 @@ impl Server {
             Some(shared) => Some(crate::proxy::prefix_share::PrefixShare::start(
                 shared.link(),
                 fleet.clone(),
+                config.server.max_body_bytes,
                 Some(&registry),
                 &tasks,
                 shutdown.child_token(),

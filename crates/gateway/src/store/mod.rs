@@ -36,6 +36,12 @@ pub enum StoreError {
     AlreadyRevoked(String),
     #[error("{0}")]
     Invalid(String),
+    /// No connection could be opened: the server's host and port (never the URL's password)
+    /// and why.
+    #[error(
+        "the key store's server at {at} is unreachable ({cause}): check the URL ([database] url, --database-url or FLEETGATE_DATABASE_URL) and that PostgreSQL runs there and accepts connections from this host"
+    )]
+    Unreachable { at: String, cause: String },
     /// The change was committed, yet reading it back shows the old state: it is not taken
     /// as done (nothing is applied in memory).
     #[error("the change to key `{0}` did not reach the database (read back unchanged)")]
@@ -272,6 +278,37 @@ fn bulk_pool(config: &DatabaseConfig, kind: DbKind) -> Result<BulkPool, StoreErr
     })
 }
 
+/// A PostgreSQL server that gave no connection, said as such. sqlx's pool retries until its
+/// acquire timeout and then says only "pool timed out": one direct attempt, bounded by the
+/// same timeout, finds the cause (connection refused, no such host, a timeout).
+async fn unreachable(config: &DatabaseConfig, e: sqlx::Error) -> StoreError {
+    use sqlx::ConnectOptions;
+    let url = config.connect_url();
+    let Ok(options) = <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(&url)
+    else {
+        return e.into();
+    };
+    let at = format!("{}:{}", options.get_host(), options.get_port());
+    let cause = match e {
+        sqlx::Error::PoolTimedOut => {
+            match tokio::time::timeout(config.connect_timeout, options.connect()).await {
+                Err(_) => format!(
+                    "no connection within {} s",
+                    config.connect_timeout.as_secs_f64()
+                ),
+                Ok(Err(sqlx::Error::Io(io))) => io.to_string(),
+                // It answers now (or fails past the connection: a password, a database):
+                // that error is the one to show.
+                Ok(Err(other)) => return other.into(),
+                Ok(Ok(_)) => return e.into(),
+            }
+        }
+        sqlx::Error::Io(io) => io.to_string(),
+        other => return other.into(),
+    };
+    StoreError::Unreachable { at, cause }
+}
+
 impl KeyStore {
     /// Connect (creating the SQLite file if needed). Does not migrate.
     pub async fn connect(config: &DatabaseConfig) -> Result<Self, StoreError> {
@@ -290,11 +327,16 @@ impl KeyStore {
             // One writer at a time anyway; a few readers.
             DbKind::Sqlite => config.max_connections.min(4),
         };
-        let pool = AnyPoolOptions::new()
+        let pool = match AnyPoolOptions::new()
             .max_connections(max)
             .acquire_timeout(config.connect_timeout)
             .connect(&config.connect_url())
-            .await?;
+            .await
+        {
+            Ok(pool) => pool,
+            Err(e) if kind == DbKind::Postgres => return Err(unreachable(config, e).await),
+            Err(e) => return Err(e.into()),
+        };
         if kind == DbKind::Sqlite {
             // WAL lets the gateway read while the CLI writes; wait instead of failing on a lock.
             // The wait is set first: switching a fresh file to WAL takes its write lock, and
