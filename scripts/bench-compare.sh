@@ -5,7 +5,7 @@
 # seed, so the same prompts and schedule). Prints both verdicts and leaves the result JSON under
 # bench-out/compare-<UTC time>/.
 #   scripts/bench-compare.sh [extra fleetgate bench flags]
-# Environment: PROMPTS (default 300), RATE (default 16 req/s over both targets), INPUT (256),
+# Environment: PROMPTS (default 300), RATE (default 8 req/s to each target, 16 over both), INPUT (256),
 # OUTPUT (64), SIM_FLAGS (default: the sim's realistic defaults: 15 ms decode steps + 0.5 ms per
 # running sequence, 20 µs of prefill per prompt token), ENDPOINT_TYPE (default openai-chat;
 # openai-embeddings runs the sim as an embedding server, `--runner pooling`, and judges E2EL),
@@ -14,7 +14,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 PROMPTS=${PROMPTS:-300}
-RATE=${RATE:-16}
+RATE=${RATE:-8}
 INPUT=${INPUT:-256}
 OUTPUT=${OUTPUT:-64}
 SIM_FLAGS=${SIM_FLAGS:-}
@@ -88,7 +88,7 @@ status=0
 for via in gateway:"$GW_URL" nginx:"http://127.0.0.1:$NGINX_PORT"; do
     name=${via%%:*}
     url=${via#*:}
-    log "direct vs $name ($PROMPTS prompts each, $RATE req/s over both)"
+    log "direct vs $name ($PROMPTS prompts each, $RATE req/s to each)"
     "$BIN" bench --compare "direct=$SIM_URL" "$name=$url" "${COMMON[@]}" \
         --label "run=$(basename "$OUT")" --output "$OUT/direct-vs-$name.json" \
         >"$OUT/direct-vs-$name.txt" || status=$?

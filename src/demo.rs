@@ -61,17 +61,17 @@ pub async fn run(
     };
     config.admin.listen = Some(SocketAddr::from(([127, 0, 0, 1], admin_port)));
     let secret: [u8; 24] = rand::random();
+    let secret: String = secret.iter().map(|b| format!("{b:02x}")).collect();
     config.admin.jwt_key = Some(fleetgate_gateway::config::JwtKey::Secret(
-        fleetgate_gateway::secret::Secret::new(
-            secret
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>(),
-        ),
+        fleetgate_gateway::secret::Secret::new(secret.clone()),
     ));
     let server = Server::start_on(listener, &config, Recorder::new(false))
         .await
         .map_err(std::io::Error::other)?;
+    // The demo's settings, its admin secret among them, beside its store: `console-login` and
+    // `keys` read them from there, so a used or expired console link can be had anew.
+    let config_file = data_dir.join("fleetgate.toml");
+    write_demo_config(&config_file, &server, &sims, &embed, &secret)?;
     let gateway = server.base_url();
     let (demo_key, record) = issue_demo_key(&server.auth).await?;
 
@@ -107,7 +107,7 @@ pub async fn run(
         &config.database.sqlite_path,
         &demo_key,
         &record.public_id,
-        console.as_deref(),
+        console.as_deref().map(|link| (link, config_file.as_path())),
     );
 
     if !args.no_wait {
@@ -165,6 +165,45 @@ fn demo_config(
     config.request_log.spill_path = data_dir.join("request-log.spill");
     config.admin.listen = None;
     Ok(config)
+}
+
+/// The demo's settings as a config file (owner-only: it holds the admin secret): the gateway's
+/// and the console's addresses, the store (relative to the file), the pools.
+fn write_demo_config(
+    path: &Path,
+    server: &Server,
+    sims: &[SimServer],
+    embed: &SimServer,
+    secret: &str,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let backends = sims
+        .iter()
+        .map(|s| format!("\"{}\"", s.url()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let admin = server
+        .admin_addr
+        .map(|a| format!("listen = \"{a}\"\n"))
+        .unwrap_or_default();
+    let text = format!(
+        "# `fleetgate demo`'s settings for this run (its admin secret included: keep this file private).\n\
+         [server]\nlisten = \"{listen}\"\n\n\
+         [database]\nsqlite_path = \"fleetgate.db\"\n\n\
+         [admin]\n{admin}jwt_secret = \"{secret}\"\n\n\
+         [[pools]]\nmodel = \"{MODEL}\"\nbackends = [{backends}]\n\n\
+         [[pools]]\nmodel = \"{EMBED_MODEL}\"\nkind = \"embed\"\nbackends = [\"{embed}\"]\n",
+        listen = server.local_addr,
+        embed = embed.url(),
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?
+        .write_all(text.as_bytes())
 }
 
 /// The demo's own stress key, in the embedded SQLite store, known to the gateway at once.
@@ -309,7 +348,7 @@ fn print_try_it(
     db: &Path,
     demo_key: &str,
     id: &str,
-    console: Option<&str>,
+    console: Option<(&str, &Path)>,
 ) {
     let codex_home = demo_codex_home(db);
     if let Err(e) = write_codex_config(&codex_home, gateway) {
@@ -334,9 +373,14 @@ fn print_try_it(
     );
     outln!("Key:       {demo_key}   (environment stress, id {id}; shown once)");
     outln!("Store:     {db}   (embedded SQLite: keys and the request log)");
-    if let Some(link) = console {
+    if let Some((link, config)) = console {
         outln!(
             "Console:   {link}   (the web console: a one-time sign-in link, valid 10 minutes; docs/console.md)"
+        );
+        outln!(
+            "Config:    {}   (the demo's settings and admin secret: `{exe} console-login --config {}` prints a new link)",
+            config.display(),
+            config.display()
         );
     }
     outln!("\nNext, in another terminal (each command runs as printed):");
@@ -370,6 +414,12 @@ fn print_try_it(
     outln!(
         "  ANTHROPIC_BASE_URL={gateway} ANTHROPIC_AUTH_TOKEN=$CLAUDE_KEY ANTHROPIC_MODEL={MODEL} CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 claude -p 'say hi'   # Claude Code (npm @anthropic-ai/claude-code)"
     );
+    if let Some((_, config)) = console {
+        outln!(
+            "  {exe} console-login --config {}   # lists /console/login?token=: a new one-time sign-in link to the console",
+            config.display()
+        );
+    }
     outln!("  {exe} keys revoke \"$OPENAI_API_KEY\" --sqlite {db} --reason 'demo over'");
     outln!("  {curl}   # answers 401 key_revoked (the revoke returned once the gateway had it)");
 }

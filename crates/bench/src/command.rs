@@ -59,7 +59,10 @@ pub async fn run(args: BenchArgs, stop: CancellationToken) -> u8 {
             let t = std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()))?;
             serde_json::from_slice(&t).map_err(|e| format!("{}: {e}", p.display()))
         };
-        return match read(a).and_then(|x| read(b).and_then(|y| report::diff(&x, &y))) {
+        let names = [a.display().to_string(), b.display().to_string()];
+        return match read(a)
+            .and_then(|x| read(b).and_then(|y| report::diff(&x, &y, [&names[0], &names[1]])))
+        {
             Ok(text) => {
                 out!("{text}");
                 0

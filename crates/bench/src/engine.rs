@@ -212,8 +212,10 @@ async fn arrivals(
     // With no rate to pace the loop, the cap paces it: wait for a slot before the next arrival.
     let gate_in_loop = plan.request_rate.is_infinite();
     let mut rng = SmallRng::seed_from_u64(plan.seed);
-    let gamma =
-        rand_distr::Gamma::new(plan.burstiness, 1.0 / (plan.request_rate * plan.burstiness)).ok();
+    // `--request-rate` is per target, as `vllm bench serve` run once against each means it:
+    // interleaved targets share one schedule at the sum of their rates.
+    let rate = plan.request_rate * plan.targets.len().max(1) as f64;
+    let gamma = rand_distr::Gamma::new(plan.burstiness, 1.0 / (rate * plan.burstiness)).ok();
     let mut set = JoinSet::new();
     let mut next = Duration::ZERO;
     let mut j = 0usize;

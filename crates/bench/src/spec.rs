@@ -116,6 +116,9 @@ pub struct Target {
     /// `replicas[i % len]`, spreading the target's requests evenly, as a gateway spreads its pool.
     pub replicas: Vec<Uri>,
     pub headers: HeaderMap,
+    /// Where its key came from (`$OPENAI_API_KEY`, `--header`), or why none is sent: said when
+    /// a server refuses the key.
+    pub key_source: String,
     /// How its answers' events read.
     pub dialect: fleetgate_protocol::Dialect,
     /// Its answers stream token events (else: one whole JSON answer, an embedding's).

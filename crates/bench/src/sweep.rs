@@ -48,6 +48,21 @@ pub fn knee(axis: Axis, points: &[Point]) -> Option<usize> {
     None
 }
 
+/// The point of `points` that sustains the most requests per second, and that throughput. On a
+/// rate sweep a point's throughput counts at most at the rate it offered: a short run can
+/// measure a little more (its last requests finish in a burst), which is no capacity.
+fn sustained<'a>(axis: Axis, points: impl Iterator<Item = &'a Point>) -> Option<(f64, f64)> {
+    points
+        .map(|p| {
+            let t = p.summary.request_throughput;
+            (p.x, if axis == Axis::Rate { t.min(p.x) } else { t })
+        })
+        .fold(None, |best: Option<(f64, f64)>, (x, t)| match best {
+            Some((_, b)) if b >= t => best,
+            _ => Some((x, t)),
+        })
+}
+
 pub fn mark_sla(points: &mut [Point], sla: &[Objective]) {
     for p in points {
         p.meets_sla = p.summary.completed > 0 && violations(&p.summary, sla).is_empty();
@@ -288,11 +303,7 @@ pub(super) async fn run(
     let mut text = table(axis, &points, knee, !plan.sla.is_empty());
     let chart = svg(axis, &points, knee);
     let mut exit = 0;
-    let best = points
-        .iter()
-        .filter(|p| p.meets_sla)
-        .map(|p| p.summary.request_throughput)
-        .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.max(t))));
+    let best = sustained(axis, points.iter().filter(|p| p.meets_sla));
     if !plan.sla.is_empty() && best.is_none() {
         text.push_str("SLA: no point of the sweep meets it\n");
         exit = EXIT_SLA;
@@ -312,20 +323,20 @@ pub(super) async fn run(
         }),
     );
     if let Some((q, red, inst)) = plan.capacity {
-        let source = if plan.sla.is_empty() {
-            "the sweep's best throughput; give --sla to plan at an objective"
+        let (point, which) = if plan.sla.is_empty() {
+            (
+                sustained(axis, points.iter()),
+                "the sweep's best throughput; give --sla to plan at an objective",
+            )
         } else {
-            "the best sweep point meeting the SLA"
+            (best, "the best sweep point meeting the SLA")
         };
-        let thr = if plan.sla.is_empty() {
-            points
-                .iter()
-                .map(|p| p.summary.request_throughput)
-                .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.max(t))))
-        } else {
-            best
+        let source = match point {
+            Some((x, _)) => format!("{which}: {}={x}", axis.name()),
+            None => which.to_owned(),
         };
-        text.push_str(&capacity_text(q, red, inst, thr, source));
+        let thr = point.map(|(_, t)| t);
+        text.push_str(&capacity_text(q, red, inst, thr, &source));
         json.insert("capacity".into(), capacity_json(q, red, thr, inst));
     }
     if interrupted {
@@ -367,6 +378,20 @@ mod tests {
             summary: s,
             meets_sla: false,
         }
+    }
+
+    /// A rate point's capacity is at most what it offered; a concurrency point's is what it
+    /// measured; the point is named.
+    #[test]
+    fn capacity_comes_from_what_a_point_sustained() {
+        let pts = [
+            point(2.0, 2.0, 100.0),
+            point(4.0, 4.6, 110.0),
+            point(8.0, 4.3, 180.0),
+        ];
+        assert_eq!(sustained(Axis::Rate, pts.iter()), Some((8.0, 4.3)));
+        assert_eq!(sustained(Axis::Concurrency, pts.iter()), Some((4.0, 4.6)));
+        assert_eq!(sustained(Axis::Rate, pts[..0].iter()), None);
     }
 
     #[test]

@@ -330,28 +330,90 @@ async fn the_verdicts_tolerances_and_labels_come_from_the_flags() {
     }
 }
 
+/// `--request-rate` is each target's, as `vllm bench serve` run against each means it: a
+/// comparison at 40 req/s sends 40 per second to each side (80 on the one schedule), and each
+/// side's report says 40.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_request_rate_is_each_targets() {
+    let s = sim(|a| a.zero_delay = true).await;
+    let gw = gateway(vec![pool("qwen32b", &[s.url()])]).await;
+    let auth = format!("Authorization: Bearer {}", gw.key);
+    let direct = format!("direct={}", s.url());
+    let via = format!("gateway=http://{}", gw.server.local_addr);
+    let (plan, report) = run(&[
+        "--compare",
+        &direct,
+        &via,
+        "--header",
+        &auth,
+        "--model",
+        "qwen32b",
+        "--num-prompts",
+        "40",
+        "--request-rate",
+        "40",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "2",
+        "--seed",
+        "3",
+    ])
+    .await;
+    assert_eq!(plan.request_rate, 40.0);
+    assert_eq!(
+        report
+            .text
+            .matches("Request rate configured (RPS):")
+            .count(),
+        2,
+        "{}",
+        report.text
+    );
+    for line in report
+        .text
+        .lines()
+        .filter(|l| l.starts_with("Request rate configured"))
+    {
+        assert!(line.trim_end().ends_with("40.00"), "{line}");
+    }
+    assert_eq!(report.json["request_rate"], 40.0);
+    let (d, g) = (&report.summaries[0], &report.summaries[1]);
+    assert_eq!((d.completed, g.completed), (40, 40));
+}
+
 #[test]
 fn diff_lines_up_two_results() {
     let a = serde_json::json!({"mean_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "request_throughput": 8.0, "input_lens": [1]});
     let b =
         serde_json::json!({"mean_ttft_ms": 103.0, "p99_ttft_ms": 190.0, "request_throughput": 8.0});
-    let t = fleetgate_bench::report::diff(&a, &b).unwrap();
+    let t = fleetgate_bench::report::diff(&a, &b, ["a.json", "b.json"]).unwrap();
     assert!(t.contains("mean_ttft_ms") && t.contains("+3.00%"), "{t}");
     assert!(t.contains("-5.00%"), "{t}");
     assert!(!t.contains("input_lens"));
     assert!(
-        t.starts_with("A: a single-target run\nB: a single-target run\n"),
+        t.starts_with("A: a.json: a single-target run\nB: b.json: a single-target run\n"),
         "{t}"
     );
-    assert!(fleetgate_bench::report::diff(&serde_json::json!({}), &b).is_err());
+    // Files that say what run they hold are told apart by it.
+    let described = |rate: f64| {
+        serde_json::json!({"mean_ttft_ms": 100.0, "label": "nightly", "model_id": "qwen32b",
+                           "num_prompts": 500, "request_rate": rate, "date": 1_796_533_200})
+    };
+    let t = fleetgate_bench::report::diff(&described(10.0), &described(20.0), ["x", "y"]).unwrap();
+    assert!(
+        t.starts_with("A: x: a single-target run (label `nightly`, model `qwen32b`, 500 prompts at 10.0 req/s, 2026-12-06T05:00:00Z)\nB: y: a single-target run (label `nightly`, model `qwen32b`, 500 prompts at 20.0 req/s,"),
+        "{t}"
+    );
+    assert!(fleetgate_bench::report::diff(&serde_json::json!({}), &b, ["a", "b"]).is_err());
     // A compare result: the diff says which of its targets it read.
     let compare = serde_json::json!({
         "targets": {"direct": {"mean_ttft_ms": 90.0}, "gateway": {"mean_ttft_ms": 101.0}},
         "comparison": {"baseline": "direct", "measured": "gateway"},
     });
-    let t = fleetgate_bench::report::diff(&compare, &a).unwrap();
+    let t = fleetgate_bench::report::diff(&compare, &a, ["c.json", "a.json"]).unwrap();
     assert!(
-        t.starts_with("A: target `gateway` of a --compare run (the measured side; `direct` was its baseline)\n"),
+        t.starts_with("A: c.json: target `gateway` of a --compare run (the measured side; `direct` was its baseline)\n"),
         "{t}"
     );
     assert!(t.contains("101.000") && t.contains("-0.99%"), "{t}");

@@ -339,6 +339,7 @@ async fn the_hop_cost_is_read_from_the_trailer_of_a_stream() {
         uri: uri.clone(),
         replicas: vec![uri.clone()],
         headers: http::HeaderMap::new(),
+        key_source: "no key".into(),
         dialect: fleetgate_protocol::Dialect::Chat,
         streamed: true,
     };

@@ -77,6 +77,59 @@ async fn bench_reads_the_key_from_the_environment() {
     assert!(stdout.contains("HTTP 401"), "{stdout}");
 }
 
+/// Without `--model` the bench asks the server's `/v1/models`: a refusal shows the server's
+/// message whole and names what to check for it: the variable the key was read from (or that
+/// it was not set), or the base URL, whose fix the gateway's 404 opens with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_lookup_says_which_variable_it_read_and_shows_the_whole_message() {
+    let s = sim(|a| a.zero_delay = true).await;
+    let gw = gateway(vec![pool("qwen32b", &[s.url()])]).await;
+    let base = format!("http://{}", gw.server.local_addr);
+    let key = gw.key.clone();
+    let run = move |base: String, key_in_default: bool| {
+        let mut c = Command::new(BIN);
+        c.args(["bench", "--base-url", &base, "--num-prompts", "1"])
+            .env_remove("OPENAI_API_KEY")
+            // The key where a user following the README put it, not where the bench reads.
+            .env("FLEETGATE_API_KEY", &key);
+        if key_in_default {
+            c.env("OPENAI_API_KEY", &key);
+        }
+        let out = c.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let b = base.clone();
+    let again = run.clone();
+    let (code, err) = tokio::task::spawn_blocking(move || again(b, false))
+        .await
+        .unwrap();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("No API key was sent")
+            && err.contains("$OPENAI_API_KEY (--api-key-env) is not set"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("--model"),
+        "no advice about --model for a key: {err}"
+    );
+    let (code, err) = tokio::task::spawn_blocking(move || run(format!("{base}/api"), true))
+        .await
+        .unwrap();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("answered 404 Not Found: Remove `/api` from the base URL"),
+        "{err}"
+    );
+    assert!(
+        err.contains("meant as GET /v1/models") && err.contains("check --base-url"),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_ctrl_c_prints_what_was_measured() {
     // Two at a time, 100 tokens 10 ms apart: 40 prompts would take about 20 s.

@@ -34,13 +34,20 @@ pub(super) async fn discover_model(target: &Target) -> Result<String, String> {
         .map_err(|e| e.to_string())?
         .to_bytes();
     if !status.is_success() {
-        return Err(format!(
-            "GET {uri} answered {status}: {} (pass --model, or check the key in the variable named by --api-key-env)",
-            String::from_utf8_lossy(&body)
-                .chars()
-                .take(300)
-                .collect::<String>()
-        ));
+        // The server's own message whole (a gateway's says what to fix), then what to check
+        // for this status.
+        let text = String::from_utf8_lossy(&body);
+        let message = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| text.chars().take(2000).collect());
+        let check = match status.as_u16() {
+            401 | 403 => format!("it was sent {}", target.key_source),
+            404 => "check --base-url: the server's root, http://host:port (with or without /v1)"
+                .to_owned(),
+            _ => "pass --model to skip this lookup".to_owned(),
+        };
+        return Err(format!("GET {uri} answered {status}: {message} ({check})"));
     }
     let v: Value = serde_json::from_slice(&body).map_err(|e| format!("GET {uri}: {e}"))?;
     v["data"][0]["id"]
@@ -90,7 +97,7 @@ pub(super) fn targets(
         let (name, var) = kv(t, "--target-key-env")?;
         let v = bearer_from(&var)?
             .ok_or_else(|| format!("--target-key-env {name}: ${var} is not set"))?;
-        per_target_key.insert(name, v);
+        per_target_key.insert(name, (var, v));
     }
     let mut targets = Vec::new();
     for (name, urls) in target_urls(args)? {
@@ -120,11 +127,20 @@ pub(super) fn targets(
         let base = bases.join(", ");
         let uri = replicas[0].clone();
         let mut headers = common.clone();
-        if !headers.contains_key(http::header::AUTHORIZATION)
-            && let Some(k) = per_target_key.get(&name).or(default_key.as_ref())
-        {
+        let key_source = if headers.contains_key(http::header::AUTHORIZATION) {
+            "the key given with --header".to_owned()
+        } else if let Some((var, k)) = per_target_key.get(&name) {
             headers.insert(http::header::AUTHORIZATION, k.clone());
-        }
+            format!("the key read from ${var} (--target-key-env {name}={var})")
+        } else if let Some(k) = &default_key {
+            headers.insert(http::header::AUTHORIZATION, k.clone());
+            format!("the key read from ${} (--api-key-env)", args.api_key_env)
+        } else {
+            format!(
+                "no key: ${} (--api-key-env) is not set; export it, or name the variable that holds the key with --api-key-env",
+                args.api_key_env
+            )
+        };
         // Anthropic's API asks every request to name its version.
         if kind == EndpointType::AnthropicMessages && !headers.contains_key("anthropic-version") {
             headers.insert(
@@ -138,6 +154,7 @@ pub(super) fn targets(
             uri,
             replicas,
             headers,
+            key_source,
             dialect: kind.dialect(),
             streamed: kind.streams(),
         });

@@ -31,8 +31,8 @@ use keys::{seed_json, stats_json, vllm_json};
 use text::render;
 
 /// `fleetgate bench diff A.json B.json`: every `mean_/median_/pNN_*_ms` and throughput key of
-/// two result files side by side.
-pub fn diff(a: &Value, b: &Value) -> Result<String, String> {
+/// two result files side by side, each file named (`names`) and said what run it holds.
+pub fn diff(a: &Value, b: &Value, names: [&str; 2]) -> Result<String, String> {
     // The figures of a file, and which they are: a compare run's measured target, or the run.
     let pick = |v: &Value| -> Result<(serde_json::Map<String, Value>, String), String> {
         let obj = v.as_object().ok_or("not a JSON object")?;
@@ -51,12 +51,12 @@ pub fn diff(a: &Value, b: &Value) -> Result<String, String> {
                 ),
             ));
         }
-        Ok((obj.clone(), "a single-target run".to_owned()))
+        Ok((obj.clone(), format!("a single-target run{}", run_of(obj))))
     };
     let ((a, what_a), (b, what_b)) = (pick(a)?, pick(b)?);
     let mut o = String::new();
-    let _ = writeln!(o, "A: {what_a}");
-    let _ = writeln!(o, "B: {what_b}");
+    let _ = writeln!(o, "A: {}: {what_a}", names[0]);
+    let _ = writeln!(o, "B: {}: {what_b}", names[1]);
     let _ = writeln!(o, "{:<28} {:>14} {:>14} {:>10}", "key", "A", "B", "change");
     let wanted = |k: &str| {
         (k.ends_with("_ms")
@@ -182,18 +182,13 @@ fn target_sections(
         if plan.targets.len() > 1 {
             text.push_str(&format!("\n[{}] {}\n", t.name, t.base));
         }
-        // Interleaved targets share the arrivals: each gets its part of the rate.
-        let rate = if plan.targets.len() > 1 {
-            plan.request_rate / plan.targets.len() as f64
-        } else {
-            plan.request_rate
-        };
+        // The rate is each target's (interleaved targets share one schedule at their sum).
         let kind = plan.endpoint_type;
         text.push_str(&render(
             &s,
             &plan.selected,
             plan.max_concurrency,
-            rate,
+            plan.request_rate,
             kind,
         ));
         let mut m = vllm_json(&s, &mine, &plan.selected, kind);
@@ -212,6 +207,42 @@ fn target_sections(
         summaries.push(s);
     }
     (summaries, per_target)
+}
+
+/// What a result file says of its run (label, model, prompts and rate, date), so two files of
+/// the same kind read apart: ` (label `x`, model `m`, 500 prompts at 20 req/s, 2026-12-06T05:00:00Z)`.
+fn run_of(obj: &serde_json::Map<String, Value>) -> String {
+    let mut parts = Vec::new();
+    if let Some(l) = obj.get("label").and_then(Value::as_str) {
+        parts.push(format!("label `{l}`"));
+    }
+    if let Some(m) = obj.get("model_id").and_then(Value::as_str) {
+        parts.push(format!("model `{m}`"));
+    }
+    match (
+        obj.get("num_prompts").and_then(Value::as_u64),
+        obj.get("request_rate"),
+    ) {
+        (Some(n), Some(Value::Number(r))) => parts.push(format!("{n} prompts at {r} req/s")),
+        (Some(n), _) => parts.push(format!("{n} prompts at once")),
+        _ => {}
+    }
+    if let Some(at) = obj
+        .get("date")
+        .and_then(Value::as_i64)
+        .and_then(|d| time::OffsetDateTime::from_unix_timestamp(d).ok())
+        .and_then(|d| {
+            d.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+    {
+        parts.push(at);
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", parts.join(", "))
+    }
 }
 
 /// The keys describing the run itself: when, what was sent and how, and the client's cost.

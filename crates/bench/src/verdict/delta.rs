@@ -140,12 +140,15 @@ pub fn compare(
                         Some(i) if i.lo > allowed => Judgement::Over,
                         Some(i) if i.hi <= allowed => Judgement::Within,
                         Some(i) => {
+                            // Undecided at this many prompts: deciding takes more than were
+                            // run, whatever the statistic's own minimum.
+                            let more = |n: usize| n.max(line.min_samples).max(pairs.prompts() + 1);
                             line.prompts_to_decide = i
                                 .prompts_to_decide(pairs.prompts(), y - x, allowed)
-                                .map(|n| n.max(line.min_samples));
+                                .map(more);
                             line.prompts_to_decide_at_least = i
                                 .prompts_to_decide_at_least(pairs.prompts(), allowed)
-                                .map(|n| n.max(line.min_samples));
+                                .map(more);
                             Judgement::NotDistinguishable
                         }
                     };

@@ -82,10 +82,12 @@ pub fn render_compare(
                 "not distinguishable at this sample size{}",
                 match (d.prompts_to_decide_at_least, d.prompts_to_decide) {
                     (Some(least), Some(n)) if n > least => format!(
-                        " (≥{least} prompts to decide; ~{n} if the delta is as measured, more the nearer it is to the limit)"
+                        " ({} prompts run; ≥{least} to decide, ~{n} if the delta is as measured, more the nearer it is to the limit)",
+                        d.paired_prompts
                     ),
                     (Some(least), _) => format!(
-                        " (≥{least} prompts to decide; more the nearer the delta is to the limit)"
+                        " ({} prompts run; ≥{least} to decide, more the nearer the delta is to the limit)",
+                        d.paired_prompts
                     ),
                     (None, _) => " (the delta sits on the limit)".to_owned(),
                 }

@@ -137,9 +137,13 @@ fn equal_distributions_are_not_distinguishable() {
         );
     }
     assert!(
-        text.contains("not distinguishable at this sample size (≥"),
+        text.contains("not distinguishable at this sample size (200 prompts run; ≥"),
         "{text}"
     );
+    // Deciding always takes more prompts than were run.
+    for x in &d {
+        assert!(x.prompts_to_decide_at_least.unwrap() > 200, "{x:?}");
+    }
     assert!(
         text.contains("verdict: PASS — gateway is not shown slower than allowed; not distinguishable at this sample size: TTFT mean, TTFT p50, TTFT p95, E2EL mean"),
         "{text}"
