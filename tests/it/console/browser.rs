@@ -364,6 +364,9 @@ async fn console_in_a_real_browser() {
 
     b.goto("/console/backends").await;
     b.css("tr[data-backend] .state").await;
+    // The name clients see in errors (`model#N`) and the labels a gray canary selects by.
+    assert_eq!(b.text("tr[data-backend] td.name").await, "qwen32b#0");
+    assert_eq!(b.text("tr[data-backend] td.labels").await, "canary");
     assert!(
         !b.absent("tr[data-backend] form button").await,
         "an admin can drain"

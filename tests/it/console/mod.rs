@@ -143,7 +143,10 @@ async fn console_gateway(
     db: Option<fleetgate_gateway::config::DatabaseConfig>,
 ) -> (fleetgate_sim::SimServer, Gateway, SocketAddr) {
     let sim = sim(|_| {}).await;
-    let gw = gateway_with(vec![pool("qwen32b", &[sim.url()])], |c| {
+    let mut p = pool("qwen32b", &[sim.url()]);
+    // A gray canary's label, shown on the Backends page.
+    p.backends[0].labels = vec!["canary".into()];
+    let gw = gateway_with(vec![p], |c| {
         if let Some(db) = db {
             c.database = db;
         }

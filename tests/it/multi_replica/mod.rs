@@ -229,6 +229,8 @@ max_in_flight_per_backend = 0
     assert_eq!(s, 201, "{created}");
     let key = created["key"].as_str().unwrap().to_owned();
     let id = created["record"]["public_id"].as_str().unwrap().to_owned();
+    // The answer names the key's id as the CLI does (`keys revoke <id>`).
+    assert_eq!(created["id"], created["record"]["public_id"]);
     for (i, r) in replicas.iter().enumerate() {
         assert_eq!(chat(r, &key, 2).await.status, 200, "replica {i}");
     }

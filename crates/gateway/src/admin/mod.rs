@@ -372,6 +372,8 @@ async fn create_key(
         StatusCode::CREATED,
         to_json(&serde_json::json!({
             "key": full,
+            // What the CLI calls `<id>` (`keys revoke <id>`, the console's key pages).
+            "id": &*record.public_id,
             "note": "This is the only time the full key is shown: store it in a secret manager or an environment variable.",
             "record": key_json(&record),
         })),
@@ -419,6 +421,7 @@ async fn rotate_key(
         StatusCode::OK,
         to_json(&serde_json::json!({
             "key": full,
+            "id": &*record.public_id,
             "note": "The old secret keeps working until previous_secret_valid_until.",
             "record": key_json(&record),
         })),

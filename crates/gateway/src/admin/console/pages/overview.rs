@@ -198,7 +198,7 @@ pub fn backends(f: &Frame<'_>, rows: &[serde_json::Value]) -> Markup {
                     h2 { "Pool " code { (m) } }
                     table.list.backends {
                         thead { tr {
-                            th { "backend" } th { "state" } th.num { "in flight" } th.num { "capacity" } th.num { "weight" }
+                            th { "name" } th { "backend" } th { "labels" } th { "state" } th.num { "in flight" } th.num { "capacity" } th.num { "weight" }
                             th.num { "remote load" } th.num { "KV cache" } th.num { "TTFT (EWMA, ms)" } th { "last error" }
                             @if f.session.is_admin() { th { "" } }
                         } }
@@ -207,7 +207,16 @@ pub fn backends(f: &Frame<'_>, rows: &[serde_json::Value]) -> Markup {
                                 @let state = r["state"].as_str().unwrap_or("unknown");
                                 @let base = r["backend"].as_str().unwrap_or("");
                                 tr data-backend=(base) {
+                                    // The name clients' error messages give (`model#N`) and
+                                    // the labels a gray canary selects by, as
+                                    // `GET /admin/backends` lists them.
+                                    td.name { code { (r["name"].as_str().unwrap_or("")) } }
                                     td { code { (base) } }
+                                    td.labels {
+                                        @for l in r["labels"].as_array().into_iter().flatten().filter_map(|l| l.as_str()) {
+                                            span.label { (l) } " "
+                                        }
+                                    }
                                     td { span class=(format!("state {state}")) { (state) } }
                                     td.num { (text(&r["in_flight"])) }
                                     td.num { (text(&r["capacity"])) }
