@@ -216,6 +216,9 @@ struct SharedMetrics {
 
 /// The Redis side of the limits.
 pub struct Shared {
+    /// Tells this instance's per-worker connections apart from another's (a test process
+    /// runs many gateways).
+    id: u64,
     client: redis::Client,
     conn: Arc<ArcSwapOption<ConnectionManager>>,
     up: Arc<AtomicBool>,
@@ -319,6 +322,7 @@ impl Shared {
         };
         tasks.spawn(settle_loop(settle_rx, settler, settle_stop));
         Ok(Self {
+            id: rand::random(),
             client,
             conn,
             up,
@@ -345,11 +349,16 @@ impl Shared {
     /// One round trip: check and update every shared counter that applies. `Err(())` when
     /// Redis failed or was too slow (already logged and counted; use local limits).
     pub async fn admit(&self, c: &Check) -> Result<Outcome, ()> {
-        let Some(conn) = self.conn.load_full() else {
-            self.mark_down("not connected");
-            return Err(());
+        let mut conn = match self.worker_conn() {
+            Some(c) => c,
+            None => {
+                let Some(conn) = self.conn.load_full() else {
+                    self.mark_down("not connected");
+                    return Err(());
+                };
+                (*conn).clone()
+            }
         };
-        let mut conn = (*conn).clone();
         let p = &self.prefix;
         let mut inv = self.admit.prepare_invoke();
         inv.key(format!("{p}:k:{}:r", c.key_id))
@@ -393,6 +402,55 @@ impl Shared {
                 },
                 retry_after: us(get(1)),
             },
+        })
+    }
+
+    /// This worker thread's own connection, once it has one. A multiplexed connection's
+    /// driver is a task on the runtime that opened it: the shared one's runs on the
+    /// control-plane runtime, so an admission through it wakes that thread to write and again
+    /// to read, and the answer wakes the worker back (measured: +214 µs at p50 and ~130 µs of
+    /// CPU per admission on this 2-core machine, against a 42 µs Redis round trip). A
+    /// worker's own connection has its driver on the worker's event loop: the command, the
+    /// socket and the answer stay on one thread. Opened in the background on first use (this
+    /// admission goes through the shared one); a failed open is tried again a second later.
+    /// Only for single-threaded runtimes (the workers): on a multi-threaded one the driver
+    /// would run on any of its threads, which gains nothing.
+    fn worker_conn(&self) -> Option<ConnectionManager> {
+        let handle = tokio::runtime::Handle::try_current().ok()?;
+        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread {
+            return None;
+        }
+        WORKER_CONNS.with(|conns| {
+            let mut conns = conns.borrow_mut();
+            let now = std::time::Instant::now();
+            let at = match conns.iter().position(|c| c.owner == self.id) {
+                Some(at) => at,
+                None => {
+                    conns.push(WorkerConn {
+                        owner: self.id,
+                        conn: Arc::new(ArcSwapOption::empty()),
+                        next_try: now,
+                    });
+                    conns.len() - 1
+                }
+            };
+            let own = &mut conns[at];
+            if let Some(c) = own.conn.load_full() {
+                return Some((*c).clone());
+            }
+            if now >= own.next_try {
+                own.next_try = now + Duration::from_secs(1);
+                let (client, slot) = (self.client.clone(), own.conn.clone());
+                let timeout = self.timeout.max(Duration::from_secs(1));
+                // Ends within `timeout`; dropped with the worker's runtime at shutdown. The
+                // connection's own driver is the redis crate's task, on this runtime too.
+                handle.spawn(async move {
+                    if let Ok(c) = connect(&client, timeout).await {
+                        slot.store(Some(Arc::new(c)));
+                    }
+                });
+            }
+            None
         })
     }
 
@@ -539,6 +597,18 @@ impl PinStore {
         let get = cmd.query_async::<Option<String>>(&mut c);
         tokio::time::timeout(self.timeout, get).await.ok()?.ok()?
     }
+}
+
+/// A worker thread's own connection to one `Shared`'s Redis (`Shared::worker_conn`).
+struct WorkerConn {
+    owner: u64,
+    conn: Arc<ArcSwapOption<ConnectionManager>>,
+    next_try: std::time::Instant,
+}
+
+thread_local! {
+    /// This thread's own connections, by `Shared` instance.
+    static WORKER_CONNS: std::cell::RefCell<Vec<WorkerConn>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 fn micros(d: Duration) -> u64 {
