@@ -172,6 +172,13 @@ async fn losing_redis_mid_run_falls_back_and_recovers() {
         "shared: the whole limit"
     );
     assert_eq!(metric("fleetgate_limits_redis_up"), Some(1.0));
+    // A few more, paced: each worker that served one has opened its own connection to Redis
+    // in the background by now (the cut below breaks it, and it must not outlive the outage).
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let m = post(&url, &[("authorization", &auth)], chat(2, false)).await;
+        assert_eq!(header(&m, "x-ratelimit-limit-requests"), "100");
+    }
 
     // Redis goes away: the next request falls back to limit/replicas, and it shows.
     let port = proxy.cut();

@@ -349,16 +349,6 @@ impl Shared {
     /// One round trip: check and update every shared counter that applies. `Err(())` when
     /// Redis failed or was too slow (already logged and counted; use local limits).
     pub async fn admit(&self, c: &Check) -> Result<Outcome, ()> {
-        let mut conn = match self.worker_conn() {
-            Some(c) => c,
-            None => {
-                let Some(conn) = self.conn.load_full() else {
-                    self.mark_down("not connected");
-                    return Err(());
-                };
-                (*conn).clone()
-            }
-        };
         let p = &self.prefix;
         let mut inv = self.admit.prepare_invoke();
         inv.key(format!("{p}:k:{}:r", c.key_id))
@@ -373,18 +363,26 @@ impl Shared {
             .arg(micros(c.key_floor.requests))
             .arg(micros(c.key_floor.tokens))
             .arg(micros(c.env_floor));
-        let reply: Vec<i64> =
-            match tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn)).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) => {
-                    self.mark_down(&e.to_string());
-                    return Err(());
+        let answer = match self.worker_conn() {
+            Some(mut own) => match self.invoke(&inv, &mut own).await {
+                // This worker's connection broke (Redis went away and came back, say): it is
+                // opened anew in the background, and the shared one, which the health loop
+                // checks, answers for this request. A timeout is Redis being slow for all.
+                Err(Failed::Error(_)) => {
+                    self.drop_worker_conn();
+                    self.invoke_shared(&inv).await
                 }
-                Err(_) => {
-                    self.mark_down(&format!("no answer within {} ms", self.timeout.as_millis()));
-                    return Err(());
-                }
-            };
+                other => other,
+            },
+            None => self.invoke_shared(&inv).await,
+        };
+        let reply = match answer {
+            Ok(r) => r,
+            Err(f) => {
+                self.mark_down(&f.to_string());
+                return Err(());
+            }
+        };
         let us = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
         let get = |i: usize| reply.get(i).copied().unwrap_or(-1);
         Ok(match get(0) {
@@ -403,6 +401,37 @@ impl Shared {
                 retry_after: us(get(1)),
             },
         })
+    }
+
+    /// The admission script on `conn`, within the timeout.
+    async fn invoke(
+        &self,
+        inv: &redis::ScriptInvocation<'_>,
+        conn: &mut ConnectionManager,
+    ) -> Result<Vec<i64>, Failed> {
+        match tokio::time::timeout(self.timeout, inv.invoke_async(conn)).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => Err(Failed::Error(e.to_string())),
+            Err(_) => Err(Failed::Timeout(self.timeout)),
+        }
+    }
+
+    /// The admission script on the shared connection.
+    async fn invoke_shared(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, Failed> {
+        let Some(conn) = self.conn.load_full() else {
+            return Err(Failed::Error("not connected".to_owned()));
+        };
+        self.invoke(inv, &mut (*conn).clone()).await
+    }
+
+    /// Forget this worker's connection: a new one is opened on its next admission.
+    fn drop_worker_conn(&self) {
+        WORKER_CONNS.with(|conns| {
+            if let Some(own) = conns.borrow_mut().iter_mut().find(|c| c.owner == self.id) {
+                own.conn.store(None);
+                own.next_try = std::time::Instant::now();
+            }
+        });
     }
 
     /// This worker thread's own connection, once it has one. A multiplexed connection's
@@ -596,6 +625,21 @@ impl PinStore {
         cmd.arg(self.key(id));
         let get = cmd.query_async::<Option<String>>(&mut c);
         tokio::time::timeout(self.timeout, get).await.ok()?.ok()?
+    }
+}
+
+/// Why an admission got no answer from Redis.
+enum Failed {
+    Error(String),
+    Timeout(Duration),
+}
+
+impl std::fmt::Display for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failed::Error(e) => f.write_str(e),
+            Failed::Timeout(t) => write!(f, "no answer within {} ms", t.as_millis()),
+        }
     }
 }
 
