@@ -451,14 +451,13 @@ impl Shared {
         }
         WORKER_CONNS.with(|conns| {
             let mut conns = conns.borrow_mut();
-            let now = std::time::Instant::now();
             let at = match conns.iter().position(|c| c.owner == self.id) {
                 Some(at) => at,
                 None => {
                     conns.push(WorkerConn {
                         owner: self.id,
                         conn: Arc::new(ArcSwapOption::empty()),
-                        next_try: now,
+                        next_try: std::time::Instant::now(),
                     });
                     conns.len() - 1
                 }
@@ -467,6 +466,8 @@ impl Shared {
             if let Some(c) = own.conn.load_full() {
                 return Some((*c).clone());
             }
+            // The clock is read only while there is no connection yet.
+            let now = std::time::Instant::now();
             if now >= own.next_try {
                 own.next_try = now + Duration::from_secs(1);
                 let (client, slot) = (self.client.clone(), own.conn.clone());
