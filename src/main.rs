@@ -199,7 +199,7 @@ fn tool_flags(args: Vec<std::ffi::OsString>) -> Result<Vec<std::ffi::OsString>, 
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 /// Hands the calling thread's jemalloc cache back to the arenas, from where its pages return
-/// to the system with the decay (run by a parking runtime thread: `server::idle`). Disabling
+/// to the system with the decay (run by a parking runtime thread: `server::allocator`). Disabling
 /// the thread's cache flushes it (jemalloc's `thread.tcache.enabled`, which unlike
 /// `thread.tcache.flush` takes a value and so has a safe call); enabling it again starts an
 /// empty one.
@@ -233,10 +233,10 @@ fn main() -> ExitCode {
         }
     };
     #[cfg(all(feature = "jemalloc", not(target_env = "msvc")))]
-    fleetgate_gateway::server::idle::set_release(release_thread_cache);
+    fleetgate_gateway::server::allocator::set_release(release_thread_cache);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .on_thread_park(fleetgate_gateway::server::idle::parked)
+        .on_thread_park(fleetgate_gateway::server::allocator::parked)
         .build()
     {
         Ok(rt) => rt,

@@ -25,7 +25,7 @@ pub mod route;
 pub mod telemetry;
 
 // Layer 3: the forwarding path that calls the stages in order, and the relay.
-pub mod proxy;
+pub(crate) mod proxy;
 
 // Layer 4: the listeners and the admin API.
 pub mod admin;

@@ -6,19 +6,20 @@
 //!
 //! Here: `Pool` (one model's pool as a worker holds it) and `Generation` (all pools of one
 //! configuration). A backend's own state is in `backend`, choosing among backends in
-//! `balance`, the upstream client in `upstream_client`, probes, warm-up and load scrapes in
-//! `health`.
+//! `balance`, the upstream client in `upstream_client` and the connections the relays drive in
+//! `upstream_conn`, probes, warm-up and load scrapes in `health`, why a backend could not be
+//! reached in `cause`, the longest-prefix index in `prefix`.
 
 mod backend;
 mod balance;
-pub mod cause;
-pub mod connector;
-pub mod driven;
+pub(crate) mod cause;
+pub(crate) mod connector;
 pub mod fleet;
-pub mod hash;
+pub(crate) mod hash;
 mod health;
 pub mod prefix;
-pub mod upstream_client;
+mod upstream_client;
+pub(crate) mod upstream_conn;
 
 use std::collections::HashMap;
 use std::io;

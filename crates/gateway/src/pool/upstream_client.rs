@@ -16,10 +16,10 @@ use crate::config::PoolConfig;
 
 use super::Pool;
 use super::connector::StampingConnector;
-use super::driven::{Conns, SendError, UpstreamBody};
+use super::upstream_conn::{Conns, SendError, UpstreamBody};
 
 /// A pool's upstream client: requests through `send` drive their connection from their own
-/// task (`driven`); probes and load scrapes go through hyper's pooled client.
+/// task (`upstream_conn`); probes and load scrapes go through hyper's pooled client.
 #[derive(Clone, Debug)]
 pub struct UpstreamClient {
     probes: Client<HttpsConnector<StampingConnector>, Full<Bytes>>,

@@ -11,7 +11,7 @@ use http_body_util::{BodyExt, Limited};
 
 use super::exchange::Exchange;
 use super::headers::{APPLICATION_JSON, X_REQUEST_ID};
-use crate::pool::driven::UpstreamBody;
+use crate::pool::upstream_conn::UpstreamBody;
 use crate::pool::{Backend, Pool};
 use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::endpoint::{BodyKind, Family};

@@ -19,8 +19,8 @@ use tokio_util::sync::CancellationToken;
 use super::error::ApiError;
 use super::exchange::Exchange;
 use super::pins;
+use super::send::RelayParts;
 use super::state::ProxyState;
-use super::upstream::RelayParts;
 use crate::limits::Admission;
 use crate::pool::{Backend, InFlight, UpstreamClient};
 

@@ -1,20 +1,87 @@
-//! The body phase: a JSON body within the size limit, read whole (requests are small); an
-//! audio route's `multipart/form-data` within its own, larger limit; and the bound on the
-//! bytes of bodies still arriving that the gateway holds (`PendingBodies`).
+//! The body step. The head as a backend would get it is cleaned (`headers`) and refused here
+//! when a backend would refuse it: before the body is read, and without a backend charged for
+//! the client's headers. Then the body: JSON within the size limit, read whole (requests are
+//! small); an audio route's `multipart/form-data` within its own, larger limit; and the bound
+//! on the bytes of bodies still arriving that the gateway holds (`PendingBodies`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
 use futures_util::FutureExt;
-use http::HeaderMap;
 use http::header::{self, HeaderValue};
+use http::{HeaderMap, Request, Uri};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
 use super::error::{ApiError, PendingScope};
+use super::headers::{self, Outgoing};
+use super::state::ProxyState;
+use crate::telemetry::RequestRecord;
+use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::endpoint::BodyKind;
+
+/// A request's head once its body has been read: as a backend gets it, with its target.
+pub(super) struct Head {
+    pub(super) outgoing: Outgoing,
+    pub(super) uri: Uri,
+    pub(super) body_read: Instant,
+}
+
+/// The head cleaned and checked, then the body within its endpoint's limit.
+pub(super) async fn receive(
+    state: &ProxyState,
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+    record: &mut RequestRecord,
+) -> Result<(Head, Bytes), ApiError> {
+    let (parts, body) = req.into_parts();
+    let declared = declared_length(&parts.headers);
+    let sender = headers::Sender {
+        peer: record.client_addr.map(|a| a.ip()),
+        authority: parts.uri.authority(),
+    };
+    let outgoing = headers::outgoing(parts.headers, &state.forwarding, sender);
+    let backend_part = state.generation.load().max_backend_head;
+    headers::check_head(
+        &outgoing.headers,
+        &record.request_id,
+        backend_part,
+        state.head_limits,
+    )
+    .map_err(ApiError::HeadersTooLarge)?;
+    let kind = endpoint.needs().body;
+    let accepted = match kind {
+        BodyKind::Multipart => Accepted {
+            kind,
+            limit: state.max_audio_body_bytes,
+            setting: "server.max_audio_body_bytes",
+        },
+        BodyKind::Json | BodyKind::None => Accepted {
+            kind,
+            limit: state.max_body_bytes,
+            setting: "server.max_body_bytes",
+        },
+    };
+    let body = read(
+        &outgoing.headers,
+        declared,
+        body,
+        accepted,
+        state.body_timeouts,
+        (&state.pending_bodies, record.key.as_ref().map(|k| k.id)),
+    )
+    .await?;
+    let body_read = Instant::now();
+    record.timeline.stamp_body_read(body_read);
+    let head = Head {
+        outgoing,
+        uri: parts.uri,
+        body_read,
+    };
+    Ok((head, body))
+}
 
 /// The length a request's `Content-Length` declares (read before the header is cleaned away
 /// for the backend, which gets the length of what is really sent).

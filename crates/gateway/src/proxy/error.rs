@@ -1,19 +1,44 @@
 //! Every error the gateway itself answers with, and its one conversion into an OpenAI-format
 //! body (`{"error":{"message","type","param","code"}}`) with the right status. Whose fault it is
 //! decides the status: the client's → 4xx saying what to change; a backend's → 502/503/504
-//! naming the backend and the cause; ours → 500 with the detail in the log only.
+//! naming the backend and the cause; ours → 500 with the detail in the log only. A step of the
+//! path that fails is answered here (`answer`), in the route's dialect.
+
+use std::time::Instant;
 
 use bytes::Bytes;
+use http::Response;
+
+use super::exchange::Exchange;
+use super::headers::{APPLICATION_JSON, X_REQUEST_ID, X_SHOULD_RETRY};
+use super::relay::GatewayBody;
 
 use crate::auth::AuthFailure;
 use crate::limits::Refusal;
 use crate::pool::Pool;
 use crate::pool::cause::ConnectCause;
 use crate::queue::{QueueError, QueueRefusal};
-use fleetgate_protocol::Dialect;
 use fleetgate_protocol::error::{ErrorKind, Shaped, anthropic_status, error_body};
 use fleetgate_protocol::view::ViewError;
+use fleetgate_protocol::{Dialect, Endpoint};
 use http::{HeaderValue, StatusCode, header};
+
+/// A step's error, answered: the record closed on it (status, kind), then the response in
+/// the endpoint's dialect, with the limits' headers on a refusal by the limits.
+pub(super) fn answer(err: &ApiError, mut ex: Exchange) -> Response<GatewayBody> {
+    let dialect = ex.record.endpoint.map_or(Dialect::Chat, Endpoint::dialect);
+    ex.record.status = err.status_in(dialect).as_u16();
+    ex.record.error = Some(err.kind());
+    if err.kind() == ErrorKind::Internal {
+        tracing::error!(request_id = ?ex.record.request_id, "internal error while forwarding");
+    }
+    ex.record.finish(Instant::now());
+    let mut resp = err.response(dialect, &ex.record.request_id);
+    if let ApiError::Limited(r) = err {
+        r.headers.write(resp.headers_mut());
+    }
+    resp
+}
 
 /// Which bound a body would pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +153,29 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// The error as a response in `dialect` (OpenAI's shape, or Anthropic's on its routes),
+    /// with the request id.
+    pub(crate) fn response(
+        &self,
+        dialect: Dialect,
+        request_id: &HeaderValue,
+    ) -> Response<GatewayBody> {
+        let mut resp = Response::new(GatewayBody::full(self.body_in(dialect)));
+        *resp.status_mut() = self.status_in(dialect);
+        let h = resp.headers_mut();
+        h.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
+        h.insert(X_REQUEST_ID.clone(), request_id.clone());
+        if let Some((name, value)) = self.extra_header() {
+            h.insert(name, value);
+        }
+        // An authentication or rights refusal answers the same to the same key until an
+        // operator acts: a client's retry loop only hides the message.
+        if matches!(self, ApiError::Auth(_)) {
+            h.insert(X_SHOULD_RETRY.clone(), HeaderValue::from_static("false"));
+        }
+        resp
+    }
+
     /// The status comes from the kind: one table (`ErrorKind::status`).
     pub fn status(&self) -> StatusCode {
         self.kind().status()

@@ -3,22 +3,24 @@
 
 use crate::limits::Admission;
 use crate::telemetry::RequestRecord;
+use fleetgate_protocol::Endpoint;
 
 /// One request's record and its hold on the limits, ended together: dropping it settles the
 /// hold with the tokens the request really used, then the record is written (its own `Drop`).
 /// The limits never reach into the record, nor the record into the limits.
 #[derive(Debug)]
-pub struct Exchange {
-    pub admission: Option<Admission>,
-    pub record: RequestRecord,
+pub(crate) struct Exchange {
+    pub(crate) admission: Option<Admission>,
+    pub(crate) record: RequestRecord,
     /// A background response (`background: true`): its answer ends while the backend still
     /// generates; it holds its slots until the backend is done (`background`), and settles
     /// with the finished response's usage, or at what was reserved when there is none.
-    pub background: bool,
+    pub(crate) background: bool,
 }
 
 impl Exchange {
-    pub fn new(record: RequestRecord) -> Self {
+    pub(super) fn new(mut record: RequestRecord, endpoint: Endpoint) -> Self {
+        record.endpoint = Some(endpoint);
         Self {
             admission: None,
             record,

@@ -1,411 +1,229 @@
-//! The forwarding path. `forward` runs `phases`, one call per phase in the order of
-//! docs/architecture.md's table (which names each phase's file), and answers with what they
-//! give (`answer`, or `queued` for a stream that waits, or the error). Every phase stamps the
-//! request's Timeline; the `Exchange` carries the request's record and its hold on the limits
-//! to the end of the response body.
+//! The forwarding path. `phases()` is the whole of it: one call per step, top to bottom, from
+//! the key's endpoint families to the relay of the backend's answer. Its steps are the rows of
+//! docs/architecture.md's table, in the same order and the same words (the `// name:` comment
+//! above each call; a test below reads both). A step that fails answers the client with its
+//! error in the route's dialect (`error::answer`), and nothing after it runs.
+//!
+//! The `Exchange` carries the request's record and its hold on the key's limits from the first
+//! step into the response body, whose end settles the hold and records the request once.
 
-pub mod answer;
-pub mod backend_error;
+mod backend_error;
 mod background;
-pub mod body;
-mod claim;
-pub mod error;
+pub(crate) mod body;
+mod error;
 mod exchange;
-pub mod headers;
-pub mod pins;
-pub mod prefix_share;
+mod family;
+pub(crate) mod headers;
+mod limits;
+pub(crate) mod pins;
+pub(crate) mod prefix_share;
 mod queued;
-pub mod relay;
-pub mod rename;
-pub mod retry;
-pub mod state;
+mod queueing;
+pub(crate) mod relay;
+mod rename;
+mod request;
+mod route;
+mod send;
+pub(crate) mod state;
 mod stored;
-pub mod timing;
-pub mod upstream;
+mod timing;
+mod view;
+
+pub(crate) use error::ApiError;
 
 use std::sync::Arc;
-use std::time::Instant;
 
-use bytes::Bytes;
-use http::header;
-use http::{Request, Response, Uri};
+use http::{Request, Response};
 use hyper::body::Incoming;
 
-use crate::limits::Admission;
-use crate::pool::{Balancer, Generation};
-use crate::queue::{Claim, QueueError};
-use crate::route::{self, Route, RouteError};
 use crate::telemetry::RequestRecord;
-use error::ApiError;
 use exchange::Exchange;
+use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::endpoint::BodyKind;
-use fleetgate_protocol::view::{self, RequestView};
-use fleetgate_protocol::{Dialect, Endpoint};
-use headers::Outgoing;
-use queued::Queued;
+use queueing::Place;
 use relay::GatewayBody;
 use state::ProxyState;
-use upstream::{Prepared, Sent};
 
 /// Forward one request of the endpoint table. `record` already carries the request id and
 /// `received`; `id` is the stored response a path names.
-pub async fn forward(
+pub(crate) async fn forward(
     state: &Arc<ProxyState>,
     endpoint: Endpoint,
     id: Option<Box<str>>,
     req: Request<Incoming>,
     record: RequestRecord,
 ) -> Response<GatewayBody> {
-    let mut ex = Exchange::new(record);
-    ex.record.endpoint = Some(endpoint);
-    // A request still waiting for its backend's answer when the grace period ends is answered
-    // 503 `gateway_shutdown` rather than cut.
-    let phased = tokio::select! {
-        biased;
-        r = phases(state, endpoint, id, req, &mut ex) => r,
-        () = state.closing.token.cancelled() => Err(state.closing.error()),
+    phases(state, endpoint, id, req, Exchange::new(record, endpoint)).await
+}
+
+/// A step's value, or the request answered with the step's error (and `phases()` ends there).
+macro_rules! step {
+    ($ex:ident, $result:expr) => {
+        match $result {
+            Ok(value) => value,
+            Err(err) => return error::answer(&err, $ex),
+        }
     };
-    match phased {
-        Ok(Forwarded::Sent(sent)) => answer::answer(state, sent, ex).await,
-        Ok(Forwarded::Queued(queued)) => queued::answer_queued(state, queued, ex),
-        Err(err) => answer::answer_error(&err, ex),
-    }
 }
 
-enum Forwarded {
-    Sent(Sent),
-    /// A stream waiting in the admission queue, to be answered with `: queued` comments.
-    Queued(Queued),
-}
-
-/// The phases up to the upstream one, in order; the answer (`answer`) follows in `forward`.
+/// The path, one call per step. The steps that wait (for the client's body, Redis, the queue,
+/// a backend) end with `gateway_shutdown` when the shutdown grace period runs out first
+/// (`Closing::bound`); a relay ends its stream itself then.
 async fn phases(
     state: &Arc<ProxyState>,
     endpoint: Endpoint,
     id: Option<Box<str>>,
     req: Request<Incoming>,
-    ex: &mut Exchange,
-) -> Result<Forwarded, ApiError> {
-    refuse_family(state, endpoint, &ex.record)?;
+    mut ex: Exchange,
+) -> Response<GatewayBody> {
+    let closing = &state.closing;
+    // family: the key's endpoint families, before anything is read.
+    step!(ex, family::check(state, endpoint, &ex.record));
     // body: the head cleaned for the backend and held to its limits, then the body read.
-    let (head, body) = receive(state, endpoint, req, &mut ex.record).await?;
-    if endpoint.needs().body == BodyKind::None {
-        return Box::pin(by_id(state, endpoint, id, head, ex))
+    let (head, body) = step!(
+        ex,
+        closing
+            .bound(body::receive(state, endpoint, req, &mut ex.record))
             .await
-            .map(Forwarded::Sent);
+    );
+    // exit, by id: a read or a cancel of a stored response goes to the backend holding it.
+    if endpoint.needs().body == BodyKind::None {
+        // (Boxed, as every path only some requests take: the request's future, which a
+        // client connection keeps allocated for its life, stays the size chat's needs.)
+        let by_id = Box::pin(stored::by_id(state, endpoint, id, head, &mut ex));
+        let sent = step!(ex, closing.bound(by_id).await);
+        return relay::start(state, sent, ex).await;
     }
     // view: the body parsed once, the bytes kept.
-    let view = view_of(endpoint, &head, &body).await?;
-    ex.record.stream = view.stream;
-    ex.background = view.background;
-    let asked = Asked {
+    let view = step!(ex, view::read(endpoint, &head, &body, &mut ex).await);
+    let asked = route::Asked {
         view: &view,
         body: &body,
         endpoint,
     };
-    // route: in the generation as it is now (a reload swaps it for the requests that follow).
+    // route: the model's pool in the generation as it is now (a reload swaps it for the
+    // requests that follow).
     let generation = state.generation.load_full();
-    let route = route_phase(state, asked, &generation, &mut ex.record)?;
-    let continued = stored::continued(state, &view, route.pool, &ex.record).await?;
-    // limits
-    ex.admission = admit(state, endpoint, &view, &ex.record).await?;
-    if let Some(continued) = continued {
-        let prepared = prepare(state, head, asked, &route, &ex.record);
-        drop(view);
-        // Boxed, as every path only some requests take: the request's future (which a client
-        // connection keeps allocated for its life) stays the size chat's needs.
-        return Box::pin(stored::send_continuation(
-            state, route.pool, continued, prepared, ex,
-        ))
-        .await
-        .map(Forwarded::Sent);
-    }
-    // queue: a slot now or a place in the queue (routed again if a reload retired the pool).
+    let route = step!(ex, route::route(state, asked, &generation, &mut ex.record));
+    // stored continuation: a `previous_response_id` goes to the backend holding that response.
+    let continued = step!(
+        ex,
+        closing
+            .bound(stored::continued(state, &view, route.pool, &ex.record))
+            .await
+    );
+    // limits: the key's request rate, tokens and concurrency, held to the end of the answer.
+    ex.admission = step!(
+        ex,
+        closing
+            .bound(limits::admit(state, endpoint, &view, &ex.record))
+            .await
+    );
+    // queue: a backend slot now, a place in the pool's queue, or the continued response's
+    // backend (routed again if a reload retired every backend the route could use).
     let mut newer = None;
-    let (generation, route, claim) =
-        claim_phase(state, asked, &generation, &mut newer, route, &mut ex.record)?;
-    let prepared = prepare(state, head, asked, &route, &ex.record);
+    let (generation, route, place) = step!(
+        ex,
+        queueing::claim(
+            state,
+            asked,
+            (&generation, &mut newer),
+            route,
+            continued,
+            &mut ex.record
+        )
+    );
+    // upstream request: the client's bytes with the route's splices, and the head a backend gets.
+    let prepared = request::prepare(state, head, asked, &route, &place, &ex.record);
     drop(view);
-    // A stream that must wait answers at once, `: queued` comments keeping it alive.
-    if ex.record.stream
-        && state.queue.keepalive_interval.is_some()
-        && let Claim::Wait(waiting) = claim
-    {
-        return Ok(Forwarded::Queued(Queued {
-            prepared,
-            waiting,
-            generation: generation.clone(),
-        }));
-    }
-    // upstream: wait for the slot if there is none yet, then send.
-    claim::wait_and_send(state, route.pool, claim, prepared, ex)
-        .await
-        .map(Forwarded::Sent)
-}
-
-/// The key's endpoint families, before anything is read: refused in the route's dialect.
-fn refuse_family(
-    state: &ProxyState,
-    endpoint: Endpoint,
-    record: &RequestRecord,
-) -> Result<(), ApiError> {
-    let Some(key) = record.key.as_deref() else {
-        return Ok(());
-    };
-    if key.allows_family(endpoint.family()) {
-        return Ok(());
-    }
-    let failure = crate::auth::AuthFailure::EndpointNotAllowed {
-        family: endpoint.family(),
-        path: endpoint.path(),
-        allowed: key.allowed_endpoints.unwrap_or_default(),
-    };
-    state.auth.count(&failure);
-    Err(ApiError::Auth(failure))
-}
-
-/// A request's head once its body has been read: as a backend gets it, with its target.
-struct Head {
-    outgoing: Outgoing,
-    uri: Uri,
-    body_read: Instant,
-}
-
-/// What the route and the upstream request are made from.
-#[derive(Clone, Copy)]
-struct Asked<'a> {
-    view: &'a RequestView<'a>,
-    body: &'a Bytes,
-    endpoint: Endpoint,
-}
-
-/// The body phase. The head as a backend would get it is refused here when a backend would
-/// refuse it: before the body is read, and without a backend charged for the client's
-/// headers. Then the body, within its endpoint's limit.
-async fn receive(
-    state: &ProxyState,
-    endpoint: Endpoint,
-    req: Request<Incoming>,
-    record: &mut RequestRecord,
-) -> Result<(Head, Bytes), ApiError> {
-    let (parts, body) = req.into_parts();
-    let declared = body::declared_length(&parts.headers);
-    let sender = headers::Sender {
-        peer: record.client_addr.map(|a| a.ip()),
-        authority: parts.uri.authority(),
-    };
-    let outgoing = headers::outgoing(parts.headers, &state.forwarding, sender);
-    let backend_part = state.generation.load().max_backend_head;
-    headers::check_head(
-        &outgoing.headers,
-        &record.request_id,
-        backend_part,
-        state.head_limits,
-    )
-    .map_err(ApiError::HeadersTooLarge)?;
-    let kind = endpoint.needs().body;
-    let accepted = match kind {
-        BodyKind::Multipart => body::Accepted {
-            kind,
-            limit: state.max_audio_body_bytes,
-            setting: "server.max_audio_body_bytes",
-        },
-        BodyKind::Json | BodyKind::None => body::Accepted {
-            kind,
-            limit: state.max_body_bytes,
-            setting: "server.max_body_bytes",
-        },
-    };
-    let body = body::read(
-        &outgoing.headers,
-        declared,
-        body,
-        accepted,
-        state.body_timeouts,
-        (&state.pending_bodies, record.key.as_ref().map(|k| k.id)),
-    )
-    .await?;
-    let body_read = Instant::now();
-    record.timeline.stamp_body_read(body_read);
-    let head = Head {
-        outgoing,
-        uri: parts.uri,
-        body_read,
-    };
-    Ok((head, body))
-}
-
-/// A request by response id (a read or a cancel of a stored response).
-async fn by_id(
-    state: &ProxyState,
-    endpoint: Endpoint,
-    id: Option<Box<str>>,
-    head: Head,
-    ex: &mut Exchange,
-) -> Result<Sent, ApiError> {
-    let id = id.ok_or(ApiError::Internal)?;
-    // A read passes its query through (`?stream=true&starting_after=N` replays a background
-    // stream's events).
-    let query = head
-        .uri
-        .query()
-        .filter(|_| endpoint == Endpoint::ResponseGet);
-    let by = stored::ById {
-        endpoint,
-        id: &id,
-        query,
-    };
-    stored::by_id(state, by, head.outgoing.headers, head.body_read, ex).await
-}
-
-/// The view phase: a JSON body, or an audio form's fields.
-async fn view_of<'b>(
-    endpoint: Endpoint,
-    head: &Head,
-    body: &'b Bytes,
-) -> Result<RequestView<'b>, ApiError> {
-    if endpoint.needs().body == BodyKind::Multipart {
-        let ct = head
-            .outgoing
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default();
-        return Ok(Box::pin(view::form::parse(body, ct, endpoint)).await?);
-    }
-    Ok(view::parse(body, endpoint)?)
-}
-
-/// The route phase: the route, with the pool named in the record (even when the key may not use it).
-fn route_phase<'p>(
-    state: &ProxyState,
-    asked: Asked<'_>,
-    pools: &'p Generation,
-    record: &mut RequestRecord,
-) -> Result<Route<'p>, ApiError> {
-    let key = record.key.as_deref();
-    let Asked {
-        view,
-        body,
-        endpoint,
-    } = asked;
-    match route::resolve(view, body, endpoint, key, pools, |chars| {
-        state.limits.prompt_tokens(chars)
-    }) {
-        Ok(route) => {
-            record.model = Some(route.pool.model.clone());
-            record.pool_slot = Some(route.pool.slot);
-            if let Some(scope) = record.otel.as_deref_mut() {
-                scope.max_tokens = view.max_tokens;
-                scope.response_model = Some(route.pool.served_name.clone());
-            }
-            Ok(route)
+    // exit, queued stream: a stream that must wait answers at once, `: queued` comments keeping
+    // it alive; it resumes at the queue wait from its body.
+    let place = match place {
+        Place::Wait(waiting) if queued::keeps_alive(state, &ex.record) => {
+            let queued = queued::Queued {
+                prepared,
+                waiting,
+                generation: generation.clone(),
+            };
+            return queued::answer(state, queued, ex);
         }
-        Err(RouteError::ModelNotFound { model, available }) => {
-            Err(ApiError::ModelNotFound { model, available })
-        }
-        Err(RouteError::Denied {
-            failure,
-            model,
-            pool_slot,
-        }) => {
-            record.model = Some(model);
-            record.pool_slot = Some(pool_slot);
-            state.auth.count(&failure);
-            Err(ApiError::Auth(failure))
-        }
-    }
-}
-
-/// The limits phase: the key's limits (requests without a key have none). Tokenization counts as a
-/// request, not as inference; a pooling request spends its input's tokens.
-async fn admit(
-    state: &ProxyState,
-    endpoint: Endpoint,
-    view: &view::RequestView<'_>,
-    record: &RequestRecord,
-) -> Result<Option<Admission>, ApiError> {
-    let Some(key) = &record.key else {
-        return Ok(None);
+        place => place,
     };
-    let needs = endpoint.needs();
-    let admitted = if needs.spends_tokens {
-        // A pooling request generates nothing: it reserves its input only, never
-        // `default_max_tokens`.
-        let max_tokens = if needs.reserves_output {
-            view.max_tokens
-        } else {
-            Some(0)
-        };
-        let demand = state.limits.demand(view.prompt_chars, max_tokens, view.n);
-        state.limits.admit(key, demand).await
-    } else {
-        state.limits.admit_request(key).await
-    };
-    match admitted {
-        Ok(adm) => Ok(Some(adm)),
-        Err(refusal) => Err(ApiError::Limited(Box::new(refusal))),
-    }
+    // queue wait: until the place becomes a slot (the Timeline's queue wait).
+    let slot = step!(
+        ex,
+        closing
+            .bound(queueing::wait(
+                state,
+                route.pool,
+                place,
+                prepared.body_read,
+                &mut ex
+            ))
+            .await
+    );
+    // send: to the slot's backend, and to another one before the first byte when it could
+    // not be reached or answered 502/503, within the pool's retry budget.
+    let sent = step!(
+        ex,
+        closing
+            .bound(send::with_retries(
+                state, route.pool, slot, prepared, &mut ex
+            ))
+            .await
+    );
+    // relay: the backend's head goes out and its body is relayed frame by frame.
+    relay::start(state, sent, ex).await
 }
 
-/// The queue phase's claim. A reload that retired every backend this request could use,
-/// between its routing and its claim, is not the client's problem: it is routed once more, in
-/// the generation that replaced the old one (kept in `newer`).
-fn claim_phase<'g>(
-    state: &ProxyState,
-    asked: Asked<'_>,
-    generation: &'g Arc<Generation>,
-    newer: &'g mut Option<Arc<Generation>>,
-    route: Route<'g>,
-    record: &mut RequestRecord,
-) -> Result<(&'g Arc<Generation>, Route<'g>, Claim<Balancer>), ApiError> {
-    match claim::claim(state, &route, record) {
-        Ok(claim) => Ok((generation, route, claim)),
-        Err(QueueError::NoUsableBackend) if !Arc::ptr_eq(generation, &*state.generation.load()) => {
-            let newer: &'g Arc<Generation> = newer.insert(state.generation.load_full());
-            let route = route_phase(state, asked, newer, record)?;
-            let claim = claim::claim(state, &route, record)
-                .map_err(|e| ApiError::from_queue(e, route.pool))?;
-            Ok((newer, route, claim))
-        }
-        Err(e) => Err(ApiError::from_queue(e, route.pool)),
+#[cfg(test)]
+mod tests {
+    /// The steps `phases()` takes, in order: its `// name:` comments.
+    fn steps_in_code() -> Vec<String> {
+        let src = include_str!("mod.rs");
+        let start = src.find("async fn phases(").expect("phases() is in mod.rs");
+        let body = &src[start..];
+        let end = body.find("\n}\n").expect("phases() ends");
+        body[..end]
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("// "))
+            .filter_map(|c| c.split_once(": ").map(|(name, _)| name))
+            .filter(|name| {
+                name.chars()
+                    .all(|c| c.is_ascii_lowercase() || c == ' ' || c == ',')
+            })
+            .map(str::to_owned)
+            .collect()
     }
-}
 
-/// The request as it goes upstream: the original bytes, with the splices the route asks for
-/// (`upstream::prepare`); a new stored response learns its backend from the answer, and a
-/// longest-prefix request tells the other replicas where its prefix went.
-fn prepare(
-    state: &ProxyState,
-    head: Head,
-    asked: Asked<'_>,
-    route: &Route<'_>,
-    record: &RequestRecord,
-) -> Prepared {
-    let Head {
-        outgoing,
-        uri,
-        body_read,
-    } = head;
-    let Asked {
-        view,
-        body,
-        endpoint,
-    } = asked;
-    let mut prepared = upstream::prepare(outgoing, body, view, route, endpoint, record, body_read);
-    // A `store: false` answer is kept nowhere: it takes no place among the pins.
-    if endpoint == Endpoint::Responses && view.store {
-        prepared.pin = Some(stored::pin_of(route.pool, record));
+    /// The steps of docs/architecture.md's phase table: the rows whose `phases()` column names
+    /// a call.
+    fn steps_in_docs() -> Vec<String> {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/architecture.md");
+        let doc = std::fs::read_to_string(path).expect("docs/architecture.md is readable");
+        let start = doc
+            .find("| step | call in `phases()` |")
+            .expect("docs/architecture.md has the phase table");
+        doc[start..]
+            .lines()
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            .filter_map(|row| {
+                let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+                (cells.len() > 2 && cells[2] != "—").then(|| cells[1].to_owned())
+            })
+            .collect()
     }
-    // Anthropic's routes pass their query string through (`?beta=true`).
-    if endpoint.dialect() == Dialect::Anthropic
-        && let Some(pq) = uri.path_and_query()
-        && pq.query().is_some()
-    {
-        prepared.target = Some(pq.as_str().into());
+
+    #[test]
+    fn phases_take_the_steps_of_the_docs_table_in_its_order() {
+        let code = steps_in_code();
+        assert!(code.len() >= 10, "phases() names its steps: {code:?}");
+        assert_eq!(
+            code,
+            steps_in_docs(),
+            "phases() (left) and docs/architecture.md's phase table (right) must list the same \
+             steps in the same order"
+        );
     }
-    if prepared.prefix.is_some() {
-        prepared.prefix_share.clone_from(&state.prefix_share);
-    }
-    prepared
 }

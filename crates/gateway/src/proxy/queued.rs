@@ -1,6 +1,7 @@
-//! A stream that must wait in the admission queue, with keep-alive comments on: its head goes
-//! out at once, `: queued` lines follow, and it resumes at the queue phase from its body
-//! (`continue_queued`): the same phases, not a second copy of them.
+//! The queued stream exit: a stream that must wait in the pool's queue, with keep-alive
+//! comments on (`queue.keepalive_interval_seconds`), answers at once; `: queued` lines follow,
+//! and it resumes at the queue wait from its body (`continue_queued`): the same steps as
+//! `phases()` from there (queue wait, send, relay), not a second copy of them.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,17 +10,17 @@ use bytes::Bytes;
 use http::Response;
 use http::header::{self, HeaderValue};
 
-use super::answer::relay_body;
-use super::claim::wait_and_send;
 use super::error::ApiError;
 use super::exchange::Exchange;
 use super::headers::{NO_CACHE, TEXT_EVENT_STREAM, X_REQUEST_ID};
+use super::queueing::{self, Place};
 use super::relay::{GatewayBody, RelayBody};
+use super::request::Prepared;
+use super::send::{self, Sent};
 use super::state::ProxyState;
 use super::timing::SERVER_TIMING;
-use super::upstream::{Prepared, Sent};
 use crate::pool::{Balancer, Generation};
-use crate::queue::{self, Claim, QueuedBody, Waiting};
+use crate::queue::{self, QueuedBody, Waiting};
 use crate::telemetry::RequestRecord;
 use fleetgate_protocol::error::{ErrorKind, Shaped};
 use fleetgate_protocol::{Dialect, Endpoint};
@@ -31,9 +32,14 @@ pub(super) struct Queued {
     pub(super) generation: Arc<Generation>,
 }
 
+/// A stream that must wait answers at once when keep-alive comments are on.
+pub(super) fn keeps_alive(state: &ProxyState, record: &RequestRecord) -> bool {
+    record.stream && state.queue.keepalive_interval.is_some()
+}
+
 /// A stream that must wait, with keep-alive comments on: the head goes out now and `: queued`
 /// lines follow until the backend's stream takes over.
-pub(super) fn answer_queued(
+pub(super) fn answer(
     state: &Arc<ProxyState>,
     queued: Queued,
     mut ex: Exchange,
@@ -62,8 +68,8 @@ pub(super) fn answer_queued(
     resp.map(|()| GatewayBody::queued(QueuedBody::new(rest, interval)))
 }
 
-/// A queued stream resumes at phase 5 as its body is polled: wait for a slot, send, and hand
-/// over to the relay — or end with an error event.
+/// A queued stream resumes at the queue wait as its body is polled: wait for a slot, send,
+/// and hand over to the relay, or end with an error event.
 async fn continue_queued(
     state: Arc<ProxyState>,
     queued: Queued,
@@ -75,17 +81,21 @@ async fn continue_queued(
         generation,
     } = queued;
     let result = match generation.at(prepared.pool) {
-        Some(pool) => tokio::select! {
-            biased;
-            r = wait_and_send(&state, pool, Claim::Wait(waiting), prepared, &mut ex) => r,
-            () = state.closing.token.cancelled() => Err(state.closing.error()),
-        },
+        Some(pool) => {
+            let place = Place::Wait(waiting);
+            let body_read = prepared.body_read;
+            let steps = async {
+                let slot = queueing::wait(&state, pool, place, body_read, &mut ex).await?;
+                send::with_retries(&state, pool, slot, prepared, &mut ex).await
+            };
+            state.closing.bound(steps).await
+        }
         None => Err(ApiError::Internal),
     };
     match result {
         // The head already went out: the backend's own head is dropped, its body relayed.
         Ok(Sent::Relay(_, parts)) => {
-            queue::Continued::Relay(Box::pin(relay_body(&state, parts, ex, None)))
+            queue::Continued::Relay(Box::pin(RelayBody::new(&state, parts, ex, None)))
         }
         Ok(Sent::Full(resp)) => {
             let status = resp.status();

@@ -51,9 +51,22 @@ pub struct Closing {
 }
 
 impl Closing {
-    pub fn error(&self) -> ApiError {
+    pub(crate) fn error(&self) -> ApiError {
         ApiError::Shutdown {
             grace_ms: self.grace.as_millis(),
+        }
+    }
+
+    /// A step that may wait, ended with `gateway_shutdown` when the grace period runs out
+    /// first. The step is polled first: one that is ready at once never registers a waiter.
+    pub(crate) async fn bound<T>(
+        &self,
+        step: impl Future<Output = Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
+        tokio::select! {
+            biased;
+            r = step => r,
+            () = self.token.cancelled() => Err(self.error()),
         }
     }
 }

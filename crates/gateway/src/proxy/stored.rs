@@ -1,24 +1,25 @@
 //! Stored responses (the Responses API's `store`): a request by response id goes to the
-//! backend that holds it (`by_id`), a continuation (`previous_response_id`) to the backend that
-//! holds the response it continues (`send_continuation`), and a new stored response's id is
-//! learnt as its answer passes (`pin_of`, `pins`).
+//! backend that holds it (`by_id`, an exit of the path before the view); a continuation
+//! (`previous_response_id`, the stored continuation step) to the backend that holds the
+//! response it continues, waiting for room there (`wait_pinned`, in the queue wait); and a new
+//! stored response's id is learnt as its answer passes (`pin_of`, `pins`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap};
+use http::header;
 
-use super::claim::asker;
+use super::body::Head;
 use super::error::ApiError;
 use super::exchange::Exchange;
 use super::headers::X_REQUEST_ID;
 use super::pins;
-use super::retry::{Requeue, send_with_retries};
+use super::queueing::asker;
+use super::request::Prepared;
+use super::send::{self, Sent};
 use super::state::ProxyState;
-use super::upstream::{Prepared, Sent};
-use crate::key::Environment;
-use crate::pool::Pool;
+use crate::pool::{InFlight, Pool};
 use crate::telemetry::RequestRecord;
 use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::view::RequestView;
@@ -117,43 +118,19 @@ pub(super) async fn continued(
     }))
 }
 
-/// A continuation of a stored response: a slot on its backend (waited for), then sent there
-/// and nowhere else.
-pub(super) async fn send_continuation(
-    state: &ProxyState,
-    pool: &Pool,
-    continued: Continued,
-    mut prepared: Prepared,
-    ex: &mut Exchange,
-) -> Result<Sent, ApiError> {
-    let Continued { at, prev } = continued;
-    prepared.pinned = true;
-    let env = ex
-        .record
-        .key
-        .as_ref()
-        .map_or(Environment::Stress, |k| k.environment);
-    let max_wait = state.queue.max_wait[env.index()];
-    let slot = wait_pinned(state, pool, at, &prev, prepared.body_read, max_wait, ex).await?;
-    let requeue = Requeue {
-        max_wait,
-        metrics: state.queue_metrics.as_ref(),
-    };
-    send_with_retries(pool, slot, prepared, ex, requeue).await
-}
-
 /// A slot on the one backend that holds the continued response: it cannot take another's, so
 /// it waits for room there (the environment's longest wait), outside the pool's queue, which
 /// hands out any backend's slots.
-async fn wait_pinned(
+pub(super) async fn wait_pinned(
     state: &ProxyState,
     pool: &Pool,
-    at: usize,
-    id: &str,
+    continued: Continued,
     body_read: Instant,
     max_wait: Duration,
     ex: &mut Exchange,
-) -> Result<crate::pool::InFlight, ApiError> {
+) -> Result<InFlight, ApiError> {
+    let Continued { at, prev } = continued;
+    let id = &*prev;
     let started = Instant::now();
     let mut pause = Duration::from_millis(2);
     loop {
@@ -186,27 +163,23 @@ async fn wait_pinned(
     }
 }
 
-/// What a request by response id names.
-pub(super) struct ById<'a> {
-    pub(super) endpoint: Endpoint,
-    pub(super) id: &'a str,
-    pub(super) query: Option<&'a str>,
-}
-
 /// A request by response id (`GET /v1/responses/{id}`, its cancel): to the backend that holds
 /// it, with the key's rights on its model checked; no slot, no tokens.
 pub(super) async fn by_id(
     state: &ProxyState,
-    by: ById<'_>,
-    headers: HeaderMap,
-    body_read: Instant,
+    endpoint: Endpoint,
+    id: Option<Box<str>>,
+    head: Head,
     ex: &mut Exchange,
 ) -> Result<Sent, ApiError> {
-    let ById {
-        endpoint,
-        id,
-        query,
-    } = by;
+    let id = &*id.ok_or(ApiError::Internal)?;
+    // A read passes its query through (`?stream=true&starting_after=N` replays a background
+    // stream's events).
+    let query = head
+        .uri
+        .query()
+        .filter(|_| endpoint == Endpoint::ResponseGet);
+    let body_read = head.body_read;
     let generation = state.generation.load_full();
     let pin = state
         .pins
@@ -244,7 +217,7 @@ pub(super) async fn by_id(
         .balancer
         .try_acquire_at(at, false)
         .ok_or(ApiError::Internal)?;
-    let mut headers = headers;
+    let mut headers = head.outgoing.headers;
     headers.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
     headers.remove(header::CONTENT_LENGTH);
     headers.remove(header::CONTENT_TYPE);
@@ -279,9 +252,5 @@ pub(super) async fn by_id(
         prefix: None,
         prefix_share: None,
     };
-    let requeue = Requeue {
-        max_wait: Duration::ZERO,
-        metrics: state.queue_metrics.as_ref(),
-    };
-    send_with_retries(pool, slot, prepared, ex, requeue).await
+    send::with_retries(state, pool, slot, prepared, ex).await
 }

@@ -226,16 +226,8 @@ impl ConnLimit {
         })
     }
 
-    pub fn max(&self) -> usize {
-        self.max
-    }
-
     pub fn listener(&self) -> &'static str {
         self.listener
-    }
-
-    pub fn per_address(&self) -> u32 {
-        self.per_address
     }
 
     /// A place for one more connection from `ip`, or `None` when its address already holds
@@ -423,7 +415,7 @@ mod tests {
         assert!(limit.admit(v6("2001:db8:1:3::1")).is_some(), "another /64");
         // The default share is half the cap.
         let derived = ConnLimit::new("api", 448, &crate::config::ServerConfig::default(), None);
-        assert_eq!(derived.per_address(), 224);
+        assert_eq!(derived.per_address, 224);
         assert_eq!(derived_per_address(1), 1);
     }
 

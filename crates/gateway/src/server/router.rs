@@ -16,7 +16,7 @@ use hyper::body::Incoming;
 use super::AppState;
 use crate::auth::AuthFailure;
 use crate::proxy;
-use crate::proxy::error::ApiError;
+use crate::proxy::ApiError;
 use crate::proxy::relay::GatewayBody;
 use crate::telemetry::RequestRecord;
 use fleetgate_protocol::{Dialect, endpoint, trace_context};
@@ -31,10 +31,10 @@ pub(super) fn json(status: StatusCode, body: impl Into<bytes::Bytes>) -> Respons
     r
 }
 
-/// Route one request from `peer`.
+/// Dispatch one request from `peer` by method and path.
 /// `arrival`: when the request's first bytes reached the host (the kernel's stamp), where the
 /// platform stamps them.
-pub async fn route(
+pub(crate) async fn dispatch(
     state: Arc<AppState>,
     req: Request<Incoming>,
     peer: SocketAddr,
@@ -87,7 +87,7 @@ pub async fn route(
         record.status = err.status_in(dialect).as_u16();
         record.error = Some(err.kind());
         record.finish(Instant::now());
-        proxy::answer::error_response(&err, dialect, &record.request_id)
+        err.response(dialect, &record.request_id)
     };
     // Everything but the open routes above needs a key. A refusal comes back only after its
     // delay (`auth::Authenticator::authenticate`).

@@ -9,7 +9,7 @@
 //! the `system_fingerprint` of a usage chunk the gateway asked for and removes, put back into the
 //! finish chunks (`fleetgate_protocol::fingerprint`). Every frame up to the first token leaves at
 //! once; after it, the frames the upstream socket already holds leave in one write: the relay
-//! drives the upstream connection itself (`pool::driven`), so "nothing more now" means the socket
+//! drives the upstream connection itself (`pool::upstream_conn`), so "nothing more now" means the socket
 //! is empty, never a timer. A new stored response's id is pinned to the backend that answered
 //! (`proxy::pins`). A stream that ended cleanly gets nothing appended.
 
@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use crate::pool::driven::UpstreamBody;
+use crate::pool::upstream_conn::UpstreamBody;
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
@@ -26,6 +26,9 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 mod ready;
 mod scan;
+mod start;
+
+pub(super) use start::start;
 
 use super::error::{ApiError, TimeoutKind};
 use super::exchange::Exchange;
@@ -164,92 +167,6 @@ pin_project! {
 }
 
 impl RelayBody {
-    /// `ex.record.timeline.upstream_sent()` must be set.
-    pub fn new(
-        upstream: UpstreamBody,
-        options: RelayOptions,
-        slot: InFlight,
-        mut ex: Exchange,
-        first: Option<Bytes>,
-    ) -> Self {
-        let RelayOptions {
-            sse,
-            dialect,
-            mut pin,
-            timeouts,
-            strip_usage,
-            itl,
-            timing_trailer,
-            closing,
-            mut rename,
-            max_line,
-            background,
-        } = options;
-        let mut background_id = None;
-        let now = Instant::now();
-        let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
-        let mut scanner = SseScanner::for_dialect(dialect, max_line);
-        let mut ready = Ready::default();
-        if let Some(data) = first {
-            // A frame read together with the head: account for it as if just relayed.
-            let data = if sse {
-                scan_frame(
-                    &mut scanner,
-                    &mut ex.record,
-                    data,
-                    now,
-                    Scan {
-                        strip_usage,
-                        itl: itl.as_ref(),
-                        backend: slot.backend(),
-                        pin: &mut pin,
-                        learned: background.as_ref().map(|_| &mut background_id),
-                    },
-                )
-            } else {
-                learn_whole(&mut pin, &data);
-                Some(data)
-            };
-            let data = match rename.as_mut() {
-                Some(r) => data.and_then(|d| r.pass(d)),
-                None => data,
-            };
-            if let Some(data) = data {
-                ready.push(data);
-            }
-        }
-        let first_token = ex.record.timeline.upstream_first_token().is_some();
-        if first_token && sse {
-            observe_first_token(&slot, &mut ex.record, upstream.rx());
-        }
-        let deadline = deadline(sent_at, now, sse, first_token, &timeouts);
-        Self {
-            upstream,
-            timer: tokio::time::sleep_until(deadline.into()),
-            sse,
-            dialect,
-            scanner,
-            pin,
-            state: State::Relaying,
-            sent_at,
-            last_read: now,
-            timeouts,
-            ready,
-            tail: [None, None],
-            first_frame: None,
-            strip_usage,
-            itl,
-            timing_trailer,
-            rename,
-            closing: closing.token.cancelled_owned(),
-            grace: closing.grace,
-            background,
-            background_id,
-            slot,
-            ex,
-        }
-    }
-
     fn deadline(&self) -> Instant {
         deadline(
             self.sent_at,
@@ -295,32 +212,6 @@ fn deadline(
         last_read + t.idle
     };
     soft.min(total)
-}
-
-/// What the relay does besides passing bytes on.
-pub struct RelayOptions {
-    /// The body is an SSE stream (scanned for timing).
-    pub sse: bool,
-    /// How the stream's events read, and how the gateway's own error events are shaped.
-    pub dialect: Dialect,
-    /// Learn the id of the stored response this answer creates.
-    pub pin: Option<super::pins::Learn>,
-    pub timeouts: Timeouts,
-    /// The gateway added `include_usage` upstream: remove the usage event from the client's
-    /// stream (the Timeline keeps its counts).
-    pub strip_usage: bool,
-    /// Every gap between content events is observed here.
-    pub itl: Option<prometheus::Histogram>,
-    /// End a finished stream with a `Server-Timing` trailer (the client sent `TE: trailers`).
-    pub timing_trailer: bool,
-    /// The end of the shutdown grace period.
-    pub closing: super::state::Closing,
-    /// The client's name for the model, back in the answer.
-    pub rename: Option<Box<super::rename::Rename>>,
-    /// The longest SSE line carried across reads (`server.max_stream_line_bytes`).
-    pub max_line: usize,
-    /// A streamed background response: how its work is handed to a watcher.
-    pub background: Option<Box<super::background::Handover>>,
 }
 
 impl Body for RelayBody {

@@ -1,172 +1,144 @@
-//! The upstream phase: the request as it goes to a backend (the client's bytes, its head made
-//! by `headers`), sent (with `retry` before the first byte), the response head read within the
-//! first-token limit, a backend's error rewrapped (`backend_error`), the gateway's timing
-//! stamped on it (`timing`).
-//!
-//! The client's head is cleaned before the body is read (`headers`): hop-by-hop headers as RFC
-//! 9110 §7.6.1 defines them (`Connection` and every header it names), credentials and cookies
-//! go; `TE: trailers` is read before it goes; the head a backend would get is held to
-//! `server.max_upstream_*` (431, no backend contacted). A pinned request (a continuation, a
-//! request by response id) is never retried on another backend.
+//! The send step: the prepared request to the slot's backend, its response head read within
+//! the first-token limit, a backend's error rewrapped in the route's dialect
+//! (`backend_error`), the gateway's timing stamped on the head (`timing`). A backend that
+//! could not be reached, or answered 502/503, before the client had a byte gets the request
+//! sent to another one (`with_retries`), within the pool's retry budget; nothing is retried
+//! once the client has a byte, nor a pinned request (a stored response's).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderValue};
-use http::{Method, Request, Response, Version};
+use http::header::{self};
+use http::{Request, Response, Version};
 use http_body_util::Full;
 
+use super::backend_error::error_answer;
 use super::error::{ApiError, TimeoutKind};
 use super::exchange::Exchange;
-use super::headers::{Outgoing, X_REQUEST_ID, strip_hop_by_hop};
-use crate::pool::cause::ConnectCause;
-use crate::pool::driven::{SendError, UpstreamBody};
-use crate::pool::{Backend, InFlight, Pool, Reachability};
-use crate::route::Route;
-use fleetgate_protocol::Endpoint;
-use fleetgate_protocol::endpoint::BodyKind;
-use fleetgate_protocol::view::splice::PriorityEdit;
-use fleetgate_protocol::view::{self, RequestView};
-
-use super::backend_error::error_answer;
+use super::headers::{X_REQUEST_ID, strip_hop_by_hop};
+use super::pins;
+use super::queueing;
+use super::rename::Rename;
+use super::request::Prepared;
+use super::state::ProxyState;
 use super::timing::{SERVER_TIMING, SERVER_TIMING_VALUE, server_timing};
+use crate::pool::cause::ConnectCause;
+use crate::pool::upstream_conn::{SendError, UpstreamBody};
+use crate::pool::{Backend, InFlight, Pool, Reachability};
+use fleetgate_protocol::endpoint::BodyKind;
 
-/// The request as it goes upstream, owned: it may wait in the queue past the handler.
-pub struct Prepared {
-    pub headers: HeaderMap,
-    pub body: Bytes,
-    pub endpoint: Endpoint,
-    pub pool: usize,
-    /// The gateway injected `include_usage`: hide the usage event from the client.
-    pub strip_usage: bool,
-    pub body_read: Instant,
-    /// The client accepts trailers (`TE: trailers`): a stream's `Server-Timing`, with the hop
-    /// cost known only after its first token, comes as a trailer.
-    pub timing_trailer: bool,
-    /// The client named the model otherwise than the backends: its name goes back in the answer.
-    pub rename: Option<Box<super::rename::Rename>>,
-    /// The request's method and, where it is not the endpoint's fixed path, its own target on
-    /// the backend (a path naming a stored response, a query string passed through).
-    pub method: Method,
-    pub target: Option<Box<str>>,
-    /// It must reach one backend (the one holding a stored response): never retried on
-    /// another.
-    pub pinned: bool,
-    /// Learn the id of the stored response the answer creates.
-    pub pin: Option<super::pins::Pin>,
-    /// `longest_prefix`: the prompt's block names, recorded for the backend it is sent to.
-    pub prefix: Option<std::sync::Arc<[u64]>>,
-    /// Where the other replicas learn it (`limits.shared = "redis"`).
-    pub prefix_share: Option<std::sync::Arc<super::prefix_share::PrefixShare>>,
-}
-
-/// The request for the route's pool: the original bytes unless the model must be renamed. A
-/// stream that did not ask for usage gets it anyway upstream (the relay hides it from the
-/// client), so every stream's token counts are real.
-pub fn prepare(
-    outgoing: Outgoing,
-    body: &Bytes,
-    view: &RequestView<'_>,
-    route: &Route<'_>,
-    endpoint: Endpoint,
-    record: &crate::telemetry::RequestRecord,
-    body_read: Instant,
-) -> Prepared {
-    let inject_usage =
-        endpoint.needs().injects_usage && view.stream && view.include_usage != Some(true);
-    // A form field holds the bare name; a JSON body, the name as a JSON string.
-    let rename = match endpoint.needs().body {
-        BodyKind::Multipart => route.rename.map(|_| route.pool.served_name.as_bytes()),
-        _ => route.rename,
+/// Send, and when the backend could not be reached or answered 502/503 before any byte went
+/// to the client, send again to another backend — at most `retries.max_retries` times and
+/// within the pool's retry budget. Nothing is retried once the client has a byte.
+pub(super) async fn with_retries(
+    state: &ProxyState,
+    pool: &Pool,
+    mut slot: InFlight,
+    prepared: Prepared,
+    ex: &mut Exchange,
+) -> Result<Sent, ApiError> {
+    // Retries draw from the generation the slot came from (a queued request may have been
+    // handed a slot by a newer one), so the exclusion bits name the same backends.
+    let can_retry = {
+        let balancer = slot.balancer();
+        balancer.retries.max_retries > 0 && balancer.backends.len() > 1 && !prepared.pinned
     };
-    // A new stored response's id is made from the request id (vLLM's `resp_<x-request-id>`, or
-    // the body's `request_id`): in the key's namespace, so no key can name another's.
-    let owner = record
-        .key
-        .as_deref()
-        .filter(|_| endpoint == Endpoint::Responses)
-        .map(|k| &*k.public_id);
-    // vLLM's `priority` for the request's environment (`[pools.priority]`), where the engine
-    // orders by it; elsewhere a client's is taken out.
-    let priority = if !endpoint.needs().engine_priority {
-        match view.priority {
-            Some(_) => PriorityEdit::Remove,
-            None => PriorityEdit::Keep,
-        }
+    if !can_retry {
+        return send(pool, slot, prepared, ex).await;
+    }
+    // (Cloned only in that rare case: the count is shared by every worker.)
+    let newer;
+    let balancer = if Arc::ptr_eq(slot.balancer(), &pool.balancer) {
+        &pool.balancer
     } else {
-        match (route.pool.config().priority, &record.key) {
-            (Some(p), Some(key)) => p
-                .for_request(
-                    key.environment,
-                    view.priority.as_ref().and_then(|c| c.value),
-                )
-                .map_or(PriorityEdit::Keep, PriorityEdit::Write),
-            _ => PriorityEdit::Keep,
+        newer = slot.balancer().clone();
+        &newer
+    };
+    balancer.retry_budget.deposit();
+    // A retry takes the same kind of slot (tokenization takes no capacity slot).
+    let counted = slot.is_counted();
+    let mut tried = 0u64;
+    let mut attempt = 0;
+    loop {
+        tried |= crate::pool::bit(slot.position());
+        if attempt >= balancer.retries.max_retries {
+            return send(pool, slot, prepared, ex).await;
         }
-    };
-    let upstream_body =
-        view::splice::upstream_body_owned(body, view, rename, inject_usage, owner, priority);
-    let Outgoing {
-        mut headers,
-        trailers,
-    } = outgoing;
-    let timing_trailer = view.stream && trailers;
-    let request_id = match owner {
-        Some(owner) => owned_request_id(owner, &record.request_id),
-        None => record.request_id.clone(),
-    };
-    headers.insert(X_REQUEST_ID.clone(), request_id);
-    headers.insert(
-        header::CONTENT_LENGTH,
-        HeaderValue::from(upstream_body.len() as u64),
-    );
-    Prepared {
-        headers,
-        body: upstream_body,
-        endpoint,
-        pool: route.pool.index,
-        strip_usage: inject_usage,
-        body_read,
-        timing_trailer,
-        rename: route
-            .rename
-            .and_then(|_| super::rename::Rename::new(route.pool.served_field.clone(), &view.model))
-            .map(Box::new),
-        method: Method::POST,
-        target: None,
-        pinned: false,
-        pin: None,
-        prefix: route.prefix.clone(),
-        prefix_share: None,
+        let this = Prepared {
+            headers: prepared.headers.clone(),
+            body: prepared.body.clone(),
+            rename: prepared.rename.clone(),
+            method: prepared.method.clone(),
+            target: prepared.target.clone(),
+            pin: prepared.pin.clone(),
+            prefix: prepared.prefix.clone(),
+            prefix_share: prepared.prefix_share.clone(),
+            ..prepared
+        };
+        let result = send(pool, slot, this, ex).await;
+        let retryable = match &result {
+            Err(ApiError::BackendUnreachable { .. }) => true,
+            Ok(Sent::Full(resp)) => matches!(resp.status().as_u16(), 502 | 503),
+            _ => false,
+        };
+        if !retryable {
+            return result;
+        }
+        let next = if counted {
+            balancer.try_acquire_excluding(tried)
+        } else {
+            balancer.pick_uncounted(tried)
+        };
+        if next.is_none() && !counted {
+            return result;
+        }
+        if !balancer.retry_budget.try_spend() {
+            return result;
+        }
+        let next = match next {
+            Some(next) => next,
+            // Every other backend is at capacity: the retry waits in the pool's queue.
+            None if counted => queueing::requeue(state, pool, balancer, tried, ex).await?,
+            None => return result,
+        };
+        tracing::debug!(request_id = ?ex.record.request_id, from = ?ex.record.backend, to = %next.backend().base, "retrying on another backend");
+        // The failed attempt ends its span; its stamps are forgotten: the Timeline describes
+        // the one that answers.
+        if let Some(scope) = ex.record.otel.as_deref_mut() {
+            let (status, error) = match &result {
+                Ok(Sent::Full(resp)) => (resp.status().as_u16(), ex.record.error),
+                Err(e) => (0, Some(e.kind())),
+                Ok(Sent::Relay(..)) => (0, None),
+            };
+            scope.attempt_failed(Instant::now(), status, error);
+        }
+        ex.record.error = None;
+        ex.record.timeline.forget_attempt();
+        ex.record.retries = ex.record.retries.saturating_add(1);
+        slot = next;
+        attempt += 1;
     }
 }
 
-/// `<owner>-<request id>`: the request id in a key's namespace.
-fn owned_request_id(owner: &str, request_id: &HeaderValue) -> HeaderValue {
-    let mut v = Vec::with_capacity(owner.len() + 1 + request_id.len());
-    v.extend_from_slice(owner.as_bytes());
-    v.push(b'-');
-    v.extend_from_slice(request_id.as_bytes());
-    HeaderValue::from_bytes(&v).unwrap_or_else(|_| request_id.clone())
-}
-
-pub struct RelayParts {
-    pub upstream: UpstreamBody,
-    pub sse: bool,
-    pub dialect: fleetgate_protocol::Dialect,
+/// What the relay gets from the send step: the answer's body and how to relay it.
+pub(super) struct RelayParts {
+    pub(super) upstream: UpstreamBody,
+    pub(super) sse: bool,
+    pub(super) dialect: fleetgate_protocol::Dialect,
     /// Where the stored response this answer creates lives (its id still to be read).
-    pub pin: Option<super::pins::Pin>,
-    pub timeouts: crate::config::Timeouts,
-    pub slot: InFlight,
+    pub(super) pin: Option<pins::Pin>,
+    pub(super) timeouts: crate::config::Timeouts,
+    pub(super) slot: InFlight,
     /// The gateway injected `include_usage`: hide the usage event from the client.
-    pub strip_usage: bool,
+    pub(super) strip_usage: bool,
     /// End the stream with a `Server-Timing` trailer.
-    pub timing_trailer: bool,
-    pub rename: Option<Box<super::rename::Rename>>,
+    pub(super) timing_trailer: bool,
+    pub(super) rename: Option<Box<Rename>>,
 }
 
 /// What sending upstream gave.
-pub enum Sent {
+pub(super) enum Sent {
     /// Head ready; the body will be relayed.
     Relay(Response<()>, RelayParts),
     /// A complete response (a backend error rewrapped into OpenAI format).
@@ -174,7 +146,7 @@ pub enum Sent {
 }
 
 /// Send the prepared request to the slot's backend and read the response head.
-pub(super) async fn send(
+async fn send(
     pool: &Pool,
     slot: InFlight,
     prepared: Prepared,
