@@ -130,8 +130,8 @@ fn record_cost(iterations: usize) {
         let mut r = RequestRecord::new(t0, HeaderValue::from_static("req-1"), recorder.clone());
         r.timeline = timeline.clone();
         r.key = None;
-        r.pool_slot = Some(0);
-        r.backend_slot = Some(0);
+        r.pool_metrics_index = Some(0);
+        r.backend_metrics_index = Some(0);
         r.status = 200;
         drop(std::hint::black_box(r));
     }

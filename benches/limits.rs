@@ -86,7 +86,7 @@ fn main() {
             for _ in 0..iterations / BATCH {
                 let t = Instant::now();
                 for _ in 0..BATCH {
-                    let mut adm = limits.admit(key, demand).await.expect("admitted");
+                    let mut adm = limits.hold(key, demand).await.expect("admitted");
                     let slot = pool.balancer.try_acquire().expect("a slot");
                     adm.set_used(300);
                     std::hint::black_box(&slot);

@@ -59,8 +59,8 @@ impl Shared {
         r.key = Some(self.key.clone());
         r.model = Some(self.model.clone());
         r.backend = Some(self.backend.clone());
-        r.pool_slot = Some(0);
-        r.backend_slot = Some(0);
+        r.pool_metrics_index = Some(0);
+        r.backend_metrics_index = Some(0);
         r.status = 200;
         r.stream = true;
         r.client_addr = Some("10.1.2.3:40000".parse().unwrap());

@@ -304,7 +304,7 @@ async fn requests_of_one_user_stay_on_one_backend() {
 }
 
 /// `[pools.priority]`: each environment's vLLM `priority` reaches the backend, and with a
-/// backend that orders its waiting queue by it (`--scheduling-policy priority`, one seat) a prod
+/// backend that orders its waiting queue by it (`--scheduling-policy priority`, one slot) a prod
 /// request overtakes the gray ones that waited before it. A stress client that claims a better
 /// priority than its environment's is given its environment's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -328,7 +328,7 @@ async fn each_environments_priority_reaches_the_engine() {
     let stats = sim.stats().clone();
     let done = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
-    // A stress request takes the one seat; then a gray request waits, a stress one claiming
+    // A stress request takes the one slot; then a gray request waits, a stress one claiming
     // priority -5 (it gets stress's 20), and a prod one.
     for (name, key, tokens, claim, waiting) in [
         ("stress", &stress, 200, None, 0),
@@ -516,7 +516,7 @@ async fn a_clients_priority_is_held_to_its_environment_on_every_route() {
 }
 
 /// The environment the backends put first passes the pool's capacity only where the backend
-/// is told who goes first: at a full backend (two seats, both taken by stress), a prod chat
+/// is told who goes first: at a full backend (two slots, both taken by stress), a prod chat
 /// request overflows to the backend at once, while a prod Messages request (whose vLLM request
 /// has no `priority`) waits in the gateway's queue, though the overflow has room for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

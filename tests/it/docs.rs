@@ -375,6 +375,12 @@ fn the_architecture_endpoint_table_is_the_table() {
         if n.pinned {
             parts.push("pinned");
         }
+        if n.stores {
+            parts.push("stores");
+        }
+        if n.engine_priority {
+            parts.push("engine priority");
+        }
         if n.injects_usage {
             parts.push("usage injected");
         }
@@ -390,7 +396,7 @@ fn the_architecture_endpoint_table_is_the_table() {
                 .collect::<Vec<_>>()
                 .join(", ");
             format!(
-                "| `{} {}` | `{:?}` | {} | {} | {} | {} | `{}` |",
+                "| `{} {}` | `{:?}` | {} | {} | {} | {} | `{}` | `{}` |",
                 row.method,
                 row.path,
                 row.endpoint,
@@ -402,7 +408,8 @@ fn the_architecture_endpoint_table_is_the_table() {
                 } else {
                     prompt
                 },
-                row.name
+                row.name,
+                row.operation
             )
         })
         .collect();

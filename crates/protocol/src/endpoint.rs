@@ -16,6 +16,9 @@ pub struct Row {
     pub endpoint: Endpoint,
     /// The request log's name of the endpoint.
     pub name: &'static str,
+    /// A trace's `gen_ai.operation.name`: OpenTelemetry's GenAI name where one fits (`chat`,
+    /// `text_completion`, `embeddings`), else the request log's name.
+    pub operation: &'static str,
     /// The metrics' `endpoint` label and what a key's `allowed_endpoints` names.
     pub family: Family,
     /// The wire protocol of its answers and of the gateway's errors on it.
@@ -43,6 +46,7 @@ const GENERATES: Needs = Needs {
     reserves_output: true,
     body: BodyKind::Json,
     pinned: false,
+    stores: false,
     injects_usage: false,
     engine_priority: true,
 };
@@ -60,6 +64,7 @@ const CHAT: Needs = Needs {
 /// A new response: it learns where it is stored, and a continuation goes there.
 const RESPONDS: Needs = Needs {
     pinned: true,
+    stores: true,
     ..GENERATES
 };
 /// A pooling model (embeddings, rerank, score, classify, pooling): a slot and tokens, but it
@@ -86,6 +91,7 @@ const TOKENIZES: Needs = Needs {
     reserves_output: false,
     body: BodyKind::Json,
     pinned: false,
+    stores: false,
     injects_usage: false,
     engine_priority: false,
 };
@@ -104,6 +110,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/chat/completions",
         endpoint: Endpoint::Chat,
         name: "chat",
+        operation: "chat",
         family: Family::Chat,
         dialect: Dialect::Chat,
         needs: CHAT,
@@ -114,6 +121,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/completions",
         endpoint: Endpoint::Completions,
         name: "completions",
+        operation: "text_completion",
         family: Family::Completions,
         dialect: Dialect::Chat,
         needs: CHAT,
@@ -126,6 +134,7 @@ pub static TABLE: [Row; 21] = [
         path: "/tokenize",
         endpoint: Endpoint::Tokenize,
         name: "tokenize",
+        operation: "tokenize",
         family: Family::Tokenize,
         dialect: Dialect::Json,
         needs: TOKENIZES,
@@ -136,6 +145,7 @@ pub static TABLE: [Row; 21] = [
         path: "/detokenize",
         endpoint: Endpoint::Detokenize,
         name: "detokenize",
+        operation: "detokenize",
         family: Family::Tokenize,
         dialect: Dialect::Json,
         needs: TOKENIZES,
@@ -146,6 +156,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/responses",
         endpoint: Endpoint::Responses,
         name: "responses",
+        operation: "chat",
         family: Family::Responses,
         dialect: Dialect::Responses,
         needs: RESPONDS,
@@ -156,6 +167,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/responses/{id}",
         endpoint: Endpoint::ResponseGet,
         name: "responses_get",
+        operation: "responses_get",
         family: Family::Responses,
         dialect: Dialect::Responses,
         needs: BY_ID,
@@ -166,6 +178,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/responses/{id}/cancel",
         endpoint: Endpoint::ResponseCancel,
         name: "responses_cancel",
+        operation: "responses_cancel",
         family: Family::Responses,
         dialect: Dialect::Responses,
         needs: BY_ID,
@@ -177,6 +190,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/messages",
         endpoint: Endpoint::Messages,
         name: "messages",
+        operation: "chat",
         family: Family::Messages,
         dialect: Dialect::Anthropic,
         needs: MESSAGES_API,
@@ -187,6 +201,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/messages/count_tokens",
         endpoint: Endpoint::CountTokens,
         name: "messages_count_tokens",
+        operation: "messages_count_tokens",
         family: Family::Tokenize,
         dialect: Dialect::Anthropic,
         needs: TOKENIZES,
@@ -197,6 +212,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/embeddings",
         endpoint: Endpoint::Embeddings,
         name: "embeddings",
+        operation: "embeddings",
         family: Family::Embeddings,
         dialect: Dialect::Json,
         needs: POOLS,
@@ -207,6 +223,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v2/embed",
         endpoint: Endpoint::CohereEmbed,
         name: "embed_v2",
+        operation: "embeddings",
         family: Family::Embeddings,
         dialect: Dialect::Json,
         needs: POOLS,
@@ -217,6 +234,7 @@ pub static TABLE: [Row; 21] = [
         path: "/rerank",
         endpoint: Endpoint::Rerank,
         name: "rerank",
+        operation: "rerank",
         family: Family::Rerank,
         dialect: Dialect::Json,
         needs: POOLS,
@@ -227,6 +245,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/rerank",
         endpoint: Endpoint::RerankV1,
         name: "rerank_v1",
+        operation: "rerank_v1",
         family: Family::Rerank,
         dialect: Dialect::Json,
         needs: POOLS,
@@ -237,6 +256,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v2/rerank",
         endpoint: Endpoint::RerankV2,
         name: "rerank_v2",
+        operation: "rerank_v2",
         family: Family::Rerank,
         dialect: Dialect::Json,
         needs: POOLS,
@@ -247,6 +267,7 @@ pub static TABLE: [Row; 21] = [
         path: "/score",
         endpoint: Endpoint::Score,
         name: "score",
+        operation: "score",
         family: Family::Score,
         dialect: Dialect::Json,
         needs: POOLS,
@@ -257,6 +278,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/score",
         endpoint: Endpoint::ScoreV1,
         name: "score_v1",
+        operation: "score_v1",
         family: Family::Score,
         dialect: Dialect::Json,
         needs: POOLS,
@@ -267,6 +289,7 @@ pub static TABLE: [Row; 21] = [
         path: "/classify",
         endpoint: Endpoint::Classify,
         name: "classify",
+        operation: "classify",
         family: Family::Classify,
         dialect: Dialect::Json,
         needs: POOLS,
@@ -277,6 +300,7 @@ pub static TABLE: [Row; 21] = [
         path: "/pooling",
         endpoint: Endpoint::Pooling,
         name: "pooling",
+        operation: "pooling",
         family: Family::Pooling,
         dialect: Dialect::Json,
         needs: POOLS,
@@ -288,6 +312,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/chat/completions/batch",
         endpoint: Endpoint::ChatBatch,
         name: "chat_batch",
+        operation: "chat",
         family: Family::Chat,
         dialect: Dialect::Chat,
         needs: GENERATES,
@@ -299,6 +324,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/audio/transcriptions",
         endpoint: Endpoint::Transcriptions,
         name: "transcriptions",
+        operation: "transcriptions",
         family: Family::Audio,
         dialect: Dialect::Chat,
         needs: TRANSCRIBES,
@@ -309,6 +335,7 @@ pub static TABLE: [Row; 21] = [
         path: "/v1/audio/translations",
         endpoint: Endpoint::Translations,
         name: "translations",
+        operation: "translations",
         family: Family::Audio,
         dialect: Dialect::Chat,
         needs: TRANSCRIBES,
@@ -335,17 +362,37 @@ pub struct Found<'p> {
     pub id: Option<&'p str>,
 }
 
-/// The row of `path`, whatever the method (the router answers 405 for another method).
+/// The row of `path`, whatever the method (the router answers 405 for another method): a
+/// row's own path, or a `{id}` row's with one id in its place.
 pub fn lookup(path: &str) -> Option<Found<'_>> {
-    if let Some(row) = TABLE.iter().find(|r| r.path == path) {
+    if let Some(row) = TABLE
+        .iter()
+        .find(|r| r.path == path && !r.path.contains("{id}"))
+    {
         return Some(Found { row, id: None });
     }
-    let rest = path.strip_prefix("/v1/responses/")?;
-    let (id, row) = match rest.strip_suffix("/cancel") {
-        Some(id) => (id, Endpoint::ResponseCancel.row()),
-        None => (rest, Endpoint::ResponseGet.row()),
-    };
-    is_id(id).then_some(Found { row, id: Some(id) })
+    TABLE.iter().find_map(|row| {
+        let (before, after) = row.path.split_once("{id}")?;
+        let id = path.strip_prefix(before)?.strip_suffix(after)?;
+        is_id(id).then_some(Found { row, id: Some(id) })
+    })
+}
+
+impl Row {
+    /// The path with `id` in place of `{id}` (the path itself for a row without one), as the
+    /// backend is asked.
+    pub fn path_with_id(&self, id: &str) -> String {
+        match self.path.split_once("{id}") {
+            Some((before, after)) => {
+                let mut out = String::with_capacity(before.len() + id.len() + after.len());
+                out.push_str(before);
+                out.push_str(id);
+                out.push_str(after);
+                out
+            }
+            None => self.path.to_owned(),
+        }
+    }
 }
 
 /// How an endpoint's request body is read.
@@ -379,6 +426,9 @@ pub struct Needs {
     /// GET or cancel by id, and for a new response that continues one
     /// (`previous_response_id`).
     pub pinned: bool,
+    /// It creates a stored response (unless its body says `store: false`): the answer's id is
+    /// made in the key's namespace, and the backend that holds it is pinned.
+    pub stores: bool,
     /// A stream that did not ask for usage gets it upstream, hidden from the client.
     pub injects_usage: bool,
     /// vLLM orders this route's requests by the body's `priority` (its request model declares
@@ -598,6 +648,11 @@ impl Endpoint {
     /// only, and never wait for a slot).
     pub fn needs(self) -> Needs {
         self.row().needs
+    }
+
+    /// A trace's operation name (`Row::operation`).
+    pub fn operation(self) -> &'static str {
+        self.row().operation
     }
 
     /// The body's prompt fields (`Row::prompt`).

@@ -106,7 +106,7 @@ struct Seq {
 ///
 /// One step: decoding sequences take one token of the budget each, sequences still in prefill
 /// take what is left in admission order (chunked prefill), then waiting sequences are admitted
-/// FIFO while there is a free seat and budget. A sequence whose prefill completes in a step
+/// FIFO while there is a free slot and budget. A sequence whose prefill completes in a step
 /// emits its first token at the end of that step; decoding ones emit one token per step.
 pub(crate) struct BatchModel {
     max_num_seqs: usize,
@@ -224,10 +224,10 @@ impl BatchModel {
         }
         self.prefilled_tokens += u64::from(prefill_tokens);
         let t = &self.timing;
-        let seats = u32::try_from(self.running.len()).unwrap_or(u32::MAX);
+        let slots = u32::try_from(self.running.len()).unwrap_or(u32::MAX);
         let mut d = t
             .decode_step
-            .saturating_add(t.decode_per_seq.checked_mul(seats).unwrap_or(Duration::MAX))
+            .saturating_add(t.decode_per_seq.checked_mul(slots).unwrap_or(Duration::MAX))
             .saturating_add(
                 t.prefill_per_token
                     .checked_mul(prefill_tokens)

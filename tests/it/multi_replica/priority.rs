@@ -1,11 +1,11 @@
-//! `[pools.priority]` across replicas: prod goes first at a one-seat backend whose seat and
+//! `[pools.priority]` across replicas: prod goes first at a one-slot backend whose slot and
 //! queue other replicas' gray requests hold.
 
 use super::*;
 
 /// Prod first across replicas: each replica may put `max_in_flight_per_backend` (the backend's
-/// one seat here) on the backend, so the backend's own queue, ordered by `[pools.priority]`,
-/// decides who goes next whichever replica sent what. A gray request holds the seat (through
+/// one slot here) on the backend, so the backend's own queue, ordered by `[pools.priority]`,
+/// decides who goes next whichever replica sent what. A gray request holds the slot (through
 /// replica 0), two gray requests wait at the backend (sent by replicas 1 and 2), a third waits in
 /// replica 0's own queue, and then a prod request reaches replica 0, whose one place is taken:
 /// it passes the gray request waiting there and the capacity, and the backend admits it before

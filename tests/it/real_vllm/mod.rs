@@ -14,7 +14,7 @@
 //! against the plain server (`start`) and against the agents' (`start --agents`), but for the
 //! coding agents' tests (Codex CLI and Claude Code, as `.ci/run` installs them), which
 //! need the agents' server and say loudly that they skipped against the other.
-//! `priority_orders_the_waiting_queue_as_the_sim_does` needs a one-seat server in priority mode
+//! `priority_orders_the_waiting_queue_as_the_sim_does` needs a one-slot server in priority mode
 //! (`start --scheduling-policy priority --max-num-seqs 1 --enable-per-request-metrics`) and says
 //! loudly that it skipped against any other; the other tests are not meant for that one.
 //! `traces::vllms_span_sits_under_the_gateways_call_in_the_clients_trace` needs a server

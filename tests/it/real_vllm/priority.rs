@@ -1,4 +1,4 @@
-//! vLLM's priority scheduling orders the waiting queue as the sim does (a one-seat server in
+//! vLLM's priority scheduling orders the waiting queue as the sim does (a one-slot server in
 //! priority mode).
 
 use super::*;
@@ -126,7 +126,7 @@ async fn answer_of(
     }
 }
 
-/// The long answer that takes the one seat, and each waiter's answer, in tokens (greedy and
+/// The long answer that takes the one slot, and each waiter's answer, in tokens (greedy and
 /// `ignore_eos`, so every answer has exactly its `max_tokens`; the long one and its prompt fit
 /// max-model-len 1024). A waiter runs 1-3 s on the real server here (2-6 ms per token).
 const PRIORITY_LONG: u32 = 960;
@@ -150,7 +150,7 @@ impl Sequence {
     }
 
     /// The order in which the engine admitted the waiters, by its own clock: their queue times
-    /// (`metrics.queue_time_ms`). With one seat, the next admission comes at least one whole
+    /// (`metrics.queue_time_ms`). With one slot, the next admission comes at least one whole
     /// answer (`run_ms`) after the one before, so when all three arrived within less than the
     /// shortest answer, a later admission means a longer queue time whatever the arrival order.
     /// `Err` when they did not (the proof does not hold) or there are no metrics.
@@ -175,7 +175,7 @@ impl Sequence {
     }
 }
 
-/// With the one seat taken by a long answer, two `priority: 10` requests and then one
+/// With the one slot taken by a long answer, two `priority: 10` requests and then one
 /// `priority: 0` request are sent ~200 ms apart, each once the one before is seen waiting.
 /// `Err` when the sequence could not be laid out (the long answer ended before all three
 /// waited: this machine's two cores can stall the client for seconds while vLLM's engine runs).
@@ -196,7 +196,7 @@ async fn priority_sequence(url: &str, key: &str, model: &str) -> Result<Sequence
     let long = tokio::spawn(answer_of("long", long, t0));
     let mut laid_out = gauges_become(url, 1.0, 0.0)
         .await
-        .map_err(|seen| format!("the long request did not take the seat: {seen:?}"));
+        .map_err(|seen| format!("the long request did not take the slot: {seen:?}"));
     let mut waiters = Vec::new();
     let mut first_sent = None;
     for (i, (name, priority)) in [("a", 10), ("b", 10), ("p0", 0)].into_iter().enumerate() {
@@ -208,7 +208,7 @@ async fn priority_sequence(url: &str, key: &str, model: &str) -> Result<Sequence
         let resp = open(&uri, key, body(PRIORITY_WAITER, priority)).await;
         assert_eq!(resp.status(), 200, "{url}: {name} (priority {priority})");
         waiters.push(tokio::spawn(answer_of(name, resp, t0)));
-        // It waits behind the long one, which still holds the seat.
+        // It waits behind the long one, which still holds the slot.
         let waiting = f64::from(u32::try_from(i + 1).unwrap());
         laid_out = gauges_become(url, 1.0, waiting)
             .await
@@ -229,9 +229,9 @@ async fn priority_sequence(url: &str, key: &str, model: &str) -> Result<Sequence
     })
 }
 
-/// `--scheduling-policy priority` with one seat, on real vLLM and on the sim alike (vLLM 0.32
+/// `--scheduling-policy priority` with one slot, on real vLLM and on the sim alike (vLLM 0.32
 /// orders its waiting queue by `priority`, lower first, arrival order among equals): a long
-/// answer holds the seat (`--max-num-seqs 1`), two `priority: 10` requests and then one
+/// answer holds the slot (`--max-num-seqs 1`), two `priority: 10` requests and then one
 /// `priority: 0` request wait; the `priority: 0` one is admitted first, then the two others in
 /// their arrival order. The same sequence runs against a
 /// `fleetgate sim --scheduling-policy priority --max-num-seqs 1` started here, and the orders

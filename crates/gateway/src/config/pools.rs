@@ -198,9 +198,9 @@ impl EnginePriority {
     }
 
     /// `env` is the one the backends put first (its value lower than every other
-    /// environment's): its requests may pass the gateway's capacity, since every seat they find
+    /// environment's): its requests may pass the gateway's capacity, since every slot they find
     /// taken is held by a request the backend will put behind them. A tie at the lowest value
-    /// gives no environment that right: the seats a tied environment takes are not put behind
+    /// gives no environment that right: the slots a tied environment takes are not put behind
     /// the other's (with `prod = gray = 0`, gray would otherwise ride prod's overflow).
     pub fn goes_first(&self, env: Environment) -> bool {
         let mine = self.by_env[env.index()];

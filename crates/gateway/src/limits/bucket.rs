@@ -1,4 +1,4 @@
-//! A token bucket that can give back: token budgets reserve an estimate at admission and
+//! A token bucket that can give back: token budgets reserve an estimate at the check and
 //! settle against the backend's real usage when the response ends. (A GCRA, used for request
 //! rates, cannot refund, so token budgets keep their own bucket.)
 

@@ -95,7 +95,7 @@ impl Gcra {
     }
 
     /// Count what was used elsewhere: the TAT at least `debt` ahead of now (at most as far as
-    /// one admission can put it).
+    /// one check can put it).
     pub(super) fn owe_at_least(&self, debt: Duration) {
         let debt = u64::try_from(debt.as_nanos())
             .unwrap_or(u64::MAX)
@@ -164,7 +164,7 @@ pub(super) struct KeyLimiter {
     pub(super) requests: Option<Gcra>,
     pub(super) tokens: Option<TokenBucket>,
     pub(super) in_flight: AtomicU32,
-    /// Milliseconds since `Limits::base` at the last admission (for pruning).
+    /// Milliseconds since `Limits::base` at the last check (for pruning).
     pub(super) last_used: AtomicU64,
     /// Shared mode: admitted here, on the local limits, since Redis last took this key's local
     /// view (`floors`).

@@ -1,22 +1,23 @@
-//! Rate limits, token budgets and concurrency caps, checked after auth and before routing.
+//! Rate limits, token budgets and concurrency caps, checked after the route is chosen and
+//! before the backend queue (the limits step of docs/architecture.md's table).
 //!
 //! Per key: requests per minute with a burst (GCRA, `limiter::Gcra`), tokens per minute (a bucket
-//! that reserves an estimate at admission and settles against the backend's usage when the
+//! that reserves an estimate at the check and settles against the backend's usage when the
 //! response ends, see `bucket`), and concurrent requests. Per environment: an aggregate request
 //! rate and concurrency over all of its keys. A key's own values win over its environment's
 //! defaults. With `limits.shared = "redis"` the rate and token counters live in Redis (one
 //! script round trip per request, see `shared`); concurrency stays in process.
 //!
-//! An admitted request holds an [`Admission`]: it releases the concurrency slots and settles
-//! the token reservation when dropped, whatever ended the request.
+//! A request the limits let through takes a [`Hold`] on them: dropped, it gives the
+//! concurrency back and settles the token reservation, whatever ended the request.
 
-mod admission;
 pub mod bucket;
+mod hold;
 mod limiter;
 mod refusal;
 pub mod shared;
 
-pub use admission::Admission;
+pub use hold::Hold;
 pub use limiter::{Floors, KeyQuota};
 pub use refusal::{LimitKind, LimitMetrics, RateHeaders, Refusal, Window, reset_value};
 
@@ -31,7 +32,7 @@ use crate::key::Environment;
 use crate::key::KeyRecord;
 use limiter::{EnvLimiter, KeyLimiter};
 
-/// What admission needs to know of a request.
+/// What the check needs to know of a request.
 #[derive(Debug, Clone, Copy)]
 pub struct Demand {
     /// Estimated prompt tokens.
@@ -146,7 +147,7 @@ impl Limits {
         }
         let limiter = Arc::new(KeyLimiter::new(quota, self.divisor));
         // A changed limit starts afresh (its counters no longer mean the same); requests in
-        // flight keep their slots on the old state.
+        // flight keep their places on the old state.
         self.keys.insert(key.id, limiter.clone());
         limiter
     }
@@ -167,7 +168,7 @@ impl Limits {
         r
     }
 
-    /// Count a refusal made elsewhere (the admission queue).
+    /// Count a refusal made elsewhere (the backend queue).
     pub fn count(&self, kind: LimitKind) {
         if let Some(m) = &self.metrics {
             m.rejected(kind);

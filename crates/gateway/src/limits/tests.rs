@@ -51,24 +51,24 @@ async fn requests_per_minute_with_burst_and_headers() {
     k.requests_per_minute = Some(60);
     let mut held = Vec::new();
     for i in 0..60u64 {
-        let a = l.admit(&k, small(10)).await.unwrap();
+        let a = l.hold(&k, small(10)).await.unwrap();
         let w = a.headers.requests.unwrap();
         assert_eq!((w.limit, w.remaining), (60, 59 - i));
         held.push(a);
     }
-    let r = l.admit(&k, small(10)).await.unwrap_err();
+    let r = l.hold(&k, small(10)).await.unwrap_err();
     assert_eq!(r.kind, LimitKind::KeyRequests);
     assert_eq!(r.retry_after, Some(Duration::from_secs(1)));
     assert_eq!(r.headers.requests.unwrap().remaining, 0);
     assert!(r.message().contains("limit 60"), "{}", r.message());
     tokio::time::advance(Duration::from_millis(999)).await;
-    assert!(l.admit(&k, small(10)).await.is_err());
+    assert!(l.hold(&k, small(10)).await.is_err());
     tokio::time::advance(Duration::from_millis(1)).await;
-    let a = l.admit(&k, small(10)).await.unwrap();
+    let a = l.hold(&k, small(10)).await.unwrap();
     assert_eq!(a.headers.requests.unwrap().remaining, 0);
     // A full minute later the whole burst is back.
     tokio::time::advance(Duration::from_secs(60)).await;
-    let a = l.admit(&k, small(10)).await.unwrap();
+    let a = l.hold(&k, small(10)).await.unwrap();
     assert_eq!(a.headers.requests.unwrap().remaining, 59);
 }
 
@@ -84,9 +84,9 @@ async fn environment_defaults_and_a_keys_own_values() {
     let plain = key(1, Environment::Stress);
     assert_eq!(l.quota(&plain).requests_per_minute, Some(600));
     assert_eq!(l.quota(&plain).burst, 2);
-    assert!(l.admit(&plain, small(1)).await.is_ok());
-    assert!(l.admit(&plain, small(1)).await.is_ok());
-    let r = l.admit(&plain, small(1)).await.unwrap_err();
+    assert!(l.hold(&plain, small(1)).await.is_ok());
+    assert!(l.hold(&plain, small(1)).await.is_ok());
+    let r = l.hold(&plain, small(1)).await.unwrap_err();
     assert_eq!(r.retry_after, Some(Duration::from_millis(100)));
     let mut own = key(2, Environment::Stress);
     own.requests_per_minute = Some(5);
@@ -95,7 +95,7 @@ async fn environment_defaults_and_a_keys_own_values() {
     // A prod key is untouched by stress's defaults, and costs no state.
     let before = l.tracked_keys();
     for _ in 0..100 {
-        assert!(l.admit(&key(3, Environment::Prod), small(1)).await.is_ok());
+        assert!(l.hold(&key(3, Environment::Prod), small(1)).await.is_ok());
     }
     assert_eq!(l.tracked_keys(), before);
 }
@@ -109,11 +109,11 @@ async fn tokens_reserve_then_settle() {
         prompt_tokens: 100,
         max_tokens: 500,
     };
-    let mut first = l.admit(&k, demand).await.unwrap();
+    let mut first = l.hold(&k, demand).await.unwrap();
     assert_eq!(first.reserved(), 600);
     let w = first.headers.tokens.unwrap();
     assert_eq!((w.limit, w.remaining), (1000, 400));
-    let r = l.admit(&k, demand).await.unwrap_err();
+    let r = l.hold(&k, demand).await.unwrap_err();
     assert_eq!(r.kind, LimitKind::KeyTokens);
     assert_eq!(r.requested, 600);
     // 200 tokens refill at 1000/min in 12 s.
@@ -121,15 +121,15 @@ async fn tokens_reserve_then_settle() {
     // The first request really used 150: 450 come back at once.
     first.set_used(150);
     drop(first);
-    let second = l.admit(&k, demand).await.unwrap();
+    let second = l.hold(&k, demand).await.unwrap();
     assert_eq!(second.headers.tokens.unwrap().remaining, 250);
     // Dropped without a known usage: the whole reservation counts.
     drop(second);
-    let r = l.admit(&k, demand).await.unwrap_err();
+    let r = l.hold(&k, demand).await.unwrap_err();
     assert_eq!(r.kind, LimitKind::KeyTokens);
     // More than the whole budget can never pass, and says so.
     let r = l
-        .admit(
+        .hold(
             &k,
             Demand {
                 prompt_tokens: 10,
@@ -148,10 +148,10 @@ async fn usage_above_the_reservation_is_charged() {
     let l = limits(Default::default());
     let mut k = key(1, Environment::Gray);
     k.tokens_per_minute = Some(1000);
-    let mut a = l.admit(&k, small(100)).await.unwrap();
+    let mut a = l.hold(&k, small(100)).await.unwrap();
     a.set_used(700);
     drop(a);
-    let a = l.admit(&k, small(300)).await.unwrap();
+    let a = l.hold(&k, small(300)).await.unwrap();
     assert_eq!(a.headers.tokens.unwrap().remaining, 0);
 }
 
@@ -161,8 +161,8 @@ async fn a_request_refused_by_its_rate_gets_its_tokens_back() {
     let mut k = key(1, Environment::Prod);
     k.tokens_per_minute = Some(1000);
     k.requests_per_minute = Some(1);
-    let _a = l.admit(&k, small(100)).await.unwrap();
-    let r = l.admit(&k, small(100)).await.unwrap_err();
+    let _a = l.hold(&k, small(100)).await.unwrap();
+    let r = l.hold(&k, small(100)).await.unwrap_err();
     assert_eq!(r.kind, LimitKind::KeyRequests);
     let state = l.keys.get(&1).unwrap().clone();
     assert_eq!(state.tokens.as_ref().unwrap().peek().remaining, 900);
@@ -180,10 +180,10 @@ async fn a_request_that_is_not_inference_counts_only_as_a_request() {
     k.requests_per_minute = Some(3);
     k.tokens_per_minute = Some(100);
     k.max_concurrent_streams = Some(1);
-    // An inference request holds the key's and the environment's only slots and most tokens.
-    let inference = l.admit(&k, small(90)).await.unwrap();
-    // Tokenization still passes: no slot, no tokens (none reserved, none needed), one request.
-    let a = l.admit_request(&k).await.unwrap();
+    // An inference request holds the key's and the environment's only concurrency places and most tokens.
+    let inference = l.hold(&k, small(90)).await.unwrap();
+    // Tokenization still passes: no concurrency place, no tokens (none reserved, none needed), one request.
+    let a = l.hold_request(&k).await.unwrap();
     assert_eq!((a.reserved(), a.prompt_estimate()), (0, 0));
     assert!(a.headers.tokens.is_none());
     assert_eq!(a.headers.requests.unwrap().remaining, 1);
@@ -191,13 +191,13 @@ async fn a_request_that_is_not_inference_counts_only_as_a_request() {
     // The key's limiter is the same one (its quota unchanged): the token reservation stands.
     let state = l.keys.get(&1).unwrap().clone();
     assert_eq!(state.tokens.as_ref().unwrap().peek().remaining, 10);
-    let _b = l.admit_request(&k).await.unwrap();
-    let r = l.admit_request(&k).await.unwrap_err();
+    let _b = l.hold_request(&k).await.unwrap();
+    let r = l.hold_request(&k).await.unwrap_err();
     assert_eq!((r.kind, r.requested), (LimitKind::KeyRequests, 0));
     drop(inference);
     // A key and environment without request rates: nothing to check at all.
     let free = key(2, Environment::Stress);
-    assert!(l.admit_request(&free).await.unwrap().headers.is_empty());
+    assert!(l.hold_request(&free).await.unwrap().headers.is_empty());
 }
 
 #[tokio::test(start_paused = true)]
@@ -210,20 +210,20 @@ async fn concurrency_per_key_and_per_environment() {
     let l = limits(envs);
     let mut k = key(1, Environment::Stress);
     k.max_concurrent_streams = Some(2);
-    let a = l.admit(&k, small(1)).await.unwrap();
-    let b = l.admit(&k, small(1)).await.unwrap();
-    let r = l.admit(&k, small(1)).await.unwrap_err();
+    let a = l.hold(&k, small(1)).await.unwrap();
+    let b = l.hold(&k, small(1)).await.unwrap();
+    let r = l.hold(&k, small(1)).await.unwrap_err();
     assert_eq!((r.kind, r.limit), (LimitKind::KeyConcurrency, 2));
     drop(a);
-    let a = l.admit(&k, small(1)).await.unwrap();
-    // Another stress key takes the environment's last slot, then the environment is full.
+    let a = l.hold(&k, small(1)).await.unwrap();
+    // Another stress key takes the environment's last concurrency place, then the environment is full.
     let other = key(2, Environment::Stress);
-    let c = l.admit(&other, small(1)).await.unwrap();
-    let r = l.admit(&other, small(1)).await.unwrap_err();
+    let c = l.hold(&other, small(1)).await.unwrap();
+    let r = l.hold(&other, small(1)).await.unwrap_err();
     assert_eq!((r.kind, r.limit), (LimitKind::EnvConcurrency, 3));
-    // A refusal by the environment does not keep the key's slot.
+    // A refusal by the environment does not keep the key's place.
     drop(b);
-    let r = l.admit(&other, small(1)).await;
+    let r = l.hold(&other, small(1)).await;
     assert!(r.is_ok());
     drop((a, c, r));
 }
@@ -238,27 +238,19 @@ async fn environment_aggregate_rate_over_all_keys() {
     };
     let l = limits(envs);
     for i in 0..4 {
-        assert!(
-            l.admit(&key(i, Environment::Stress), small(1))
-                .await
-                .is_ok()
-        );
+        assert!(l.hold(&key(i, Environment::Stress), small(1)).await.is_ok());
     }
     let r = l
-        .admit(&key(9, Environment::Stress), small(1))
+        .hold(&key(9, Environment::Stress), small(1))
         .await
         .unwrap_err();
     assert_eq!((r.kind, r.limit), (LimitKind::EnvRequests, 10));
     assert_eq!(r.retry_after, Some(Duration::from_millis(100)));
     assert!(r.message().contains("all stress keys together"));
     // prod is not part of stress's aggregate.
-    assert!(l.admit(&key(20, Environment::Prod), small(1)).await.is_ok());
+    assert!(l.hold(&key(20, Environment::Prod), small(1)).await.is_ok());
     tokio::time::advance(Duration::from_millis(100)).await;
-    assert!(
-        l.admit(&key(9, Environment::Stress), small(1))
-            .await
-            .is_ok()
-    );
+    assert!(l.hold(&key(9, Environment::Stress), small(1)).await.is_ok());
 }
 
 #[tokio::test(start_paused = true)]
@@ -268,7 +260,7 @@ async fn idle_keys_are_pruned_but_not_while_in_flight() {
     for id in 0..1000 {
         let mut k = key(id, Environment::Stress);
         k.requests_per_minute = Some(100);
-        let a = l.admit(&k, small(1)).await.unwrap();
+        let a = l.hold(&k, small(1)).await.unwrap();
         if id == 7 {
             held = Some(a);
         }
@@ -288,10 +280,10 @@ async fn a_changed_limit_applies_at_once() {
     let l = limits(Default::default());
     let mut k = key(1, Environment::Prod);
     k.requests_per_minute = Some(1);
-    assert!(l.admit(&k, small(1)).await.is_ok());
-    assert!(l.admit(&k, small(1)).await.is_err());
+    assert!(l.hold(&k, small(1)).await.is_ok());
+    assert!(l.hold(&k, small(1)).await.is_err());
     k.requests_per_minute = Some(100);
-    assert!(l.admit(&k, small(1)).await.is_ok());
+    assert!(l.hold(&k, small(1)).await.is_ok());
 }
 
 #[test]
@@ -333,7 +325,7 @@ async fn rates_and_buckets_carry_their_state_as_time_to_be_whole() {
     let fresh = Gcra::new(Duration::from_secs(60), four, four);
     fresh.owe_at_least(g.debt());
     assert_eq!(fresh.check(), Err(Duration::from_secs(15)));
-    // It never forgets what it used itself, and owes at most what one admission can.
+    // It never forgets what it used itself, and owes at most what one check can.
     g.owe_at_least(Duration::ZERO);
     assert_eq!(g.debt(), Duration::from_secs(60));
     let other = Gcra::new(Duration::from_secs(60), four, four);

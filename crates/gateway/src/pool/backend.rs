@@ -35,15 +35,15 @@ pub struct LastError {
 pub struct Backend {
     /// Base URL as configured (log and error text; never a label from a client).
     pub base: Arc<str>,
-    /// Its name, `<model>#<slot>`: what clients are told instead of its address.
+    /// Its name, `<model>#<metrics index>`: what clients are told instead of its address.
     pub name: Arc<str>,
     /// How clients' error messages name it: `name`, or its address when the server says so
     /// (`server.expose_backend_addresses`). Operators see `base` and `name` in the admin API,
     /// `base` in the logs and the metrics.
     pub shown: Arc<str>,
-    /// Its metrics slot in the pool: stable across reloads (a request recorded after a reload
+    /// Its metrics index in the pool: stable across reloads (a request recorded after a reload
     /// still lands on its backend's series), never reused for another backend.
-    pub slot: usize,
+    pub metrics_index: usize,
     /// Its URI of each route of the endpoint table, made once (`uri`).
     uris: Box<[Uri]>,
     pub health_uri: Uri,
@@ -152,7 +152,7 @@ impl BackendState {
 impl Backend {
     pub(super) fn new(
         cfg: &BackendConfig,
-        slot: usize,
+        metrics_index: usize,
         pool: &PoolConfig,
         pool_auth: Option<&HeaderValue>,
     ) -> io::Result<Self> {
@@ -179,7 +179,7 @@ impl Backend {
         let authority = uris[0].authority().map_or("", |a| a.as_str());
         let host = HeaderValue::from_str(authority)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{e}")))?;
-        let name: Arc<str> = Arc::from(format!("{model}#{slot}"));
+        let name: Arc<str> = Arc::from(format!("{model}#{metrics_index}"));
         let shown = if pool.expose_backend_addresses {
             Arc::from(trimmed)
         } else {
@@ -190,7 +190,7 @@ impl Backend {
             name,
             shown,
             host,
-            slot,
+            metrics_index,
             uris,
             health_uri: join(&pool.health.path)?,
             metrics_uri: join(

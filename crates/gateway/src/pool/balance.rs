@@ -120,8 +120,8 @@ impl Balancer {
     /// A slot beyond the backends' capacity, up to twice it, chosen as `try_acquire` chooses:
     /// for a request the backends' own queue puts before everything the gateway holds
     /// (`[pools.priority]`'s first environment). vLLM then holds it first among its waiting
-    /// requests, so it waits for the next free seat of the engine, not for one of this
-    /// replica's seats, whichever replica holds the rest.
+    /// requests, so it waits for the next free slot of the engine, not for one of this
+    /// replica's slots, whichever replica holds the rest.
     pub fn try_acquire_overflow(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
         self.try_acquire_within(exclude, 2)
     }
@@ -324,8 +324,9 @@ impl Balancer {
             (0..self.backends.len())
                 .filter(|i| {
                     usable(*i)
-                        && tenants
-                            .contains(u32::try_from(self.backends[*i].slot).unwrap_or(u32::MAX))
+                        && tenants.contains(
+                            u32::try_from(self.backends[*i].metrics_index).unwrap_or(u32::MAX),
+                        )
                 })
                 .filter(|i| {
                     let b = &self.backends[*i];
@@ -550,7 +551,7 @@ mod tests {
         drop(held);
         assert!(
             balancer.try_acquire().is_none(),
-            "a seat freed while the overflow holds the capacity is not one within it"
+            "a slot freed while the overflow holds the capacity is not one within it"
         );
         drop(over);
         assert!(balancer.try_acquire().is_some());

@@ -46,10 +46,10 @@ pub struct Pool {
     pub model: Arc<str>,
     /// Position among the pools (of this generation).
     pub index: usize,
-    /// Its metrics slot: stable across reloads, never reused for another pool.
-    pub slot: usize,
-    /// The next backend metrics slot to hand out.
-    next_backend_slot: usize,
+    /// Its metrics index: stable across reloads, never reused for another pool.
+    pub metrics_index: usize,
+    /// The next backend metrics index to hand out.
+    next_backend_metrics_index: usize,
     /// The name the backends serve the model under, and the same as a JSON string literal
     /// (a request naming an alias gets it spliced in).
     pub served_name: Arc<str>,
@@ -85,11 +85,11 @@ fn same_index(a: &crate::config::AffinityConfig, b: &crate::config::AffinityConf
 impl Pool {
     /// Build a pool from its config. With `prev` (the same model's pool before a reload), its
     /// backends that are still configured unchanged are kept with their state, its admission
-    /// queue (with its waiters) and its upstream client are kept, and its metrics slots.
+    /// queue (with its waiters) and its upstream client are kept, and its metrics indexes.
     fn new(
         cfg: &PoolConfig,
         index: usize,
-        slot: usize,
+        metrics_index: usize,
         queue: &QueueConfig,
         prev: Option<&Pool>,
     ) -> io::Result<Self> {
@@ -97,15 +97,15 @@ impl Pool {
             Some(k) => Some(bearer(k.expose(), &cfg.model)?),
             None => None,
         };
-        let mut next_backend_slot = prev.map_or(0, |p| p.next_backend_slot);
+        let mut next_backend_metrics_index = prev.map_or(0, |p| p.next_backend_metrics_index);
         let mut backends = Vec::with_capacity(cfg.backends.len());
         for b in &cfg.backends {
-            let fresh = Backend::new(b, next_backend_slot, cfg, upstream_auth.as_ref())?;
+            let fresh = Backend::new(b, next_backend_metrics_index, cfg, upstream_auth.as_ref())?;
             let kept = prev.and_then(|p| p.backends.iter().find(|o| o.same_as(&fresh)));
             match kept {
                 Some(old) => backends.push(old.clone()),
                 None => {
-                    next_backend_slot += 1;
+                    next_backend_metrics_index += 1;
                     backends.push(Arc::new(fresh));
                 }
             }
@@ -141,8 +141,8 @@ impl Pool {
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
             index,
-            slot,
-            next_backend_slot,
+            metrics_index,
+            next_backend_metrics_index,
             served_name: Arc::from(served),
             served_json,
             served_field,
@@ -224,8 +224,8 @@ fn usable_by(key: &crate::key::KeyRecord, p: &Pool) -> bool {
 #[derive(Debug)]
 pub struct Generation {
     pools: Vec<Pool>,
-    /// The next pool metrics slot to hand out.
-    next_slot: usize,
+    /// The next pool metrics index to hand out.
+    next_metrics_index: usize,
     by_model: HashMap<Arc<str>, usize>,
     /// "`a`, `b`": every model name (aliases too), for the model-not-found message of a
     /// key that may use them all.
@@ -241,7 +241,7 @@ impl Generation {
     }
 
     /// The pools of `cfgs`, continuing `prev` when given (a reload): a pool whose model was
-    /// served before keeps its queue, client, metrics slot and the backends still configured
+    /// served before keeps its queue, client, metrics index and the backends still configured
     /// unchanged (with their state and in-flight counts). Backends of `prev` not kept are
     /// not touched here: see `retired_since`.
     pub fn build(
@@ -249,18 +249,18 @@ impl Generation {
         queue: &QueueConfig,
         prev: Option<&Generation>,
     ) -> io::Result<Self> {
-        let mut next_slot = prev.map_or(0, |p| p.next_slot);
+        let mut next_metrics_index = prev.map_or(0, |p| p.next_metrics_index);
         let mut pools = Vec::with_capacity(cfgs.len());
         for (i, c) in cfgs.iter().enumerate() {
             let old = prev.and_then(|p| p.iter().find(|o| *o.model == *c.model));
-            let slot = match old {
-                Some(o) => o.slot,
+            let metrics_index = match old {
+                Some(o) => o.metrics_index,
                 None => {
-                    next_slot += 1;
-                    next_slot - 1
+                    next_metrics_index += 1;
+                    next_metrics_index - 1
                 }
             };
-            pools.push(Pool::new(c, i, slot, queue, old)?);
+            pools.push(Pool::new(c, i, metrics_index, queue, old)?);
         }
         for i in 0..pools.len() {
             if let Some(lp) = &cfgs[i].long_prompt {
@@ -302,7 +302,7 @@ impl Generation {
         }
         Ok(Self {
             pools,
-            next_slot,
+            next_metrics_index,
             by_model,
             model_list,
             max_backend_head,
@@ -348,8 +348,8 @@ impl Generation {
                 Ok(Pool {
                     model: p.model.clone(),
                     index: p.index,
-                    slot: p.slot,
-                    next_backend_slot: p.next_backend_slot,
+                    metrics_index: p.metrics_index,
+                    next_backend_metrics_index: p.next_backend_metrics_index,
                     served_name: p.served_name.clone(),
                     served_json: p.served_json.clone(),
                     served_field: p.served_field.clone(),
@@ -368,7 +368,7 @@ impl Generation {
             .collect::<io::Result<Vec<_>>>()?;
         Ok(Self {
             pools,
-            next_slot: self.next_slot,
+            next_metrics_index: self.next_metrics_index,
             by_model: self.by_model.clone(),
             model_list: self.model_list.clone(),
             max_backend_head: self.max_backend_head,

@@ -28,7 +28,7 @@ const SHARDS: usize = 16;
 pub const TENANTS: usize = 4;
 const EMPTY: u32 = u32::MAX;
 
-/// The backends (by their stable metrics slot) that were last sent a prefix, newest first.
+/// The backends (by their stable metrics index) that were last sent a prefix, newest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tenants([u32; TENANTS]);
 

@@ -32,7 +32,7 @@ impl UpstreamClient {
         self.probes.request(req)
     }
 
-    /// A client's request to the backend in metrics slot `backend`.
+    /// A client's request to the backend in metrics index `backend`.
     pub async fn send(
         &self,
         backend: usize,

@@ -69,7 +69,7 @@ pub(super) async fn error_answer(
     if let Some(ra) = head.headers.get(header::RETRY_AFTER) {
         h.insert(header::RETRY_AFTER, ra.clone());
     }
-    if let Some(a) = &ex.admission {
+    if let Some(a) = &ex.hold {
         a.headers.write(h);
     }
     if wrapped {

@@ -1,7 +1,7 @@
 //! Background responses (`background: true` on `/v1/responses`): vLLM answers the POST at
 //! once with a `queued` response and goes on generating. The work is the backend's for as long
 //! as it runs, so it keeps what a request holds for as long: its backend slot (the pool's
-//! `max_in_flight_per_backend` and its queue see it) and its key's admission (the key's
+//! `max_in_flight_per_backend` and its queue see it) and its key's hold (the key's
 //! concurrency; its tokens settle with the finished response's usage). The POST's answer goes
 //! out whole; then a watcher polls `GET /v1/responses/{id}` on that backend until the response
 //! is no longer `queued` or `in_progress`, and releases both. A watcher gives up (and
@@ -19,9 +19,10 @@ use tokio_util::sync::CancellationToken;
 use super::error::ApiError;
 use super::exchange::Exchange;
 use super::pins;
+use super::request::AnswerEdits;
 use super::send::RelayParts;
 use super::state::ProxyState;
-use crate::limits::Admission;
+use crate::limits::Hold;
 use crate::pool::{Backend, InFlight, UpstreamClient};
 
 /// The first pause between two polls; it doubles up to `MAX_POLL`.
@@ -43,10 +44,9 @@ pub(super) async fn answer(
     let (mut head, ()) = resp.into_parts();
     let RelayParts {
         upstream,
-        pin,
         timeouts,
         slot,
-        rename,
+        answer: AnswerEdits { pin, rename, .. },
         ..
     } = parts;
     ex.record.status = head.status.as_u16();
@@ -108,7 +108,7 @@ pub(super) async fn answer(
     Ok(Response::from_parts(head, body))
 }
 
-/// The backend's answer broke off: a 502 naming it (slot and admission are released as the
+/// The backend's answer broke off: a 502 naming it (slot and hold are released as the
 /// error is answered).
 fn failed(slot: &InFlight, why: &str) -> ApiError {
     ApiError::UpstreamStreamFailed {
@@ -141,8 +141,8 @@ pub struct Handover {
 
 impl Handover {
     /// The client of a streamed background response left before its end: its slot and its
-    /// key's admission stay held until the backend is done.
-    pub fn watch(self, id: String, slot: InFlight, admission: Option<Admission>) {
+    /// key's hold stay held until the backend is done.
+    pub fn watch(self, id: String, slot: InFlight, hold: Option<Hold>) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -152,16 +152,16 @@ impl Handover {
             deadline: self.deadline,
             closing: self.closing,
         };
-        runtime.spawn(watch.run(slot, Held::Admission(admission)));
+        runtime.spawn(watch.run(slot, Held::Hold(hold)));
     }
 }
 
 /// What a watcher settles when the work ends: a background POST's whole exchange (its record
-/// is written then), or the admission of a stream whose client left (its record was written
+/// is written then), or the hold of a stream whose client left (its record was written
 /// when it left).
 enum Held {
     Exchange(Box<Exchange>),
-    Admission(Option<Admission>),
+    Hold(Option<Hold>),
 }
 
 impl Held {
@@ -172,7 +172,7 @@ impl Held {
                     ex.record.timeline.set_usage(usage);
                 }
             }
-            Held::Admission(Some(mut adm)) => {
+            Held::Hold(Some(mut adm)) => {
                 let used = usage
                     .filter(fleetgate_protocol::usage::Usage::plausible)
                     .map_or(adm.reserved(), |u| {
@@ -180,7 +180,7 @@ impl Held {
                     });
                 adm.set_used(used);
             }
-            Held::Admission(None) => {}
+            Held::Hold(None) => {}
         }
     }
 }

@@ -1,7 +1,7 @@
 //! One request's record and its hold on the limits, travelling together through the path and
 //! into the response body.
 
-use crate::limits::Admission;
+use crate::limits::Hold;
 use crate::telemetry::RequestRecord;
 use fleetgate_protocol::Endpoint;
 
@@ -10,7 +10,7 @@ use fleetgate_protocol::Endpoint;
 /// The limits never reach into the record, nor the record into the limits.
 #[derive(Debug)]
 pub(crate) struct Exchange {
-    pub(crate) admission: Option<Admission>,
+    pub(crate) hold: Option<Hold>,
     pub(crate) record: RequestRecord,
     /// A background response (`background: true`): its answer ends while the backend still
     /// generates; it holds its slots until the backend is done (`background`), and settles
@@ -22,7 +22,7 @@ impl Exchange {
     pub(super) fn new(mut record: RequestRecord, endpoint: Endpoint) -> Self {
         record.endpoint = Some(endpoint);
         Self {
-            admission: None,
+            hold: None,
             record,
             background: false,
         }
@@ -31,7 +31,7 @@ impl Exchange {
 
 impl Drop for Exchange {
     fn drop(&mut self) {
-        if let Some(mut adm) = self.admission.take() {
+        if let Some(mut adm) = self.hold.take() {
             let used = if self.background && self.record.timeline.upstream_sent().is_some() {
                 self.record
                     .timeline

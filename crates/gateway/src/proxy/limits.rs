@@ -5,22 +5,22 @@
 
 use super::error::ApiError;
 use super::state::ProxyState;
-use crate::limits::Admission;
+use crate::limits::Hold;
 use crate::telemetry::RequestRecord;
 use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::view::RequestView;
 
-pub(super) async fn admit(
+pub(super) async fn hold(
     state: &ProxyState,
     endpoint: Endpoint,
     view: &RequestView<'_>,
     record: &RequestRecord,
-) -> Result<Option<Admission>, ApiError> {
+) -> Result<Option<Hold>, ApiError> {
     let Some(key) = &record.key else {
         return Ok(None);
     };
     let needs = endpoint.needs();
-    let admitted = if needs.spends_tokens {
+    let held = if needs.spends_tokens {
         // A pooling request generates nothing: it reserves its input only, never
         // `default_max_tokens`.
         let max_tokens = if needs.reserves_output {
@@ -29,11 +29,11 @@ pub(super) async fn admit(
             Some(0)
         };
         let demand = state.limits.demand(view.prompt_chars, max_tokens, view.n);
-        state.limits.admit(key, demand).await
+        state.limits.hold(key, demand).await
     } else {
-        state.limits.admit_request(key).await
+        state.limits.hold_request(key).await
     };
-    match admitted {
+    match held {
         Ok(adm) => Ok(Some(adm)),
         Err(refusal) => Err(ApiError::Limited(Box::new(refusal))),
     }

@@ -113,10 +113,10 @@ async fn phases(
             .await
     );
     // limits: the key's request rate, tokens and concurrency, held to the end of the answer.
-    ex.admission = step!(
+    ex.hold = step!(
         ex,
         closing
-            .bound(limits::admit(state, endpoint, &view, &ex.record))
+            .bound(limits::hold(state, endpoint, &view, &ex.record))
             .await
     );
     // queue: a backend slot now, a place in the pool's queue, or the continued response's

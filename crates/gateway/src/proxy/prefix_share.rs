@@ -26,7 +26,7 @@
 //! A message: the sending replica's id (8 bytes), then per record the pool's model and the
 //! backend's base URL (each a 2-byte length and its bytes), the number of block names (4 bytes)
 //! and the names (8 bytes each), all little endian. Backends are named by their base URL, as
-//! configured, since metrics slots are a replica's own numbering.
+//! configured, since metrics indexes are a replica's own numbering.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -445,7 +445,7 @@ impl Learner {
             let found = generation.get(model).and_then(|pool| {
                 let index = pool.prefix.as_ref()?;
                 let b = pool.backends.iter().find(|b| &*b.base == backend)?;
-                Some((index, b.slot))
+                Some((index, b.metrics_index))
             });
             match found {
                 Some((index, _)) if names.len() > self.max_prompt_bytes / index.block_bytes() => {

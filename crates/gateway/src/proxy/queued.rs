@@ -51,13 +51,13 @@ pub(super) fn answer(
     h.insert(header::CONTENT_TYPE, TEXT_EVENT_STREAM.clone());
     h.insert(header::CACHE_CONTROL, NO_CACHE.clone());
     h.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
-    if queued.prepared.timing_trailer {
+    if queued.prepared.answer.timing_trailer {
         h.insert(
             header::TRAILER,
             HeaderValue::from_name(SERVER_TIMING.clone()),
         );
     }
-    if let Some(a) = &ex.admission {
+    if let Some(a) = &ex.hold {
         a.headers.write(h);
     }
     let interval = state

@@ -32,14 +32,9 @@ pub(super) struct Prepared {
     pub(super) body: Bytes,
     pub(super) endpoint: Endpoint,
     pub(super) pool: usize,
-    /// The gateway injected `include_usage`: hide the usage event from the client.
-    pub(super) strip_usage: bool,
     pub(super) body_read: Instant,
-    /// The client accepts trailers (`TE: trailers`): a stream's `Server-Timing`, with the hop
-    /// cost known only after its first token, comes as a trailer.
-    pub(super) timing_trailer: bool,
-    /// The client named the model otherwise than the backends: its name goes back in the answer.
-    pub(super) rename: Option<Box<Rename>>,
+    /// What the relay does to the answer.
+    pub(super) answer: AnswerEdits,
     /// The request's method and, where it is not the endpoint's fixed path, its own target on
     /// the backend (a path naming a stored response, a query string passed through).
     pub(super) method: Method,
@@ -47,12 +42,26 @@ pub(super) struct Prepared {
     /// It must reach one backend (the one holding a stored response): never retried on
     /// another.
     pub(super) pinned: bool,
-    /// Learn the id of the stored response the answer creates.
-    pub(super) pin: Option<pins::Pin>,
     /// `longest_prefix`: the prompt's block names, recorded for the backend it is sent to.
     pub(super) prefix: Option<Arc<[u64]>>,
     /// Where the other replicas learn it (`limits.shared = "redis"`).
     pub(super) prefix_share: Option<Arc<PrefixShare>>,
+}
+
+/// What the relay does to the answer, decided with the request and handed unchanged to the
+/// relay (`RelayParts::answer`).
+#[derive(Clone, Default)]
+pub(super) struct AnswerEdits {
+    /// The gateway injected `include_usage`: hide the usage event from the client.
+    pub(super) strip_usage: bool,
+    /// The client accepts trailers (`TE: trailers`): a stream's `Server-Timing`, with the hop
+    /// cost known only after its first token, comes as a trailer.
+    pub(super) timing_trailer: bool,
+    /// The client named the model otherwise than the backends: its name goes back in the answer.
+    pub(super) rename: Option<Box<Rename>>,
+    /// Learn the id of the stored response the answer creates (where it lives: the backend is
+    /// filled in when one is chosen).
+    pub(super) pin: Option<pins::Pin>,
 }
 
 /// The request for the route's pool. A new stored response learns its backend from the answer
@@ -78,8 +87,8 @@ pub(super) fn prepare(
     let mut prepared = spliced(outgoing, body, view, route, endpoint, record, body_read);
     prepared.pinned = matches!(place, Place::Pinned(_));
     // A `store: false` answer is kept nowhere: it takes no place among the pins.
-    if endpoint == Endpoint::Responses && view.store {
-        prepared.pin = Some(stored::pin_of(route.pool, record));
+    if endpoint.needs().stores && view.store {
+        prepared.answer.pin = Some(stored::pin_of(route.pool, record));
     }
     // Anthropic's routes pass their query string through (`?beta=true`).
     if endpoint.dialect() == Dialect::Anthropic
@@ -118,7 +127,7 @@ fn spliced(
     let owner = record
         .key
         .as_deref()
-        .filter(|_| endpoint == Endpoint::Responses)
+        .filter(|_| endpoint.needs().stores)
         .map(|k| &*k.public_id);
     // vLLM's `priority` for the request's environment (`[pools.priority]`), where the engine
     // orders by it; elsewhere a client's is taken out.
@@ -159,17 +168,19 @@ fn spliced(
         body: upstream_body,
         endpoint,
         pool: route.pool.index,
-        strip_usage: inject_usage,
         body_read,
-        timing_trailer,
-        rename: route
-            .rename
-            .and_then(|_| Rename::new(route.pool.served_field.clone(), &view.model))
-            .map(Box::new),
+        answer: AnswerEdits {
+            strip_usage: inject_usage,
+            timing_trailer,
+            rename: route
+                .rename
+                .and_then(|_| Rename::new(route.pool.served_field.clone(), &view.model))
+                .map(Box::new),
+            pin: None,
+        },
         method: Method::POST,
         target: None,
         pinned: false,
-        pin: None,
         prefix: route.prefix.clone(),
         prefix_share: None,
     }

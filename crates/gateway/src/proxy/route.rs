@@ -38,7 +38,7 @@ pub(super) fn route<'p>(
     }) {
         Ok(route) => {
             record.model = Some(route.pool.model.clone());
-            record.pool_slot = Some(route.pool.slot);
+            record.pool_metrics_index = Some(route.pool.metrics_index);
             if let Some(scope) = record.otel.as_deref_mut() {
                 scope.max_tokens = view.max_tokens;
                 scope.response_model = Some(route.pool.served_name.clone());
@@ -51,10 +51,10 @@ pub(super) fn route<'p>(
         Err(RouteError::Denied {
             failure,
             model,
-            pool_slot,
+            pool_metrics_index,
         }) => {
             record.model = Some(model);
-            record.pool_slot = Some(pool_slot);
+            record.pool_metrics_index = Some(pool_metrics_index);
             state.auth.count(&failure);
             Err(ApiError::Auth(failure))
         }

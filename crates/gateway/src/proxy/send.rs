@@ -17,10 +17,8 @@ use super::backend_error::error_answer;
 use super::error::{ApiError, TimeoutKind};
 use super::exchange::Exchange;
 use super::headers::{X_REQUEST_ID, strip_hop_by_hop};
-use super::pins;
 use super::queueing;
-use super::rename::Rename;
-use super::request::Prepared;
+use super::request::{AnswerEdits, Prepared};
 use super::state::ProxyState;
 use super::timing::{SERVER_TIMING, SERVER_TIMING_VALUE, server_timing};
 use crate::pool::cause::ConnectCause;
@@ -68,10 +66,9 @@ pub(super) async fn with_retries(
         let this = Prepared {
             headers: prepared.headers.clone(),
             body: prepared.body.clone(),
-            rename: prepared.rename.clone(),
+            answer: prepared.answer.clone(),
             method: prepared.method.clone(),
             target: prepared.target.clone(),
-            pin: prepared.pin.clone(),
             prefix: prepared.prefix.clone(),
             prefix_share: prepared.prefix_share.clone(),
             ..prepared
@@ -126,15 +123,11 @@ pub(super) struct RelayParts {
     pub(super) upstream: UpstreamBody,
     pub(super) sse: bool,
     pub(super) dialect: fleetgate_protocol::Dialect,
-    /// Where the stored response this answer creates lives (its id still to be read).
-    pub(super) pin: Option<pins::Pin>,
     pub(super) timeouts: crate::config::Timeouts,
     pub(super) slot: InFlight,
-    /// The gateway injected `include_usage`: hide the usage event from the client.
-    pub(super) strip_usage: bool,
-    /// End the stream with a `Server-Timing` trailer.
-    pub(super) timing_trailer: bool,
-    pub(super) rename: Option<Box<Rename>>,
+    /// The request's edits of the answer, its pin naming the backend (the stored response's id
+    /// still to be read), a `Server-Timing` trailer only on a stream.
+    pub(super) answer: AnswerEdits,
 }
 
 /// What sending upstream gave.
@@ -155,18 +148,18 @@ async fn send(
     let backend = slot.backend().clone();
     // The backend now holds the prompt's prefixes (a retry elsewhere records them there too).
     if let (Some(names), Some(index)) = (&prepared.prefix, &pool.prefix) {
-        index.record(names, u32::try_from(backend.slot).unwrap_or(u32::MAX));
+        index.record(
+            names,
+            u32::try_from(backend.metrics_index).unwrap_or(u32::MAX),
+        );
         if let Some(share) = &prepared.prefix_share {
             share.publish(&pool.model, &backend.base, names);
         }
     }
     ex.record.backend = Some(backend.base.clone());
-    ex.record.backend_slot = Some(backend.slot);
+    ex.record.backend_metrics_index = Some(backend.metrics_index);
     let mut prepared = prepared;
-    let strip_usage = prepared.strip_usage;
-    let timing_trailer = prepared.timing_trailer;
-    let rename = prepared.rename.take();
-    let pin = prepared.pin.take();
+    let mut answer = std::mem::take(&mut prepared.answer);
     let endpoint = prepared.endpoint;
     // Inference, pooling included: a whole answer's head is its first token (the hop's
     // measure), as on a non-streaming chat.
@@ -185,7 +178,7 @@ async fn send(
     let head_deadline = sent + t.first_token.min(t.total);
     let resp = match tokio::time::timeout_at(
         head_deadline.into(),
-        pool.client.send(backend.slot, upstream_req),
+        pool.client.send(backend.metrics_index, upstream_req),
     )
     .await
     {
@@ -223,13 +216,13 @@ async fn send(
     strip_hop_by_hop(&mut head.headers);
     head.headers
         .insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
-    if let Some(a) = &ex.admission
+    if let Some(a) = &ex.hold
         && !a.headers.is_empty()
     {
         a.headers.write(&mut head.headers);
     }
     head.version = Version::HTTP_11;
-    if rename.is_some() && !sse {
+    if answer.rename.is_some() && !sse {
         // The client's name may be longer or shorter than the backend's: the body is sent
         // chunked (HTTP/1.1) or framed (HTTP/2) instead of with the backend's length.
         head.headers.remove(header::CONTENT_LENGTH);
@@ -247,28 +240,26 @@ async fn send(
             .timeline
             .stamp_whole_answer(head_at, Instant::now());
         backend.observe_ttft(head_at.saturating_duration_since(sent));
-    } else if sse && timing_trailer {
+    } else if sse && answer.timing_trailer {
         head.headers
             .insert(header::TRAILER, SERVER_TIMING_VALUE.clone());
     }
     if let Some(v) = server_timing(&ex.record, head_at, sse) {
         head.headers.insert(SERVER_TIMING.clone(), v);
     }
+    if let Some(pin) = &mut answer.pin {
+        pin.backend = backend.base.clone();
+    }
+    answer.timing_trailer &= sse;
     Ok(Sent::Relay(
         Response::from_parts(head, ()),
         RelayParts {
             upstream,
             sse,
             dialect: endpoint.dialect(),
-            pin: pin.map(|mut pin| {
-                pin.backend = backend.base.clone();
-                pin
-            }),
             timeouts: t,
             slot,
-            strip_usage,
-            timing_trailer: sse && timing_trailer,
-            rename,
+            answer,
         },
     ))
 }

@@ -16,7 +16,7 @@ use super::exchange::Exchange;
 use super::headers::X_REQUEST_ID;
 use super::pins;
 use super::queueing::asker;
-use super::request::Prepared;
+use super::request::{AnswerEdits, Prepared};
 use super::send::{self, Sent};
 use super::state::ProxyState;
 use crate::pool::{InFlight, Pool};
@@ -178,7 +178,7 @@ pub(super) async fn by_id(
     let query = head
         .uri
         .query()
-        .filter(|_| endpoint == Endpoint::ResponseGet);
+        .filter(|_| endpoint.row().method == http::Method::GET);
     let body_read = head.body_read;
     let generation = state.generation.load_full();
     let pin = state
@@ -199,7 +199,7 @@ pub(super) async fn by_id(
         });
     };
     ex.record.model = Some(pool.model.clone());
-    ex.record.pool_slot = Some(pool.slot);
+    ex.record.pool_metrics_index = Some(pool.metrics_index);
     if let Some(key) = ex.record.key.as_deref()
         && let Err(failure) = crate::route::check_rights(key, pool)
     {
@@ -207,8 +207,8 @@ pub(super) async fn by_id(
         return Err(ApiError::Auth(failure));
     }
     if let Some(key) = &ex.record.key {
-        match state.limits.admit_request(key).await {
-            Ok(adm) => ex.admission = Some(adm),
+        match state.limits.hold_request(key).await {
+            Ok(adm) => ex.hold = Some(adm),
             Err(refusal) => return Err(ApiError::Limited(Box::new(refusal))),
         }
     }
@@ -221,17 +221,8 @@ pub(super) async fn by_id(
     headers.insert(X_REQUEST_ID.clone(), ex.record.request_id.clone());
     headers.remove(header::CONTENT_LENGTH);
     headers.remove(header::CONTENT_TYPE);
-    let method = if endpoint == Endpoint::ResponseGet {
-        http::Method::GET
-    } else {
-        http::Method::POST
-    };
-    let mut target = String::with_capacity(32 + id.len());
-    target.push_str("/v1/responses/");
-    target.push_str(id);
-    if endpoint == Endpoint::ResponseCancel {
-        target.push_str("/cancel");
-    }
+    let method = endpoint.row().method.clone();
+    let mut target = endpoint.row().path_with_id(id);
     if let Some(q) = query {
         target.push('?');
         target.push_str(q);
@@ -241,14 +232,11 @@ pub(super) async fn by_id(
         body: Bytes::new(),
         endpoint,
         pool: pool.index,
-        strip_usage: false,
         body_read,
-        timing_trailer: false,
-        rename: None,
+        answer: AnswerEdits::default(),
         method,
         target: Some(target.into()),
         pinned: true,
-        pin: None,
         prefix: None,
         prefix_share: None,
     };

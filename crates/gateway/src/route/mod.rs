@@ -38,11 +38,11 @@ pub enum RouteError {
     /// No pool serves that name.
     ModelNotFound { model: String, available: String },
     /// The key may not use the model, or its environment may not use the pool (named, with
-    /// its metrics slot, for the record).
+    /// its metrics index, for the record).
     Denied {
         failure: AuthFailure,
         model: Arc<str>,
-        pool_slot: usize,
+        pool_metrics_index: usize,
     },
 }
 
@@ -68,7 +68,7 @@ pub fn resolve<'p>(
         return Err(RouteError::Denied {
             failure,
             model: pool.model.clone(),
-            pool_slot: pool.slot,
+            pool_metrics_index: pool.metrics_index,
         });
     }
     let pool = long_prompt_pool(pool, pools, key, prompt_tokens(view.prompt_chars));

@@ -3,8 +3,8 @@
 //! in-flight streams on shutdown within the grace period.
 //!
 //! `router::dispatch` dispatches each request by method and path (open routes such as `/healthz`
-//! answer there), creates its `RequestRecord`, and hands a forwarded route to
-//! `proxy::forward`, whose phases docs/architecture.md lists.
+//! answer there), creates its `RequestRecord`, and hands a route of the endpoint table to
+//! `proxy::forward`, whose `phases()` takes the steps of docs/architecture.md's table.
 //!
 //! `startup` builds a running gateway and lists its background tasks and the shutdown order;
 //! `workers` holds the request-path threads and the accept loop; `conn_limit` the connection

@@ -3,7 +3,7 @@
 //! model name, backend URL as configured, status class, error kind) — never from a client.
 //! Handles are resolved once per (pool, environment, endpoint family), on the first request
 //! that needs them, and a request's record looks them up by the pool's and backend's metrics
-//! slots, which a reload never reassigns.
+//! indexes, which a reload never reassigns.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -78,7 +78,7 @@ struct Series {
     overhead: [Histogram; 3],
     hop: Histogram,
     ttft_client: Histogram,
-    /// Upstream TTFT by backend slot, created on first use.
+    /// Upstream TTFT by backend index, created on first use.
     ttft_upstream: Vec<OnceLock<Histogram>>,
     tpot: Histogram,
     itl: Histogram,
@@ -92,7 +92,7 @@ struct Series {
 /// One pool's handles.
 struct PoolSeries {
     model: String,
-    /// Backend URLs (as configured) by backend slot: the upstream TTFT's `backend` label.
+    /// Backend URLs (as configured) by backend index: the upstream TTFT's `backend` label.
     backends: Vec<Option<Arc<str>>>,
     /// By environment × endpoint family (`env * FAMILY_COUNT + family`), created on the first
     /// request of each: most pairs never happen.
@@ -122,7 +122,7 @@ impl PoolSeries {
         })
     }
 
-    /// The upstream TTFT histogram of a backend slot in `s`, resolved on first use.
+    /// The upstream TTFT histogram of a backend index in `s`, resolved on first use.
     fn upstream_ttft<'a>(
         &self,
         families: &Families,
@@ -145,7 +145,7 @@ impl PoolSeries {
     }
 }
 
-/// The handles by pool slot (`None`: a slot not handed out).
+/// The handles by pool index (`None`: an index not handed out).
 struct Layout {
     pools: Vec<Option<Arc<PoolSeries>>>,
 }
@@ -399,14 +399,14 @@ impl RequestMetrics {
     /// theirs; `removed` backends' gauges are dropped from the exposition.
     pub fn relayout(&self, pools: &Generation, removed: &[(Arc<str>, Arc<str>)]) {
         let old = self.layout.load_full();
-        let mut slots = old.pools.clone();
+        let mut by_index = old.pools.clone();
         for p in pools.iter() {
-            if slots.len() <= p.slot {
-                slots.resize(p.slot + 1, None);
+            if by_index.len() <= p.metrics_index {
+                by_index.resize(p.metrics_index + 1, None);
             }
-            // Handles already resolved are kept (a reload never reassigns a slot); the
+            // Handles already resolved are kept (a reload never reassigns an index); the
             // backends' URLs are the current ones.
-            let mut ps = match &slots[p.slot] {
+            let mut ps = match &by_index[p.metrics_index] {
                 Some(old) => PoolSeries {
                     model: old.model.clone(),
                     backends: old.backends.clone(),
@@ -415,10 +415,10 @@ impl RequestMetrics {
                 None => PoolSeries::new(&p.model),
             };
             for b in &p.backends {
-                if ps.backends.len() <= b.slot {
-                    ps.backends.resize(b.slot + 1, None);
+                if ps.backends.len() <= b.metrics_index {
+                    ps.backends.resize(b.metrics_index + 1, None);
                 }
-                ps.backends[b.slot] = Some(b.base.clone());
+                ps.backends[b.metrics_index] = Some(b.base.clone());
             }
             let width = ps.backends.len();
             for cell in &mut ps.series {
@@ -426,12 +426,12 @@ impl RequestMetrics {
                     s.ttft_upstream.resize_with(width, OnceLock::new);
                 }
             }
-            slots[p.slot] = Some(Arc::new(ps));
+            by_index[p.metrics_index] = Some(Arc::new(ps));
             p.balancer
                 .queue
                 .set_depth_gauge(self.families.queue_depth.with_label_values(&[&*p.model]));
         }
-        self.layout.store(Arc::new(Layout { pools: slots }));
+        self.layout.store(Arc::new(Layout { pools: by_index }));
 
         let mut info = self.info_set.lock().unwrap_or_else(|e| e.into_inner());
         for (model, base) in removed {
@@ -469,7 +469,7 @@ impl RequestMetrics {
         }
     }
 
-    /// The handles for a record's pool slot, read under `layout`.
+    /// The handles for a record's pool index, read under `layout`.
     fn pool_series<'a>(&'a self, layout: &'a Layout, pool: Option<usize>) -> &'a PoolSeries {
         pool.and_then(|p| layout.pools.get(p))
             .and_then(Option::as_ref)
@@ -501,7 +501,7 @@ impl RequestMetrics {
         }
         let env = r.key.as_ref().map(|k| k.environment);
         let layout = self.layout.load();
-        let ps = self.pool_series(&layout, r.pool_slot);
+        let ps = self.pool_series(&layout, r.pool_metrics_index);
         let (e, f) = (env_index(env), family_index(r.endpoint));
         let s = ps.get(&self.families, e, f);
         let t = &r.timeline;
@@ -521,7 +521,7 @@ impl RequestMetrics {
         if let Some(d) = t.client_ttft() {
             s.ttft_client.observe(secs(d));
         }
-        if let (Some(d), Some(i)) = (t.upstream_ttft(), r.backend_slot)
+        if let (Some(d), Some(i)) = (t.upstream_ttft(), r.backend_metrics_index)
             && let Some(b) = ps.upstream_ttft(&self.families, s, e, f, i)
         {
             b.observe(secs(d));
@@ -531,7 +531,7 @@ impl RequestMetrics {
         }
         // Tokenization is a request (counted below) but not inference: no latency or tokens.
         // A pooling request is inference without output: its latency and input tokens.
-        if r.pool_slot.is_some() && r.endpoint.is_none_or(|e| e.needs().takes_slot) {
+        if r.pool_metrics_index.is_some() && r.endpoint.is_none_or(|e| e.needs().takes_slot) {
             // Latency of completed requests only (as vLLM's benchmark reads them); tokens of
             // every request that produced some, cut streams included.
             if r.error.is_none() {

@@ -139,8 +139,8 @@ pub struct RequestRecord {
     pub backend: Option<Arc<str>>,
     /// Metrics slots of the pool and of the backend (metric handles are found by these; a
     /// reload never reassigns them).
-    pub pool_slot: Option<usize>,
-    pub backend_slot: Option<usize>,
+    pub pool_metrics_index: Option<usize>,
+    pub backend_metrics_index: Option<usize>,
     /// The client's address (TCP peer).
     pub client_addr: Option<std::net::SocketAddr>,
     /// The authenticated key (its public id and environment label the record).
@@ -165,8 +165,8 @@ impl RequestRecord {
             endpoint: None,
             model: None,
             backend: None,
-            pool_slot: None,
-            backend_slot: None,
+            pool_metrics_index: None,
+            backend_metrics_index: None,
             client_addr: None,
             key: None,
             stream: false,

@@ -135,14 +135,14 @@ async fn priority_orders_the_waiting_queue_only_under_the_priority_policy() {
         let stats = sim.stats().clone();
         let done = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
-        // The seat is taken; then three wait: priority 10, 10, and 0 last.
+        // The slot is taken; then three wait: priority 10, 10, and 0 last.
         for (name, priority, waiting) in [("long", 0, 0), ("a", 10, 1), ("b", 10, 2), ("p0", 0, 3)]
         {
             let url = sim.url();
             let done = done.clone();
             tasks.push(tokio::spawn(async move {
                 let c = client();
-                // The first holds the seat long enough for the others to queue behind it.
+                // The first holds the slot long enough for the others to queue behind it.
                 let max_tokens = if name == "long" { 200 } else { 12 };
                 let body = json!({"model": "qwen32b", "max_tokens": max_tokens, "priority": priority,
                                   "messages": [{"role": "user", "content": "hi"}]});

@@ -152,15 +152,15 @@ pin_project! {
 
     impl PinnedDrop for RelayBody {
         // The client of a streamed background response left before its end: the backend goes
-        // on, so its slot and its key's admission go to a watcher rather than being released.
+        // on, so its slot and its key's hold go to a watcher rather than being released.
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
             if let Some(handover) = this.background.take()
                 && let Some(id) = this.background_id.take()
                 && !this.ex.record.timeline.stream().done
             {
-                let admission = this.ex.admission.take();
-                handover.watch(id, this.slot.hand_over(), admission);
+                let hold = this.ex.hold.take();
+                handover.watch(id, this.slot.hand_over(), hold);
             }
         }
     }

@@ -14,6 +14,7 @@ use super::super::background;
 use super::super::error;
 use super::super::exchange::Exchange;
 use super::super::pins;
+use super::super::request::AnswerEdits;
 use super::super::send::{RelayParts, Sent};
 use super::super::state::ProxyState;
 use super::scan::{Scan, learn_whole, observe_first_token, scan_frame};
@@ -72,17 +73,20 @@ impl RelayBody {
             upstream,
             sse,
             dialect,
-            pin,
             timeouts,
             slot,
-            strip_usage,
-            timing_trailer,
-            mut rename,
+            answer:
+                AnswerEdits {
+                    strip_usage,
+                    timing_trailer,
+                    mut rename,
+                    pin,
+                },
         } = parts;
         let strip_usage = sse && strip_usage;
         let itl = sse.then(|| state.recorder.metrics()).flatten().map(|m| {
             m.itl(
-                ex.record.pool_slot,
+                ex.record.pool_metrics_index,
                 ex.record.key.as_ref().map(|k| k.environment),
                 ex.record.endpoint,
             )

@@ -37,16 +37,6 @@ pub const ERROR_TYPE: &str = "error.type";
 /// CLIENT span when it came from the backend.
 pub const FIRST_TOKEN: &str = "first_token";
 
-/// `gen_ai.operation.name`: the conventions' names where one fits, else the endpoint's own.
-pub fn operation(endpoint: Endpoint) -> &'static str {
-    match endpoint {
-        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses | Endpoint::ChatBatch => "chat",
-        Endpoint::Completions => "text_completion",
-        Endpoint::Embeddings | Endpoint::CohereEmbed => "embeddings",
-        other => other.as_str(),
-    }
-}
-
 /// Append the request's spans to `out`.
 pub(super) fn build(scope: Scope, lib: &InstrumentationScope, out: &mut Vec<SpanData>) {
     let Some(done) = &scope.done else {
@@ -71,7 +61,7 @@ pub(super) fn build(scope: Scope, lib: &InstrumentationScope, out: &mut Vec<Span
             state.clone(),
         )
     };
-    let op = done.endpoint.map_or("http", operation);
+    let op = done.endpoint.map_or("http", Endpoint::operation);
     let name: Cow<'static, str> = match &done.model {
         Some(m) => format!("{op} {m}").into(),
         None => op.into(),

@@ -8,13 +8,18 @@
 //! the switch once, counts it (`fleetgate_limits_fallback_total`) and shows it
 //! (`fleetgate_limits_redis_up` 0), and probes Redis every second until it answers again.
 //!
-//! A failover hands no key a fresh burst, either way. While Redis answers, each admission
+//! A failover hands no key a fresh burst, either way. While Redis answers, each check
 //! carries Redis's view of the key (how long each limit needs to be whole again) into the
 //! local limits, so a fallback starts from what the key has used. While it does not, what the
-//! local limits admit is remembered per key, and the key's first admission when Redis is back
+//! local limits admit is remembered per key, and the key's first check when Redis is back
 //! sends that local view along as floors the script applies before it decides, so Redis does
 //! not admit again what was admitted here. (Time to be whole again is the same measure for the
 //! whole limit and for a replica's share of limit/replicas at its share of the rate.)
+
+mod pins;
+mod settle;
+
+pub use pins::{PinStore, RedisLink};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +31,9 @@ use redis::aio::ConnectionManager;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+use pins::PUT_PIN;
+use settle::{SETTLE, Settle, Settler, settle_loop};
 
 use super::{Floors, KeyQuota};
 use crate::config::RedisConfig;
@@ -42,7 +50,7 @@ use crate::key::KeyRecord;
 /// which = 1 key requests, 2 key tokens, 3 environment requests, 4 more tokens than the whole
 /// budget. Times are Redis's own (`TIME`), so replicas' clocks do not matter. A missing key
 /// means a full bucket: every key expires when it would be full.
-const ADMIT: &str = r"
+const CHECK: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local kt, ktau = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -90,26 +98,6 @@ if cap > 0 then
   out[5] = math.ceil(refill)
 end
 return out
-";
-
-/// KEYS: key token bucket. ARGV: capacity, delta (> 0 gives back, < 0 takes more).
-const SETTLE: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cap, delta = tonumber(ARGV[1]), tonumber(ARGV[2])
-local b = redis.call('HMGET', KEYS[1], 'l', 'a')
-local level = tonumber(b[1]) or cap
-local at = tonumber(b[2]) or now
-if now > at then level = math.min(cap, level + (now - at) * cap / 60000000) end
-level = math.min(cap, level + delta)
-if level >= cap then
-  redis.call('DEL', KEYS[1])
-  return 0
-end
-local refill = (cap - level) * 60000000 / cap
-redis.call('HSET', KEYS[1], 'l', string.format('%.3f', level), 'a', string.format('%.0f', now))
-redis.call('PEXPIRE', KEYS[1], math.ceil(refill / 1000) + 1000)
-return 0
 ";
 
 /// One request's check.
@@ -189,7 +177,7 @@ pub enum Outcome {
     /// (remaining, reset) of the request and token windows that apply, and the time the
     /// environment's rate needs to be whole again. A reset is the time until the limit is
     /// whole again: the key's state that a later fallback starts from.
-    Admitted {
+    Passed {
         requests: Option<(u64, Duration)>,
         tokens: Option<(u64, Duration)>,
         env: Option<Duration>,
@@ -198,13 +186,6 @@ pub enum Outcome {
         which: Which,
         retry_after: Duration,
     },
-}
-
-#[derive(Debug)]
-struct Settle {
-    key_id: i64,
-    capacity: u64,
-    delta: i64,
 }
 
 #[derive(Debug)]
@@ -222,7 +203,7 @@ pub struct Shared {
     client: redis::Client,
     conn: Arc<ArcSwapOption<ConnectionManager>>,
     up: Arc<AtomicBool>,
-    admit: redis::Script,
+    check: redis::Script,
     timeout: Duration,
     prefix: Arc<str>,
     settle_tx: mpsc::Sender<Settle>,
@@ -326,7 +307,7 @@ impl Shared {
             client,
             conn,
             up,
-            admit: redis::Script::new(ADMIT),
+            check: redis::Script::new(CHECK),
             timeout: cfg.timeout,
             prefix,
             settle_tx,
@@ -348,9 +329,9 @@ impl Shared {
 
     /// One round trip: check and update every shared counter that applies. `Err(())` when
     /// Redis failed or was too slow (already logged and counted; use local limits).
-    pub async fn admit(&self, c: &Check) -> Result<Outcome, ()> {
+    pub async fn check(&self, c: &Check) -> Result<Outcome, ()> {
         let p = &self.prefix;
-        let mut inv = self.admit.prepare_invoke();
+        let mut inv = self.check.prepare_invoke();
         inv.key(format!("{p}:k:{}:r", c.key_id))
             .key(format!("{p}:k:{}:t", c.key_id))
             .key(format!("{p}:e:{}:r", c.environment))
@@ -386,7 +367,7 @@ impl Shared {
         let us = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
         let get = |i: usize| reply.get(i).copied().unwrap_or(-1);
         Ok(match get(0) {
-            0 => Outcome::Admitted {
+            0 => Outcome::Passed {
                 requests: (get(1) >= 0).then(|| (get(1) as u64, us(get(2)))),
                 tokens: (get(3) >= 0).then(|| (get(3) as u64, us(get(4)))),
                 env: (get(5) >= 0).then(|| us(get(5))),
@@ -403,7 +384,7 @@ impl Shared {
         })
     }
 
-    /// The admission script on `conn`, within the timeout.
+    /// The check script on `conn`, within the timeout.
     async fn invoke(
         &self,
         inv: &redis::ScriptInvocation<'_>,
@@ -416,7 +397,7 @@ impl Shared {
         }
     }
 
-    /// The admission script on the shared connection.
+    /// The check script on the shared connection.
     async fn invoke_shared(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, Failed> {
         let Some(conn) = self.conn.load_full() else {
             return Err(Failed::Error("not connected".to_owned()));
@@ -424,7 +405,7 @@ impl Shared {
         self.invoke(inv, &mut (*conn).clone()).await
     }
 
-    /// Forget this worker's connection: a new one is opened on its next admission.
+    /// Forget this worker's connection: a new one is opened on its next check.
     fn drop_worker_conn(&self) {
         WORKER_CONNS.with(|conns| {
             if let Some(own) = conns.borrow_mut().iter_mut().find(|c| c.owner == self.id) {
@@ -436,12 +417,12 @@ impl Shared {
 
     /// This worker thread's own connection, once it has one. A multiplexed connection's
     /// driver is a task on the runtime that opened it: the shared one's runs on the
-    /// control-plane runtime, so an admission through it wakes that thread to write and again
+    /// control-plane runtime, so a check through it wakes that thread to write and again
     /// to read, and the answer wakes the worker back (measured: +214 µs at p50 and ~130 µs of
-    /// CPU per admission on this 2-core machine, against a 42 µs Redis round trip). A
+    /// CPU per check on this 2-core machine, against a 42 µs Redis round trip). A
     /// worker's own connection has its driver on the worker's event loop: the command, the
     /// socket and the answer stay on one thread. Opened in the background on first use (this
-    /// admission goes through the shared one); a failed open is tried again a second later.
+    /// check goes through the shared one); a failed open is tried again a second later.
     /// Only for single-threaded runtimes (the workers): on a multi-threaded one the driver
     /// would run on any of its threads, which gains nothing.
     fn worker_conn(&self) -> Option<ConnectionManager> {
@@ -524,112 +505,7 @@ impl Shared {
     }
 }
 
-/// Write a stored response's pin unless another key owns the id: the value is
-/// `model\tbackend\tkey`, ARGV[2] the writer's key.
-const PUT_PIN: &str = r"
-local old = redis.call('GET', KEYS[1])
-if old then
-  local owner = string.match(old, '^[^\t]*\t[^\t]*\t(.*)$')
-  if owner ~= nil and owner ~= ARGV[2] then
-    return 0
-  end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
-return 1
-";
-
-/// The deployment's Redis as the limits reach it, for the other state replicas share.
-#[derive(Clone)]
-pub struct RedisLink {
-    client: redis::Client,
-    prefix: Arc<str>,
-}
-
-impl std::fmt::Debug for RedisLink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisLink")
-            .field("prefix", &self.prefix)
-            .finish_non_exhaustive()
-    }
-}
-
-impl RedisLink {
-    pub fn client(&self) -> &redis::Client {
-        &self.client
-    }
-
-    /// Every key and channel name starts with it (`{limits.redis.key_prefix}`).
-    pub fn prefix(&self) -> &str {
-        &self.prefix
-    }
-}
-
-/// Short strings kept in Redis for a time, by id (a stored response's backend): written in the
-/// background, read with the limits' timeout. While Redis is down nothing is shared.
-#[derive(Clone)]
-pub struct PinStore {
-    conn: Arc<ArcSwapOption<ConnectionManager>>,
-    up: Arc<AtomicBool>,
-    prefix: Arc<str>,
-    timeout: Duration,
-    /// `PUT_PIN`, hashed once.
-    put: Arc<redis::Script>,
-}
-
-impl std::fmt::Debug for PinStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PinStore").finish_non_exhaustive()
-    }
-}
-
-impl PinStore {
-    fn key(&self, id: &str) -> String {
-        format!("{}:resp:{id}", self.prefix)
-    }
-
-    fn conn(&self) -> Option<ConnectionManager> {
-        self.conn
-            .load_full()
-            .filter(|_| self.up.load(Ordering::Acquire))
-            .map(|c| (*c).clone())
-    }
-
-    /// `SET <prefix>:resp:<id> <value> EX <ttl>` unless the id is held by a key other than
-    /// `owner` (the value's last tab-separated field), in the background (dropped while
-    /// Redis is down: the pin stays in this replica only).
-    pub fn put(&self, id: &str, value: String, owner: &str, ttl: Duration) {
-        let Some(mut c) = self.conn() else {
-            return;
-        };
-        let (key, timeout) = (self.key(id), self.timeout);
-        let owner = owner.to_owned();
-        let secs = ttl.as_secs().max(1);
-        let script = self.put.clone();
-        tokio::spawn(async move {
-            let mut call = script.key(&key);
-            call.arg(value).arg(owner).arg(secs);
-            let set = call.invoke_async::<i64>(&mut c);
-            match tokio::time::timeout(timeout, set).await {
-                Ok(Err(e)) => tracing::debug!(error = %e, "stored response's pin not shared"),
-                Ok(Ok(0)) => tracing::warn!(
-                    "a stored response id another key holds in Redis was not re-pinned to this key"
-                ),
-                _ => {}
-            }
-        });
-    }
-
-    /// The value under `id`, if Redis has one and answers in time.
-    pub async fn get(&self, id: &str) -> Option<String> {
-        let mut c = self.conn()?;
-        let mut cmd = redis::cmd("GET");
-        cmd.arg(self.key(id));
-        let get = cmd.query_async::<Option<String>>(&mut c);
-        tokio::time::timeout(self.timeout, get).await.ok()?.ok()?
-    }
-}
-
-/// Why an admission got no answer from Redis.
+/// Why a check got no answer from Redis.
 enum Failed {
     Error(String),
     Timeout(Duration),
@@ -714,91 +590,6 @@ async fn health_loop(
             up.store(true, Ordering::Release);
             metrics.up.set(1);
             tracing::info!(redis = %where_, "Redis answers again: rate limits are shared again");
-        }
-    }
-}
-
-/// Where settlements go: the shared connection while Redis is up.
-struct Settler {
-    conn: Arc<ArcSwapOption<ConnectionManager>>,
-    up: Arc<AtomicBool>,
-    prefix: Arc<str>,
-    metrics: Arc<SharedMetrics>,
-    timeout: Duration,
-    script: redis::Script,
-}
-
-impl Settler {
-    /// Send one batch in a pipeline and empty it; `false` when it did not land (counted).
-    async fn send(&self, batch: &mut Vec<Settle>) -> bool {
-        let sent = self.try_send(batch).await;
-        if !sent {
-            self.drop_all(batch);
-        }
-        batch.clear();
-        sent
-    }
-
-    fn drop_all(&self, batch: &[Settle]) {
-        self.metrics.dropped_settlements.inc_by(batch.len() as u64);
-    }
-
-    async fn try_send(&self, batch: &[Settle]) -> bool {
-        let Some(c) = self
-            .conn
-            .load_full()
-            .filter(|_| self.up.load(Ordering::Acquire))
-        else {
-            return false;
-        };
-        let mut c = (*c).clone();
-        let prefix = &self.prefix;
-        let mut pipe = redis::pipe();
-        for s in batch {
-            pipe.cmd("EVALSHA")
-                .arg(self.script.get_hash())
-                .arg(1)
-                .arg(format!("{prefix}:k:{}:t", s.key_id))
-                .arg(s.capacity)
-                .arg(s.delta)
-                .ignore();
-        }
-        let mut result = tokio::time::timeout(self.timeout, pipe.query_async::<()>(&mut c)).await;
-        if let Ok(Err(e)) = &result
-            && e.kind() == redis::ErrorKind::NoScriptError
-        {
-            // Redis restarted or flushed its scripts: load it and send the batch again.
-            let loaded = self.script.prepare_invoke().load_async(&mut c).await;
-            if loaded.is_ok() {
-                result = tokio::time::timeout(self.timeout, pipe.query_async::<()>(&mut c)).await;
-            }
-        }
-        matches!(result, Ok(Ok(())))
-    }
-}
-
-/// Send settlements in pipelined batches until `stop`, then send what is still queued.
-async fn settle_loop(mut rx: mpsc::Receiver<Settle>, settler: Settler, stop: CancellationToken) {
-    let mut batch = Vec::with_capacity(256);
-    loop {
-        let n = tokio::select! {
-            _ = stop.cancelled() => break,
-            n = rx.recv_many(&mut batch, 256) => n,
-        };
-        if n == 0 {
-            return;
-        }
-        settler.send(&mut batch).await;
-    }
-    // Nothing is queued after this (a late settle is counted as dropped), so the drain ends.
-    rx.close();
-    while rx.recv_many(&mut batch, 256).await > 0 {
-        if !settler.send(&mut batch).await {
-            // Redis is not taking them: shutdown does not wait a timeout per batch.
-            while rx.recv_many(&mut batch, 256).await > 0 {
-                settler.drop_all(&batch);
-                batch.clear();
-            }
         }
     }
 }

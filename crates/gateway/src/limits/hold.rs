@@ -1,5 +1,6 @@
-//! Admitting a request: concurrency slots first, then rates and tokens (in Redis when shared
-//! and reachable, else in process), and the [`Admission`] that gives it all back when dropped.
+//! Checking a request against its limits: concurrency first, then rates and tokens (in Redis
+//! when shared and reachable, else in process), and the [`Hold`] that gives it all back when
+//! dropped.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -18,29 +19,25 @@ trait RefusalOf: Fn(LimitKind, u64, Option<Duration>, RateHeaders) -> Refusal {}
 impl<F: Fn(LimitKind, u64, Option<Duration>, RateHeaders) -> Refusal> RefusalOf for F {}
 
 impl Limits {
-    /// Admit an inference request of `key` or say which limit refuses it.
-    pub async fn admit(
-        self: &Arc<Self>,
-        key: &KeyRecord,
-        demand: Demand,
-    ) -> Result<Admission, Refusal> {
-        self.admit_as(key, Some(demand)).await
+    /// Hold the limits for an inference request of `key`, or say which limit refuses it.
+    pub async fn hold(self: &Arc<Self>, key: &KeyRecord, demand: Demand) -> Result<Hold, Refusal> {
+        self.hold_as(key, Some(demand)).await
     }
 
-    /// Admit a request that is not inference (tokenization): it counts against the key's and
-    /// the environment's request rates, but takes no concurrency slot and neither reserves nor
+    /// Hold the limits for a request that is not inference (tokenization): it counts against the key's and
+    /// the environment's request rates, but takes no concurrency place and neither reserves nor
     /// needs tokens — it generates none, and a key out of tokens may still count its prompts.
-    pub async fn admit_request(self: &Arc<Self>, key: &KeyRecord) -> Result<Admission, Refusal> {
-        self.admit_as(key, None).await
+    pub async fn hold_request(self: &Arc<Self>, key: &KeyRecord) -> Result<Hold, Refusal> {
+        self.hold_as(key, None).await
     }
 
     /// `demand`: the tokens an inference request may use; `None` for a request that only
     /// counts as a request.
-    async fn admit_as(
+    async fn hold_as(
         self: &Arc<Self>,
         key: &KeyRecord,
         demand: Option<Demand>,
-    ) -> Result<Admission, Refusal> {
+    ) -> Result<Hold, Refusal> {
         let quota = self.quota(key);
         let env = key.environment;
         let e = &self.envs[env.index()];
@@ -49,7 +46,7 @@ impl Limits {
             None => quota.requests_per_minute.is_none() && e.requests.is_none(),
         };
         if unlimited {
-            return Ok(Admission::unlimited(env));
+            return Ok(Hold::unlimited(env));
         }
         // What this request is checked against: without a demand, the rates only. (The key's
         // limiter is still looked up by its whole quota: a different one would replace it.)
@@ -74,11 +71,11 @@ impl Limits {
         let limiter = self.key_limiter(key, quota);
         limiter.last_used.store(self.now_ms(), Ordering::Relaxed);
         let prompt_estimate = demand.map_or(0, |d| d.prompt_tokens);
-        let mut adm = Admission::held(self.clone(), limiter.clone(), env, prompt_estimate);
+        let mut hold = Hold::held(self.clone(), limiter.clone(), env, prompt_estimate);
 
         // 1. Concurrency (in process; in shared mode each replica holds its share).
         if demand.is_some() {
-            self.take_slots(&mut adm, &limiter, &checked, e, &refusal)?;
+            self.take_places(&mut hold, &limiter, &checked, e, &refusal)?;
         }
 
         // 2. Rates and tokens: in Redis when shared and reachable, else here.
@@ -101,8 +98,8 @@ impl Limits {
                     Duration::ZERO
                 },
             );
-            match shared.admit(&check).await {
-                Ok(shared::Outcome::Admitted {
+            match shared.check(&check).await {
+                Ok(shared::Outcome::Passed {
                     requests,
                     tokens,
                     env,
@@ -121,12 +118,12 @@ impl Limits {
                     if env_unsynced {
                         e.unsynced.store(false, Ordering::Release);
                     }
-                    adm.headers = shared_headers(&checked, requests, tokens);
+                    hold.headers = shared_headers(&checked, requests, tokens);
                     if checked.tokens_per_minute.is_some() {
-                        adm.reserved = requested;
-                        adm.reserved_in = Reserved::Shared(key.id);
+                        hold.reserved = requested;
+                        hold.reserved_in = Reserved::Shared(key.id);
                     }
-                    return Ok(adm);
+                    return Ok(hold);
                 }
                 Ok(shared::Outcome::Refused { which, retry_after }) => {
                     let (kind, limit) = shared_refused(which, &checked, e);
@@ -139,14 +136,14 @@ impl Limits {
                 Err(()) => {}
             }
         }
-        self.admit_local(adm, &limiter, &checked, e, demand, refusal)
+        self.hold_local(hold, &limiter, &checked, e, demand, refusal)
     }
 
-    /// Take the key's and then the environment's concurrency slot; a slot taken stays with
-    /// `adm`, so a refusal by the environment gives the key's back when `adm` is dropped.
-    fn take_slots(
+    /// Take the key's and then the environment's concurrency place; a place taken stays with
+    /// `hold`, so a refusal by the environment gives the key's back when `hold` is dropped.
+    fn take_places(
         &self,
-        adm: &mut Admission,
+        hold: &mut Hold,
         limiter: &KeyLimiter,
         quota: &KeyQuota,
         e: &EnvLimiter,
@@ -162,7 +159,7 @@ impl Limits {
                     RateHeaders::default(),
                 )));
             }
-            adm.key_slot = true;
+            hold.key_place = true;
         }
         if let Some(max) = e.max_concurrent {
             if !try_inc(&e.in_flight, max) {
@@ -173,24 +170,24 @@ impl Limits {
                     RateHeaders::default(),
                 )));
             }
-            adm.env_slot = true;
+            hold.env_place = true;
         }
         Ok(())
     }
 
-    fn admit_local(
+    fn hold_local(
         &self,
-        mut adm: Admission,
+        mut hold: Hold,
         limiter: &KeyLimiter,
         quota: &KeyQuota,
         e: &EnvLimiter,
         demand: Option<Demand>,
         refusal: impl RefusalOf,
-    ) -> Result<Admission, Refusal> {
+    ) -> Result<Hold, Refusal> {
         let d = self.divisor;
         let mut headers = RateHeaders::default();
         if let (Some(bucket), Some(demand)) = (&limiter.tokens, demand) {
-            headers.tokens = Some(self.reserve_tokens(&mut adm, bucket, demand, &refusal)?);
+            headers.tokens = Some(self.reserve_tokens(&mut hold, bucket, demand, &refusal)?);
         }
         if let Some(g) = &limiter.requests {
             let rpm = u64::from(div_ceil_u32(quota.requests_per_minute.unwrap_or(1), d));
@@ -203,7 +200,7 @@ impl Limits {
                     });
                 }
                 Err(wait) => {
-                    adm.set_used(0);
+                    hold.set_used(0);
                     headers.requests = Some(Window {
                         limit: rpm,
                         remaining: 0,
@@ -221,24 +218,24 @@ impl Limits {
         if let Some(g) = &e.requests
             && let Err(wait) = g.check()
         {
-            adm.set_used(0);
+            hold.set_used(0);
             let limit = u64::from(div_ceil_u32(e.per_second.map_or(1, |p| p.0), d));
             return Err(self.refuse(refusal(LimitKind::EnvRequests, limit, Some(wait), headers)));
         }
-        // In shared mode Redis has not seen this admission: its next check for the key (and
+        // In shared mode Redis has not seen this check: its next check for the key (and
         // the environment) takes the local view along.
         if self.shared.is_some() {
             limiter.unsynced.store(true, Ordering::Release);
             e.unsynced.store(true, Ordering::Release);
         }
-        adm.headers = headers;
-        Ok(adm)
+        hold.headers = headers;
+        Ok(hold)
     }
 
-    /// Reserve the request's tokens in the key's local bucket; the reservation is `adm`'s.
+    /// Reserve the request's tokens in the key's local bucket; the reservation is `hold`'s.
     fn reserve_tokens(
         &self,
-        adm: &mut Admission,
+        hold: &mut Hold,
         bucket: &TokenBucket,
         demand: Demand,
         refusal: &impl RefusalOf,
@@ -246,8 +243,8 @@ impl Limits {
         let need = demand.total();
         match bucket.reserve(need) {
             Ok(s) => {
-                adm.reserved = need;
-                adm.reserved_in = Reserved::Local;
+                hold.reserved = need;
+                hold.reserved_in = Reserved::Local;
                 Ok(Window {
                     limit: bucket.per_minute(),
                     remaining: s.remaining,
@@ -360,18 +357,18 @@ enum Reserved {
     Shared(i64),
 }
 
-/// An admitted request's hold on its limits: concurrency slots and a token reservation.
-/// Dropping it releases the slots and settles the reservation with what `set_used` said the
+/// A request's hold on its limits: its places in the concurrency caps and a token reservation.
+/// Dropping it releases the places and settles the reservation with what `set_used` said the
 /// request used (the whole reservation when nothing was said).
 #[must_use]
-pub struct Admission {
+pub struct Hold {
     /// `None` for a key and environment without limits: nothing to release (and no shared
     /// reference count touched on the request path).
     limits: Option<Arc<Limits>>,
     key: Option<Arc<KeyLimiter>>,
     env: Environment,
-    key_slot: bool,
-    env_slot: bool,
+    key_place: bool,
+    env_place: bool,
     reserved: u64,
     reserved_in: Reserved,
     prompt_estimate: u64,
@@ -380,9 +377,9 @@ pub struct Admission {
     pub headers: RateHeaders,
 }
 
-impl std::fmt::Debug for Admission {
+impl std::fmt::Debug for Hold {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Admission")
+        f.debug_struct("Hold")
             .field("env", &self.env)
             .field("reserved", &self.reserved)
             .field("used", &self.used)
@@ -390,8 +387,8 @@ impl std::fmt::Debug for Admission {
     }
 }
 
-impl Admission {
-    /// A hold on `key`'s limiter state, with no slot taken and nothing reserved yet.
+impl Hold {
+    /// A hold on `key`'s limiter state, with no place taken and nothing reserved yet.
     fn held(
         limits: Arc<Limits>,
         key: Arc<KeyLimiter>,
@@ -402,8 +399,8 @@ impl Admission {
             limits: Some(limits),
             key: Some(key),
             env,
-            key_slot: false,
-            env_slot: false,
+            key_place: false,
+            env_place: false,
             reserved: 0,
             reserved_in: Reserved::Nowhere,
             prompt_estimate,
@@ -417,8 +414,8 @@ impl Admission {
             limits: None,
             key: None,
             env,
-            key_slot: false,
-            env_slot: false,
+            key_place: false,
+            env_place: false,
             reserved: 0,
             reserved_in: Reserved::Nowhere,
             prompt_estimate: 0,
@@ -427,30 +424,30 @@ impl Admission {
         }
     }
 
-    /// Tokens reserved at admission.
+    /// Tokens reserved at the check.
     pub fn reserved(&self) -> u64 {
         self.reserved
     }
 
-    /// The prompt-token estimate made at admission.
+    /// The prompt-token estimate made at the check.
     pub fn prompt_estimate(&self) -> u64 {
         self.prompt_estimate
     }
 
-    /// What the request really used; settled when the admission is dropped.
+    /// What the request really used; settled when the hold is dropped.
     pub fn set_used(&mut self, tokens: u64) {
         self.used = Some(tokens);
     }
 }
 
-impl Drop for Admission {
+impl Drop for Hold {
     fn drop(&mut self) {
         if let Some(k) = &self.key
-            && self.key_slot
+            && self.key_place
         {
             k.in_flight.fetch_sub(1, Ordering::AcqRel);
         }
-        if self.env_slot
+        if self.env_place
             && let Some(l) = &self.limits
         {
             l.envs[self.env.index()]
