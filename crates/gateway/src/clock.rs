@@ -13,7 +13,7 @@ pub fn wall_ms() -> i64 {
 }
 
 /// Milliseconds on the process's monotonic clock (tokio's, so paused-time tests drive it).
-pub fn mono_ms() -> u64 {
+pub(crate) fn mono_ms() -> u64 {
     static BASE: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
     let base = *BASE.get_or_init(tokio::time::Instant::now);
     u64::try_from(

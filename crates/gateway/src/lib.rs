@@ -6,6 +6,9 @@
 //! Modules are listed by layer, lowest first; a module imports its own layer or lower ones,
 //! never in a circle (tests/it/layering.rs keeps it so). docs/architecture.md draws the map.
 
+// What only this crate reaches is `pub(crate)`, not `pub` (clippy -D warnings holds it).
+#![warn(unreachable_pub)]
+
 // Layer 0: shared by everything.
 pub mod clock;
 pub mod rx_time;
@@ -20,8 +23,8 @@ pub mod store;
 pub mod auth;
 pub mod limits;
 pub mod pool;
-pub mod queue;
-pub mod route;
+pub(crate) mod queue;
+pub(crate) mod route;
 pub mod telemetry;
 
 // Layer 3: the forwarding path that calls the stages in order, and the relay.

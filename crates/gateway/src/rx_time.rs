@@ -36,27 +36,27 @@ fn base() -> Instant {
 }
 
 /// `at` as nanoseconds on the stamps' base (at least 1: 0 means "none").
-pub fn to_ns(at: Instant) -> u64 {
+pub(crate) fn to_ns(at: Instant) -> u64 {
     u64::try_from(at.saturating_duration_since(base()).as_nanos())
         .unwrap_or(u64::MAX)
         .max(1)
 }
 
 /// A stamp back as an `Instant`; `None` for 0.
-pub fn from_ns(ns: u64) -> Option<Instant> {
+pub(crate) fn from_ns(ns: u64) -> Option<Instant> {
     (ns != 0).then(|| base() + Duration::from_nanos(ns))
 }
 
 /// Which end of the gateway a socket is on: decides which reads are stamped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Side {
+pub(crate) enum Side {
     Client,
     Upstream,
 }
 
 /// One connection's receive stamps, shared between its stream and the request path.
 #[derive(Debug)]
-pub struct RxClock {
+pub(crate) struct RxClock {
     side: Side,
     armed: AtomicBool,
     /// Kernel arrival (client: of the request's first bytes; upstream: of the latest read).
@@ -66,7 +66,7 @@ pub struct RxClock {
 }
 
 impl RxClock {
-    pub fn new(side: Side) -> Self {
+    pub(crate) fn new(side: Side) -> Self {
         Self {
             side,
             // A client connection's first read is a request's first bytes.
@@ -100,13 +100,13 @@ impl RxClock {
     }
 
     /// Client side: the kernel arrival of this request's first bytes, once.
-    pub fn take_arrival(&self) -> Option<Instant> {
+    pub(crate) fn take_arrival(&self) -> Option<Instant> {
         from_ns(self.arrival.swap(0, Relaxed))
     }
 
     /// Upstream side: (request written, kernel arrival of the bytes read last). Called when
     /// the first token (or a non-streamed answer's head) is seen; later reads are not stamped.
-    pub fn first_token_arrival(&self) -> (Option<Instant>, Option<Instant>) {
+    pub(crate) fn first_token_arrival(&self) -> (Option<Instant>, Option<Instant>) {
         self.armed.store(false, Relaxed);
         (
             from_ns(self.written.load(Relaxed)),
@@ -138,17 +138,17 @@ pub fn enable(sock: &impl std::os::fd::AsFd) -> io::Result<()> {
 const STAMPED_READ_MAX: usize = 16 * 1024;
 
 /// A TCP stream whose reads are stamped while its clock wants it.
-pub struct StampedStream {
+pub(crate) struct StampedStream {
     io: TcpStream,
     clock: std::sync::Arc<RxClock>,
 }
 
 impl StampedStream {
-    pub fn new(io: TcpStream, clock: std::sync::Arc<RxClock>) -> Self {
+    pub(crate) fn new(io: TcpStream, clock: std::sync::Arc<RxClock>) -> Self {
         Self { io, clock }
     }
 
-    pub fn clock(&self) -> &std::sync::Arc<RxClock> {
+    pub(crate) fn clock(&self) -> &std::sync::Arc<RxClock> {
         &self.clock
     }
 

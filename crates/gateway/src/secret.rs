@@ -12,7 +12,7 @@ impl Secret {
     pub fn new(value: impl Into<String>) -> Self {
         Self(value.into())
     }
-    pub fn expose(&self) -> &str {
+    pub(crate) fn expose(&self) -> &str {
         &self.0
     }
 }

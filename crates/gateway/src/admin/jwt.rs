@@ -48,7 +48,7 @@ pub enum Audience {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum JwtError {
+pub(crate) enum JwtError {
     NotConfigured,
     Missing,
     Malformed,
@@ -74,7 +74,7 @@ pub enum JwtError {
 }
 
 impl JwtError {
-    pub fn message(&self) -> String {
+    pub(crate) fn message(&self) -> String {
         match self {
             JwtError::NotConfigured => "The admin API has no JWT key configured: set admin.jwt_secret (HS256) or admin.jwt_public_key_file (RS256/ES256).".into(),
             JwtError::Missing => "The admin API needs `Authorization: Bearer <JWT>`; mint one with `fleetgate admin-token --role admin --ttl 1h`.".into(),
@@ -117,7 +117,7 @@ fn name(a: JwtAlgorithm) -> &'static str {
 }
 
 /// The verifier built once from config.
-pub struct Verifier {
+pub(crate) struct Verifier {
     key: Option<DecodingKey>,
     validation: Validation,
     alg: JwtAlgorithm,
@@ -153,7 +153,7 @@ pub enum MintError {
 }
 
 impl Verifier {
-    pub fn new(cfg: &AdminConfig) -> Result<Self, KeyConfigError> {
+    pub(crate) fn new(cfg: &AdminConfig) -> Result<Self, KeyConfigError> {
         let alg = algorithm(cfg.jwt_algorithm);
         let key = match &cfg.jwt_key {
             None => None,
@@ -200,11 +200,11 @@ impl Verifier {
 
     /// Whether a key to verify tokens with is configured (without one every token is
     /// refused, and the answer says to configure one rather than to mint a token).
-    pub fn is_configured(&self) -> bool {
+    pub(crate) fn is_configured(&self) -> bool {
         self.key.is_some()
     }
 
-    pub fn verify(&self, token: &str) -> Result<Claims, JwtError> {
+    pub(crate) fn verify(&self, token: &str) -> Result<Claims, JwtError> {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());

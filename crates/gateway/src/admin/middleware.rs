@@ -39,10 +39,10 @@ use crate::proxy::relay::GatewayBody;
 use fleetgate_protocol::error::error_body;
 
 /// The body of every request the admin handlers see: limited to `MAX_BODY`.
-pub type Body = tower_http::body::Limited<Incoming>;
+pub(crate) type Body = tower_http::body::Limited<Incoming>;
 
 /// The largest request body the admin listener reads: a key's JSON, a console form.
-pub const MAX_BODY: usize = 64 * 1024;
+pub(crate) const MAX_BODY: usize = 64 * 1024;
 
 /// The same id the API listener gives its requests, for a request that brings none.
 #[derive(Clone, Copy)]
@@ -57,7 +57,7 @@ impl MakeRequestId for GatewayRequestId {
 }
 
 /// What a 413 of the admin listener says.
-pub fn too_large_message() -> String {
+pub(crate) fn too_large_message() -> String {
     format!("The request body is over the admin listener's limit of {MAX_BODY} bytes.")
 }
 
@@ -87,7 +87,7 @@ fn json_too_large<B>(resp: Response<B>) -> Response<Either<B, GatewayBody>> {
 }
 
 /// The admin listener's service: `super::handle` inside the layers above.
-pub fn service(
+pub(crate) fn service(
     state: Arc<AdminState>,
 ) -> impl Service<
     Request<Incoming>,

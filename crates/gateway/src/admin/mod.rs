@@ -10,7 +10,7 @@
 
 pub mod console;
 pub mod jwt;
-pub mod middleware;
+pub(crate) mod middleware;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,7 +31,7 @@ use middleware::Body;
 
 pub struct AdminState {
     pub auth: Arc<Authenticator>,
-    pub verifier: Verifier,
+    pub(crate) verifier: Verifier,
     pub registry: prometheus::Registry,
     pub fleet: Arc<crate::pool::fleet::Fleet>,
     pub metrics: Arc<crate::telemetry::metrics::RequestMetrics>,

@@ -3,8 +3,6 @@
 
 use std::time::Duration;
 
-use http::StatusCode;
-
 use crate::clock::format_wall_ms;
 use crate::key::Environment;
 use fleetgate_protocol::endpoint::{Families, Family};
@@ -77,7 +75,7 @@ pub enum ForeignKey {
 }
 
 impl ForeignKey {
-    pub fn of(text: &str) -> ForeignKey {
+    pub(crate) fn of(text: &str) -> ForeignKey {
         if text.starts_with("sk-ant-") {
             ForeignKey::Anthropic
         } else if text.starts_with("sk-") {
@@ -89,7 +87,7 @@ impl ForeignKey {
 }
 
 /// Label for the failure counter: a fixed set.
-pub const FAILURE_REASONS: [&str; 19] = [
+pub(crate) const FAILURE_REASONS: [&str; 19] = [
     "missing",
     "no_space_after_bearer",
     "quoted",
@@ -112,7 +110,7 @@ pub const FAILURE_REASONS: [&str; 19] = [
 ];
 
 impl AuthFailure {
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         FAILURE_REASONS[self.index()]
     }
 
@@ -141,11 +139,7 @@ impl AuthFailure {
         }
     }
 
-    pub fn status(&self) -> StatusCode {
-        self.kind().status()
-    }
-
-    pub fn kind(&self) -> ErrorKind {
+    pub(crate) fn kind(&self) -> ErrorKind {
         match self {
             AuthFailure::ModelNotAllowed { .. }
             | AuthFailure::EnvironmentNotAllowed { .. }
@@ -170,7 +164,7 @@ impl AuthFailure {
     }
 
     /// (type, code, message) for the OpenAI error body.
-    pub fn describe(&self) -> (&'static str, &'static str, String) {
+    pub(crate) fn describe(&self) -> (&'static str, &'static str, String) {
         (self.error_type(), self.code(), self.message())
     }
 

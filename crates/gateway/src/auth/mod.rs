@@ -15,7 +15,7 @@ pub mod sync;
 mod throttle;
 
 pub use credentials::credentials;
-pub use failure::{AuthFailure, FAILURE_REASONS, ForeignKey, OAuthIssuer};
+pub(crate) use failure::{AuthFailure, FAILURE_REASONS, ForeignKey, OAuthIssuer};
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -198,12 +198,12 @@ impl Authenticator {
         self.snapshot.load().keys.get(public_id).cloned()
     }
 
-    pub fn key_count(&self) -> usize {
+    pub(crate) fn key_count(&self) -> usize {
         self.snapshot.load().keys.len()
     }
 
     /// Seconds since the snapshot was last fully loaded.
-    pub fn snapshot_age(&self) -> Duration {
+    pub(crate) fn snapshot_age(&self) -> Duration {
         let at = self.loaded_at.load(Ordering::Relaxed);
         Duration::from_millis(u64::try_from(wall_ms().saturating_sub(at)).unwrap_or(0))
     }
@@ -216,7 +216,7 @@ impl Authenticator {
         }
     }
 
-    pub fn set_store_health(&self, h: StoreHealth) {
+    pub(crate) fn set_store_health(&self, h: StoreHealth) {
         let before = self.store_health.swap(h as u8, Ordering::Relaxed);
         self.metrics.store_up.set(i64::from(h == StoreHealth::Up));
         if before != h as u8 {
@@ -268,7 +268,11 @@ impl Authenticator {
     /// (nothing replaced) when the snapshot changed meanwhile: a key applied from a
     /// notification or an admin call while the store was being read, which the read may
     /// predate (a revocation would come back to life until the next poll).
-    pub fn replace_all_since(&self, before: &Arc<KeySnapshot>, keys: Vec<KeyRecord>) -> bool {
+    pub(crate) fn replace_all_since(
+        &self,
+        before: &Arc<KeySnapshot>,
+        keys: Vec<KeyRecord>,
+    ) -> bool {
         let prev = self.snapshot.compare_and_swap(before, snapshot_of(keys));
         let replaced = Arc::ptr_eq(&prev, before);
         if replaced {
@@ -312,7 +316,7 @@ impl Authenticator {
     }
 
     /// Drop failure counters of addresses that went quiet (bounded memory).
-    pub fn prune(&self) {
+    pub(crate) fn prune(&self) {
         self.throttle.prune(Instant::now());
         if let Ok(mut n) = self.negative.lock() {
             let now = Instant::now();

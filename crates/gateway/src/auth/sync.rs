@@ -14,7 +14,7 @@ use crate::config::DbKind;
 use crate::store::KEYS_CHANNEL;
 
 /// A cheap single-row read of a local file; short so revocations land well within 1 s.
-pub const SQLITE_POLL: Duration = Duration::from_millis(250);
+pub(crate) const SQLITE_POLL: Duration = Duration::from_millis(250);
 const MAX_BACKOFF: Duration = Duration::from_secs(15);
 
 /// How long after a change is committed every gateway on a store of `kind` has applied it:
@@ -37,7 +37,7 @@ pub async fn run(auth: Arc<Authenticator>, stop: CancellationToken) {
 }
 
 /// Reload everything; returns whether it worked.
-pub async fn resync(auth: &Authenticator) -> bool {
+pub(crate) async fn resync(auth: &Authenticator) -> bool {
     // A key applied while the store is read (a notification, an admin call) may be newer than
     // the read: the read is then done again, twice at most, before it is applied regardless.
     let mut attempt = 1;

@@ -12,7 +12,7 @@ pub struct AuthConfig {
     /// Unknown-key database lookups allowed per second (all clients together).
     pub lookups_per_second: u32,
     /// How long a key found unknown in the database is not looked up again.
-    pub negative_cache: Duration,
+    pub(crate) negative_cache: Duration,
     /// Failed attempts allowed per client address (IPv6: per /64) at once and per minute;
     /// past them the address is refused without its key being checked.
     pub failures_per_minute: u32,

@@ -36,7 +36,7 @@ pub enum Discover {
     Dns { interval: Duration },
 }
 
-pub const DEFAULT_DNS_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_DNS_INTERVAL: Duration = Duration::from_secs(5);
 
 impl BackendConfig {
     pub fn new(url: Uri) -> Self {
@@ -53,7 +53,7 @@ impl BackendConfig {
 
 /// Why a backend URL was refused. The text names the URL as written, for the operator.
 #[derive(Debug, thiserror::Error)]
-pub enum BackendUrlError {
+pub(crate) enum BackendUrlError {
     #[error("`{text}` is not a URL: {source}")]
     NotAUrl { text: String, source: InvalidUri },
     #[error("`{0}` needs a scheme: http://host:port or https://host:port")]
@@ -80,7 +80,7 @@ pub enum BackendUrlError {
 
 /// A backend is a base URL: scheme http or https, a host, an optional path prefix (a trailing
 /// `/v1` is accepted and dropped, since clients' base URLs often carry it).
-pub fn parse_backend_url(text: &str) -> Result<Uri, BackendUrlError> {
+pub(crate) fn parse_backend_url(text: &str) -> Result<Uri, BackendUrlError> {
     let uri: Uri = text.parse().map_err(|source| BackendUrlError::NotAUrl {
         text: text.to_owned(),
         source,

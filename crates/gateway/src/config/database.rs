@@ -54,7 +54,7 @@ impl DatabaseConfig {
     }
 
     /// The connection URL (contains credentials: never log it).
-    pub fn connect_url(&self) -> String {
+    pub(crate) fn connect_url(&self) -> String {
         match &self.url {
             Some(u) => u.expose().to_owned(),
             None => format!("sqlite://{}?mode=rwc", self.sqlite_path.display()),

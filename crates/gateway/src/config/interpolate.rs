@@ -3,7 +3,7 @@
 
 /// Why the config text could not be interpolated.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum InterpolateError {
+pub(crate) enum InterpolateError {
     #[error("unterminated `${{` in config")]
     Unterminated,
     #[error("environment variable `{0}` is not set (write `${{{0}:-default}}` to allow a default)")]
@@ -13,7 +13,7 @@ pub enum InterpolateError {
 /// Replace `${VAR}` and `${VAR:-default}` with the environment's values. A missing variable
 /// without a default is an error, so a typo cannot silently become an empty key. Comment
 /// lines are left alone.
-pub fn interpolate_env(
+pub(crate) fn interpolate_env(
     text: &str,
     lookup: impl Fn(&str) -> Option<String>,
 ) -> Result<String, InterpolateError> {

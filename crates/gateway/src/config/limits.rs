@@ -53,9 +53,9 @@ pub struct LimitsConfig {
     /// Completion tokens reserved for a request that names no `max_tokens`.
     pub default_max_tokens: u32,
     /// Prompt characters per token for the admission estimate.
-    pub chars_per_token: u32,
+    pub(crate) chars_per_token: u32,
     /// Limiter state of a key unused for this long is dropped.
-    pub prune_idle: Duration,
+    pub(crate) prune_idle: Duration,
     /// By `Environment::index()`.
     pub environments: [EnvLimits; 3],
 }

@@ -33,23 +33,25 @@ use queue::RawQueue;
 use request_log::RawRequestLog;
 use server::RawServer;
 
-pub use admin::{AdminConfig, JwtAlgorithm, JwtKey};
+pub use admin::{AdminConfig, JwtKey};
+
+pub use admin::JwtAlgorithm;
 pub use auth::AuthConfig;
-pub use backends::{
-    BackendConfig, BackendUrlError, DEFAULT_DNS_INTERVAL, Discover, parse_backend_url,
-};
+pub use backends::{BackendConfig, Discover};
 pub use database::{DatabaseConfig, DbKind};
-pub use interpolate::{InterpolateError, interpolate_env};
+pub(crate) use interpolate::interpolate_env;
 pub use limits::{EnvLimits, LimitsConfig, RedisConfig, SharedLimits};
-pub use otel::{OtlpExport, SamplerChoice, TracingConfig};
-pub use pool_health::{EjectionConfig, HealthConfig, LoadAwareConfig, RetryConfig, WarmupConfig};
+pub use otel::TracingConfig;
+pub(crate) use otel::{OtlpExport, SamplerChoice};
+pub use pool_health::LoadAwareConfig;
+pub(crate) use pool_health::{EjectionConfig, RetryConfig};
+pub use pools::Timeouts;
 pub use pools::{
-    AffinityBy, AffinityConfig, DEFAULT_MAX_IN_FLIGHT, EnginePriority, LongPromptConfig,
-    PoolConfig, PoolKind, Timeouts,
+    AffinityBy, AffinityConfig, EnginePriority, LongPromptConfig, PoolConfig, PoolKind,
 };
 pub use queue::QueueConfig;
 pub use request_log::RequestLogConfig;
-pub use server::{DEFAULT_MAX_BODY_BYTES, LogFormat, ServerConfig, TlsConfig};
+pub use server::{LogFormat, ServerConfig, TlsConfig};
 
 use crate::key::Environment;
 
@@ -121,7 +123,7 @@ impl Config {
     /// The sections other than `[[pools]]` that differ in `next` (a reload applies only the
     /// pools; these need a restart). Values are compared, secrets included: their printed
     /// form is redacted, so it cannot tell two credentials apart.
-    pub fn restart_needed_for(&self, next: &Config) -> Vec<&'static str> {
+    pub(crate) fn restart_needed_for(&self, next: &Config) -> Vec<&'static str> {
         [
             ("[server]", self.server != next.server),
             ("[database]", self.database != next.database),

@@ -57,10 +57,10 @@ pub struct OtlpExport {
     pub sampler: SamplerChoice,
     /// Requests waiting for export; beyond, their spans are dropped and counted.
     pub max_queue_size: usize,
-    pub max_export_batch_size: usize,
-    pub schedule_delay: Duration,
+    pub(crate) max_export_batch_size: usize,
+    pub(crate) schedule_delay: Duration,
     /// One batch's limit, retries included.
-    pub export_timeout: Duration,
+    pub(crate) export_timeout: Duration,
 }
 
 /// The samplers of `OTEL_TRACES_SAMPLER` that need nothing outside the process.

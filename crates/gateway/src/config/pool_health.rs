@@ -18,9 +18,9 @@ pub struct HealthConfig {
     pub path: String,
     pub timeout: Duration,
     /// Consecutive good probes that bring a down backend back.
-    pub healthy_threshold: u32,
+    pub(crate) healthy_threshold: u32,
     /// Consecutive failed probes that take a backend down.
-    pub unhealthy_threshold: u32,
+    pub(crate) unhealthy_threshold: u32,
 }
 
 impl Default for HealthConfig {
@@ -40,7 +40,7 @@ impl Default for HealthConfig {
 pub struct WarmupConfig {
     pub requests: u32,
     pub prompt: String,
-    pub slow_start: Duration,
+    pub(crate) slow_start: Duration,
 }
 
 impl Default for WarmupConfig {

@@ -120,7 +120,7 @@ pub struct LongPromptConfig {
     pub pool: String,
 }
 
-pub const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
+pub(crate) const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
 
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
@@ -188,7 +188,7 @@ impl EnginePriority {
     /// What goes to the backend for a request of `env` whose client sent `client`: the
     /// environment's value, or the client's own when it asks for no better (`None`: leave the
     /// body as it is).
-    pub fn for_request(&self, env: Environment, client: Option<i64>) -> Option<i64> {
+    pub(crate) fn for_request(&self, env: Environment, client: Option<i64>) -> Option<i64> {
         let mine = self.by_env[env.index()];
         match client {
             Some(c) if !self.override_client && c >= mine => None,
@@ -202,7 +202,7 @@ impl EnginePriority {
     /// taken is held by a request the backend will put behind them. A tie at the lowest value
     /// gives no environment that right: the slots a tied environment takes are not put behind
     /// the other's (with `prod = gray = 0`, gray would otherwise ride prod's overflow).
-    pub fn goes_first(&self, env: Environment) -> bool {
+    pub(crate) fn goes_first(&self, env: Environment) -> bool {
         let mine = self.by_env[env.index()];
         Environment::ALL
             .iter()

@@ -8,20 +8,20 @@ use serde::Deserialize;
 
 use super::{ConfigError, FileErrors};
 
-pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 /// 25 MiB: OpenAI's own limit on an audio file.
-pub const DEFAULT_MAX_AUDIO_BODY_BYTES: usize = 25 * 1024 * 1024;
+pub(super) const DEFAULT_MAX_AUDIO_BODY_BYTES: usize = 25 * 1024 * 1024;
 /// 512 MiB of bodies still arriving, every key together; 128 MiB for one key (five audio
 /// uploads at OpenAI's limit).
-pub const DEFAULT_MAX_PENDING_BODY_BYTES: usize = 512 * 1024 * 1024;
-pub const DEFAULT_MAX_PENDING_BODY_BYTES_PER_KEY: usize = 128 * 1024 * 1024;
+pub(super) const DEFAULT_MAX_PENDING_BODY_BYTES: usize = 512 * 1024 * 1024;
+pub(super) const DEFAULT_MAX_PENDING_BODY_BYTES_PER_KEY: usize = 128 * 1024 * 1024;
 
 /// The largest request head the listener reads (HTTP/1.1: request line and headers; HTTP/2:
 /// the header list as HTTP/2 counts it, each field's name and value plus 32 bytes). Well above
 /// what is forwarded (`DEFAULT_MAX_UPSTREAM_HEAD_BYTES`), so that a head the backends would
 /// refuse still reaches the gateway's own 431 with its explanation; beyond it the listener
 /// answers a bare 431 itself.
-pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
+pub(super) const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
 
 /// The largest request head forwarded to a backend (request line, `Host`, the client's headers
 /// that go on, the gateway's own). A little below 16 KiB: h11, the HTTP/1.1 parser of uvicorn
@@ -29,12 +29,12 @@ pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
 /// (`h11/_connection.py`, `DEFAULT_MAX_INCOMPLETE_EVENT_SIZE = 16 * 1024`); Node's
 /// `--max-http-header-size` is 16 KiB too. (Recent vLLM launchers raise h11's limit to 4 MiB,
 /// `vllm/entrypoints/constants.py`; other servers and proxies in front of a backend do not.)
-pub const DEFAULT_MAX_UPSTREAM_HEAD_BYTES: usize = 15 * 1024;
+pub(super) const DEFAULT_MAX_UPSTREAM_HEAD_BYTES: usize = 15 * 1024;
 
 /// The largest single header value forwarded to a backend: a little below nginx's default
 /// `large_client_header_buffers 4 8k` (a header line must fit in 8 KiB) and Apache's
 /// `LimitRequestFieldSize 8190`, the common proxies in front of a backend.
-pub const DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES: usize = 7 * 1024 + 512;
+pub(super) const DEFAULT_MAX_UPSTREAM_HEADER_VALUE_BYTES: usize = 7 * 1024 + 512;
 
 /// hyper's smallest HTTP/1.1 buffer: a smaller `max_request_head_bytes` could not be applied.
 const MIN_REQUEST_HEAD_BYTES: usize = 8192;

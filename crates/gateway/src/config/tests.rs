@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
+use super::backends::DEFAULT_DNS_INTERVAL;
+use super::server::DEFAULT_MAX_BODY_BYTES;
 use super::*;
 use crate::secret::Secret;
 

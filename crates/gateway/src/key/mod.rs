@@ -19,10 +19,10 @@ use sha2::{Digest, Sha256};
 
 use fleetgate_protocol::endpoint::{Families, Family};
 
-pub const PREFIX: &str = "fg-";
-pub const PUBLIC_ID_LEN: usize = 12;
-pub const SECRET_LEN: usize = 33;
-pub const CHECKSUM_LEN: usize = 6;
+pub(crate) const PREFIX: &str = "fg-";
+pub(crate) const PUBLIC_ID_LEN: usize = 12;
+pub(crate) const SECRET_LEN: usize = 33;
+pub(crate) const CHECKSUM_LEN: usize = 6;
 
 const BASE62: &[u8; 62] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
 
@@ -144,7 +144,7 @@ pub fn hash_secret(secret: &str) -> [u8; 32] {
 }
 
 /// Equality that takes the same time wherever the first difference is.
-pub fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+pub(crate) fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -168,10 +168,6 @@ impl fmt::Debug for NewKey {
             .field("full", &"*****")
             .finish()
     }
-}
-
-pub fn new_public_id() -> String {
-    random_base62(&mut rand::rng(), PUBLIC_ID_LEN)
 }
 
 /// Generate a key for `env` (with a given public id when rotating).
@@ -276,12 +272,12 @@ impl KeyRecord {
     }
 
     /// May this key call the endpoints of `family`?
-    pub fn allows_family(&self, family: Family) -> bool {
+    pub(crate) fn allows_family(&self, family: Family) -> bool {
         self.allowed_endpoints.is_none_or(|f| f.contains(family))
     }
 
     /// May this key use the model clients know as `model`?
-    pub fn allows_model(&self, model: &str) -> bool {
+    pub(crate) fn allows_model(&self, model: &str) -> bool {
         self.allowed_models
             .as_ref()
             .is_none_or(|m| m.iter().any(|a| a == model))

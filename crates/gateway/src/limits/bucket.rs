@@ -11,7 +11,7 @@ use tokio::time::Instant;
 /// level may go below zero when a request used more than it reserved: later requests wait for
 /// the debt to be refilled.
 #[derive(Debug)]
-pub struct TokenBucket {
+pub(crate) struct TokenBucket {
     per_minute: u64,
     state: Mutex<Level>,
 }
@@ -24,7 +24,7 @@ struct Level {
 
 /// The bucket after a successful reservation.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     pub remaining: u64,
     /// Until the bucket is full again.
     pub reset: Duration,
@@ -32,7 +32,7 @@ pub struct Snapshot {
 
 /// Why a reservation was refused.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Shortfall {
+pub(crate) enum Shortfall {
     /// Enough tokens will be there after this wait.
     Wait(Duration),
     /// The request needs more than the whole budget: it can never pass.
@@ -40,7 +40,7 @@ pub enum Shortfall {
 }
 
 impl TokenBucket {
-    pub fn new(per_minute: u64) -> Self {
+    pub(crate) fn new(per_minute: u64) -> Self {
         Self {
             per_minute,
             state: Mutex::new(Level {
@@ -50,7 +50,7 @@ impl TokenBucket {
         }
     }
 
-    pub fn per_minute(&self) -> u64 {
+    pub(crate) fn per_minute(&self) -> u64 {
         self.per_minute
     }
 
@@ -73,7 +73,7 @@ impl TokenBucket {
     }
 
     /// Take `n` tokens if the bucket holds them.
-    pub fn reserve(&self, n: u64) -> Result<Snapshot, Shortfall> {
+    pub(crate) fn reserve(&self, n: u64) -> Result<Snapshot, Shortfall> {
         if n > self.per_minute {
             return Err(Shortfall::TooLarge);
         }
@@ -92,7 +92,7 @@ impl TokenBucket {
 
     /// Settle a reservation: `delta` > 0 gives tokens back (the request used less than it
     /// reserved), < 0 takes more (it used more).
-    pub fn settle(&self, delta: i64) {
+    pub(crate) fn settle(&self, delta: i64) {
         if delta == 0 {
             return;
         }
@@ -103,7 +103,7 @@ impl TokenBucket {
     }
 
     /// How long the bucket needs to be full again at its refill rate (its debt included).
-    pub fn until_full(&self) -> Duration {
+    pub(crate) fn until_full(&self) -> Duration {
         let now = Instant::now();
         let mut l = self.state.lock().unwrap_or_else(|p| p.into_inner());
         self.refill(&mut l, now);
@@ -113,7 +113,7 @@ impl TokenBucket {
 
     /// Set the level to what leaves the bucket `until_full` from full (a debt when that is
     /// more than a minute): another store's view of the key, in this bucket's own measure.
-    pub fn set_until_full(&self, until_full: Duration) {
+    pub(crate) fn set_until_full(&self, until_full: Duration) {
         let now = Instant::now();
         let mut l = self.state.lock().unwrap_or_else(|p| p.into_inner());
         l.tokens = self.per_minute as f64 - until_full.as_secs_f64() * self.rate_per_sec();
@@ -121,7 +121,7 @@ impl TokenBucket {
     }
 
     /// The bucket as it is now (for response headers when no tokens are reserved).
-    pub fn peek(&self) -> Snapshot {
+    pub(crate) fn peek(&self) -> Snapshot {
         let now = Instant::now();
         let mut l = self.state.lock().unwrap_or_else(|p| p.into_inner());
         self.refill(&mut l, now);
@@ -129,7 +129,8 @@ impl TokenBucket {
     }
 
     /// Full and untouched for the refill period: nothing would change if it were dropped.
-    pub fn is_full(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_full(&self) -> bool {
         self.peek().remaining >= self.per_minute
     }
 }

@@ -27,7 +27,7 @@ impl Limits {
     /// Hold the limits for a request that is not inference (tokenization): it counts against the key's and
     /// the environment's request rates, but takes no concurrency place and neither reserves nor
     /// needs tokens — it generates none, and a key out of tokens may still count its prompts.
-    pub async fn hold_request(self: &Arc<Self>, key: &KeyRecord) -> Result<Hold, Refusal> {
+    pub(crate) async fn hold_request(self: &Arc<Self>, key: &KeyRecord) -> Result<Hold, Refusal> {
         self.hold_as(key, None).await
     }
 
@@ -425,12 +425,12 @@ impl Hold {
     }
 
     /// Tokens reserved at the check.
-    pub fn reserved(&self) -> u64 {
+    pub(crate) fn reserved(&self) -> u64 {
         self.reserved
     }
 
     /// The prompt-token estimate made at the check.
-    pub fn prompt_estimate(&self) -> u64 {
+    pub(crate) fn prompt_estimate(&self) -> u64 {
         self.prompt_estimate
     }
 

@@ -111,7 +111,7 @@ impl Gcra {
 /// The local view of a key (or an environment) that the shared store has not taken yet, as the
 /// time each limit needs to be whole again; zero: nothing to carry over.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Floors {
+pub(crate) struct Floors {
     pub requests: Duration,
     pub tokens: Duration,
 }
@@ -122,7 +122,7 @@ pub struct KeyQuota {
     pub requests_per_minute: Option<u32>,
     pub burst: u32,
     pub tokens_per_minute: Option<u64>,
-    pub max_concurrent: Option<u32>,
+    pub(crate) max_concurrent: Option<u32>,
 }
 
 impl KeyQuota {

@@ -11,15 +11,16 @@
 //! A request the limits let through takes a [`Hold`] on them: dropped, it gives the
 //! concurrency back and settles the token reservation, whatever ended the request.
 
-pub mod bucket;
+pub(crate) mod bucket;
 mod hold;
 mod limiter;
 mod refusal;
 pub mod shared;
 
 pub use hold::Hold;
-pub use limiter::{Floors, KeyQuota};
-pub use refusal::{LimitKind, LimitMetrics, RateHeaders, Refusal, Window, reset_value};
+pub(crate) use limiter::{Floors, KeyQuota};
+pub(crate) use refusal::{LimitKind, LimitMetrics};
+pub use refusal::{Refusal, Window};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -135,7 +136,7 @@ impl Limits {
     }
 
     /// The limits that apply to `key`.
-    pub fn quota(&self, key: &KeyRecord) -> KeyQuota {
+    pub(crate) fn quota(&self, key: &KeyRecord) -> KeyQuota {
         KeyQuota::resolve(key, &self.cfg.environments[key.environment.index()])
     }
 
@@ -176,7 +177,7 @@ impl Limits {
     }
 
     /// Drop the state of keys idle for `limits.prune_idle` with nothing in flight.
-    pub fn prune(&self) -> usize {
+    pub(crate) fn prune(&self) -> usize {
         let now = self.now_ms();
         let idle = u64::try_from(self.cfg.prune_idle.as_millis()).unwrap_or(u64::MAX);
         let before = self.keys.len();
@@ -189,12 +190,13 @@ impl Limits {
     }
 
     /// Keys with limiter state (a gauge, and the pruning test).
-    pub fn tracked_keys(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn tracked_keys(&self) -> usize {
         self.keys.len()
     }
 
     /// Prune on an interval until `stop`.
-    pub async fn prune_loop(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+    pub(crate) async fn prune_loop(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
         let every = self.cfg.prune_idle.min(Duration::from_secs(60));
         loop {
             tokio::select! {

@@ -21,7 +21,7 @@ pub enum LimitKind {
 }
 
 impl LimitKind {
-    pub const ALL: [LimitKind; 6] = [
+    pub(crate) const ALL: [LimitKind; 6] = [
         LimitKind::KeyRequests,
         LimitKind::KeyTokens,
         LimitKind::KeyTokensTooLarge,
@@ -31,7 +31,7 @@ impl LimitKind {
     ];
 
     /// The error kind (and so the status) of a refusal by this limit.
-    pub fn error_kind(self) -> ErrorKind {
+    pub(crate) fn error_kind(self) -> ErrorKind {
         match self {
             LimitKind::KeyRequests
             | LimitKind::KeyTokens
@@ -42,7 +42,7 @@ impl LimitKind {
         }
     }
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             LimitKind::KeyRequests => "key_requests",
             LimitKind::KeyTokens => "key_tokens",
@@ -78,11 +78,11 @@ static REMAINING_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-remai
 static RESET_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens");
 
 impl RateHeaders {
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.requests.is_none() && self.tokens.is_none()
     }
 
-    pub fn write(&self, h: &mut HeaderMap) {
+    pub(crate) fn write(&self, h: &mut HeaderMap) {
         for (w, names) in [
             (
                 self.requests,
@@ -103,7 +103,7 @@ impl RateHeaders {
 }
 
 /// A duration as OpenAI writes it in `x-ratelimit-reset-*`: `120ms`, `1.5s`, `6m0s`.
-pub fn reset_value(d: Duration) -> HeaderValue {
+pub(crate) fn reset_value(d: Duration) -> HeaderValue {
     let mut buf = [0u8; 32];
     let n = format_reset(&mut buf, d);
     HeaderValue::from_bytes(&buf[..n]).unwrap_or_else(|_| HeaderValue::from_static("0s"))
@@ -146,7 +146,7 @@ pub struct Refusal {
     pub limit: u64,
     /// Tokens this request would reserve (token limits only).
     pub requested: u64,
-    pub retry_after: Option<Duration>,
+    pub(crate) retry_after: Option<Duration>,
     pub headers: RateHeaders,
 }
 
@@ -209,7 +209,7 @@ pub struct LimitMetrics {
 }
 
 impl LimitMetrics {
-    pub fn new(rejections: &IntCounterVec) -> Self {
+    pub(crate) fn new(rejections: &IntCounterVec) -> Self {
         Self {
             rejections: LimitKind::ALL
                 .iter()
@@ -218,7 +218,7 @@ impl LimitMetrics {
         }
     }
 
-    pub fn rejected(&self, kind: LimitKind) {
+    pub(crate) fn rejected(&self, kind: LimitKind) {
         if let Some(c) = self.rejections.get(kind as usize) {
             c.inc();
         }

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use super::refusal::reset_value;
 use super::*;
 use crate::config::{EnvLimits, LimitsConfig};
 

@@ -17,7 +17,7 @@ use fleetgate_protocol::endpoint::TABLE;
 
 /// Reachability as last observed (probe or real traffic).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reachability {
+pub(crate) enum Reachability {
     Unknown = 0,
     Up = 1,
     Down = 2,
@@ -43,11 +43,11 @@ pub struct Backend {
     pub shown: Arc<str>,
     /// Its metrics index in the pool: stable across reloads (a request recorded after a reload
     /// still lands on its backend's series), never reused for another backend.
-    pub metrics_index: usize,
+    pub(crate) metrics_index: usize,
     /// Its URI of each route of the endpoint table, made once (`uri`).
     uris: Box<[Uri]>,
-    pub health_uri: Uri,
-    pub metrics_uri: Uri,
+    pub(crate) health_uri: Uri,
+    pub(crate) metrics_uri: Uri,
     /// The `Host` every request to it carries (its authority), made once.
     pub host: HeaderValue,
     pub in_flight: AtomicU32,
@@ -65,10 +65,10 @@ pub struct Backend {
     /// flight finish.
     pub(super) removed: AtomicBool,
     /// `Authorization` sent to this backend (its own key, else the pool's).
-    pub upstream_auth: Option<HeaderValue>,
+    pub(crate) upstream_auth: Option<HeaderValue>,
     /// The part of a forwarded request's head that this backend decides: the longest request
     /// line of its endpoints, `Host` and `Authorization` (the head limit counts it).
-    pub head_bytes: usize,
+    pub(crate) head_bytes: usize,
     reachability: AtomicU8,
     /// Consecutive connect errors / 5xx answers.
     failures: AtomicU32,
@@ -266,11 +266,11 @@ impl Backend {
     }
 
     /// Removed from the configuration: no new requests.
-    pub fn retire(&self) {
+    pub(crate) fn retire(&self) {
         self.removed.store(true, Ordering::Relaxed);
     }
 
-    pub fn reachability(&self) -> Reachability {
+    pub(crate) fn reachability(&self) -> Reachability {
         match self.reachability.load(Ordering::Relaxed) {
             1 => Reachability::Up,
             2 => Reachability::Down,
@@ -278,7 +278,7 @@ impl Backend {
         }
     }
 
-    pub fn mark(&self, r: Reachability) {
+    pub(crate) fn mark(&self, r: Reachability) {
         let was = self.reachability.swap(r as u8, Ordering::Relaxed);
         if r == Reachability::Down {
             // Back from down means warm-up again, and a restarted server may serve another
@@ -312,7 +312,7 @@ impl Backend {
 
     /// May take new requests now: not down, not ejected, not draining. (The clock is read
     /// only for a backend that was ejected.)
-    pub fn eligible(&self) -> bool {
+    pub(crate) fn eligible(&self) -> bool {
         if self.reachability() == Reachability::Down
             || self.draining.load(Ordering::Relaxed)
             || self.warming.load(Ordering::Relaxed)
@@ -335,7 +335,7 @@ impl Backend {
     }
 
     /// The backend's card for the pool's model, from its last `GET /v1/models`.
-    pub fn model_card(&self) -> Option<Arc<serde_json::Value>> {
+    pub(crate) fn model_card(&self) -> Option<Arc<serde_json::Value>> {
         self.model_card.load_full()
     }
 
@@ -350,7 +350,7 @@ impl Backend {
 
     /// What a usage chunk said (`None`: no fingerprint); stored only when it changed, so a
     /// stream pays a comparison, not an allocation.
-    pub fn learn_fingerprint(&self, seen: Option<&[u8]>) {
+    pub(crate) fn learn_fingerprint(&self, seen: Option<&[u8]>) {
         if self.fingerprint.load().as_deref().map(|b| &b[..]) != seen {
             self.fingerprint
                 .store(seen.map(|v| Arc::new(Bytes::copy_from_slice(v))));
@@ -364,7 +364,7 @@ impl Backend {
 
     /// The URI of `path_and_query` on this backend (a path naming a stored response, or a
     /// query string passed through): formatted per request, only for those.
-    pub fn uri_for(&self, path_and_query: &str) -> Option<Uri> {
+    pub(crate) fn uri_for(&self, path_and_query: &str) -> Option<Uri> {
         let mut text = String::with_capacity(self.base.len() + path_and_query.len());
         text.push_str(&self.base);
         text.push_str(path_and_query);
@@ -397,7 +397,7 @@ impl Backend {
     }
 
     /// A request got a good answer: the failure streak and the backoff start over.
-    pub fn record_success(&self) {
+    pub(crate) fn record_success(&self) {
         if self.failures.load(Ordering::Relaxed) != 0 {
             self.failures.store(0, Ordering::Relaxed);
         }
@@ -411,7 +411,7 @@ impl Backend {
     /// A connect error or a 5xx answer. After `consecutive_failures` in a row the backend is
     /// ejected for base × 2^(ejections − 1) (± 20 % jitter, at most `max`). Returns whether
     /// this failure ejected it.
-    pub fn record_failure(&self, cfg: &EjectionConfig, why: &str) -> bool {
+    pub(crate) fn record_failure(&self, cfg: &EjectionConfig, why: &str) -> bool {
         self.set_last_error(why);
         if cfg.consecutive_failures == 0 {
             return false;
@@ -433,7 +433,7 @@ impl Backend {
     }
 
     /// Fold one upstream TTFT into the mean (α = 0.2).
-    pub fn observe_ttft(&self, d: std::time::Duration) {
+    pub(crate) fn observe_ttft(&self, d: std::time::Duration) {
         let x = d.as_secs_f64() * 1e6;
         let old = f64::from_bits(self.ewma_ttft_us.load(Ordering::Relaxed));
         let new = if old == 0.0 { x } else { old + 0.2 * (x - old) };
@@ -441,7 +441,7 @@ impl Backend {
     }
 
     /// The mean upstream TTFT (None before the first).
-    pub fn ewma_ttft(&self) -> Option<std::time::Duration> {
+    pub(crate) fn ewma_ttft(&self) -> Option<std::time::Duration> {
         let v = f64::from_bits(self.ewma_ttft_us.load(Ordering::Relaxed));
         (v > 0.0).then(|| std::time::Duration::from_secs_f64(v / 1e6))
     }
@@ -452,19 +452,19 @@ impl Backend {
         self.last_error.load_full()
     }
 
-    pub fn set_last_error(&self, why: &str) {
+    pub(crate) fn set_last_error(&self, why: &str) {
         self.last_error.store(Some(Arc::new(LastError {
             message: why.to_owned(),
             at_ms: crate::clock::wall_ms(),
         })));
     }
 
-    pub fn clear_last_error(&self) {
+    pub(crate) fn clear_last_error(&self) {
         self.last_error.store(None);
     }
 
     /// KV-cache usage (0..1) from the last scrape, if the pool is load-aware.
-    pub fn kv_usage(&self) -> f64 {
+    pub(crate) fn kv_usage(&self) -> f64 {
         f64::from(self.kv_usage_permille.load(Ordering::Relaxed)) / 1000.0
     }
 

@@ -15,7 +15,7 @@ use super::prefix::Tenants;
 /// Retries allowed as a share of requests: each request deposits `ratio` of a retry, a retry
 /// spends one; at most ten are saved up.
 #[derive(Debug)]
-pub struct RetryBudget {
+pub(crate) struct RetryBudget {
     /// Thousandths of a retry.
     milli: AtomicI64,
     deposit: i64,
@@ -31,13 +31,13 @@ impl RetryBudget {
         }
     }
 
-    pub fn deposit(&self) {
+    pub(crate) fn deposit(&self) {
         if self.deposit > 0 && self.milli.load(Ordering::Relaxed) < Self::CAP {
             self.milli.fetch_add(self.deposit, Ordering::Relaxed);
         }
     }
 
-    pub fn try_spend(&self) -> bool {
+    pub(crate) fn try_spend(&self) -> bool {
         self.milli
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
                 (m >= 1000).then_some(m - 1000)
@@ -54,11 +54,11 @@ pub struct Balancer {
     pub backends: Vec<Arc<Backend>>,
     /// Shared by every generation of the pool (a reload keeps the waiters).
     pub queue: Arc<AdmissionQueue<InFlight>>,
-    pub retry_budget: RetryBudget,
+    pub(crate) retry_budget: RetryBudget,
     pub retries: RetryConfig,
     pub ejection: EjectionConfig,
     /// Backends gray keys avoid while one outside this mask can serve (0: no canary).
-    pub gray_exclude: u64,
+    pub(crate) gray_exclude: u64,
     /// Running sums of the backends' weights, for weighted sampling.
     cumulative: Vec<u32>,
 }
@@ -122,7 +122,7 @@ impl Balancer {
     /// (`[pools.priority]`'s first environment). vLLM then holds it first among its waiting
     /// requests, so it waits for the next free slot of the engine, not for one of this
     /// replica's slots, whichever replica holds the rest.
-    pub fn try_acquire_overflow(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
+    pub(crate) fn try_acquire_overflow(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
         self.try_acquire_within(exclude, 2)
     }
 
@@ -180,7 +180,7 @@ impl Balancer {
     /// response it names). Counted within the backend's capacity when `counted` (`None`: full
     /// now); uncounted (a read or a cancel of a stored response) always. Whether the backend
     /// may take it is the caller's question: it must be this one.
-    pub fn try_acquire_at(self: &Arc<Self>, i: usize, counted: bool) -> Option<InFlight> {
+    pub(crate) fn try_acquire_at(self: &Arc<Self>, i: usize, counted: bool) -> Option<InFlight> {
         let b = self.backends.get(i)?;
         if counted {
             loop {
@@ -216,13 +216,13 @@ impl Balancer {
     /// waits in the queue, and its end hands nothing on. Chosen like the others (two weighted
     /// draws, the less loaded wins) among the backends that may take requests, capacity and
     /// slow start aside; avoiding `avoid` (the gray canary) while another backend can take it.
-    pub fn try_acquire_uncounted(self: &Arc<Self>, avoid: u64) -> Option<InFlight> {
+    pub(crate) fn try_acquire_uncounted(self: &Arc<Self>, avoid: u64) -> Option<InFlight> {
         self.pick_uncounted(avoid)
             .or_else(|| (avoid != 0).then(|| self.pick_uncounted(0)).flatten())
     }
 
     /// `try_acquire_uncounted` without the fallback: a retry excludes the backends it tried.
-    pub fn pick_uncounted(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
+    pub(crate) fn pick_uncounted(self: &Arc<Self>, exclude: u64) -> Option<InFlight> {
         let usable = |i: usize| -> Option<u32> {
             let b = &self.backends[i];
             (exclude & bit(i) == 0 && b.eligible()).then(|| b.in_flight.load(Ordering::Relaxed))
@@ -251,7 +251,7 @@ impl Balancer {
     /// backends, so every replica prefers the same one and only a removed backend's keys move),
     /// unless it is overloaded — more than twice the least loaded backend's requests and more
     /// than `slack` above them — or full: then the usual choice.
-    pub fn try_acquire_affine(
+    pub(crate) fn try_acquire_affine(
         self: &Arc<Self>,
         key: u64,
         exclude: u64,
@@ -300,7 +300,7 @@ impl Balancer {
     /// prefix (`found`, shortest first) and can take the request — unless it is overloaded
     /// (more than twice the least loaded backend's requests and more than `slack` above them):
     /// then the usual choice. `true` with the slot when it went where its prefix is.
-    pub fn try_acquire_prefix(
+    pub(crate) fn try_acquire_prefix(
         self: &Arc<Self>,
         found: &[Tenants],
         exclude: u64,
@@ -395,7 +395,7 @@ impl Balancer {
     }
 
     /// Some backend may take requests now or later (not down, not draining).
-    pub fn any_usable(&self) -> bool {
+    pub(crate) fn any_usable(&self) -> bool {
         self.backends.iter().any(|b| {
             b.reachability() != Reachability::Down
                 && !b.draining.load(Ordering::Relaxed)
@@ -406,7 +406,7 @@ impl Balancer {
     /// The first choice for a routed request: avoiding `avoid` (the gray canary) while another
     /// backend can take it, on its affinity backend when it has one (and that one is not
     /// overloaded).
-    pub fn try_acquire_routed(
+    pub(crate) fn try_acquire_routed(
         self: &Arc<Self>,
         avoid: u64,
         affinity: Option<(u64, u32)>,
@@ -419,7 +419,7 @@ impl Balancer {
     }
 
     /// Give free slots to waiting requests (after a slot was freed or a backend came back).
-    pub fn dispatch(self: &Arc<Self>) {
+    pub(crate) fn dispatch(self: &Arc<Self>) {
         if self.queue.has_waiters() {
             self.queue.dispatch(|| self.try_acquire());
         }
@@ -458,24 +458,24 @@ impl InFlight {
     }
 
     /// The balancer of the pool generation the slot was taken from.
-    pub fn balancer(&self) -> &Arc<Balancer> {
+    pub(crate) fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer
     }
 
     /// The backend's position in the pool generation the slot was taken from (the bit a retry
     /// excludes).
-    pub fn position(&self) -> usize {
+    pub(crate) fn position(&self) -> usize {
         self.index
     }
 
     /// Counted in the backend's in-flight number (an inference request's slot).
-    pub fn is_counted(&self) -> bool {
+    pub(crate) fn is_counted(&self) -> bool {
         self.counted
     }
 
     /// Move the slot into a new holder: this one no longer counts (its drop releases
     /// nothing), the returned one holds the slot until it drops.
-    pub fn hand_over(&mut self) -> InFlight {
+    pub(crate) fn hand_over(&mut self) -> InFlight {
         InFlight {
             balancer: self.balancer.clone(),
             index: self.index,

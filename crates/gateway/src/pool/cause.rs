@@ -5,7 +5,7 @@
 
 /// The cause of a failed connection (or exchange) with a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ConnectCause {
+pub(crate) enum ConnectCause {
     Refused,
     Dns,
     /// The certificate chains to no trusted root: self-signed, or from a private CA the pool
@@ -23,7 +23,7 @@ pub enum ConnectCause {
 }
 
 impl ConnectCause {
-    pub fn describe(self) -> &'static str {
+    pub(crate) fn describe(self) -> &'static str {
         match self {
             ConnectCause::Refused => {
                 "connection refused (is the server running and listening on that port?)"
@@ -49,7 +49,10 @@ impl ConnectCause {
 /// Name the cause from `e`'s source chain; when nothing in it says more, a failure while
 /// `connecting` is `Other`, one after it `Reset`. Returns the cause and the innermost error's
 /// own text (the detail an operator can search for).
-pub fn classify(e: &(dyn std::error::Error + 'static), connecting: bool) -> (ConnectCause, String) {
+pub(crate) fn classify(
+    e: &(dyn std::error::Error + 'static),
+    connecting: bool,
+) -> (ConnectCause, String) {
     let mut detail = e.to_string();
     let mut cause = if connecting {
         ConnectCause::Other

@@ -15,12 +15,12 @@ use crate::rx_time::{self, RxClock, Side, StampedStream};
 
 /// The receive stamps of the upstream connection an answer came on, in its extensions.
 #[derive(Debug, Clone)]
-pub struct UpstreamRx(pub Arc<RxClock>);
+pub(crate) struct UpstreamRx(pub Arc<RxClock>);
 
 /// hyper's TCP connector, with every connection's reads stamped by the kernel up to the first
 /// token of each answer (`rx_time`).
 #[derive(Clone)]
-pub struct StampingConnector(pub(super) HttpConnector);
+pub(crate) struct StampingConnector(pub(super) HttpConnector);
 
 type Connecting =
     Pin<Box<dyn Future<Output = Result<TokioIo<StampedStream>, ConnectError>> + Send + 'static>>;

@@ -33,13 +33,13 @@ use super::{Backend, Generation, Pool};
 
 /// A worker's swappable handle on the current generation: the pools its requests use, swapped
 /// by each reload.
-pub type CurrentGeneration = Arc<ArcSwap<Generation>>;
+pub(crate) type CurrentGeneration = Arc<ArcSwap<Generation>>;
 
 /// Answers a DNS discovery lookup: the addresses of `host` (`port` for resolvers that want it).
 /// Called with a new generation and the (model, backend URL) pairs that left with it.
-pub type OnRelayout = Arc<dyn Fn(&Generation, &[(Arc<str>, Arc<str>)]) + Send + Sync>;
+pub(crate) type OnRelayout = Arc<dyn Fn(&Generation, &[(Arc<str>, Arc<str>)]) + Send + Sync>;
 
-pub type Resolver = Arc<
+pub(crate) type Resolver = Arc<
     dyn Fn(
             String,
             u16,
@@ -52,8 +52,8 @@ pub type Resolver = Arc<
 /// What a reload changed, for the log and the caller.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ReloadSummary {
-    pub pools_added: Vec<String>,
-    pub pools_removed: Vec<String>,
+    pub(crate) pools_added: Vec<String>,
+    pub(crate) pools_removed: Vec<String>,
     /// `model backend` pairs.
     pub backends_added: Vec<String>,
     pub backends_removed: Vec<String>,
@@ -215,7 +215,7 @@ fn lookup_target(b: &BackendConfig) -> Option<(String, u16)> {
 }
 
 /// Resolve `host` with the system resolver (as the pods' own lookups would).
-pub async fn resolve(host: &str, port: u16) -> std::io::Result<BTreeSet<IpAddr>> {
+pub(crate) async fn resolve(host: &str, port: u16) -> std::io::Result<BTreeSet<IpAddr>> {
     let addrs = tokio::net::lookup_host((host, port)).await?;
     Ok(addrs.map(|a| a.ip()).collect())
 }
@@ -283,7 +283,7 @@ impl Fleet {
 
     /// A new worker's current generation (its own upstream clients), kept current by every
     /// reload.
-    pub fn for_worker(&self) -> std::io::Result<CurrentGeneration> {
+    pub(crate) fn for_worker(&self) -> std::io::Result<CurrentGeneration> {
         let current = Arc::new(ArcSwap::from_pointee(self.current.load().fork(None)?));
         lock(&self.workers).push(current.clone());
         Ok(current)
@@ -297,12 +297,12 @@ impl Fleet {
     /// Run `f` on each new generation before it is swapped in (the request metrics resolve
     /// their handles for it there). The pool does not know who listens: it hands the
     /// generation over, so it never imports the telemetry that reads it.
-    pub fn on_relayout(&self, f: OnRelayout) {
+    pub(crate) fn on_relayout(&self, f: OnRelayout) {
         *lock(&self.on_relayout) = Some(f);
     }
 
     /// Changes after each applied reload.
-    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
         self.changed.subscribe()
     }
 
@@ -342,7 +342,7 @@ impl Fleet {
     }
 
     /// A reload that never got here (its file did not parse).
-    pub fn count_failed(&self) {
+    pub(crate) fn count_failed(&self) {
         self.count("error");
     }
 
@@ -442,7 +442,7 @@ impl Fleet {
     }
 
     /// Re-resolve every DNS entry on its interval until `stop`; apply a changed answer.
-    pub async fn discovery_loop(self: Arc<Self>, stop: CancellationToken) {
+    pub(crate) async fn discovery_loop(self: Arc<Self>, stop: CancellationToken) {
         let mut next_due: Vec<tokio::time::Instant> = Vec::new();
         loop {
             let entries: Vec<(usize, usize, String, BackendConfig)> = {
@@ -522,7 +522,7 @@ impl Fleet {
 
     /// Probe the current generation's backends every `interval` (and at once after a
     /// change, so new backends are checked and warmed without waiting) until `stop`.
-    pub async fn probe_loop(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
+    pub(crate) async fn probe_loop(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
         let mut changed = self.subscribe();
         loop {
             self.current().probe_once().await;
@@ -536,7 +536,7 @@ impl Fleet {
 
     /// Scrape the load-aware pools' backends (see `Generation::load_loop`), restarted on each
     /// change, until `stop`.
-    pub async fn load_loop(self: Arc<Self>, stop: CancellationToken) {
+    pub(crate) async fn load_loop(self: Arc<Self>, stop: CancellationToken) {
         let mut changed = self.subscribe();
         loop {
             let pools = self.current();

@@ -17,7 +17,7 @@ use fleetgate_protocol::Endpoint;
 impl Generation {
     /// Scrape every load-aware pool's backends' `/metrics` on the pool's interval until
     /// `stop`.
-    pub async fn load_loop(&self, stop: CancellationToken) {
+    pub(crate) async fn load_loop(&self, stop: CancellationToken) {
         let mut loops = Vec::new();
         for pool in &self.pools {
             let Some(la) = pool.config.load_aware.clone() else {
@@ -38,7 +38,7 @@ impl Generation {
         futures_util::future::join_all(loops).await;
     }
 
-    pub async fn probe_once(&self) {
+    pub(crate) async fn probe_once(&self) {
         let probes = self
             .pools
             .iter()
@@ -224,7 +224,7 @@ async fn scrape(pool: &Pool, backend: &Backend) {
 }
 
 /// (running + waiting, KV-cache usage) summed over a vLLM `/metrics` text's series.
-pub fn vllm_load(text: &[u8]) -> (f64, f64) {
+pub(crate) fn vllm_load(text: &[u8]) -> (f64, f64) {
     let text = String::from_utf8_lossy(text);
     let mut load = 0.0;
     let mut kv: f64 = 0.0;

@@ -14,7 +14,7 @@ mod backend;
 mod balance;
 pub(crate) mod cause;
 pub(crate) mod connector;
-pub mod fleet;
+pub(crate) mod fleet;
 pub(crate) mod hash;
 mod health;
 pub mod prefix;
@@ -33,9 +33,11 @@ use crate::config::{PoolConfig, QueueConfig, Timeouts};
 use crate::queue::AdmissionQueue;
 use fleetgate_protocol::models;
 
-pub use backend::{Backend, BackendState, LastError, Reachability};
-pub use balance::{Balancer, InFlight, RetryBudget, bit};
-pub use health::vllm_load;
+pub use backend::Backend;
+
+pub(crate) use backend::{BackendState, Reachability};
+pub use balance::bit;
+pub(crate) use balance::{Balancer, InFlight};
 pub use upstream_client::UpstreamClient;
 
 use backend::bearer;
@@ -47,18 +49,18 @@ pub struct Pool {
     /// Position among the pools (of this generation).
     pub index: usize,
     /// Its metrics index: stable across reloads, never reused for another pool.
-    pub metrics_index: usize,
+    pub(crate) metrics_index: usize,
     /// The next backend metrics index to hand out.
     next_backend_metrics_index: usize,
     /// The name the backends serve the model under, and the same as a JSON string literal
     /// (a request naming an alias gets it spliced in).
-    pub served_name: Arc<str>,
-    pub served_json: Bytes,
+    pub(crate) served_name: Arc<str>,
+    pub(crate) served_json: Bytes,
     /// `"model":<served_json>` as the backends write it in their answers (compact JSON, as
     /// vLLM's): an answer to a client that named the model otherwise gets the client's name
     /// back in its place.
-    pub served_field: Arc<memchr::memmem::Finder<'static>>,
-    pub upstream_auth: Option<HeaderValue>,
+    pub(crate) served_field: Arc<memchr::memmem::Finder<'static>>,
+    pub(crate) upstream_auth: Option<HeaderValue>,
     pub timeouts: Timeouts,
     pub backends: Vec<Arc<Backend>>,
     pub balancer: Arc<Balancer>,
@@ -159,14 +161,8 @@ impl Pool {
         })
     }
 
-    pub fn config(&self) -> &PoolConfig {
+    pub(crate) fn config(&self) -> &PoolConfig {
         &self.config
-    }
-
-    /// A slot on the least loaded backend with room, without queueing. `None` when every
-    /// backend is down or full.
-    pub fn acquire(&self) -> Option<InFlight> {
-        self.balancer.try_acquire()
     }
 }
 
@@ -232,7 +228,7 @@ pub struct Generation {
     model_list: String,
     /// The largest part of a request head any backend decides (`Backend::head_bytes`): the
     /// head limit is checked before routing, against every backend it could go to.
-    pub max_backend_head: usize,
+    pub(crate) max_backend_head: usize,
 }
 
 impl Generation {
@@ -311,12 +307,12 @@ impl Generation {
 
     /// The `/v1/models` body for a caller who may use every pool (built per call: the cards
     /// change with the probes, and the route is not on any request's path).
-    pub fn models_body(&self) -> Bytes {
+    pub(crate) fn models_body(&self) -> Bytes {
         models_list_body(self.pools.iter())
     }
 
     /// The `/v1/models` body for one key: only the models it may use.
-    pub fn models_for(&self, key: &crate::key::KeyRecord) -> Bytes {
+    pub(crate) fn models_for(&self, key: &crate::key::KeyRecord) -> Bytes {
         if self.pools.iter().all(|p| usable_by(key, p)) {
             return self.models_body();
         }
@@ -325,7 +321,7 @@ impl Generation {
 
     /// The models a `model_not_found` offers: exactly the ones `/v1/models` shows the key
     /// (all of them without a key).
-    pub fn model_list_for(&self, key: Option<&crate::key::KeyRecord>) -> String {
+    pub(crate) fn model_list_for(&self, key: Option<&crate::key::KeyRecord>) -> String {
         match key {
             Some(k) if !self.pools.iter().all(|p| usable_by(k, p)) => {
                 model_list(self.pools.iter().filter(|p| usable_by(k, p)))
@@ -339,7 +335,7 @@ impl Generation {
     /// always runs on the thread that relays its body. With `prev` (the worker's pools before a
     /// reload), a pool's client is kept while its TLS and connect settings are unchanged, so
     /// open keep-alive connections stay in use.
-    pub fn fork(&self, prev: Option<&Generation>) -> io::Result<Self> {
+    pub(crate) fn fork(&self, prev: Option<&Generation>) -> io::Result<Self> {
         let pools = self
             .pools
             .iter()
@@ -376,7 +372,10 @@ impl Generation {
     }
 
     /// Backends of `prev` that these pools no longer hold.
-    pub fn retired_since<'a>(&self, prev: &'a Generation) -> Vec<(&'a Pool, &'a Arc<Backend>)> {
+    pub(crate) fn retired_since<'a>(
+        &self,
+        prev: &'a Generation,
+    ) -> Vec<(&'a Pool, &'a Arc<Backend>)> {
         prev.iter()
             .flat_map(|p| p.backends.iter().map(move |b| (p, b)))
             .filter(|(_, b)| {
@@ -440,7 +439,7 @@ impl Generation {
     }
 
     /// At least one backend answered its last probe (or served a request).
-    pub fn any_reachable(&self) -> bool {
+    pub(crate) fn any_reachable(&self) -> bool {
         self.pools
             .iter()
             .flat_map(|p| &p.backends)

@@ -25,7 +25,7 @@ use crate::clock::mono_ms;
 
 const SHARDS: usize = 16;
 /// Backends remembered per prefix: the most recent first.
-pub const TENANTS: usize = 4;
+pub(crate) const TENANTS: usize = 4;
 const EMPTY: u32 = u32::MAX;
 
 /// The backends (by their stable metrics index) that were last sent a prefix, newest first.
@@ -50,11 +50,11 @@ impl Tenants {
         self.0[0] = slot;
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
         self.0.iter().copied().take_while(|s| *s != EMPTY)
     }
 
-    pub fn contains(&self, slot: u32) -> bool {
+    pub(crate) fn contains(&self, slot: u32) -> bool {
         self.iter().any(|s| s == slot)
     }
 }

@@ -28,12 +28,12 @@ pub struct UpstreamClient {
 
 impl UpstreamClient {
     /// A probe or scrape (not on the request path).
-    pub fn request(&self, req: http::Request<Full<Bytes>>) -> ResponseFuture {
+    pub(crate) fn request(&self, req: http::Request<Full<Bytes>>) -> ResponseFuture {
         self.probes.request(req)
     }
 
     /// A client's request to the backend in metrics index `backend`.
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         backend: usize,
         req: http::Request<Full<Bytes>>,
@@ -42,7 +42,8 @@ impl UpstreamClient {
     }
 
     /// Idle connections kept for requests.
-    pub fn idle_connections(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn idle_connections(&self) -> usize {
         self.conns.idle()
     }
 }

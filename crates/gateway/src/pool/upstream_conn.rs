@@ -50,7 +50,7 @@ type BoxError = Box<dyn StdError + Send + Sync>;
 
 /// Why a request got no answer head.
 #[derive(Debug)]
-pub struct SendError {
+pub(crate) struct SendError {
     /// The connection could not be opened (nothing was sent).
     pub connect: bool,
     source: BoxError,
@@ -219,7 +219,7 @@ fn drive(
 }
 
 /// The answer's body, read by driving its connection.
-pub struct UpstreamBody {
+pub(crate) struct UpstreamBody {
     incoming: Incoming,
     conn: Option<Box<Conn>>,
     home: Option<Home>,
@@ -234,7 +234,7 @@ struct Home {
 
 impl UpstreamBody {
     /// The upstream connection's receive stamps.
-    pub fn rx(&self) -> Option<&UpstreamRx> {
+    pub(crate) fn rx(&self) -> Option<&UpstreamRx> {
         self.rx.as_ref()
     }
 
@@ -394,7 +394,7 @@ impl Shared {
 
 /// Sends requests over connections driven by the caller's task (see the module's notes).
 #[derive(Clone)]
-pub struct Conns {
+pub(crate) struct Conns {
     connector: HttpsConnector<StampingConnector>,
     shared: Arc<Shared>,
 }
@@ -411,7 +411,7 @@ impl fmt::Debug for Conns {
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 impl Conns {
-    pub fn new(
+    pub(crate) fn new(
         connector: HttpsConnector<StampingConnector>,
         idle_timeout: Duration,
         max_idle_per_backend: usize,
@@ -439,14 +439,15 @@ impl Conns {
     }
 
     /// Idle connections kept now.
-    pub fn idle(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn idle(&self) -> usize {
         self.shared.idle_count()
     }
 
     /// Send `req` to `backend` (its slot names its idle connections) and read the answer's
     /// head. A kept connection the backend closed meanwhile is replaced by a new one when the
     /// request was not sent on it.
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         backend: usize,
         mut req: Request<Full<Bytes>>,

@@ -133,7 +133,7 @@ fn status_of(body: &[u8]) -> Option<String> {
 /// What a streamed background response's relay needs to hand its work to a watcher when its
 /// client leaves before the end (the backend goes on generating).
 #[derive(Debug)]
-pub struct Handover {
+pub(super) struct Handover {
     pub client: UpstreamClient,
     pub deadline: Instant,
     pub closing: CancellationToken,
@@ -142,7 +142,7 @@ pub struct Handover {
 impl Handover {
     /// The client of a streamed background response left before its end: its slot and its
     /// key's hold stay held until the backend is done.
-    pub fn watch(self, id: String, slot: InFlight, hold: Option<Hold>) {
+    pub(super) fn watch(self, id: String, slot: InFlight, hold: Option<Hold>) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };

@@ -85,7 +85,7 @@ pub(super) async fn receive(
 
 /// The length a request's `Content-Length` declares (read before the header is cleaned away
 /// for the backend, which gets the length of what is really sent).
-pub fn declared_length(headers: &HeaderMap) -> Option<u64> {
+pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
     headers
         .get(header::CONTENT_LENGTH)?
         .to_str()
@@ -97,7 +97,7 @@ pub fn declared_length(headers: &HeaderMap) -> Option<u64> {
 /// What a route's body may be: its kind, and the most bytes read (`setting` names the
 /// config key that sets it).
 #[derive(Debug, Clone, Copy)]
-pub struct Accepted {
+pub(crate) struct Accepted {
     pub kind: BodyKind,
     pub limit: usize,
     pub setting: &'static str,
@@ -106,7 +106,7 @@ pub struct Accepted {
 /// How long a body may take: all of it within `total` after its head, and never a pause of
 /// more than `idle` between two of its reads (a body that stopped arriving).
 #[derive(Debug, Clone, Copy)]
-pub struct BodyTimeouts {
+pub(crate) struct BodyTimeouts {
     pub total: Duration,
     pub idle: Duration,
 }
@@ -118,7 +118,7 @@ pub struct BodyTimeouts {
 /// reservation. One that must be waited for first reserves its declared length (the route's
 /// limit when it declares none), across the gateway and for its key, and gives it back once
 /// it is read (or refused).
-pub async fn read(
+pub(crate) async fn read(
     headers: &HeaderMap,
     declared: Option<u64>,
     body: Incoming,
@@ -238,7 +238,7 @@ impl Parts {
 /// refused at once (503 for the gateway's, 429 for the key's), before its bytes are read.
 /// Bodies already read are bounded by the key's concurrency and the queue, not here.
 #[derive(Debug)]
-pub struct PendingBodies {
+pub(crate) struct PendingBodies {
     held: AtomicUsize,
     limit: usize,
     per_key: usize,
@@ -246,7 +246,7 @@ pub struct PendingBodies {
 }
 
 impl PendingBodies {
-    pub fn new(limit: usize, per_key: usize) -> Self {
+    pub(crate) fn new(limit: usize, per_key: usize) -> Self {
         Self {
             held: AtomicUsize::new(0),
             limit,
@@ -256,7 +256,7 @@ impl PendingBodies {
     }
 
     /// Hold `bytes` for a body of `key` until the hold drops, or say which bound it passes.
-    pub fn hold(&self, key: Option<i64>, bytes: usize) -> Result<PendingHold<'_>, ApiError> {
+    pub(crate) fn hold(&self, key: Option<i64>, bytes: usize) -> Result<PendingHold<'_>, ApiError> {
         let refused = |scope| ApiError::PendingBodies {
             scope,
             limit: match scope {
@@ -293,7 +293,7 @@ impl PendingBodies {
 
 /// A body's place in `PendingBodies`, given back when dropped.
 #[derive(Debug)]
-pub struct PendingHold<'a> {
+pub(crate) struct PendingHold<'a> {
     of: &'a PendingBodies,
     key: Option<i64>,
     bytes: usize,

@@ -18,7 +18,7 @@ use crate::limits::Refusal;
 use crate::pool::Pool;
 use crate::pool::cause::ConnectCause;
 use crate::queue::{QueueError, QueueRefusal};
-use fleetgate_protocol::error::{ErrorKind, Shaped, anthropic_status, error_body};
+use fleetgate_protocol::error::{ErrorKind, Shaped, anthropic_status};
 use fleetgate_protocol::view::ViewError;
 use fleetgate_protocol::{Dialect, Endpoint};
 use http::{HeaderValue, StatusCode, header};
@@ -42,7 +42,7 @@ pub(super) fn answer(err: &ApiError, mut ex: Exchange) -> Response<GatewayBody> 
 
 /// Which bound a body would pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PendingScope {
+pub(crate) enum PendingScope {
     /// `server.max_pending_body_bytes`, every key together.
     Gateway,
     /// `server.max_pending_body_bytes_per_key`.
@@ -51,14 +51,14 @@ pub enum PendingScope {
 
 /// Which upstream timeout fired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TimeoutKind {
+pub(crate) enum TimeoutKind {
     FirstToken,
     Idle,
     Total,
 }
 
 impl TimeoutKind {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             TimeoutKind::FirstToken => "first_token",
             TimeoutKind::Idle => "idle",
@@ -69,7 +69,7 @@ impl TimeoutKind {
 
 /// What about a request's head is more than the backends accept, as it would be forwarded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HeadExcess {
+pub(crate) enum HeadExcess {
     /// The whole head: request line, `Host`, the headers that go on, the gateway's own.
     Total { bytes: usize, limit: usize },
     /// One header's value (the name cut to 64 characters).
@@ -83,7 +83,7 @@ pub enum HeadExcess {
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
-pub enum ApiError {
+pub(crate) enum ApiError {
     #[error("unknown route {method} {path}")]
     RouteNotFound { method: String, path: String },
     #[error("method {method} not allowed on {path}")]
@@ -177,11 +177,11 @@ impl ApiError {
     }
 
     /// The status comes from the kind: one table (`ErrorKind::status`).
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         self.kind().status()
     }
 
-    pub fn kind(&self) -> ErrorKind {
+    pub(crate) fn kind(&self) -> ErrorKind {
         match self {
             ApiError::RouteNotFound { .. } => ErrorKind::RouteNotFound,
             ApiError::MethodNotAllowed { .. } => ErrorKind::MethodNotAllowed,
@@ -220,13 +220,14 @@ impl ApiError {
     }
 
     /// The OpenAI-format body: message, type, param, code.
-    pub fn body(&self) -> Bytes {
+    #[cfg(test)]
+    pub(crate) fn body(&self) -> Bytes {
         let (message, kind, param, code) = self.parts();
-        error_body(&message, kind, param, Some(code))
+        fleetgate_protocol::error::error_body(&message, kind, param, Some(code))
     }
 
     /// The error in `dialect`'s shape, with its status there; `f` gets it.
-    pub fn shaped<T>(&self, f: impl FnOnce(&Shaped<'_>) -> T) -> T {
+    pub(crate) fn shaped<T>(&self, f: impl FnOnce(&Shaped<'_>) -> T) -> T {
         let (message, kind, param, code) = self.parts();
         f(&Shaped {
             status: self.status(),
@@ -238,7 +239,7 @@ impl ApiError {
     }
 
     /// The status the client gets in `dialect` (Anthropic's 529 for 503).
-    pub fn status_in(&self, dialect: Dialect) -> StatusCode {
+    pub(crate) fn status_in(&self, dialect: Dialect) -> StatusCode {
         if dialect.anthropic() {
             anthropic_status(self.status())
         } else {
@@ -247,17 +248,17 @@ impl ApiError {
     }
 
     /// The whole-answer body in `dialect`.
-    pub fn body_in(&self, dialect: Dialect) -> Bytes {
+    pub(crate) fn body_in(&self, dialect: Dialect) -> Bytes {
         self.shaped(|s| s.body_in(dialect))
     }
 
     /// The error as the last events of a stream in `dialect` whose head already went out.
-    pub fn sse_event(&self, dialect: Dialect, partial_line: bool) -> Bytes {
+    pub(crate) fn sse_event(&self, dialect: Dialect, partial_line: bool) -> Bytes {
         self.shaped(|s| s.sse_in(dialect, partial_line))
     }
 
     /// The message alone (a failed non-SSE body ends with it as its I/O error).
-    pub fn message(&self) -> String {
+    pub(crate) fn message(&self) -> String {
         self.parts().0
     }
 
@@ -538,7 +539,7 @@ impl ApiError {
 
     /// Extra response header the error needs (`Allow` on 405, `WWW-Authenticate` on 401,
     /// `Retry-After` on 429).
-    pub fn extra_header(&self) -> Option<(header::HeaderName, HeaderValue)> {
+    pub(crate) fn extra_header(&self) -> Option<(header::HeaderName, HeaderValue)> {
         match self {
             ApiError::MethodNotAllowed { allow, .. } => {
                 Some((header::ALLOW, HeaderValue::from_static(allow)))
@@ -585,7 +586,7 @@ fn served_routes() -> &'static str {
 
 impl ApiError {
     /// The queue phase's refusal, or no backend of the pool able to take the request.
-    pub fn from_queue(e: QueueError, pool: &Pool) -> ApiError {
+    pub(crate) fn from_queue(e: QueueError, pool: &Pool) -> ApiError {
         match e {
             QueueError::NoUsableBackend => ApiError::no_backend(pool),
             QueueError::Refused(r) => ApiError::QueueRefused(r),

@@ -8,19 +8,19 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 use super::error::HeadExcess;
 
-pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// Read by the OpenAI and Anthropic SDKs (and so by Codex and Claude Code) before their own
 /// retry rules: `false` stops them retrying an answer that will not change, such as a revoked
 /// key's 401, which Claude Code otherwise retries for minutes.
-pub static X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
-pub static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
-pub static TEXT_EVENT_STREAM: HeaderValue = HeaderValue::from_static("text/event-stream");
-pub static NO_CACHE: HeaderValue = HeaderValue::from_static("no-cache");
+pub(crate) static X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
+pub(crate) static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
+pub(crate) static TEXT_EVENT_STREAM: HeaderValue = HeaderValue::from_static("text/event-stream");
+pub(crate) static NO_CACHE: HeaderValue = HeaderValue::from_static("no-cache");
 
 /// The client's `x-request-id` if usable, else a new one: `fg-`, a per-process random prefix
 /// (which replica made it), and 96 random bits: unguessable (a stored response's id is made
 /// from it) and unique across replicas.
-pub fn request_id(headers: &HeaderMap) -> HeaderValue {
+pub(crate) fn request_id(headers: &HeaderMap) -> HeaderValue {
     if let Some(v) = headers.get(&X_REQUEST_ID)
         && !v.is_empty()
         && v.len() <= 128
@@ -119,7 +119,7 @@ fn remove_named(h: &mut HeaderMap, connection: &HeaderValue) {
 /// How forwarded requests say whom they came from (`server.forwarded_headers`,
 /// `server.trusted_proxies`), made once from config.
 #[derive(Debug, Clone)]
-pub struct Forwarding {
+pub(crate) struct Forwarding {
     /// Set `X-Forwarded-For`, `-Proto` and `-Host` (false: the client's go, none are set).
     pub enabled: bool,
     /// Peers whose own forwarding headers are kept (and extended).
@@ -129,7 +129,7 @@ pub struct Forwarding {
 }
 
 impl Forwarding {
-    pub fn new(server: &crate::config::ServerConfig) -> Self {
+    pub(crate) fn new(server: &crate::config::ServerConfig) -> Self {
         Self {
             enabled: server.forwarded_headers,
             trusted: server.trusted_proxies.clone(),
@@ -168,7 +168,7 @@ static PATH_OVERRIDES: [HeaderName; 2] = [
 
 /// Who sent the request, as the listener saw it.
 #[derive(Debug, Clone, Copy)]
-pub struct Sender<'a> {
+pub(crate) struct Sender<'a> {
     pub peer: Option<std::net::IpAddr>,
     /// The request's authority (HTTP/2's `:authority`; HTTP/1.1 has it in `Host`).
     pub authority: Option<&'a http::uri::Authority>,
@@ -242,7 +242,7 @@ fn join_lines(headers: &mut HeaderMap, name: &HeaderName) -> Option<Vec<u8>> {
 
 /// The client's headers as they will go upstream, with what the gateway read of the ones
 /// that do not.
-pub struct Outgoing {
+pub(crate) struct Outgoing {
     pub headers: HeaderMap,
     /// The client accepts trailers (`TE: trailers`): a stream's `Server-Timing`, with the hop
     /// cost known only after its first token, comes as a trailer.
@@ -252,7 +252,7 @@ pub struct Outgoing {
 /// Clean the client's headers for the backend: done first, so that the head limit measures
 /// what would really be forwarded. `TE` is read before it goes (it is hop-by-hop, and often
 /// named in `Connection` as RFC 9110 asks).
-pub fn outgoing(mut headers: HeaderMap, fwd: &Forwarding, sender: Sender<'_>) -> Outgoing {
+pub(crate) fn outgoing(mut headers: HeaderMap, fwd: &Forwarding, sender: Sender<'_>) -> Outgoing {
     let trailers = accepts_trailers(&headers);
     strip_hop_by_hop(&mut headers);
     let host = headers.remove(header::HOST);
@@ -267,20 +267,20 @@ pub fn outgoing(mut headers: HeaderMap, fwd: &Forwarding, sender: Sender<'_>) ->
 
 /// The head limits (`server.max_upstream_*`).
 #[derive(Debug, Clone, Copy)]
-pub struct HeadLimits {
-    pub max_head: usize,
-    pub max_value: usize,
+pub(crate) struct HeadLimits {
+    pub(crate) max_head: usize,
+    pub(crate) max_value: usize,
 }
 
 /// Header fields forwarded at most: the listener's own HTTP/1.1 limit (hyper's default of 100),
 /// so an HTTP/2 client, bounded by size only, is held to the same; vLLM's server takes 256.
-pub const MAX_FORWARDED_FIELDS: usize = 100;
+pub(crate) const MAX_FORWARDED_FIELDS: usize = 100;
 
 /// Whether the request's head, as a backend would get it, is within what backends accept:
 /// its headers (already `outgoing`), the gateway's own (`x-request-id`, `content-length` at
 /// its widest, the blank line) and the largest part a backend decides (`backend_part`:
 /// request line, `Host`, `Authorization`). Counts only; no allocation unless it refuses.
-pub fn check_head(
+pub(crate) fn check_head(
     headers: &HeaderMap,
     request_id: &HeaderValue,
     backend_part: usize,

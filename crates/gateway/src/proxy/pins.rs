@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 /// Where a stored response lives, and whose it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Pin {
+pub(crate) struct Pin {
     /// The pool's model (the pool that served it).
     pub model: Arc<str>,
     /// The backend's base URL, as configured.
@@ -65,7 +65,7 @@ impl Inner {
 
 /// The id → backend map of one gateway process.
 #[derive(Debug)]
-pub struct Pins {
+pub(crate) struct Pins {
     inner: Mutex<Inner>,
     capacity: usize,
     ttl: Duration,
@@ -75,14 +75,14 @@ pub struct Pins {
 
 /// Why a pin was not written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refused {
+pub(crate) enum Refused {
     /// The id is pinned to another key: the answer's id collides with another key's stored
     /// response (a backend that made the id from something the client chose).
     OwnedByAnotherKey,
 }
 
 impl Pins {
-    pub fn new(capacity: usize, ttl: Duration) -> Self {
+    pub(crate) fn new(capacity: usize, ttl: Duration) -> Self {
         Self {
             inner: Mutex::new(Inner::default()),
             capacity: capacity.max(1),
@@ -92,13 +92,13 @@ impl Pins {
     }
 
     /// Pins shared through Redis as well.
-    pub fn shared(mut self, store: Option<crate::limits::shared::PinStore>) -> Self {
+    pub(crate) fn shared(mut self, store: Option<crate::limits::shared::PinStore>) -> Self {
         self.shared = store;
         self
     }
 
     /// Remember where `id` lives (and tell the other replicas), unless another key holds it.
-    pub fn insert(&self, id: &str, pin: Pin) -> Result<(), Refused> {
+    pub(crate) fn insert(&self, id: &str, pin: Pin) -> Result<(), Refused> {
         self.insert_local(id, pin.clone())?;
         if let Some(store) = &self.shared {
             store.put(
@@ -112,7 +112,7 @@ impl Pins {
     }
 
     /// Where `id` lives: this replica's pin, else the one another replica shared.
-    pub async fn locate(&self, id: &str) -> Option<Pin> {
+    pub(crate) async fn locate(&self, id: &str) -> Option<Pin> {
         if let Some(pin) = self.get(id) {
             return Some(pin);
         }
@@ -175,7 +175,7 @@ impl Pins {
     }
 
     /// Where `id` lives, if it was learned here and has not expired.
-    pub fn get(&self, id: &str) -> Option<Pin> {
+    pub(crate) fn get(&self, id: &str) -> Option<Pin> {
         let g = self
             .inner
             .lock()
@@ -185,7 +185,8 @@ impl Pins {
     }
 
     /// Pins held now.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.inner
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -193,24 +194,20 @@ impl Pins {
             .len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn ttl(&self) -> Duration {
+    pub(crate) fn ttl(&self) -> Duration {
         self.ttl
     }
 }
 
 /// What the relay of a new response needs to pin it once its id is read.
 #[derive(Debug)]
-pub struct Learn {
+pub(crate) struct Learn {
     pub pins: Arc<Pins>,
     pub pin: Pin,
 }
 
 impl Learn {
-    pub fn learned(self, id: String) {
+    pub(crate) fn learned(self, id: String) {
         if let Err(Refused::OwnedByAnotherKey) = self.pins.insert(&id, self.pin) {
             tracing::warn!(
                 response_id = %id,
@@ -222,7 +219,7 @@ impl Learn {
 
 /// The top-level `"id"` string a whole response object starts with (`{"id":"resp_...",...`),
 /// read from the answer's first frame without parsing the rest.
-pub fn leading_id(data: &[u8]) -> Option<String> {
+pub(crate) fn leading_id(data: &[u8]) -> Option<String> {
     let body = data.trim_ascii_start().strip_prefix(b"{")?;
     let rest = body.trim_ascii_start().strip_prefix(b"\"id\"")?;
     let rest = rest.trim_ascii_start().strip_prefix(b":")?;

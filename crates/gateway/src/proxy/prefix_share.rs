@@ -124,7 +124,7 @@ impl std::fmt::Debug for Record {
 impl PrefixShare {
     /// Start publishing and subscribing on `tasks` until `stop`.
     /// `max_prompt_bytes` bounds a received record (`server.max_body_bytes`).
-    pub fn start(
+    pub(crate) fn start(
         link: RedisLink,
         fleet: Arc<Fleet>,
         max_prompt_bytes: usize,
@@ -162,7 +162,7 @@ impl PrefixShare {
     }
 
     /// `backend` of `model`'s pool was sent the prompt of `names`: tell the other replicas.
-    pub fn publish(&self, model: &Arc<str>, backend: &Arc<str>, names: &Arc<[u64]>) {
+    pub(crate) fn publish(&self, model: &Arc<str>, backend: &Arc<str>, names: &Arc<[u64]>) {
         let r = Record {
             model: model.clone(),
             backend: backend.clone(),
@@ -175,7 +175,7 @@ impl PrefixShare {
 
     /// Records go both ways: the other replicas' arrive (the subscription answers) and this
     /// one's can be published (the shared connection answers).
-    pub fn is_up(&self) -> bool {
+    pub(crate) fn is_up(&self) -> bool {
         self.up.both()
     }
 }

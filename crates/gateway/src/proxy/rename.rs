@@ -16,7 +16,7 @@ use memchr::memmem::Finder;
 
 /// Rewrites `"model":"<served>"` to `"model":"<client's name>"` in a body read frame by frame.
 #[derive(Clone)]
-pub struct Rename {
+pub(super) struct Rename {
     field: Arc<Finder<'static>>,
     /// `"model":` and the client's name as a JSON string.
     to: Bytes,
@@ -28,7 +28,7 @@ pub struct Rename {
 
 impl Rename {
     /// `None` when the client's name is not one JSON can carry (it came from JSON, so never).
-    pub fn new(field: Arc<Finder<'static>>, client_model: &str) -> Option<Self> {
+    pub(super) fn new(field: Arc<Finder<'static>>, client_model: &str) -> Option<Self> {
         let mut to = b"\"model\":".to_vec();
         serde_json::to_writer(&mut to, client_model).ok()?;
         Some(Self {
@@ -40,7 +40,7 @@ impl Rename {
 
     /// The frame with the field renamed; bytes that may start a field split across frames are
     /// kept for the next call (or `finish`). The result may be empty.
-    pub fn apply(&mut self, data: Bytes) -> Bytes {
+    pub(super) fn apply(&mut self, data: Bytes) -> Bytes {
         let data = match self.held.take() {
             Some(h) => {
                 let mut joined = BytesMut::with_capacity(h.len() + data.len());
@@ -74,12 +74,12 @@ impl Rename {
     }
 
     /// `apply`, with `None` when everything is held (nothing to send yet).
-    pub fn pass(&mut self, data: Bytes) -> Option<Bytes> {
+    pub(super) fn pass(&mut self, data: Bytes) -> Option<Bytes> {
         Some(self.apply(data)).filter(|d| !d.is_empty())
     }
 
     /// What is still held at the end of the body (a field's start that never completed).
-    pub fn finish(&mut self) -> Option<Bytes> {
+    pub(super) fn finish(&mut self) -> Option<Bytes> {
         self.held.take()
     }
 }

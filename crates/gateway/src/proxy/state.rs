@@ -10,7 +10,7 @@ use crate::queue;
 
 /// What the forwarding path needs, shared by all requests.
 #[derive(Debug)]
-pub struct ProxyState {
+pub(crate) struct ProxyState {
     /// This worker's pools, swapped by a reload (`pool::fleet`).
     pub generation: crate::pool::fleet::CurrentGeneration,
     pub max_body_bytes: usize,
@@ -18,18 +18,18 @@ pub struct ProxyState {
     pub max_audio_body_bytes: usize,
     /// The whole request body must arrive within this, with no pause longer than the idle
     /// limit.
-    pub body_timeouts: body::BodyTimeouts,
+    pub(crate) body_timeouts: body::BodyTimeouts,
     /// The bytes of bodies still arriving, for every worker (`server.max_pending_body_*`).
-    pub pending_bodies: Arc<body::PendingBodies>,
+    pub(crate) pending_bodies: Arc<body::PendingBodies>,
     /// What a forwarded request's head may come to (`server.max_upstream_*`).
-    pub head_limits: headers::HeadLimits,
+    pub(crate) head_limits: headers::HeadLimits,
     pub recorder: Arc<crate::telemetry::Recorder>,
     pub auth: Arc<crate::auth::Authenticator>,
     pub limits: Arc<crate::limits::Limits>,
     pub queue: crate::config::QueueConfig,
-    pub queue_metrics: Option<queue::QueueMetrics>,
+    pub(crate) queue_metrics: Option<queue::QueueMetrics>,
     /// The longest SSE line a relay carries across reads (`server.max_stream_line_bytes`).
-    pub max_stream_line: usize,
+    pub(crate) max_stream_line: usize,
     /// How forwarded requests say whom they came from.
     pub forwarding: headers::Forwarding,
     /// Which backend holds each stored response (`pins`).
@@ -43,7 +43,7 @@ pub struct ProxyState {
 
 /// The end of the shutdown grace period, as the request path sees it.
 #[derive(Debug, Clone, Default)]
-pub struct Closing {
+pub(crate) struct Closing {
     /// This worker's own child of the server's token (its waiters never share a lock with
     /// another worker's).
     pub token: tokio_util::sync::CancellationToken,

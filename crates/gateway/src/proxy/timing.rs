@@ -8,7 +8,7 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::telemetry::RequestRecord;
 
-pub static SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
+pub(super) static SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
 /// `Trailer: server-timing`.
 pub(super) static SERVER_TIMING_VALUE: HeaderValue = HeaderValue::from_static("server-timing");
 
@@ -42,7 +42,7 @@ pub(super) fn server_timing(
 /// TTFT ms>, hop;dur=<ms>` — `upstream` being what a direct call would have seen (request
 /// written → first token), which `fleetgate bench --compare` sets beside its direct TTFTs to
 /// tell whether the two sides reached comparable backends.
-pub fn stream_timing(record: &RequestRecord) -> Option<HeaderMap> {
+pub(super) fn stream_timing(record: &RequestRecord) -> Option<HeaderMap> {
     let t = &record.timeline;
     let mut buf = [0u8; 96];
     let mut n = put(&mut buf, 0, b"gw;dur=");

@@ -20,7 +20,7 @@ use crate::key::Environment;
 
 /// Why a request could not join the queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JoinRefused {
+pub(crate) enum JoinRefused {
     /// `max_size` requests are already waiting.
     Full { max_size: usize },
     /// This key already holds `max_per_key` places.
@@ -66,7 +66,7 @@ impl<T> std::fmt::Debug for AdmissionQueue<T> {
 const PRIORITY: [Environment; 3] = [Environment::Prod, Environment::Gray, Environment::Stress];
 
 impl<T> AdmissionQueue<T> {
-    pub fn new(max_size: usize, max_per_key: usize) -> Self {
+    pub(crate) fn new(max_size: usize, max_per_key: usize) -> Self {
         Self {
             state: Mutex::new(State {
                 classes: [VecDeque::new(), VecDeque::new(), VecDeque::new()],
@@ -81,7 +81,7 @@ impl<T> AdmissionQueue<T> {
     }
 
     /// Show the queue's length in this gauge from now on.
-    pub fn set_depth_gauge(&self, g: prometheus::IntGauge) {
+    pub(crate) fn set_depth_gauge(&self, g: prometheus::IntGauge) {
         let _ = self.depth.set(g);
     }
 
@@ -94,7 +94,7 @@ impl<T> AdmissionQueue<T> {
     }
 
     /// Requests of `class` wait (a newcomer of that class must not pass them).
-    pub fn has_waiters_in(&self, class: Environment) -> bool {
+    pub(crate) fn has_waiters_in(&self, class: Environment) -> bool {
         self.has_waiters() && !self.lock().classes[class.index()].is_empty()
     }
 
@@ -105,7 +105,7 @@ impl<T> AdmissionQueue<T> {
     /// Join the queue, then hand out whatever `take` can give right away (a slot freed since
     /// the caller last looked is not missed: `waiting` is raised before `take` runs, and a
     /// releaser lowers its count before it reads `waiting`).
-    pub fn join(
+    pub(crate) fn join(
         &self,
         key: i64,
         class: Environment,
@@ -155,7 +155,7 @@ impl<T> AdmissionQueue<T> {
 
     /// Hand slots from `take` to waiters in priority order until either runs out. Call after
     /// freeing a slot when `has_waiters()`.
-    pub fn dispatch(&self, take: impl FnMut() -> Option<T>) {
+    pub(crate) fn dispatch(&self, take: impl FnMut() -> Option<T>) {
         let leftover = {
             let mut s = self.lock();
             let l = self.dispatch_locked(&mut s, take);
@@ -191,7 +191,7 @@ impl<T> AdmissionQueue<T> {
     }
 
     /// Leave the queue (a place detached from its ticket is left this way by its owner).
-    pub fn leave(&self, place: &Place<T>) {
+    pub(crate) fn leave(&self, place: &Place<T>) {
         self.leave_by(place.key, place.class, place.id);
     }
 
@@ -240,14 +240,14 @@ fn pop_next<T>(s: &mut State<T>) -> Option<Waiter<T>> {
 }
 
 /// A place in the queue. Dropping it leaves the queue at once.
-pub struct Ticket<'a, T> {
+pub(crate) struct Ticket<'a, T> {
     queue: &'a AdmissionQueue<T>,
     place: Option<Place<T>>,
 }
 
 /// A place without the borrow of its queue: whoever holds it must call
 /// `AdmissionQueue::leave` when dropping it (see `queue::Waiting`).
-pub struct Place<T> {
+pub(crate) struct Place<T> {
     rx: oneshot::Receiver<T>,
     id: u64,
     key: i64,
@@ -256,11 +256,11 @@ pub struct Place<T> {
 
 /// The wait ended without a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TimedOut;
+pub(crate) struct TimedOut;
 
 impl<T> Place<T> {
     /// Wait for a slot, at most `max_wait`.
-    pub async fn recv(&mut self, max_wait: Duration) -> Result<T, TimedOut> {
+    pub(crate) async fn recv(&mut self, max_wait: Duration) -> Result<T, TimedOut> {
         match tokio::time::timeout(max_wait, &mut self.rx).await {
             Ok(Ok(slot)) => Ok(slot),
             _ => Err(TimedOut),
@@ -268,14 +268,15 @@ impl<T> Place<T> {
     }
 
     /// The slot if it was handed over already (no waiting).
-    pub fn try_now(&mut self) -> Option<T> {
+    pub(crate) fn try_now(&mut self) -> Option<T> {
         self.rx.try_recv().ok()
     }
 }
 
 impl<T> Ticket<'_, T> {
     /// Wait for a slot, at most `max_wait`.
-    pub async fn wait(mut self, max_wait: Duration) -> Result<T, TimedOut> {
+    #[cfg(test)]
+    pub(crate) async fn wait(mut self, max_wait: Duration) -> Result<T, TimedOut> {
         match self.place.as_mut() {
             Some(p) => p.recv(max_wait).await,
             None => Err(TimedOut),
@@ -283,12 +284,12 @@ impl<T> Ticket<'_, T> {
     }
 
     /// The slot if it was handed over already (no waiting).
-    pub fn try_now(&mut self) -> Option<T> {
+    pub(crate) fn try_now(&mut self) -> Option<T> {
         self.place.as_mut().and_then(Place::try_now)
     }
 
     /// The place, for an owner that outlives this borrow; it must leave the queue itself.
-    pub fn detach(mut self) -> Option<Place<T>> {
+    pub(crate) fn detach(mut self) -> Option<Place<T>> {
         self.place.take()
     }
 }

@@ -13,7 +13,7 @@ use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
 /// How a queued stream continues once its wait is over.
-pub enum Continued<B> {
+pub(crate) enum Continued<B> {
     /// The backend's stream, relayed.
     Relay(Pin<Box<B>>),
     /// A final error event and `[DONE]`.
@@ -28,7 +28,7 @@ pin_project! {
     /// The body of a stream that waits in the admission queue: `: queued` comment lines (the
     /// first at once, then every `interval`) while `rest` waits for a backend slot and sends
     /// the request; then the backend's stream, or an error event.
-    pub struct QueuedBody<B> {
+    pub(crate) struct QueuedBody<B> {
         rest: Option<Rest<B>>,
         #[pin]
         tick: Sleep,
@@ -40,7 +40,7 @@ pin_project! {
 }
 
 impl<B> QueuedBody<B> {
-    pub fn new(rest: Rest<B>, interval: Duration) -> Self {
+    pub(crate) fn new(rest: Rest<B>, interval: Duration) -> Self {
         Self {
             rest: Some(rest),
             tick: tokio::time::sleep(interval),

@@ -9,7 +9,7 @@
 //! imports the pool (the pool builds on the queue, not the other way round).
 
 mod admission;
-pub mod body;
+pub(crate) mod body;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,12 +20,12 @@ use prometheus::{IntCounter, IntCounterVec};
 use crate::key::{Environment, KeyRecord};
 use fleetgate_protocol::error::ErrorKind;
 
-pub use admission::{AdmissionQueue, JoinRefused, Place, Ticket, TimedOut};
-pub use body::{Continued, QueuedBody};
+pub(crate) use admission::{AdmissionQueue, JoinRefused, Place, TimedOut};
+pub(crate) use body::{Continued, QueuedBody};
 
 /// The pool side of the queue: where slots come from and who to ask whether any backend can
 /// ever take the request.
-pub trait Slots: Send + Sync + 'static {
+pub(crate) trait Slots: Send + Sync + 'static {
     type Slot: Send + 'static;
     /// The admission queue in front of these slots.
     fn queue(&self) -> &AdmissionQueue<Self::Slot>;
@@ -36,14 +36,14 @@ pub trait Slots: Send + Sync + 'static {
 }
 
 /// A slot now, or a place in the queue to wait in.
-pub enum Claim<S: Slots> {
+pub(crate) enum Claim<S: Slots> {
     Now(S::Slot),
     Wait(Waiting<S>),
 }
 
 /// Why the queue did not give a slot.
 #[derive(Debug)]
-pub enum QueueError {
+pub(crate) enum QueueError {
     /// No backend of the pool can take requests (all down, draining or removed): waiting
     /// would be in vain. The pool names each backend's state.
     NoUsableBackend,
@@ -53,7 +53,7 @@ pub enum QueueError {
 
 /// Which refusal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RefusalKind {
+pub(crate) enum RefusalKind {
     /// `queue.max_size` requests already wait.
     Full,
     /// The key already holds `queue.max_per_key` places.
@@ -63,14 +63,14 @@ pub enum RefusalKind {
 }
 
 impl RefusalKind {
-    pub const ALL: [RefusalKind; 3] = [
+    pub(crate) const ALL: [RefusalKind; 3] = [
         RefusalKind::Full,
         RefusalKind::KeyShare,
         RefusalKind::Timeout,
     ];
 
     /// The `limit` label of `fleetgate_rejections_total`.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             RefusalKind::Full => "queue_full",
             RefusalKind::KeyShare => "queue_key_share",
@@ -78,7 +78,7 @@ impl RefusalKind {
         }
     }
 
-    pub fn error_kind(self) -> ErrorKind {
+    pub(crate) fn error_kind(self) -> ErrorKind {
         match self {
             RefusalKind::Full => ErrorKind::QueueFull,
             // The key's own doing: a rate limit of sorts, not the fleet's capacity.
@@ -87,7 +87,7 @@ impl RefusalKind {
         }
     }
 
-    pub fn code(self) -> &'static str {
+    pub(crate) fn code(self) -> &'static str {
         match self {
             RefusalKind::Full => "queue_full",
             RefusalKind::KeyShare => "queue_share_exceeded",
@@ -98,7 +98,7 @@ impl RefusalKind {
 
 /// A request the queue refused, with what the client needs to know.
 #[derive(Debug, Clone)]
-pub struct QueueRefusal {
+pub(crate) struct QueueRefusal {
     pub kind: RefusalKind,
     /// The key's public id (`-` without a key).
     pub key_id: Box<str>,
@@ -106,15 +106,15 @@ pub struct QueueRefusal {
     pub model: Arc<str>,
     /// Places in the queue (full, key share) or milliseconds of waiting (timeout).
     pub limit: u64,
-    pub retry_after: Duration,
+    pub(crate) retry_after: Duration,
 }
 
 impl QueueRefusal {
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         self.kind.error_kind().status()
     }
 
-    pub fn message(&self) -> String {
+    pub(crate) fn message(&self) -> String {
         let model = &self.model;
         let retry = format!(
             " Retry after {:.1} s.",
@@ -140,12 +140,12 @@ impl QueueRefusal {
 
 /// Refusal counters, resolved once (the same series as the limits' refusals).
 #[derive(Debug, Clone)]
-pub struct QueueMetrics {
+pub(crate) struct QueueMetrics {
     refused: [IntCounter; 3],
 }
 
 impl QueueMetrics {
-    pub fn new(rejections: &IntCounterVec) -> Self {
+    pub(crate) fn new(rejections: &IntCounterVec) -> Self {
         Self {
             refused: RefusalKind::ALL.map(|k| rejections.with_label_values(&[k.as_str()])),
         }
@@ -158,18 +158,23 @@ impl QueueMetrics {
 
 /// Who asks: the key (its turn and share in the queue, its environment's priority) and the
 /// model (named in refusals).
-pub struct Asker<'a> {
+pub(crate) struct Asker<'a> {
     pub key: Option<&'a KeyRecord>,
     pub model: &'a Arc<str>,
     pub metrics: Option<&'a QueueMetrics>,
     /// The backends' own queue puts this request before every other environment's
     /// (`[pools.priority]`): it takes a slot now while none of its own environment waits,
     /// passing the other environments' waiters (its `first` may then pass the capacity too).
-    pub goes_first: bool,
+    pub(crate) goes_first: bool,
 }
 
 impl Asker<'_> {
-    pub fn refuse(&self, kind: RefusalKind, limit: u64, retry_after: Duration) -> QueueError {
+    pub(crate) fn refuse(
+        &self,
+        kind: RefusalKind,
+        limit: u64,
+        retry_after: Duration,
+    ) -> QueueError {
         if let Some(m) = self.metrics {
             m.count(kind);
         }
@@ -192,7 +197,7 @@ impl Asker<'_> {
 /// waits before this request, else a place in the queue. A full queue, or a key holding its
 /// share of it, is refused at once. Nobody waits before a request that `goes_first` unless
 /// its own environment does.
-pub fn claim<S: Slots>(
+pub(crate) fn claim<S: Slots>(
     slots: &Arc<S>,
     first: impl FnOnce() -> Option<S::Slot>,
     asker: &Asker<'_>,
@@ -231,7 +236,7 @@ pub fn claim<S: Slots>(
 
 /// Wait in the queue up to `max_wait`. A wait that ends while no backend can take requests
 /// says so rather than blaming capacity.
-pub async fn wait<S: Slots>(
+pub(crate) async fn wait<S: Slots>(
     waiting: Waiting<S>,
     max_wait: Duration,
     asker: &Asker<'_>,
@@ -250,7 +255,7 @@ pub async fn wait<S: Slots>(
 /// A request's place in a pool's admission queue, owning its pool (so it can outlive the
 /// request handler: a streaming request that waits while `: queued` comments go out). Dropping
 /// it leaves the queue.
-pub struct Waiting<S: Slots> {
+pub(crate) struct Waiting<S: Slots> {
     slots: Arc<S>,
     place: Option<Place<S::Slot>>,
 }

@@ -16,11 +16,11 @@ use fleetgate_protocol::view::RequestView;
 
 /// Where a request goes.
 #[derive(Debug)]
-pub struct Route<'p> {
+pub(crate) struct Route<'p> {
     pub pool: &'p Pool,
     /// Backends to avoid while another can take the request (gray keys sent to the canary
     /// backends); 0: none.
-    pub avoid: u64,
+    pub(crate) avoid: u64,
     /// Affinity hash: requests with the same one prefer the same backend (its prefix cache).
     pub affinity: Option<u64>,
     /// `longest_prefix`: the names of the prompt's blocks (`pool::prefix`), to find the
@@ -34,7 +34,7 @@ pub struct Route<'p> {
 
 /// Why a request has no route.
 #[derive(Debug, Clone)]
-pub enum RouteError {
+pub(crate) enum RouteError {
     /// No pool serves that name.
     ModelNotFound { model: String, available: String },
     /// The key may not use the model, or its environment may not use the pool (named, with
@@ -48,7 +48,7 @@ pub enum RouteError {
 
 /// Route a request in `pools` (the generation it keeps to its end). `prompt_tokens` estimates
 /// a prompt's tokens from its characters (the limits' estimate, so both agree).
-pub fn resolve<'p>(
+pub(crate) fn resolve<'p>(
     view: &RequestView<'_>,
     body: &[u8],
     endpoint: Endpoint,
@@ -91,7 +91,7 @@ pub fn resolve<'p>(
 }
 
 /// The key may use the model, and its environment the pool.
-pub fn check_rights(key: &KeyRecord, pool: &Pool) -> Result<(), AuthFailure> {
+pub(crate) fn check_rights(key: &KeyRecord, pool: &Pool) -> Result<(), AuthFailure> {
     if !key.allows_model(&pool.model) {
         return Err(AuthFailure::ModelNotAllowed {
             model: pool.model.to_string(),

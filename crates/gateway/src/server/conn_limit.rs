@@ -31,7 +31,7 @@ const MIN_DERIVED: usize = 16;
 
 /// Raise the soft descriptor limit to the hard one (what nginx's `worker_rlimit_nofile` and
 /// most servers do) and return the soft limit now in force, if it can be read.
-pub fn raise_descriptor_limit() -> Option<u64> {
+pub(super) fn raise_descriptor_limit() -> Option<u64> {
     #[cfg(target_os = "linux")]
     {
         use nix::sys::resource::{Resource, getrlimit, setrlimit};
@@ -54,7 +54,7 @@ pub fn raise_descriptor_limit() -> Option<u64> {
 
 /// The cap used when `server.max_connections` is 0: half of what the descriptor limit leaves
 /// after the reserve, since a proxied request holds a client and an upstream connection.
-pub fn derived_max_connections(descriptor_limit: Option<u64>) -> usize {
+pub(super) fn derived_max_connections(descriptor_limit: Option<u64>) -> usize {
     match descriptor_limit {
         Some(n) => {
             let per_pair = n.saturating_sub(RESERVED_DESCRIPTORS) / 2;
@@ -68,13 +68,13 @@ pub fn derived_max_connections(descriptor_limit: Option<u64>) -> usize {
 
 /// Metrics of the client listeners, labelled by listener (`api`, `admin`).
 #[derive(Clone, Debug)]
-pub struct ConnMetrics {
+pub(super) struct ConnMetrics {
     open: IntGaugeVec,
     events: IntCounterVec,
 }
 
 impl ConnMetrics {
-    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+    pub(super) fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
         let open = IntGaugeVec::new(
             Opts::new(
                 "fleetgate_client_connections",
@@ -102,7 +102,7 @@ impl ConnMetrics {
 
 /// One listener's bounds, shared by the workers accepting on it.
 #[derive(Debug)]
-pub struct ConnLimit {
+pub(super) struct ConnLimit {
     listener: &'static str,
     max: usize,
     permits: Arc<Semaphore>,
@@ -116,7 +116,7 @@ pub struct ConnLimit {
     /// An HTTP/1.1 connection idle between requests closes after this.
     pub keepalive_timeout: Duration,
     /// The largest request head read (`server.max_request_head_bytes`), both protocols.
-    pub max_head: usize,
+    pub(crate) max_head: usize,
     /// When the last "limit reached" warning was logged (ms since `epoch`), to log once per
     /// episode rather than once per refused accept.
     last_warned_ms: AtomicU64,
@@ -128,7 +128,7 @@ pub struct ConnLimit {
 
 /// A connection's place under the cap; dropping it frees the place.
 #[derive(Debug)]
-pub struct ConnPermit {
+pub(super) struct ConnPermit {
     _permit: OwnedSemaphorePermit,
     gauge: Option<prometheus::IntGauge>,
 }
@@ -144,13 +144,13 @@ impl Drop for ConnPermit {
 /// What a client address is counted by: an IPv4 address, or an IPv6 /64 (one host usually
 /// has a whole /64 to pick addresses from). IPv4-mapped IPv6 addresses count as IPv4.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum IpKey {
+pub(super) enum IpKey {
     V4([u8; 4]),
     V6Prefix([u8; 8]),
 }
 
 impl IpKey {
-    pub fn of(ip: IpAddr) -> Self {
+    pub(super) fn of(ip: IpAddr) -> Self {
         match ip {
             IpAddr::V4(v4) => IpKey::V4(v4.octets()),
             IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
@@ -168,7 +168,7 @@ impl IpKey {
 
 /// A connection's place in its address's share; dropping it frees the place.
 #[derive(Debug)]
-pub struct AddressPlace {
+pub(super) struct AddressPlace {
     key: IpKey,
     by_address: Arc<Mutex<HashMap<IpKey, u32>>>,
 }
@@ -187,17 +187,17 @@ impl Drop for AddressPlace {
 
 /// The share of one address when `server.max_connections_per_address` is 0: half the
 /// listener's cap, so one address never holds every place.
-pub fn derived_per_address(max: usize) -> u32 {
+pub(super) fn derived_per_address(max: usize) -> u32 {
     u32::try_from((max / 2).max(1)).unwrap_or(u32::MAX)
 }
 
 impl ConnLimit {
     /// The listener it guards (`api`, `admin`): a log field.
-    pub fn name(&self) -> &'static str {
+    pub(super) fn name(&self) -> &'static str {
         self.listener
     }
 
-    pub fn new(
+    pub(super) fn new(
         listener: &'static str,
         max: usize,
         server: &crate::config::ServerConfig,
@@ -226,13 +226,13 @@ impl ConnLimit {
         })
     }
 
-    pub fn listener(&self) -> &'static str {
+    pub(super) fn listener(&self) -> &'static str {
         self.listener
     }
 
     /// A place for one more connection from `ip`, or `None` when its address already holds
     /// its share (the connection is to be closed; counted, and said once per episode).
-    pub fn admit(&self, ip: IpAddr) -> Option<AddressPlace> {
+    pub(super) fn admit(&self, ip: IpAddr) -> Option<AddressPlace> {
         let key = IpKey::of(ip);
         {
             let mut map = self.by_address.lock().unwrap_or_else(|e| e.into_inner());
@@ -278,13 +278,13 @@ impl ConnLimit {
     }
 
     /// A place for the next connection, at once if there is one.
-    pub fn try_acquire(&self) -> Option<ConnPermit> {
+    pub(super) fn try_acquire(&self) -> Option<ConnPermit> {
         let p = self.permits.clone().try_acquire_owned().ok()?;
         Some(self.permit(p))
     }
 
     /// Wait for a place; says once per episode (at most every 10 s) that the cap is reached.
-    pub async fn acquire(&self) -> Option<ConnPermit> {
+    pub(super) async fn acquire(&self) -> Option<ConnPermit> {
         self.count("limit_reached");
         if self.once_per_episode(&self.last_warned_ms) {
             tracing::warn!(
@@ -300,7 +300,7 @@ impl ConnLimit {
         Some(self.permit(p))
     }
 
-    pub fn count(&self, event: &str) {
+    pub(super) fn count(&self, event: &str) {
         if let Some(m) = &self.metrics {
             m.events.with_label_values(&[self.listener, event]).inc();
         }
@@ -309,7 +309,7 @@ impl ConnLimit {
 
 /// Back-off for failed accepts: out of descriptors or memory, retrying at once only spins.
 #[derive(Debug, Default)]
-pub struct AcceptBackoff {
+pub(super) struct AcceptBackoff {
     delay: Duration,
     failures: u64,
     last_log: Option<Instant>,
@@ -320,14 +320,14 @@ impl AcceptBackoff {
     const MAX: Duration = Duration::from_secs(1);
 
     /// An accept succeeded: the next failure starts from the shortest delay again.
-    pub fn reset(&mut self) {
+    pub(super) fn reset(&mut self) {
         self.delay = Duration::ZERO;
     }
 
     /// How long to wait after `e` before accepting again (zero for errors that concern only
     /// the one connection, such as a peer that reset before it was accepted). Logs at most
     /// every 5 s, with the number of failures since the last line.
-    pub fn on_error(&mut self, e: &io::Error, listener: &str) -> Duration {
+    pub(super) fn on_error(&mut self, e: &io::Error, listener: &str) -> Duration {
         let resource = matches!(
             e.raw_os_error(),
             Some(code) if code == libc_codes::EMFILE
@@ -370,14 +370,14 @@ impl AcceptBackoff {
 /// The errno values the back-off looks at.
 #[cfg(target_os = "linux")]
 mod libc_codes {
-    pub use nix::libc::{EMFILE, ENFILE, ENOBUFS, ENOMEM};
+    pub(super) use nix::libc::{EMFILE, ENFILE, ENOBUFS, ENOMEM};
 }
 #[cfg(not(target_os = "linux"))]
 mod libc_codes {
-    pub const ENOMEM: i32 = 12;
-    pub const ENFILE: i32 = 23;
+    pub(crate) const ENOMEM: i32 = 12;
+    pub(crate) const ENFILE: i32 = 23;
     pub const EMFILE: i32 = 24;
-    pub const ENOBUFS: i32 = 55;
+    pub(crate) const ENOBUFS: i32 = 55;
 }
 
 #[cfg(test)]

@@ -38,17 +38,17 @@ use crate::store::StoreError;
 
 /// Everything the request path reads, built once at start.
 #[derive(Debug)]
-pub struct AppState {
+pub(crate) struct AppState {
     pub proxy: Arc<ProxyState>,
 }
 
 impl AppState {
     /// This worker's pools as they are now.
-    pub fn pools(&self) -> Arc<Generation> {
+    pub(crate) fn pools(&self) -> Arc<Generation> {
         self.proxy.generation.load_full()
     }
 
-    pub fn auth(&self) -> &Arc<Authenticator> {
+    pub(crate) fn auth(&self) -> &Arc<Authenticator> {
         &self.proxy.auth
     }
 }

@@ -11,17 +11,17 @@ use crate::config::Config;
 use super::Server;
 
 /// How often the watcher reads the file.
-pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
+pub(crate) const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 
 /// What started a reload: logged as its `trigger`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReloadTrigger {
+pub(crate) enum ReloadTrigger {
     Signal,
     FileChanged,
 }
 
 impl ReloadTrigger {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             ReloadTrigger::Signal => "SIGHUP",
             ReloadTrigger::FileChanged => "the config file changed",
@@ -84,7 +84,7 @@ pub async fn run(server: &Server, path: PathBuf, mut running: Config, stop: Canc
 }
 
 /// Read, check and apply the file once. Returns the new config when it was applied.
-pub async fn reload_once(
+pub(crate) async fn reload_once(
     server: &Server,
     path: &Path,
     running: &Config,

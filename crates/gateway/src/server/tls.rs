@@ -9,7 +9,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::TlsAcceptor;
 
-pub fn acceptor(cert: &Path, key: &Path) -> io::Result<TlsAcceptor> {
+pub(super) fn acceptor(cert: &Path, key: &Path) -> io::Result<TlsAcceptor> {
     let named = |p: &Path, e: &dyn std::fmt::Display| {
         io::Error::new(io::ErrorKind::InvalidInput, format!("{}: {e}", p.display()))
     };

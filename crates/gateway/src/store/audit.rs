@@ -48,7 +48,7 @@ impl AuditEntry {
 
 /// What `audit_search` looks for (`None`: any).
 #[derive(Debug, Clone, Copy)]
-pub struct AuditSearch<'a> {
+pub(crate) struct AuditSearch<'a> {
     pub key: Option<&'a str>,
     pub actor: Option<&'a str>,
     pub action: Option<&'a str>,
@@ -72,7 +72,10 @@ impl KeyStore {
     }
 
     /// The audit trail, newest first, filtered by key, actor and action (each exact).
-    pub async fn audit_search(&self, s: &AuditSearch<'_>) -> Result<Vec<AuditEntry>, StoreError> {
+    pub(crate) async fn audit_search(
+        &self,
+        s: &AuditSearch<'_>,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
         let mut sql = String::from(
             "SELECT id, at, actor, action, key_public_id, detail FROM key_audit WHERE 1 = 1",
         );
@@ -109,7 +112,7 @@ impl KeyStore {
     }
 
     /// Record an action that is not a key change (e.g. a failed admin attempt).
-    pub async fn audit_event(
+    pub(crate) async fn audit_event(
         &self,
         actor: &str,
         action: &str,

@@ -133,7 +133,7 @@ impl KeyStore {
     }
 
     /// SQLite: the change counter bumped by every key change.
-    pub async fn change_seq(&self) -> Result<i64, StoreError> {
+    pub(crate) async fn change_seq(&self) -> Result<i64, StoreError> {
         match self.kind {
             DbKind::Sqlite => Ok(
                 sqlx::query_scalar("SELECT seq FROM key_changes WHERE id = 1")

@@ -24,18 +24,20 @@ mod audit;
 mod bulk;
 mod keys;
 
-pub use audit::{AuditEntry, AuditSearch};
+pub(crate) use audit::{AuditEntry, AuditSearch};
 pub use bulk::{BULK_IDLE, BulkPool};
 pub use keys::CreateKey;
 
 use bulk::bulk_pool;
 
 /// Migrations embedded in the binary, one set per engine.
-pub static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/postgres");
-pub static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/sqlite");
+pub(crate) static PG_MIGRATOR: sqlx::migrate::Migrator =
+    sqlx::migrate!("../../migrations/postgres");
+pub(crate) static SQLITE_MIGRATOR: sqlx::migrate::Migrator =
+    sqlx::migrate!("../../migrations/sqlite");
 
 /// The PostgreSQL channel the key trigger notifies.
-pub const KEYS_CHANNEL: &str = "fleetgate_keys";
+pub(crate) const KEYS_CHANNEL: &str = "fleetgate_keys";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -68,15 +70,15 @@ pub enum StoreError {
 /// (a read-only file, a full disk), sqlx then nests the next `begin` as a SAVEPOINT whose
 /// release commits nothing, and the open transaction holds the write lock, so every other
 /// writer gets "database is locked" until the process restarts.
-pub struct WriteConn<DB: Database>(Option<PoolConnection<DB>>);
+pub(crate) struct WriteConn<DB: Database>(Option<PoolConnection<DB>>);
 
 impl<DB: Database> WriteConn<DB> {
-    pub async fn acquire(pool: &Pool<DB>) -> Result<Self, sqlx::Error> {
+    pub(crate) async fn acquire(pool: &Pool<DB>) -> Result<Self, sqlx::Error> {
         Ok(Self(Some(pool.acquire().await?)))
     }
 
     /// The connection (present until `keep` or drop).
-    pub fn conn(&mut self) -> &mut DB::Connection {
+    pub(crate) fn conn(&mut self) -> &mut DB::Connection {
         match self.0.as_mut() {
             Some(c) => c,
             None => unreachable!("a WriteConn is used only before `keep` consumes it"),
@@ -84,7 +86,7 @@ impl<DB: Database> WriteConn<DB> {
     }
 
     /// The transaction ended cleanly: the connection goes back to the pool.
-    pub fn keep(mut self) {
+    pub(crate) fn keep(mut self) {
         drop(self.0.take());
     }
 }
@@ -245,11 +247,6 @@ impl KeyStore {
                     e => Err(e),
                 })?;
         Ok(usize::try_from(n).unwrap_or(0))
-    }
-
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
     }
 
     pub fn pool(&self) -> &AnyPool {

@@ -174,7 +174,7 @@ pub struct RequestMetrics {
     requests: IntCounterVec,
     in_flight: IntGaugeVec,
     backend_up: IntGaugeVec,
-    pub rejections: IntCounterVec,
+    pub(crate) rejections: IntCounterVec,
     /// Longest-prefix routing's outcomes and its index's size, per pool (at scrape time).
     prefix_routing: IntCounterVec,
     prefix_blocks: IntGaugeVec,
@@ -397,7 +397,7 @@ impl RequestMetrics {
     /// Resolve the handles of `pools` (at start and after each reload). Slots already laid
     /// out keep their handles, so records of requests that began before a reload still find
     /// theirs; `removed` backends' gauges are dropped from the exposition.
-    pub fn relayout(&self, pools: &Generation, removed: &[(Arc<str>, Arc<str>)]) {
+    pub(crate) fn relayout(&self, pools: &Generation, removed: &[(Arc<str>, Arc<str>)]) {
         let old = self.layout.load_full();
         let mut by_index = old.pools.clone();
         for p in pools.iter() {
@@ -567,7 +567,7 @@ impl RequestMetrics {
     }
 
     /// Refresh the per-backend gauges (at scrape time), and the longest-prefix figures.
-    pub fn update_backends(&self, pools: &Generation) {
+    pub(crate) fn update_backends(&self, pools: &Generation) {
         for p in pools.iter() {
             if let Some(index) = &p.prefix {
                 let model = &*p.model;

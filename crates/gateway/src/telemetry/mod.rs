@@ -3,9 +3,9 @@
 //! `RequestRecord` is dropped.
 
 pub mod metrics;
-pub mod otel;
+pub(crate) mod otel;
 pub mod request_log;
-pub mod timeline;
+pub(crate) mod timeline;
 pub mod usage;
 
 use std::sync::Arc;
@@ -66,7 +66,7 @@ impl Recorder {
     }
 
     /// Export every sampled request's spans too.
-    pub fn set_tracing(&mut self, p: Arc<otel::Pipeline>) {
+    pub(crate) fn set_tracing(&mut self, p: Arc<otel::Pipeline>) {
         self.otel = Some(p);
     }
 
@@ -181,7 +181,7 @@ impl RequestRecord {
 
     /// Tokens this request used, for settling a token reservation made with
     /// `prompt_estimate`: see `used_tokens`.
-    pub fn used_tokens(&self, prompt_estimate: u64) -> u64 {
+    pub(crate) fn used_tokens(&self, prompt_estimate: u64) -> u64 {
         used_tokens(&self.timeline, self.error, prompt_estimate)
     }
 

@@ -75,9 +75,6 @@ impl Timeline {
     pub fn upstream_first_token(&self) -> Option<Instant> {
         self.upstream_first_token
     }
-    pub fn client_first_byte(&self) -> Option<Instant> {
-        self.client_first_byte
-    }
     pub fn client_first_token(&self) -> Option<Instant> {
         self.client_first_token
     }
@@ -89,12 +86,16 @@ impl Timeline {
     }
 
     /// The kernel's arrival stamp of the request's first bytes.
-    pub fn stamp_kernel_arrival(&mut self, at: Instant) {
+    pub(crate) fn stamp_kernel_arrival(&mut self, at: Instant) {
         self.arrived = Some(at.min(self.received));
     }
 
     /// The upstream socket's stamps at the first token: request written, first token arrived.
-    pub fn stamp_upstream_wire(&mut self, written: Option<Instant>, arrived: Option<Instant>) {
+    pub(crate) fn stamp_upstream_wire(
+        &mut self,
+        written: Option<Instant>,
+        arrived: Option<Instant>,
+    ) {
         if let (Some(w), Some(a)) = (written.or(self.upstream_sent), arrived)
             && self.upstream_wire.is_none()
         {
@@ -126,13 +127,13 @@ impl Timeline {
         self.client_first_token = Some(client_at);
     }
 
-    pub fn stamp_client_first_byte(&mut self, at: Instant) {
+    pub(crate) fn stamp_client_first_byte(&mut self, at: Instant) {
         self.client_first_byte = Some(at);
     }
 
     /// Frames were handed to the client connection at `at`: the first token's moment when
     /// they carried it (upstream saw a token and none was handed on before).
-    pub fn stamp_delivered(&mut self, at: Instant) {
+    pub(crate) fn stamp_delivered(&mut self, at: Instant) {
         if self.client_first_token.is_none() && self.upstream_first_token.is_some() {
             self.client_first_token = Some(at);
         }
@@ -167,7 +168,7 @@ impl Timeline {
     }
 
     /// The usage object of a non-streamed body (none when it is implausible).
-    pub fn set_usage(&mut self, usage: Option<Usage>) {
+    pub(crate) fn set_usage(&mut self, usage: Option<Usage>) {
         match usage {
             Some(u) if !u.plausible() => {
                 self.stream.implausible_usage = true;
@@ -179,7 +180,7 @@ impl Timeline {
 
     /// An attempt that failed before the client had a byte is forgotten: the Timeline
     /// describes the attempt that answers.
-    pub fn forget_attempt(&mut self) {
+    pub(crate) fn forget_attempt(&mut self) {
         self.upstream_first_token = None;
         self.upstream_wire = None;
         self.client_first_token = None;

@@ -37,7 +37,7 @@ impl std::str::FromStr for GroupBy {
 impl GroupBy {
     /// The group of requests without a value in the column: "no key" (refused before a key
     /// was known), as the console names it, "no model" (refused before routing), "no backend".
-    pub fn empty_group(self) -> &'static str {
+    pub(crate) fn empty_group(self) -> &'static str {
         match self {
             GroupBy::Key | GroupBy::Environment => "no key",
             GroupBy::Model => "no model",
@@ -106,7 +106,7 @@ fn percentiles(mut v: Vec<f64>) -> Option<Percentiles> {
 }
 
 /// The nearest-rank percentile `p` of sorted samples (`None`: no samples).
-pub fn nearest_rank(sorted: &[f64], p: f64) -> Option<f64> {
+pub(crate) fn nearest_rank(sorted: &[f64], p: f64) -> Option<f64> {
     let rank = ((p / 100.0 * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len().max(1));
     sorted.get(rank - 1).copied()
 }

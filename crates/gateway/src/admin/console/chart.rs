@@ -13,7 +13,7 @@ use crate::clock::format_wall_ms;
 
 /// One line: a label for the legend, a CSS class for its colour, dashed or not, and one value
 /// per bucket (`None`: no data in that bucket, drawn as a gap).
-pub struct Line {
+pub(crate) struct Line {
     pub label: String,
     pub class: &'static str,
     pub dashed: bool,
@@ -44,7 +44,7 @@ fn round_step(v: f64) -> f64 {
 /// The y axis for values up to `max`: a round step (1, 2 or 5 × 10^k), how many steps reach
 /// `max` (2 to 5), and how many decimals the step needs. `whole`: the values are counts, so
 /// the step is 1 at least (no tick at 0.2 requests).
-pub fn y_axis(max: f64, whole: bool) -> (f64, u32, usize) {
+pub(crate) fn y_axis(max: f64, whole: bool) -> (f64, u32, usize) {
     let max = if max.is_finite() && max > 0.0 {
         max
     } else {
@@ -62,7 +62,7 @@ pub fn y_axis(max: f64, whole: bool) -> (f64, u32, usize) {
 
 /// The time axis's ticks: the instants (epoch ms) of a round step of the UTC clock inside the
 /// window, at most 6 of them.
-pub fn time_ticks(from: i64, to: i64) -> Vec<i64> {
+pub(crate) fn time_ticks(from: i64, to: i64) -> Vec<i64> {
     const STEPS: [i64; 14] = [
         MINUTE,
         2 * MINUTE,
@@ -100,7 +100,7 @@ fn tick_label(at: i64, ticks: &[i64]) -> String {
 }
 
 /// `35 min`, `1 h 30 min`, `2 d 3 h`, `45 s`.
-pub fn span_text(ms: i64) -> String {
+pub(crate) fn span_text(ms: i64) -> String {
     let s = ms / 1000;
     let (d, h, m) = (s / 86_400, s % 86_400 / 3600, s % 3600 / 60);
     let mut parts = Vec::new();
@@ -120,7 +120,7 @@ pub fn span_text(ms: i64) -> String {
 }
 
 /// `per 10 s`, `per minute`, `per 5 min`, `per hour`, `per 3 h`, `per day`.
-pub fn per_text(bucket_ms: i64) -> String {
+pub(crate) fn per_text(bucket_ms: i64) -> String {
     match bucket_ms {
         MINUTE => "per minute".into(),
         HOUR => "per hour".into(),
@@ -133,7 +133,7 @@ pub fn per_text(bucket_ms: i64) -> String {
 
 /// `14:02–14:37 UTC` (today), `2026-12-01 14:02–14:37 UTC` (another day), or both dates
 /// when the window crosses midnight.
-pub fn range_text(from: i64, to: i64, now: i64) -> String {
+pub(crate) fn range_text(from: i64, to: i64, now: i64) -> String {
     let (f, t, n) = (
         format_wall_ms(from),
         format_wall_ms(to),
@@ -151,7 +151,7 @@ pub fn range_text(from: i64, to: i64, now: i64) -> String {
 }
 
 /// What a chart says of its window: `per minute, 14:02–14:37 UTC (35 min)`.
-pub fn window_text(w: &Window, now: i64) -> String {
+pub(crate) fn window_text(w: &Window, now: i64) -> String {
     format!(
         "{}, {} ({})",
         per_text(w.bucket_ms),
@@ -166,7 +166,7 @@ fn y_label(v: f64, decimals: usize) -> String {
 
 /// A chart of `lines` (one value per bucket of `window`), in `unit`; `now` only decides
 /// whether the window's text needs a date.
-pub fn line_chart(
+pub(crate) fn line_chart(
     id: &str,
     title: &str,
     unit: &str,

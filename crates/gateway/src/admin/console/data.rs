@@ -10,11 +10,11 @@ use sqlx::Row;
 use crate::store::{KeyStore, StoreError};
 
 /// Environments in display order; index 3 is "no key" (refused before a key was known).
-pub const ENVS: [&str; 4] = ["stress", "gray", "prod", "none"];
+pub(crate) const ENVS: [&str; 4] = ["stress", "gray", "prod", "none"];
 
 /// The most rows read for one window: a busier window is summarised from its latest rows
 /// (and says so).
-pub const ROW_LIMIT: i64 = 200_000;
+pub(crate) const ROW_LIMIT: i64 = 200_000;
 
 fn env_index(e: Option<&str>) -> usize {
     match e {
@@ -26,7 +26,7 @@ fn env_index(e: Option<&str>) -> usize {
 }
 
 /// One request as the Requests page shows it, from its request-log row.
-pub struct RequestRow {
+pub(crate) struct RequestRow {
     pub at: i64,
     pub request_id: String,
     pub endpoint: Option<String>,
@@ -41,14 +41,14 @@ pub struct RequestRow {
 }
 
 /// How far back the Requests page looks (the `at` index bounds the search).
-pub const REQUESTS_WINDOW_MS: i64 = 24 * 3600 * 1000;
+pub(crate) const REQUESTS_WINDOW_MS: i64 = 24 * 3600 * 1000;
 
 /// Most rows the Requests page lists.
-pub const REQUESTS_SHOWN: i64 = 50;
+pub(crate) const REQUESTS_SHOWN: i64 = 50;
 
 /// The requests of the last `REQUESTS_WINDOW_MS` before `now`, newest first: all of them, or
 /// those whose request id or W3C trace id is `find`.
-pub async fn find_requests(
+pub(crate) async fn find_requests(
     store: &KeyStore,
     now: i64,
     find: Option<&str>,
@@ -89,20 +89,20 @@ pub async fn find_requests(
 }
 
 /// One request-log row, as the console reads it (times in milliseconds).
-pub struct LogRow {
+pub(crate) struct LogRow {
     pub at: i64,
     pub env: usize,
     pub status: i32,
     pub error: Option<String>,
     pub ttft_ms: Option<f64>,
-    pub processing_ms: Option<f64>,
+    pub(crate) processing_ms: Option<f64>,
     pub hop_ms: Option<f64>,
     pub prompt: i64,
     pub completion: i64,
 }
 
 /// Read the window `[from, to)`, newest first, at most `ROW_LIMIT` rows; true when cut there.
-pub async fn read_rows(
+pub(crate) async fn read_rows(
     store: &KeyStore,
     from: i64,
     to: i64,
@@ -158,7 +158,7 @@ pub struct Acc {
     pub processing: Vec<f64>,
     pub hop: Vec<f64>,
     /// Failed requests by cause (the log's `error`, else the status).
-    pub causes: BTreeMap<String, u64>,
+    pub(crate) causes: BTreeMap<String, u64>,
 }
 
 impl Acc {
@@ -192,13 +192,13 @@ impl Acc {
         }
     }
 
-    pub fn error_rate(&self) -> Option<f64> {
+    pub(crate) fn error_rate(&self) -> Option<f64> {
         (self.requests > 0).then(|| self.errors as f64 / self.requests as f64 * 100.0)
     }
 }
 
 /// Nearest-rank percentile of sorted samples (the one `fleetgate usage` reads with).
-pub use crate::telemetry::usage::nearest_rank as pct;
+pub(crate) use crate::telemetry::usage::nearest_rank as pct;
 
 /// The charts' interval sizes, smallest first. Each divides a day, so the buckets of a window
 /// read as round intervals ("per 30 s", "per 5 min", "per 3 h").
@@ -208,11 +208,11 @@ const BUCKET_SIZES_MS: [i64; 15] = [
 ];
 
 /// The shortest window drawn: a few seconds of traffic still show as a line, not as a dot.
-pub const MIN_SPAN_MS: i64 = 5 * 60_000;
+pub(crate) const MIN_SPAN_MS: i64 = 5 * 60_000;
 
 /// The most buckets in a window: the bucket size is the smallest that keeps under it, so a
 /// window has between 24 and 60 points (consecutive sizes differ by at most 2.5×).
-pub const MAX_BUCKETS: i64 = 60;
+pub(crate) const MAX_BUCKETS: i64 = 60;
 
 /// A span of the wall clock, `[from, to)` in epoch milliseconds, cut into equal buckets that
 /// end at `to`.
@@ -220,7 +220,7 @@ pub const MAX_BUCKETS: i64 = 60;
 pub struct Window {
     pub from: i64,
     pub to: i64,
-    pub bucket_ms: i64,
+    pub(crate) bucket_ms: i64,
 }
 
 impl Window {
@@ -228,7 +228,7 @@ impl Window {
     /// request read) to `to`, at least `MIN_SPAN_MS` long, in the smallest bucket size that
     /// gives at most `MAX_BUCKETS` buckets. A window that reaches back a whole hour or day
     /// only when the traffic does.
-    pub fn fitted(earliest: Option<i64>, to: i64) -> Self {
+    pub(crate) fn fitted(earliest: Option<i64>, to: i64) -> Self {
         let span = earliest
             .map_or(0, |e| to.saturating_sub(e))
             .max(MIN_SPAN_MS);
@@ -251,7 +251,7 @@ impl Window {
     }
 
     /// The bucket holding `at`, if the window does.
-    pub fn bucket_of(&self, at: i64) -> Option<usize> {
+    pub(crate) fn bucket_of(&self, at: i64) -> Option<usize> {
         if at < self.from || at >= self.to {
             return None;
         }
@@ -259,7 +259,7 @@ impl Window {
     }
 
     /// The middle of bucket `i`, where its point is drawn.
-    pub fn bucket_middle(&self, i: usize) -> f64 {
+    pub(crate) fn bucket_middle(&self, i: usize) -> f64 {
         self.from as f64 + (i as f64 + 0.5) * self.bucket_ms as f64
     }
 }
@@ -268,14 +268,14 @@ impl Window {
 pub struct Series {
     pub window: Window,
     /// `[group][bucket]`
-    pub by_bucket: Vec<Vec<Acc>>,
+    pub(crate) by_bucket: Vec<Vec<Acc>>,
     /// `[group]`: the whole window.
     pub totals: Vec<Acc>,
     pub cut: bool,
 }
 
 impl Series {
-    pub fn new(
+    pub(crate) fn new(
         rows: &[LogRow],
         cut: bool,
         window: Window,
@@ -305,18 +305,21 @@ impl Series {
     }
 
     /// One value per bucket of group `g`.
-    pub fn values(&self, g: usize, f: impl Fn(&Acc) -> Option<f64>) -> Vec<Option<f64>> {
+    pub(crate) fn values(&self, g: usize, f: impl Fn(&Acc) -> Option<f64>) -> Vec<Option<f64>> {
         self.by_bucket[g].iter().map(f).collect()
     }
 
     /// `n` requests in one bucket, as requests per minute.
-    pub fn per_minute(&self, n: u64) -> f64 {
+    pub(crate) fn per_minute(&self, n: u64) -> f64 {
         n as f64 * 60_000.0 / self.window.bucket_ms as f64
     }
 }
 
 /// When the key's last request in the log was (`None`: it has none).
-pub async fn last_request_at(store: &KeyStore, key: &str) -> Result<Option<i64>, StoreError> {
+pub(crate) async fn last_request_at(
+    store: &KeyStore,
+    key: &str,
+) -> Result<Option<i64>, StoreError> {
     let row = sqlx::query("SELECT MAX(at) AS last FROM request_log WHERE key_id = $1")
         .bind(key.to_owned())
         .fetch_one(store.pool())

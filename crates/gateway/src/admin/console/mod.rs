@@ -12,7 +12,7 @@
 //! of this host; pages are served with a Content-Security-Policy that allows nothing from
 //! elsewhere and no inline script or style.
 
-pub mod chart;
+pub(crate) mod chart;
 pub mod data;
 pub mod pages;
 mod post;
@@ -55,7 +55,7 @@ pub struct ApiAddress {
 /// The console's own state (inside the admin listener's).
 #[derive(Debug)]
 pub struct Console {
-    pub sessions: Sessions,
+    pub(crate) sessions: Sessions,
     live: data::Live,
     api: ApiAddress,
 }

@@ -25,13 +25,13 @@ use crate::admin::jwt::{MintError, Role, Verifier};
 use crate::config::{AdminConfig, JwtKey};
 
 /// The session cookie's name.
-pub const COOKIE: &str = "fleetgate_console";
+pub(crate) const COOKIE: &str = "fleetgate_console";
 const LOGIN_AUDIENCE: &str = "fleetgate-console-login";
 const SESSION_AUDIENCE: &str = "fleetgate-console";
 /// How long a printed sign-in link can be used.
-pub const LINK_TTL: Duration = Duration::from_secs(600);
+pub(crate) const LINK_TTL: Duration = Duration::from_secs(600);
 /// A session started with an admin API token lasts at most this long.
-pub const MAX_SESSION_FROM_ADMIN_TOKEN: Duration = Duration::from_secs(8 * 3600);
+pub(crate) const MAX_SESSION_FROM_ADMIN_TOKEN: Duration = Duration::from_secs(8 * 3600);
 /// The longest session a sign-in link may ask for.
 pub const MAX_SESSION: Duration = Duration::from_secs(7 * 24 * 3600);
 
@@ -53,20 +53,20 @@ struct ConsoleClaims {
 pub struct Session {
     pub subject: String,
     pub role: Role,
-    pub jti: String,
+    pub(crate) jti: String,
     /// Epoch seconds.
     pub exp: u64,
 }
 
 impl Session {
-    pub fn is_admin(&self) -> bool {
+    pub(crate) fn is_admin(&self) -> bool {
         self.role == Role::Admin
     }
 }
 
 /// Why a sign-in was refused (shown to the operator as is).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LoginError {
+pub(crate) enum LoginError {
     Used,
     Invalid(String),
 }
@@ -147,7 +147,7 @@ pub fn mint_login(
 }
 
 /// The console's keys and its memory of used links and ended sessions.
-pub struct Sessions {
+pub(crate) struct Sessions {
     login: Option<DecodingKey>,
     session_enc: EncodingKey,
     session_dec: DecodingKey,
@@ -163,7 +163,7 @@ impl std::fmt::Debug for Sessions {
 }
 
 impl Sessions {
-    pub fn new(cfg: &AdminConfig) -> Self {
+    pub(crate) fn new(cfg: &AdminConfig) -> Self {
         let (login, key) = match &cfg.jwt_key {
             Some(JwtKey::Secret(s)) => {
                 let s = s.expose().as_bytes();
@@ -209,7 +209,7 @@ impl Sessions {
 
     /// Exchange a sign-in link's token, or an admin API token, for a session (once).
     /// Returns the session, the cookie value and how it signed in (`link` or `admin-token`).
-    pub fn sign_in(
+    pub(crate) fn sign_in(
         &self,
         token: &str,
         admin: &Verifier,
@@ -281,7 +281,7 @@ impl Sessions {
     }
 
     /// The session a cookie value stands for, if it is valid and not signed out.
-    pub fn session(&self, cookie: &str) -> Option<Session> {
+    pub(crate) fn session(&self, cookie: &str) -> Option<Session> {
         let c = jsonwebtoken::decode::<ConsoleClaims>(
             cookie,
             &self.session_dec,
@@ -301,16 +301,16 @@ impl Sessions {
     }
 
     /// End a session: its cookie is refused from now on, even if a copy of it is replayed.
-    pub fn sign_out(&self, s: &Session) {
+    pub(crate) fn sign_out(&self, s: &Session) {
         self.spend(s.jti.clone(), s.exp);
     }
 
     /// The CSRF token every form of this session carries.
-    pub fn csrf_token(&self, s: &Session) -> String {
+    pub(crate) fn csrf_token(&self, s: &Session) -> String {
         hex(hmac::sign(&self.csrf, s.jti.as_bytes()).as_ref())
     }
 
-    pub fn csrf_ok(&self, s: &Session, token: &str) -> bool {
+    pub(crate) fn csrf_ok(&self, s: &Session, token: &str) -> bool {
         let Some(bytes) = unhex(token) else {
             return false;
         };
@@ -329,7 +329,7 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 }
 
 /// The session cookie's value in a `Cookie` header.
-pub fn cookie_value(headers: &http::HeaderMap) -> Option<&str> {
+pub(crate) fn cookie_value(headers: &http::HeaderMap) -> Option<&str> {
     headers
         .get_all(http::header::COOKIE)
         .iter()

@@ -19,7 +19,7 @@
 mod pins;
 mod settle;
 
-pub use pins::{PinStore, RedisLink};
+pub(crate) use pins::{PinStore, RedisLink};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -156,7 +156,7 @@ impl Check {
 
     /// What this replica admitted on its own while Redis was away, for Redis to count
     /// (`KeyLimiter::floors`, `EnvLimiter::floor`).
-    pub fn with_floors(mut self, key: Floors, env: Duration) -> Self {
+    pub(crate) fn with_floors(mut self, key: Floors, env: Duration) -> Self {
         self.key_floor = key;
         self.env_floor = env;
         self
@@ -467,7 +467,7 @@ impl Shared {
 
     /// Where stored responses' backends are shared between replicas (`proxy::pins`): the
     /// same connection and key prefix as the counters.
-    pub fn pin_store(&self) -> PinStore {
+    pub(crate) fn pin_store(&self) -> PinStore {
         PinStore {
             conn: self.conn.clone(),
             up: self.up.clone(),

@@ -39,12 +39,12 @@ impl std::fmt::Debug for RedisLink {
 }
 
 impl RedisLink {
-    pub fn client(&self) -> &redis::Client {
+    pub(crate) fn client(&self) -> &redis::Client {
         &self.client
     }
 
     /// Every key and channel name starts with it (`{limits.redis.key_prefix}`).
-    pub fn prefix(&self) -> &str {
+    pub(crate) fn prefix(&self) -> &str {
         &self.prefix
     }
 }
@@ -52,7 +52,7 @@ impl RedisLink {
 /// Short strings kept in Redis for a time, by id (a stored response's backend): written in the
 /// background, read with the limits' timeout. While Redis is down nothing is shared.
 #[derive(Clone)]
-pub struct PinStore {
+pub(crate) struct PinStore {
     pub(super) conn: Arc<ArcSwapOption<ConnectionManager>>,
     pub(super) up: Arc<AtomicBool>,
     pub(super) prefix: Arc<str>,
@@ -82,7 +82,7 @@ impl PinStore {
     /// `SET <prefix>:resp:<id> <value> EX <ttl>` unless the id is held by a key other than
     /// `owner` (the value's last tab-separated field), in the background (dropped while
     /// Redis is down: the pin stays in this replica only).
-    pub fn put(&self, id: &str, value: String, owner: &str, ttl: Duration) {
+    pub(crate) fn put(&self, id: &str, value: String, owner: &str, ttl: Duration) {
         let Some(mut c) = self.conn() else {
             return;
         };
@@ -105,7 +105,7 @@ impl PinStore {
     }
 
     /// The value under `id`, if Redis has one and answers in time.
-    pub async fn get(&self, id: &str) -> Option<String> {
+    pub(crate) async fn get(&self, id: &str) -> Option<String> {
         let mut c = self.conn()?;
         let mut cmd = redis::cmd("GET");
         cmd.arg(self.key(id));

@@ -53,19 +53,16 @@ pin_project! {
 }
 
 impl GatewayBody {
-    pub fn full(b: impl Into<Bytes>) -> Self {
+    pub(crate) fn full(b: impl Into<Bytes>) -> Self {
         GatewayBody::Full {
             data: Some(b.into()),
         }
     }
-    pub fn empty() -> Self {
-        GatewayBody::Full { data: None }
-    }
-    pub fn queued(queued: QueuedBody<RelayBody>) -> Self {
+    pub(crate) fn queued(queued: QueuedBody<RelayBody>) -> Self {
         GatewayBody::Queued { queued }
     }
 
-    pub fn relay(relay: RelayBody) -> Self {
+    pub(crate) fn relay(relay: RelayBody) -> Self {
         GatewayBody::Relay { relay }
     }
 }
@@ -113,7 +110,7 @@ enum State {
 }
 
 pin_project! {
-    pub struct RelayBody {
+    pub(crate) struct RelayBody {
         #[pin]
         upstream: UpstreamBody,
         #[pin]

@@ -31,7 +31,7 @@ use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::error::ErrorKind;
 use fleetgate_protocol::trace_context::{self, SpanId, TraceId, TraceParent};
 
-pub use export::StartError;
+pub(crate) use export::StartError;
 
 use super::Timeline;
 
@@ -51,7 +51,7 @@ impl std::fmt::Debug for Pipeline {
 impl Pipeline {
     /// Build the exporter for `cfg` and start its task (on `tasks`, stopped by `stop` after
     /// the last request: what is queued then is exported before it ends).
-    pub fn start(
+    pub(crate) fn start(
         cfg: &OtlpExport,
         registry: &prometheus::Registry,
         tasks: &tokio_util::task::TaskTracker,
@@ -72,7 +72,7 @@ impl Pipeline {
 
     /// The trace this request is in: the client's, when its `traceparent` is valid, else a
     /// new one; sampled as the sampler says.
-    pub fn begin(self: &Arc<Self>, headers: &HeaderMap, received: Instant) -> Box<Scope> {
+    pub(crate) fn begin(self: &Arc<Self>, headers: &HeaderMap, received: Instant) -> Box<Scope> {
         let incoming = trace_context::extract(headers);
         let trace_id = match &incoming {
             Some(i) => i.parent.trace_id,
@@ -152,7 +152,7 @@ pub struct Scope {
     /// The request's output limit (`max_tokens` and the like).
     pub max_tokens: Option<u64>,
     /// The model name the backend was asked for (the pool's served name).
-    pub response_model: Option<Arc<str>>,
+    pub(crate) response_model: Option<Arc<str>>,
     /// Why the answer ended, as the backend said it (one per choice).
     finish_reasons: Vec<Box<str>>,
     /// The record's figures, copied in when it is written (boxed: a stream in flight carries
@@ -194,14 +194,14 @@ struct Finished {
 }
 
 impl Scope {
-    pub fn sampled(&self) -> bool {
+    pub(crate) fn sampled(&self) -> bool {
         self.sampled
     }
 
     /// An upstream attempt on `backend` starts at `at`: the `traceparent` it carries names
     /// its own span, a child of the gateway's. (An attempt before it that has no end ended
     /// now.)
-    pub fn attempt(&mut self, backend: &Arc<str>, at: Instant) -> HeaderValue {
+    pub(crate) fn attempt(&mut self, backend: &Arc<str>, at: Instant) -> HeaderValue {
         let span_id = self.pipeline.new_span_id();
         if self.sampled {
             // Most requests make one attempt.
@@ -222,20 +222,20 @@ impl Scope {
     }
 
     /// The backend said the answer (or one of its choices) ended for `reason`.
-    pub fn finish_reason(&mut self, reason: &str) {
+    pub(crate) fn finish_reason(&mut self, reason: &str) {
         // (Bounded: a request asks for at most a few choices.)
         if self.finish_reasons.len() < 16 {
             self.finish_reasons.push(reason.into());
         }
     }
 
-    pub fn has_finish_reasons(&self) -> bool {
+    pub(crate) fn has_finish_reasons(&self) -> bool {
         !self.finish_reasons.is_empty()
     }
 
     /// The latest attempt failed at `at` with `status` (0: no answer) and `error`; another
     /// may follow.
-    pub fn attempt_failed(&mut self, at: Instant, status: u16, error: Option<ErrorKind>) {
+    pub(crate) fn attempt_failed(&mut self, at: Instant, status: u16, error: Option<ErrorKind>) {
         if let Some(a) = self.attempts.last_mut()
             && a.ended.is_none()
         {
@@ -245,7 +245,7 @@ impl Scope {
 
     /// The headers an upstream request carries for this trace: its `traceparent` (`value`)
     /// and the client's `tracestate` when it was well formed (any other is dropped).
-    pub fn write_headers(&self, headers: &mut HeaderMap, traceparent: HeaderValue) {
+    pub(crate) fn write_headers(&self, headers: &mut HeaderMap, traceparent: HeaderValue) {
         headers.insert(trace_context::TRACEPARENT.clone(), traceparent);
         match &self.state {
             Some(s) => {

@@ -19,23 +19,23 @@ use fleetgate_protocol::error::ErrorKind;
 
 // The GenAI semantic conventions (https://opentelemetry.io/docs/specs/semconv/gen-ai/), named
 // here: the Rust conventions crate marks them unstable and they move between releases.
-pub const GEN_AI_OPERATION_NAME: &str = "gen_ai.operation.name";
-pub const GEN_AI_REQUEST_MODEL: &str = "gen_ai.request.model";
-pub const GEN_AI_RESPONSE_MODEL: &str = "gen_ai.response.model";
-pub const GEN_AI_REQUEST_MAX_TOKENS: &str = "gen_ai.request.max_tokens";
-pub const GEN_AI_USAGE_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
-pub const GEN_AI_USAGE_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
-pub const GEN_AI_RESPONSE_FINISH_REASONS: &str = "gen_ai.response.finish_reasons";
+pub(super) const GEN_AI_OPERATION_NAME: &str = "gen_ai.operation.name";
+pub(super) const GEN_AI_REQUEST_MODEL: &str = "gen_ai.request.model";
+pub(super) const GEN_AI_RESPONSE_MODEL: &str = "gen_ai.response.model";
+pub(super) const GEN_AI_REQUEST_MAX_TOKENS: &str = "gen_ai.request.max_tokens";
+pub(super) const GEN_AI_USAGE_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
+pub(super) const GEN_AI_USAGE_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
+pub(super) const GEN_AI_RESPONSE_FINISH_REASONS: &str = "gen_ai.response.finish_reasons";
 // The HTTP and general conventions.
-pub const SERVER_ADDRESS: &str = "server.address";
-pub const SERVER_PORT: &str = "server.port";
-pub const HTTP_REQUEST_METHOD: &str = "http.request.method";
-pub const HTTP_ROUTE: &str = "http.route";
-pub const HTTP_RESPONSE_STATUS_CODE: &str = "http.response.status_code";
-pub const ERROR_TYPE: &str = "error.type";
+pub(super) const SERVER_ADDRESS: &str = "server.address";
+pub(super) const SERVER_PORT: &str = "server.port";
+pub(super) const HTTP_REQUEST_METHOD: &str = "http.request.method";
+pub(super) const HTTP_ROUTE: &str = "http.route";
+pub(super) const HTTP_RESPONSE_STATUS_CODE: &str = "http.response.status_code";
+pub(super) const ERROR_TYPE: &str = "error.type";
 /// The event at the first token: on the SERVER span when it reached the client, on the
 /// CLIENT span when it came from the backend.
-pub const FIRST_TOKEN: &str = "first_token";
+pub(super) const FIRST_TOKEN: &str = "first_token";
 
 /// Append the request's spans to `out`.
 pub(super) fn build(scope: Scope, lib: &InstrumentationScope, out: &mut Vec<SpanData>) {

@@ -18,7 +18,7 @@ fn families(f: Option<fleetgate_protocol::endpoint::Families>) -> String {
 }
 
 #[derive(Default)]
-pub struct IssueForm {
+pub(crate) struct IssueForm {
     pub environment: String,
     pub name: String,
     pub models: String,
@@ -30,7 +30,7 @@ pub struct IssueForm {
     pub metadata: String,
 }
 
-pub struct KeyFilter {
+pub(crate) struct KeyFilter {
     pub env: String,
     pub status: String,
     pub q: String,
@@ -58,7 +58,7 @@ fn select(name: &str, id: &str, options: &[(&str, &str)], chosen: &str) -> Marku
     }
 }
 
-pub fn keys(
+pub(crate) fn keys(
     f: &Frame<'_>,
     keys: &[KeyRecord],
     filter: &KeyFilter,
@@ -142,7 +142,7 @@ fn issue_form(f: &Frame<'_>, v: &IssueForm, error: Option<&str>) -> Markup {
 }
 
 /// The one page that shows a full key.
-pub fn key_shown(
+pub(crate) fn key_shown(
     f: &Frame<'_>,
     title: &str,
     record: &KeyRecord,
@@ -175,28 +175,28 @@ pub fn key_shown(
 
 /// The windows a key's page offers: `latest` (its latest traffic, the default) or a span up
 /// to now.
-pub const KEY_WINDOWS: [(&str, &str); 4] = [
+pub(crate) const KEY_WINDOWS: [(&str, &str); 4] = [
     ("latest", "its latest traffic"),
     ("1h", "last hour"),
     ("24h", "last 24 hours"),
     ("7d", "last 7 days"),
 ];
 
-pub struct KeyUsage<'a> {
+pub(crate) struct KeyUsage<'a> {
     /// One of `KEY_WINDOWS`.
     pub since: &'a str,
     pub series: &'a Series,
     /// The key's last request in the log, whenever it was.
     pub last: Option<i64>,
     /// The window ends at `last`, not now (`latest`, when that was a while ago).
-    pub ends_at_last: bool,
+    pub(crate) ends_at_last: bool,
     pub now: i64,
 }
 
 /// What a key's page shows beside the key itself.
-pub struct KeyPage<'a> {
+pub(crate) struct KeyPage<'a> {
     pub usage: Option<KeyUsage<'a>>,
-    pub usage_error: Option<&'a str>,
+    pub(crate) usage_error: Option<&'a str>,
     /// The key's audit trail, or why it could not be read.
     pub audit: Result<&'a [AuditEntry], &'a str>,
     pub notice: Option<&'a str>,
@@ -204,7 +204,7 @@ pub struct KeyPage<'a> {
     pub now: i64,
 }
 
-pub fn key_page(f: &Frame<'_>, k: &KeyRecord, p: KeyPage<'_>) -> Markup {
+pub(crate) fn key_page(f: &Frame<'_>, k: &KeyRecord, p: KeyPage<'_>) -> Markup {
     let KeyPage {
         usage,
         usage_error,
@@ -372,14 +372,14 @@ fn key_usage(u: &KeyUsage<'_>, id: &str, class: &'static str) -> Markup {
 // ---------------------------------------------------------------------------------------------
 // Audit
 
-pub struct AuditFilter {
+pub(crate) struct AuditFilter {
     pub key: String,
     pub actor: String,
     pub action: String,
     pub limit: i64,
 }
 
-pub fn audit_table(entries: &[AuditEntry], with_key: bool) -> Markup {
+pub(crate) fn audit_table(entries: &[AuditEntry], with_key: bool) -> Markup {
     html! {
         table.list.audit {
             thead { tr { th { "when" } th { "who" } th { "action" } @if with_key { th { "key" } } th { "detail" } } }
@@ -403,7 +403,7 @@ pub fn audit_table(entries: &[AuditEntry], with_key: bool) -> Markup {
     }
 }
 
-pub fn audit(f: &Frame<'_>, entries: &[AuditEntry], filter: &AuditFilter) -> Markup {
+pub(crate) fn audit(f: &Frame<'_>, entries: &[AuditEntry], filter: &AuditFilter) -> Markup {
     layout(
         f,
         "Audit",

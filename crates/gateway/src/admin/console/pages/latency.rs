@@ -9,13 +9,13 @@ use crate::admin::console::data::{Acc, Series, pct};
 
 /// The unit a latency figure is shown in, the same in its table and its chart.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Unit {
+pub(crate) enum Unit {
     Ms,
     Us,
 }
 
 impl Unit {
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Unit::Ms => "ms",
             Unit::Us => "µs",
@@ -23,7 +23,7 @@ impl Unit {
     }
 
     /// A value in milliseconds (as the console reads the log), in this unit.
-    pub fn of_ms(self, v: f64) -> f64 {
+    pub(crate) fn of_ms(self, v: f64) -> f64 {
         match self {
             Unit::Ms => v,
             Unit::Us => v * 1000.0,
@@ -35,7 +35,7 @@ impl Unit {
 /// thousands of milliseconds); processing and hop are the gateway's own (tens to hundreds of
 /// microseconds): each is read in the unit its values are written in, in tables and charts.
 #[derive(Clone, Copy)]
-pub struct Latency {
+pub(crate) struct Latency {
     pub name: &'static str,
     pub unit: Unit,
     pub pick: fn(&Acc) -> &[f64],
@@ -53,17 +53,17 @@ fn hop(a: &Acc) -> &[f64] {
     &a.hop
 }
 
-pub const TTFT: Latency = Latency {
+pub(crate) const TTFT: Latency = Latency {
     name: "TTFT",
     unit: Unit::Ms,
     pick: ttft,
 };
-pub const PROCESSING: Latency = Latency {
+pub(crate) const PROCESSING: Latency = Latency {
     name: "processing",
     unit: Unit::Us,
     pick: processing,
 };
-pub const HOP: Latency = Latency {
+pub(crate) const HOP: Latency = Latency {
     name: "hop",
     unit: Unit::Us,
     pick: hop,
@@ -76,12 +76,12 @@ impl Latency {
     }
 
     /// Percentile `p` for a table cell: a number, the unit being in the column's header.
-    pub fn cell(&self, a: &Acc, p: f64) -> String {
+    pub(crate) fn cell(&self, a: &Acc, p: f64) -> String {
         number(self.pct(a, p))
     }
 
     /// `TTFT p50 (ms)`
-    pub fn header(&self, p: &str) -> String {
+    pub(crate) fn header(&self, p: &str) -> String {
         format!("{} {p} ({})", self.name, self.unit.label())
     }
 }
@@ -110,7 +110,7 @@ fn pair_lines(s: &Series, groups: &[(usize, String, &'static str)], figure: Late
 }
 
 /// A chart of `figure`'s p50 and p99 over the window.
-pub fn latency_chart(
+pub(crate) fn latency_chart(
     id: &str,
     title: &str,
     s: &Series,

@@ -5,10 +5,10 @@ use maud::{DOCTYPE, Markup, html};
 use super::data::ENVS;
 use super::session::Session;
 
-pub mod keys;
-pub mod latency;
+pub(crate) mod keys;
+pub(crate) mod latency;
 pub mod overview;
-pub mod requests;
+pub(crate) mod requests;
 
 /// The sections of the navigation bar.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -39,7 +39,7 @@ fn head(title: &str) -> Markup {
     }
 }
 
-pub fn csrf_field(csrf: &str) -> Markup {
+pub(crate) fn csrf_field(csrf: &str) -> Markup {
     html! { input type="hidden" name="csrf" value=(csrf); }
 }
 
@@ -108,7 +108,7 @@ pub fn bare(title: &str, body: Markup) -> Markup {
     }
 }
 
-pub fn sign_in_help(problem: Option<&str>) -> Markup {
+pub(crate) fn sign_in_help(problem: Option<&str>) -> Markup {
     bare(
         "Sign in",
         html! {
@@ -126,7 +126,7 @@ pub fn sign_in_help(problem: Option<&str>) -> Markup {
 
 /// The page that sets the session and moves on (a redirect after a cross-site click would
 /// leave a `SameSite=Strict` cookie behind; a same-origin refresh carries it).
-pub fn signed_in(s: &Session) -> Markup {
+pub(crate) fn signed_in(s: &Session) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -147,7 +147,7 @@ pub fn signed_in(s: &Session) -> Markup {
     }
 }
 
-pub fn signed_out() -> Markup {
+pub(crate) fn signed_out() -> Markup {
     bare(
         "Signed out",
         html! {

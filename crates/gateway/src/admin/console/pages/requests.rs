@@ -9,7 +9,7 @@ use crate::admin::console::data::{REQUESTS_SHOWN, RequestRow};
 use crate::clock::format_wall_ms;
 
 /// The page; `find` is what was searched for (empty: the latest requests).
-pub fn requests(f: &Frame<'_>, rows: &[RequestRow], find: &str) -> Markup {
+pub(crate) fn requests(f: &Frame<'_>, rows: &[RequestRow], find: &str) -> Markup {
     let dash = |v: Option<&str>| v.unwrap_or("–").to_owned();
     layout(
         f,
