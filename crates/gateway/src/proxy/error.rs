@@ -585,7 +585,7 @@ fn served_routes() -> &'static str {
 }
 
 impl ApiError {
-    /// The queue phase's refusal, or no backend of the pool able to take the request.
+    /// The queue step's refusal, or no backend of the pool able to take the request.
     pub(crate) fn from_queue(e: QueueError, pool: &Pool) -> ApiError {
         match e {
             QueueError::NoUsableBackend => ApiError::no_backend(pool),
