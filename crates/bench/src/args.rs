@@ -9,7 +9,7 @@ use serde::Deserialize;
 use super::spec::{EndpointType, RequestClass};
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DatasetName {
+pub(crate) enum DatasetName {
     Random,
     Sharegpt,
     /// vLLM's `prefix_repetition`: random prefixes, each shared by several prompts, and a
@@ -83,83 +83,83 @@ pub struct BenchArgs {
     #[arg(long)]
     pub top_p: Option<f64>,
     #[arg(long)]
-    pub top_k: Option<i64>,
+    pub(crate) top_k: Option<i64>,
     #[arg(long)]
-    pub min_p: Option<f64>,
+    pub(crate) min_p: Option<f64>,
     #[arg(long)]
     pub frequency_penalty: Option<f64>,
     #[arg(long)]
     pub presence_penalty: Option<f64>,
     #[arg(long)]
-    pub repetition_penalty: Option<f64>,
+    pub(crate) repetition_penalty: Option<f64>,
     /// A JSON object merged into every request body (after the sampling flags), e.g.
     /// '{"chat_template_kwargs":{"enable_thinking":false}}'.
     #[arg(long, value_name = "JSON")]
-    pub extra_body: Option<String>,
+    pub(crate) extra_body: Option<String>,
     /// What `vllm bench serve` flags asked for that fleetgate bench does not implement
     /// (`vllm_flags::normalize`): the run stops, naming them.
     #[arg(long = "vllm-not-implemented", hide = true)]
-    pub vllm_not_implemented: Vec<String>,
+    pub(crate) vllm_not_implemented: Vec<String>,
     /// Environment variable holding the API key, sent as `Authorization: Bearer` (keys are
     /// never read from files or flags).
     #[arg(long, default_value = "OPENAI_API_KEY")]
     pub api_key_env: String,
     /// With --compare: another variable for one target, `NAME=VAR` (e.g. direct=VLLM_API_KEY).
     #[arg(long = "target-key-env", value_name = "NAME=VAR")]
-    pub target_key_env: Vec<String>,
+    pub(crate) target_key_env: Vec<String>,
     #[arg(long, value_enum, default_value = "random")]
-    pub dataset_name: DatasetName,
+    pub(crate) dataset_name: DatasetName,
     /// ShareGPT JSON file (with --dataset-name sharegpt).
     #[arg(long)]
-    pub dataset_path: Option<PathBuf>,
+    pub(crate) dataset_path: Option<PathBuf>,
     #[arg(long, default_value_t = 1000)]
     pub num_prompts: usize,
     #[arg(long, default_value_t = 1024)]
-    pub random_input_len: u64,
+    pub(crate) random_input_len: u64,
     #[arg(long, default_value_t = 128)]
     pub random_output_len: u64,
     /// Lengths drawn from [len × (1 − r), len × (1 + r)].
     #[arg(long, default_value_t = 0.0)]
-    pub random_range_ratio: f64,
+    pub(crate) random_range_ratio: f64,
     /// random: tokens of one random prefix every prompt starts with (vLLM's), before its own
     /// --random-input-len tokens.
     #[arg(long, default_value_t = 0)]
-    pub random_prefix_len: u64,
+    pub(crate) random_prefix_len: u64,
     /// The model's tokenizer.json (Hugging Face format): exact token counts for ShareGPT
     /// filtering and random prompts (without it: characters / 4).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Output length of every ShareGPT request (default: the conversation's own reply length).
     #[arg(long)]
-    pub sharegpt_output_len: Option<u64>,
+    pub(crate) sharegpt_output_len: Option<u64>,
     /// prefix_repetition: tokens of each shared prefix.
     #[arg(long, default_value_t = 256)]
-    pub prefix_repetition_prefix_len: u64,
+    pub(crate) prefix_repetition_prefix_len: u64,
     /// prefix_repetition: tokens of each prompt's own suffix.
     #[arg(long, default_value_t = 256)]
-    pub prefix_repetition_suffix_len: u64,
+    pub(crate) prefix_repetition_suffix_len: u64,
     /// prefix_repetition: how many prefixes (--num-prompts / this prompts share each one).
     #[arg(long, default_value_t = 10)]
-    pub prefix_repetition_num_prefixes: usize,
+    pub(crate) prefix_repetition_num_prefixes: usize,
     /// prefix_repetition: output tokens of every request.
     #[arg(long, default_value_t = 128)]
-    pub prefix_repetition_output_len: u64,
+    pub(crate) prefix_repetition_output_len: u64,
     /// Agent-shaped load: this many conversations at once, each sending its turns one after
     /// another, every turn carrying the whole history (replaces the dataset and the arrivals).
     #[arg(long)]
-    pub multi_turn_conversations: Option<usize>,
+    pub(crate) multi_turn_conversations: Option<usize>,
     /// Multi-turn: turns per conversation.
     #[arg(long, default_value_t = 4)]
-    pub multi_turn_turns: usize,
+    pub(crate) multi_turn_turns: usize,
     /// Multi-turn: tokens of the new user message of every turn.
     #[arg(long, default_value_t = 128)]
-    pub multi_turn_user_len: u64,
+    pub(crate) multi_turn_user_len: u64,
     /// Multi-turn: tokens of the system prompt every conversation shares (0: none).
     #[arg(long, default_value_t = 1024)]
-    pub multi_turn_system_len: u64,
+    pub(crate) multi_turn_system_len: u64,
     /// Multi-turn: think time between a conversation's answer and its next turn, ms.
     #[arg(long, default_value_t = 0.0)]
-    pub multi_turn_think_ms: f64,
+    pub(crate) multi_turn_think_ms: f64,
     /// Multi-turn, uneven load: conversation 0 is hot and carries about this fraction F of all
     /// requests (0 < F < 1; needs ≥ 2 conversations). Each of its turns is sent by
     /// L = max(2, round(F / (1 − F) × (C − 1))) parallel lanes at once (share L / (L + C − 1)),
@@ -167,11 +167,11 @@ pub struct BenchArgs {
     /// a new user message of its own (lane 0 the turn's prompt, lane k the same words rotated
     /// by k). The turn ends when all lanes have answered, and the history goes on with lane 0's.
     #[arg(long, value_name = "F")]
-    pub multi_turn_hot_share: Option<f64>,
+    pub(crate) multi_turn_hot_share: Option<f64>,
     /// Where to read the prefix-cache counters (vLLM's /metrics), comma-separated base URLs
     /// (default: the target itself; a gateway's backends must be named here).
     #[arg(long, value_name = "URL[,URL...]")]
-    pub cache_metrics_url: Option<String>,
+    pub(crate) cache_metrics_url: Option<String>,
     /// Requests per second, Poisson arrivals (with --burstiness 1); `inf` sends all at once.
     #[arg(long, default_value = "inf")]
     pub request_rate: String,
@@ -186,26 +186,26 @@ pub struct BenchArgs {
     /// Comma-separated: ttft, tpot, itl, e2el (default: ttft,tpot,itl; e2el for
     /// openai-embeddings, as vLLM).
     #[arg(long)]
-    pub percentile_metrics: Option<String>,
+    pub(crate) percentile_metrics: Option<String>,
     /// Comma-separated percentiles, e.g. 50,95,99.
     #[arg(long, default_value = "99")]
-    pub metric_percentiles: String,
+    pub(crate) metric_percentiles: String,
     /// Service-level objectives for goodput, e.g. `--goodput ttft:500 tpot:50` (ms).
     #[arg(long, num_args = 1.., value_name = "METRIC:MS")]
     pub goodput: Vec<String>,
     #[arg(long, default_value_t = 0)]
-    pub num_warmups: usize,
+    pub(crate) num_warmups: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Ask the server to ignore end-of-sequence (vLLM's `ignore_eos`): exact output lengths.
     #[arg(long)]
     pub ignore_eos: bool,
     #[arg(long)]
-    pub save_result: bool,
+    pub(crate) save_result: bool,
     #[arg(long)]
-    pub result_filename: Option<String>,
+    pub(crate) result_filename: Option<String>,
     #[arg(long)]
-    pub result_dir: Option<PathBuf>,
+    pub(crate) result_dir: Option<PathBuf>,
     /// Label stored with the result, `key=value` (repeatable): hardware, quantisation, ... A
     /// bare `--label NAME` is vLLM's: the result's `label` and the saved file's name prefix.
     #[arg(long = "label", value_name = "KEY=VALUE|NAME")]
@@ -217,15 +217,15 @@ pub struct BenchArgs {
     /// Compare verdict: how much slower a mean may be, in percent of the baseline's (or
     /// --delta-floor-ms, whichever is larger).
     #[arg(long, default_value_t = 3.0)]
-    pub max_mean_delta_pct: f64,
+    pub(crate) max_mean_delta_pct: f64,
     /// Compare verdict: how much slower each percentile (P95 and every --metric-percentiles)
     /// may be, in percent of the baseline's (or --delta-floor-ms, whichever is larger).
     #[arg(long, visible_alias = "max-p95-delta-pct", default_value_t = 5.0)]
-    pub max_percentile_delta_pct: f64,
+    pub(crate) max_percentile_delta_pct: f64,
     /// Compare verdict: the absolute tolerance in milliseconds under which no slowdown fails,
     /// however large in percent (microseconds on a fast baseline).
     #[arg(long, default_value_t = 1.0)]
-    pub delta_floor_ms: f64,
+    pub(crate) delta_floor_ms: f64,
     /// Objectives to meet, e.g. `ttft_p99_ms=1500,e2el_p95_ms=60000,error_rate=0.01`; exit 2
     /// with a table when one is violated.
     #[arg(long)]
@@ -236,22 +236,22 @@ pub struct BenchArgs {
     pub sweep: Option<String>,
     /// Where the sweep's SVG chart goes.
     #[arg(long, default_value = "fleetgate-sweep.svg")]
-    pub sweep_chart: PathBuf,
+    pub(crate) sweep_chart: PathBuf,
     /// Capacity planning: the QPS the fleet must serve.
     #[arg(long)]
-    pub target_qps: Option<f64>,
+    pub(crate) target_qps: Option<f64>,
     /// Capacity planning: headroom factor (the seed uses 1.2–1.3).
     #[arg(long, default_value_t = 1.25)]
     pub redundancy: f64,
     /// Capacity planning: how many instances served the measured endpoint.
     #[arg(long, default_value_t = 1)]
-    pub instances: u32,
+    pub(crate) instances: u32,
     /// Give up on a request after this long.
     #[arg(long, default_value_t = 600.0)]
-    pub request_timeout_seconds: f64,
+    pub(crate) request_timeout_seconds: f64,
     /// No live progress line.
     #[arg(long, alias = "disable-tqdm")]
-    pub no_progress: bool,
+    pub(crate) no_progress: bool,
 }
 
 impl BenchArgs {

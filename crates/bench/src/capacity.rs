@@ -5,12 +5,17 @@ use serde_json::{Value, json};
 
 /// Instances needed for `target_qps` with `redundancy`, given the measured throughput of
 /// `instances` instances at the SLA.
-pub fn capacity(target_qps: f64, redundancy: f64, measured: f64, instances: u32) -> Option<u64> {
+pub(crate) fn capacity(
+    target_qps: f64,
+    redundancy: f64,
+    measured: f64,
+    instances: u32,
+) -> Option<u64> {
     let per_instance = measured / f64::from(instances.max(1));
     (per_instance > 0.0).then(|| (target_qps * redundancy / per_instance).ceil() as u64)
 }
 
-pub fn capacity_json(
+pub(crate) fn capacity_json(
     target_qps: f64,
     redundancy: f64,
     measured: Option<f64>,

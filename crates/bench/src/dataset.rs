@@ -31,10 +31,10 @@ pub struct Prompt {
 }
 
 /// The approximation used when no tokenizer is given, for the report.
-pub const APPROXIMATION: &str = "token counts estimated as characters / 4 (random prompts: one common English word per token; give --tokenizer tokenizer.json for exact counts); the server's usage.prompt_tokens replaces the estimate when reported";
+pub(crate) const APPROXIMATION: &str = "token counts estimated as characters / 4 (random prompts: one common English word per token; give --tokenizer tokenizer.json for exact counts); the server's usage.prompt_tokens replaces the estimate when reported";
 
 /// Estimated tokens of `text`: characters / 4, at least 1.
-pub fn estimate_tokens(text: &str) -> u64 {
+pub(crate) fn estimate_tokens(text: &str) -> u64 {
     (text.chars().count() as u64).div_ceil(4).max(1)
 }
 
@@ -104,21 +104,9 @@ const WORDS: &[&str] = &[
     "right", "used", "take", "three",
 ];
 
-/// A random prompt of `tokens` words.
-pub fn random_text(rng: &mut SmallRng, tokens: u64) -> String {
-    let mut s = String::with_capacity(tokens as usize * 6);
-    for i in 0..tokens {
-        if i > 0 {
-            s.push(' ');
-        }
-        s.push_str(WORDS[rng.random_range(0..WORDS.len())]);
-    }
-    s
-}
-
 /// A random prompt of `tokens` tokens by `counter` (words added or taken off until the count is
 /// right, or as close as single words allow), with its count.
-pub fn random_prompt(rng: &mut SmallRng, tokens: u64, counter: &Counter) -> (String, u64) {
+pub(crate) fn random_prompt(rng: &mut SmallRng, tokens: u64, counter: &Counter) -> (String, u64) {
     let mut words: Vec<&str> = (0..tokens)
         .map(|_| WORDS[rng.random_range(0..WORDS.len())])
         .collect();
@@ -193,10 +181,10 @@ pub fn random(
 /// The shape of vLLM's `prefix_repetition` dataset (its `--prefix-repetition-*` flags).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixRepetition {
-    pub prefix_len: u64,
-    pub suffix_len: u64,
-    pub num_prefixes: usize,
-    pub output_len: u64,
+    pub(crate) prefix_len: u64,
+    pub(crate) suffix_len: u64,
+    pub(crate) num_prefixes: usize,
+    pub(crate) output_len: u64,
 }
 
 /// vLLM 0.32's `PrefixRepetitionRandomDataset`: `num_prefixes` random prefixes, each followed
@@ -299,7 +287,7 @@ pub struct ShareGptStats {
     pub prompt_too_short: usize,
     pub output_too_short: usize,
     pub prompt_too_long: usize,
-    pub total_too_long: usize,
+    pub(crate) total_too_long: usize,
     pub kept: usize,
 }
 
@@ -447,7 +435,7 @@ pub fn body(
 
 /// A request body `v` with `extra` merged over it (the sampling flags, `--extra-body`,
 /// `--served-model-name`), as bytes.
-pub fn with_extra(
+pub(crate) fn with_extra(
     mut v: serde_json::Value,
     extra: &serde_json::Map<String, serde_json::Value>,
 ) -> bytes::Bytes {
@@ -546,7 +534,7 @@ mod tests {
 
     /// A word-level tokenizer.json that splits on whitespace and punctuation: one token per
     /// word or punctuation run, whatever its length.
-    pub fn word_tokenizer(dir: &Path) -> std::path::PathBuf {
+    pub(crate) fn word_tokenizer(dir: &Path) -> std::path::PathBuf {
         let vocab: serde_json::Map<String, serde_json::Value> = ["[UNK]", "the", "of", "and"]
             .iter()
             .enumerate()

@@ -24,7 +24,7 @@ pub struct RunResult {
     pub duration: Duration,
     pub interrupted: bool,
     /// CPU time of the client's thread (user + system).
-    pub client_cpu: Option<Duration>,
+    pub(crate) client_cpu: Option<Duration>,
 }
 
 /// CPU time (user + system) of the calling thread, to the nanosecond
@@ -40,7 +40,7 @@ pub(super) fn thread_cpu() -> Option<Duration> {
 /// Which target and prompt the j-th arrival carries. One target: prompt j. Two: each prompt
 /// goes to both, in consecutive arrivals, the order alternating (AB, BA, AB, ...) so neither
 /// target always goes second.
-pub fn assignment(j: usize, targets: usize, prompts: usize) -> (u8, usize) {
+pub(crate) fn assignment(j: usize, targets: usize, prompts: usize) -> (u8, usize) {
     if targets < 2 {
         return (0, j % prompts);
     }

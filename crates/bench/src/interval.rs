@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use super::measure::Outcome;
 
 /// The intervals' confidence: the central 95 % of the resampled deltas.
-pub const CONFIDENCE_PCT: f64 = 95.0;
+pub(crate) const CONFIDENCE_PCT: f64 = 95.0;
 
 /// Samples expected beyond a percentile (on its thinner side) before it counts as estimated.
 const TAIL_SAMPLES: f64 = 5.0;
@@ -27,7 +27,7 @@ const MIN_RESAMPLES: usize = 200;
 
 /// A judged statistic.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Stat {
+pub(crate) enum Stat {
     Mean,
     /// 0..=100, numpy's linear interpolation (as the summaries).
     Percentile(f64),
@@ -35,7 +35,8 @@ pub enum Stat {
 
 impl Stat {
     /// `mean`, `median` or `pNN`.
-    pub fn parse(s: &str) -> Option<Stat> {
+    #[cfg(test)]
+    pub(crate) fn parse(s: &str) -> Option<Stat> {
         match s {
             "mean" => Some(Stat::Mean),
             "median" => Some(Stat::Percentile(50.0)),
@@ -51,7 +52,7 @@ impl Stat {
     /// The samples the statistic needs before it is estimated: n × min(q, 1 − q) ≥ 5 for a
     /// percentile q (P99: 500, P95: 100, P50: 10); a mean as a median. P0 and P100 (the
     /// extremes) are never estimated.
-    pub fn min_samples(self) -> usize {
+    pub(crate) fn min_samples(self) -> usize {
         let q = match self {
             Stat::Mean => 0.5,
             Stat::Percentile(p) => p / 100.0,
@@ -88,13 +89,13 @@ impl Stat {
 /// both, the baseline's values and the measured target's (one each for TTFT, TPOT and E2EL;
 /// one per inter-token gap for ITL).
 #[derive(Debug, Clone, Default)]
-pub struct Pairs {
+pub(crate) struct Pairs {
     units: Vec<(Vec<f64>, Vec<f64>)>,
 }
 
 impl Pairs {
     /// The pairs of `metric` (`ttft`, `tpot`, `itl`, `e2el`) among the successful requests.
-    pub fn of(outcomes: &[Outcome], metric: &str) -> Pairs {
+    pub(crate) fn of(outcomes: &[Outcome], metric: &str) -> Pairs {
         let values = |o: &Outcome| metric_values(o, metric);
         Pairs::by(outcomes, values, values)
     }
@@ -102,7 +103,7 @@ impl Pairs {
     /// Pairs of any two per-request figures: `baseline` of the first target's request, `measured`
     /// of the second's. A prompt sent several times (a `--duration` run) pairs its i-th sending
     /// to each target in the order they were sent.
-    pub fn by(
+    pub(crate) fn by(
         outcomes: &[Outcome],
         baseline: impl Fn(&Outcome) -> Vec<f64>,
         measured: impl Fn(&Outcome) -> Vec<f64>,
@@ -126,18 +127,18 @@ impl Pairs {
     }
 
     /// Prompts paired.
-    pub fn prompts(&self) -> usize {
+    pub(crate) fn prompts(&self) -> usize {
         self.units.len()
     }
 
     /// Samples on the thinner side: prompts, or for ITL the gaps.
-    pub fn samples(&self) -> usize {
+    pub(crate) fn samples(&self) -> usize {
         let side = |f: fn(&(Vec<f64>, Vec<f64>)) -> usize| self.units.iter().map(f).sum::<usize>();
         side(|u| u.0.len()).min(side(|u| u.1.len()))
     }
 
     /// The statistic on each side (baseline, measured) over every pair.
-    pub fn values(&self, stat: Stat) -> Option<(f64, f64)> {
+    pub(crate) fn values(&self, stat: Stat) -> Option<(f64, f64)> {
         if self.units.is_empty() {
             return None;
         }
@@ -155,13 +156,13 @@ impl Pairs {
     }
 
     /// The statistic's delta (measured − baseline) over every pair.
-    pub fn delta(&self, stat: Stat) -> Option<f64> {
+    pub(crate) fn delta(&self, stat: Stat) -> Option<f64> {
         self.values(stat).map(|(a, b)| b - a)
     }
 
     /// The central 95 % of the paired bootstrap's deltas, for each of `stats`; none with fewer
     /// than two pairs. Seeded from the data's size: the same samples give the same interval.
-    pub fn intervals(&self, stats: &[Stat]) -> Vec<Option<Interval>> {
+    pub(crate) fn intervals(&self, stats: &[Stat]) -> Vec<Option<Interval>> {
         let n = self.units.len();
         if n < 2 || stats.is_empty() {
             return vec![None; stats.len()];
@@ -208,7 +209,7 @@ impl Interval {
     /// The prompts that would narrow this interval (measured over `n` prompts, around `delta`)
     /// until it no longer spans `allowed`: the width shrinks as 1/√n. None when the delta sits
     /// on the limit itself (no sample size decides it).
-    pub fn prompts_to_decide(&self, n: usize, delta: f64, allowed: f64) -> Option<usize> {
+    pub(crate) fn prompts_to_decide(&self, n: usize, delta: f64, allowed: f64) -> Option<usize> {
         let half = (self.hi - self.lo) / 2.0;
         Self::needed(n, half, (delta - allowed).abs())
     }
@@ -217,7 +218,7 @@ impl Interval {
     /// interval farthest from `allowed`. The estimate above is as uncertain as the delta
     /// itself: the nearer the true delta lies to the limit, the more prompts it takes, without
     /// bound, so this lower bound is what a range can honestly give.
-    pub fn prompts_to_decide_at_least(&self, n: usize, allowed: f64) -> Option<usize> {
+    pub(crate) fn prompts_to_decide_at_least(&self, n: usize, allowed: f64) -> Option<usize> {
         let half = (self.hi - self.lo) / 2.0;
         let farthest = (self.lo - allowed).abs().max((self.hi - allowed).abs());
         Self::needed(n, half, farthest)
@@ -233,7 +234,7 @@ impl Interval {
 }
 
 /// A request's samples of `metric`, in ms (none when it failed or has no such figure).
-pub fn metric_values(o: &Outcome, metric: &str) -> Vec<f64> {
+pub(crate) fn metric_values(o: &Outcome, metric: &str) -> Vec<f64> {
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     match metric {
         "ttft" => o.ttft.map(ms).into_iter().collect(),

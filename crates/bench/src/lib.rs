@@ -7,24 +7,27 @@
 //! The client runs on one thread with its own event loop (one core), so its CPU time per
 //! request is reported and it cannot borrow the machine's other core from what it measures.
 
-pub mod args;
-pub mod capacity;
-pub mod command;
+// What only this crate reaches is `pub(crate)`, not `pub` (clippy -D warnings holds it).
+#![warn(unreachable_pub)]
+pub(crate) mod args;
+pub(crate) mod capacity;
+pub(crate) mod command;
 pub mod dataset;
-pub mod engine;
-pub mod interval;
+pub(crate) mod engine;
+pub(crate) mod interval;
 pub mod measure;
 pub mod multiturn;
 pub mod plan;
 pub mod report;
 pub mod spec;
-pub mod summary;
-pub mod sweep;
+pub(crate) mod summary;
+pub(crate) mod sweep;
 pub mod verdict;
 pub mod vllm_flags;
 
 pub use args::BenchArgs;
 pub use command::run;
-pub use engine::{RunResult, execute};
+pub use engine::RunResult;
+pub use engine::execute;
 pub use plan::{Plan, plan};
-pub use report::{EXIT_COMPARE, EXIT_INTERRUPTED, EXIT_SLA, EXIT_USAGE, Report, build_report};
+pub use report::{EXIT_COMPARE, EXIT_SLA, EXIT_USAGE, Report, build_report};

@@ -35,7 +35,7 @@ pub struct Outcome {
     /// One per content event after the first.
     pub itls_ms: Vec<f32>,
     /// Offsets (from `sent_at`, ms) of every content event: peak throughput.
-    pub token_at_ms: Vec<f32>,
+    pub(crate) token_at_ms: Vec<f32>,
     /// Prompt tokens: the server's usage, else the dataset's count.
     pub input_tokens: u64,
     pub output_tokens: u64,
@@ -48,7 +48,7 @@ pub struct Outcome {
     pub hop_ms: Option<f64>,
     /// The backend's time as the gateway saw it (`Server-Timing: upstream;dur=`): a stream's
     /// trailer gives the backend's TTFT, a whole answer's head its time to answer.
-    pub upstream_ms: Option<f64>,
+    pub(crate) upstream_ms: Option<f64>,
     /// The answer's text, kept only when asked (`send_keeping_text`: a multi-turn conversation
     /// sends it back as the next turn's history).
     pub answer: Option<String>,
@@ -138,7 +138,7 @@ impl StreamTimer {
     }
 
     /// Keep the answer's text and its cached prompt tokens too.
-    pub fn keeping_text(mut self) -> Self {
+    pub(crate) fn keeping_text(mut self) -> Self {
         self.kept = Some(Kept::default());
         self
     }
@@ -225,7 +225,7 @@ impl StreamTimer {
 /// last byte; there is no first token and no output. Input tokens are the answer's
 /// `usage.prompt_tokens`. A cut body, a body that is not JSON, one carrying an `error`, or one
 /// without `data` is a failed request.
-pub fn whole_answer(
+pub(crate) fn whole_answer(
     body: &[u8],
     end: Duration,
     cut: Option<String>,
@@ -337,7 +337,7 @@ pub fn hop_ms(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<f64> 
 }
 
 /// The backend's time the gateway recorded: `upstream` of the trailer, else of the head.
-pub fn upstream_ms(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<f64> {
+pub(crate) fn upstream_ms(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<f64> {
     trailer_or_head_ms(headers, trailers, "upstream")
 }
 
@@ -376,7 +376,7 @@ pub async fn send(
 
 /// `send`, keeping the answer's text and cached prompt tokens (`Outcome::answer`,
 /// `Outcome::cached_tokens`) for a conversation's next turn.
-pub async fn send_keeping_text(
+pub(crate) async fn send_keeping_text(
     client: &HttpClient,
     target: &super::spec::Target,
     prompt: usize,

@@ -39,7 +39,7 @@ impl Role {
 /// The body of one turn: the system prompt and the whole history (ending with the new user
 /// message), in the endpoint's shape: chat `messages` with a system message; Responses
 /// `instructions` and the history as `input` items; Messages a `system` and `messages`.
-pub fn turn_body(
+pub(crate) fn turn_body(
     kind: EndpointType,
     model: &str,
     system: &str,
@@ -232,7 +232,7 @@ async fn conversation(
 
 /// What the prefix cache counted over the run: hit and queried tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CacheDelta {
+pub(crate) struct CacheDelta {
     pub hits: f64,
     pub queries: f64,
 }
@@ -240,7 +240,7 @@ pub struct CacheDelta {
 /// (hits, queries) of vLLM's `vllm:prefix_cache_hits_total` and
 /// `vllm:prefix_cache_queries_total` in a `/metrics` text, summed over their series; `None`
 /// when either is missing (not a vLLM, or a gateway).
-pub fn prefix_cache_counters(metrics: &str) -> Option<(f64, f64)> {
+pub(crate) fn prefix_cache_counters(metrics: &str) -> Option<(f64, f64)> {
     let sum = |name: &str| -> Option<f64> {
         let mut found = None;
         for line in metrics.lines().filter(|l| !l.starts_with('#')) {

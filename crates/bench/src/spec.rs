@@ -71,7 +71,7 @@ impl EndpointType {
     }
 
     /// `--percentile-metrics` when none is given, as `vllm bench serve` picks it: by task.
-    pub fn default_percentile_metrics(self) -> &'static str {
+    pub(crate) fn default_percentile_metrics(self) -> &'static str {
         if self.streams() {
             "ttft,tpot,itl"
         } else {
@@ -142,7 +142,7 @@ impl Axis {
 }
 
 /// `rate=2,4,8` or `concurrency=1,2,4`.
-pub fn parse_sweep(text: &str) -> Result<(Axis, Vec<f64>), String> {
+pub(crate) fn parse_sweep(text: &str) -> Result<(Axis, Vec<f64>), String> {
     let (k, v) = text
         .split_once('=')
         .ok_or_else(|| format!("--sweep `{text}`: write rate=2,4,8 or concurrency=1,2,4"))?;
@@ -177,13 +177,13 @@ pub fn parse_sweep(text: &str) -> Result<(Axis, Vec<f64>), String> {
 pub struct MultiTurn {
     pub conversations: usize,
     pub turns: usize,
-    pub user_len: u64,
-    pub system_len: u64,
+    pub(crate) user_len: u64,
+    pub(crate) system_len: u64,
     pub think: Duration,
     /// The system prompt every conversation starts with (empty: none).
     pub system: String,
     /// Base URLs whose `/metrics` carry vLLM's prefix-cache counters.
-    pub cache_metrics: Vec<String>,
+    pub(crate) cache_metrics: Vec<String>,
     /// Uneven load (`--multi-turn-hot-share`): conversation 0 sends each turn by several lanes.
     pub hot: Option<HotConversation>,
 }
@@ -202,7 +202,7 @@ impl HotConversation {
     /// Lanes for a share `f` of the requests of `conversations`:
     /// L = max(2, round(f / (1 − f) × (conversations − 1))), so the hot conversation sends
     /// L / (L + conversations − 1) of the requests (f = 1/3 of 16: 8 lanes, 8/23).
-    pub fn lanes_for(share: f64, conversations: usize) -> usize {
+    pub(crate) fn lanes_for(share: f64, conversations: usize) -> usize {
         let others = conversations.saturating_sub(1) as f64;
         // Bounded by the plan's check of the share (0 < f < 1) and the conversations. The nudge
         // keeps an exact half a half: 1/3 of 16 is 7.5 lanes, 7.4999… in floating point.
@@ -215,7 +215,7 @@ impl HotConversation {
     }
 
     /// The share of all requests the hot conversation sends when every turn is answered.
-    pub fn planned_share(&self, conversations: usize) -> f64 {
+    pub(crate) fn planned_share(&self, conversations: usize) -> f64 {
         self.lanes as f64 / (self.lanes + conversations.saturating_sub(1)) as f64
     }
 }

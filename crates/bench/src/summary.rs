@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use super::measure::Outcome;
 
 /// The latency metrics, in vLLM's order, with their section titles and labels.
-pub const METRICS: &[(&str, &str, &str)] = &[
+pub(crate) const METRICS: &[(&str, &str, &str)] = &[
     ("ttft", "Time to First Token", "TTFT"),
     ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
     ("itl", "Inter-token Latency", "ITL"),
@@ -27,7 +27,7 @@ pub struct Stats {
 }
 
 /// numpy's default percentile: linear interpolation between the closest ranks.
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
@@ -81,7 +81,7 @@ impl Stats {
 }
 
 /// How vLLM names a percentile in its keys: `99`, `99.9`.
-pub fn p_word(p: f64) -> String {
+pub(crate) fn p_word(p: f64) -> String {
     if p.fract() == 0.0 {
         format!("{}", p as i64)
     } else {
@@ -101,7 +101,7 @@ pub struct Summary {
     pub output_throughput: f64,
     pub total_token_throughput: f64,
     /// vLLM's `max_output_tokens_per_s`: the most token events in one second (`busiest_seconds`).
-    pub peak_output_throughput: f64,
+    pub(crate) peak_output_throughput: f64,
     /// vLLM's `max_concurrent_requests`: the most requests active within one second
     /// (`busiest_seconds`) — at least the instantaneous peak, usually more.
     pub max_concurrent_requests: usize,
@@ -123,7 +123,7 @@ pub struct Summary {
 }
 
 /// `--goodput` objectives: metric → maximum milliseconds.
-pub type Goodput = Vec<(String, f64)>;
+pub(crate) type Goodput = Vec<(String, f64)>;
 
 impl Summary {
     pub fn of(

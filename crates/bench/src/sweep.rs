@@ -20,17 +20,17 @@ use super::verdict::sla::{Objective, violations};
 
 /// One point of the sweep.
 #[derive(Debug, Clone)]
-pub struct Point {
+pub(crate) struct Point {
     pub x: f64,
     pub summary: Summary,
-    pub meets_sla: bool,
+    pub(crate) meets_sla: bool,
 }
 
 /// The knee: the first point where more offered load stops buying throughput (under 90 % of
 /// the offered rate, or under 5 % more than the point before) or TTFT P99 more than doubles
 /// against the first point (and grows by 50 ms at least, so step-sized jitter of a fast
 /// backend is not a knee). `None` when the series never bends.
-pub fn knee(axis: Axis, points: &[Point]) -> Option<usize> {
+pub(crate) fn knee(axis: Axis, points: &[Point]) -> Option<usize> {
     let base_ttft = points.first()?.summary.metrics.get("ttft")?.get("p99")?;
     for (i, p) in points.iter().enumerate().skip(1) {
         let prev = &points[i - 1].summary;
@@ -63,13 +63,13 @@ fn sustained<'a>(axis: Axis, points: impl Iterator<Item = &'a Point>) -> Option<
         })
 }
 
-pub fn mark_sla(points: &mut [Point], sla: &[Objective]) {
+pub(crate) fn mark_sla(points: &mut [Point], sla: &[Objective]) {
     for p in points {
         p.meets_sla = p.summary.completed > 0 && violations(&p.summary, sla).is_empty();
     }
 }
 
-pub fn table(axis: Axis, points: &[Point], knee: Option<usize>, sla: bool) -> String {
+pub(crate) fn table(axis: Axis, points: &[Point], knee: Option<usize>, sla: bool) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "{:=^96}", format!(" Sweep over {} ", axis.name()));
     let _ = writeln!(
@@ -129,7 +129,7 @@ pub fn table(axis: Axis, points: &[Point], knee: Option<usize>, sla: bool) -> St
 
 /// An SVG line chart: TTFT P99 (left axis) and request throughput (right axis) against the
 /// swept value, the knee marked.
-pub fn svg(axis: Axis, points: &[Point], knee: Option<usize>) -> String {
+pub(crate) fn svg(axis: Axis, points: &[Point], knee: Option<usize>) -> String {
     let (w, h) = (720.0, 420.0);
     let (l, r, t, b) = (70.0, 70.0, 40.0, 60.0);
     let pw = w - l - r;

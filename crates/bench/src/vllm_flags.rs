@@ -210,7 +210,7 @@ const DATASETS: &[&str] = &[
 
 /// The request formats of vLLM's `--backend` (and of the old `--endpoint-type`) that fleetgate
 /// bench speaks, as its `--endpoint-type`.
-pub fn backend_format(name: &str) -> Option<&'static str> {
+pub(crate) fn backend_format(name: &str) -> Option<&'static str> {
     Some(match name {
         "vllm" | "openai" => "openai",
         "openai-chat" => "openai-chat",
@@ -228,7 +228,7 @@ pub fn backend_format(name: &str) -> Option<&'static str> {
 
 /// The name of a hidden flag that carries what is not implemented to the plan, which refuses
 /// the run with every item named (`BenchArgs::vllm_not_implemented`).
-pub const NOT_IMPLEMENTED_FLAG: &str = "--vllm-not-implemented";
+pub(crate) const NOT_IMPLEMENTED_FLAG: &str = "--vllm-not-implemented";
 
 /// The arguments after `bench`, rewritten for clap (see the module's comment), and the
 /// warnings to print (one line each).

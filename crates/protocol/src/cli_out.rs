@@ -25,7 +25,7 @@ macro_rules! out {
 }
 
 /// EX_IOERR (sysexits.h): stdout could not be written for another reason than a closed pipe.
-pub const EXIT_IO: i32 = 74;
+pub(crate) const EXIT_IO: i32 = 74;
 
 /// Write to stdout and flush; on a closed pipe end quietly, on another error say so and end.
 pub fn write(args: std::fmt::Arguments<'_>) {

@@ -344,7 +344,7 @@ pub static TABLE: [Row; 21] = [
 ];
 
 /// The most characters of a response id in a path.
-pub const MAX_ID: usize = 128;
+pub(crate) const MAX_ID: usize = 128;
 
 /// A response id in a path: letters, digits, `_` and `-` (vLLM's `resp_<hex>`, OpenAI's
 /// `resp_<alnum>`); anything else (`.`, `%`, `/`) never names one.

@@ -5,6 +5,9 @@
 //! stream (`stream`), and the measuring client the bench
 //! and the demo use. Nothing here knows about the request path.
 
+// What only this crate reaches is `pub(crate)`, not `pub` (clippy -D warnings holds it).
+#![warn(unreachable_pub)]
+
 pub mod base_url;
 pub mod cli_out;
 pub mod client;

@@ -54,7 +54,7 @@ impl SseScanner {
 
     /// A scanner that carries at most `max_line` bytes of an unfinished line: a backend that
     /// sends a line with no end (a hostile or broken one) cannot grow the memory it holds.
-    pub fn with_line_limit(max_line: usize) -> Self {
+    pub(crate) fn with_line_limit(max_line: usize) -> Self {
         Self::for_dialect(Dialect::Chat, max_line)
     }
 

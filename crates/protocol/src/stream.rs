@@ -42,11 +42,11 @@ pub struct StreamMetrics {
     pub content_events: u32,
     /// The gap before the latest content event (none for the first).
     pub last_gap: Option<Duration>,
-    pub itl_sum: Duration,
+    pub(crate) itl_sum: Duration,
     pub itl_max: Duration,
     /// Gaps by power-of-two microseconds (bucket i: [2^i, 2^(i+1)) µs), for a per-request p99
     /// without keeping every gap.
-    pub itl_buckets: [u16; ITL_BUCKETS],
+    pub(crate) itl_buckets: [u16; ITL_BUCKETS],
     pub usage: Option<Usage>,
     /// An in-stream `{"error": ...}` event was seen.
     pub error: bool,
@@ -168,7 +168,7 @@ impl StreamMetrics {
 
 /// The last `"usage": {...}` object of a non-streaming body, from its last two frames (the
 /// object closes the body, so it lies there).
-pub fn usage_in_tail(tail: &[Option<bytes::Bytes>; 2]) -> Option<Usage> {
+pub(crate) fn usage_in_tail(tail: &[Option<bytes::Bytes>; 2]) -> Option<Usage> {
     let last = tail[1].as_ref()?;
     if let Some(u) = usage_in(last) {
         return Some(u);

@@ -56,7 +56,7 @@ pub(crate) struct ResponseObject {
 }
 
 impl ResponseObject {
-    pub fn new(
+    pub(crate) fn new(
         id: String,
         created_at: u64,
         model: &str,
@@ -102,7 +102,14 @@ impl ResponseObject {
     }
 
     /// Finished: the message, the usage, and `incomplete` when the limit cut it.
-    pub fn complete(&mut self, msg_id: &str, text: &str, prompt: u32, completion: u32, cut: bool) {
+    pub(crate) fn complete(
+        &mut self,
+        msg_id: &str,
+        text: &str,
+        prompt: u32,
+        completion: u32,
+        cut: bool,
+    ) {
         self.output = vec![message_item(msg_id, text, "completed", Value::Null)];
         self.status = if cut { "incomplete" } else { "completed" };
         self.incomplete_details = cut.then(|| json!({"reason": "max_output_tokens"}));
@@ -148,7 +155,7 @@ pub(crate) struct ResponsesFrames {
 }
 
 impl ResponsesFrames {
-    pub fn new(object: ResponseObject, msg_id: String) -> Self {
+    pub(crate) fn new(object: ResponseObject, msg_id: String) -> Self {
         let log = object.background.then(BytesMut::new);
         Self {
             object,
@@ -176,7 +183,7 @@ impl ResponsesFrames {
     }
 
     /// `response.created` and `response.in_progress`: sent at once, before the first token.
-    pub fn start(&mut self) -> Bytes {
+    pub(crate) fn start(&mut self) -> Bytes {
         for name in ["response.created", "response.in_progress"] {
             let seq = self.next_seq();
             let data = json!({"response": &self.object, "sequence_number": seq, "type": name});
@@ -186,7 +193,7 @@ impl ResponsesFrames {
     }
 
     /// The message item and its text part open with the first token.
-    pub fn first(&mut self) -> Bytes {
+    pub(crate) fn first(&mut self) -> Bytes {
         let seq = self.next_seq();
         let item = json!({"id": self.msg_id, "content": [], "role": "assistant", "status": "in_progress", "type": "message", "phase": null});
         event(
@@ -204,7 +211,7 @@ impl ResponsesFrames {
     }
 
     /// One `response.output_text.delta`.
-    pub fn token(&mut self, text: &str) -> Bytes {
+    pub(crate) fn token(&mut self, text: &str) -> Bytes {
         self.text.push_str(text);
         let seq = self.next_seq();
         let b = &mut self.buf;
@@ -219,7 +226,7 @@ impl ResponsesFrames {
     }
 
     /// The closing events, `response.completed` last with the usage.
-    pub fn finish(&mut self, prompt: u32, completion: u32, cut: bool) -> Bytes {
+    pub(crate) fn finish(&mut self, prompt: u32, completion: u32, cut: bool) -> Bytes {
         let (id, text) = (self.msg_id.clone(), std::mem::take(&mut self.text));
         let seq = self.next_seq();
         event(
@@ -250,7 +257,7 @@ impl ResponsesFrames {
     }
 
     /// An error after the head went out.
-    pub fn error(&mut self, message: &str) -> Bytes {
+    pub(crate) fn error(&mut self, message: &str) -> Bytes {
         let seq = self.next_seq();
         event(
             &mut self.buf,
@@ -270,7 +277,7 @@ pub(crate) struct MessagesFrames {
 }
 
 impl MessagesFrames {
-    pub fn new(id: String, model: &str, prompt: u32) -> Self {
+    pub(crate) fn new(id: String, model: &str, prompt: u32) -> Self {
         Self {
             id,
             model: model.to_owned(),
@@ -280,7 +287,7 @@ impl MessagesFrames {
     }
 
     /// `message_start` and the text block's start, with the first token.
-    pub fn first(&mut self) -> Bytes {
+    pub(crate) fn first(&mut self) -> Bytes {
         event(
             &mut self.buf,
             "message_start",
@@ -295,7 +302,7 @@ impl MessagesFrames {
     }
 
     /// One `content_block_delta`.
-    pub fn token(&mut self, text: &str) -> Bytes {
+    pub(crate) fn token(&mut self, text: &str) -> Bytes {
         let b = &mut self.buf;
         b.put_slice(b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"");
         push_json_str(b, text);
@@ -304,7 +311,7 @@ impl MessagesFrames {
     }
 
     /// The block's end, the usage, the message's end.
-    pub fn finish(&mut self, completion: u32, cut: bool) -> Bytes {
+    pub(crate) fn finish(&mut self, completion: u32, cut: bool) -> Bytes {
         event(
             &mut self.buf,
             "content_block_stop",
@@ -324,7 +331,7 @@ impl MessagesFrames {
         self.buf.split().freeze()
     }
 
-    pub fn error(&mut self, message: &str) -> Bytes {
+    pub(crate) fn error(&mut self, message: &str) -> Bytes {
         event(
             &mut self.buf,
             "error",
@@ -414,7 +421,7 @@ impl Store {
 
     /// Store (or update) `r`. A cancelled background response stays cancelled: its task may
     /// still finish a moment after the cancel.
-    pub fn put(&self, r: &ResponseObject) {
+    pub(crate) fn put(&self, r: &ResponseObject) {
         self.with(|map, order| {
             let entry = map.entry(r.id.clone()).or_insert_with(|| {
                 order.push_back(r.id.clone());
@@ -439,12 +446,12 @@ impl Store {
         });
     }
 
-    pub fn get(&self, id: &str) -> Option<ResponseObject> {
+    pub(crate) fn get(&self, id: &str) -> Option<ResponseObject> {
         self.with(|map, _| map.get(id).and_then(|e| e.object.clone()))
     }
 
     /// The task generating background response `id`, for a cancel to stop it.
-    pub fn running_task(&self, id: &str, task: tokio::task::AbortHandle) {
+    pub(crate) fn running_task(&self, id: &str, task: tokio::task::AbortHandle) {
         self.with(|map, _| {
             if let Some(e) = map.get_mut(id)
                 && e.object.as_ref().is_some_and(|o| running(o.status))
@@ -455,7 +462,7 @@ impl Store {
     }
 
     /// A background stream's events so far (the whole stream once it ended).
-    pub fn events(&self, id: &str, events: Bytes) {
+    pub(crate) fn events(&self, id: &str, events: Bytes) {
         self.with(|map, _| {
             if let Some(e) = map.get_mut(id) {
                 e.events = Some(events);
@@ -465,7 +472,7 @@ impl Store {
 
     /// `id`'s stored events with a `sequence_number` above `after`, and whether it has any
     /// (only a streamed background response has).
-    pub fn replay(&self, id: &str, after: Option<u64>) -> Option<Bytes> {
+    pub(crate) fn replay(&self, id: &str, after: Option<u64>) -> Option<Bytes> {
         let all = self.with(|map, _| map.get(id).and_then(|e| e.events.clone()))?;
         let Some(after) = after else {
             return Some(all);
@@ -482,7 +489,7 @@ impl Store {
 
     /// Cancel background response `id` while it runs: its status becomes `cancelled` and its
     /// generation stops.
-    pub fn cancel(&self, id: &str) -> Result<ResponseObject, CancelRefused> {
+    pub(crate) fn cancel(&self, id: &str) -> Result<ResponseObject, CancelRefused> {
         self.with(|map, _| {
             let e = map.get_mut(id).ok_or(CancelRefused::NotFound)?;
             let o = e.object.as_mut().ok_or(CancelRefused::NotFound)?;

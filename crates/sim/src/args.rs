@@ -277,7 +277,7 @@ pub(crate) struct StepTiming {
 
 impl StepTiming {
     /// All-zero timing means no scheduler task and no timers at all (see `engine::Feed`).
-    pub fn is_zero(&self) -> bool {
+    pub(crate) fn is_zero(&self) -> bool {
         self.decode_step.is_zero()
             && self.decode_per_seq.is_zero()
             && self.prefill_per_token.is_zero()
@@ -306,7 +306,7 @@ pub(crate) enum PoolingTask {
 impl PoolingTask {
     /// vLLM enables /score and /rerank for an embedding model (cosine similarity) and for a
     /// classifier with one label (a cross-encoder) only.
-    pub fn scores(self) -> bool {
+    pub(crate) fn scores(self) -> bool {
         matches!(
             self,
             PoolingTask::Embed { .. } | PoolingTask::Classify { labels: 1 }
@@ -353,18 +353,18 @@ pub(crate) struct SimConfig {
 
 impl SimConfig {
     /// Whether prompts are hashed into blocks for the prefix cache at all.
-    pub fn prefix_caching(&self) -> bool {
+    pub(crate) fn prefix_caching(&self) -> bool {
         self.prefix_cache_tokens >= u64::from(self.block_size)
     }
 }
 
 impl SimConfig {
     /// The name reported in `model` fields and the `model_name` metric label.
-    pub fn model_name(&self) -> &str {
+    pub(crate) fn model_name(&self) -> &str {
         self.served_names.first().map_or("", String::as_str)
     }
 
-    pub fn serves(&self, model: &str) -> bool {
+    pub(crate) fn serves(&self, model: &str) -> bool {
         self.served_names.iter().any(|n| n == model)
     }
 }

@@ -19,7 +19,7 @@ pub(crate) enum SpeechTask {
 }
 
 impl SpeechTask {
-    pub fn at(path: &str) -> Option<Self> {
+    pub(crate) fn at(path: &str) -> Option<Self> {
         match path {
             "/v1/audio/transcriptions" => Some(Self::Transcribe),
             "/v1/audio/translations" => Some(Self::Translate),
@@ -34,7 +34,7 @@ impl SpeechTask {
         }
     }
 
-    pub fn id_prefix(self) -> &'static str {
+    pub(crate) fn id_prefix(self) -> &'static str {
         match self {
             Self::Transcribe => "transcribe-",
             Self::Translate => "translate-",
@@ -318,7 +318,7 @@ pub(crate) struct AudioFrames {
 }
 
 impl AudioFrames {
-    pub fn new(
+    pub(crate) fn new(
         task: SpeechTask,
         id: &str,
         created: u64,
@@ -359,7 +359,7 @@ impl AudioFrames {
     }
 
     /// One token; `finish` marks the last.
-    pub fn token(&mut self, text: &str, finish: Option<&str>) -> Bytes {
+    pub(crate) fn token(&mut self, text: &str, finish: Option<&str>) -> Bytes {
         self.sent += 1;
         let mut b = BytesMut::with_capacity(self.head.len() + text.len() * 2 + 160);
         b.put_slice(&self.head);
@@ -380,7 +380,7 @@ impl AudioFrames {
     }
 
     /// The closing usage chunk (`stream_include_usage`).
-    pub fn usage(&mut self) -> Bytes {
+    pub(crate) fn usage(&mut self) -> Bytes {
         let mut b = BytesMut::with_capacity(self.head.len() + 128);
         b.put_slice(&self.head);
         b.put_u8(b']');

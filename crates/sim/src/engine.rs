@@ -46,7 +46,7 @@ impl SeqShared {
         self.waker.wake();
     }
 
-    pub fn produced(&self) -> u32 {
+    pub(crate) fn produced(&self) -> u32 {
         self.produced.load(Ordering::Acquire)
     }
 
@@ -121,7 +121,7 @@ pub(crate) struct BatchModel {
 }
 
 impl BatchModel {
-    pub fn new(max_num_seqs: u32, max_num_batched_tokens: u32, timing: StepTiming) -> Self {
+    pub(crate) fn new(max_num_seqs: u32, max_num_batched_tokens: u32, timing: StepTiming) -> Self {
         Self {
             max_num_seqs: usize::try_from(max_num_seqs.max(1)).unwrap_or(usize::MAX),
             by_priority: false,
@@ -134,7 +134,7 @@ impl BatchModel {
     }
 
     /// Admit waiting sequences by `priority` (`--scheduling-policy priority`).
-    pub fn by_priority(mut self, on: bool) -> Self {
+    pub(crate) fn by_priority(mut self, on: bool) -> Self {
         self.by_priority = on;
         self
     }
@@ -153,7 +153,7 @@ impl BatchModel {
         self.waiting.remove(at)
     }
 
-    pub fn enqueue(&mut self, s: NewSeq) {
+    pub(crate) fn enqueue(&mut self, s: NewSeq) {
         let prompt = s.prompt_tokens.max(1);
         // At least one token is computed, as vLLM's (the last prompt token's logits are needed).
         let cached = s.cached_tokens.min(prompt - 1);
@@ -168,21 +168,21 @@ impl BatchModel {
         });
     }
 
-    pub fn running_len(&self) -> usize {
+    pub(crate) fn running_len(&self) -> usize {
         self.running.len()
     }
 
-    pub fn waiting_len(&self) -> usize {
+    pub(crate) fn waiting_len(&self) -> usize {
         self.waiting.len()
     }
 
     /// Prompt tokens prefilled so far; cached ones never are.
-    pub fn prefilled_tokens(&self) -> u64 {
+    pub(crate) fn prefilled_tokens(&self) -> u64 {
         self.prefilled_tokens
     }
 
     /// Tokens whose KV entries the running batch holds.
-    pub fn kv_tokens(&self) -> u64 {
+    pub(crate) fn kv_tokens(&self) -> u64 {
         self.running
             .iter()
             .map(|s| u64::from(s.prompt_tokens - s.prefill_left) + u64::from(s.produced))
@@ -191,7 +191,7 @@ impl BatchModel {
 
     /// Drops abandoned sequences, decides the next step and returns its duration, or `None`
     /// when there is nothing to run.
-    pub fn plan(&mut self) -> Option<Duration> {
+    pub(crate) fn plan(&mut self) -> Option<Duration> {
         self.running.retain(|s| !s.shared.is_abandoned());
         self.waiting.retain(|s| !s.shared.is_abandoned());
         if self.running.is_empty() && self.waiting.is_empty() {
@@ -241,7 +241,7 @@ impl BatchModel {
 
     /// Applies the planned step: prefill progresses, tokens are published, finished sequences
     /// leave the batch.
-    pub fn commit(&mut self) {
+    pub(crate) fn commit(&mut self) {
         for s in &mut self.running {
             let emits = if s.chunk > 0 {
                 s.prefill_left -= s.chunk;
@@ -270,7 +270,7 @@ pub(crate) struct Engine {
 impl Engine {
     /// Spawns the scheduler task unless timing is all zero, in which case bodies produce tokens
     /// on demand and no timer is ever touched.
-    pub fn spawn(
+    pub(crate) fn spawn(
         cfg: &SimConfig,
         stats: Arc<SimStats>,
         cancel: CancellationToken,
@@ -304,7 +304,7 @@ impl Engine {
     /// Starts a generation; the caller has already validated lengths. `prompt_blocks` are
     /// the prompt's block hashes (`prefix_cache::block_hashes`; empty for a request the
     /// prefix cache does not see).
-    pub fn start(
+    pub(crate) fn start(
         &self,
         stats: Arc<SimStats>,
         prompt_tokens: u32,
@@ -451,16 +451,16 @@ pub(crate) struct SeqHandle {
 }
 
 impl SeqHandle {
-    pub fn emitted(&self) -> u32 {
+    pub(crate) fn emitted(&self) -> u32 {
         self.emitted
     }
 
-    pub fn is_last(&self) -> bool {
+    pub(crate) fn is_last(&self) -> bool {
         self.emitted >= self.max_tokens
     }
 
     /// Ready once the first token exists (the moment vLLM sends the role chunk).
-    pub fn poll_first(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+    pub(crate) fn poll_first(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         match &self.feed {
             Feed::Instant => Poll::Ready(()),
             Feed::Scheduled(s) => s.poll_beyond(0, cx),
@@ -468,7 +468,7 @@ impl SeqHandle {
     }
 
     /// The next token's text, or `None` after the last one.
-    pub fn poll_token(&mut self, cx: &mut Context<'_>) -> Poll<Option<&'static str>> {
+    pub(crate) fn poll_token(&mut self, cx: &mut Context<'_>) -> Poll<Option<&'static str>> {
         if self.emitted >= self.max_tokens {
             return Poll::Ready(None);
         }
@@ -501,7 +501,7 @@ impl SeqHandle {
     }
 
     /// All remaining tokens, for non-streaming responses.
-    pub async fn collect_text(&mut self) -> String {
+    pub(crate) async fn collect_text(&mut self) -> String {
         let mut text = String::new();
         while let Some(t) = std::future::poll_fn(|cx| self.poll_token(cx)).await {
             text.push_str(t);
@@ -511,7 +511,7 @@ impl SeqHandle {
 
     /// Marks a normal end; call before the final bytes go out so a client that has read them
     /// also sees the counters.
-    pub fn finish(&mut self) {
+    pub(crate) fn finish(&mut self) {
         if self.leave(GenState::Finished) {
             self.stats.completed.fetch_add(1, Ordering::Relaxed);
             self.stats.engine.record_finish(FinishReason::Length);
@@ -525,7 +525,7 @@ impl SeqHandle {
     }
 
     /// Marks an injected fault (dropped or errored stream).
-    pub fn fail_injected(&mut self) {
+    pub(crate) fn fail_injected(&mut self) {
         if self.leave(GenState::Failed) {
             self.stats.failed_injected.fetch_add(1, Ordering::Relaxed);
             self.stats.engine.record_finish(FinishReason::Abort);

@@ -17,7 +17,7 @@ pub(crate) enum Endpoint {
 }
 
 impl Endpoint {
-    pub fn id_prefix(self) -> &'static str {
+    pub(crate) fn id_prefix(self) -> &'static str {
         match self {
             Endpoint::Chat | Endpoint::Messages => "chatcmpl-",
             Endpoint::Completions => "cmpl-",
@@ -57,7 +57,7 @@ pub(crate) struct FrameWriter {
 }
 
 impl FrameWriter {
-    pub fn new(endpoint: Endpoint, id: &str, created: u64, model: &str) -> Self {
+    pub(crate) fn new(endpoint: Endpoint, id: &str, created: u64, model: &str) -> Self {
         let mut head = BytesMut::with_capacity(128 + id.len() + model.len());
         head.put_slice(b"data: {\"id\":\"");
         push_json_str(&mut head, id);
@@ -79,13 +79,13 @@ impl FrameWriter {
     }
 
     /// Usage on every chunk (`stream_options.continuous_usage_stats` with `include_usage`).
-    pub fn continuous_usage(&mut self, prompt_tokens: u32) {
+    pub(crate) fn continuous_usage(&mut self, prompt_tokens: u32) {
         self.continuous = Some(prompt_tokens);
     }
 
     /// `usage.prompt_tokens_details` on the usage chunk, as vLLM with
     /// `--enable-prompt-tokens-details`.
-    pub fn prompt_tokens_details(&mut self, cached_tokens: u32) {
+    pub(crate) fn prompt_tokens_details(&mut self, cached_tokens: u32) {
         self.cached = Some(cached_tokens);
     }
 
@@ -119,7 +119,7 @@ impl FrameWriter {
     }
 
     /// Chat only: the first chunk, carrying the assistant role and empty content.
-    pub fn role(&mut self) -> Bytes {
+    pub(crate) fn role(&mut self) -> Bytes {
         self.begin(ROLE_CHOICE.len());
         self.buf.put_slice(ROLE_CHOICE);
         self.put_running_usage();
@@ -131,7 +131,7 @@ impl FrameWriter {
     /// One token; `finish` marks the last one with its finish reason. vLLM puts the
     /// `system_fingerprint` on the last chunk before `[DONE]`: this one without a usage chunk
     /// (`fingerprint`), else the usage chunk.
-    pub fn token(&mut self, text: &str, finish: Option<&str>, fingerprint: bool) -> Bytes {
+    pub(crate) fn token(&mut self, text: &str, finish: Option<&str>, fingerprint: bool) -> Bytes {
         self.begin(text.len() * 2);
         match self.endpoint {
             Endpoint::Chat => {
@@ -175,7 +175,7 @@ impl FrameWriter {
     }
 
     /// The `stream_options.include_usage` chunk: no choices, just the totals.
-    pub fn usage(&mut self, prompt: u32, completion: u32) -> Bytes {
+    pub(crate) fn usage(&mut self, prompt: u32, completion: u32) -> Bytes {
         self.begin(0);
         let mut n = itoa::Buffer::new();
         self.buf.put_slice(br#"],"usage":{"prompt_tokens":"#);

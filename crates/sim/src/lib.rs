@@ -22,6 +22,9 @@
 //! token per running sequence per step). With all timing zero there is no scheduler and no timer:
 //! each body makes its frames when polled, and `max_num_seqs` does not apply.
 
+// What only this crate reaches is `pub(crate)`, not `pub` (clippy -D warnings holds it).
+#![warn(unreachable_pub)]
+
 mod agents;
 mod api;
 mod args;

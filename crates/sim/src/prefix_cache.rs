@@ -54,7 +54,7 @@ pub(crate) struct PrefixCache {
 
 impl PrefixCache {
     /// `None` when the budget holds no block: the cache is off.
-    pub fn new(block_size: u32, capacity_tokens: u64) -> Option<Self> {
+    pub(crate) fn new(block_size: u32, capacity_tokens: u64) -> Option<Self> {
         let block_size = block_size.max(1);
         let capacity_blocks =
             usize::try_from(capacity_tokens / u64::from(block_size)).unwrap_or(usize::MAX);
@@ -70,7 +70,7 @@ impl PrefixCache {
     /// Looks a prompt of `prompt_tokens` tokens up by its block hashes and stores its blocks;
     /// returns the tokens found (a multiple of the block size). As vLLM, at least the last
     /// prompt token is always computed, so a prompt that is all cached still pays one block.
-    pub fn admit(&mut self, hashes: &[u64], prompt_tokens: u32) -> u32 {
+    pub(crate) fn admit(&mut self, hashes: &[u64], prompt_tokens: u32) -> u32 {
         let bs = self.block_size;
         let usable = usize::try_from(prompt_tokens.saturating_sub(1) / bs).unwrap_or(usize::MAX);
         let hit_blocks = hashes
@@ -101,7 +101,7 @@ impl PrefixCache {
 
     /// Blocks held now.
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.blocks.len()
     }
 }

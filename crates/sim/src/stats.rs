@@ -75,7 +75,7 @@ pub(crate) enum FinishReason {
 impl FinishReason {
     const ALL: [FinishReason; 2] = [FinishReason::Length, FinishReason::Abort];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
@@ -167,7 +167,7 @@ impl EngineMetrics {
         }
     }
 
-    pub fn record_finish(&self, reason: FinishReason) {
+    pub(crate) fn record_finish(&self, reason: FinishReason) {
         self.finished[reason.index()].fetch_add(1, Relaxed);
     }
 }
@@ -210,14 +210,14 @@ impl Histogram {
         self.sum.fetch_add(sum_units, Relaxed);
     }
 
-    pub fn observe(&self, d: Duration) {
+    pub(crate) fn observe(&self, d: Duration) {
         self.put(
             d.as_secs_f64(),
             u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
         );
     }
 
-    pub fn observe_count(&self, n: u64) {
+    pub(crate) fn observe_count(&self, n: u64) {
         self.put(n as f64, n);
     }
 

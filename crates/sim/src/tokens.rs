@@ -65,13 +65,13 @@ pub(crate) struct TokenSource {
 }
 
 impl TokenSource {
-    pub fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         Self {
             rng: SmallRng::seed_from_u64(seed),
         }
     }
 
-    pub fn next_token(&mut self) -> &'static str {
+    pub(crate) fn next_token(&mut self) -> &'static str {
         let i = self.rng.random_range(0..VOCAB.len());
         VOCAB.get(i).copied().unwrap_or(" the")
     }

@@ -44,7 +44,7 @@ pub struct Plan {
     pub max_concurrency: Option<usize>,
     pub duration: Option<Duration>,
     pub num_prompts: usize,
-    pub warmups: usize,
+    pub(crate) warmups: usize,
     pub seed: u64,
     pub timeout: Duration,
     pub selected: Vec<String>,
@@ -63,7 +63,7 @@ pub struct Plan {
     pub settings: Value,
     pub progress: bool,
     pub sweep: Option<(spec::Axis, Vec<f64>)>,
-    pub sweep_chart: PathBuf,
+    pub(crate) sweep_chart: PathBuf,
     /// (target QPS, redundancy, instances measured).
     pub capacity: Option<(f64, f64, u32)>,
     /// What the run leaves out of what was asked, and why (printed as `note:` lines).
@@ -72,7 +72,7 @@ pub struct Plan {
     pub ignore_eos: bool,
     /// Merged into every request body last (sampling flags, `--extra-body`,
     /// `--served-model-name`).
-    pub body_extra: serde_json::Map<String, Value>,
+    pub(crate) body_extra: serde_json::Map<String, Value>,
     /// Agent-shaped load instead of independent prompts (`--multi-turn-conversations`): then
     /// `prompts` holds each conversation's user messages, turn by turn.
     pub multi_turn: Option<MultiTurn>,

@@ -9,7 +9,7 @@ use crate::summary::{METRICS, Stats, Summary, p_word};
 
 /// vLLM's result keys for one target (per-request arrays included, texts not kept): those of a
 /// generation, or those of a pooling run for an endpoint type whose answers are not streamed.
-pub fn vllm_json(
+pub(crate) fn vllm_json(
     s: &Summary,
     outcomes: &[&Outcome],
     selected: &[String],
@@ -180,7 +180,7 @@ fn metric_keys(m: &mut serde_json::Map<String, Value>, s: &Summary, selected: &[
 
 /// The seed's `result.json` shape (of an embedding run, only `error_rate`: it has no TTFT,
 /// TPOT or output tokens).
-pub fn seed_json(s: &Summary, kind: EndpointType) -> serde_json::Map<String, Value> {
+pub(crate) fn seed_json(s: &Summary, kind: EndpointType) -> serde_json::Map<String, Value> {
     if !kind.streams() {
         let mut m = serde_json::Map::new();
         m.insert("error_rate".into(), json!(s.error_rate()));

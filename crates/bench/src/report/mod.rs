@@ -102,7 +102,7 @@ pub const EXIT_SLA: u8 = 2;
 pub const EXIT_COMPARE: u8 = 3;
 /// A bad command line or settings file (EX_USAGE, as every `fleetgate` command).
 pub const EXIT_USAGE: u8 = 64;
-pub const EXIT_INTERRUPTED: u8 = 130;
+pub(crate) const EXIT_INTERRUPTED: u8 = 130;
 
 /// The whole report: terminal text, result JSON and the exit code.
 pub struct Report {

@@ -29,28 +29,28 @@ pub enum Judgement {
 pub struct Delta {
     pub metric: String,
     pub stat: String,
-    pub baseline_ms: Option<f64>,
-    pub measured_ms: Option<f64>,
+    pub(crate) baseline_ms: Option<f64>,
+    pub(crate) measured_ms: Option<f64>,
     /// measured − baseline: positive when the second target is slower.
     pub delta_ms: Option<f64>,
-    pub delta_pct: Option<f64>,
+    pub(crate) delta_pct: Option<f64>,
     /// The 95 % confidence interval of the delta (paired bootstrap over prompts).
     pub ci_ms: Option<Interval>,
     /// Prompts answered by both targets, whose samples were paired.
     pub paired_prompts: usize,
     /// Samples on the thinner side (prompts; ITL: gaps), against `min_samples`.
     pub samples: usize,
-    pub min_samples: usize,
+    pub(crate) min_samples: usize,
     /// Prompts per target that would decide a line that is not distinguishable, were the
     /// true delta the measured one.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompts_to_decide: Option<usize>,
+    pub(crate) prompts_to_decide: Option<usize>,
     /// The fewest that could (the true delta at the interval's far end); nearer the limit,
     /// more without bound.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompts_to_decide_at_least: Option<usize>,
+    pub(crate) prompts_to_decide_at_least: Option<usize>,
     /// The tolerance in percent this line is judged against.
-    pub limit_pct: f64,
+    pub(crate) limit_pct: f64,
     /// The largest slowdown allowed, max(limit_pct × baseline, floor).
     pub allowed_ms: Option<f64>,
     pub judgement: Judgement,

@@ -8,21 +8,21 @@ use crate::summary::Summary;
 /// What the gateway recorded as its hop cost beside what the client saw it add: to TTFT for a
 /// stream, to the whole request (E2EL) for an answer that is not streamed (an embedding).
 #[derive(Debug, Clone, PartialEq)]
-pub struct HopCheck {
+pub(crate) struct HopCheck {
     /// The client-side metric the hop is set beside: `ttft`, or `e2el`.
     pub metric: &'static str,
     /// Median `Server-Timing` hop of the second target's successful requests (none: it sent
     /// no hop figure).
     pub recorded_median_ms: Option<f64>,
     /// Its P99, when there are enough of them (`Stat::min_samples`).
-    pub recorded_p99_ms: Option<f64>,
+    pub(crate) recorded_p99_ms: Option<f64>,
     /// How many of its requests carried one.
-    pub recorded_count: usize,
+    pub(crate) recorded_count: usize,
     /// Second target's median of `metric` − first's (none: not measured on a side); in the
     /// result as `client_<metric>_median_delta_ms`.
-    pub client_median_delta_ms: Option<f64>,
+    pub(crate) client_median_delta_ms: Option<f64>,
     /// The 95 % interval of that delta (paired bootstrap over prompts).
-    pub client_median_delta_ci_ms: Option<Interval>,
+    pub(crate) client_median_delta_ci_ms: Option<Interval>,
     /// recorded / client-seen (none: either is missing, or the client saw no added time).
     pub ratio: Option<f64>,
 }
@@ -50,13 +50,18 @@ impl serde::Serialize for HopCheck {
 
 impl HopCheck {
     /// Beside the client's TTFT (streams).
-    pub fn of(outcomes: &[Outcome], baseline: &Summary, measured_target: &Summary) -> HopCheck {
+    #[cfg(test)]
+    pub(crate) fn of(
+        outcomes: &[Outcome],
+        baseline: &Summary,
+        measured_target: &Summary,
+    ) -> HopCheck {
         Self::beside(outcomes, baseline, measured_target, "ttft")
     }
 
     /// Beside the client's `metric`: `ttft` for streams, `e2el` for whole answers, whose
     /// first byte is their last.
-    pub fn beside(
+    pub(crate) fn beside(
         outcomes: &[Outcome],
         baseline: &Summary,
         measured_target: &Summary,

@@ -6,7 +6,7 @@ use crate::interval::{CONFIDENCE_PCT, Interval, Pairs, Stat, metric_values};
 use crate::measure::Outcome;
 
 /// The least difference between the two sides' backends that `LikeForLike` calls unequal.
-pub const LIKE_FLOOR_MS: f64 = 1.0;
+pub(crate) const LIKE_FLOOR_MS: f64 = 1.0;
 
 /// Whether the two sides reached comparable backends: the backend's TTFT as the gateway saw
 /// it (its `Server-Timing` `upstream`, per request) against the direct TTFT of the same prompt.
@@ -16,7 +16,7 @@ pub const LIKE_FLOOR_MS: f64 = 1.0;
 /// For an answer that is not streamed (an embedding), the gateway's `upstream` is the backend's
 /// time to answer, set beside the direct E2EL.
 #[derive(Debug, Clone, PartialEq)]
-pub struct LikeForLike {
+pub(crate) struct LikeForLike {
     /// The direct side's metric: `ttft`, or `e2el` for whole answers.
     pub metric: &'static str,
     /// Prompts with both figures.
@@ -25,7 +25,7 @@ pub struct LikeForLike {
     /// recorded it.
     pub gateway_upstream_median_ms: Option<f64>,
     /// In the result as `direct_<metric>_median_ms`.
-    pub direct_median_ms: Option<f64>,
+    pub(crate) direct_median_ms: Option<f64>,
     /// Median of the first − median of the second, with its 95 % interval.
     pub delta_ms: Option<f64>,
     pub ci_ms: Option<Interval>,
@@ -60,12 +60,17 @@ impl serde::Serialize for LikeForLike {
 
 impl LikeForLike {
     /// Against the direct TTFT (streams).
-    pub fn of(outcomes: &[Outcome], t: Thresholds) -> LikeForLike {
+    #[cfg(test)]
+    pub(crate) fn of(outcomes: &[Outcome], t: Thresholds) -> LikeForLike {
         Self::against(outcomes, t, "ttft")
     }
 
     /// Against the direct `metric`: `ttft` for streams, `e2el` for whole answers.
-    pub fn against(outcomes: &[Outcome], t: Thresholds, metric: &'static str) -> LikeForLike {
+    pub(crate) fn against(
+        outcomes: &[Outcome],
+        t: Thresholds,
+        metric: &'static str,
+    ) -> LikeForLike {
         let direct_values = |o: &Outcome| metric_values(o, metric);
         let upstream = |o: &Outcome| -> Vec<f64> { o.upstream_ms.into_iter().collect() };
         let pairs = Pairs::by(outcomes, direct_values, upstream);

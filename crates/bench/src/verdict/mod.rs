@@ -29,7 +29,7 @@ pub struct Thresholds {
 
 impl Thresholds {
     /// The tolerance in percent for `stat` (`mean` or `pNN`).
-    pub fn pct_for(&self, stat: &str) -> f64 {
+    pub(crate) fn pct_for(&self, stat: &str) -> f64 {
         if stat == "mean" {
             self.mean_pct
         } else {

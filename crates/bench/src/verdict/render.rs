@@ -17,7 +17,7 @@ use crate::summary::{Summary, p_word};
     clippy::too_many_arguments,
     reason = "the comparison's parts, each rendered in its place"
 )]
-pub fn render_compare(
+pub(crate) fn render_compare(
     names: [&str; 2],
     deltas: &[Delta],
     t: Thresholds,

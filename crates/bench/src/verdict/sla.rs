@@ -14,7 +14,7 @@ pub struct Objective {
 
 /// Parse `ttft_p99_ms=1500,e2el_p95_ms=60000`. A percentile an objective names is measured:
 /// it is added to `percentiles` (the `--metric-percentiles`) when missing.
-pub fn parse_sla(text: &str, percentiles: &mut Vec<f64>) -> Result<Vec<Objective>, String> {
+pub(crate) fn parse_sla(text: &str, percentiles: &mut Vec<f64>) -> Result<Vec<Objective>, String> {
     let mut out = Vec::new();
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (name, value) = part
@@ -59,7 +59,7 @@ pub fn parse_sla(text: &str, percentiles: &mut Vec<f64>) -> Result<Vec<Objective
 }
 
 /// The objectives `s` violates: (objective, measured).
-pub fn violations(s: &Summary, sla: &[Objective]) -> Vec<(Objective, f64)> {
+pub(crate) fn violations(s: &Summary, sla: &[Objective]) -> Vec<(Objective, f64)> {
     sla.iter()
         .filter_map(|o| {
             let v = s.value(&o.name)?;
@@ -70,7 +70,7 @@ pub fn violations(s: &Summary, sla: &[Objective]) -> Vec<(Objective, f64)> {
 
 /// The `--sla` table: every objective, its limit, what was measured and whether it was met
 /// (the header says whether any was violated).
-pub fn render_sla(s: &Summary, sla: &[Objective]) -> String {
+pub(crate) fn render_sla(s: &Summary, sla: &[Objective]) -> String {
     let mut o = String::new();
     let violated = !violations(s, sla).is_empty();
     let title = if violated {

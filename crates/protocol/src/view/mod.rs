@@ -70,7 +70,7 @@ pub struct RequestView<'a> {
     pub store: bool,
     /// Responses: the byte range of the client's `request_id` value (a JSON string), from
     /// which vLLM makes the response's id.
-    pub request_id_span: Option<Range<usize>>,
+    pub(crate) request_id_span: Option<Range<usize>>,
     /// The `priority` field the client sent, on any route (`null` included).
     pub priority: Option<ClientPriority>,
 }

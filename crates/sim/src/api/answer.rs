@@ -170,7 +170,7 @@ pub(crate) struct FinalAnswer<'a> {
 }
 
 impl FinalAnswer<'_> {
-    pub fn to_json(&self) -> Vec<u8> {
+    pub(crate) fn to_json(&self) -> Vec<u8> {
         let usage =
             Usage::new(self.prompt_tokens, self.completion_tokens).cached(self.cached_tokens);
         let out = match self.endpoint {

@@ -57,7 +57,7 @@ struct ErrorInfo<'a> {
 }
 
 impl ApiError {
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match self {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::RouteNotFound | ApiError::ModelNotFound(..) => StatusCode::NOT_FOUND,
@@ -73,7 +73,7 @@ impl ApiError {
     }
 
     /// This error as `/v1/messages` answers it.
-    pub fn anthropic(self) -> ApiError {
+    pub(crate) fn anthropic(self) -> ApiError {
         match self {
             e @ (ApiError::Unauthorized
             | ApiError::Validation { .. }
@@ -83,7 +83,7 @@ impl ApiError {
         }
     }
 
-    pub fn body(&self) -> Bytes {
+    pub(crate) fn body(&self) -> Bytes {
         let openai = |message: &str, kind: &str, param: Option<&str>| {
             let body = ErrorBody {
                 error: ErrorInfo {

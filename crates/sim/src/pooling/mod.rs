@@ -34,7 +34,7 @@ pub(crate) enum PoolingRoute {
 
 impl PoolingRoute {
     /// Any pooling route's path, whether or not a model serves it.
-    pub fn named(path: &str) -> Option<Self> {
+    pub(crate) fn named(path: &str) -> Option<Self> {
         Some(match path {
             "/v1/embeddings" => Self::Embeddings,
             "/v2/embed" => Self::CohereEmbed,
@@ -48,7 +48,7 @@ impl PoolingRoute {
 
     /// Whether vLLM registers this route for a model of `task` (it registers none of them for
     /// a generative model).
-    pub fn served_by(self, task: PoolingTask) -> bool {
+    pub(crate) fn served_by(self, task: PoolingTask) -> bool {
         match (self, task) {
             (Self::Pooling, _) => true,
             (Self::Embeddings | Self::CohereEmbed, PoolingTask::Embed { .. }) => true,

@@ -74,7 +74,7 @@ pub(crate) struct SimContext {
 }
 
 impl SimContext {
-    pub fn new(cfg: SimConfig, stats: Arc<SimStats>, engine: Engine) -> Self {
+    pub(crate) fn new(cfg: SimConfig, stats: Arc<SimStats>, engine: Engine) -> Self {
         Self {
             responses: cfg.responses_store.then(Default::default),
             cfg,
