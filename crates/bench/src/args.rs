@@ -19,7 +19,7 @@ pub(crate) enum DatasetName {
 }
 
 #[derive(clap::Subcommand, Debug, Clone)]
-pub enum BenchCommand {
+pub(crate) enum BenchCommand {
     /// Compare two result files (fleetgate bench or vllm bench serve): every latency and
     /// throughput key side by side with the change.
     Diff { a: PathBuf, b: PathBuf },
@@ -37,59 +37,59 @@ pub enum BenchCommand {
 )]
 pub struct BenchArgs {
     #[command(subcommand)]
-    pub command: Option<BenchCommand>,
+    pub(crate) command: Option<BenchCommand>,
     /// The seed's settings.json (endpoint, api_key_env, model, concurrency, duration_seconds,
     /// request_distribution, metrics, warmup_requests). Its keys win over the flags.
     #[arg(long)]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Write the result JSON to this file (the seed's `--output result.json`).
     #[arg(long)]
-    pub output: Option<PathBuf>,
+    pub(crate) output: Option<PathBuf>,
     /// Server base URL, e.g. http://127.0.0.1:8080 (the gateway) or http://vllm:8000.
     #[arg(long)]
-    pub base_url: Option<String>,
+    pub(crate) base_url: Option<String>,
     /// Without --base-url: the server's host (vLLM's default 127.0.0.1).
     #[arg(long)]
-    pub host: Option<String>,
+    pub(crate) host: Option<String>,
     /// Without --base-url: the server's port (vLLM's default 8000).
     #[arg(long)]
-    pub port: Option<u16>,
+    pub(crate) port: Option<u16>,
     /// API path (default by --endpoint-type: /v1/chat/completions, /v1/completions,
     /// /v1/responses, /v1/messages or /v1/embeddings).
     #[arg(long)]
-    pub endpoint: Option<String>,
+    pub(crate) endpoint: Option<String>,
     /// The request format (default openai-chat). vLLM's backend names are taken too: vllm
     /// and openai (completions), openai-embeddings-chat, -clip, -vlm2vec, infinity-embeddings.
     #[arg(long, value_enum)]
-    pub endpoint_type: Option<EndpointType>,
+    pub(crate) endpoint_type: Option<EndpointType>,
     /// vLLM's name for the request format (`--backend vllm` is completions); --endpoint-type
     /// wins when both are given.
     #[arg(long, value_parser = parse_backend)]
-    pub backend: Option<Backend>,
+    pub(crate) backend: Option<Backend>,
     /// Model name to send (default: the first id of GET /v1/models).
     #[arg(long)]
-    pub model: Option<String>,
+    pub(crate) model: Option<String>,
     /// With --model: the name put in the requests instead (vLLM's --served-model-name).
     #[arg(long)]
-    pub served_model_name: Option<String>,
+    pub(crate) served_model_name: Option<String>,
     /// Extra request headers, `Name=value` or `Name: value` (several after one --header, as
     /// vLLM, or --header repeated).
     #[arg(long = "header", value_name = "NAME=VALUE", num_args = 0.., action = clap::ArgAction::Append)]
-    pub headers: Vec<String>,
+    pub(crate) headers: Vec<String>,
     /// Sampling: sent in every request (default: temperature 0, the server's defaults for the
     /// rest).
     #[arg(long)]
-    pub temperature: Option<f64>,
+    pub(crate) temperature: Option<f64>,
     #[arg(long)]
-    pub top_p: Option<f64>,
+    pub(crate) top_p: Option<f64>,
     #[arg(long)]
     pub(crate) top_k: Option<i64>,
     #[arg(long)]
     pub(crate) min_p: Option<f64>,
     #[arg(long)]
-    pub frequency_penalty: Option<f64>,
+    pub(crate) frequency_penalty: Option<f64>,
     #[arg(long)]
-    pub presence_penalty: Option<f64>,
+    pub(crate) presence_penalty: Option<f64>,
     #[arg(long)]
     pub(crate) repetition_penalty: Option<f64>,
     /// A JSON object merged into every request body (after the sampling flags), e.g.
@@ -103,7 +103,7 @@ pub struct BenchArgs {
     /// Environment variable holding the API key, sent as `Authorization: Bearer` (keys are
     /// never read from files or flags).
     #[arg(long, default_value = "OPENAI_API_KEY")]
-    pub api_key_env: String,
+    pub(crate) api_key_env: String,
     /// With --compare: another variable for one target, `NAME=VAR` (e.g. direct=VLLM_API_KEY).
     #[arg(long = "target-key-env", value_name = "NAME=VAR")]
     pub(crate) target_key_env: Vec<String>,
@@ -113,11 +113,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub(crate) dataset_path: Option<PathBuf>,
     #[arg(long, default_value_t = 1000)]
-    pub num_prompts: usize,
+    pub(crate) num_prompts: usize,
     #[arg(long, default_value_t = 1024)]
     pub(crate) random_input_len: u64,
     #[arg(long, default_value_t = 128)]
-    pub random_output_len: u64,
+    pub(crate) random_output_len: u64,
     /// Lengths drawn from [len × (1 − r), len × (1 + r)].
     #[arg(long, default_value_t = 0.0)]
     pub(crate) random_range_ratio: f64,
@@ -128,7 +128,7 @@ pub struct BenchArgs {
     /// The model's tokenizer.json (Hugging Face format): exact token counts for ShareGPT
     /// filtering and random prompts (without it: characters / 4).
     #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
+    pub(crate) tokenizer: Option<PathBuf>,
     /// Output length of every ShareGPT request (default: the conversation's own reply length).
     #[arg(long)]
     pub(crate) sharegpt_output_len: Option<u64>,
@@ -174,15 +174,15 @@ pub struct BenchArgs {
     pub(crate) cache_metrics_url: Option<String>,
     /// Requests per second, Poisson arrivals (with --burstiness 1); `inf` sends all at once.
     #[arg(long, default_value = "inf")]
-    pub request_rate: String,
+    pub(crate) request_rate: String,
     /// Gamma shape of the arrival gaps (1: Poisson; < 1 burstier; > 1 more even), as vLLM.
     #[arg(long, default_value_t = 1.0)]
-    pub burstiness: f64,
+    pub(crate) burstiness: f64,
     #[arg(long)]
-    pub max_concurrency: Option<usize>,
+    pub(crate) max_concurrency: Option<usize>,
     /// Run for this long instead of --num-prompts requests (prompts are reused in turn).
     #[arg(long)]
-    pub duration_seconds: Option<f64>,
+    pub(crate) duration_seconds: Option<f64>,
     /// Comma-separated: ttft, tpot, itl, e2el (default: ttft,tpot,itl; e2el for
     /// openai-embeddings, as vLLM).
     #[arg(long)]
@@ -192,14 +192,14 @@ pub struct BenchArgs {
     pub(crate) metric_percentiles: String,
     /// Service-level objectives for goodput, e.g. `--goodput ttft:500 tpot:50` (ms).
     #[arg(long, num_args = 1.., value_name = "METRIC:MS")]
-    pub goodput: Vec<String>,
+    pub(crate) goodput: Vec<String>,
     #[arg(long, default_value_t = 0)]
     pub(crate) num_warmups: usize,
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Ask the server to ignore end-of-sequence (vLLM's `ignore_eos`): exact output lengths.
     #[arg(long)]
-    pub ignore_eos: bool,
+    pub(crate) ignore_eos: bool,
     #[arg(long)]
     pub(crate) save_result: bool,
     #[arg(long)]
@@ -209,11 +209,11 @@ pub struct BenchArgs {
     /// Label stored with the result, `key=value` (repeatable): hardware, quantisation, ... A
     /// bare `--label NAME` is vLLM's: the result's `label` and the saved file's name prefix.
     #[arg(long = "label", value_name = "KEY=VALUE|NAME")]
-    pub labels: Vec<String>,
+    pub(crate) labels: Vec<String>,
     /// Two targets, `NAME=BASE_URL NAME=BASE_URL` (the first is the baseline): the same prompts
     /// and arrivals, interleaved between them.
     #[arg(long, num_args = 2, value_name = "NAME=URL")]
-    pub compare: Vec<String>,
+    pub(crate) compare: Vec<String>,
     /// Compare verdict: how much slower a mean may be, in percent of the baseline's (or
     /// --delta-floor-ms, whichever is larger).
     #[arg(long, default_value_t = 3.0)]
@@ -229,11 +229,11 @@ pub struct BenchArgs {
     /// Objectives to meet, e.g. `ttft_p99_ms=1500,e2el_p95_ms=60000,error_rate=0.01`; exit 2
     /// with a table when one is violated.
     #[arg(long)]
-    pub sla: Option<String>,
+    pub(crate) sla: Option<String>,
     /// A series of runs, e.g. `rate=2,4,8,16,32` or `concurrency=1,4,16`: a table, an SVG chart
     /// of TTFT P99 and throughput with the knee marked (`--sweep-chart`).
     #[arg(long)]
-    pub sweep: Option<String>,
+    pub(crate) sweep: Option<String>,
     /// Where the sweep's SVG chart goes.
     #[arg(long, default_value = "fleetgate-sweep.svg")]
     pub(crate) sweep_chart: PathBuf,
@@ -242,7 +242,7 @@ pub struct BenchArgs {
     pub(crate) target_qps: Option<f64>,
     /// Capacity planning: headroom factor (the seed uses 1.2–1.3).
     #[arg(long, default_value_t = 1.25)]
-    pub redundancy: f64,
+    pub(crate) redundancy: f64,
     /// Capacity planning: how many instances served the measured endpoint.
     #[arg(long, default_value_t = 1)]
     pub(crate) instances: u32,
@@ -256,7 +256,7 @@ pub struct BenchArgs {
 
 impl BenchArgs {
     /// The request format: --endpoint-type, else vLLM's --backend, else openai-chat.
-    pub fn kind(&self) -> EndpointType {
+    pub(crate) fn kind(&self) -> EndpointType {
         self.endpoint_type
             .or(self.backend.as_ref().map(|b| b.kind))
             .unwrap_or(EndpointType::OpenaiChat)
@@ -265,9 +265,9 @@ impl BenchArgs {
 
 /// vLLM's `--backend`: the name as given, and the request format it names.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Backend {
-    pub name: String,
-    pub kind: EndpointType,
+pub(crate) struct Backend {
+    pub(crate) name: String,
+    pub(crate) kind: EndpointType,
 }
 
 fn parse_backend(s: &str) -> Result<Backend, String> {
@@ -284,34 +284,34 @@ fn parse_backend(s: &str) -> Result<Backend, String> {
 pub struct Settings {
     pub endpoint: String,
     #[serde(default)]
-    pub api_key_env: Option<String>,
+    pub(crate) api_key_env: Option<String>,
     #[serde(default)]
-    pub model: Option<String>,
+    pub(crate) model: Option<String>,
     #[serde(default)]
-    pub concurrency: Option<usize>,
+    pub(crate) concurrency: Option<usize>,
     #[serde(default)]
-    pub duration_seconds: Option<f64>,
+    pub(crate) duration_seconds: Option<f64>,
     #[serde(default)]
     pub request_distribution: Vec<RequestClass>,
     #[serde(default)]
-    pub metrics: Option<SettingsMetrics>,
+    pub(crate) metrics: Option<SettingsMetrics>,
     #[serde(default)]
-    pub warmup_requests: Option<usize>,
+    pub(crate) warmup_requests: Option<usize>,
     #[serde(default)]
-    pub request_rate: Option<f64>,
+    pub(crate) request_rate: Option<f64>,
     #[serde(default)]
-    pub num_prompts: Option<usize>,
+    pub(crate) num_prompts: Option<usize>,
 }
 
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct SettingsMetrics {
+pub(crate) struct SettingsMetrics {
     #[serde(default = "yes")]
-    pub record_ttft: bool,
+    pub(crate) record_ttft: bool,
     #[serde(default = "yes")]
-    pub record_tpot: bool,
+    pub(crate) record_tpot: bool,
     #[serde(default)]
-    pub percentiles: Vec<f64>,
+    pub(crate) percentiles: Vec<f64>,
 }
 
 fn yes() -> bool {

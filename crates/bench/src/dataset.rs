@@ -27,7 +27,7 @@ pub struct Prompt {
     /// `max_tokens` to ask for.
     pub output_tokens: u64,
     /// The request class it came from (settings.json), for the report.
-    pub class: Option<String>,
+    pub(crate) class: Option<String>,
 }
 
 /// The approximation used when no tokenizer is given, for the report.
@@ -59,7 +59,7 @@ impl std::fmt::Debug for Counter {
 
 impl Counter {
     /// Load a Hugging Face `tokenizer.json`.
-    pub fn load(path: &Path) -> Result<Counter, String> {
+    pub(crate) fn load(path: &Path) -> Result<Counter, String> {
         // vLLM's --tokenizer is often a model directory: its tokenizer.json.
         let file = if path.is_dir() {
             path.join("tokenizer.json")
@@ -78,7 +78,7 @@ impl Counter {
     }
 
     /// Tokens of `text` (without special tokens).
-    pub fn count(&self, text: &str) -> u64 {
+    pub(crate) fn count(&self, text: &str) -> u64 {
         match self {
             Counter::Approximate => estimate_tokens(text),
             Counter::Tokenizer(t) => t
@@ -154,7 +154,7 @@ fn around(rng: &mut SmallRng, len: u64, ratio: f64) -> u64 {
 }
 
 /// `n` random prompts (vLLM's random dataset).
-pub fn random(
+pub(crate) fn random(
     n: usize,
     input: u64,
     output: u64,
@@ -180,7 +180,7 @@ pub fn random(
 
 /// The shape of vLLM's `prefix_repetition` dataset (its `--prefix-repetition-*` flags).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PrefixRepetition {
+pub(crate) struct PrefixRepetition {
     pub(crate) prefix_len: u64,
     pub(crate) suffix_len: u64,
     pub(crate) num_prefixes: usize,
@@ -191,7 +191,7 @@ pub struct PrefixRepetition {
 /// by `n / num_prefixes` random suffixes (so `n` rounded down to a multiple of
 /// `num_prefixes` prompts, as vLLM), shuffled with the seed so that the prompts sharing a
 /// prefix do not arrive together.
-pub fn prefix_repetition(
+pub(crate) fn prefix_repetition(
     n: usize,
     shape: &PrefixRepetition,
     seed: u64,
@@ -226,7 +226,7 @@ pub fn prefix_repetition(
 }
 
 /// `n` prompts drawn from weighted classes.
-pub fn classes(
+pub(crate) fn classes(
     n: usize,
     classes: &[RequestClass],
     seed: u64,
@@ -384,7 +384,7 @@ pub fn sharegpt(
 /// temperature 0, then `extra` over it (the sampling flags, `--extra-body`). The Responses API names its limit `max_output_tokens`; neither it nor
 /// Anthropic's API takes `stream_options` (their final events always carry usage). An embeddings
 /// request is the prompt as `input`, not streamed.
-pub fn body(
+pub(crate) fn body(
     prompt: &Prompt,
     model: &str,
     kind: super::spec::EndpointType,

@@ -21,8 +21,8 @@ use fleetgate_protocol::client::HttpClient;
 #[derive(Debug, Default)]
 pub struct RunResult {
     pub outcomes: Vec<Outcome>,
-    pub duration: Duration,
-    pub interrupted: bool,
+    pub(crate) duration: Duration,
+    pub(crate) interrupted: bool,
     /// CPU time of the client's thread (user + system).
     pub(crate) client_cpu: Option<Duration>,
 }

@@ -200,9 +200,9 @@ impl Pairs {
 
 /// A confidence interval of a delta, in ms.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct Interval {
-    pub lo: f64,
-    pub hi: f64,
+pub(crate) struct Interval {
+    pub(crate) lo: f64,
+    pub(crate) hi: f64,
 }
 
 impl Interval {

@@ -25,9 +25,9 @@ pub struct Outcome {
     /// Index of the prompt sent.
     pub prompt: usize,
     /// When it was sent, from the start of the run.
-    pub sent_at: Duration,
+    pub(crate) sent_at: Duration,
     /// From sending to the end of the answer (or the failure).
-    pub took: Duration,
+    pub(crate) took: Duration,
     /// The error, when it failed.
     pub error: Option<String>,
     pub ttft: Option<Duration>,
@@ -51,10 +51,10 @@ pub struct Outcome {
     pub(crate) upstream_ms: Option<f64>,
     /// The answer's text, kept only when asked (`send_keeping_text`: a multi-turn conversation
     /// sends it back as the next turn's history).
-    pub answer: Option<String>,
+    pub(crate) answer: Option<String>,
     /// The prompt tokens the server found in its prefix cache (`cached_tokens` of the usage),
     /// read only with the answer's text.
-    pub cached_tokens: Option<u64>,
+    pub(crate) cached_tokens: Option<u64>,
 }
 
 impl Outcome {
@@ -130,7 +130,7 @@ impl StreamTimer {
     }
 
     /// A timer of a stream in `dialect` (Responses events, Anthropic events, chat chunks).
-    pub fn for_dialect(dialect: fleetgate_protocol::Dialect) -> Self {
+    pub(crate) fn for_dialect(dialect: fleetgate_protocol::Dialect) -> Self {
         Self {
             scanner: SseScanner::for_dialect(dialect, usize::MAX),
             ..Self::default()
@@ -326,7 +326,7 @@ pub fn server_timing_ms(fields: &HeaderMap, name: &str) -> Option<f64> {
 }
 
 /// The gateway's own time: `gw` of the response head's `Server-Timing`.
-pub fn gateway_ms(headers: &HeaderMap) -> Option<f64> {
+pub(crate) fn gateway_ms(headers: &HeaderMap) -> Option<f64> {
     server_timing_ms(headers, "gw")
 }
 

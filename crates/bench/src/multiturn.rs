@@ -22,7 +22,7 @@ use super::summary::Stats;
 
 /// Who said a message of the history.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
+pub(crate) enum Role {
     User,
     Assistant,
 }
@@ -233,8 +233,8 @@ async fn conversation(
 /// What the prefix cache counted over the run: hit and queried tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct CacheDelta {
-    pub hits: f64,
-    pub queries: f64,
+    pub(crate) hits: f64,
+    pub(crate) queries: f64,
 }
 
 /// (hits, queries) of vLLM's `vllm:prefix_cache_hits_total` and

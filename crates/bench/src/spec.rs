@@ -8,7 +8,7 @@ use http::{HeaderMap, Uri};
 use serde::Deserialize;
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EndpointType {
+pub(crate) enum EndpointType {
     /// `/v1/chat/completions` with `messages`.
     OpenaiChat,
     /// `/v1/completions` with `prompt` (vLLM's `vllm` and `openai` backends).
@@ -34,7 +34,7 @@ pub enum EndpointType {
 
 impl EndpointType {
     /// The API path requests of this type go to.
-    pub fn path(self) -> &'static str {
+    pub(crate) fn path(self) -> &'static str {
         match self {
             EndpointType::OpenaiChat => "/v1/chat/completions",
             EndpointType::Openai => "/v1/completions",
@@ -45,7 +45,7 @@ impl EndpointType {
     }
 
     /// The name in results (`endpoint_type`, `backend`), as `vllm bench serve` writes it.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             EndpointType::OpenaiChat => "openai-chat",
             EndpointType::Openai => "openai",
@@ -57,12 +57,12 @@ impl EndpointType {
 
     /// Whether its answers stream token events. A pooling answer is one JSON body: no first
     /// token, no gaps between tokens, no output tokens.
-    pub fn streams(self) -> bool {
+    pub(crate) fn streams(self) -> bool {
         !matches!(self, EndpointType::OpenaiEmbeddings)
     }
 
     /// The latency metrics its answers have (a subset of `summary::METRICS`' keys).
-    pub fn metrics(self) -> &'static [&'static str] {
+    pub(crate) fn metrics(self) -> &'static [&'static str] {
         if self.streams() {
             &["ttft", "tpot", "itl", "e2el"]
         } else {
@@ -80,7 +80,7 @@ impl EndpointType {
     }
 
     /// How its streams' events read (token events, usage, the clean end).
-    pub fn dialect(self) -> fleetgate_protocol::Dialect {
+    pub(crate) fn dialect(self) -> fleetgate_protocol::Dialect {
         use fleetgate_protocol::Dialect;
         match self {
             // An embeddings answer is not read as a stream (`streams`); Chat for completeness.
@@ -99,9 +99,9 @@ impl EndpointType {
 pub struct RequestClass {
     #[serde(default)]
     pub name: Option<String>,
-    pub weight: f64,
-    pub input_tokens: u64,
-    pub output_tokens: u64,
+    pub(crate) weight: f64,
+    pub(crate) input_tokens: u64,
+    pub(crate) output_tokens: u64,
 }
 
 /// A server the run sends to.
@@ -127,13 +127,13 @@ pub struct Target {
 
 /// What a sweep varies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Axis {
+pub(crate) enum Axis {
     Rate,
     Concurrency,
 }
 
 impl Axis {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Axis::Rate => "request rate (req/s)",
             Axis::Concurrency => "max concurrency",
@@ -176,26 +176,26 @@ pub(crate) fn parse_sweep(text: &str) -> Result<(Axis, Vec<f64>), String> {
 #[derive(Debug, Clone)]
 pub struct MultiTurn {
     pub conversations: usize,
-    pub turns: usize,
+    pub(crate) turns: usize,
     pub(crate) user_len: u64,
     pub(crate) system_len: u64,
-    pub think: Duration,
+    pub(crate) think: Duration,
     /// The system prompt every conversation starts with (empty: none).
-    pub system: String,
+    pub(crate) system: String,
     /// Base URLs whose `/metrics` carry vLLM's prefix-cache counters.
     pub(crate) cache_metrics: Vec<String>,
     /// Uneven load (`--multi-turn-hot-share`): conversation 0 sends each turn by several lanes.
-    pub hot: Option<HotConversation>,
+    pub(crate) hot: Option<HotConversation>,
 }
 
 /// Conversation 0 when `--multi-turn-hot-share` makes it hot: every turn of it is sent by
 /// `lanes` parallel requests over the same history, as an agent fanning out sub-agents or
 /// parallel tool calls over one long context.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct HotConversation {
+pub(crate) struct HotConversation {
     /// The share of all requests asked (`--multi-turn-hot-share`).
-    pub share: f64,
-    pub lanes: usize,
+    pub(crate) share: f64,
+    pub(crate) lanes: usize,
 }
 
 impl HotConversation {
@@ -223,12 +223,12 @@ impl HotConversation {
 impl MultiTurn {
     /// The index in `Plan::prompts` (and `Outcome::prompt`) of a conversation's turn: the
     /// prompt there is that turn's new user message.
-    pub fn index(&self, conversation: usize, turn: usize) -> usize {
+    pub(crate) fn index(&self, conversation: usize, turn: usize) -> usize {
         conversation * self.turns + turn
     }
 
     /// Requests a turn of conversation `c` sends at once: the hot conversation's lanes, else 1.
-    pub fn lanes(&self, c: usize) -> usize {
+    pub(crate) fn lanes(&self, c: usize) -> usize {
         match self.hot {
             Some(h) if c == 0 => h.lanes,
             _ => 1,

@@ -20,10 +20,10 @@ pub struct Stats {
     pub count: usize,
     pub mean: f64,
     pub median: f64,
-    pub std: f64,
-    pub max: f64,
+    pub(crate) std: f64,
+    pub(crate) max: f64,
     /// (percentile, value).
-    pub percentiles: Vec<(f64, f64)>,
+    pub(crate) percentiles: Vec<(f64, f64)>,
 }
 
 /// numpy's default percentile: linear interpolation between the closest ranks.
@@ -38,7 +38,7 @@ pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 impl Stats {
-    pub fn of(mut values: Vec<f64>, percentiles: &[f64]) -> Stats {
+    pub(crate) fn of(mut values: Vec<f64>, percentiles: &[f64]) -> Stats {
         if values.is_empty() {
             return Stats {
                 percentiles: percentiles.iter().map(|p| (*p, 0.0)).collect(),
@@ -63,7 +63,7 @@ impl Stats {
     }
 
     /// The value of `stat`: `mean`, `median`, `std`, `max` or `pNN`.
-    pub fn get(&self, stat: &str) -> Option<f64> {
+    pub(crate) fn get(&self, stat: &str) -> Option<f64> {
         match stat {
             "mean" => Some(self.mean),
             "median" | "p50" => Some(self.median),
@@ -94,12 +94,12 @@ pub(crate) fn p_word(p: f64) -> String {
 pub struct Summary {
     pub completed: usize,
     pub failed: usize,
-    pub duration_s: f64,
+    pub(crate) duration_s: f64,
     pub total_input: u64,
     pub total_output: u64,
-    pub request_throughput: f64,
-    pub output_throughput: f64,
-    pub total_token_throughput: f64,
+    pub(crate) request_throughput: f64,
+    pub(crate) output_throughput: f64,
+    pub(crate) total_token_throughput: f64,
     /// vLLM's `max_output_tokens_per_s`: the most token events in one second (`busiest_seconds`).
     pub(crate) peak_output_throughput: f64,
     /// vLLM's `max_concurrent_requests`: the most requests active within one second
@@ -109,7 +109,7 @@ pub struct Summary {
     /// ones included).
     pub peak_concurrent_instant: usize,
     /// Requests meeting every `--goodput` objective, per second.
-    pub goodput: Option<f64>,
+    pub(crate) goodput: Option<f64>,
     pub metrics: BTreeMap<&'static str, Stats>,
     /// The gateway's own time per request from `Server-Timing` (when it sent one).
     pub gateway_ms: Option<Stats>,
@@ -126,7 +126,7 @@ pub struct Summary {
 pub(crate) type Goodput = Vec<(String, f64)>;
 
 impl Summary {
-    pub fn of(
+    pub(crate) fn of(
         outcomes: &[&Outcome],
         duration_s: f64,
         percentiles: &[f64],
@@ -214,7 +214,7 @@ impl Summary {
         }
     }
 
-    pub fn error_rate(&self) -> f64 {
+    pub(crate) fn error_rate(&self) -> f64 {
         let n = self.completed + self.failed;
         if n == 0 {
             0.0
@@ -224,7 +224,7 @@ impl Summary {
     }
 
     /// The value named `<metric>_<stat>_ms` (e.g. `ttft_p99_ms`), or `error_rate`.
-    pub fn value(&self, name: &str) -> Option<f64> {
+    pub(crate) fn value(&self, name: &str) -> Option<f64> {
         if name == "error_rate" {
             return Some(self.error_rate());
         }

@@ -21,8 +21,8 @@ use super::verdict::sla::{Objective, violations};
 /// One point of the sweep.
 #[derive(Debug, Clone)]
 pub(crate) struct Point {
-    pub x: f64,
-    pub summary: Summary,
+    pub(crate) x: f64,
+    pub(crate) summary: Summary,
     pub(crate) meets_sla: bool,
 }
 

@@ -28,7 +28,7 @@ pub(crate) mod route;
 pub mod telemetry;
 
 // Layer 3: the forwarding path that calls the stages in order, and the relay.
-pub(crate) mod proxy;
+pub mod proxy;
 
 // Layer 4: the listeners and the admin API.
 pub mod admin;

@@ -36,10 +36,6 @@ pub struct Measured {
     pub headers: HeaderMap,
     /// Offsets from the moment the request was handed to the client.
     pub metrics: StreamMetrics,
-    /// Time until the response head arrived.
-    pub head: Duration,
-    /// Time until the body ended.
-    pub total: Duration,
     /// The whole body as received (kept only when asked for).
     pub body: Option<Bytes>,
     /// The body ended with an error (connection cut) rather than cleanly.
@@ -67,9 +63,7 @@ pub struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,
     /// The moment the request was handed to the client: every offset counts from here.
-    pub start: Instant,
-    /// Time until the head arrived.
-    pub head: Duration,
+    pub(crate) start: Instant,
     /// The trailer fields that ended a chunked body (a server sends them only to a request that
     /// carried `TE: trailers`); set by `read`.
     pub trailers: Option<HeaderMap>,
@@ -93,13 +87,11 @@ pub async fn open(
     start: Instant,
 ) -> Result<Answer, hyper_util::client::legacy::Error> {
     let resp = client.request(req).await?;
-    let head = start.elapsed();
     let (parts, body) = resp.into_parts();
     Ok(Answer {
         status: parts.status,
         headers: parts.headers,
         start,
-        head,
         trailers: None,
         body,
     })
@@ -177,8 +169,6 @@ pub async fn send_in(
         status: answer.status.as_u16(),
         headers: answer.headers,
         metrics,
-        head: answer.head,
-        total,
         body: kept.map(BytesMut::freeze),
         trailers: answer.trailers.take(),
         body_error: match end {

@@ -34,10 +34,10 @@ pub enum Dialect {
 
 /// One `data:` payload, read by its dialect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Event {
-    pub kind: DataKind,
+pub(crate) struct Event {
+    pub(crate) kind: DataKind,
     /// The usage this event reports, if any.
-    pub usage: Option<UsagePart>,
+    pub(crate) usage: Option<UsagePart>,
 }
 
 impl Dialect {
@@ -51,7 +51,7 @@ impl Dialect {
     }
 
     /// Read one `data:` payload of a stream in this dialect.
-    pub fn event(self, payload: &[u8]) -> Event {
+    pub(crate) fn event(self, payload: &[u8]) -> Event {
         match self {
             Dialect::Chat | Dialect::Json => chat_event(payload),
             Dialect::Responses => typed_event(payload, responses_kind),

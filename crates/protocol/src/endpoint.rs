@@ -496,7 +496,7 @@ impl Family {
     }
 
     /// The family named `name` (its label), if any.
-    pub fn parse(name: &str) -> Option<Family> {
+    pub(crate) fn parse(name: &str) -> Option<Family> {
         Family::ALL.into_iter().find(|f| f.as_str() == name)
     }
 
@@ -528,11 +528,12 @@ impl Families {
         self.0 & (1 << f.index()) != 0
     }
 
-    pub fn insert(&mut self, f: Family) {
+    pub(crate) fn insert(&mut self, f: Family) {
         self.0 |= 1 << f.index();
     }
 
-    pub fn is_empty(self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(self) -> bool {
         self.0 == 0
     }
 

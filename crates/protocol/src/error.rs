@@ -267,7 +267,8 @@ struct ResponsesError<'a> {
 
 impl Shaped<'_> {
     /// The status the client gets in `dialect`.
-    pub fn status_in(&self, dialect: Dialect) -> StatusCode {
+    #[cfg(test)]
+    pub(crate) fn status_in(&self, dialect: Dialect) -> StatusCode {
         if dialect.anthropic() {
             anthropic_status(self.status)
         } else {

@@ -39,7 +39,7 @@ pub enum DataKind {
 
 /// Classify a chat or completions payload without parsing the JSON: look for the top-level
 /// markers only.
-pub fn classify(payload: &[u8]) -> DataKind {
+pub(crate) fn classify(payload: &[u8]) -> DataKind {
     let p = trim_ascii(payload);
     if p == b"[DONE]" {
         return DataKind::Done;

@@ -43,7 +43,7 @@ pub struct StreamMetrics {
     /// The gap before the latest content event (none for the first).
     pub last_gap: Option<Duration>,
     pub(crate) itl_sum: Duration,
-    pub itl_max: Duration,
+    pub(crate) itl_max: Duration,
     /// Gaps by power-of-two microseconds (bucket i: [2^i, 2^(i+1)) µs), for a per-request p99
     /// without keeping every gap.
     pub(crate) itl_buckets: [u16; ITL_BUCKETS],
@@ -56,7 +56,7 @@ pub struct StreamMetrics {
     pub implausible_usage: bool,
 }
 
-pub const ITL_BUCKETS: usize = 24;
+pub(crate) const ITL_BUCKETS: usize = 24;
 
 impl StreamMetrics {
     /// Account for one `data:` line seen at `at`, with the usage its dialect found in it.

@@ -85,7 +85,8 @@ impl TraceParent {
     }
 
     /// The caller decided to record the trace.
-    pub fn sampled(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn sampled(&self) -> bool {
         self.flags & 1 == 1
     }
 

@@ -16,9 +16,9 @@ pub struct Usage {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 pub struct UsagePart {
     #[serde(default, alias = "input_tokens")]
-    pub prompt_tokens: Option<u64>,
+    pub(crate) prompt_tokens: Option<u64>,
     #[serde(default, alias = "output_tokens")]
-    pub completion_tokens: Option<u64>,
+    pub(crate) completion_tokens: Option<u64>,
 }
 
 /// The most tokens one count of a request's usage can plausibly be: 2^24 (16 777 216), above
@@ -35,7 +35,7 @@ impl Usage {
 
 impl UsagePart {
     /// Every count it names within `MAX_PLAUSIBLE_TOKENS`.
-    pub fn plausible(&self) -> bool {
+    pub(crate) fn plausible(&self) -> bool {
         self.prompt_tokens.is_none_or(|t| t <= MAX_PLAUSIBLE_TOKENS)
             && self
                 .completion_tokens
@@ -43,7 +43,7 @@ impl UsagePart {
     }
 
     /// Fold this part into what is known: the counts it names replace, the others stay.
-    pub fn apply(self, to: &mut Option<Usage>) {
+    pub(crate) fn apply(self, to: &mut Option<Usage>) {
         let u = to.get_or_insert_with(Usage::default);
         if let Some(p) = self.prompt_tokens {
             u.prompt_tokens = p;
@@ -54,7 +54,7 @@ impl UsagePart {
     }
 
     /// The part as a whole usage (what it does not name counts 0).
-    pub fn whole(self) -> Usage {
+    pub(crate) fn whole(self) -> Usage {
         let mut u = None;
         self.apply(&mut u);
         u.unwrap_or_default()
@@ -64,7 +64,7 @@ impl UsagePart {
 /// The last `"usage": {...}` object in `body`, else Cohere's `"billed_units"` (its
 /// `/v2/embed` answer's `meta`, with `input_tokens`). An escaped `\"usage\"` inside a string
 /// never matches: its quote is preceded by a backslash and followed by one.
-pub fn usage_in(body: &[u8]) -> Option<UsagePart> {
+pub(crate) fn usage_in(body: &[u8]) -> Option<UsagePart> {
     object_after(body, b"\"usage\"").or_else(|| object_after(body, b"\"billed_units\""))
 }
 

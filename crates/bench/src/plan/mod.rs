@@ -35,22 +35,22 @@ use targets::{discover_model, endpoint, targets};
 pub struct Plan {
     pub targets: Vec<Target>,
     pub model: String,
-    pub endpoint_type: EndpointType,
+    pub(crate) endpoint_type: EndpointType,
     pub prompts: Vec<Prompt>,
     /// Bodies by prompt (the same bytes for every target).
     pub bodies: Vec<Bytes>,
     pub request_rate: f64,
-    pub burstiness: f64,
-    pub max_concurrency: Option<usize>,
-    pub duration: Option<Duration>,
+    pub(crate) burstiness: f64,
+    pub(crate) max_concurrency: Option<usize>,
+    pub(crate) duration: Option<Duration>,
     pub num_prompts: usize,
     pub(crate) warmups: usize,
-    pub seed: u64,
-    pub timeout: Duration,
+    pub(crate) seed: u64,
+    pub(crate) timeout: Duration,
     pub selected: Vec<String>,
     pub percentiles: Vec<f64>,
-    pub goodput: Goodput,
-    pub sla: Vec<Objective>,
+    pub(crate) goodput: Goodput,
+    pub(crate) sla: Vec<Objective>,
     pub thresholds: Thresholds,
     /// Percentiles measured because the compare verdict needs them, not because they were asked.
     pub added_percentiles: Vec<f64>,
@@ -58,18 +58,18 @@ pub struct Plan {
     /// vLLM's `label` (a bare `--label NAME`).
     pub label: Option<String>,
     /// vLLM's `tokenizer_id`: the tokenizer that counted the prompts (none: characters / 4).
-    pub tokenizer_id: Option<String>,
+    pub(crate) tokenizer_id: Option<String>,
     pub dataset_note: String,
-    pub settings: Value,
-    pub progress: bool,
-    pub sweep: Option<(spec::Axis, Vec<f64>)>,
+    pub(crate) settings: Value,
+    pub(crate) progress: bool,
+    pub(crate) sweep: Option<(spec::Axis, Vec<f64>)>,
     pub(crate) sweep_chart: PathBuf,
     /// (target QPS, redundancy, instances measured).
-    pub capacity: Option<(f64, f64, u32)>,
+    pub(crate) capacity: Option<(f64, f64, u32)>,
     /// What the run leaves out of what was asked, and why (printed as `note:` lines).
-    pub notes: Vec<String>,
+    pub(crate) notes: Vec<String>,
     /// vLLM's `ignore_eos`, asked of every request.
-    pub ignore_eos: bool,
+    pub(crate) ignore_eos: bool,
     /// Merged into every request body last (sampling flags, `--extra-body`,
     /// `--served-model-name`).
     pub(crate) body_extra: serde_json::Map<String, Value>,

@@ -7,8 +7,8 @@
 //! its breakdown by request class.
 
 mod classes;
-pub mod keys;
-pub mod text;
+pub(crate) mod keys;
+pub(crate) mod text;
 
 use std::fmt::Write as _;
 

@@ -9,7 +9,7 @@ use crate::summary::{METRICS, Stats, Summary, p_word};
 /// The terminal summary in `vllm bench serve`'s layout: its generation lines, or for an
 /// endpoint type whose answers are not streamed (embeddings) its pooling lines, which have no
 /// output tokens and no per-second peaks.
-pub fn render(
+pub(crate) fn render(
     s: &Summary,
     selected: &[String],
     max_concurrency: Option<usize>,

@@ -10,7 +10,7 @@ use crate::summary::{METRICS, Stats, Summary, p_word};
 /// How a line of the comparison was judged, from the confidence interval of its delta.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Judgement {
+pub(crate) enum Judgement {
     /// The whole interval is within the allowed slowdown (or faster).
     Within,
     /// The whole interval lies beyond the allowed slowdown: shown slower.
@@ -26,20 +26,20 @@ pub enum Judgement {
 
 /// One line of the comparison.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct Delta {
-    pub metric: String,
-    pub stat: String,
+pub(crate) struct Delta {
+    pub(crate) metric: String,
+    pub(crate) stat: String,
     pub(crate) baseline_ms: Option<f64>,
     pub(crate) measured_ms: Option<f64>,
     /// measured − baseline: positive when the second target is slower.
-    pub delta_ms: Option<f64>,
+    pub(crate) delta_ms: Option<f64>,
     pub(crate) delta_pct: Option<f64>,
     /// The 95 % confidence interval of the delta (paired bootstrap over prompts).
-    pub ci_ms: Option<Interval>,
+    pub(crate) ci_ms: Option<Interval>,
     /// Prompts answered by both targets, whose samples were paired.
-    pub paired_prompts: usize,
+    pub(crate) paired_prompts: usize,
     /// Samples on the thinner side (prompts; ITL: gaps), against `min_samples`.
-    pub samples: usize,
+    pub(crate) samples: usize,
     pub(crate) min_samples: usize,
     /// Prompts per target that would decide a line that is not distinguishable, were the
     /// true delta the measured one.
@@ -52,12 +52,12 @@ pub struct Delta {
     /// The tolerance in percent this line is judged against.
     pub(crate) limit_pct: f64,
     /// The largest slowdown allowed, max(limit_pct × baseline, floor).
-    pub allowed_ms: Option<f64>,
-    pub judgement: Judgement,
+    pub(crate) allowed_ms: Option<f64>,
+    pub(crate) judgement: Judgement,
     /// Why a line was not measured.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub note: Option<String>,
-    pub pass: bool,
+    pub(crate) note: Option<String>,
+    pub(crate) pass: bool,
 }
 
 /// The value of `stat` in `s`, or why there is none.
@@ -76,7 +76,7 @@ fn measured(s: &Stats, stat: &str) -> Result<f64, String> {
 /// Judge the measured target against the baseline at the mean and every one of `percentiles`,
 /// for every selected metric: one line each, none skipped. The values are the targets'
 /// summaries; the judgement is the interval's, from the requests paired by prompt.
-pub fn compare(
+pub(crate) fn compare(
     outcomes: &[Outcome],
     baseline: &Summary,
     measured_target: &Summary,

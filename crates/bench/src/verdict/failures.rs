@@ -5,18 +5,18 @@ use crate::summary::Summary;
 /// The requests one side of a comparison failed (refused, cut, timed out): how many of how
 /// many, and their errors, the most frequent first.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct Failures {
-    pub target: String,
-    pub failed: usize,
-    pub sent: usize,
+pub(crate) struct Failures {
+    pub(crate) target: String,
+    pub(crate) failed: usize,
+    pub(crate) sent: usize,
     /// The kinds of error (`HTTP 429 requests_per_minute_exceeded`), the most frequent first,
     /// at most three: (kind, count, one of its messages cut to 200 characters).
-    pub errors: Vec<(String, usize, String)>,
+    pub(crate) errors: Vec<(String, usize, String)>,
 }
 
 impl Failures {
     /// One per side that failed any request.
-    pub fn of(names: [&str; 2], summaries: &[Summary]) -> Vec<Failures> {
+    pub(crate) fn of(names: [&str; 2], summaries: &[Summary]) -> Vec<Failures> {
         names
             .iter()
             .zip(summaries)

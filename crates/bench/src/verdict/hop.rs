@@ -10,10 +10,10 @@ use crate::summary::Summary;
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct HopCheck {
     /// The client-side metric the hop is set beside: `ttft`, or `e2el`.
-    pub metric: &'static str,
+    pub(crate) metric: &'static str,
     /// Median `Server-Timing` hop of the second target's successful requests (none: it sent
     /// no hop figure).
-    pub recorded_median_ms: Option<f64>,
+    pub(crate) recorded_median_ms: Option<f64>,
     /// Its P99, when there are enough of them (`Stat::min_samples`).
     pub(crate) recorded_p99_ms: Option<f64>,
     /// How many of its requests carried one.
@@ -24,7 +24,7 @@ pub(crate) struct HopCheck {
     /// The 95 % interval of that delta (paired bootstrap over prompts).
     pub(crate) client_median_delta_ci_ms: Option<Interval>,
     /// recorded / client-seen (none: either is missing, or the client saw no added time).
-    pub ratio: Option<f64>,
+    pub(crate) ratio: Option<f64>,
 }
 
 /// The result's keys name the client-side metric (`client_ttft_median_delta_ms`).

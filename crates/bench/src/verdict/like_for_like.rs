@@ -18,22 +18,22 @@ pub(crate) const LIKE_FLOOR_MS: f64 = 1.0;
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct LikeForLike {
     /// The direct side's metric: `ttft`, or `e2el` for whole answers.
-    pub metric: &'static str,
+    pub(crate) metric: &'static str,
     /// Prompts with both figures.
-    pub paired_prompts: usize,
+    pub(crate) paired_prompts: usize,
     /// Median backend time (to first token; to the answer) behind the gateway, as it
     /// recorded it.
-    pub gateway_upstream_median_ms: Option<f64>,
+    pub(crate) gateway_upstream_median_ms: Option<f64>,
     /// In the result as `direct_<metric>_median_ms`.
     pub(crate) direct_median_ms: Option<f64>,
     /// Median of the first − median of the second, with its 95 % interval.
-    pub delta_ms: Option<f64>,
-    pub ci_ms: Option<Interval>,
+    pub(crate) delta_ms: Option<f64>,
+    pub(crate) ci_ms: Option<Interval>,
     /// The difference that counts as significant: the verdict's percentile tolerance of the
     /// direct median, at least `LIKE_FLOOR_MS`.
-    pub allowed_ms: Option<f64>,
+    pub(crate) allowed_ms: Option<f64>,
     /// None: not enough figures to tell (no `upstream` from the gateway, or too few prompts).
-    pub comparable: Option<bool>,
+    pub(crate) comparable: Option<bool>,
 }
 
 /// The result's keys name the direct side's metric (`direct_ttft_median_ms`).

@@ -7,12 +7,12 @@
 //! figures set beside the client's, `failures` the requests a side failed, and `render` the
 //! comparison as text with its verdict line.
 
-pub mod delta;
-pub mod failures;
-pub mod hop;
-pub mod like_for_like;
-pub mod render;
-pub mod sla;
+pub(crate) mod delta;
+pub(crate) mod failures;
+pub(crate) mod hop;
+pub(crate) mod like_for_like;
+pub(crate) mod render;
+pub(crate) mod sla;
 
 /// Tolerances of the compare verdict. One-sided: a line fails only when the measured target is
 /// slower than its baseline by more than `pct` % of the baseline's value or `floor_ms`,
@@ -38,12 +38,12 @@ impl Thresholds {
     }
 
     /// The largest slowdown (ms) allowed a line whose baseline is `baseline_ms`.
-    pub fn allowed_ms(&self, pct: f64, baseline_ms: f64) -> f64 {
+    pub(crate) fn allowed_ms(&self, pct: f64, baseline_ms: f64) -> f64 {
         (pct / 100.0 * baseline_ms.max(0.0)).max(self.floor_ms)
     }
 
     /// The rule in words, as the verdict's header prints it, for `names` [baseline, measured].
-    pub fn rule(&self, names: [&str; 2]) -> String {
+    pub(crate) fn rule(&self, names: [&str; 2]) -> String {
         let [base, measured] = names;
         format!(
             "a line fails only when {measured} is slower than {base} by more than max(+{m} % of {base}'s value, +{f} ms) for a mean, max(+{p} %, +{f} ms) for a percentile; faster always passes",

@@ -7,9 +7,9 @@ use crate::summary::{METRICS, Summary, p_word};
 
 /// One `--sla` objective: `ttft_p99_ms=1500` (at most) or `error_rate=0.01`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Objective {
-    pub name: String,
-    pub limit: f64,
+pub(crate) struct Objective {
+    pub(crate) name: String,
+    pub(crate) limit: f64,
 }
 
 /// Parse `ttft_p99_ms=1500,e2el_p95_ms=60000`. A percentile an objective names is measured:
@@ -104,7 +104,7 @@ pub(crate) fn render_sla(s: &Summary, sla: &[Objective]) -> String {
 
 /// A number with four significant digits and no trailing zeros (`0.001`, `1500`, `12.35`):
 /// a limit is printed as it was written, however small.
-pub fn significant(v: f64) -> String {
+pub(crate) fn significant(v: f64) -> String {
     if v == 0.0 || !v.is_finite() {
         return format!("{v}");
     }

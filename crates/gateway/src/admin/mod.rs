@@ -10,7 +10,7 @@
 
 pub mod console;
 pub mod jwt;
-pub(crate) mod middleware;
+pub mod middleware;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,18 +29,18 @@ use fleetgate_protocol::error::error_body;
 use jwt::{JwtError, Role, Verifier};
 use middleware::Body;
 
-pub struct AdminState {
-    pub auth: Arc<Authenticator>,
+pub(crate) struct AdminState {
+    pub(crate) auth: Arc<Authenticator>,
     pub(crate) verifier: Verifier,
-    pub registry: prometheus::Registry,
-    pub fleet: Arc<crate::pool::fleet::Fleet>,
-    pub metrics: Arc<crate::telemetry::metrics::RequestMetrics>,
+    pub(crate) registry: prometheus::Registry,
+    pub(crate) fleet: Arc<crate::pool::fleet::Fleet>,
+    pub(crate) metrics: Arc<crate::telemetry::metrics::RequestMetrics>,
     /// The limits (whether their Redis answers) and the prefix records shared through it.
-    pub limits: Arc<crate::limits::Limits>,
-    pub prefix_share: Option<Arc<crate::proxy::prefix_share::PrefixShare>>,
-    pub console: crate::admin::console::Console,
+    pub(crate) limits: Arc<crate::limits::Limits>,
+    pub(crate) prefix_share: Option<Arc<crate::proxy::prefix_share::PrefixShare>>,
+    pub(crate) console: crate::admin::console::Console,
     /// The admin listener serves TLS (the console's cookie is then `Secure`).
-    pub tls: bool,
+    pub(crate) tls: bool,
 }
 
 static JSON: HeaderValue = HeaderValue::from_static("application/json");
@@ -246,7 +246,7 @@ fn key_json(k: &KeyRecord) -> serde_json::Value {
 }
 
 /// Serve one admin request.
-pub async fn handle(state: Arc<AdminState>, req: Request<Body>) -> Response<GatewayBody> {
+pub(crate) async fn handle(state: Arc<AdminState>, req: Request<Body>) -> Response<GatewayBody> {
     let path = req.uri().path().to_owned();
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/metrics") => {

@@ -39,8 +39,8 @@ use throttle::{DelayedAnswers, FailureThrottle, TRACKED_ADDRESSES_CAP};
 
 /// All keys, by public id.
 #[derive(Debug, Default)]
-pub struct KeySnapshot {
-    pub keys: HashMap<Box<str>, Arc<KeyRecord>>,
+pub(crate) struct KeySnapshot {
+    pub(crate) keys: HashMap<Box<str>, Arc<KeyRecord>>,
 }
 
 /// State of the key store connection, for readiness and metrics.
@@ -189,7 +189,7 @@ impl Authenticator {
         &self.store
     }
 
-    pub fn config(&self) -> &AuthConfig {
+    pub(crate) fn config(&self) -> &AuthConfig {
         &self.config
     }
 
@@ -248,7 +248,7 @@ impl Authenticator {
     }
 
     /// Count a refusal decided outside `authenticate` (model or environment not allowed).
-    pub fn count(&self, failure: &AuthFailure) {
+    pub(crate) fn count(&self, failure: &AuthFailure) {
         self.metrics.failures[failure.index()].inc();
     }
 
@@ -260,7 +260,7 @@ impl Authenticator {
 
     /// The snapshot now: a full reload taken from the store after this call replaces it only
     /// through `replace_all_since`.
-    pub fn current(&self) -> Arc<KeySnapshot> {
+    pub(crate) fn current(&self) -> Arc<KeySnapshot> {
         self.snapshot.load_full()
     }
 
@@ -448,7 +448,7 @@ impl Authenticator {
 #[derive(Debug)]
 pub struct Refused {
     pub failure: AuthFailure,
-    pub key: Option<Arc<KeyRecord>>,
+    pub(crate) key: Option<Arc<KeyRecord>>,
 }
 
 impl From<AuthFailure> for Refused {

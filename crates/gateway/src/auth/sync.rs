@@ -29,7 +29,7 @@ pub fn propagation(kind: DbKind) -> Duration {
 }
 
 /// Run until `stop` is cancelled.
-pub async fn run(auth: Arc<Authenticator>, stop: CancellationToken) {
+pub(crate) async fn run(auth: Arc<Authenticator>, stop: CancellationToken) {
     match auth.store().kind() {
         DbKind::Postgres => postgres_loop(auth, stop).await,
         DbKind::Sqlite => sqlite_loop(auth, stop).await,

@@ -10,7 +10,7 @@ use super::{ConfigError, FileErrors};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuthConfig {
     /// Unknown-key database lookups allowed per second (all clients together).
-    pub lookups_per_second: u32,
+    pub(crate) lookups_per_second: u32,
     /// How long a key found unknown in the database is not looked up again.
     pub(crate) negative_cache: Duration,
     /// Failed attempts allowed per client address (IPv6: per /64) at once and per minute;

@@ -51,7 +51,7 @@ pub struct LimitsConfig {
     pub shared: SharedLimits,
     pub redis: Option<RedisConfig>,
     /// Completion tokens reserved for a request that names no `max_tokens`.
-    pub default_max_tokens: u32,
+    pub(crate) default_max_tokens: u32,
     /// Prompt characters per token for the admission estimate.
     pub(crate) chars_per_token: u32,
     /// Limiter state of a key unused for this long is dropped.

@@ -44,19 +44,19 @@ pub struct OtlpExport {
     /// Headers on every export (a vendor's API key, say) from the file;
     /// `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_EXPORTER_OTLP_TRACES_HEADERS` are added over them
     /// by the exporter, per header.
-    pub headers: Vec<(String, Secret)>,
+    pub(crate) headers: Vec<(String, Secret)>,
     /// One export request's limit.
-    pub timeout: Duration,
-    pub gzip: bool,
+    pub(crate) timeout: Duration,
+    pub(crate) gzip: bool,
     /// `service.name` of the resource: the file's (or `fleetgate`).
     pub service_name: String,
     /// `OTEL_SERVICE_NAME`, which wins over every other source of `service.name`.
     pub service_name_env: Option<String>,
     /// The file's resource attributes (`OTEL_RESOURCE_ATTRIBUTES` is read over them).
-    pub resource: Vec<(String, String)>,
+    pub(crate) resource: Vec<(String, String)>,
     pub sampler: SamplerChoice,
     /// Requests waiting for export; beyond, their spans are dropped and counted.
-    pub max_queue_size: usize,
+    pub(crate) max_queue_size: usize,
     pub(crate) max_export_batch_size: usize,
     pub(crate) schedule_delay: Duration,
     /// One batch's limit, retries included.

@@ -14,9 +14,9 @@ pub struct LoadAwareConfig {
 
 /// Active health probes of a pool's backends (the interval is `server.health_interval_ms`).
 #[derive(Debug, Clone)]
-pub struct HealthConfig {
-    pub path: String,
-    pub timeout: Duration,
+pub(crate) struct HealthConfig {
+    pub(crate) path: String,
+    pub(crate) timeout: Duration,
     /// Consecutive good probes that bring a down backend back.
     pub(crate) healthy_threshold: u32,
     /// Consecutive failed probes that take a backend down.
@@ -39,7 +39,7 @@ impl Default for HealthConfig {
 #[derive(Debug, Clone)]
 pub struct WarmupConfig {
     pub requests: u32,
-    pub prompt: String,
+    pub(crate) prompt: String,
     pub(crate) slow_start: Duration,
 }
 

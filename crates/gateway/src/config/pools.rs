@@ -44,7 +44,7 @@ pub struct PoolConfig {
     /// Gray keys' requests go to this pool's backends with this label (a canary) while one
     /// of them can take requests.
     pub gray_canary_label: Option<String>,
-    pub health: HealthConfig,
+    pub(crate) health: HealthConfig,
     pub warmup: WarmupConfig,
     /// Read each backend's own load from its Prometheus `/metrics` (vLLM's
     /// `num_requests_running` + `num_requests_waiting`) and balance on it too.
@@ -56,7 +56,7 @@ pub struct PoolConfig {
     pub priority: Option<EnginePriority>,
     /// Clients' error messages name backends by address (`server.expose_backend_addresses`,
     /// set on every pool by the server), else as `<model>#<number>`.
-    pub expose_backend_addresses: bool,
+    pub(crate) expose_backend_addresses: bool,
 }
 
 /// What kind of model a pool's backends serve, as `vllm serve` made it: a generative model
@@ -124,14 +124,14 @@ pub(crate) const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
 
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
-    pub connect: Duration,
+    pub(crate) connect: Duration,
     /// From sending the request until the response head (non-streaming) or the first
     /// token (streaming) arrives.
     pub first_token: Duration,
     /// Longest silence between two chunks of a response body.
     pub idle: Duration,
     /// Whole request, first byte sent to last byte received.
-    pub total: Duration,
+    pub(crate) total: Duration,
 }
 
 impl Default for Timeouts {

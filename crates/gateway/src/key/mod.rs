@@ -53,7 +53,7 @@ impl Environment {
         }
     }
 
-    pub fn parse(s: &str) -> Option<Self> {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
         match s {
             "stress" => Some(Environment::Stress),
             "gray" => Some(Environment::Gray),
@@ -235,7 +235,7 @@ pub struct KeyView<'a> {
     pub requests_per_minute: Option<i64>,
     pub tokens_per_minute: Option<i64>,
     pub max_concurrent_streams: Option<i64>,
-    pub metadata: &'a serde_json::Value,
+    pub(crate) metadata: &'a serde_json::Value,
 }
 
 impl KeyRecord {

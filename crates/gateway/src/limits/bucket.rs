@@ -25,9 +25,9 @@ struct Level {
 /// The bucket after a successful reservation.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Snapshot {
-    pub remaining: u64,
+    pub(crate) remaining: u64,
     /// Until the bucket is full again.
-    pub reset: Duration,
+    pub(crate) reset: Duration,
 }
 
 /// Why a reservation was refused.

@@ -374,7 +374,7 @@ pub struct Hold {
     prompt_estimate: u64,
     used: Option<u64>,
     /// `x-ratelimit-*` values for the response.
-    pub headers: RateHeaders,
+    pub(crate) headers: RateHeaders,
 }
 
 impl std::fmt::Debug for Hold {

@@ -112,16 +112,16 @@ impl Gcra {
 /// time each limit needs to be whole again; zero: nothing to carry over.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Floors {
-    pub requests: Duration,
-    pub tokens: Duration,
+    pub(crate) requests: Duration,
+    pub(crate) tokens: Duration,
 }
 
 /// One key's effective limits (its own values, else its environment's defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KeyQuota {
-    pub requests_per_minute: Option<u32>,
-    pub burst: u32,
-    pub tokens_per_minute: Option<u64>,
+pub(crate) struct KeyQuota {
+    pub(crate) requests_per_minute: Option<u32>,
+    pub(crate) burst: u32,
+    pub(crate) tokens_per_minute: Option<u64>,
     pub(crate) max_concurrent: Option<u32>,
 }
 

@@ -43,7 +43,7 @@ pub struct Demand {
 }
 
 impl Demand {
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.prompt_tokens.saturating_add(self.max_tokens)
     }
 }
@@ -76,7 +76,7 @@ impl Limits {
 
     /// With `limits.shared = "redis"`: connect (or start in fallback and keep trying). The
     /// Redis tasks run on `tasks`; see `shared::Shared::start` for `stop` and `settle_stop`.
-    pub async fn start(
+    pub(crate) async fn start(
         cfg: LimitsConfig,
         metrics: Option<LimitMetrics>,
         registry: Option<&prometheus::Registry>,
@@ -115,17 +115,13 @@ impl Limits {
         }
     }
 
-    pub fn config(&self) -> &LimitsConfig {
-        &self.cfg
-    }
-
     /// Estimated prompt tokens of `prompt_chars` characters.
-    pub fn prompt_tokens(&self, prompt_chars: usize) -> u64 {
+    pub(crate) fn prompt_tokens(&self, prompt_chars: usize) -> u64 {
         (prompt_chars as u64).div_ceil(u64::from(self.cfg.chars_per_token.max(1)))
     }
 
     /// The request's demand on the token budget.
-    pub fn demand(&self, prompt_chars: usize, max_tokens: Option<u64>, n: u32) -> Demand {
+    pub(crate) fn demand(&self, prompt_chars: usize, max_tokens: Option<u64>, n: u32) -> Demand {
         let per = u64::from(self.cfg.chars_per_token.max(1));
         Demand {
             prompt_tokens: (prompt_chars as u64).div_ceil(per),
@@ -169,13 +165,6 @@ impl Limits {
         r
     }
 
-    /// Count a refusal made elsewhere (the backend queue).
-    pub fn count(&self, kind: LimitKind) {
-        if let Some(m) = &self.metrics {
-            m.rejected(kind);
-        }
-    }
-
     /// Drop the state of keys idle for `limits.prune_idle` with nothing in flight.
     pub(crate) fn prune(&self) -> usize {
         let now = self.now_ms();
@@ -211,7 +200,7 @@ impl Limits {
     }
 
     /// The shared store (`None` in local mode).
-    pub fn shared(&self) -> Option<&shared::Shared> {
+    pub(crate) fn shared(&self) -> Option<&shared::Shared> {
         self.shared.as_ref()
     }
 }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue};
 use prometheus::{IntCounter, IntCounterVec};
 
 use crate::key::Environment;
@@ -11,7 +11,7 @@ use fleetgate_protocol::error::ErrorKind;
 
 /// Which limit refused a request (a metric label and the error's code).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LimitKind {
+pub(crate) enum LimitKind {
     KeyRequests,
     KeyTokens,
     KeyTokensTooLarge,
@@ -57,17 +57,17 @@ impl LimitKind {
 /// One rate window as OpenAI's `x-ratelimit-*` headers state it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Window {
-    pub limit: u64,
-    pub remaining: u64,
+    pub(crate) limit: u64,
+    pub(crate) remaining: u64,
     /// Until the window is full again.
-    pub reset: Duration,
+    pub(crate) reset: Duration,
 }
 
 /// The `x-ratelimit-*` values of one response.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RateHeaders {
-    pub requests: Option<Window>,
-    pub tokens: Option<Window>,
+pub(crate) struct RateHeaders {
+    pub(crate) requests: Option<Window>,
+    pub(crate) tokens: Option<Window>,
 }
 
 static LIMIT_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-limit-requests");
@@ -139,23 +139,19 @@ fn format_reset(buf: &mut [u8; 32], d: Duration) -> usize {
 /// A refused request: which limit, its numbers, and when to come back.
 #[derive(Debug, Clone)]
 pub struct Refusal {
-    pub kind: LimitKind,
-    pub key_id: Box<str>,
-    pub environment: Environment,
+    pub(crate) kind: LimitKind,
+    pub(crate) key_id: Box<str>,
+    pub(crate) environment: Environment,
     /// The limit's value (per minute, per second, or concurrent requests).
-    pub limit: u64,
+    pub(crate) limit: u64,
     /// Tokens this request would reserve (token limits only).
-    pub requested: u64,
+    pub(crate) requested: u64,
     pub(crate) retry_after: Option<Duration>,
-    pub headers: RateHeaders,
+    pub(crate) headers: RateHeaders,
 }
 
 impl Refusal {
-    pub fn status(&self) -> StatusCode {
-        self.kind.error_kind().status()
-    }
-
-    pub fn code(&self) -> &'static str {
+    pub(crate) fn code(&self) -> &'static str {
         match self.kind {
             LimitKind::KeyRequests => "requests_per_minute_exceeded",
             LimitKind::KeyTokens => "tokens_per_minute_exceeded",
@@ -166,7 +162,7 @@ impl Refusal {
         }
     }
 
-    pub fn message(&self) -> String {
+    pub(crate) fn message(&self) -> String {
         let key = &self.key_id;
         let env = self.environment;
         let retry = match self.retry_after {

@@ -28,7 +28,7 @@ pub(crate) enum Reachability {
 pub struct LastError {
     pub message: String,
     /// Wall-clock epoch milliseconds.
-    pub at_ms: i64,
+    pub(crate) at_ms: i64,
 }
 
 #[derive(Debug)]
@@ -36,11 +36,11 @@ pub struct Backend {
     /// Base URL as configured (log and error text; never a label from a client).
     pub base: Arc<str>,
     /// Its name, `<model>#<metrics index>`: what clients are told instead of its address.
-    pub name: Arc<str>,
+    pub(crate) name: Arc<str>,
     /// How clients' error messages name it: `name`, or its address when the server says so
     /// (`server.expose_backend_addresses`). Operators see `base` and `name` in the admin API,
     /// `base` in the logs and the metrics.
-    pub shown: Arc<str>,
+    pub(crate) shown: Arc<str>,
     /// Its metrics index in the pool: stable across reloads (a request recorded after a reload
     /// still lands on its backend's series), never reused for another backend.
     pub(crate) metrics_index: usize,
@@ -49,7 +49,7 @@ pub struct Backend {
     pub(crate) health_uri: Uri,
     pub(crate) metrics_uri: Uri,
     /// The `Host` every request to it carries (its authority), made once.
-    pub host: HeaderValue,
+    pub(crate) host: HeaderValue,
     pub in_flight: AtomicU32,
     /// Requests running + waiting on the backend by its own `/metrics` (all gateways' and
     /// anyone else's), when the pool is load-aware; 0 otherwise or when unread.
@@ -232,7 +232,7 @@ impl Backend {
         self.weight.load(Ordering::Relaxed)
     }
 
-    pub fn capacity(&self) -> u32 {
+    pub(crate) fn capacity(&self) -> u32 {
         self.capacity.load(Ordering::Relaxed)
     }
 
@@ -344,7 +344,7 @@ impl Backend {
     }
 
     /// The `system_fingerprint` this backend's last usage chunk carried.
-    pub fn fingerprint(&self) -> Option<Bytes> {
+    pub(crate) fn fingerprint(&self) -> Option<Bytes> {
         self.fingerprint.load().as_deref().cloned()
     }
 
@@ -358,7 +358,7 @@ impl Backend {
     }
 
     /// Its URI of `endpoint`'s route, made when the backend was configured.
-    pub fn uri(&self, endpoint: Endpoint) -> &Uri {
+    pub(crate) fn uri(&self, endpoint: Endpoint) -> &Uri {
         &self.uris[endpoint.index()]
     }
 

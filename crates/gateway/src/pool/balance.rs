@@ -55,8 +55,8 @@ pub struct Balancer {
     /// Shared by every generation of the pool (a reload keeps the waiters).
     pub queue: Arc<AdmissionQueue<InFlight>>,
     pub(crate) retry_budget: RetryBudget,
-    pub retries: RetryConfig,
-    pub ejection: EjectionConfig,
+    pub(crate) retries: RetryConfig,
+    pub(crate) ejection: EjectionConfig,
     /// Backends gray keys avoid while one outside this mask can serve (0: no canary).
     pub(crate) gray_exclude: u64,
     /// Running sums of the backends' weights, for weighted sampling.

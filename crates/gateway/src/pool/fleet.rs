@@ -52,7 +52,7 @@ pub(crate) type Resolver = Arc<
 /// What a reload changed, for the log and the caller.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ReloadSummary {
-    pub(crate) pools_added: Vec<String>,
+    pub pools_added: Vec<String>,
     pub(crate) pools_removed: Vec<String>,
     /// `model backend` pairs.
     pub backends_added: Vec<String>,
@@ -223,7 +223,7 @@ pub(crate) async fn resolve(host: &str, port: u16) -> std::io::Result<BTreeSet<I
 impl Fleet {
     /// The fleet of `configured`, DNS entries resolved once now (an entry that does not
     /// resolve starts with no backends and is retried on its interval).
-    pub async fn start(
+    pub(crate) async fn start(
         configured: Vec<PoolConfig>,
         queue: QueueConfig,
         registry: Option<&Registry>,
@@ -277,7 +277,7 @@ impl Fleet {
     }
 
     /// The pools now (probes, admin API, metrics).
-    pub fn current(&self) -> Arc<Generation> {
+    pub(crate) fn current(&self) -> Arc<Generation> {
         self.current.load_full()
     }
 
@@ -309,7 +309,7 @@ impl Fleet {
     /// Apply a new `[[pools]]` configuration (already validated). DNS entries keep the
     /// addresses found so far for an entry still configured with the same URL; new entries
     /// are resolved by the next discovery round.
-    pub fn reload(&self, configured: Vec<PoolConfig>) -> Result<ReloadSummary, ReloadError> {
+    pub(crate) fn reload(&self, configured: Vec<PoolConfig>) -> Result<ReloadSummary, ReloadError> {
         let mut inner = lock(&self.inner);
         let mut discovered = Vec::new();
         for (i, p) in configured.iter().enumerate() {

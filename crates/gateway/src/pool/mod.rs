@@ -61,18 +61,18 @@ pub struct Pool {
     /// back in its place.
     pub(crate) served_field: Arc<memchr::memmem::Finder<'static>>,
     pub(crate) upstream_auth: Option<HeaderValue>,
-    pub timeouts: Timeouts,
+    pub(crate) timeouts: Timeouts,
     pub backends: Vec<Arc<Backend>>,
     pub balancer: Arc<Balancer>,
-    pub client: UpstreamClient,
+    pub(crate) client: UpstreamClient,
     /// Environments whose keys may use this pool (`None`: all).
-    pub environments: Option<Vec<crate::key::Environment>>,
+    pub(crate) environments: Option<Vec<crate::key::Environment>>,
     /// (minimum estimated prompt tokens, index of the pool that takes them).
-    pub long_prompt: Option<(u64, usize)>,
-    pub affinity: Option<crate::config::AffinityConfig>,
+    pub(crate) long_prompt: Option<(u64, usize)>,
+    pub(crate) affinity: Option<crate::config::AffinityConfig>,
     /// `by = "longest_prefix"`: which backends hold which prompt prefixes (kept across a
     /// reload while the settings stay).
-    pub prefix: Option<Arc<prefix::PrefixIndex>>,
+    pub(crate) prefix: Option<Arc<prefix::PrefixIndex>>,
     config: PoolConfig,
 }
 
@@ -240,7 +240,7 @@ impl Generation {
     /// served before keeps its queue, client, metrics index and the backends still configured
     /// unchanged (with their state and in-flight counts). Backends of `prev` not kept are
     /// not touched here: see `retired_since`.
-    pub fn build(
+    pub(crate) fn build(
         cfgs: &[PoolConfig],
         queue: &QueueConfig,
         prev: Option<&Generation>,
@@ -434,7 +434,7 @@ impl Generation {
         self.by_model.get(model).map(|&i| &self.pools[i])
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &Pool> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Pool> {
         self.pools.iter()
     }
 

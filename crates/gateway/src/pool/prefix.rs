@@ -78,8 +78,8 @@ pub struct PrefixIndex {
     rotate_after_ms: u64,
     /// Requests routed to a backend holding their prefix, and the others (no prefix known,
     /// or its backends too loaded: the fallback).
-    pub hits: AtomicU64,
-    pub misses: AtomicU64,
+    pub(crate) hits: AtomicU64,
+    pub(crate) misses: AtomicU64,
 }
 
 impl PrefixIndex {
@@ -97,7 +97,7 @@ impl PrefixIndex {
     }
 
     /// The bytes of text one name stands for.
-    pub fn block_bytes(&self) -> usize {
+    pub(crate) fn block_bytes(&self) -> usize {
         self.block_bytes
     }
 
@@ -172,7 +172,7 @@ impl PrefixIndex {
     }
 
     /// Names held now (both generations): the index's size, for the metrics.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.shards
             .iter()
             .map(|s| {
@@ -182,12 +182,8 @@ impl PrefixIndex {
             .sum()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Count a routing outcome.
-    pub fn count(&self, hit: bool) {
+    pub(crate) fn count(&self, hit: bool) {
         let c = if hit { &self.hits } else { &self.misses };
         c.fetch_add(1, Ordering::Relaxed);
     }

@@ -52,7 +52,7 @@ type BoxError = Box<dyn StdError + Send + Sync>;
 #[derive(Debug)]
 pub(crate) struct SendError {
     /// The connection could not be opened (nothing was sent).
-    pub connect: bool,
+    pub(crate) connect: bool,
     source: BoxError,
 }
 

@@ -134,9 +134,9 @@ fn status_of(body: &[u8]) -> Option<String> {
 /// client leaves before the end (the backend goes on generating).
 #[derive(Debug)]
 pub(super) struct Handover {
-    pub client: UpstreamClient,
-    pub deadline: Instant,
-    pub closing: CancellationToken,
+    pub(crate) client: UpstreamClient,
+    pub(crate) deadline: Instant,
+    pub(crate) closing: CancellationToken,
 }
 
 impl Handover {

@@ -98,17 +98,17 @@ pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
 /// config key that sets it).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Accepted {
-    pub kind: BodyKind,
-    pub limit: usize,
-    pub setting: &'static str,
+    pub(crate) kind: BodyKind,
+    pub(crate) limit: usize,
+    pub(crate) setting: &'static str,
 }
 
 /// How long a body may take: all of it within `total` after its head, and never a pause of
 /// more than `idle` between two of its reads (a body that stopped arriving).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BodyTimeouts {
-    pub total: Duration,
-    pub idle: Duration,
+    pub(crate) total: Duration,
+    pub(crate) idle: Duration,
 }
 
 /// The request body, or why it is refused: not of the route's media type (JSON; multipart for

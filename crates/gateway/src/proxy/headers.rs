@@ -121,11 +121,11 @@ fn remove_named(h: &mut HeaderMap, connection: &HeaderValue) {
 #[derive(Debug, Clone)]
 pub(crate) struct Forwarding {
     /// Set `X-Forwarded-For`, `-Proto` and `-Host` (false: the client's go, none are set).
-    pub enabled: bool,
+    pub(crate) enabled: bool,
     /// Peers whose own forwarding headers are kept (and extended).
-    pub trusted: Vec<ipnet::IpNet>,
+    pub(crate) trusted: Vec<ipnet::IpNet>,
     /// `http` or `https`: how the client reached this listener.
-    pub proto: HeaderValue,
+    pub(crate) proto: HeaderValue,
 }
 
 impl Forwarding {
@@ -169,9 +169,9 @@ static PATH_OVERRIDES: [HeaderName; 2] = [
 /// Who sent the request, as the listener saw it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sender<'a> {
-    pub peer: Option<std::net::IpAddr>,
+    pub(crate) peer: Option<std::net::IpAddr>,
     /// The request's authority (HTTP/2's `:authority`; HTTP/1.1 has it in `Host`).
-    pub authority: Option<&'a http::uri::Authority>,
+    pub(crate) authority: Option<&'a http::uri::Authority>,
 }
 
 /// Replace (or, from a trusted proxy, extend) the forwarding headers: `X-Forwarded-For` ends
@@ -243,10 +243,10 @@ fn join_lines(headers: &mut HeaderMap, name: &HeaderName) -> Option<Vec<u8>> {
 /// The client's headers as they will go upstream, with what the gateway read of the ones
 /// that do not.
 pub(crate) struct Outgoing {
-    pub headers: HeaderMap,
+    pub(crate) headers: HeaderMap,
     /// The client accepts trailers (`TE: trailers`): a stream's `Server-Timing`, with the hop
     /// cost known only after its first token, comes as a trailer.
-    pub trailers: bool,
+    pub(crate) trailers: bool,
 }
 
 /// Clean the client's headers for the backend: done first, so that the head limit measures

@@ -19,13 +19,13 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Pin {
     /// The pool's model (the pool that served it).
-    pub model: Arc<str>,
+    pub(crate) model: Arc<str>,
     /// The backend's base URL, as configured.
-    pub backend: Arc<str>,
+    pub(crate) backend: Arc<str>,
     /// The public id of the key that created it (`""`: none): only that key reads it,
     /// cancels it or continues it (vLLM's store has no owner; another team's key must not
     /// read a conversation by guessing or learning its id).
-    pub key: Arc<str>,
+    pub(crate) key: Arc<str>,
 }
 
 #[derive(Debug)]
@@ -202,8 +202,8 @@ impl Pins {
 /// What the relay of a new response needs to pin it once its id is read.
 #[derive(Debug)]
 pub(crate) struct Learn {
-    pub pins: Arc<Pins>,
-    pub pin: Pin,
+    pub(crate) pins: Arc<Pins>,
+    pub(crate) pin: Pin,
 }
 
 impl Learn {

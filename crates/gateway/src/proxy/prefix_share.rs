@@ -105,7 +105,7 @@ impl Metrics {
 
 /// The request path's side: hands records to the publisher.
 #[derive(Debug)]
-pub struct PrefixShare {
+pub(crate) struct PrefixShare {
     tx: mpsc::Sender<Record>,
     up: Arc<Up>,
     metrics: Arc<Metrics>,

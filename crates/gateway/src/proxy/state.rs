@@ -12,10 +12,10 @@ use crate::queue;
 #[derive(Debug)]
 pub(crate) struct ProxyState {
     /// This worker's pools, swapped by a reload (`pool::fleet`).
-    pub generation: crate::pool::fleet::CurrentGeneration,
-    pub max_body_bytes: usize,
+    pub(crate) generation: crate::pool::fleet::CurrentGeneration,
+    pub(crate) max_body_bytes: usize,
     /// The audio routes' `multipart/form-data` bodies (`server.max_audio_body_bytes`).
-    pub max_audio_body_bytes: usize,
+    pub(crate) max_audio_body_bytes: usize,
     /// The whole request body must arrive within this, with no pause longer than the idle
     /// limit.
     pub(crate) body_timeouts: body::BodyTimeouts,
@@ -23,22 +23,22 @@ pub(crate) struct ProxyState {
     pub(crate) pending_bodies: Arc<body::PendingBodies>,
     /// What a forwarded request's head may come to (`server.max_upstream_*`).
     pub(crate) head_limits: headers::HeadLimits,
-    pub recorder: Arc<crate::telemetry::Recorder>,
-    pub auth: Arc<crate::auth::Authenticator>,
-    pub limits: Arc<crate::limits::Limits>,
-    pub queue: crate::config::QueueConfig,
+    pub(crate) recorder: Arc<crate::telemetry::Recorder>,
+    pub(crate) auth: Arc<crate::auth::Authenticator>,
+    pub(crate) limits: Arc<crate::limits::Limits>,
+    pub(crate) queue: crate::config::QueueConfig,
     pub(crate) queue_metrics: Option<queue::QueueMetrics>,
     /// The longest SSE line a relay carries across reads (`server.max_stream_line_bytes`).
     pub(crate) max_stream_line: usize,
     /// How forwarded requests say whom they came from.
-    pub forwarding: headers::Forwarding,
+    pub(crate) forwarding: headers::Forwarding,
     /// Which backend holds each stored response (`pins`).
-    pub pins: Arc<pins::Pins>,
+    pub(crate) pins: Arc<pins::Pins>,
     /// Longest-prefix records shared with the other replicas (`prefix_share`), with Redis.
-    pub prefix_share: Option<Arc<prefix_share::PrefixShare>>,
+    pub(crate) prefix_share: Option<Arc<prefix_share::PrefixShare>>,
     /// Cancelled when the shutdown grace period has run out: what is still open ends now,
     /// with an error the client can read (`ApiError::Shutdown`).
-    pub closing: Closing,
+    pub(crate) closing: Closing,
 }
 
 /// The end of the shutdown grace period, as the request path sees it.
@@ -46,8 +46,8 @@ pub(crate) struct ProxyState {
 pub(crate) struct Closing {
     /// This worker's own child of the server's token (its waiters never share a lock with
     /// another worker's).
-    pub token: tokio_util::sync::CancellationToken,
-    pub grace: Duration,
+    pub(crate) token: tokio_util::sync::CancellationToken,
+    pub(crate) grace: Duration,
 }
 
 impl Closing {

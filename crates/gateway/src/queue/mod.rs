@@ -99,13 +99,13 @@ impl RefusalKind {
 /// A request the queue refused, with what the client needs to know.
 #[derive(Debug, Clone)]
 pub(crate) struct QueueRefusal {
-    pub kind: RefusalKind,
+    pub(crate) kind: RefusalKind,
     /// The key's public id (`-` without a key).
-    pub key_id: Box<str>,
-    pub environment: Environment,
-    pub model: Arc<str>,
+    pub(crate) key_id: Box<str>,
+    pub(crate) environment: Environment,
+    pub(crate) model: Arc<str>,
     /// Places in the queue (full, key share) or milliseconds of waiting (timeout).
-    pub limit: u64,
+    pub(crate) limit: u64,
     pub(crate) retry_after: Duration,
 }
 
@@ -159,9 +159,9 @@ impl QueueMetrics {
 /// Who asks: the key (its turn and share in the queue, its environment's priority) and the
 /// model (named in refusals).
 pub(crate) struct Asker<'a> {
-    pub key: Option<&'a KeyRecord>,
-    pub model: &'a Arc<str>,
-    pub metrics: Option<&'a QueueMetrics>,
+    pub(crate) key: Option<&'a KeyRecord>,
+    pub(crate) model: &'a Arc<str>,
+    pub(crate) metrics: Option<&'a QueueMetrics>,
     /// The backends' own queue puts this request before every other environment's
     /// (`[pools.priority]`): it takes a slot now while none of its own environment waits,
     /// passing the other environments' waiters (its `first` may then pass the capacity too).

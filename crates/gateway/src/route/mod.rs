@@ -17,19 +17,19 @@ use fleetgate_protocol::view::RequestView;
 /// Where a request goes.
 #[derive(Debug)]
 pub(crate) struct Route<'p> {
-    pub pool: &'p Pool,
+    pub(crate) pool: &'p Pool,
     /// Backends to avoid while another can take the request (gray keys sent to the canary
     /// backends); 0: none.
     pub(crate) avoid: u64,
     /// Affinity hash: requests with the same one prefer the same backend (its prefix cache).
-    pub affinity: Option<u64>,
+    pub(crate) affinity: Option<u64>,
     /// `longest_prefix`: the names of the prompt's blocks (`pool::prefix`), to find the
     /// backend holding the longest of them and to teach the index where the prompt went.
-    pub prefix: Option<Arc<[u64]>>,
+    pub(crate) prefix: Option<Arc<[u64]>>,
     /// The backends' own name for the model as a JSON string, when the client named another
     /// (an alias, or the pool's name under a different `served_model_name`): spliced into
     /// the body.
-    pub rename: Option<&'p [u8]>,
+    pub(crate) rename: Option<&'p [u8]>,
 }
 
 /// Why a request has no route.

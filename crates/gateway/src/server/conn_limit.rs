@@ -112,9 +112,9 @@ pub(super) struct ConnLimit {
     by_address: Arc<Mutex<HashMap<IpKey, u32>>>,
     last_address_warned_ms: AtomicU64,
     /// A new connection must deliver its first request head within this.
-    pub header_timeout: Duration,
+    pub(crate) header_timeout: Duration,
     /// An HTTP/1.1 connection idle between requests closes after this.
-    pub keepalive_timeout: Duration,
+    pub(crate) keepalive_timeout: Duration,
     /// The largest request head read (`server.max_request_head_bytes`), both protocols.
     pub(crate) max_head: usize,
     /// When the last "limit reached" warning was logged (ms since `epoch`), to log once per
@@ -376,7 +376,7 @@ mod libc_codes {
 mod libc_codes {
     pub(crate) const ENOMEM: i32 = 12;
     pub(crate) const ENFILE: i32 = 23;
-    pub const EMFILE: i32 = 24;
+    pub(crate) const EMFILE: i32 = 24;
     pub(crate) const ENOBUFS: i32 = 55;
 }
 

@@ -39,7 +39,7 @@ use crate::store::StoreError;
 /// Everything the request path reads, built once at start.
 #[derive(Debug)]
 pub(crate) struct AppState {
-    pub proxy: Arc<ProxyState>,
+    pub(crate) proxy: Arc<ProxyState>,
 }
 
 impl AppState {
@@ -72,12 +72,11 @@ pub enum StartError {
 pub struct Server {
     pub local_addr: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
-    pub tls: bool,
+    pub(crate) tls: bool,
     pub auth: Arc<Authenticator>,
     pub registry: prometheus::Registry,
     /// The pools (backends' in-flight counts, admission queues), live: see `reload`.
     pub fleet: Arc<Fleet>,
-    pub limits: Arc<crate::limits::Limits>,
     shutdown: CancellationToken,
     /// Stops the background writers (request log, Redis token settlements) once the workers
     /// are done, so the last rows and settlements are still written.

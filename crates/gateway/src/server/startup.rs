@@ -290,7 +290,6 @@ impl Server {
             auth,
             registry,
             fleet,
-            limits,
             shutdown,
             writers_stop,
             tasks,

@@ -16,7 +16,7 @@ pub struct AuditEntry {
     pub actor: String,
     pub action: String,
     pub key_public_id: Option<String>,
-    pub detail: serde_json::Value,
+    pub(crate) detail: serde_json::Value,
 }
 
 impl AuditEntry {
@@ -49,10 +49,10 @@ impl AuditEntry {
 /// What `audit_search` looks for (`None`: any).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AuditSearch<'a> {
-    pub key: Option<&'a str>,
-    pub actor: Option<&'a str>,
-    pub action: Option<&'a str>,
-    pub limit: i64,
+    pub(crate) key: Option<&'a str>,
+    pub(crate) actor: Option<&'a str>,
+    pub(crate) action: Option<&'a str>,
+    pub(crate) limit: i64,
 }
 
 impl KeyStore {

@@ -205,7 +205,7 @@ impl KeyStore {
         self.kind
     }
 
-    pub fn config(&self) -> &DatabaseConfig {
+    pub(crate) fn config(&self) -> &DatabaseConfig {
         &self.config
     }
 

@@ -477,7 +477,7 @@ impl RequestMetrics {
     }
 
     /// The ITL histogram a relay observes each gap into.
-    pub fn itl(
+    pub(crate) fn itl(
         &self,
         pool: Option<usize>,
         env: Option<Environment>,
@@ -491,7 +491,7 @@ impl RequestMetrics {
     }
 
     /// Record one finished request (called once, from the record's drop).
-    pub fn observe(&self, r: &RequestRecord) {
+    pub(crate) fn observe(&self, r: &RequestRecord) {
         if r.timeline.stream().implausible_usage {
             let model = r.model.as_deref().unwrap_or("none");
             let backend = r.backend.as_deref().unwrap_or("none");

@@ -71,15 +71,11 @@ impl Recorder {
     }
 
     /// The tracing pipeline, when tracing is on.
-    pub fn tracing(&self) -> Option<&Arc<otel::Pipeline>> {
+    pub(crate) fn tracing(&self) -> Option<&Arc<otel::Pipeline>> {
         self.otel.as_ref()
     }
 
-    pub fn request_log(&self) -> Option<&Arc<request_log::RequestLog>> {
-        self.log.as_ref()
-    }
-
-    pub fn metrics(&self) -> Option<&Arc<metrics::RequestMetrics>> {
+    pub(crate) fn metrics(&self) -> Option<&Arc<metrics::RequestMetrics>> {
         self.metrics.as_ref()
     }
 
@@ -151,9 +147,9 @@ pub struct RequestRecord {
     /// Attempts on other backends before the one that answered.
     pub retries: u8,
     /// The W3C trace the request joined (its valid `traceparent`).
-    pub trace_id: Option<fleetgate_protocol::trace_context::TraceId>,
+    pub(crate) trace_id: Option<fleetgate_protocol::trace_context::TraceId>,
     /// The request's place in its trace, when tracing is on.
-    pub otel: Option<Box<otel::Scope>>,
+    pub(crate) otel: Option<Box<otel::Scope>>,
     recorder: Arc<Recorder>,
 }
 
@@ -187,7 +183,7 @@ impl RequestRecord {
 
     /// The request ended at `at` (its answer complete, or failed): the one way the request
     /// path stamps `done`. A second call changes nothing.
-    pub fn finish(&mut self, at: Instant) {
+    pub(crate) fn finish(&mut self, at: Instant) {
         self.timeline.stamp_done(at);
     }
 

@@ -262,7 +262,7 @@ impl Timeline {
     }
 
     /// End-to-end latency: to the last data event for streams, else to the end of the body.
-    pub fn e2el(&self) -> Option<Duration> {
+    pub(crate) fn e2el(&self) -> Option<Duration> {
         self.stream
             .e2el()
             .or_else(|| Some(self.done?.saturating_duration_since(self.received)))

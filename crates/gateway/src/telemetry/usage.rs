@@ -88,7 +88,7 @@ pub struct UsageRow {
     pub prompt_tokens: i64,
     pub completion_tokens: i64,
     pub client_ttft_ms: Option<Percentiles>,
-    pub upstream_ttft_ms: Option<Percentiles>,
+    pub(crate) upstream_ttft_ms: Option<Percentiles>,
     pub overhead_ms: Option<Percentiles>,
 }
 

@@ -82,7 +82,7 @@ pub struct ClientPriority {
     /// the routes that read none (the field is taken out there, whatever it holds).
     pub value: Option<i64>,
     /// The byte range of its value in the body.
-    pub span: Range<usize>,
+    pub(crate) span: Range<usize>,
 }
 
 /// The `priority` field (raw, `null` included), read as the route's engine reads it: an

@@ -52,10 +52,10 @@ pub(super) trait Shape {
 
 /// A field's size: its characters, and how many prompts a list of them holds.
 pub(super) struct Count<S> {
-    pub chars: usize,
+    pub(crate) chars: usize,
     /// A list: its elements that are not bare token ids (each a prompt or a conversation of
     /// its own); a single value: 1, or 0 for a token id.
-    pub prompts: u32,
+    pub(crate) prompts: u32,
     token_id: bool,
     shape: PhantomData<S>,
 }

@@ -14,10 +14,10 @@ use crate::clock::format_wall_ms;
 /// One line: a label for the legend, a CSS class for its colour, dashed or not, and one value
 /// per bucket (`None`: no data in that bucket, drawn as a gap).
 pub(crate) struct Line {
-    pub label: String,
-    pub class: &'static str,
-    pub dashed: bool,
-    pub values: Vec<Option<f64>>,
+    pub(crate) label: String,
+    pub(crate) class: &'static str,
+    pub(crate) dashed: bool,
+    pub(crate) values: Vec<Option<f64>>,
 }
 
 const W: f64 = 560.0;

@@ -27,17 +27,17 @@ fn env_index(e: Option<&str>) -> usize {
 
 /// One request as the Requests page shows it, from its request-log row.
 pub(crate) struct RequestRow {
-    pub at: i64,
-    pub request_id: String,
-    pub endpoint: Option<String>,
-    pub key_id: Option<String>,
-    pub model: Option<String>,
-    pub backend: Option<String>,
-    pub status: i32,
-    pub error: Option<String>,
-    pub ttft_ms: Option<f64>,
-    pub hop_us: Option<i64>,
-    pub trace_id: Option<String>,
+    pub(crate) at: i64,
+    pub(crate) request_id: String,
+    pub(crate) endpoint: Option<String>,
+    pub(crate) key_id: Option<String>,
+    pub(crate) model: Option<String>,
+    pub(crate) backend: Option<String>,
+    pub(crate) status: i32,
+    pub(crate) error: Option<String>,
+    pub(crate) ttft_ms: Option<f64>,
+    pub(crate) hop_us: Option<i64>,
+    pub(crate) trace_id: Option<String>,
 }
 
 /// How far back the Requests page looks (the `at` index bounds the search).
@@ -90,15 +90,15 @@ pub(crate) async fn find_requests(
 
 /// One request-log row, as the console reads it (times in milliseconds).
 pub(crate) struct LogRow {
-    pub at: i64,
-    pub env: usize,
-    pub status: i32,
-    pub error: Option<String>,
-    pub ttft_ms: Option<f64>,
+    pub(crate) at: i64,
+    pub(crate) env: usize,
+    pub(crate) status: i32,
+    pub(crate) error: Option<String>,
+    pub(crate) ttft_ms: Option<f64>,
     pub(crate) processing_ms: Option<f64>,
-    pub hop_ms: Option<f64>,
-    pub prompt: i64,
-    pub completion: i64,
+    pub(crate) hop_ms: Option<f64>,
+    pub(crate) prompt: i64,
+    pub(crate) completion: i64,
 }
 
 /// Read the window `[from, to)`, newest first, at most `ROW_LIMIT` rows; true when cut there.
@@ -149,14 +149,14 @@ pub(crate) async fn read_rows(
 
 /// What a group of rows adds up to.
 #[derive(Default, Clone)]
-pub struct Acc {
-    pub requests: u64,
-    pub errors: u64,
-    pub prompt: i64,
-    pub completion: i64,
-    pub ttft: Vec<f64>,
-    pub processing: Vec<f64>,
-    pub hop: Vec<f64>,
+pub(crate) struct Acc {
+    pub(crate) requests: u64,
+    pub(crate) errors: u64,
+    pub(crate) prompt: i64,
+    pub(crate) completion: i64,
+    pub(crate) ttft: Vec<f64>,
+    pub(crate) processing: Vec<f64>,
+    pub(crate) hop: Vec<f64>,
     /// Failed requests by cause (the log's `error`, else the status).
     pub(crate) causes: BTreeMap<String, u64>,
 }
@@ -218,8 +218,8 @@ pub(crate) const MAX_BUCKETS: i64 = 60;
 /// end at `to`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Window {
-    pub from: i64,
-    pub to: i64,
+    pub(crate) from: i64,
+    pub(crate) to: i64,
     pub(crate) bucket_ms: i64,
 }
 
@@ -244,7 +244,7 @@ impl Window {
         }
     }
 
-    pub fn buckets(&self) -> usize {
+    pub(crate) fn buckets(&self) -> usize {
         usize::try_from((self.to - self.from) / self.bucket_ms.max(1))
             .unwrap_or(0)
             .max(1)
@@ -265,13 +265,13 @@ impl Window {
 }
 
 /// A window's buckets, per group.
-pub struct Series {
-    pub window: Window,
+pub(crate) struct Series {
+    pub(crate) window: Window,
     /// `[group][bucket]`
     pub(crate) by_bucket: Vec<Vec<Acc>>,
     /// `[group]`: the whole window.
-    pub totals: Vec<Acc>,
-    pub cut: bool,
+    pub(crate) totals: Vec<Acc>,
+    pub(crate) cut: bool,
 }
 
 impl Series {
@@ -349,7 +349,7 @@ pub struct LiveFigures {
 
 /// Samples of the counters, so each refresh can show a rate.
 #[derive(Default)]
-pub struct Live {
+pub(crate) struct Live {
     samples: Mutex<VecDeque<(Instant, Counts)>>,
 }
 
@@ -385,7 +385,7 @@ fn rate_base(samples: &mut VecDeque<(Instant, Counts)>, t: Instant) -> Option<(I
 }
 
 impl Live {
-    pub fn read(&self, registry: &prometheus::Registry) -> LiveFigures {
+    pub(crate) fn read(&self, registry: &prometheus::Registry) -> LiveFigures {
         let mut now = Counts::default();
         let mut queue = Vec::new();
         for fam in registry.gather() {

@@ -45,23 +45,23 @@ const ICON: &str = include_str!("assets/icon.svg");
 
 /// Where clients reach the API listener, for the `export OPENAI_BASE_URL=…` line.
 #[derive(Debug, Clone)]
-pub struct ApiAddress {
-    pub scheme: &'static str,
+pub(crate) struct ApiAddress {
+    pub(crate) scheme: &'static str,
     /// `None`: the API listens on every address; the admin request's host name is used.
-    pub host: Option<String>,
-    pub port: u16,
+    pub(crate) host: Option<String>,
+    pub(crate) port: u16,
 }
 
 /// The console's own state (inside the admin listener's).
 #[derive(Debug)]
-pub struct Console {
+pub(crate) struct Console {
     pub(crate) sessions: Sessions,
     live: data::Live,
     api: ApiAddress,
 }
 
 impl Console {
-    pub fn new(admin: &crate::config::AdminConfig, api: ApiAddress) -> Self {
+    pub(crate) fn new(admin: &crate::config::AdminConfig, api: ApiAddress) -> Self {
         Self {
             sessions: Sessions::new(admin),
             live: data::Live::default(),
@@ -173,7 +173,7 @@ fn same_origin(req: &Request<Body>) -> bool {
 }
 
 /// Serve one request under `/console` (or `/`, which leads there).
-pub async fn handle(state: &AdminState, req: Request<Body>) -> Response<GatewayBody> {
+pub(crate) async fn handle(state: &AdminState, req: Request<Body>) -> Response<GatewayBody> {
     let path = req.uri().path().to_owned();
     let console = &state.console;
     match (req.method(), path.as_str()) {

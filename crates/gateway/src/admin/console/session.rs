@@ -50,12 +50,12 @@ struct ConsoleClaims {
 
 /// A signed-in operator.
 #[derive(Debug, Clone)]
-pub struct Session {
-    pub subject: String,
-    pub role: Role,
+pub(crate) struct Session {
+    pub(crate) subject: String,
+    pub(crate) role: Role,
     pub(crate) jti: String,
     /// Epoch seconds.
-    pub exp: u64,
+    pub(crate) exp: u64,
 }
 
 impl Session {

@@ -102,7 +102,7 @@ return out
 
 /// One request's check.
 #[derive(Debug, Clone)]
-pub struct Check {
+pub(crate) struct Check {
     key_id: i64,
     environment: &'static str,
     key_t_us: u64,
@@ -116,7 +116,7 @@ pub struct Check {
 }
 
 impl Check {
-    pub fn new(
+    pub(crate) fn new(
         key: &KeyRecord,
         quota: &KeyQuota,
         env_per_second: Option<(u32, u32)>,
@@ -165,7 +165,7 @@ impl Check {
 
 /// Which shared limit refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Which {
+pub(crate) enum Which {
     KeyRequests,
     KeyTokens,
     KeyTokensTooLarge,
@@ -173,7 +173,7 @@ pub enum Which {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// (remaining, reset) of the request and token windows that apply, and the time the
     /// environment's rate needs to be whole again. A reset is the time until the limit is
     /// whole again: the key's state that a later fallback starts from.
@@ -329,7 +329,7 @@ impl Shared {
 
     /// One round trip: check and update every shared counter that applies. `Err(())` when
     /// Redis failed or was too slow (already logged and counted; use local limits).
-    pub async fn check(&self, c: &Check) -> Result<Outcome, ()> {
+    pub(crate) async fn check(&self, c: &Check) -> Result<Outcome, ()> {
         let p = &self.prefix;
         let mut inv = self.check.prepare_invoke();
         inv.key(format!("{p}:k:{}:r", c.key_id))
@@ -479,7 +479,7 @@ impl Shared {
 
     /// The same Redis for other shared state (the prefix records): its client (for
     /// connections of their own) and its key prefix.
-    pub fn link(&self) -> RedisLink {
+    pub(crate) fn link(&self) -> RedisLink {
         RedisLink {
             client: self.client.clone(),
             prefix: self.prefix.clone(),

@@ -25,7 +25,7 @@ return 1
 
 /// The deployment's Redis as the limits reach it, for the other state replicas share.
 #[derive(Clone)]
-pub struct RedisLink {
+pub(crate) struct RedisLink {
     pub(super) client: redis::Client,
     pub(super) prefix: Arc<str>,
 }

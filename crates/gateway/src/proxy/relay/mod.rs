@@ -45,7 +45,7 @@ pin_project! {
     /// The body type of every gateway response: a complete body, or a relayed upstream body.
     #[project = GatewayBodyProj]
     #[project_ref = GatewayBodyRef]
-    pub enum GatewayBody {
+    pub(crate) enum GatewayBody {
         Full { data: Option<Bytes> },
         Relay { #[pin] relay: RelayBody },
         Queued { #[pin] queued: QueuedBody<RelayBody> },

@@ -36,7 +36,7 @@ pub(crate) use export::StartError;
 use super::Timeline;
 
 /// The tracing of a running gateway: its sampler and the queue to the exporter's task.
-pub struct Pipeline {
+pub(crate) struct Pipeline {
     sampler: Sampler,
     ids: RandomIdGenerator,
     queue: export::Queue,
@@ -136,8 +136,8 @@ fn sampler(choice: SamplerChoice) -> Sampler {
 }
 
 /// One request's place in its trace, and (when sampled) what its spans need.
-pub struct Scope {
-    pub trace_id: TraceId,
+pub(crate) struct Scope {
+    pub(crate) trace_id: TraceId,
     /// The client's span, when it sent a valid `traceparent`.
     parent: Option<SpanId>,
     /// The gateway's SERVER span.
@@ -150,7 +150,7 @@ pub struct Scope {
     wall: SystemTime,
     attempts: Vec<Attempt>,
     /// The request's output limit (`max_tokens` and the like).
-    pub max_tokens: Option<u64>,
+    pub(crate) max_tokens: Option<u64>,
     /// The model name the backend was asked for (the pool's served name).
     pub(crate) response_model: Option<Arc<str>>,
     /// Why the answer ended, as the backend said it (one per choice).

@@ -52,7 +52,7 @@ impl RequestLog {
     /// Queue the row of a finished request. Never waits, and does not wake the writer for
     /// each row: the writer sleeps out its flush interval (or until a full batch is queued)
     /// and then takes everything at once.
-    pub fn record(&self, r: &RequestRecord) {
+    pub(crate) fn record(&self, r: &RequestRecord) {
         let pending = Pending {
             row_id: self.next_id.fetch_add(1, Ordering::Relaxed),
             at: wall_ms(),

@@ -19,21 +19,21 @@ fn families(f: Option<fleetgate_protocol::endpoint::Families>) -> String {
 
 #[derive(Default)]
 pub(crate) struct IssueForm {
-    pub environment: String,
-    pub name: String,
-    pub models: String,
-    pub endpoints: String,
-    pub rpm: String,
-    pub tpm: String,
-    pub streams: String,
-    pub expires: String,
-    pub metadata: String,
+    pub(crate) environment: String,
+    pub(crate) name: String,
+    pub(crate) models: String,
+    pub(crate) endpoints: String,
+    pub(crate) rpm: String,
+    pub(crate) tpm: String,
+    pub(crate) streams: String,
+    pub(crate) expires: String,
+    pub(crate) metadata: String,
 }
 
 pub(crate) struct KeyFilter {
-    pub env: String,
-    pub status: String,
-    pub q: String,
+    pub(crate) env: String,
+    pub(crate) status: String,
+    pub(crate) q: String,
 }
 
 fn status_class(s: &str) -> &'static str {
@@ -184,24 +184,24 @@ pub(crate) const KEY_WINDOWS: [(&str, &str); 4] = [
 
 pub(crate) struct KeyUsage<'a> {
     /// One of `KEY_WINDOWS`.
-    pub since: &'a str,
-    pub series: &'a Series,
+    pub(crate) since: &'a str,
+    pub(crate) series: &'a Series,
     /// The key's last request in the log, whenever it was.
-    pub last: Option<i64>,
+    pub(crate) last: Option<i64>,
     /// The window ends at `last`, not now (`latest`, when that was a while ago).
     pub(crate) ends_at_last: bool,
-    pub now: i64,
+    pub(crate) now: i64,
 }
 
 /// What a key's page shows beside the key itself.
 pub(crate) struct KeyPage<'a> {
-    pub usage: Option<KeyUsage<'a>>,
+    pub(crate) usage: Option<KeyUsage<'a>>,
     pub(crate) usage_error: Option<&'a str>,
     /// The key's audit trail, or why it could not be read.
-    pub audit: Result<&'a [AuditEntry], &'a str>,
-    pub notice: Option<&'a str>,
-    pub error: Option<&'a str>,
-    pub now: i64,
+    pub(crate) audit: Result<&'a [AuditEntry], &'a str>,
+    pub(crate) notice: Option<&'a str>,
+    pub(crate) error: Option<&'a str>,
+    pub(crate) now: i64,
 }
 
 pub(crate) fn key_page(f: &Frame<'_>, k: &KeyRecord, p: KeyPage<'_>) -> Markup {
@@ -373,10 +373,10 @@ fn key_usage(u: &KeyUsage<'_>, id: &str, class: &'static str) -> Markup {
 // Audit
 
 pub(crate) struct AuditFilter {
-    pub key: String,
-    pub actor: String,
-    pub action: String,
-    pub limit: i64,
+    pub(crate) key: String,
+    pub(crate) actor: String,
+    pub(crate) action: String,
+    pub(crate) limit: i64,
 }
 
 pub(crate) fn audit_table(entries: &[AuditEntry], with_key: bool) -> Markup {

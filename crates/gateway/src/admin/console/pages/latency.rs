@@ -36,9 +36,9 @@ impl Unit {
 /// microseconds): each is read in the unit its values are written in, in tables and charts.
 #[derive(Clone, Copy)]
 pub(crate) struct Latency {
-    pub name: &'static str,
-    pub unit: Unit,
-    pub pick: fn(&Acc) -> &[f64],
+    pub(crate) name: &'static str,
+    pub(crate) unit: Unit,
+    pub(crate) pick: fn(&Acc) -> &[f64],
 }
 
 fn ttft(a: &Acc) -> &[f64] {

@@ -8,11 +8,11 @@ use super::session::Session;
 pub(crate) mod keys;
 pub(crate) mod latency;
 pub mod overview;
-pub(crate) mod requests;
+pub mod requests;
 
 /// The sections of the navigation bar.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Section {
+pub(crate) enum Section {
     Overview,
     Keys,
     Backends,
@@ -21,9 +21,9 @@ pub enum Section {
 }
 
 /// What every page of a signed-in operator carries.
-pub struct Frame<'a> {
-    pub session: &'a Session,
-    pub csrf: &'a str,
+pub(crate) struct Frame<'a> {
+    pub(crate) session: &'a Session,
+    pub(crate) csrf: &'a str,
 }
 
 fn head(title: &str) -> Markup {
@@ -44,7 +44,7 @@ pub(crate) fn csrf_field(csrf: &str) -> Markup {
 }
 
 /// A signed-in page.
-pub fn layout(
+pub(crate) fn layout(
     f: &Frame<'_>,
     title: &str,
     active: Section,
@@ -95,7 +95,7 @@ fn role_name(s: &Session) -> &'static str {
 }
 
 /// A page for someone not signed in (or a refusal), without navigation.
-pub fn bare(title: &str, body: Markup) -> Markup {
+pub(crate) fn bare(title: &str, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -158,7 +158,7 @@ pub(crate) fn signed_out() -> Markup {
 }
 
 /// A refusal or failure page inside the console.
-pub fn problem(f: &Frame<'_>, active: Section, title: &str, message: &str) -> Markup {
+pub(crate) fn problem(f: &Frame<'_>, active: Section, title: &str, message: &str) -> Markup {
     layout(
         f,
         title,

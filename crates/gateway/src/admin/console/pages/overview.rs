@@ -7,7 +7,7 @@ use super::{Frame, Section, csrf_field, env_label, layout, percent};
 use crate::admin::console::chart::{Line, line_chart, range_text, span_text};
 use crate::admin::console::data::{Acc, ENVS, LiveFigures, RATE_WINDOW, Series};
 
-pub fn overview(f: &Frame<'_>, live: Markup, charts: Markup) -> Markup {
+pub(crate) fn overview(f: &Frame<'_>, live: Markup, charts: Markup) -> Markup {
     layout(
         f,
         "Overview",
@@ -111,7 +111,7 @@ fn hour_caption(s: &Series, now: i64) -> String {
 
 /// The overview's window: a table over it and its charts, the window following the data
 /// (`Window::fitted`) and said on each.
-pub fn charts(s: &Series, now: i64) -> Markup {
+pub(crate) fn charts(s: &Series, now: i64) -> Markup {
     let groups = env_groups(s);
     let count_lines: Vec<Line> = groups
         .iter()
@@ -169,7 +169,7 @@ pub fn charts(s: &Series, now: i64) -> Markup {
 // ---------------------------------------------------------------------------------------------
 // Keys
 
-pub fn backends(f: &Frame<'_>, rows: &[serde_json::Value]) -> Markup {
+pub(crate) fn backends(f: &Frame<'_>, rows: &[serde_json::Value]) -> Markup {
     let mut models: Vec<&str> = Vec::new();
     for r in rows {
         let m = r["model"].as_str().unwrap_or("");
