@@ -4,7 +4,8 @@
 //! top-level module has a layer, a module uses only its own layer or lower ones, and the modules
 //! do not import each other in a circle, read from the sources themselves (every
 //! `crate::<module>` path), so a new `use crate::proxy` in the store, auth, limits or telemetry
-//! fails here. docs/architecture.md draws the same map.
+//! fails here. docs/architecture.md draws the same map. And no source file grows past 700
+//! lines before its tests.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -244,4 +245,42 @@ fn the_gateway_builds_without_the_tools_dependencies() {
             "the gateway crate depends on {tool_only}, which only the tools use"
         );
     }
+}
+
+/// Small files, one concern each: no source file of the workspace holds more than 700 lines
+/// before its `#[cfg(test)]` part (the integration tests under `tests/` aside).
+#[test]
+fn no_source_file_is_over_700_lines_tests_aside() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut stack = vec![root.join("src"), root.join("crates"), root.join("benches")];
+    let mut long = Vec::new();
+    let mut seen = 0;
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                // A directory named `tests` holds unit tests split out of their module.
+                if path.file_name().is_some_and(|n| n != "tests") {
+                    stack.push(path);
+                }
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs")
+                || path.file_name().is_some_and(|n| n == "tests.rs")
+            {
+                continue;
+            }
+            seen += 1;
+            let text = std::fs::read_to_string(&path).unwrap();
+            let lines = text
+                .lines()
+                .take_while(|l| l.trim() != "#[cfg(test)]")
+                .count();
+            if lines > 700 {
+                long.push(format!("{} ({lines} lines)", path.display()));
+            }
+        }
+    }
+    assert!(seen > 100, "read only {seen} source files");
+    assert!(long.is_empty(), "split these files: {long:?}");
 }
