@@ -17,6 +17,7 @@ pub mod error;
 pub mod event;
 pub mod fingerprint;
 pub mod finish;
+pub mod kv_events;
 pub mod models;
 pub mod sse;
 pub mod stream;
