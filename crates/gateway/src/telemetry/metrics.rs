@@ -298,7 +298,7 @@ impl RequestMetrics {
         let queue = hist(
             registry,
             "fleetgate_queue_wait_seconds",
-            "Time spent waiting for admission",
+            "Time spent in the pool's admission queue waiting for a backend slot",
             &["endpoint", "environment", "model"],
             QUEUE_BUCKETS,
         )?;
