@@ -1,5 +1,5 @@
-//! Backend pools: which backends serve a model, the upstream HTTP client each pool uses, the
-//! least-in-flight choice among a pool's backends with a per-backend capacity (beyond it
+//! Backend pools: which backends serve a model, the upstream HTTP client each pool uses, a
+//! weighted power-of-two-choices pick among a pool's backends (`balance`) with a per-backend capacity (beyond it
 //! requests wait in the pool's admission queue, see `crate::queue`), and a light reachability
 //! probe for `/readyz`, weights, warm-up, ejection, load-aware balancing and affinity. Live
 //! membership (reloads, DNS discovery) is in `fleet`.

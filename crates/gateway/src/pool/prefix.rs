@@ -33,29 +33,29 @@ const EMPTY: u32 = u32::MAX;
 pub struct Tenants([u32; TENANTS]);
 
 impl Tenants {
-    fn new(slot: u32) -> Self {
+    fn new(backend: u32) -> Self {
         let mut t = [EMPTY; TENANTS];
-        t[0] = slot;
+        t[0] = backend;
         Tenants(t)
     }
 
-    /// `slot` becomes the newest tenant (it moves up if it was one).
-    fn add(&mut self, slot: u32) {
+    /// `backend` becomes the newest tenant (it moves up if it was one).
+    fn add(&mut self, backend: u32) {
         let at = self
             .0
             .iter()
-            .position(|s| *s == slot)
+            .position(|s| *s == backend)
             .unwrap_or(TENANTS - 1);
         self.0.copy_within(0..at, 1);
-        self.0[0] = slot;
+        self.0[0] = backend;
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
         self.0.iter().copied().take_while(|s| *s != EMPTY)
     }
 
-    pub(crate) fn contains(&self, slot: u32) -> bool {
-        self.iter().any(|s| s == slot)
+    pub(crate) fn contains(&self, backend: u32) -> bool {
+        self.iter().any(|s| s == backend)
     }
 }
 
@@ -150,8 +150,9 @@ impl PrefixIndex {
         out
     }
 
-    /// `slot`'s backend was sent the prompt of `names`: it holds each of its prefixes now.
-    pub fn record(&self, names: &[u64], slot: u32) {
+    /// The backend with metrics index `backend` was sent the prompt of `names`: it holds each
+    /// of its prefixes now.
+    pub fn record(&self, names: &[u64], backend: u32) {
         let now = mono_ms();
         for name in names {
             let mut s = lock(self.shard(*name));
@@ -166,8 +167,8 @@ impl PrefixIndex {
             let t = s
                 .newer
                 .entry(*name)
-                .or_insert_with(|| from_older.unwrap_or(Tenants::new(slot)));
-            t.add(slot);
+                .or_insert_with(|| from_older.unwrap_or(Tenants::new(backend)));
+            t.add(backend);
         }
     }
 
@@ -237,8 +238,8 @@ mod tests {
             "the conversation's own blocks stay on its backend"
         );
         // Tenants are kept newest first, at most TENANTS of them.
-        for slot in 10..20 {
-            ix.record(&other[..1], slot);
+        for backend in 10..20 {
+            ix.record(&other[..1], backend);
         }
         let t = ix.lookup(&other[..1])[0];
         assert_eq!(t.iter().collect::<Vec<_>>(), [19, 18, 17, 16]);

@@ -336,7 +336,7 @@ impl Drop for UpstreamBody {
 /// Most bytes of an unread answer read away on drop to keep its connection.
 const MAX_DRAIN: usize = 64 * 1024;
 
-/// The idle connections of one pool's backends, keyed by backend slot.
+/// The idle connections of one pool's backends, keyed by backend metrics index.
 struct Shared {
     idle: Mutex<HashMap<usize, Vec<Idle>>>,
     idle_timeout: Duration,
@@ -444,7 +444,8 @@ impl Conns {
         self.shared.idle_count()
     }
 
-    /// Send `req` to `backend` (its slot names its idle connections) and read the answer's
+    /// Send `req` to `backend` (its metrics index names its idle
+    /// connections) and read the answer's
     /// head. A kept connection the backend closed meanwhile is replaced by a new one when the
     /// request was not sent on it.
     pub(crate) async fn send(

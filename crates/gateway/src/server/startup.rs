@@ -1,14 +1,15 @@
 //! Startup: `Server::start` binds the API listener and `start_on` builds everything a running
 //! gateway has, in this order: the key store (migrated when asked) and the key snapshot; the
-//! pools (`Fleet`) and the request metrics; the limits (in process, or shared through Redis);
-//! the request log's writer and the trace exporter, when on; the TLS acceptors; then the
-//! background tasks, each stopped by the shutdown token:
+//! pools (`Fleet`) and the request metrics; the limits (in process, or shared through Redis:
+//! `Limits::start` spawns Redis's health loop, stopped by the shutdown token, and the token
+//! settlements, stopped with the other writers once the workers have ended); the request log's
+//! writer and the trace exporter, when on; the TLS acceptors; then the background tasks, each
+//! stopped by the shutdown token:
 //!
 //! - health probes of every backend (`Fleet::probe_loop`);
 //! - the key snapshot's sync with the store (`auth::sync::run`);
 //! - the backends' load scrape (`Fleet::load_loop`) and DNS discovery (`Fleet::discovery_loop`);
-//! - the limits' pruning of idle keys (`Limits::prune_loop`), and with Redis its health loop
-//!   and token settlements (`Limits::start`);
+//! - the limits' pruning of idle keys (`Limits::prune_loop`);
 //! - longest-prefix sharing with the other replicas, with Redis (`PrefixShare::start`);
 //! - the admin listener's accept loop, when `admin.listen` is set;
 //! - the request-path workers, one per core (`workers`), each accepting from the API socket.

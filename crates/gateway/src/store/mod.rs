@@ -4,7 +4,8 @@
 //! PostgreSQL NOTIFY on `fleetgate_keys`, SQLite a change counter that gateways poll.
 //! Nothing here is called on the request path except the bounded lookup of unknown keys.
 //!
-//! This file holds the store itself (`KeyStore`: connect, migrate, ping), its errors
+//! This file holds the store itself (`KeyStore`: connect, migrate, and its pool, kind and config), its
+//! errors
 //! (`StoreError`), the embedded migrations and `WriteConn`, on which every write transaction
 //! runs. The rest is a file per concern, each adding its own `impl KeyStore` methods:
 //! - `keys.rs`: the keys: `CreateKey`, create, revoke, rotate, get, list, load_all, change_seq;

@@ -7,7 +7,7 @@
 //! request log, live rates from the in-process metrics.
 //!
 //! Access: a one-time sign-in link or admin token, then a session cookie (`session.rs`);
-//! viewers see everything and change nothing (no buttons, and every POST checks the role);
+//! viewers see everything and change nothing (no buttons, and every POST that changes something checks the role);
 //! every POST carries the session's CSRF token and, when the browser sends one, an `Origin`
 //! of this host; pages are served with a Content-Security-Policy that allows nothing from
 //! elsewhere and no inline script or style.

@@ -1,5 +1,6 @@
-//! The console's changes: every POST is checked here (signed in, same origin, CSRF token, role
-//! admin), then issues, revokes or rotates a key, or drains a backend, through the same store
+//! The console's changes: every POST of a signed-in session is checked here (same origin, CSRF
+//! token; role admin for every change but signing out), then issues, revokes or rotates a key,
+//! or drains or undrains a backend, through the same store
 //! and authenticator as the admin API, and records it in the audit trail.
 
 use std::collections::BTreeMap;

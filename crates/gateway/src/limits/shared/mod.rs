@@ -1,5 +1,5 @@
 //! Limits shared by several replicas, in Redis: one script round trip per request checks and
-//! updates the key's request rate (GCRA, the algorithm governor runs locally), the
+//! updates the key's request rate (GCRA, the algorithm the local limits run, `limiter::Gcra`), the
 //! environment's aggregate rate and the key's token bucket, atomically, on Redis's clock.
 //! Token settlements go back in batches from a background task, never from the request path.
 //!
