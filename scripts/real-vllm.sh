@@ -12,14 +12,18 @@
 #                              [--pooling embed|classify]
 #                              [--scheduling-policy fcfs|priority] [--max-num-seqs N]
 #                              [--enable-per-request-metrics]
-#                              [--otlp-traces-endpoint URL]
+#                              [--otlp-traces-endpoint URL] [--kv-events PORT]
 #                                        starts `vllm serve` in the background (a free port and a
 #                                        random key by default), waits for GET /health = 200 and
 #                                        prints FLEETGATE_TEST_VLLM=... FLEETGATE_TEST_VLLM_KEY=...
 #                                        (with --pooling: FLEETGATE_TEST_VLLM_POOLING=...
 #                                        FLEETGATE_TEST_VLLM_POOLING_KEY=...), plus
 #                                        FLEETGATE_TEST_VLLM_OTLP=URL with --otlp-traces-endpoint
-#                                        (FLEETGATE_TEST_VLLM_POOLING_OTLP=URL with --pooling)
+#                                        (FLEETGATE_TEST_VLLM_POOLING_OTLP=URL with --pooling);
+#                                        --kv-events PORT: its KV cache events, ZeroMQ PUB
+#                                        connecting to a subscriber bound on 127.0.0.1:PORT
+#                                        (topic "kv"), replay (ROUTER) bound on PORT+1
+#                                        (scripts/vllm-kv-capture.py records them)
 #   scripts/real-vllm.sh stop            stops it (no-op when it is not running)
 #   scripts/real-vllm.sh status          tells whether it runs, its mode and URL (exit 1 when not)
 #
@@ -493,7 +497,7 @@ env_line() {
 }
 
 do_start() {
-    local port="" key="" agents=0 store=0 pooling="" policy="" max_num_seqs=16 per_request=0 otlp=""
+    local port="" key="" agents=0 store=0 pooling="" policy="" max_num_seqs=16 per_request=0 otlp="" kv_port=""
     while [ $# -gt 0 ]; do
         case $1 in
         --port) port=${2:?--port needs a value}; shift 2 ;;
@@ -511,7 +515,9 @@ do_start() {
         --enable-per-request-metrics) per_request=1; shift ;;
         --otlp-traces-endpoint) otlp=${2:?--otlp-traces-endpoint needs a URL}; shift 2 ;;
         --otlp-traces-endpoint=*) otlp=${1#--otlp-traces-endpoint=}; shift ;;
-        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify, --scheduling-policy fcfs|priority, --max-num-seqs N, --enable-per-request-metrics, --otlp-traces-endpoint URL)" ;;
+        --kv-events) kv_port=${2:?--kv-events needs a port}; shift 2 ;;
+        --kv-events=*) kv_port=${1#--kv-events=}; shift ;;
+        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify, --scheduling-policy fcfs|priority, --max-num-seqs N, --enable-per-request-metrics, --otlp-traces-endpoint URL, --kv-events PORT)" ;;
         esac
     done
     local dir=$MODEL_DIR mode=plain model_arg="" extra=(--max-model-len 1024)
@@ -540,6 +546,14 @@ do_start() {
     if [ $per_request = 1 ]; then
         mode="$mode+per-request-metrics"
         extra+=(--enable-per-request-metrics)
+    fi
+    if [ -n "$kv_port" ]; then
+        [[ $kv_port =~ ^[1-9][0-9]*$ ]] || die "start: --kv-events takes a port, not $kv_port"
+        # The KV cache events on topic "kv": vLLM's PUB connects to 127.0.0.1:PORT, where the
+        # subscriber binds (an endpoint naming a host makes vLLM connect; `*` would make it bind
+        # on every interface); its replay endpoint binds on PORT+1.
+        mode="$mode+kv-events"
+        extra+=(--kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:$kv_port\",\"replay_endpoint\":\"tcp://127.0.0.1:$((kv_port + 1))\",\"topic\":\"kv\"}")
     fi
     # vLLM's exporter is chosen by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL alone (default grpc); the
     # engine-core process inherits these variables and the endpoint (vLLM passes it on in

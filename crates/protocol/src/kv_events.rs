@@ -13,6 +13,9 @@
 //! - tagged maps (since 2026-06): `{"ts", "events", "data_parallel_rank"?}`, an event
 //!   `{"type": "BlockStored", "block_hashes", ...}` with the same field names.
 //!
+//! vLLM 0.32.0 publishes an array batch whose events are tagged maps (captured in
+//! tests/fixtures/vllm-0.32.0/kv-events.json); the two levels are read independently.
+//!
 //! Fields past those read here (`group_idx`, the cache spec) are ignored, as are events of a
 //! type this version does not know, which are counted (`Batch::unknown`). A block's hash is
 //! the engine's own (bytes since vLLM's `sha256_cbor`, an integer before): it is kept only as

@@ -229,3 +229,96 @@ fn sequence_numbers_are_big_endian_u64() {
     assert_eq!(sequence(&[0xff; 8]), Some(REPLAY_END));
     assert_eq!(sequence(&[1, 2, 3]), None);
 }
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// What real vLLM 0.32 (CPU build) published while it served a three-turn conversation and one
+/// other prompt (tests/fixtures/vllm-0.32.0/kv-events.json, scripts/vllm-kv-capture.py): an
+/// array batch of tagged-map events, integer hashes above i64's range, 128-token blocks on
+/// the CPU. Every frame decodes; the blocks chain; and every full block of each prompt, as
+/// vLLM's own `/tokenize` cuts it, is among the stored blocks, behind the same parents — so
+/// the token ids a decoder reads are the model's own. The replay endpoint answers the same
+/// frames and then its end marker.
+#[test]
+fn real_vllm_events_carry_the_prompts_own_tokens() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/vllm-0.32.0/kv-events.json"
+    );
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(fixture["vllm_version"], "0.32.0");
+    let frames = fixture["frames"].as_array().unwrap();
+    assert!(!frames.is_empty(), "the capture holds no frames");
+    // (parent, token ids of the block) → the block's hash, for every stored block.
+    let mut stored = std::collections::HashMap::new();
+    let mut block_size = 0;
+    let mut last_seq = None;
+    for f in frames {
+        let seq = f["seq"].as_u64().unwrap();
+        if let Some(prev) = last_seq {
+            assert_eq!(seq, prev + 1, "the live frames are consecutive");
+        }
+        last_seq = Some(seq);
+        let batch = decode(&unhex(f["payload_hex"].as_str().unwrap())).unwrap();
+        assert_eq!((batch.unknown, batch.data_parallel_rank), (0, Some(0)));
+        for e in batch.events {
+            let Event::Stored(st) = e else {
+                panic!("no eviction or reset happened during the capture: {e:?}")
+            };
+            assert_eq!(st.medium.as_deref(), Some("GPU"));
+            block_size = st.block_size as usize;
+            let mut parent = st.parent;
+            for (i, h) in st.hashes.iter().enumerate() {
+                let tokens = st.token_ids[i * block_size..(i + 1) * block_size].to_vec();
+                stored.insert((parent, tokens), *h);
+                parent = Some(*h);
+            }
+        }
+    }
+    assert_eq!(
+        block_size, 128,
+        "vLLM's CPU backend caches 128-token blocks"
+    );
+    let mut full_blocks = 0;
+    for r in fixture["requests"].as_array().unwrap() {
+        let ids: Vec<u32> = r["prompt_token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| u32::try_from(t.as_u64().unwrap()).unwrap())
+            .collect();
+        let mut parent = None;
+        for block in ids.chunks_exact(block_size) {
+            let key = (parent, block.to_vec());
+            let h = stored.get(&key).unwrap_or_else(|| {
+                panic!(
+                    "a full block of a prompt was never stored: {:?}",
+                    &key.1[..8]
+                )
+            });
+            parent = Some(*h);
+            full_blocks += 1;
+        }
+    }
+    assert!(
+        full_blocks >= 3,
+        "the prompts span {full_blocks} full blocks"
+    );
+    let replay = &fixture["replay"]["frames"].as_array().unwrap();
+    let (end, replayed) = replay.split_last().unwrap();
+    assert_eq!(end["seq"].as_i64(), Some(-1));
+    assert_eq!(end["payload_hex"], "");
+    for (r, f) in replayed.iter().zip(frames) {
+        assert_eq!(
+            (&r["seq"], &r["payload_hex"]),
+            (&f["seq"], &f["payload_hex"])
+        );
+    }
+    assert_eq!(replayed.len(), frames.len());
+}
