@@ -26,7 +26,9 @@ use fleetgate_protocol::view::splice::PriorityEdit;
 use fleetgate_protocol::view::{self, RequestView};
 use fleetgate_protocol::{Dialect, Endpoint};
 
-/// The request as it goes upstream, owned: it may wait in the queue past the handler.
+/// The request as it goes upstream, owned: it may wait in the queue past the handler. A retry
+/// sends a clone (the body and the block names are reference-counted).
+#[derive(Clone)]
 pub(super) struct Prepared {
     pub(super) headers: HeaderMap,
     pub(super) body: Bytes,

@@ -63,17 +63,7 @@ pub(super) async fn with_retries(
         if attempt >= balancer.retries.max_retries {
             return send(pool, slot, prepared, ex).await;
         }
-        let this = Prepared {
-            headers: prepared.headers.clone(),
-            body: prepared.body.clone(),
-            answer: prepared.answer.clone(),
-            method: prepared.method.clone(),
-            target: prepared.target.clone(),
-            prefix: prepared.prefix.clone(),
-            prefix_share: prepared.prefix_share.clone(),
-            ..prepared
-        };
-        let result = send(pool, slot, this, ex).await;
+        let result = send(pool, slot, prepared.clone(), ex).await;
         let retryable = match &result {
             Err(ApiError::BackendUnreachable { .. }) => true,
             Ok(Sent::Full(resp)) => matches!(resp.status().as_u16(), 502 | 503),
