@@ -36,23 +36,8 @@ fn chat(messages: &[Value], max_tokens: u32, stream: bool) -> Bytes {
     )
 }
 
-/// The admin listener's `/metrics`, as Prometheus scrapes it (the pools' figures are read then).
-async fn scrape(gw: &Gateway) -> String {
-    use http_body_util::BodyExt;
-    let req = http::Request::get(format!("http://{}/metrics", gw.server.admin_addr.unwrap()))
-        .body(http_body_util::Full::new(Bytes::new()))
-        .unwrap();
-    let resp = fleetgate_protocol::client::http_client()
-        .request(req)
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    String::from_utf8(body.to_vec()).unwrap()
-}
-
 async fn prefix_metric(gw: &Gateway, outcome: &str) -> u64 {
-    let text = scrape(gw).await;
+    let text = admin_metrics(gw).await;
     let line =
         format!("fleetgate_prefix_routing_total{{model=\"qwen32b\",outcome=\"{outcome}\"}} ");
     text.lines()
@@ -110,7 +95,7 @@ async fn consecutive_turns_of_a_conversation_land_on_one_backend() {
     );
     assert_eq!(hits + misses, 32);
     assert!(hits >= 24, "hits {hits}, misses {misses}");
-    let blocks: u64 = scrape(&gw)
+    let blocks: u64 = admin_metrics(&gw)
         .await
         .lines()
         .find_map(|l| l.strip_prefix("fleetgate_prefix_index_blocks{model=\"qwen32b\"} "))
@@ -258,7 +243,7 @@ async fn prefix_records_are_scoped_to_one_deployment_and_bounded() {
     let metric = |name: &'static str| {
         let gw = &gw;
         async move {
-            scrape(gw)
+            admin_metrics(gw)
                 .await
                 .lines()
                 .find_map(|l| {
@@ -311,7 +296,7 @@ async fn prefix_records_are_scoped_to_one_deployment_and_bounded() {
         assert!(
             std::time::Instant::now() < deadline,
             "the deployment's own record arrived: {}",
-            scrape(&gw)
+            admin_metrics(&gw)
                 .await
                 .lines()
                 .filter(|l| l.contains("prefix_share"))

@@ -46,7 +46,11 @@ pub(crate) fn assignment(j: usize, targets: usize, prompts: usize) -> (u8, usize
     }
     let pair = j / 2;
     let first = (pair % 2) as u8;
-    let t = if j % 2 == 0 { first } else { 1 - first };
+    let t = if j.is_multiple_of(2) {
+        first
+    } else {
+        1 - first
+    };
     (t, pair % prompts)
 }
 

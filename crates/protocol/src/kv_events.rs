@@ -36,6 +36,61 @@ const MAX_DEPTH: usize = 32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineHash(pub u64);
 
+/// The gateway's own identity of a block: a digest of the identity of the block before it
+/// (none for a prompt's first), its token ids, and the LoRA adapter and extra keys the engine
+/// hashed with them. The same whole prefix gives the same chain on the gateway's side (from
+/// the request's tokens) as on the engine's (from its events), whatever hash the engine uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u64);
+
+impl BlockId {
+    /// The block of `tokens` behind `parent`.
+    pub fn chain(
+        parent: Option<BlockId>,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        extra_keys: Option<u64>,
+    ) -> BlockId {
+        const K: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut h = parent.map_or(0x6a09_e667_f3bc_c908, |p| p.0);
+        h = mix(h ^ tokens.len() as u64);
+        for &t in tokens {
+            h = (h.rotate_left(23) ^ u64::from(t)).wrapping_mul(K);
+        }
+        if let Some(name) = lora_name {
+            h = mix(h ^ fnv1a(FNV_OFFSET, name.as_bytes()));
+        }
+        if let Some(extra) = extra_keys {
+            h = mix(h ^ extra.rotate_left(17));
+        }
+        BlockId(mix(h))
+    }
+
+    /// The identities of every full block of `tokens`, `block_size` tokens each, in order (a
+    /// tail shorter than a block is not a block: engines cache only full ones).
+    pub fn of_prompt<'a>(
+        tokens: &'a [u32],
+        block_size: u32,
+        lora_name: Option<&'a str>,
+    ) -> impl Iterator<Item = BlockId> + 'a {
+        let mut parent = None;
+        tokens
+            .chunks_exact(block_size.max(1) as usize)
+            .map(move |block| {
+                let id = BlockId::chain(parent, block, lora_name, None);
+                parent = Some(id);
+                id
+            })
+    }
+}
+
+/// A 64-bit finaliser (splitmix64's).
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// One decoded batch of events.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {

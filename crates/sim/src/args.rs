@@ -166,6 +166,18 @@ pub struct SimArgs {
     #[arg(long)]
     pub enable_prompt_tokens_details: bool,
 
+    /// vLLM's `--kv-events-config` JSON: publish what the prefix cache stores and evicts over
+    /// ZeroMQ, as vLLM does (`{"enable_kv_cache_events": true, "publisher": "zmq",
+    /// "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}`). Needs
+    /// `--kv-cache-tokens`.
+    #[arg(long)]
+    pub kv_events_config: Option<String>,
+
+    /// How events are encoded: `map` (tagged maps, as vLLM 0.32 sends them) or `array` (tagged
+    /// arrays, as vLLM before vllm#42892).
+    #[arg(long, default_value = "map")]
+    pub kv_events_encoding: String,
+
     /// Keep the exact bytes of every response body, keyed by x-request-id (for tests).
     #[arg(long, hide = true)]
     pub capture_streams: bool,
@@ -220,6 +232,8 @@ impl Default for SimArgs {
             num_labels: 2,
             block_size: 16,
             kv_cache_tokens: 0,
+            kv_events_config: None,
+            kv_events_encoding: "map".into(),
             enable_prompt_tokens_details: false,
         }
     }
@@ -257,6 +271,8 @@ impl fmt::Debug for SimArgs {
             .field("num_labels", &self.num_labels)
             .field("block_size", &self.block_size)
             .field("kv_cache_tokens", &self.kv_cache_tokens)
+            .field("kv_events_config", &self.kv_events_config)
+            .field("kv_events_encoding", &self.kv_events_encoding)
             .field(
                 "enable_prompt_tokens_details",
                 &self.enable_prompt_tokens_details,
@@ -348,6 +364,8 @@ pub(crate) struct SimConfig {
     pub block_size: u32,
     /// `--kv-cache-tokens`; 0 = no prefix cache.
     pub prefix_cache_tokens: u64,
+    /// `--kv-events-config`, when it publishes.
+    pub kv_events: Option<crate::kv_events::KvEventsSettings>,
     pub prompt_tokens_details: bool,
 }
 
@@ -428,6 +446,22 @@ impl TryFrom<&SimArgs> for SimConfig {
         if a.block_size == 0 {
             return Err(invalid("--block-size must be >= 1".into()));
         }
+        let encoding =
+            crate::kv_events::Encoding::parse(&a.kv_events_encoding).ok_or_else(|| {
+                invalid(format!(
+                    "--kv-events-encoding must be map or array, not {}",
+                    a.kv_events_encoding
+                ))
+            })?;
+        let kv_events = match &a.kv_events_config {
+            Some(json) => crate::kv_events::parse(json, encoding).map_err(invalid)?,
+            None => None,
+        };
+        if kv_events.is_some() && a.kv_cache_tokens < u64::from(a.block_size) {
+            return Err(invalid(
+                "--kv-events-config publishes the prefix cache's changes: give --kv-cache-tokens too".into(),
+            ));
+        }
         if a.embedding_size == 0 || a.num_labels == 0 {
             return Err(invalid(
                 "--embedding-size and --num-labels must be >= 1".into(),
@@ -492,6 +526,7 @@ impl TryFrom<&SimArgs> for SimConfig {
             pooling,
             block_size: a.block_size,
             prefix_cache_tokens: a.kv_cache_tokens,
+            kv_events,
             prompt_tokens_details: a.enable_prompt_tokens_details,
         })
     }

@@ -217,13 +217,13 @@ pub(crate) async fn parse(
     };
     let max_completion_tokens = int("max_completion_tokens", &form.max_completion_tokens)?;
     let seed = int("seed", &form.seed)?;
-    if let Some(m) = form.model.as_deref().filter(|m| !m.is_empty()) {
-        if !cfg.serves(m) {
-            return Err(ApiError::ModelNotFound(
-                m.to_owned(),
-                cfg.served_names.join(", "),
-            ));
-        }
+    if let Some(m) = form.model.as_deref().filter(|m| !m.is_empty())
+        && !cfg.serves(m)
+    {
+        return Err(ApiError::ModelNotFound(
+            m.to_owned(),
+            cfg.served_names.join(", "),
+        ));
     }
     let model = cfg.model_name();
     match form.response_format.as_deref().unwrap_or("json") {

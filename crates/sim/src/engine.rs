@@ -265,6 +265,8 @@ pub(crate) struct Engine {
     submit: Option<mpsc::UnboundedSender<NewSeq>>,
     /// `None` with `--kv-cache-tokens 0`. Held only for one lookup, never across an await.
     prefix_cache: Option<Arc<Mutex<PrefixCache>>>,
+    /// Where the cache's changes go, with `--kv-events-config`.
+    kv_events: Option<crate::kv_events::Publisher>,
 }
 
 impl Engine {
@@ -274,14 +276,21 @@ impl Engine {
         cfg: &SimConfig,
         stats: Arc<SimStats>,
         cancel: CancellationToken,
+        kv_events: Option<crate::kv_events::Publisher>,
     ) -> (Self, Option<JoinHandle<()>>) {
-        let prefix_cache = PrefixCache::new(cfg.block_size, cfg.prefix_cache_tokens)
-            .map(|c| Arc::new(Mutex::new(c)));
+        let prefix_cache =
+            PrefixCache::new(cfg.block_size, cfg.prefix_cache_tokens).map(|mut c| {
+                if kv_events.is_some() {
+                    c.record_changes();
+                }
+                Arc::new(Mutex::new(c))
+            });
         if cfg.timing.is_zero() {
             return (
                 Self {
                     submit: None,
                     prefix_cache,
+                    kv_events,
                 },
                 None,
             );
@@ -296,19 +305,20 @@ impl Engine {
             Self {
                 submit: Some(tx),
                 prefix_cache,
+                kv_events,
             },
             Some(task),
         )
     }
 
     /// Starts a generation; the caller has already validated lengths. `prompt_blocks` are
-    /// the prompt's block hashes (`prefix_cache::block_hashes`; empty for a request the
+    /// the prompt's block hashes (`prefix_cache::blocks`; empty for a request the
     /// prefix cache does not see).
     pub(crate) fn start(
         &self,
         stats: Arc<SimStats>,
         prompt_tokens: u32,
-        prompt_blocks: &[u64],
+        prompt_blocks: &crate::prefix_cache::PromptBlocks,
         output: Output,
         arrived: Instant,
     ) -> SeqHandle {
@@ -317,11 +327,18 @@ impl Engine {
             token_seed,
             priority,
         } = output;
-        let cached_tokens = match (&self.prefix_cache, prompt_blocks) {
-            (None, _) | (_, []) => 0,
-            (Some(cache), blocks) => cache
-                .lock()
-                .map_or(0, |mut c| c.admit(blocks, prompt_tokens)),
+        let cached_tokens = match &self.prefix_cache {
+            Some(cache) if !prompt_blocks.hashes.is_empty() => {
+                cache.lock().map_or(0, |mut c| {
+                    let hit = c.admit(prompt_blocks, prompt_tokens);
+                    if let Some(p) = &self.kv_events {
+                        // Under the cache's lock, so batches leave in the order of the changes.
+                        p.publish(c.take_changes());
+                    }
+                    hit
+                })
+            }
+            _ => 0,
         };
         let feed = match &self.submit {
             Some(tx) => {
@@ -472,10 +489,10 @@ impl SeqHandle {
         if self.emitted >= self.max_tokens {
             return Poll::Ready(None);
         }
-        if let Feed::Scheduled(s) = &self.feed {
-            if s.poll_beyond(self.emitted, cx).is_pending() {
-                return Poll::Pending;
-            }
+        if let Feed::Scheduled(s) = &self.feed
+            && s.poll_beyond(self.emitted, cx).is_pending()
+        {
+            return Poll::Pending;
         }
         self.emitted += 1;
         let m = &self.stats.engine;

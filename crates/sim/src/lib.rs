@@ -14,6 +14,7 @@
 //!   whose drop is the cancellation signal.
 //! - `body` / `frames`: the SSE stream, formatted by hand for a cheap per-token path.
 //! - `prefix_cache`: vLLM's automatic prefix caching (chained block hashes, LRU).
+//! - `kv_events`: vLLM's KV cache events of that cache (`--kv-events-config`), over ZeroMQ.
 //! - `stats`: counters for tests and the `/metrics` text.
 //! - `tokens`: deterministic token texts and JSON escaping.
 //!
@@ -32,6 +33,7 @@ mod audio;
 mod body;
 mod engine;
 mod frames;
+pub mod kv_events;
 mod pooling;
 mod prefix_cache;
 mod server;
@@ -136,10 +138,21 @@ pub async fn start(args: SimArgs) -> io::Result<SimServer> {
         u64::from(cfg.max_model_len),
     ));
     let cancel = CancellationToken::new();
-    let (engine, scheduler) = Engine::spawn(&cfg, stats.clone(), cancel.clone());
+    let mut kv_task = None;
+    let kv_events = match cfg.kv_events.clone() {
+        Some(settings) => {
+            let (publisher, task) =
+                kv_events::start(settings, cfg.block_size, cancel.clone()).await?;
+            kv_task = Some(task);
+            Some(publisher)
+        }
+        None => None,
+    };
+    let (engine, scheduler) = Engine::spawn(&cfg, stats.clone(), cancel.clone(), kv_events);
     let ctx = Arc::new(SimContext::new(cfg, stats.clone(), engine));
     let mut tasks = vec![tokio::spawn(server::serve(listener, ctx, cancel.clone()))];
     tasks.extend(scheduler);
+    tasks.extend(kv_task);
     Ok(SimServer {
         addr: bound,
         stats,

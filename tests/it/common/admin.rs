@@ -83,3 +83,16 @@ pub async fn backend_states_become(gw: &Gateway, want: &[&str]) -> Vec<String> {
     }
     state
 }
+
+/// The admin listener's `/metrics`, as Prometheus scrapes it (the pools' and backends' figures
+/// are read then).
+pub async fn admin_metrics(gw: &Gateway) -> String {
+    use http_body_util::BodyExt;
+    let req = http::Request::get(format!("http://{}/metrics", gw.server.admin_addr.unwrap()))
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let resp = client::http_client().request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(body.to_vec()).unwrap()
+}

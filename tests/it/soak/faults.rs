@@ -130,7 +130,10 @@ pub(super) async fn run_fault(rig: Arc<Rig>, which: usize, cycle: usize) {
         2 => rig.kill_and_restart(2, Duration::from_millis(500), 3).await,
         3 => rig.cut_pg(Duration::from_secs(5)).await,
         4 => rig.cut_redis(Duration::from_secs(5)).await,
-        5 => rig.reload_a(if cycle % 2 == 0 { 3 } else { 1 }).await,
+        5 => {
+            rig.reload_a(if cycle.is_multiple_of(2) { 3 } else { 1 })
+                .await
+        }
         _ => unreachable!(),
     }
 }

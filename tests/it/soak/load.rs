@@ -46,7 +46,7 @@ pub(super) fn request_for(
     } else {
         0
     };
-    let stream = (n / 2) % 2 == 0;
+    let stream = (n / 2).is_multiple_of(2);
     let max_tokens = 8 + (n * 37) % 120;
     let prompt = "soak ".repeat(1 + (n % 40) as usize);
     let (path, body) = if n % 5 == 4 {

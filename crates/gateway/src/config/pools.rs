@@ -51,6 +51,8 @@ pub struct PoolConfig {
     pub load_aware: Option<LoadAwareConfig>,
     /// Requests with the same `user` or prompt prefix prefer the same backend.
     pub affinity: Option<AffinityConfig>,
+    /// The engines' own KV cache events, read by every replica (`engine_cache`).
+    pub kv_events: Option<super::KvEventsConfig>,
     /// Send each environment's `priority` to the backends (`[pools.priority]`), for vLLM's
     /// `--scheduling-policy priority`.
     pub priority: Option<EnginePriority>,
@@ -167,6 +169,7 @@ impl PoolConfig {
             warmup: WarmupConfig::default(),
             load_aware: None,
             affinity: None,
+            kv_events: None,
             priority: None,
             expose_backend_addresses: false,
         }
@@ -320,6 +323,7 @@ fn pool(
         }),
         None => None,
     };
+    let kv_events = p.kv_events.map(|k| k.check(&at, err)).transpose()?;
     Ok(PoolConfig {
         model: p.model,
         served_model_name: p.served_model_name,
@@ -366,6 +370,7 @@ fn pool(
             max_blocks: a.max_blocks.max(1024),
             max_age: Duration::from_secs(a.max_age_seconds.max(1)),
         }),
+        kv_events,
         expose_backend_addresses: false,
     })
 }
@@ -508,6 +513,7 @@ pub(super) struct RawPool {
     pub(super) warmup: RawWarmup,
     pub(super) load_aware: Option<RawLoadAware>,
     pub(super) affinity: Option<RawAffinity>,
+    pub(super) kv_events: Option<super::kv_events::RawKvEvents>,
     pub(super) priority: Option<RawEnginePriority>,
 }
 

@@ -54,6 +54,9 @@ pub struct Backend {
     /// Requests running + waiting on the backend by its own `/metrics` (all gateways' and
     /// anyone else's), when the pool is load-aware; 0 otherwise or when unread.
     pub remote_load: AtomicU32,
+    /// What its engines' KV events say they hold, when the pool subscribes to them (set by
+    /// `Fleet::kv_events_loop`).
+    pub(crate) engine_cache: ArcSwapOption<super::engine_cache::EngineCache>,
     /// Its KV-cache usage in thousandths, from the same scrape.
     pub(super) kv_usage_permille: AtomicU32,
     /// Share of new requests relative to the pool's other backends (a reload may change it).
@@ -201,6 +204,7 @@ impl Backend {
             in_flight: AtomicU32::new(0),
             remote_load: AtomicU32::new(0),
             kv_usage_permille: AtomicU32::new(0),
+            engine_cache: ArcSwapOption::empty(),
             weight: AtomicU32::new(weight_of(cfg)),
             capacity: AtomicU32::new(capacity_of(cfg, pool)),
             labels: ArcSwap::from_pointee(cfg.labels.clone()),

@@ -8,12 +8,14 @@
 //! configuration). A backend's own state is in `backend`, choosing among backends in
 //! `balance`, the upstream client in `upstream_client` and the connections the relays drive in
 //! `upstream_conn`, probes, warm-up and load scrapes in `health`, why a backend could not be
-//! reached in `cause`, the longest-prefix index in `prefix`.
+//! reached in `cause`, the longest-prefix index in `prefix`, what the engines' KV events say
+//! their caches hold in `engine_cache` (kept up by `fleet`'s `kv_events_loop`).
 
 mod backend;
 mod balance;
 pub(crate) mod cause;
 pub(crate) mod connector;
+pub(crate) mod engine_cache;
 pub(crate) mod fleet;
 pub(crate) mod hash;
 mod health;
@@ -412,6 +414,7 @@ impl Generation {
                         "kv_cache_usage": p.config.load_aware.as_ref().map(|_| b.kv_usage()),
                         "last_error": b.last_error().map(|e| e.message.clone()),
                         "last_error_at": b.last_error().map(|e| crate::clock::format_wall_ms(e.at_ms)),
+                        "kv_events": b.engine_cache.load().as_ref().map(|c| c.json()),
                     })
                 })
             })

@@ -9,6 +9,8 @@
 //! - health probes of every backend (`Fleet::probe_loop`);
 //! - the key snapshot's sync with the store (`auth::sync::run`);
 //! - the backends' load scrape (`Fleet::load_loop`) and DNS discovery (`Fleet::discovery_loop`);
+//! - the subscribers to the engines' KV events, for pools with `kv_events`
+//!   (`Fleet::kv_events_loop`);
 //! - the limits' pruning of idle keys (`Limits::prune_loop`);
 //! - longest-prefix sharing with the other replicas, with Redis (`PrefixShare::start`);
 //! - the admin listener's accept loop, when `admin.listen` is set;
@@ -149,6 +151,7 @@ impl Server {
         );
         tasks.spawn(crate::auth::sync::run(auth.clone(), shutdown.child_token()));
         tasks.spawn(fleet.clone().load_loop(shutdown.child_token()));
+        tasks.spawn(fleet.clone().kv_events_loop(shutdown.child_token()));
         tasks.spawn(fleet.clone().discovery_loop(shutdown.child_token()));
         tasks.spawn(limits.clone().prune_loop(shutdown.child_token()));
         // Longest-prefix records cross to the other replicas through the limits' Redis

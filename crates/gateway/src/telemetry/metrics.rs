@@ -178,6 +178,9 @@ pub struct RequestMetrics {
     /// Longest-prefix routing's outcomes and its index's size, per pool (at scrape time).
     prefix_routing: IntCounterVec,
     prefix_blocks: IntGaugeVec,
+    kv_events_state: IntGaugeVec,
+    kv_events_blocks: IntGaugeVec,
+    kv_events_batches: IntCounterVec,
     /// Answers whose usage was past every plausible count, by backend (treated as none).
     implausible_usage: IntCounterVec,
 }
@@ -358,6 +361,24 @@ impl RequestMetrics {
             "Prompt blocks a longest-prefix pool's index remembers (bounded by affinity.max_blocks)",
             &["model"],
         )?;
+        let kv_events_state = gauge_vec(
+            registry,
+            "fleetgate_kv_events_state",
+            "Per backend and data-parallel rank of pools with kv_events: 2 live (the engine's cache index is complete), 1 partial (events were lost or the history is incomplete: only blocks seen since count), 0 down or connecting (no events: the index is not trusted)",
+            &["model", "backend", "rank"],
+        )?;
+        let kv_events_blocks = gauge_vec(
+            registry,
+            "fleetgate_kv_events_blocks",
+            "Blocks an engine's KV events say it holds, as indexed (bounded by kv_events.max_blocks)",
+            &["model", "backend", "rank"],
+        )?;
+        let kv_events_batches = counter_vec(
+            registry,
+            "fleetgate_kv_events_batches_total",
+            "KV event batches by outcome: applied (live), replayed (a gap filled from the replay endpoint), lost (a gap not filled), bad (a message or payload that does not decode)",
+            &["model", "backend", "outcome"],
+        )?;
         let implausible_usage = counter_vec(
             registry,
             "fleetgate_upstream_implausible_usage_total",
@@ -388,6 +409,9 @@ impl RequestMetrics {
             rejections,
             prefix_routing,
             prefix_blocks,
+            kv_events_state,
+            kv_events_blocks,
+            kv_events_batches,
             implausible_usage,
         };
         metrics.relayout(pools, &[]);
@@ -591,7 +615,51 @@ impl RequestMetrics {
                     crate::pool::Reachability::Unknown => -1,
                 };
                 self.backend_up.with_label_values(&labels).set(up);
+                if let Some(cache) = b.engine_cache.load().as_ref() {
+                    self.update_kv_events(&p.model, &b.base, cache);
+                }
             }
+        }
+    }
+}
+
+impl RequestMetrics {
+    fn update_kv_events(
+        &self,
+        model: &str,
+        backend: &str,
+        cache: &crate::pool::engine_cache::EngineCache,
+    ) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut totals = [0u64; 4];
+        for r in cache.ranks.iter() {
+            let rank = r.rank.to_string();
+            let labels = [model, backend, rank.as_str()];
+            let state = match r.state() {
+                "live" => 2,
+                "partial" => 1,
+                _ => 0,
+            };
+            self.kv_events_state.with_label_values(&labels).set(state);
+            let blocks = r.index.read().map(|i| i.len()).unwrap_or(0);
+            self.kv_events_blocks
+                .with_label_values(&labels)
+                .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+            for (t, n) in totals
+                .iter_mut()
+                .zip([&r.applied, &r.replayed, &r.lost, &r.bad])
+            {
+                *t += n.load(Relaxed);
+            }
+        }
+        for (outcome, now) in ["applied", "replayed", "lost", "bad"]
+            .into_iter()
+            .zip(totals)
+        {
+            let c = self
+                .kv_events_batches
+                .with_label_values(&[model, backend, outcome]);
+            c.inc_by(now.saturating_sub(c.get()));
         }
     }
 }

@@ -6,7 +6,7 @@ use serde::Deserialize;
 
 use crate::args::SimConfig;
 use crate::frames::Endpoint;
-use crate::prefix_cache::{block_hashes, text_block_hashes};
+use crate::prefix_cache::{PromptBlocks, blocks, text_blocks};
 use crate::tokens::{fnv1a, mix64};
 
 use super::anthropic::{MessagesRequest, anthropic_prompt, auto_tool_choice};
@@ -104,7 +104,7 @@ pub(crate) struct GenRequest {
     /// The answer ends at its end of sequence (`--output-tokens`), not at its limit.
     pub natural_end: bool,
     /// Hashes of the prompt's full KV blocks, for the prefix cache (empty when it is off).
-    pub prompt_blocks: Vec<u64>,
+    pub prompt_blocks: PromptBlocks,
     /// vLLM's `priority` (0 when not given).
     pub priority: i64,
 }
@@ -119,13 +119,14 @@ pub(crate) fn parse_generation(
     // How vLLM names the output limit in its refusal.
     let mut limit_name = "max_tokens";
     // The prompt as the engine sees it, cut into KV blocks for the prefix cache.
-    let mut prompt_blocks = Vec::new();
+    let mut prompt_blocks = PromptBlocks::default();
     let caching = cfg.prefix_caching();
+    let keep_tokens = cfg.kv_events.is_some();
     let blocks_of = |text: &str| {
         if caching {
-            text_block_hashes(text, cfg.block_size)
+            text_blocks(text, cfg.block_size, keep_tokens)
         } else {
-            Vec::new()
+            PromptBlocks::default()
         }
     };
     let (prompt_tokens, prompt_hash, params) = match endpoint {
@@ -144,7 +145,7 @@ pub(crate) fn parse_generation(
             let r: CompletionRequest = validate(body)?;
             let (tokens, hash) = prompt_size(&r.prompt, cfg.seed)?;
             if caching {
-                prompt_blocks = completion_blocks(&r.prompt, cfg.block_size);
+                prompt_blocks = completion_blocks(&r.prompt, cfg.block_size, keep_tokens);
             }
             (tokens, hash, r.params)
         }
@@ -243,17 +244,17 @@ pub(crate) fn parse_generation(
 
 /// The block hashes of a completions prompt `prompt_size` accepted: its text's tokens, or its
 /// token ids.
-fn completion_blocks(prompt: &serde_json::Value, block_size: u32) -> Vec<u64> {
+fn completion_blocks(prompt: &serde_json::Value, block_size: u32, keep: bool) -> PromptBlocks {
     use serde_json::Value;
-    let ids = |v: &[Value]| block_hashes(v.iter().filter_map(Value::as_u64), block_size);
+    let ids = |v: &[Value]| blocks(v.iter().filter_map(Value::as_u64), block_size, keep);
     match prompt {
-        Value::String(s) => text_block_hashes(s, block_size),
+        Value::String(s) => text_blocks(s, block_size, keep),
         Value::Array(items) => match items.as_slice() {
-            [Value::String(s)] => text_block_hashes(s, block_size),
+            [Value::String(s)] => text_blocks(s, block_size, keep),
             [Value::Array(inner)] => ids(inner),
             all => ids(all),
         },
-        _ => Vec::new(),
+        _ => PromptBlocks::default(),
     }
 }
 
@@ -278,20 +279,20 @@ pub(super) fn sampling(
         priority,
     } = params;
     let max_tokens = max_completion_tokens.or(max_tokens);
-    if let Some(m) = model.as_deref() {
-        if !cfg.serves(m) {
-            return Err(ApiError::ModelNotFound(
-                m.to_owned(),
-                cfg.served_names.join(", "),
-            ));
-        }
+    if let Some(m) = model.as_deref()
+        && !cfg.serves(m)
+    {
+        return Err(ApiError::ModelNotFound(
+            m.to_owned(),
+            cfg.served_names.join(", "),
+        ));
     }
-    if let Some(n) = n {
-        if n != 1 {
-            return Err(bad(format!(
-                "n={n} is not supported by the simulator; only n=1"
-            )));
-        }
+    if let Some(n) = n
+        && n != 1
+    {
+        return Err(bad(format!(
+            "n={n} is not supported by the simulator; only n=1"
+        )));
     }
     let stream = stream.unwrap_or(false);
     if opts.is_some() && !stream {
@@ -354,7 +355,7 @@ pub(super) fn sampling(
         token_seed,
         responses,
         natural_end,
-        prompt_blocks: Vec::new(),
+        prompt_blocks: PromptBlocks::default(),
         priority: priority.unwrap_or(0),
     })
 }

@@ -44,7 +44,7 @@ pub(super) async fn batch_chat(
         let mut generation = ctx.engine.start(
             ctx.stats.clone(),
             c.prompt_tokens,
-            &[],
+            &crate::prefix_cache::PromptBlocks::default(),
             Output {
                 max_tokens: c.max_tokens,
                 token_seed: c.token_seed,

@@ -45,7 +45,7 @@ pub(super) async fn pooled(
     let mut pass = ctx.engine.start(
         ctx.stats.clone(),
         answer.prompt_tokens,
-        &[],
+        &crate::prefix_cache::PromptBlocks::default(),
         Output {
             max_tokens: 1,
             ..Output::default()

@@ -48,7 +48,7 @@ pub(super) async fn speech(
     let mut generation = ctx.engine.start(
         ctx.stats.clone(),
         parsed.prompt_tokens,
-        &[],
+        &crate::prefix_cache::PromptBlocks::default(),
         Output {
             max_tokens: parsed.max_tokens,
             token_seed: parsed.token_seed,

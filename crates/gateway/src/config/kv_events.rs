@@ -1,0 +1,96 @@
+//! `[pools.kv_events]`: subscribe to each backend's vLLM KV cache events (`vllm serve
+//! --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+//! "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'`), so the gateway knows what every
+//! engine's prefix cache holds (`engine_cache`).
+
+use serde::Deserialize;
+
+use super::{ConfigError, FileErrors};
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KvEventsConfig {
+    /// The publisher's port on each backend's host (vLLM's `endpoint`, bound with `*`).
+    pub port: u16,
+    /// The replay endpoint's port (vLLM's `replay_endpoint`), to fill gaps.
+    pub replay_port: Option<u16>,
+    /// Data-parallel ranks behind each backend: rank r publishes on `port + r` (and replays
+    /// on `replay_port + r`), as vLLM offsets them.
+    pub data_parallel_size: u32,
+    /// vLLM's `topic` (empty by default: every message).
+    pub topic: String,
+    /// Blocks indexed per rank at most.
+    pub max_blocks: usize,
+}
+
+pub(super) const DEFAULT_MAX_BLOCKS: usize = 1 << 20;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawKvEvents {
+    port: u16,
+    replay_port: Option<u16>,
+    #[serde(default = "one")]
+    data_parallel_size: u32,
+    #[serde(default)]
+    topic: String,
+    #[serde(default = "default_max_blocks")]
+    max_blocks: usize,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn default_max_blocks() -> usize {
+    DEFAULT_MAX_BLOCKS
+}
+
+impl RawKvEvents {
+    pub(super) fn check(
+        self,
+        at: &dyn Fn(&str) -> String,
+        err: FileErrors<'_>,
+    ) -> Result<KvEventsConfig, ConfigError> {
+        if self.port == 0 {
+            return Err(err.at(
+                at("kv_events.port"),
+                "must be the engines' publisher port (vLLM's default endpoint is tcp://*:5557)",
+            ));
+        }
+        if !(1..=256).contains(&self.data_parallel_size) {
+            return Err(err.at(
+                at("kv_events.data_parallel_size"),
+                "must be between 1 and 256",
+            ));
+        }
+        let last = |p: u16| u32::from(p) + self.data_parallel_size - 1;
+        if last(self.port) > 65535 || self.replay_port.is_some_and(|p| p == 0 || last(p) > 65535) {
+            return Err(err.at(
+                at("kv_events"),
+                "port (and replay_port) plus data_parallel_size - 1 must be a port (1-65535)",
+            ));
+        }
+        if let Some(r) = self.replay_port {
+            let (a, b) = (u32::from(self.port), u32::from(r));
+            if a.max(b) - a.min(b) < self.data_parallel_size {
+                return Err(err.at(
+                    at("kv_events.replay_port"),
+                    "overlaps the publishers' ports (each rank r uses port + r and replay_port + r)",
+                ));
+            }
+        }
+        if !(1024..=1 << 26).contains(&self.max_blocks) {
+            return Err(err.at(
+                at("kv_events.max_blocks"),
+                "must be between 1024 and 67108864",
+            ));
+        }
+        Ok(KvEventsConfig {
+            port: self.port,
+            replay_port: self.replay_port,
+            data_parallel_size: self.data_parallel_size,
+            topic: self.topic,
+            max_blocks: self.max_blocks,
+        })
+    }
+}

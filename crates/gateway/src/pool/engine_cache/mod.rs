@@ -1,0 +1,166 @@
+//! What each engine's prefix cache holds, from the engines' own KV events (`[pools.kv_events]`):
+//! one subscriber per backend and data-parallel rank reads vLLM's ZeroMQ publisher, applies
+//! each batch to that rank's `Index`, and says how far the index can be trusted.
+//!
+//! - A sequence gap (batches the PUB socket dropped, a reconnect that missed some) is filled
+//!   from the engine's replay endpoint when the pool names one; what the replay no longer
+//!   holds makes the index `Partial` (see `index`).
+//! - A sequence lower than the last one is a new publisher (the engine restarted, so its cache
+//!   is empty): the index is cleared, and the history from sequence 0 is asked of the replay.
+//! - A payload that does not decode is counted and skipped, and counts as a lost batch.
+//! - A subscriber that cannot connect keeps retrying (100 ms doubling to 5 s); meanwhile the
+//!   rank is `down` and its index is left as it was, untrusted from the first batch after.
+//!
+//! Every replica subscribes itself, so all of them read the same truth without sharing it.
+
+pub(crate) mod index;
+mod subscriber;
+mod subscriptions;
+pub(crate) mod zmtp;
+
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use crate::config::KvEventsConfig;
+use index::{Index, Trust};
+
+use subscriber::run_rank;
+
+/// A rank's link to its publisher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Link {
+    /// Not connected yet since start.
+    Connecting = 0,
+    Up = 1,
+    /// The connection failed or ended; retrying.
+    Down = 2,
+}
+
+/// One data-parallel rank of a backend: its index and its subscriber's counters.
+#[derive(Debug)]
+pub(crate) struct Rank {
+    pub(crate) rank: u32,
+    /// Where its publisher and replay endpoint are (`host:port`).
+    pub(crate) endpoint: String,
+    pub(crate) replay: Option<String>,
+    pub(crate) index: RwLock<Index>,
+    link: AtomicU8,
+    /// Batches applied live, applied from the replay, lost (neither), and payloads that did
+    /// not decode.
+    pub(crate) applied: AtomicU64,
+    pub(crate) replayed: AtomicU64,
+    pub(crate) lost: AtomicU64,
+    pub(crate) bad: AtomicU64,
+    /// Times the publisher's sequence went back (a restarted engine).
+    pub(crate) restarts: AtomicU64,
+    /// `mono_ms()` of the last batch applied (0: none yet).
+    pub(crate) last_batch_ms: AtomicU64,
+    /// Why the rank is down or partial, for `/admin/ready`.
+    pub(crate) detail: arc_swap::ArcSwapOption<String>,
+}
+
+impl Rank {
+    pub(crate) fn link(&self) -> Link {
+        match self.link.load(Ordering::Relaxed) {
+            1 => Link::Up,
+            2 => Link::Down,
+            _ => Link::Connecting,
+        }
+    }
+
+    pub(crate) fn set_link(&self, link: Link) {
+        self.link.store(link as u8, Ordering::Relaxed);
+    }
+
+    /// `live` (connected, index complete), `partial` (connected, index incomplete: see
+    /// `index`), `down` or `connecting`.
+    pub(crate) fn state(&self) -> &'static str {
+        match self.link() {
+            Link::Connecting => "connecting",
+            Link::Down => "down",
+            Link::Up => match self.index.read().map(|i| i.trust()) {
+                Ok(Trust::Complete) => "live",
+                _ => "partial",
+            },
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let (blocks, bytes, unplaced, block_size) = self
+            .index
+            .read()
+            .map(|i| (i.len(), i.bytes(), i.unplaced, i.block_size))
+            .unwrap_or_default();
+        let last = self.last_batch_ms.load(Ordering::Relaxed);
+        serde_json::json!({
+            "rank": self.rank,
+            "endpoint": format!("tcp://{}", self.endpoint),
+            "replay_endpoint": self.replay.as_ref().map(|r| format!("tcp://{r}")),
+            "state": self.state(),
+            "detail": self.detail.load().as_deref().map(String::as_str),
+            "blocks": blocks,
+            "index_bytes": bytes,
+            "block_size": (block_size > 0).then_some(block_size),
+            "batches": self.applied.load(Ordering::Relaxed),
+            "replayed": self.replayed.load(Ordering::Relaxed),
+            "lost": self.lost.load(Ordering::Relaxed),
+            "bad_payloads": self.bad.load(Ordering::Relaxed),
+            "unplaced_blocks": unplaced,
+            "restarts": self.restarts.load(Ordering::Relaxed),
+            "last_batch_seconds_ago": (last > 0)
+                .then(|| crate::clock::mono_ms().saturating_sub(last) as f64 / 1e3),
+        })
+    }
+}
+
+/// One backend's engines.
+#[derive(Debug)]
+pub(crate) struct EngineCache {
+    pub(crate) ranks: Box<[Arc<Rank>]>,
+}
+
+impl EngineCache {
+    /// The ranks of the backend at `host` (as a URL writes it, IPv6 in brackets).
+    pub(crate) fn new(host: &str, cfg: &KvEventsConfig) -> Self {
+        let ranks = (0..cfg.data_parallel_size)
+            .map(|r| {
+                let port = u32::from(cfg.port) + r;
+                Arc::new(Rank {
+                    rank: r,
+                    endpoint: format!("{host}:{port}"),
+                    replay: cfg
+                        .replay_port
+                        .map(|p| format!("{host}:{}", u32::from(p) + r)),
+                    index: RwLock::new(Index::new(cfg.max_blocks)),
+                    link: AtomicU8::new(Link::Connecting as u8),
+                    applied: AtomicU64::new(0),
+                    replayed: AtomicU64::new(0),
+                    lost: AtomicU64::new(0),
+                    bad: AtomicU64::new(0),
+                    restarts: AtomicU64::new(0),
+                    last_batch_ms: AtomicU64::new(0),
+                    detail: arc_swap::ArcSwapOption::empty(),
+                })
+            })
+            .collect();
+        Self { ranks }
+    }
+
+    /// `/admin/ready`'s view: the backend's state (the worst of its ranks') and each rank's.
+    pub(crate) fn json(&self) -> serde_json::Value {
+        let states: Vec<&str> = self.ranks.iter().map(|r| r.state()).collect();
+        let state = ["down", "connecting", "partial", "live"]
+            .into_iter()
+            .find(|s| states.contains(s))
+            .unwrap_or("live");
+        serde_json::json!({
+            "state": state,
+            "routing": match state {
+                "live" => "the index is complete",
+                "partial" => "events were lost or the history is incomplete: only blocks seen since count",
+                _ => "no events: the index is left as it was and no longer trusted",
+            },
+            "ranks": self.ranks.iter().map(|r| r.json()).collect::<Vec<_>>(),
+        })
+    }
+}

@@ -1,0 +1,365 @@
+//! The engines' KV cache events (`[pools.kv_events]`): the gateway subscribes to each
+//! backend's publisher — here the sim's, which publishes its prefix cache's changes in vLLM's
+//! wire format — and `/admin/ready` shows what each engine's index holds and how far it is
+//! trusted. A late join is filled from the replay endpoint, a restarted engine clears its
+//! index, and a hostile publisher (garbage, truncation, a wrong frame count, a sequence going
+//! back, a frame declared terabytes long) is counted and survived.
+
+use std::time::Duration;
+
+use crate::common::*;
+use fleetgate_gateway::config::KvEventsConfig;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Two consecutive free ports (publisher, replay).
+async fn two_ports() -> u16 {
+    for _ in 0..100 {
+        let a = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < 65535
+            && tokio::net::TcpListener::bind(("127.0.0.1", p + 1))
+                .await
+                .is_ok()
+        {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports")
+}
+
+fn kv(port: u16, replay: bool) -> KvEventsConfig {
+    KvEventsConfig {
+        port,
+        replay_port: replay.then_some(port + 1),
+        data_parallel_size: 1,
+        topic: String::new(),
+        max_blocks: 4096,
+    }
+}
+
+async fn events_sim(port: u16, encoding: &str) -> fleetgate_sim::SimServer {
+    let config = json!({
+        "enable_kv_cache_events": true, "publisher": "zmq",
+        "endpoint": format!("tcp://*:{port}"), "replay_endpoint": format!("tcp://*:{}", port + 1),
+    });
+    let encoding = encoding.to_owned();
+    sim(move |a| {
+        a.kv_cache_tokens = 4096;
+        a.kv_events_config = Some(config.to_string());
+        a.kv_events_encoding = encoding;
+    })
+    .await
+}
+
+fn chat(turn: &str) -> bytes::Bytes {
+    bytes::Bytes::from(
+        json!({"model": "qwen32b", "max_tokens": 4, "messages": [
+            {"role": "system", "content": "You are a careful assistant. ".repeat(30)},
+            {"role": "user", "content": format!("{turn} question, ").repeat(20)},
+        ]})
+        .to_string(),
+    )
+}
+
+/// The one backend's `kv_events` in `/admin/ready`.
+async fn events_of(gw: &Gateway) -> Value {
+    let viewer = token(fleetgate_gateway::admin::jwt::Role::Viewer);
+    let (s, v) = admin(gw, "GET", "/admin/ready", Some(&viewer), None).await;
+    assert_eq!(s, 200, "{v}");
+    v["backends"][0]["kv_events"].clone()
+}
+
+/// Polls `/admin/ready` until `cond` holds of the backend's `kv_events` (5 s at most).
+async fn events_become(gw: &Gateway, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+    let start = std::time::Instant::now();
+    loop {
+        let v = events_of(gw).await;
+        if cond(&v) {
+            return v;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "never {what}: {v:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_index_follows_a_sims_cache_from_a_late_join_through_its_restart() {
+    for encoding in ["map", "array"] {
+        let port = two_ports().await;
+        let backend = events_sim(port, encoding).await;
+        // Two prompts before any gateway listens: only the replay has them.
+        for turn in ["first", "second"] {
+            let m = post(
+                &format!("{}/v1/chat/completions", backend.url())
+                    .parse()
+                    .unwrap(),
+                &[],
+                chat(turn),
+            )
+            .await;
+            assert_eq!(m.status, 200);
+        }
+        let mut p = pool("qwen32b", &[backend.url()]);
+        p.kv_events = Some(kv(port, true));
+        let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
+        let v = events_become(&gw, "subscribed", |v| v["state"] == "live").await;
+        assert_eq!(v["ranks"][0]["endpoint"], format!("tcp://127.0.0.1:{port}"));
+        let m = post(&gw.url("/v1/chat/completions"), &[], chat("third")).await;
+        assert_eq!(m.status, 200, "{:?}", m.body);
+        let v = events_become(&gw, "indexed", |v| {
+            v["ranks"][0]["batches"].as_u64() >= Some(1)
+        })
+        .await;
+        let r = &v["ranks"][0];
+        assert_eq!(
+            (r["replayed"].as_u64(), r["lost"].as_u64()),
+            (Some(2), Some(0)),
+            "{encoding}: {v:#}"
+        );
+        assert_eq!(
+            (&v["state"], &r["bad_payloads"], &r["block_size"]),
+            (&json!("live"), &json!(0), &json!(16)),
+            "{v:#}"
+        );
+        // The shared system prompt's blocks are stored once; each turn adds its own.
+        let blocks = r["blocks"].as_u64().unwrap();
+        assert!(blocks >= 14, "{encoding}: {blocks} blocks");
+        assert!(r["index_bytes"].as_u64().unwrap() > 0);
+        let metrics = admin_metrics(&gw).await;
+        let labels = format!("backend=\"{}\",model=\"qwen32b\"", backend.url());
+        for line in [
+            format!("fleetgate_kv_events_state{{{labels},rank=\"0\"}} 2"),
+            format!("fleetgate_kv_events_blocks{{{labels},rank=\"0\"}} {blocks}"),
+            format!("fleetgate_kv_events_batches_total{{{labels},outcome=\"replayed\"}} 2"),
+            format!("fleetgate_kv_events_batches_total{{{labels},outcome=\"lost\"}} 0"),
+        ] {
+            assert!(metrics.contains(&line), "no `{line}` in\n{metrics}");
+        }
+
+        // The engine dies: the rank goes down and its index is no longer trusted.
+        backend.shutdown().await;
+        events_become(&gw, "down", |v| v["state"] == "down").await;
+        // A new engine on the same ports starts from sequence 0 with an empty cache.
+        let again = events_sim(port, encoding).await;
+        events_become(&gw, "reconnected", |v| v["state"] == "live").await;
+        let m = post(
+            &format!("{}/v1/chat/completions", again.url())
+                .parse()
+                .unwrap(),
+            &[],
+            chat("x"),
+        )
+        .await;
+        assert_eq!(m.status, 200);
+        let v = events_become(&gw, "restarted", |v| v["ranks"][0]["restarts"] == 1).await;
+        let fresh = v["ranks"][0]["blocks"].as_u64().unwrap();
+        assert!(fresh < blocks, "the old engine's blocks are gone: {v:#}");
+        assert_eq!(v["state"], "live");
+        again.shutdown().await;
+    }
+}
+
+/// A ZeroMQ PUB peer that says what the test makes it say, frame by frame.
+struct RawPub {
+    stream: tokio::net::TcpStream,
+}
+
+impl RawPub {
+    async fn accept(l: &tokio::net::TcpListener) -> RawPub {
+        let (mut stream, _) = l.accept().await.unwrap();
+        let mut greeting = [0u8; 64];
+        greeting[0] = 0xff;
+        greeting[9] = 0x7f;
+        greeting[10] = 3;
+        greeting[12..16].copy_from_slice(b"NULL");
+        stream.write_all(&greeting).await.unwrap();
+        let mut theirs = [0u8; 64];
+        stream.read_exact(&mut theirs).await.unwrap();
+        let mut ready = vec![5];
+        ready.extend_from_slice(b"READY");
+        ready.push(11);
+        ready.extend_from_slice(b"Socket-Type");
+        ready.extend_from_slice(&3u32.to_be_bytes());
+        ready.extend_from_slice(b"PUB");
+        let mut s = RawPub { stream };
+        s.frame(0x04, &ready).await;
+        // Their READY and their subscription: two short frames.
+        for _ in 0..2 {
+            let mut head = [0u8; 2];
+            s.stream.read_exact(&mut head).await.unwrap();
+            let mut body = vec![0; usize::from(head[1])];
+            s.stream.read_exact(&mut body).await.unwrap();
+        }
+        s
+    }
+
+    async fn frame(&mut self, flags: u8, body: &[u8]) {
+        if body.len() > 255 {
+            self.stream.write_all(&[flags | 2]).await.unwrap();
+            self.stream
+                .write_all(&(body.len() as u64).to_be_bytes())
+                .await
+                .unwrap();
+        } else {
+            self.stream
+                .write_all(&[flags, body.len() as u8])
+                .await
+                .unwrap();
+        }
+        self.stream.write_all(body).await.unwrap();
+    }
+
+    async fn message(&mut self, frames: &[&[u8]]) {
+        for (i, f) in frames.iter().enumerate() {
+            self.frame(u8::from(i + 1 < frames.len()), f).await;
+        }
+    }
+}
+
+/// The sim's encoder and the gateway's decoder are written apart (the sim is an independent
+/// stand-in for vLLM): what one writes, the other reads, in both encodings.
+#[test]
+fn the_sims_batches_decode_to_their_events() {
+    use fleetgate_protocol::kv_events::{Event, decode};
+    use fleetgate_sim::kv_events::{Encoding, Outgoing, encode};
+    let tokens: Vec<u32> = (1..=8).collect();
+    let events = [
+        Outgoing::Stored {
+            hashes: &[u64::MAX - 1, 12],
+            parent: Some(10),
+            token_ids: &tokens,
+            block_size: 4,
+            lora_name: Some("sql-lora"),
+        },
+        Outgoing::Removed { hashes: &[12] },
+        Outgoing::Cleared,
+    ];
+    for encoding in [Encoding::Maps, Encoding::Arrays] {
+        let batch = decode(&encode(1.5, &events, 2, encoding)).unwrap();
+        assert_eq!(
+            (batch.ts, batch.data_parallel_rank, batch.unknown),
+            (1.5, Some(2), 0)
+        );
+        let [Event::Stored(st), Event::Removed(rm), Event::Cleared] = &batch.events[..] else {
+            panic!("{encoding:?}: {:?}", batch.events)
+        };
+        assert_eq!(st.hashes.len(), 2);
+        assert_ne!(st.hashes[0], st.hashes[1]);
+        assert_eq!(
+            rm.hashes,
+            vec![st.hashes[1]],
+            "a removal names the stored block's hash"
+        );
+        assert!(st.parent.is_some());
+        assert_eq!((st.token_ids.clone(), st.block_size), (tokens.clone(), 4));
+        assert_eq!(
+            (st.lora_name.as_deref(), st.medium.as_deref()),
+            (Some("sql-lora"), Some("GPU"))
+        );
+        assert_eq!(st.extra_keys, vec![None, None]);
+    }
+}
+
+fn stored_batch(hash: u64) -> Vec<u8> {
+    use fleetgate_sim::kv_events::{Encoding, Outgoing, encode};
+    encode(
+        1.0,
+        &[Outgoing::Stored {
+            hashes: &[hash],
+            parent: None,
+            token_ids: &[hash as u32; 16],
+            block_size: 16,
+            lora_name: None,
+        }],
+        0,
+        Encoding::Maps,
+    )
+}
+
+#[tokio::test]
+async fn a_hostile_publisher_is_counted_and_survived() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let backend = sim(|_| {}).await;
+    let mut p = pool("qwen32b", &[backend.url()]);
+    p.kv_events = Some(kv(port, false));
+    let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
+    let mut publisher = RawPub::accept(&listener).await;
+    events_become(&gw, "up", |v| v["state"] == "live").await;
+
+    publisher
+        .message(&[b"", &0u64.to_be_bytes(), &stored_batch(1)])
+        .await;
+    events_become(&gw, "one block", |v| v["ranks"][0]["blocks"] == 1).await;
+    // Not msgpack; msgpack cut short; two frames instead of three; an 8-byte sequence that
+    // is 7 bytes.
+    publisher
+        .message(&[b"", &1u64.to_be_bytes(), b"\xc1garbage"])
+        .await;
+    let whole = stored_batch(2);
+    publisher
+        .message(&[b"", &2u64.to_be_bytes(), &whole[..whole.len() / 2]])
+        .await;
+    publisher.message(&[b"", &3u64.to_be_bytes()]).await;
+    publisher.message(&[b"", &[0; 7], &stored_batch(3)]).await;
+    let v = events_become(&gw, "four bad payloads", |v| {
+        v["ranks"][0]["bad_payloads"] == 4
+    })
+    .await;
+    assert_eq!(
+        v["state"], "partial",
+        "a batch that does not decode may have held a removal: {v:#}"
+    );
+    assert!(
+        v["ranks"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("not 8 bytes"),
+        "{v:#}"
+    );
+    // A sequence going back is a new publisher: the index starts over.
+    publisher
+        .message(&[b"", &9u64.to_be_bytes(), &stored_batch(4)])
+        .await;
+    publisher
+        .message(&[b"", &0u64.to_be_bytes(), &stored_batch(5)])
+        .await;
+    let v = events_become(&gw, "restarted", |v| v["ranks"][0]["restarts"] == 1).await;
+    assert_eq!(
+        (&v["ranks"][0]["blocks"], &v["state"]),
+        (&json!(1), &json!("live")),
+        "{v:#}"
+    );
+    // A gap without a replay endpoint: lost, and untrusted until the cache turns over.
+    publisher
+        .message(&[b"", &5u64.to_be_bytes(), &stored_batch(6)])
+        .await;
+    // 3..9 were lost before the restart, 1..5 after it.
+    let v = events_become(&gw, "a gap", |v| v["ranks"][0]["lost"] == 6 + 4).await;
+    assert_eq!(v["state"], "partial");
+    // A frame declared a terabyte long ends the connection before anything is allocated.
+    publisher.stream.write_all(&[0x02]).await.unwrap();
+    publisher
+        .stream
+        .write_all(&(1u64 << 40).to_be_bytes())
+        .await
+        .unwrap();
+    let v = events_become(&gw, "down", |v| v["state"] == "down").await;
+    assert!(
+        v["ranks"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("over the"),
+        "{v:#}"
+    );
+    // It reconnects; the gateway serves throughout.
+    let _again = RawPub::accept(&listener).await;
+    events_become(&gw, "back", |v| v["state"] != "down").await;
+    let m = post(&gw.url("/v1/chat/completions"), &[], chat("still here")).await;
+    assert_eq!(m.status, 200);
+    backend.shutdown().await;
+}
