@@ -13,6 +13,7 @@
 #                              [--scheduling-policy fcfs|priority] [--max-num-seqs N]
 #                              [--enable-per-request-metrics]
 #                              [--otlp-traces-endpoint URL] [--kv-events PORT]
+#                              [--kv-events-bind PORT]
 #                                        starts `vllm serve` in the background (a free port and a
 #                                        random key by default), waits for GET /health = 200 and
 #                                        prints FLEETGATE_TEST_VLLM=... FLEETGATE_TEST_VLLM_KEY=...
@@ -23,7 +24,10 @@
 #                                        --kv-events PORT: its KV cache events, ZeroMQ PUB
 #                                        connecting to a subscriber bound on 127.0.0.1:PORT
 #                                        (topic "kv"), replay (ROUTER) bound on PORT+1
-#                                        (scripts/vllm-kv-capture.py records them)
+#                                        (scripts/vllm-kv-capture.py records them);
+#                                        --kv-events-bind PORT: the same as deployed, vLLM
+#                                        binding its PUB on PORT and replay on PORT+1 for
+#                                        subscribers to connect (prints ..._KV_PORT=PORT)
 #   scripts/real-vllm.sh stop            stops it (no-op when it is not running)
 #   scripts/real-vllm.sh status          tells whether it runs, its mode and URL (exit 1 when not)
 #
@@ -489,15 +493,17 @@ free_port() {
 env_line() {
     local var=FLEETGATE_TEST_VLLM
     case $(cat "$RUN/mode" 2>/dev/null) in pooling-*) var=FLEETGATE_TEST_VLLM_POOLING ;; esac
-    local otlp line
+    local otlp kv line
     line="$var=http://127.0.0.1:$(cat "$RUN/port") ${var}_KEY=$(cat "$RUN/key")"
     otlp=$(cat "$RUN/otlp" 2>/dev/null || true)
     [ -z "$otlp" ] || line="$line ${var}_OTLP=$otlp"
+    kv=$(cat "$RUN/kv_bind" 2>/dev/null || true)
+    [ -z "$kv" ] || line="$line ${var}_KV_PORT=$kv"
     echo "$line"
 }
 
 do_start() {
-    local port="" key="" agents=0 store=0 pooling="" policy="" max_num_seqs=16 per_request=0 otlp="" kv_port=""
+    local port="" key="" agents=0 store=0 pooling="" policy="" max_num_seqs=16 per_request=0 otlp="" kv_port="" kv_bind=""
     while [ $# -gt 0 ]; do
         case $1 in
         --port) port=${2:?--port needs a value}; shift 2 ;;
@@ -517,7 +523,9 @@ do_start() {
         --otlp-traces-endpoint=*) otlp=${1#--otlp-traces-endpoint=}; shift ;;
         --kv-events) kv_port=${2:?--kv-events needs a port}; shift 2 ;;
         --kv-events=*) kv_port=${1#--kv-events=}; shift ;;
-        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify, --scheduling-policy fcfs|priority, --max-num-seqs N, --enable-per-request-metrics, --otlp-traces-endpoint URL, --kv-events PORT)" ;;
+        --kv-events-bind) kv_bind=${2:?--kv-events-bind needs a port}; shift 2 ;;
+        --kv-events-bind=*) kv_bind=${1#--kv-events-bind=}; shift ;;
+        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify, --scheduling-policy fcfs|priority, --max-num-seqs N, --enable-per-request-metrics, --otlp-traces-endpoint URL, --kv-events PORT, --kv-events-bind PORT)" ;;
         esac
     done
     local dir=$MODEL_DIR mode=plain model_arg="" extra=(--max-model-len 1024)
@@ -555,6 +563,14 @@ do_start() {
         mode="$mode+kv-events"
         extra+=(--kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:$kv_port\",\"replay_endpoint\":\"tcp://127.0.0.1:$((kv_port + 1))\",\"topic\":\"kv\"}")
     fi
+    if [ -n "$kv_bind" ]; then
+        [ -z "$kv_port" ] || die "start: give --kv-events or --kv-events-bind, not both"
+        [[ $kv_bind =~ ^[1-9][0-9]*$ ]] || die "start: --kv-events-bind takes a port, not $kv_bind"
+        # As deployed: vLLM binds its PUB on PORT and its replay ROUTER on PORT+1 (`*`: every
+        # interface), and each gateway replica connects to both; topic "kv".
+        mode="$mode+kv-events-bind"
+        extra+=(--kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$kv_bind\",\"replay_endpoint\":\"tcp://*:$((kv_bind + 1))\",\"topic\":\"kv\"}")
+    fi
     # vLLM's exporter is chosen by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL alone (default grpc); the
     # engine-core process inherits these variables and the endpoint (vLLM passes it on in
     # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), so it exports over HTTP too.
@@ -588,6 +604,7 @@ do_start() {
     chmod 600 "$RUN/key"
     echo "$mode" >"$RUN/mode"
     if [ -n "$otlp" ]; then echo "$otlp" >"$RUN/otlp"; else rm -f "$RUN/otlp"; fi
+    if [ -n "$kv_bind" ]; then echo "$kv_bind" >"$RUN/kv_bind"; else rm -f "$RUN/kv_bind"; fi
     log "starting vllm serve ($mode) on http://127.0.0.1:$port (log $RUN/vllm.log)"
     # setsid: its own session and process group, so it outlives this shell and `stop` can
     # signal the whole group.

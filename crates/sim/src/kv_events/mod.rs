@@ -182,7 +182,7 @@ pub(crate) async fn start(
                 req = async { match router.as_mut() { Some(r) => r.recv().await, None => std::future::pending().await } } => {
                     let Some(r) = router.as_mut() else { continue };
                     let Ok(req) = req else { continue };
-                    replay(r, req, &buffer).await;
+                    replay(r, req, &topic, &buffer).await;
                 }
             }
         }
@@ -190,10 +190,11 @@ pub(crate) async fn start(
     Ok((Publisher { tx }, task))
 }
 
-/// Answers one replay request `[identity, "", start]` as vLLM does.
+/// Answers one replay request `[identity, "", start]` as vLLM 0.32 does.
 async fn replay(
     router: &mut zeromq::RouterSocket,
     req: ZmqMessage,
+    topic: &Bytes,
     buffer: &VecDeque<(u64, Bytes)>,
 ) {
     let frames = req.into_vec();
@@ -207,19 +208,28 @@ async fn replay(
     let Ok(start) = <[u8; 8]>::try_from(&start[..]).map(u64::from_be_bytes) else {
         return;
     };
-    let reply = |seq: u64, payload: Bytes| {
+    // As vLLM 0.32: `[identity, "", topic, seq, payload]`, and the end marker with an empty
+    // topic and payload.
+    let reply = |topic: &Bytes, seq: u64, payload: Bytes| {
         let mut m = ZmqMessage::from(id.clone());
         m.push_back(Bytes::new());
+        m.push_back(topic.clone());
         m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
         m.push_back(payload);
         m
     };
     for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start) {
-        if router.send(reply(*seq, payload.clone())).await.is_err() {
+        if router
+            .send(reply(topic, *seq, payload.clone()))
+            .await
+            .is_err()
+        {
             return;
         }
     }
-    let _ = router.send(reply(u64::MAX, Bytes::new())).await;
+    let _ = router
+        .send(reply(&Bytes::new(), u64::MAX, Bytes::new()))
+        .await;
 }
 
 fn encode_batch(batch: &[Change], block_size: u32, encoding: Encoding) -> Vec<u8> {

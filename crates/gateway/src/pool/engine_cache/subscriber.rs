@@ -249,9 +249,11 @@ async fn replay(rank: &Rank, addr: &str, from: u64, to: u64) -> Result<(), Strin
             .recv()
             .await
             .map_err(|e| format!("tcp://{addr}: {e}"))?;
-        let [_, seq, payload] = &frames[..] else {
+        // `["", topic, seq, payload]` from vLLM 0.32 (the end marker's topic empty), `["",
+        // seq, payload]` from earlier versions: the sequence and the payload are the last two.
+        let (Some([seq, payload]), 3 | 4) = (frames.last_chunk::<2>(), frames.len()) else {
             return Err(format!(
-                "a replay message of {} frames, not 3",
+                "a replay message of {} frames, not 3 or 4",
                 frames.len()
             ));
         };
