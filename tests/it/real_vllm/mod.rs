@@ -26,6 +26,7 @@ mod benches;
 mod kv_events;
 mod priority;
 mod relay;
+mod tokens;
 mod traces;
 
 use std::path::PathBuf;

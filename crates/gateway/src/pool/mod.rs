@@ -40,6 +40,7 @@ pub use backend::Backend;
 pub(crate) use backend::{BackendState, Reachability};
 pub use balance::bit;
 pub(crate) use balance::{Balancer, InFlight};
+pub use engine_cache::prompt::PromptTokens;
 pub use upstream_client::UpstreamClient;
 
 use backend::bearer;

@@ -14,6 +14,7 @@
 //! Every replica subscribes itself, so all of them read the same truth without sharing it.
 
 pub(crate) mod index;
+pub(crate) mod prompt;
 mod subscriber;
 mod subscriptions;
 pub(crate) mod zmtp;
