@@ -35,6 +35,8 @@ fn kv(port: u16, replay: bool) -> KvEventsConfig {
         data_parallel_size: 1,
         topic: String::new(),
         max_blocks: 4096,
+        tokenizer: None,
+        chat_template: None,
     }
 }
 
@@ -362,4 +364,133 @@ async fn a_hostile_publisher_is_counted_and_survived() {
     let m = post(&gw.url("/v1/chat/completions"), &[], chat("still here")).await;
     assert_eq!(m.status, 200);
     backend.shutdown().await;
+}
+
+/// A model directory the gateway can load (a word-level tokenizer: the requests below are
+/// token ids, which need none).
+fn tokenizer_dir() -> std::path::PathBuf {
+    let dir = temp_dir("kv-tokenizer");
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1}, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    dir
+}
+
+/// Routing by the engines' events: each conversation's second turn goes to the engine that
+/// stored its first — whichever one the load sent the first to — and is served from its
+/// cache there (the sim reports the cached tokens). By load alone, all six would find their
+/// cache with a chance of (1/3)^6.
+#[tokio::test]
+async fn kv_event_routing_sends_each_turn_where_the_engine_holds_its_prefix() {
+    let mut sims = Vec::new();
+    let mut p = pool("qwen32b", &[]);
+    for _ in 0..3 {
+        let port = two_ports().await;
+        let config = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": format!("tcp://*:{port}")});
+        let s = sim(move |a| {
+            a.zero_delay = true;
+            a.kv_cache_tokens = 4096;
+            a.enable_prompt_tokens_details = true;
+            a.kv_events_config = Some(config.to_string());
+        })
+        .await;
+        p.backends.push(fleetgate_gateway::config::BackendConfig {
+            kv_events_port: Some(port),
+            ..fleetgate_gateway::config::BackendConfig::new(s.url().parse().unwrap())
+        });
+        sims.push(s);
+    }
+    p.affinity = Some(fleetgate_gateway::config::AffinityConfig {
+        by: fleetgate_gateway::config::AffinityBy::KvEvents,
+        prefix_bytes: 512,
+        slack: 4,
+        block_bytes: 256,
+        max_blocks: 65_536,
+        max_age: Duration::from_secs(600),
+    });
+    p.kv_events = Some(KvEventsConfig {
+        tokenizer: Some(tokenizer_dir()),
+        ..kv(1, false)
+    });
+    let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
+    let viewer = token(fleetgate_gateway::admin::jwt::Role::Viewer);
+    let blocks = || async {
+        let (_, v) = admin(&gw, "GET", "/admin/ready", Some(&viewer), None).await;
+        let all = v["backends"].as_array().unwrap();
+        assert!(
+            all.iter().all(|b| b["kv_events"]["state"] == "live"),
+            "{v:#}"
+        );
+        all.iter()
+            .map(|b| b["kv_events"]["ranks"][0]["blocks"].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    let start = std::time::Instant::now();
+    while events_all_live(&gw, &viewer).await.is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the subscribers never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let url = gw.url("/v1/completions");
+    let complete = |prompt: Vec<u32>| {
+        let url = url.clone();
+        async move {
+            let body = json!({"model": "qwen32b", "prompt": prompt, "max_tokens": 1});
+            let m = post(&url, &[], bytes::Bytes::from(body.to_string())).await;
+            assert_eq!(m.status, 200, "{:?}", m.body);
+            json_body(&m)["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0)
+        }
+    };
+    // Six conversations of ten 16-token blocks each, then a second turn each.
+    let first: Vec<Vec<u32>> = (0..6u32)
+        .map(|c| (0..160).map(|t| 1000 + c * 1000 + t).collect())
+        .collect();
+    for (i, prompt) in first.iter().enumerate() {
+        assert_eq!(complete(prompt.clone()).await, 0);
+        // Wait until its blocks are in an index.
+        let want = 10 * (i as u64 + 1);
+        let t = std::time::Instant::now();
+        while blocks().await < want {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "conversation {i}'s blocks never arrived"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    for prompt in &first {
+        let mut next = prompt.clone();
+        next.extend(50_000..50_032);
+        assert_eq!(
+            complete(next).await,
+            160,
+            "the second turn found its first turn's blocks"
+        );
+    }
+    let metrics = admin_metrics(&gw).await;
+    assert!(
+        metrics.contains("fleetgate_kv_routing_total{model=\"qwen32b\",outcome=\"hit\"} 6"),
+        "{metrics}"
+    );
+    for s in sims {
+        s.shutdown().await;
+    }
+}
+
+/// `Some(())` once every backend's events are live.
+async fn events_all_live(gw: &Gateway, viewer: &str) -> Option<()> {
+    let (_, v) = admin(gw, "GET", "/admin/ready", Some(viewer), None).await;
+    v["backends"]
+        .as_array()?
+        .iter()
+        .all(|b| b["kv_events"]["state"] == "live")
+        .then_some(())
 }

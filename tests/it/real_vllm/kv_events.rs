@@ -65,6 +65,8 @@ async fn the_gateway_indexes_what_real_vllm_publishes_from_a_late_join() {
         data_parallel_size: 1,
         topic: "kv".into(),
         max_blocks: 1 << 16,
+        tokenizer: None,
+        chat_template: None,
     });
     let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
     let viewer = token(fleetgate_gateway::admin::jwt::Role::Viewer);

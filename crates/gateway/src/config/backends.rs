@@ -24,6 +24,9 @@ pub struct BackendConfig {
     /// Sent to this backend instead of the pool's `upstream_api_key`.
     pub upstream_api_key: Option<Secret>,
     pub discover: Discover,
+    /// Its engine's KV event publisher port, where it is not the pool's `kv_events.port` (say,
+    /// several vLLM servers on one host).
+    pub kv_events_port: Option<u16>,
 }
 
 /// How a backend entry becomes backends.
@@ -47,6 +50,7 @@ impl BackendConfig {
             labels: Vec::new(),
             upstream_api_key: None,
             discover: Discover::Static,
+            kv_events_port: None,
         }
     }
 }
@@ -212,6 +216,10 @@ fn table(
         labels: t.labels,
         upstream_api_key: t.upstream_api_key.map(Secret::new),
         discover,
+        kv_events_port: match t.kv_events_port {
+            Some(0) => return Err(err.at(bat(".kv_events_port"), "must be a port (1-65535)")),
+            p => p,
+        },
     })
 }
 
@@ -227,7 +235,7 @@ impl<'de> Deserialize<'de> for RawBackend {
         impl<'de> serde::de::Visitor<'de> for V {
             type Value = RawBackend;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a backend base URL, or a table { url = \"...\", weight, capacity, labels, upstream_api_key }")
+                f.write_str("a backend base URL, or a table { url = \"...\", weight, capacity, labels, upstream_api_key, kv_events_port }")
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawBackend, E> {
                 Ok(RawBackend::Url(v.to_owned()))
@@ -254,6 +262,7 @@ pub(super) struct RawBackendTable {
     pub(super) upstream_api_key: Option<String>,
     pub(super) discover: Option<String>,
     pub(super) refresh_interval_ms: Option<u64>,
+    pub(super) kv_events_port: Option<u16>,
 }
 
 fn default_weight() -> u32 {

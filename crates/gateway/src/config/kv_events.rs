@@ -3,6 +3,8 @@
 //! "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'`), so the gateway knows what every
 //! engine's prefix cache holds (`engine_cache`).
 
+use std::path::PathBuf;
+
 use serde::Deserialize;
 
 use super::{ConfigError, FileErrors};
@@ -20,6 +22,12 @@ pub struct KvEventsConfig {
     pub topic: String,
     /// Blocks indexed per rank at most.
     pub max_blocks: usize,
+    /// The model's directory (its `tokenizer.json` and chat template), to cut requests into
+    /// the engines' token blocks (`affinity.by = "kv_events"`).
+    pub tokenizer: Option<PathBuf>,
+    /// A chat template file instead of the tokenizer directory's (as `vllm serve
+    /// --chat-template` takes).
+    pub chat_template: Option<PathBuf>,
 }
 
 pub(super) const DEFAULT_MAX_BLOCKS: usize = 1 << 20;
@@ -35,6 +43,8 @@ pub(super) struct RawKvEvents {
     topic: String,
     #[serde(default = "default_max_blocks")]
     max_blocks: usize,
+    tokenizer: Option<PathBuf>,
+    chat_template: Option<PathBuf>,
 }
 
 fn one() -> u32 {
@@ -85,12 +95,38 @@ impl RawKvEvents {
                 "must be between 1024 and 67108864",
             ));
         }
+        let tokenizer = self.tokenizer.map(|t| err.path(t));
+        if let Some(dir) = &tokenizer
+            && !dir.join("tokenizer.json").is_file()
+        {
+            return Err(err.at(
+                at("kv_events.tokenizer"),
+                format!(
+                    "{} holds no tokenizer.json (the model's directory, as vllm serve loads it)",
+                    dir.display()
+                ),
+            ));
+        }
+        let chat_template = self.chat_template.map(|t| err.path(t));
+        if let Some(file) = &chat_template {
+            if tokenizer.is_none() {
+                return Err(err.at(at("kv_events.chat_template"), "goes with `tokenizer`"));
+            }
+            if !file.is_file() {
+                return Err(err.at(
+                    at("kv_events.chat_template"),
+                    format!("{} does not exist", file.display()),
+                ));
+            }
+        }
         Ok(KvEventsConfig {
             port: self.port,
             replay_port: self.replay_port,
             data_parallel_size: self.data_parallel_size,
             topic: self.topic,
             max_blocks: self.max_blocks,
+            tokenizer,
+            chat_template,
         })
     }
 }

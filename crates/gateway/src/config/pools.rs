@@ -99,6 +99,10 @@ pub enum AffinityBy {
     /// follow their KV cache.
     #[serde(rename = "longest_prefix")]
     LongestPrefix,
+    /// The backend whose engine holds the longest prefix of the prompt, as its own KV events
+    /// say (`[pools.kv_events]` with a `tokenizer`), within the load bound.
+    #[serde(rename = "kv_events")]
+    KvEvents,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -324,6 +328,16 @@ fn pool(
         None => None,
     };
     let kv_events = p.kv_events.map(|k| k.check(&at, err)).transpose()?;
+    if p.affinity
+        .as_ref()
+        .is_some_and(|a| a.by == AffinityBy::KvEvents)
+        && kv_events.as_ref().is_none_or(|k| k.tokenizer.is_none())
+    {
+        return Err(err.at(
+            at("affinity.by"),
+            "\"kv_events\" routes on what the engines' KV events say they hold: give the pool a [pools.kv_events] table with the engines' `port` and the model's `tokenizer` directory",
+        ));
+    }
     Ok(PoolConfig {
         model: p.model,
         served_model_name: p.served_model_name,

@@ -279,3 +279,61 @@ fn the_gray_canary_label_is_read_under_its_former_name_too() {
         .to_string();
     assert!(unknown.contains("pools[0].gray_canary_label"), "{unknown}");
 }
+
+#[test]
+fn kv_events_and_their_mistakes() {
+    let dir = std::env::temp_dir().join(format!("fleetgate-kv-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+    let pool = "[[pools]]\nmodel='m'\nbackends=['http://a:8000', {url='http://b:8000', kv_events_port=6000}]\n";
+    let c = parse(&format!(
+        "{pool}[pools.affinity]\nby='kv_events'\n[pools.kv_events]\nport=5557\nreplay_port=5567\ndata_parallel_size=2\ntokenizer='{}'\n",
+        dir.display()
+    ))
+    .unwrap();
+    let k = c.pools[0].kv_events.as_ref().unwrap();
+    assert_eq!(
+        (k.port, k.replay_port, k.data_parallel_size, k.max_blocks),
+        (5557, Some(5567), 2, 1 << 20)
+    );
+    assert_eq!(k.tokenizer.as_deref(), Some(dir.as_path()));
+    assert_eq!(c.pools[0].backends[1].kv_events_port, Some(6000));
+    for (tail, says) in [
+        (
+            "[pools.affinity]\nby='kv_events'\n",
+            "give the pool a [pools.kv_events] table",
+        ),
+        (
+            "[pools.affinity]\nby='kv_events'\n[pools.kv_events]\nport=5557\n",
+            "the model's `tokenizer` directory",
+        ),
+        ("[pools.kv_events]\nport=0\n", "publisher port"),
+        (
+            "[pools.kv_events]\nport=5557\nreplay_port=5558\ndata_parallel_size=2\n",
+            "overlaps",
+        ),
+        (
+            "[pools.kv_events]\nport=65535\ndata_parallel_size=2\n",
+            "must be a port",
+        ),
+        (
+            "[pools.kv_events]\nport=5557\nmax_blocks=10\n",
+            "between 1024",
+        ),
+        (
+            "[pools.kv_events]\nport=5557\ntokenizer='/nonexistent'\n",
+            "holds no tokenizer.json",
+        ),
+        (
+            "[pools.kv_events]\nport=5557\nchat_template='/x.jinja'\n",
+            "goes with `tokenizer`",
+        ),
+        (
+            "[pools.kv_events]\nport=5557\nendpoint='tcp://x'\n",
+            "endpoint",
+        ),
+    ] {
+        let e = parse(&format!("{pool}{tail}")).unwrap_err().to_string();
+        assert!(e.contains(says), "{tail}: {e}");
+    }
+}

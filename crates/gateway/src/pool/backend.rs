@@ -57,6 +57,8 @@ pub struct Backend {
     /// What its engines' KV events say they hold, when the pool subscribes to them (set by
     /// `Fleet::kv_events_loop`).
     pub(crate) engine_cache: ArcSwapOption<super::engine_cache::EngineCache>,
+    /// Its engine's KV event port when it is not the pool's (`kv_events_port`).
+    pub(crate) kv_events_port: Option<u16>,
     /// Its KV-cache usage in thousandths, from the same scrape.
     pub(super) kv_usage_permille: AtomicU32,
     /// Share of new requests relative to the pool's other backends (a reload may change it).
@@ -205,6 +207,7 @@ impl Backend {
             remote_load: AtomicU32::new(0),
             kv_usage_permille: AtomicU32::new(0),
             engine_cache: ArcSwapOption::empty(),
+            kv_events_port: cfg.kv_events_port,
             weight: AtomicU32::new(weight_of(cfg)),
             capacity: AtomicU32::new(capacity_of(cfg, pool)),
             labels: ArcSwap::from_pointee(cfg.labels.clone()),
@@ -254,6 +257,7 @@ impl Backend {
             && self.metrics_uri == fresh.metrics_uri
             && self.warmup_required == fresh.warmup_required
             && self.slow_start_ms == fresh.slow_start_ms
+            && self.kv_events_port == fresh.kv_events_port
     }
 
     /// Take the weight, capacity and labels of `cfg` (a reload), and count as configured.

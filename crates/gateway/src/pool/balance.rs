@@ -306,6 +306,34 @@ impl Balancer {
         exclude: u64,
         slack: u32,
     ) -> Option<(InFlight, bool)> {
+        self.try_acquire_preferred(exclude, slack, |i| {
+            let me = u32::try_from(self.backends[i].metrics_index).unwrap_or(u32::MAX);
+            found.iter().rposition(|tenants| tenants.contains(me))
+        })
+    }
+
+    /// KV-event routing: the backend whose engine holds the most leading blocks of the prompt
+    /// (`held`, by backend position), the least loaded among equals, within the same bound as
+    /// longest-prefix routing; else the usual choice. `true` when it went to a backend holding
+    /// some of the prompt.
+    pub(crate) fn try_acquire_held(
+        self: &Arc<Self>,
+        held: &[usize],
+        exclude: u64,
+        slack: u32,
+    ) -> Option<(InFlight, bool)> {
+        self.try_acquire_preferred(exclude, slack, |i| held.get(i).copied().filter(|&h| h > 0))
+    }
+
+    /// The usable backend with capacity whose `rank` is highest (`None`: not preferred), the
+    /// least loaded among equals, when its load is at most twice the least loaded backend's or
+    /// `slack` above it; else the usual choice.
+    fn try_acquire_preferred<K: Ord>(
+        self: &Arc<Self>,
+        exclude: u64,
+        slack: u32,
+        rank: impl Fn(usize) -> Option<K>,
+    ) -> Option<(InFlight, bool)> {
         let load = |b: &Backend| {
             let f = b.in_flight.load(Ordering::SeqCst);
             (f, u64::from(f.max(b.remote_load.load(Ordering::Relaxed))))
@@ -319,22 +347,16 @@ impl Balancer {
         let fair = min_load
             .saturating_mul(2)
             .max(min_load.saturating_add(u64::from(slack)));
-        // The deepest prefix with a backend that can take it.
-        let best = found.iter().rev().find_map(|tenants| {
-            (0..self.backends.len())
-                .filter(|i| {
-                    usable(*i)
-                        && tenants.contains(
-                            u32::try_from(self.backends[*i].metrics_index).unwrap_or(u32::MAX),
-                        )
-                })
-                .filter(|i| {
-                    let b = &self.backends[*i];
-                    let cap = b.capacity();
-                    cap == 0 || load(b).0 < cap
-                })
-                .min_by_key(|i| load(&self.backends[*i]).1)
-        });
+        let best = (0..self.backends.len())
+            .filter(|i| usable(*i))
+            .filter(|i| {
+                let b = &self.backends[*i];
+                let cap = b.capacity();
+                cap == 0 || load(b).0 < cap
+            })
+            .filter_map(|i| rank(i).map(|r| (r, std::cmp::Reverse(load(&self.backends[i]).1), i)))
+            .max()
+            .map(|(_, _, i)| i);
         if let Some(i) = best {
             let b = &self.backends[i];
             let (f, l) = load(b);

@@ -76,6 +76,12 @@ pub struct Pool {
     /// `by = "longest_prefix"`: which backends hold which prompt prefixes (kept across a
     /// reload while the settings stay).
     pub(crate) prefix: Option<Arc<prefix::PrefixIndex>>,
+    /// `by = "kv_events"`: the model's tokenizer and chat template (kept across a reload while
+    /// the settings stay).
+    pub(crate) prompt_tokens: Option<Arc<PromptTokens>>,
+    /// `by = "kv_events"`: requests sent to a backend holding part of their prompt (hits), and
+    /// the others (misses); shared by the workers' copies, kept across a reload.
+    pub(crate) kv_counts: Arc<[std::sync::atomic::AtomicU64; 2]>,
     config: PoolConfig,
 }
 
@@ -143,6 +149,30 @@ impl Pool {
                     ))
                 })
             });
+        let prompt_tokens = match (&cfg.affinity, &cfg.kv_events) {
+            (Some(a), Some(k)) if a.by == crate::config::AffinityBy::KvEvents => {
+                let kept = prev.and_then(|p| {
+                    p.prompt_tokens.clone().filter(|_| {
+                        p.config.kv_events.as_ref().is_some_and(|o| {
+                            (&o.tokenizer, &o.chat_template) == (&k.tokenizer, &k.chat_template)
+                        })
+                    })
+                });
+                match (kept, &k.tokenizer) {
+                    (Some(t), _) => Some(t),
+                    (None, Some(dir)) => Some(Arc::new(
+                        PromptTokens::load(dir, k.chat_template.as_deref()).map_err(|e| {
+                            io::Error::new(
+                                io::ErrorKind::InvalidInput,
+                                format!("pool {}: kv_events.tokenizer: {e}", cfg.model),
+                            )
+                        })?,
+                    )),
+                    (None, None) => None,
+                }
+            }
+            _ => None,
+        };
         Ok(Self {
             model: Arc::from(cfg.model.as_str()),
             index,
@@ -160,6 +190,8 @@ impl Pool {
             long_prompt: None,
             affinity: cfg.affinity,
             prefix,
+            prompt_tokens,
+            kv_counts: prev.map_or_else(Default::default, |p| p.kv_counts.clone()),
             config: cfg.clone(),
         })
     }
@@ -361,6 +393,8 @@ impl Generation {
                     long_prompt: p.long_prompt,
                     affinity: p.affinity,
                     prefix: p.prefix.clone(),
+                    prompt_tokens: p.prompt_tokens.clone(),
+                    kv_counts: p.kv_counts.clone(),
                     config: p.config.clone(),
                 })
             })

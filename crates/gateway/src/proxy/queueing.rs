@@ -117,32 +117,45 @@ fn claim_in(
                 .flatten()
         })
     };
-    // Longest-prefix routing: the backends holding the prompt's longest known prefix first;
-    // a request that waits for any slot, or falls back, counts as a miss.
-    if let (Some(names), Some(index), Some(a)) = (&route.prefix, &pool.prefix, pool.affinity) {
-        let found = index.lookup(names);
+    // A request preferring some backends (`pick`, given the backends to avoid: the gray
+    // canary's first while one can take it, as on every pool) is claimed there when it can
+    // be; one that waits for any slot, or falls back, counts as a miss.
+    let preferring = |pick: &dyn Fn(u64) -> Option<(InFlight, bool)>| {
         let hit = std::cell::Cell::new(false);
         let claimed = queue::claim(
             balancer,
             || {
                 overflow(
-                    // The gray canary's backends first while one can take it, as on every pool.
-                    balancer
-                        .try_acquire_prefix(&found, route.avoid, a.slack)
-                        .or_else(|| {
-                            (route.avoid != 0)
-                                .then(|| balancer.try_acquire_prefix(&found, 0, a.slack))
-                                .flatten()
-                        })
-                        .map(|(slot, on_prefix)| {
-                            hit.set(on_prefix);
+                    pick(route.avoid)
+                        .or_else(|| (route.avoid != 0).then(|| pick(0)).flatten())
+                        .map(|(slot, preferred)| {
+                            hit.set(preferred);
                             slot
                         }),
                 )
             },
             &asker,
         );
-        index.count(hit.get());
+        (claimed, hit.get())
+    };
+    // KV-event routing: the backends whose engines hold the most of the prompt first, by
+    // their own events.
+    if let (Some(blocks), Some(a)) = (&route.engine_blocks, pool.affinity) {
+        let held: Vec<usize> = pool
+            .backends
+            .iter()
+            .map(|b| b.engine_cache.load().as_ref().map_or(0, |c| c.held(blocks)))
+            .collect();
+        let (claimed, hit) = preferring(&|avoid| balancer.try_acquire_held(&held, avoid, a.slack));
+        pool.kv_counts[usize::from(!hit)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return claimed;
+    }
+    // Longest-prefix routing: the backends holding the prompt's longest known prefix first.
+    if let (Some(names), Some(index), Some(a)) = (&route.prefix, &pool.prefix, pool.affinity) {
+        let found = index.lookup(names);
+        let (claimed, hit) =
+            preferring(&|avoid| balancer.try_acquire_prefix(&found, avoid, a.slack));
+        index.count(hit);
         return claimed;
     }
     let affinity = route

@@ -12,6 +12,7 @@ use crate::key::{Environment, KeyRecord};
 use crate::pool::hash::fnv1a;
 use crate::pool::{Generation, Pool};
 use fleetgate_protocol::Endpoint;
+use fleetgate_protocol::kv_events::BlockId;
 use fleetgate_protocol::view::RequestView;
 
 /// Where a request goes.
@@ -26,6 +27,9 @@ pub(crate) struct Route<'p> {
     /// `longest_prefix`: the names of the prompt's blocks (`pool::prefix`), to find the
     /// backend holding the longest of them and to teach the index where the prompt went.
     pub(crate) prefix: Option<Arc<[u64]>>,
+    /// `kv_events`: the prompt's full blocks in the engines' own tokens, to find the backend
+    /// whose engine holds the longest of them.
+    pub(crate) engine_blocks: Option<Arc<[BlockId]>>,
     /// The backends' own name for the model as a JSON string, when the client named another
     /// (an alias, or the pool's name under a different `served_model_name`): spliced into
     /// the body.
@@ -77,15 +81,21 @@ pub(crate) fn resolve<'p>(
         _ => 0,
     };
     let rename = (*view.model != *pool.served_name).then_some(&*pool.served_json);
-    let (affinity, prefix) = match pool.affinity {
-        Some(a) if a.by == AffinityBy::LongestPrefix => (None, prefix_names(pool, body, endpoint)),
-        _ => (affinity(pool, view, body, endpoint), None),
+    let (affinity, prefix, engine_blocks) = match pool.affinity {
+        Some(a) if a.by == AffinityBy::LongestPrefix => {
+            (None, prefix_names(pool, body, endpoint), None)
+        }
+        Some(a) if a.by == AffinityBy::KvEvents => {
+            (None, None, engine_blocks(pool, body, endpoint))
+        }
+        _ => (affinity(pool, view, body, endpoint), None, None),
     };
     Ok(Route {
         pool,
         avoid,
         affinity,
         prefix,
+        engine_blocks,
         rename,
     })
 }
@@ -149,6 +159,60 @@ fn prefix_names(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<[u64
     Some(Arc::from(index.names(&body[start..])))
 }
 
+/// The prompt's full blocks in the engines' tokens: a chat request rendered with the model's
+/// template and tokenized, a completions prompt tokenized (or taken as the token ids it is).
+/// `None` (routing by load alone) before any engine said its block size, for other endpoints,
+/// and for a request the template cannot render.
+fn engine_blocks(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<[BlockId]>> {
+    let tokens = pool.prompt_tokens.as_ref()?;
+    let block_size = pool
+        .backends
+        .iter()
+        .find_map(|b| b.engine_cache.load().as_ref()?.block_size())?;
+    let ids = match endpoint {
+        Endpoint::Chat => tokens.chat(body),
+        Endpoint::Completions => completion_ids(tokens, body),
+        _ => return None,
+    };
+    match ids {
+        Ok(ids) => Some(BlockId::of_prompt(&ids, block_size, None).collect()),
+        Err(why) => {
+            tracing::debug!(
+                model = &*pool.model,
+                why,
+                "no engine blocks for this request: routed by load"
+            );
+            None
+        }
+    }
+}
+
+/// A completions prompt's tokens: a string tokenized, a list of token ids as they are (a
+/// batch of several prompts has no one prefix).
+fn completion_ids(tokens: &crate::pool::PromptTokens, body: &[u8]) -> Result<Vec<u32>, String> {
+    #[derive(serde::Deserialize)]
+    struct Completion {
+        prompt: serde_json::Value,
+    }
+    let c: Completion = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let ids = |v: &[serde_json::Value]| {
+        v.iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| "a prompt of other than token ids".to_owned())
+    };
+    match &c.prompt {
+        serde_json::Value::String(s) => tokens.completion(s),
+        serde_json::Value::Array(items) => match items.as_slice() {
+            [serde_json::Value::String(s)] => tokens.completion(s),
+            [serde_json::Value::Array(inner)] => ids(inner),
+            all if all.first().is_some_and(serde_json::Value::is_u64) => ids(all),
+            _ => Err("a batch of prompts".to_owned()),
+        },
+        _ => Err("no prompt".to_owned()),
+    }
+}
+
 /// Backend affinity: requests of the same user, or with the same prompt prefix, prefer the
 /// same backend (its prefix cache). Computed only for pools that ask for it, and never for
 /// tokenization, which leaves nothing in a cache.
@@ -156,7 +220,7 @@ fn affinity(pool: &Pool, view: &RequestView<'_>, body: &[u8], endpoint: Endpoint
     let a = pool.affinity.filter(|_| endpoint.needs().generates)?;
     match a.by {
         AffinityBy::User => view.user.map(|u| fnv1a(u.as_bytes())),
-        AffinityBy::LongestPrefix => None,
+        AffinityBy::LongestPrefix | AffinityBy::KvEvents => None,
         AffinityBy::Prefix => {
             let field = endpoint.prompt_fields().last()?;
             memchr::memmem::find(body, field).map(|at| {

@@ -181,6 +181,7 @@ pub struct RequestMetrics {
     kv_events_state: IntGaugeVec,
     kv_events_blocks: IntGaugeVec,
     kv_events_batches: IntCounterVec,
+    kv_routing: IntCounterVec,
     /// Answers whose usage was past every plausible count, by backend (treated as none).
     implausible_usage: IntCounterVec,
 }
@@ -379,6 +380,12 @@ impl RequestMetrics {
             "KV event batches by outcome: applied (live), replayed (a gap filled from the replay endpoint), lost (a gap not filled), bad (a message or payload that does not decode)",
             &["model", "backend", "outcome"],
         )?;
+        let kv_routing = counter_vec(
+            registry,
+            "fleetgate_kv_routing_total",
+            "Requests of affinity.by = \"kv_events\" pools by outcome: hit (sent to a backend whose engine holds part of the prompt, by its KV events) or miss (none holds any, or its backends were loaded beyond the bound: the usual choice)",
+            &["model", "outcome"],
+        )?;
         let implausible_usage = counter_vec(
             registry,
             "fleetgate_upstream_implausible_usage_total",
@@ -412,6 +419,7 @@ impl RequestMetrics {
             kv_events_state,
             kv_events_blocks,
             kv_events_batches,
+            kv_routing,
             implausible_usage,
         };
         metrics.relayout(pools, &[]);
@@ -600,6 +608,13 @@ impl RequestMetrics {
                     .set(i64::try_from(index.len()).unwrap_or(i64::MAX));
                 for (outcome, n) in [("hit", &index.hits), ("miss", &index.misses)] {
                     let c = self.prefix_routing.with_label_values(&[model, outcome]);
+                    let now = n.load(std::sync::atomic::Ordering::Relaxed);
+                    c.inc_by(now.saturating_sub(c.get()));
+                }
+            }
+            if p.prompt_tokens.is_some() {
+                for (outcome, n) in [("hit", &p.kv_counts[0]), ("miss", &p.kv_counts[1])] {
+                    let c = self.kv_routing.with_label_values(&[&*p.model, outcome]);
                     let now = n.load(std::sync::atomic::Ordering::Relaxed);
                     c.inc_by(now.saturating_sub(c.get()));
                 }

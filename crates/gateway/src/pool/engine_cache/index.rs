@@ -206,7 +206,6 @@ impl Index {
     }
 
     /// Leading blocks of `prompt` the engine holds (as far as the index can tell).
-    #[cfg(test)]
     pub(crate) fn held_prefix(&self, prompt: &[BlockId]) -> usize {
         let era = self.era;
         let complete = self.trust == Trust::Complete;

@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::config::KvEventsConfig;
+use fleetgate_protocol::kv_events::BlockId;
 use index::{Index, Trust};
 
 use subscriber::run_rank;
@@ -121,17 +122,38 @@ pub(crate) struct EngineCache {
 }
 
 impl EngineCache {
-    /// The ranks of the backend at `host` (as a URL writes it, IPv6 in brackets).
-    pub(crate) fn new(host: &str, cfg: &KvEventsConfig) -> Self {
+    /// Leading blocks of `prompt` the backend's best engine holds: 0 from an engine whose
+    /// events do not arrive (its index is left as it was, and no longer trusted).
+    pub(crate) fn held(&self, prompt: &[BlockId]) -> usize {
+        self.ranks
+            .iter()
+            .filter(|r| r.link() == Link::Up)
+            .filter_map(|r| r.index.read().ok().map(|i| i.held_prefix(prompt)))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The engines' block size, once an event said it.
+    pub(crate) fn block_size(&self) -> Option<u32> {
+        self.ranks
+            .iter()
+            .filter_map(|r| r.index.read().ok().map(|i| i.block_size))
+            .find(|&b| b > 0)
+    }
+
+    /// The ranks of the backend at `host` (as a URL writes it, IPv6 in brackets), publishing
+    /// from `port` (the pool's, or the backend's own) on.
+    pub(crate) fn new(host: &str, port: u16, cfg: &KvEventsConfig) -> Self {
         let ranks = (0..cfg.data_parallel_size)
             .map(|r| {
-                let port = u32::from(cfg.port) + r;
+                let replay_offset = cfg.replay_port.map(|p| i32::from(p) - i32::from(cfg.port));
+                let port = u32::from(port) + r;
                 Arc::new(Rank {
                     rank: r,
                     endpoint: format!("{host}:{port}"),
-                    replay: cfg
-                        .replay_port
-                        .map(|p| format!("{host}:{}", u32::from(p) + r)),
+                    // The replay endpoint keeps its distance from the publisher's port.
+                    replay: replay_offset
+                        .map(|off| format!("{host}:{}", i64::from(port) + i64::from(off))),
                     index: RwLock::new(Index::new(cfg.max_blocks)),
                     link: AtomicU8::new(Link::Connecting as u8),
                     applied: AtomicU64::new(0),

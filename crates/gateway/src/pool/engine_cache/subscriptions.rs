@@ -11,8 +11,9 @@ use super::{EngineCache, run_rank};
 use crate::config::KvEventsConfig;
 use crate::pool::fleet::Fleet;
 
-/// A backend's subscription, by pool model, backend base URL and what the pool configures.
-type Key = (Arc<str>, Arc<str>, KvEventsConfig);
+/// A backend's subscription, by pool model, backend base URL, its publisher port and what the
+/// pool configures.
+type Key = (Arc<str>, Arc<str>, u16, KvEventsConfig);
 
 impl Fleet {
     /// Keeps a subscriber running for every backend of the pools that subscribe to their
@@ -30,7 +31,8 @@ impl Fleet {
                     continue;
                 };
                 for b in &p.backends {
-                    let key = (p.model.clone(), b.base.clone(), cfg.clone());
+                    let port = b.kv_events_port.unwrap_or(cfg.port);
+                    let key = (p.model.clone(), b.base.clone(), port, cfg.clone());
                     let cache = match running.get(&key) {
                         Some((cache, _)) => cache.clone(),
                         None => {
@@ -40,7 +42,7 @@ impl Fleet {
                                 .ok()
                                 .and_then(|u| u.host().map(str::to_owned))
                                 .unwrap_or_default();
-                            let cache = Arc::new(EngineCache::new(&host, cfg));
+                            let cache = Arc::new(EngineCache::new(&host, port, cfg));
                             let token = stop.child_token();
                             for rank in cache.ranks.iter() {
                                 tasks.spawn(run_rank(
