@@ -196,6 +196,7 @@ fn the_messages_operations_md_quotes_are_the_gateways() {
         "crates/gateway/src/server/reload.rs",
         "crates/gateway/src/pool/cause.rs",
         "crates/gateway/src/pool/health.rs",
+        "crates/gateway/src/pool/engine_cache/subscriber.rs",
         "crates/protocol/src/base_url.rs",
     ]
     .iter()
