@@ -132,8 +132,14 @@ impl PromptTokens {
             .iter()
             .map(|(k, v)| (k.clone(), Value::from(v.as_str())))
             .collect();
-        if let Some(kwargs) = req.chat_template_kwargs {
-            ctx.extend(kwargs);
+        if let Some(kwargs) = req.chat_template_kwargs.filter(|k| !k.is_none()) {
+            let keys = kwargs
+                .try_iter()
+                .map_err(|_| "chat_template_kwargs is not an object".to_owned())?;
+            for k in keys {
+                let v = kwargs.get_item(&k).map_err(|e| e.to_string())?;
+                ctx.push((k.to_string(), v));
+            }
         }
         ctx.push(("messages".into(), Value::from(messages)));
         ctx.push(("tools".into(), tools.unwrap_or(Value::from(()))));
@@ -182,7 +188,8 @@ struct ChatBody {
     tools: Option<Vec<Tool>>,
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
-    chat_template_kwargs: Option<Vec<(String, Value)>>,
+    /// A JSON object: each key becomes a template variable.
+    chat_template_kwargs: Option<Value>,
 }
 
 #[derive(Deserialize)]

@@ -193,3 +193,16 @@ fn the_engines_events_hold_every_block_the_prompts_tokens_predict() {
         "three system blocks, the tools' block, the tool call's"
     );
 }
+
+#[test]
+fn chat_template_kwargs_reach_the_template() {
+    let dir = model_dir("kwargs");
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{{ messages[0].content }}{% if enable_thinking is false %}|no-think{% endif %}",
+    )
+    .unwrap();
+    let p = PromptTokens::load(&dir, None).unwrap();
+    let body = br#"{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": false}}"#;
+    assert_eq!(p.render_chat(body).unwrap(), "hi|no-think");
+}
