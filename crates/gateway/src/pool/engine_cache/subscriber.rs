@@ -206,6 +206,8 @@ fn note(rank: &Rank, what: String) {
 /// Batches `from..to` were missed: ask the replay endpoint for them. Whatever it cannot give
 /// (no endpoint, no answer, no longer buffered) leaves the index untrusted.
 async fn fill(rank: &Rank, from: u64, to: u64, pool: &str, backend: &str) {
+    // Only this task replays for the rank: what the replay applied before failing is not lost.
+    let replayed_before = rank.replayed.load(Ordering::Relaxed);
     let got = match &rank.replay {
         Some(addr) => tokio::time::timeout(REPLAY_TIMEOUT, replay(rank, addr, from, to))
             .await
@@ -215,7 +217,9 @@ async fn fill(rank: &Rank, from: u64, to: u64, pool: &str, backend: &str) {
     match got {
         Ok(()) => {}
         Err(why) => {
-            rank.lost.fetch_add(to - from, Ordering::Relaxed);
+            let replayed = rank.replayed.load(Ordering::Relaxed) - replayed_before;
+            rank.lost
+                .fetch_add((to - from).saturating_sub(replayed), Ordering::Relaxed);
             if let Ok(mut ix) = rank.index.write() {
                 ix.lose_trust();
             }
