@@ -139,12 +139,7 @@ EOF
 }
 
 start_fleetgate fg-p2c ""
-KEY=$("$BIN" keys --config "$TMP/fg-p2c.toml" create --env prod --name prefix-bench --json 2>"$TMP/keys.log" |
-    grep -oE '"key": *"[^"]+"' | head -n1 | sed -E 's/.*"key": *"([^"]+)"/\1/' || true)
-[ -n "$KEY" ] || {
-    cat "$TMP/keys.log" >&2
-    die "could not create an API key"
-}
+KEY=$(create_key "$TMP/fg-p2c.toml" prefix-bench "$TMP/keys.log")
 export OPENAI_API_KEY=$KEY
 start_fleetgate fg-prefix $'[pools.affinity]\nby = "prefix"'
 start_fleetgate fg-longest $'[pools.affinity]\nby = "longest_prefix"'
@@ -168,9 +163,6 @@ if [ "$VLLM_ROUTER" = 1 ]; then
     TARGETS+=(vllm-router)
 fi
 
-# CPU time of a process in ns: the sum over its threads of the scheduler's run time
-# (/proc/PID/task/*/schedstat), finer than /proc/PID/stat's 10 ms ticks.
-cpu_ns() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%d\n", s}'; }
 
 # --- the runs ---------------------------------------------------------------------------------
 RESULTS="$RUN_DIR/runs.tsv"

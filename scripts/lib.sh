@@ -66,6 +66,22 @@ free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }
 
+# CPU time of process PID in ns: the sum over its threads of the scheduler's run time
+# (/proc/PID/task/*/schedstat), finer than /proc/PID/stat's 10 ms ticks.
+cpu_ns() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%d\n", s}'; }
+
+# create_key CONFIG NAME LOG: a prod key made with "$BIN" keys (its stderr in LOG), printed.
+create_key() {
+    local key
+    key=$("$BIN" keys --config "$1" create --env prod --name "$2" --json 2>"$3" |
+        grep -oE '"key": *"[^"]+"' | head -n1 | sed -E 's/.*"key": *"([^"]+)"/\1/' || true)
+    [ -n "$key" ] || {
+        cat "$3" >&2
+        die "could not create an API key"
+    }
+    echo "$key"
+}
+
 # nginx_proxy_conf DIR PORT UPSTREAM [WORKER_CONNECTIONS] [KEEPALIVE]: writes DIR/nginx.conf, one
 # worker proxying 127.0.0.1:PORT to UPSTREAM (http://host:port) as a plain streaming reverse
 # proxy (no buffering, keep-alive upstream, no access log): the floor a hop costs. Start it with
@@ -82,6 +98,9 @@ events { worker_connections $conns; }
 http {
     access_log off;
     client_body_temp_path $dir/client_body;
+    # Long prompts (an agent's history) are held in memory, as the gateway holds them.
+    client_max_body_size 16m;
+    client_body_buffer_size 1m;
     proxy_temp_path $dir/proxy;
     tcp_nodelay on;
     upstream backend { server $upstream; keepalive $keepalive; }

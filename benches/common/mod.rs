@@ -102,6 +102,7 @@ pub fn streamed_timeline(t0: std::time::Instant) -> fleetgate_gateway::telemetry
     stream.usage = Some(fleetgate_protocol::usage::Usage {
         prompt_tokens: 100,
         completion_tokens: 64,
+        cached_tokens: None,
     });
     tl
 }

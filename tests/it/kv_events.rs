@@ -386,37 +386,15 @@ fn tokenizer_dir() -> std::path::PathBuf {
 /// cache with a chance of (1/3)^6.
 #[tokio::test]
 async fn kv_event_routing_sends_each_turn_where_the_engine_holds_its_prefix() {
-    let mut sims = Vec::new();
-    let mut p = pool("qwen32b", &[]);
-    for _ in 0..3 {
-        let port = two_ports().await;
-        let config = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": format!("tcp://*:{port}")});
-        let s = sim(move |a| {
-            a.zero_delay = true;
+    let (gw, sims) = kv_fleet(
+        |a| {
             a.kv_cache_tokens = 4096;
             a.enable_prompt_tokens_details = true;
-            a.kv_events_config = Some(config.to_string());
-        })
-        .await;
-        p.backends.push(fleetgate_gateway::config::BackendConfig {
-            kv_events_port: Some(port),
-            ..fleetgate_gateway::config::BackendConfig::new(s.url().parse().unwrap())
-        });
-        sims.push(s);
-    }
-    p.affinity = Some(fleetgate_gateway::config::AffinityConfig {
-        by: fleetgate_gateway::config::AffinityBy::KvEvents,
-        prefix_bytes: 512,
-        slack: 4,
-        block_bytes: 256,
-        max_blocks: 65_536,
-        max_age: Duration::from_secs(600),
-    });
-    p.kv_events = Some(KvEventsConfig {
-        tokenizer: Some(tokenizer_dir()),
-        ..kv(1, false)
-    });
-    let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
+        },
+        4,
+        (tokenizer_dir(), None),
+    )
+    .await;
     let viewer = token(fleetgate_gateway::admin::jwt::Role::Viewer);
     let blocks = || async {
         let (_, v) = admin(&gw, "GET", "/admin/ready", Some(&viewer), None).await;
@@ -429,14 +407,6 @@ async fn kv_event_routing_sends_each_turn_where_the_engine_holds_its_prefix() {
             .map(|b| b["kv_events"]["ranks"][0]["blocks"].as_u64().unwrap())
             .sum::<u64>()
     };
-    let start = std::time::Instant::now();
-    while events_all_live(&gw, &viewer).await.is_none() {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "the subscribers never connected"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let url = gw.url("/v1/completions");
     let complete = |prompt: Vec<u32>| {
         let url = url.clone();
@@ -493,4 +463,293 @@ async fn events_all_live(gw: &Gateway, viewer: &str) -> Option<()> {
         .iter()
         .all(|b| b["kv_events"]["state"] == "live")
         .then_some(())
+}
+
+/// A `kv_events` pool over three sims publishing their caches' changes (each sim's arguments
+/// set by `args` beside the events), `slack` its load bound, `model` the tokenizer (and
+/// template) the gateway cuts prompts with; the gateway returns once every subscriber is live.
+async fn kv_fleet(
+    args: impl Fn(&mut fleetgate_sim::SimArgs) + Clone + Send + 'static,
+    slack: u32,
+    model: (std::path::PathBuf, Option<std::path::PathBuf>),
+) -> (Gateway, Vec<fleetgate_sim::SimServer>) {
+    let mut sims = Vec::new();
+    let mut p = pool("qwen32b", &[]);
+    for _ in 0..3 {
+        let port = two_ports().await;
+        let config = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": format!("tcp://*:{port}")});
+        let args = args.clone();
+        let s = sim(move |a| {
+            a.zero_delay = true;
+            a.kv_events_config = Some(config.to_string());
+            args(a);
+        })
+        .await;
+        p.backends.push(fleetgate_gateway::config::BackendConfig {
+            kv_events_port: Some(port),
+            ..fleetgate_gateway::config::BackendConfig::new(s.url().parse().unwrap())
+        });
+        sims.push(s);
+    }
+    p.affinity = Some(fleetgate_gateway::config::AffinityConfig {
+        by: fleetgate_gateway::config::AffinityBy::KvEvents,
+        prefix_bytes: 512,
+        slack,
+        block_bytes: 256,
+        max_blocks: 65_536,
+        max_age: Duration::from_secs(600),
+    });
+    p.kv_events = Some(KvEventsConfig {
+        tokenizer: Some(model.0),
+        chat_template: model.1,
+        ..kv(1, false)
+    });
+    let gw = gateway_with(vec![p], |c| c.admin = admin_cfg()).await;
+    let viewer = token(fleetgate_gateway::admin::jwt::Role::Viewer);
+    let start = std::time::Instant::now();
+    while events_all_live(&gw, &viewer).await.is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the subscribers never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (gw, sims)
+}
+
+/// A model directory both the sims (`--tokenizer`) and the gateway load: a word-level
+/// tokenizer over `w0` … `w499` with Qwen's special tokens as single tokens, and Qwen3's chat
+/// template. Each side renders the template and tokenizes by its own code.
+fn chat_model_dir() -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = temp_dir("kv-chat-model");
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), json!(0));
+    for i in 0..500 {
+        vocab.insert(format!("w{i}"), json!(i + 1));
+    }
+    for (i, word) in ["system", "user", "assistant", "think"].iter().enumerate() {
+        vocab.insert((*word).into(), json!(600 + i));
+    }
+    let specials: Vec<Value> = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| json!({"id": 700 + i, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    for (i, t) in ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+        .iter()
+        .enumerate()
+    {
+        vocab.insert((*t).into(), json!(700 + i));
+    }
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": specials,
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let config =
+        json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": null});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let template = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/qwen3/chat_template.jinja");
+    (dir, template)
+}
+
+/// `name{labels…}`'s value in a Prometheus text exposition (labels in any order).
+fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .find(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// Chat routed by the engines' events, with the model's own tokens on both sides: the sims
+/// cut each prompt with `--tokenizer` and Qwen3's template, the gateway with its own renderer
+/// and the same files. Every later turn goes where its history is, and for every request the
+/// cached tokens the gateway predicted on the backend it chose are the ones the engine reports
+/// serving: in the request log, row by row, and in `fleetgate_prompt_cache_tokens_total`.
+#[tokio::test]
+async fn the_gateways_prediction_is_what_the_engine_serves_from_its_cache() {
+    let (dir, template) = chat_model_dir();
+    let model = (dir.clone(), template.clone());
+    let (gw, sims) = kv_fleet(
+        move |a| {
+            a.kv_cache_tokens = 8192;
+            a.enable_prompt_tokens_details = true;
+            a.tokenizer = Some(dir.clone());
+            a.chat_template = Some(template.clone());
+        },
+        4,
+        (model.0, Some(model.1)),
+    )
+    .await;
+    let viewer = token(fleetgate_gateway::admin::jwt::Role::Viewer);
+    let start = std::time::Instant::now();
+    let words = |from: usize, n: usize| {
+        (from..from + n)
+            .map(|i| format!("w{}", i % 500))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let system = words(0, 120);
+    let url = gw.url("/v1/chat/completions");
+    let mut histories: Vec<Vec<Value>> = (0..4)
+        .map(|c| {
+            vec![
+                json!({"role": "system", "content": system}),
+                json!({"role": "user", "content": words(200 + c * 40, 40)}),
+            ]
+        })
+        .collect();
+    let blocks_indexed = || async {
+        let (_, v) = admin(&gw, "GET", "/admin/ready", Some(&viewer), None).await;
+        v["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["kv_events"]["ranks"][0]["blocks"].as_u64().unwrap_or(0))
+            .sum::<u64>()
+    };
+    let mut served = 0;
+    for turn in 0..3 {
+        for (c, history) in histories.iter_mut().enumerate() {
+            let before = blocks_indexed().await;
+            let id = format!("kv-chat-{c}-{turn}");
+            let body = json!({"model": "qwen32b", "max_tokens": 3, "messages": history});
+            let m = post(
+                &url,
+                &[("x-request-id", id.as_str())],
+                bytes::Bytes::from(body.to_string()),
+            )
+            .await;
+            assert_eq!(m.status, 200, "{:?}", m.body);
+            let answer = json_body(&m);
+            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            if turn > 0 {
+                assert!(
+                    cached >= 160,
+                    "turn {turn} of {c} found its history: {cached} cached"
+                );
+            }
+            served += cached;
+            history.push(
+                json!({"role": "assistant", "content": answer["choices"][0]["message"]["content"]}),
+            );
+            history.push(json!({"role": "user", "content": words(300 + c * 40 + turn * 7, 30)}));
+            // Its new blocks are in an index before the next request is routed.
+            let t = std::time::Instant::now();
+            while blocks_indexed().await <= before {
+                assert!(
+                    t.elapsed() < Duration::from_secs(5),
+                    "{id}'s blocks never arrived"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+    // Row by row, the prediction is the truth.
+    let store = gw.server.auth.store().clone();
+    let rows = loop {
+        let rows = sqlx::query(
+            "SELECT request_id, predicted_cached_tokens, cached_tokens FROM request_log ORDER BY request_id",
+        )
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+        if rows.len() >= 12 || start.elapsed() > Duration::from_secs(20) {
+            break rows;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    use sqlx::Row;
+    assert_eq!(rows.len(), 12);
+    for r in &rows {
+        let id: String = r.get("request_id");
+        let predicted: Option<i64> = r.get("predicted_cached_tokens");
+        let served: Option<i64> = r.get("cached_tokens");
+        assert!(served.is_some(), "{id}: the engine's report is recorded");
+        assert_eq!(predicted, served, "{id}: predicted against served");
+    }
+    let text = admin_metrics(&gw).await;
+    let m = |kind| {
+        metric_value(
+            &text,
+            "fleetgate_prompt_cache_tokens_total",
+            &[("model", "qwen32b"), ("kind", kind)],
+        )
+    };
+    assert_eq!(m("served"), Some(served as f64), "{text}");
+    assert_eq!(m("predicted"), Some(served as f64));
+    assert_eq!(m("error"), Some(0.0));
+    assert!(m("prompt").unwrap() > served as f64);
+    for s in sims {
+        s.shutdown().await;
+    }
+}
+
+/// An agent's session header keeps its requests together where no engine holds any of the
+/// prompt (here prompts too short for a block): each session's requests all go to one backend,
+/// the same whichever of the three headers names it, and sessions spread over the backends.
+#[tokio::test]
+async fn an_agents_session_keeps_its_requests_on_one_backend() {
+    let (dir, template) = chat_model_dir();
+    let (gw, sims) = kv_fleet(|a| a.kv_cache_tokens = 4096, 64, (dir, Some(template))).await;
+    let url = gw.url("/v1/chat/completions");
+    let headers = ["x-claude-code-session-id", "session_id", "x-session-id"];
+    let mut n = 0;
+    for session in 0..12 {
+        for turn in 0..3 {
+            let header = headers[(session + turn) % 3];
+            let id = format!("s{session:02}-t{turn}");
+            let value = format!("session-{session}");
+            let body = json!({"model": "qwen32b", "max_tokens": 1, "messages": [{"role": "user", "content": format!("w{turn}")}]});
+            let m = post(
+                &url,
+                &[("x-request-id", id.as_str()), (header, value.as_str())],
+                bytes::Bytes::from(body.to_string()),
+            )
+            .await;
+            assert_eq!(m.status, 200);
+            n += 1;
+        }
+    }
+    let store = gw.server.auth.store().clone();
+    let start = std::time::Instant::now();
+    let rows = loop {
+        let rows = sqlx::query("SELECT request_id, backend FROM request_log ORDER BY request_id")
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+        if rows.len() >= n || start.elapsed() > Duration::from_secs(10) {
+            break rows;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    use sqlx::Row;
+    let mut by_session: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        Default::default();
+    for r in &rows {
+        let id: String = r.get("request_id");
+        let backend: String = r.get("backend");
+        by_session
+            .entry(id[..3].to_owned())
+            .or_default()
+            .insert(backend);
+    }
+    assert_eq!(by_session.len(), 12, "{} rows", rows.len());
+    for (session, backends) in &by_session {
+        assert_eq!(backends.len(), 1, "{session} went to {backends:?}");
+    }
+    let used: std::collections::BTreeSet<_> = by_session.values().flatten().collect();
+    assert!(used.len() >= 2, "12 sessions on {} backend(s)", used.len());
+    for s in sims {
+        s.shutdown().await;
+    }
 }

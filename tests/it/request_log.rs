@@ -596,6 +596,8 @@ fn spilled_row(i: i64) -> fleetgate_gateway::telemetry::request_log::row::SpillR
         client_addr: Some("10.1.2.3".into()),
         endpoint: Some("responses".into()),
         trace_id: Some(format!("{i:032x}")),
+        predicted_cached_tokens: Some(4),
+        cached_tokens: Some(3),
     }
 }
 
@@ -690,6 +692,14 @@ async fn a_spill_file_replayed_twice_stores_each_row_once() {
             r.get::<Option<String>, _>("trace_id"),
             Some(format!("{i:032x}")),
             "a replayed row keeps its trace"
+        );
+        assert_eq!(
+            (
+                r.get::<Option<i64>, _>("predicted_cached_tokens"),
+                r.get::<Option<i64>, _>("cached_tokens")
+            ),
+            (Some(4), Some(3)),
+            "a replayed row keeps the cache's belief and truth"
         );
     }
 }

@@ -256,7 +256,8 @@ mod tests {
             e.usage.map(UsagePart::whole),
             Some(Usage {
                 prompt_tokens: 11,
-                completion_tokens: 4
+                completion_tokens: 4,
+                cached_tokens: None
             })
         );
         assert_eq!(
@@ -303,7 +304,8 @@ mod tests {
             e.usage,
             Some(UsagePart {
                 prompt_tokens: Some(12),
-                completion_tokens: Some(0)
+                completion_tokens: Some(0),
+                ..UsagePart::default()
             })
         );
         assert_eq!(
@@ -332,7 +334,8 @@ mod tests {
             d.event(delta.as_bytes()).usage,
             Some(UsagePart {
                 prompt_tokens: None,
-                completion_tokens: Some(5)
+                completion_tokens: Some(5),
+                ..UsagePart::default()
             })
         );
         assert_eq!(kind(d, r#"{"type":"message_stop"}"#), DataKind::Done);

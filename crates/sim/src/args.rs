@@ -178,6 +178,18 @@ pub struct SimArgs {
     #[arg(long, default_value = "map")]
     pub kv_events_encoding: String,
 
+    /// A model directory (`tokenizer.json`, `tokenizer_config.json`): cut chat and
+    /// completions prompts into the model's own tokens, its chat template rendered, so the
+    /// prefix cache's blocks and KV events are vLLM's for the same request. Without it the
+    /// sim cuts prompts into its own word pieces.
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
+
+    /// The chat template, as `vllm serve --chat-template` takes it (with `--tokenizer`; else
+    /// the tokenizer's own).
+    #[arg(long)]
+    pub chat_template: Option<std::path::PathBuf>,
+
     /// Keep the exact bytes of every response body, keyed by x-request-id (for tests).
     #[arg(long, hide = true)]
     pub capture_streams: bool,
@@ -235,6 +247,8 @@ impl Default for SimArgs {
             kv_events_config: None,
             kv_events_encoding: "map".into(),
             enable_prompt_tokens_details: false,
+            tokenizer: None,
+            chat_template: None,
         }
     }
 }
@@ -273,6 +287,8 @@ impl fmt::Debug for SimArgs {
             .field("kv_cache_tokens", &self.kv_cache_tokens)
             .field("kv_events_config", &self.kv_events_config)
             .field("kv_events_encoding", &self.kv_events_encoding)
+            .field("tokenizer", &self.tokenizer)
+            .field("chat_template", &self.chat_template)
             .field(
                 "enable_prompt_tokens_details",
                 &self.enable_prompt_tokens_details,
@@ -367,6 +383,8 @@ pub(crate) struct SimConfig {
     /// `--kv-events-config`, when it publishes.
     pub kv_events: Option<crate::kv_events::KvEventsSettings>,
     pub prompt_tokens_details: bool,
+    /// `--tokenizer`: prompts in the model's own tokens.
+    pub tokens: Option<crate::model_tokens::ModelTokens>,
 }
 
 impl SimConfig {
@@ -462,6 +480,17 @@ impl TryFrom<&SimArgs> for SimConfig {
                 "--kv-events-config publishes the prefix cache's changes: give --kv-cache-tokens too".into(),
             ));
         }
+        if a.chat_template.is_some() && a.tokenizer.is_none() {
+            return Err(invalid(
+                "--chat-template is rendered for --tokenizer's model: give --tokenizer too".into(),
+            ));
+        }
+        let tokens = a
+            .tokenizer
+            .as_deref()
+            .map(|dir| crate::model_tokens::ModelTokens::load(dir, a.chat_template.as_deref()))
+            .transpose()
+            .map_err(invalid)?;
         if a.embedding_size == 0 || a.num_labels == 0 {
             return Err(invalid(
                 "--embedding-size and --num-labels must be >= 1".into(),
@@ -528,6 +557,7 @@ impl TryFrom<&SimArgs> for SimConfig {
             prefix_cache_tokens: a.kv_cache_tokens,
             kv_events,
             prompt_tokens_details: a.enable_prompt_tokens_details,
+            tokens,
         })
     }
 }

@@ -34,6 +34,7 @@ mod body;
 mod engine;
 mod frames;
 pub mod kv_events;
+mod model_tokens;
 mod pooling;
 mod prefix_cache;
 mod server;

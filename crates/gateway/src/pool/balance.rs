@@ -313,16 +313,36 @@ impl Balancer {
     }
 
     /// KV-event routing: the backend whose engine holds the most leading blocks of the prompt
-    /// (`held`, by backend position), the least loaded among equals, within the same bound as
-    /// longest-prefix routing; else the usual choice. `true` when it went to a backend holding
-    /// some of the prompt.
+    /// (`held`, by backend position); among equals the agent session's own backend (`session`:
+    /// rendezvous hashing over the usable backends, as every replica computes it), then the
+    /// least loaded; the session's backend also takes a prompt no engine holds any of. Within
+    /// the same bound as longest-prefix routing; else the usual choice. `true` when it went to
+    /// a backend holding some of the prompt.
     pub(crate) fn try_acquire_held(
         self: &Arc<Self>,
         held: &[usize],
+        session: Option<u64>,
         exclude: u64,
         slack: u32,
     ) -> Option<(InFlight, bool)> {
-        self.try_acquire_preferred(exclude, slack, |i| held.get(i).copied().filter(|&h| h > 0))
+        let home = session.and_then(|key| self.home(key, exclude));
+        self.try_acquire_preferred(exclude, slack, |i| {
+            let h = held.get(i).copied().unwrap_or(0);
+            let at_home = home == Some(i);
+            (h > 0 || at_home).then_some((h, at_home))
+        })
+        .map(|(slot, preferred)| {
+            let hit = preferred && held.get(slot.index).is_some_and(|h| *h > 0);
+            (slot, hit)
+        })
+    }
+
+    /// The usable backend a key hashes to (rendezvous hashing: only a removed backend's keys
+    /// move), full or not.
+    fn home(&self, key: u64, exclude: u64) -> Option<usize> {
+        (0..self.backends.len())
+            .filter(|&i| exclude & bit(i) == 0 && self.backends[i].eligible())
+            .max_by_key(|&i| mix64(key ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
     }
 
     /// The usable backend with capacity whose `rank` is highest (`None`: not preferred), the

@@ -20,7 +20,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::hash::mix64;
+use super::hash::words64_from;
 use crate::clock::mono_ms;
 
 const SHARDS: usize = 16;
@@ -107,20 +107,8 @@ impl PrefixIndex {
         let mut out = Vec::with_capacity(text.len() / self.block_bytes);
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for block in text.chunks_exact(self.block_bytes) {
-            // Eight bytes at a time (a prompt of 100k characters is ~12k multiplications).
-            let mut words = block.chunks_exact(8);
-            for w in &mut words {
-                let mut word = [0u8; 8];
-                word.copy_from_slice(w);
-                h = (h ^ u64::from_le_bytes(word))
-                    .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                    .rotate_left(29);
-            }
-            for b in words.remainder() {
-                h = (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
-            }
-            // Mixed, so a name depends on every byte before it as much as on its own.
-            h = mix64(h);
+            // Chained, so a name depends on every byte before it as much as on its own.
+            h = words64_from(h, block);
             out.push(h);
         }
         out
@@ -151,9 +139,11 @@ impl PrefixIndex {
     }
 
     /// The backend with metrics index `backend` was sent the prompt of `names`: it holds each
-    /// of its prefixes now.
-    pub fn record(&self, names: &[u64], backend: u32) {
+    /// of its prefixes now. Returns how many of the leading names it was known to hold before.
+    pub fn record(&self, names: &[u64], backend: u32) -> usize {
         let now = mono_ms();
+        let mut held = 0;
+        let mut holding = true;
         for name in names {
             let mut s = lock(self.shard(*name));
             if s.newer.len() >= self.per_generation
@@ -164,12 +154,16 @@ impl PrefixIndex {
                 s.since = now;
             }
             let from_older = s.older.remove(name);
-            let t = s
-                .newer
-                .entry(*name)
-                .or_insert_with(|| from_older.unwrap_or(Tenants::new(backend)));
+            let mut known = true;
+            let t = s.newer.entry(*name).or_insert_with(|| {
+                known = from_older.is_some();
+                from_older.unwrap_or(Tenants::new(backend))
+            });
+            holding = holding && known && t.contains(backend);
+            held += usize::from(holding);
             t.add(backend);
         }
+        held
     }
 
     /// Names held now (both generations): the index's size, for the metrics.
@@ -197,6 +191,7 @@ fn lock(m: &Mutex<Shard>) -> std::sync::MutexGuard<'_, Shard> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::hash::mix64;
 
     fn index(max_blocks: usize) -> PrefixIndex {
         PrefixIndex::new(8, max_blocks, Duration::from_secs(600))
@@ -222,6 +217,16 @@ mod tests {
             b"system prompt shared by all; user: first question; assistant: answer; user: next",
         );
         assert!(ix.lookup(&turn2).is_empty());
+        // What the backend was known to hold before each record: the routing's belief.
+        let other = index(1000);
+        assert_eq!(other.record(&turn1, 7), 0, "nothing was held before");
+        assert_eq!(other.record(&turn1, 7), turn1.len(), "all of it is now");
+        assert_eq!(other.record(&turn1, 8), 0, "by backend 7, not by 8");
+        assert_eq!(
+            other.record(&turn2, 7),
+            turn1.len(),
+            "turn 2's first blocks"
+        );
         ix.record(&turn1, 7);
         let found = ix.lookup(&turn2);
         assert_eq!(found.len(), turn1.len(), "turn 1's whole prompt is known");

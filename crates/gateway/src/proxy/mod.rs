@@ -104,7 +104,11 @@ async fn phases(
     // route: the model's pool in the generation as it is now (a reload swaps it for the
     // requests that follow).
     let generation = state.generation.load_full();
-    let route = step!(ex, route::route(state, asked, &generation, &mut ex.record));
+    let headers = &head.outgoing.headers;
+    let route = step!(
+        ex,
+        route::route(state, asked, headers, &generation, &mut ex.record)
+    );
     // stored continuation: a `previous_response_id` goes to the backend holding that response.
     let continued = step!(
         ex,
@@ -126,7 +130,7 @@ async fn phases(
         ex,
         queueing::claim(
             state,
-            asked,
+            (asked, &head.outgoing.headers),
             (&generation, &mut newer),
             route,
             continued,

@@ -60,7 +60,7 @@ pub(super) type Generations<'g> = (&'g Arc<Generation>, &'g mut Option<Arc<Gener
 /// generation that replaced the old one. Answers the generation and route the place is in.
 pub(super) fn claim<'g>(
     state: &ProxyState,
-    asked: Asked<'_>,
+    (asked, headers): (Asked<'_>, &http::HeaderMap),
     (generation, newer): Generations<'g>,
     route: Route<'g>,
     continued: Option<Continued>,
@@ -73,7 +73,7 @@ pub(super) fn claim<'g>(
         Ok(claim) => Ok((generation, route, place(claim))),
         Err(QueueError::NoUsableBackend) if !Arc::ptr_eq(generation, &*state.generation.load()) => {
             let newer: &'g Arc<Generation> = newer.insert(state.generation.load_full());
-            let route = route::route(state, asked, newer, record)?;
+            let route = route::route(state, asked, headers, newer, record)?;
             let claim =
                 claim_in(state, &route, record).map_err(|e| ApiError::from_queue(e, route.pool))?;
             Ok((newer, route, place(claim)))
@@ -144,9 +144,15 @@ fn claim_in(
         let held: Vec<usize> = pool
             .backends
             .iter()
-            .map(|b| b.engine_cache.load().as_ref().map_or(0, |c| c.held(blocks)))
+            .map(|b| {
+                b.engine_cache
+                    .load()
+                    .as_ref()
+                    .map_or(0, |c| c.held(&blocks.blocks))
+            })
             .collect();
-        let (claimed, hit) = preferring(&|avoid| balancer.try_acquire_held(&held, avoid, a.slack));
+        let (claimed, hit) =
+            preferring(&|avoid| balancer.try_acquire_held(&held, route.affinity, avoid, a.slack));
         pool.kv_counts[usize::from(!hit)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         return claimed;
     }

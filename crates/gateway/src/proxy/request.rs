@@ -46,6 +46,8 @@ pub(super) struct Prepared {
     pub(super) pinned: bool,
     /// `longest_prefix`: the prompt's block names, recorded for the backend it is sent to.
     pub(super) prefix: Option<Arc<[u64]>>,
+    /// `kv_events`: the prompt's engine blocks, to say what the chosen backend holds of it.
+    pub(super) engine_blocks: Option<crate::route::EngineBlocks>,
     /// Where the other replicas learn it (`limits.shared = "redis"`).
     pub(super) prefix_share: Option<Arc<PrefixShare>>,
 }
@@ -184,6 +186,7 @@ fn spliced(
         target: None,
         pinned: false,
         prefix: route.prefix.clone(),
+        engine_blocks: route.engine_blocks.clone(),
         prefix_share: None,
     }
 }

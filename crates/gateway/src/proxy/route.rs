@@ -24,6 +24,7 @@ pub(super) struct Asked<'a> {
 pub(super) fn route<'p>(
     state: &ProxyState,
     asked: Asked<'_>,
+    headers: &http::HeaderMap,
     pools: &'p Generation,
     record: &mut RequestRecord,
 ) -> Result<Route<'p>, ApiError> {
@@ -33,9 +34,13 @@ pub(super) fn route<'p>(
         body,
         endpoint,
     } = asked;
-    match route::resolve(view, body, endpoint, key, pools, |chars| {
-        state.limits.prompt_tokens(chars)
-    }) {
+    let asked = route::Request {
+        view,
+        body,
+        endpoint,
+        headers,
+    };
+    match route::resolve(asked, key, pools, |chars| state.limits.prompt_tokens(chars)) {
         Ok(route) => {
             record.model = Some(route.pool.model.clone());
             record.pool_metrics_index = Some(route.pool.metrics_index);

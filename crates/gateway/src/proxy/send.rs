@@ -24,6 +24,7 @@ use super::timing::{SERVER_TIMING, SERVER_TIMING_VALUE, server_timing};
 use crate::pool::cause::ConnectCause;
 use crate::pool::upstream_conn::{SendError, UpstreamBody};
 use crate::pool::{Backend, InFlight, Pool, Reachability};
+use crate::telemetry::CacheBelief;
 use fleetgate_protocol::endpoint::BodyKind;
 
 /// Send, and when the backend could not be reached or answered 502/503 before any byte went
@@ -136,15 +137,37 @@ async fn send(
     ex: &mut Exchange,
 ) -> Result<Sent, ApiError> {
     let backend = slot.backend().clone();
-    // The backend now holds the prompt's prefixes (a retry elsewhere records them there too).
+    // The backend now holds the prompt's prefixes (a retry elsewhere records them there too);
+    // what it was believed to hold before is the routing's prediction.
     if let (Some(names), Some(index)) = (&prepared.prefix, &pool.prefix) {
-        index.record(
+        let held = index.record(
             names,
             u32::try_from(backend.metrics_index).unwrap_or(u32::MAX),
         );
+        ex.record.cache_belief = Some(CacheBelief::Share {
+            held: u32::try_from(held).unwrap_or(u32::MAX),
+            of: u32::try_from(names.len()).unwrap_or(u32::MAX),
+        });
         if let Some(share) = &prepared.prefix_share {
             share.publish(&pool.model, &backend.base, names);
         }
+    }
+    // KV-event routing believes what the engine's events say it holds; a request it could
+    // not cut into blocks (no event yet, another endpoint) is believed to find nothing.
+    if pool
+        .affinity
+        .is_some_and(|a| a.by == crate::config::AffinityBy::KvEvents)
+        && prepared.endpoint.needs().generates
+    {
+        let held = prepared.engine_blocks.as_ref().map_or(0, |e| {
+            let blocks = backend
+                .engine_cache
+                .load()
+                .as_ref()
+                .map_or(0, |c| c.held(&e.blocks));
+            e.cached_tokens(blocks)
+        });
+        ex.record.cache_belief = Some(CacheBelief::Tokens(held));
     }
     ex.record.backend = Some(backend.base.clone());
     ex.record.backend_metrics_index = Some(backend.metrics_index);

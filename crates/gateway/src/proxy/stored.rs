@@ -239,6 +239,7 @@ pub(super) async fn by_id(
         pinned: true,
         prefix: None,
         prefix_share: None,
+        engine_blocks: None,
     };
     send::with_retries(state, pool, slot, prepared, ex).await
 }

@@ -15,6 +15,27 @@ use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::kv_events::BlockId;
 use fleetgate_protocol::view::RequestView;
 
+/// What a request is routed by: its view, its body, its endpoint and the client's headers.
+#[derive(Clone, Copy)]
+pub(crate) struct Request<'a> {
+    pub(crate) view: &'a RequestView<'a>,
+    pub(crate) body: &'a [u8],
+    pub(crate) endpoint: Endpoint,
+    pub(crate) headers: &'a http::HeaderMap,
+}
+
+/// The headers agents name their session with: Claude Code's, Codex's, and the common one.
+const SESSION_HEADERS: [&str; 3] = ["x-claude-code-session-id", "session_id", "x-session-id"];
+
+/// The hash of the agent session a request belongs to, by the first of `SESSION_HEADERS` it
+/// carries (an empty value is none).
+fn session(headers: &http::HeaderMap) -> Option<u64> {
+    SESSION_HEADERS.iter().find_map(|name| {
+        let v = headers.get(*name)?.as_bytes();
+        (!v.is_empty()).then(|| fnv1a(v))
+    })
+}
+
 /// Where a request goes.
 #[derive(Debug)]
 pub(crate) struct Route<'p> {
@@ -23,17 +44,38 @@ pub(crate) struct Route<'p> {
     /// backends); 0: none.
     pub(crate) avoid: u64,
     /// Affinity hash: requests with the same one prefer the same backend (its prefix cache).
+    /// On a `kv_events` pool: the agent session's, the tiebreak among the backends holding
+    /// as much of the prompt.
     pub(crate) affinity: Option<u64>,
     /// `longest_prefix`: the names of the prompt's blocks (`pool::prefix`), to find the
     /// backend holding the longest of them and to teach the index where the prompt went.
     pub(crate) prefix: Option<Arc<[u64]>>,
     /// `kv_events`: the prompt's full blocks in the engines' own tokens, to find the backend
     /// whose engine holds the longest of them.
-    pub(crate) engine_blocks: Option<Arc<[BlockId]>>,
+    pub(crate) engine_blocks: Option<EngineBlocks>,
     /// The backends' own name for the model as a JSON string, when the client named another
     /// (an alias, or the pool's name under a different `served_model_name`): spliced into
     /// the body.
     pub(crate) rename: Option<&'p [u8]>,
+}
+
+/// A prompt in the engines' blocks: its full blocks (shared, one clone per attempt) and its
+/// length in tokens.
+#[derive(Debug, Clone)]
+pub(crate) struct EngineBlocks {
+    pub(crate) blocks: Arc<[BlockId]>,
+    pub(crate) prompt_tokens: u32,
+    pub(crate) block_size: u32,
+}
+
+impl EngineBlocks {
+    /// The prompt tokens an engine holding the first `held` blocks serves from its cache. vLLM
+    /// computes the last prompt token again to get its logits, so a prompt fully held is served
+    /// up to its last whole block before that token (`(tokens - 1)` rounded down to a block).
+    pub(crate) fn cached_tokens(&self, held: usize) -> u64 {
+        let most = self.prompt_tokens.saturating_sub(1) / self.block_size.max(1);
+        u64::from(u32::try_from(held).unwrap_or(u32::MAX).min(most)) * u64::from(self.block_size)
+    }
 }
 
 /// Why a request has no route.
@@ -53,13 +95,17 @@ pub(crate) enum RouteError {
 /// Route a request in `pools` (the generation it keeps to its end). `prompt_tokens` estimates
 /// a prompt's tokens from its characters (the limits' estimate, so both agree).
 pub(crate) fn resolve<'p>(
-    view: &RequestView<'_>,
-    body: &[u8],
-    endpoint: Endpoint,
+    request: Request<'_>,
     key: Option<&KeyRecord>,
     pools: &'p Generation,
     prompt_tokens: impl Fn(usize) -> u64,
 ) -> Result<Route<'p>, RouteError> {
+    let Request {
+        view,
+        body,
+        endpoint,
+        headers,
+    } = request;
     let pool = pools
         .get(&view.model)
         .ok_or_else(|| RouteError::ModelNotFound {
@@ -86,7 +132,9 @@ pub(crate) fn resolve<'p>(
             (None, prefix_names(pool, body, endpoint), None)
         }
         Some(a) if a.by == AffinityBy::KvEvents => {
-            (None, None, engine_blocks(pool, body, endpoint))
+            // The agent's session breaks ties (and places a prompt too short for a block).
+            let session = session(headers).filter(|_| endpoint.needs().generates);
+            (session, None, engine_blocks(pool, body, endpoint))
         }
         _ => (affinity(pool, view, body, endpoint), None, None),
     };
@@ -163,7 +211,7 @@ fn prefix_names(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<[u64
 /// template and tokenized, a completions prompt tokenized (or taken as the token ids it is).
 /// `None` (routing by load alone) before any engine said its block size, for other endpoints,
 /// and for a request the template cannot render.
-fn engine_blocks(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<[BlockId]>> {
+fn engine_blocks(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<EngineBlocks> {
     let tokens = pool.prompt_tokens.as_ref()?;
     let block_size = pool
         .backends
@@ -175,7 +223,11 @@ fn engine_blocks(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<[Bl
         _ => return None,
     };
     match ids {
-        Ok(ids) => Some(BlockId::of_prompt(&ids, block_size, None).collect()),
+        Ok(ids) => Some(EngineBlocks {
+            blocks: BlockId::of_prompt(&ids, block_size, None).collect(),
+            prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            block_size,
+        }),
         Err(why) => {
             tracing::debug!(
                 model = &*pool.model,

@@ -150,7 +150,19 @@ pub struct RequestRecord {
     pub(crate) trace_id: Option<fleetgate_protocol::trace_context::TraceId>,
     /// The request's place in its trace, when tracing is on.
     pub(crate) otel: Option<Box<otel::Scope>>,
+    /// How much of the prompt the routing believed the chosen backend's engine holds.
+    pub(crate) cache_belief: Option<CacheBelief>,
     recorder: Arc<Recorder>,
+}
+
+/// What prefix-aware routing believed the chosen backend's engine holds of the prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CacheBelief {
+    /// `kv_events`: the prompt tokens the engine will serve from its cache, by its events.
+    Tokens(u64),
+    /// `longest_prefix`: `held` of the prompt's `of` blocks of text were sent to the backend
+    /// before; in tokens, that share of the prompt the backend reports.
+    Share { held: u32, of: u32 },
 }
 
 impl RequestRecord {
@@ -171,6 +183,7 @@ impl RequestRecord {
             retries: 0,
             trace_id: None,
             otel: None,
+            cache_belief: None,
             recorder,
         }
     }
@@ -179,6 +192,19 @@ impl RequestRecord {
     /// `prompt_estimate`: see `used_tokens`.
     pub(crate) fn used_tokens(&self, prompt_estimate: u64) -> u64 {
         used_tokens(&self.timeline, self.error, prompt_estimate)
+    }
+
+    /// The prompt tokens the routing predicted the chosen backend's engine serves from its
+    /// cache (a share of the reported prompt for `longest_prefix`, which knows no tokens).
+    pub(crate) fn predicted_cached_tokens(&self) -> Option<u64> {
+        match self.cache_belief? {
+            CacheBelief::Tokens(t) => Some(t),
+            CacheBelief::Share { held, of } => {
+                let prompt = self.timeline.stream().usage?.prompt_tokens;
+                let share = u128::from(prompt) * u128::from(held) / u128::from(of.max(1));
+                Some(u64::try_from(share).unwrap_or(u64::MAX))
+            }
+        }
     }
 
     /// The request ended at `at` (its answer complete, or failed): the one way the request

@@ -138,14 +138,45 @@ pub(crate) fn parse_generation(
                 prompt.push_str(t);
                 hash = fnv1a(hash, t.as_bytes());
             }
-            prompt_blocks = blocks_of(&prompt);
-            (prompt_tokens(&prompt), hash, r.params)
+            let tokens = match &cfg.tokens {
+                // The model's own tokens, as the template renders the request.
+                Some(model) => {
+                    let ids = model.chat(body).map_err(bad)?;
+                    if caching {
+                        prompt_blocks = model_blocks(&ids, cfg.block_size, keep_tokens);
+                    }
+                    u32::try_from(ids.len()).unwrap_or(u32::MAX)
+                }
+                None => {
+                    prompt_blocks = blocks_of(&prompt);
+                    prompt_tokens(&prompt)
+                }
+            };
+            (tokens, hash, r.params)
         }
         Endpoint::Completions => {
             let r: CompletionRequest = validate(body)?;
-            let (tokens, hash) = prompt_size(&r.prompt, cfg.seed)?;
-            if caching {
-                prompt_blocks = completion_blocks(&r.prompt, cfg.block_size, keep_tokens);
+            let (mut tokens, hash) = prompt_size(&r.prompt, cfg.seed)?;
+            let text = match &r.prompt {
+                serde_json::Value::String(s) => Some(s.as_str()),
+                serde_json::Value::Array(one) => match one.as_slice() {
+                    [serde_json::Value::String(s)] => Some(s.as_str()),
+                    _ => None,
+                },
+                _ => None,
+            };
+            match (&cfg.tokens, text) {
+                (Some(model), Some(text)) => {
+                    let ids = model.completion(text).map_err(bad)?;
+                    tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX);
+                    if caching {
+                        prompt_blocks = model_blocks(&ids, cfg.block_size, keep_tokens);
+                    }
+                }
+                _ if caching => {
+                    prompt_blocks = completion_blocks(&r.prompt, cfg.block_size, keep_tokens);
+                }
+                _ => {}
             }
             (tokens, hash, r.params)
         }
@@ -240,6 +271,11 @@ pub(crate) fn parse_generation(
     )?;
     request.prompt_blocks = prompt_blocks;
     Ok(request)
+}
+
+/// The blocks of a prompt in the model's own token ids (`--tokenizer`).
+fn model_blocks(ids: &[u32], block_size: u32, keep: bool) -> PromptBlocks {
+    blocks(ids.iter().map(|&id| u64::from(id)), block_size, keep)
 }
 
 /// The block hashes of a completions prompt `prompt_size` accepted: its text's tokens, or its

@@ -577,3 +577,68 @@ mod tests {
         assert!(samples.is_empty());
     }
 }
+
+/// One pool's prefix cache over a window of the request log: answers whose engine reported
+/// its cached prompt tokens, their prompt tokens, what the engines served from cache, what the
+/// routing predicted, and the sum of each answer's |predicted - served|.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CacheFigures {
+    pub(crate) model: String,
+    pub(crate) answers: i64,
+    pub(crate) prompt: i64,
+    pub(crate) served: i64,
+    pub(crate) predicted: i64,
+    pub(crate) error: i64,
+}
+
+impl CacheFigures {
+    fn share(&self, n: i64) -> Option<f64> {
+        (self.prompt > 0).then(|| 100.0 * n as f64 / self.prompt as f64)
+    }
+    /// The fleet's hit rate: prompt tokens the engines served from cache, in percent.
+    pub(crate) fn served_share(&self) -> Option<f64> {
+        self.share(self.served)
+    }
+    /// The routing's belief, in percent of the same prompt tokens.
+    pub(crate) fn predicted_share(&self) -> Option<f64> {
+        self.share(self.predicted)
+    }
+    /// The prediction's error, answer by answer: the mean of |predicted - served| in percent
+    /// of the prompt tokens (0 only when every answer was predicted exactly).
+    pub(crate) fn error_share(&self) -> Option<f64> {
+        self.share(self.error)
+    }
+}
+
+/// The prefix-cache figures of each pool since `from` (rows whose engine reported its cached
+/// prompt tokens only: a backend without `--enable-prompt-tokens-details` has none).
+pub(crate) async fn cache_by_pool(
+    store: &KeyStore,
+    from: i64,
+) -> Result<Vec<CacheFigures>, StoreError> {
+    let rows = sqlx::query(
+        "SELECT model, COUNT(*) AS answers, \
+         CAST(SUM(prompt_tokens) AS BIGINT) AS prompt, \
+         CAST(SUM(CASE WHEN cached_tokens < prompt_tokens THEN cached_tokens ELSE prompt_tokens END) AS BIGINT) AS served, \
+         CAST(SUM(CASE WHEN COALESCE(predicted_cached_tokens, 0) < prompt_tokens \
+             THEN COALESCE(predicted_cached_tokens, 0) ELSE prompt_tokens END) AS BIGINT) AS predicted, \
+         CAST(SUM(ABS(COALESCE(predicted_cached_tokens, 0) - cached_tokens)) AS BIGINT) AS error \
+         FROM request_log WHERE at >= $1 AND cached_tokens IS NOT NULL AND prompt_tokens IS NOT NULL \
+         AND model IS NOT NULL GROUP BY model ORDER BY model",
+    )
+    .bind(from)
+    .fetch_all(store.pool())
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in &rows {
+        out.push(CacheFigures {
+            model: r.try_get("model")?,
+            answers: r.try_get("answers")?,
+            prompt: r.try_get::<Option<i64>, _>("prompt")?.unwrap_or(0),
+            served: r.try_get::<Option<i64>, _>("served")?.unwrap_or(0),
+            predicted: r.try_get::<Option<i64>, _>("predicted")?.unwrap_or(0),
+            error: r.try_get::<Option<i64>, _>("error")?.unwrap_or(0),
+        });
+    }
+    Ok(out)
+}

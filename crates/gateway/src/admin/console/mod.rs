@@ -240,10 +240,16 @@ pub(crate) async fn handle(state: &AdminState, req: Request<Body>) -> Response<G
         ["console", "keys", id] => {
             key_page(state, &frame, id, &query(&req), None, StatusCode::OK).await
         }
-        ["console", "backends"] => page(
-            StatusCode::OK,
-            pages::overview::backends(&frame, &state.fleet.current().backends_json()),
-        ),
+        ["console", "backends"] => {
+            let hour_ago = crate::clock::wall_ms() - 3_600_000;
+            let cache = data::cache_by_pool(state.auth.store(), hour_ago)
+                .await
+                .map_err(|e| store_message(&e));
+            page(
+                StatusCode::OK,
+                pages::overview::backends(&frame, &state.fleet.current().backends_json(), &cache),
+            )
+        }
         ["console", "audit"] => audit_page(state, &frame, &query(&req)).await,
         ["console", "requests"] => requests_page(state, &frame, &query(&req)).await,
         _ => page(

@@ -15,6 +15,7 @@
 
 pub(crate) mod index;
 pub(crate) mod prompt;
+mod segments;
 mod subscriber;
 mod subscriptions;
 pub(crate) mod zmtp;

@@ -28,7 +28,13 @@ pub struct PromptTokens {
     has_template: bool,
     /// `bos_token` and the like, as the template sees them.
     special: Vec<(String, String)>,
+    /// The ids of the stretches between added tokens seen before (a chat's history), when the
+    /// tokenizer's added tokens allow encoding stretch by stretch.
+    segments: Option<super::segments::Segments>,
 }
+
+/// Ids of stretches remembered per generation (`segments`): 4 MiB each, 8 MiB at most.
+const SEGMENT_IDS: usize = 1 << 20;
 
 impl std::fmt::Debug for PromptTokens {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -103,11 +109,13 @@ impl PromptTokens {
             env.add_template_owned("chat", src)
                 .map_err(|e| format!("the chat template does not parse: {e}"))?;
         }
+        let segments = super::segments::Segments::new(&tokenizer, SEGMENT_IDS);
         Ok(PromptTokens {
             tokenizer,
             env,
             has_template,
             special,
+            segments,
         })
     }
 
@@ -166,7 +174,17 @@ impl PromptTokens {
     /// The chat request's prompt as the engine's token ids.
     pub fn chat(&self, body: &[u8]) -> Result<Vec<u32>, String> {
         let text = self.render_chat(body)?;
-        self.encode(&text, false)
+        match &self.segments {
+            // The history's stretches as encoded before, only the new ones encoded now.
+            Some(s) => s.encode(&text, |t| self.encode(t, false)),
+            None => self.encode(&text, false),
+        }
+    }
+
+    /// The chat prompt's ids encoded whole, without the remembered stretches.
+    #[cfg(test)]
+    pub(crate) fn chat_whole(&self, body: &[u8]) -> Result<Vec<u32>, String> {
+        self.encode(&self.render_chat(body)?, false)
     }
 
     /// A completions prompt's token ids (special tokens added as the tokenizer adds them).

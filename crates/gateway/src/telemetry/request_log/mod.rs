@@ -68,6 +68,7 @@ impl RequestLog {
                 client_addr: r.client_addr,
                 endpoint: r.endpoint,
                 trace_id: r.trace_id,
+                predicted_cached: r.predicted_cached_tokens(),
             },
         };
         match self.tx.try_send(pending) {

@@ -43,12 +43,21 @@ pub struct SpillRow {
     /// The W3C trace the request joined (32 hex digits); absent in older spill files.
     #[serde(default)]
     pub trace_id: Option<String>,
+    /// Prompt tokens the gateway predicted the chosen backend's engine holds; absent in older
+    /// spill files.
+    #[serde(default)]
+    pub predicted_cached_tokens: Option<i64>,
+    /// Prompt tokens the engine reported it served from its cache; absent in older spill
+    /// files.
+    #[serde(default)]
+    pub cached_tokens: Option<i64>,
 }
 
 pub(super) const COLUMNS: &str = "row_id, at, request_id, key_id, environment, model, backend, status, error, \
     stream, prompt_tokens, completion_tokens, usage_source, queue_wait_us, upstream_ttft_us, \
     client_ttft_us, overhead_pre_us, overhead_relay_us, e2el_us, tpot_us, itl_mean_us, itl_p99_us, \
-    itl_max_us, content_events, client_addr, hop_us, endpoint, trace_id";
+    itl_max_us, content_events, client_addr, hop_us, endpoint, trace_id, \
+    predicted_cached_tokens, cached_tokens";
 
 pub(super) fn us(d: Option<Duration>) -> Option<i64> {
     d.map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
@@ -73,6 +82,7 @@ pub(super) struct RecordCopy {
     pub(super) client_addr: Option<std::net::SocketAddr>,
     pub(super) endpoint: Option<fleetgate_protocol::Endpoint>,
     pub(super) trace_id: Option<fleetgate_protocol::trace_context::TraceId>,
+    pub(super) predicted_cached: Option<u64>,
 }
 
 /// A row's values, borrowed from its `Pending` (nothing allocated, except a request id that
@@ -98,6 +108,8 @@ pub(super) struct Fields<'a> {
     pub(super) endpoint: Option<&'static str>,
     /// The trace id's 32 hex digits.
     pub(super) trace_id: Option<[u8; 32]>,
+    pub(super) predicted_cached_tokens: Option<i64>,
+    pub(super) cached_tokens: Option<i64>,
 }
 
 pub(super) fn count(n: u64) -> i64 {
@@ -139,6 +151,8 @@ impl Pending {
             hop_us: us(t.hop()),
             endpoint: r.endpoint.map(fleetgate_protocol::Endpoint::as_str),
             trace_id: r.trace_id.map(|t| t.hex()),
+            predicted_cached_tokens: r.predicted_cached.map(count),
+            cached_tokens: t.stream().usage.and_then(|u| u.cached_tokens).map(count),
         }
     }
 
@@ -189,6 +203,8 @@ impl Pending {
                 .trace_id
                 .as_ref()
                 .map(|h| String::from_utf8_lossy(h).into_owned()),
+            predicted_cached_tokens: f.predicted_cached_tokens,
+            cached_tokens: f.cached_tokens,
         }
     }
 }

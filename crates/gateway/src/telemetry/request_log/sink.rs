@@ -8,7 +8,7 @@ use crate::config::DbKind;
 use crate::store::{BulkPool, KeyStore};
 
 /// Columns per row.
-pub(super) const WIDTH: usize = 28;
+pub(super) const WIDTH: usize = 30;
 
 /// Rows per SQLite statement, largest first: a batch is cut into statements of these sizes,
 /// so at most a few distinct statements exist, each prepared once and then cached. 64 rows, not
@@ -117,7 +117,9 @@ impl Sink {
                                 f.trace_id
                                     .as_ref()
                                     .map(|h| String::from_utf8_lossy(h).into_owned()),
-                            );
+                            )
+                            .bind(f.predicted_cached_tokens)
+                            .bind(f.cached_tokens);
                     }
                     q.execute(&mut *tx).await?;
                     rest = tail;
@@ -193,6 +195,8 @@ pub(super) fn encode_copy(buf: &mut Vec<u8>, prefix: &str, rows: &[Pending]) {
         int8(buf, f.hop_us);
         text(buf, f.endpoint.map(str::as_bytes));
         text(buf, f.trace_id.as_ref().map(|h| &h[..]));
+        int8(buf, f.predicted_cached_tokens);
+        int8(buf, f.cached_tokens);
     }
     buf.extend_from_slice(&(-1i16).to_be_bytes());
 }
@@ -300,7 +304,9 @@ pub(super) async fn insert_rows(
             .bind(r.client_addr.clone())
             .bind(r.hop_us)
             .bind(r.endpoint.clone())
-            .bind(r.trace_id.clone());
+            .bind(r.trace_id.clone())
+            .bind(r.predicted_cached_tokens)
+            .bind(r.cached_tokens);
     }
     q.execute(&mut **tx).await?;
     Ok(())

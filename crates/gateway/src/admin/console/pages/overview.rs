@@ -5,7 +5,7 @@ use maud::{Markup, html};
 use super::latency::{HOP, PROCESSING, TTFT, latency_chart};
 use super::{Frame, Section, csrf_field, env_label, layout, percent};
 use crate::admin::console::chart::{Line, line_chart, range_text, span_text};
-use crate::admin::console::data::{Acc, ENVS, LiveFigures, RATE_WINDOW, Series};
+use crate::admin::console::data::{Acc, CacheFigures, ENVS, LiveFigures, RATE_WINDOW, Series};
 
 pub(crate) fn overview(f: &Frame<'_>, live: Markup, charts: Markup) -> Markup {
     layout(
@@ -169,7 +169,11 @@ pub(crate) fn charts(s: &Series, now: i64) -> Markup {
 // ---------------------------------------------------------------------------------------------
 // Keys
 
-pub(crate) fn backends(f: &Frame<'_>, rows: &[serde_json::Value]) -> Markup {
+pub(crate) fn backends(
+    f: &Frame<'_>,
+    rows: &[serde_json::Value],
+    cache: &Result<Vec<CacheFigures>, String>,
+) -> Markup {
     let mut models: Vec<&str> = Vec::new();
     for r in rows {
         let m = r["model"].as_str().unwrap_or("");
@@ -196,6 +200,7 @@ pub(crate) fn backends(f: &Frame<'_>, rows: &[serde_json::Value]) -> Markup {
             @for m in &models {
                 section.pool {
                     h2 { "Pool " code { (m) } }
+                    (cache_line(m, cache))
                     table.list.backends {
                         thead { tr {
                             th { "name" } th { "backend" } th { "labels" } th { "state" } th.num { "in flight" } th.num { "capacity" } th.num { "weight" }
@@ -246,6 +251,36 @@ pub(crate) fn backends(f: &Frame<'_>, rows: &[serde_json::Value]) -> Markup {
             @if models.is_empty() { p.empty { "No pool is configured." } }
         },
     )
+}
+
+/// A pool's prefix cache over the last hour: the engines' hit rate, the routing's belief and
+/// its error, from the request log.
+fn cache_line(model: &str, cache: &Result<Vec<CacheFigures>, String>) -> Markup {
+    match cache {
+        Err(e) => {
+            html! { p.small.error-text { "Prefix cache: cannot read the request log: " (e) } }
+        }
+        Ok(all) => match all.iter().find(|c| c.model == model) {
+            None => html! {
+                p.small.cache { "Prefix cache: no answer in the last hour reported its cached prompt tokens (vLLM reports them with " code { "--enable-prompt-tokens-details" } ")." }
+            },
+            Some(c) => html! {
+                table.figures.cache data-model=(model) {
+                    caption { "Prefix cache, last hour, from the request log: " (c.answers) " answers whose engine reported its cached prompt tokens" }
+                    thead { tr {
+                        th.num { "prompt tokens" } th.num { "served from cache (engines)" }
+                        th.num { "predicted by routing" } th.num { "prediction error" }
+                    } }
+                    tbody { tr {
+                        td.num { (c.prompt) }
+                        td.num.served { (percent(c.served_share())) }
+                        td.num.predicted { (percent(c.predicted_share())) }
+                        td.num.error { (percent(c.error_share())) }
+                    } }
+                }
+            },
+        },
+    }
 }
 
 #[cfg(test)]
@@ -376,5 +411,33 @@ mod tests {
         first.rate = [None; 4];
         let first = live(&first, &fleet).into_string();
         assert!(first.contains("settle on the last 30 s"), "{first}");
+    }
+
+    #[test]
+    fn each_pool_says_its_hit_rate_and_the_routings_belief() {
+        let figures = CacheFigures {
+            model: "qwen32b".into(),
+            answers: 12,
+            prompt: 1000,
+            served: 700,
+            predicted: 650,
+            error: 80,
+        };
+        let html = cache_line("qwen32b", &Ok(vec![figures])).into_string();
+        assert!(html.contains("12 answers"), "{html}");
+        for (class, text) in [
+            ("served", "70.0 %"),
+            ("predicted", "65.0 %"),
+            ("error", "8.0 %"),
+        ] {
+            assert!(
+                html.contains(&format!("class=\"num {class}\">{text}<")),
+                "{class}: {html}"
+            );
+        }
+        let none = cache_line("other", &Ok(Vec::new())).into_string();
+        assert!(none.contains("--enable-prompt-tokens-details"), "{none}");
+        let failed = cache_line("qwen32b", &Err("the database is down".into())).into_string();
+        assert!(failed.contains("the database is down"), "{failed}");
     }
 }

@@ -206,3 +206,75 @@ fn chat_template_kwargs_reach_the_template() {
     let body = br#"{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": false}}"#;
     assert_eq!(p.render_chat(body).unwrap(), "hi|no-think");
 }
+
+/// A word-level model whose vocabulary covers `w0`…`w999`, with Qwen's chat tokens added as
+/// the tokenizer's added tokens (`lstrip` on them when `strip`).
+fn added_tokens_dir(tag: &str, strip: bool) -> PathBuf {
+    let dir = model_dir(tag);
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), 0.into());
+    for i in 0..1000u32 {
+        vocab.insert(format!("w{i}"), (i + 1).into());
+    }
+    for (i, w) in ["system", "user", "assistant"].iter().enumerate() {
+        vocab.insert((*w).into(), (2000 + i).into());
+    }
+    let added: Vec<serde_json::Value> = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            serde_json::json!({"id": 3000 + i, "content": t, "single_word": false, "lstrip": strip,
+                "rstrip": false, "normalized": false, "special": i < 2})
+        })
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    dir
+}
+
+/// A conversation's history is encoded once: a later turn's ids are the same as the whole
+/// prompt encoded at once, and its earlier messages come from what was remembered.
+#[test]
+fn a_later_turn_reuses_the_historys_ids_and_they_are_the_whole_prompts() {
+    let p = PromptTokens::load(&added_tokens_dir("segments", false), Some(&template())).unwrap();
+    let segments = p.segments.as_ref().expect("stretch by stretch");
+    let words = |from: usize, n: usize| {
+        (from..from + n)
+            .map(|i| format!("w{}", i % 1000))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": words(0, 300)}),
+        serde_json::json!({"role": "user", "content": words(300, 100)}),
+    ];
+    let mut held = Vec::new();
+    for turn in 0..4 {
+        let body = serde_json::to_vec(&serde_json::json!({"messages": messages})).unwrap();
+        let ids = p.chat(&body).unwrap();
+        assert_eq!(ids, p.chat_whole(&body).unwrap(), "turn {turn}");
+        let start = p.tokenizer.token_to_id("<|im_start|>").unwrap();
+        assert_eq!(ids[0], start, "the template's own token");
+        assert!(ids.contains(&1), "w0 is a word of the vocabulary");
+        held.push(segments.held_ids());
+        // The answer (with a thought, which Qwen3's template drops from the history) and the
+        // next question; an added token inside a message is one too.
+        messages.push(serde_json::json!({"role": "assistant", "content": format!("<think> w7 </think> {}", words(400 + turn * 50, 80))}));
+        messages.push(serde_json::json!({"role": "user", "content": words(600 + turn * 50, 90)}));
+    }
+    // Each turn remembers only what is new: the system prompt (300 ids) once.
+    assert!(held[0] >= 300, "{held:?}");
+    assert!(
+        held.windows(2).all(|w| w[1] > w[0] && w[1] - w[0] < 300),
+        "{held:?}"
+    );
+    // A tokenizer whose added tokens strip the spaces beside them is encoded whole.
+    let stripping =
+        PromptTokens::load(&added_tokens_dir("segments-strip", true), Some(&template())).unwrap();
+    assert!(stripping.segments.is_none());
+}

@@ -25,6 +25,8 @@ use fleetgate_protocol::stream::UsageSource;
 
 use super::RequestRecord;
 
+mod engines;
+
 /// vLLM's own buckets (vllm/v1/metrics/loggers.py), so the gateway's and the engine's
 /// histograms line up.
 const TTFT_BUCKETS: &[f64] = &[
@@ -97,6 +99,8 @@ struct PoolSeries {
     /// By environment × endpoint family (`env * FAMILY_COUNT + family`), created on the first
     /// request of each: most pairs never happen.
     series: Vec<OnceLock<Series>>,
+    /// `fleetgate_prompt_cache_tokens_total` by `CACHE_KINDS`, resolved on first use.
+    cache: OnceLock<[IntCounter; 4]>,
 }
 
 impl PoolSeries {
@@ -107,7 +111,22 @@ impl PoolSeries {
             series: (0..ENV_LABELS.len() * FAMILY_COUNT)
                 .map(|_| OnceLock::new())
                 .collect(),
+            cache: OnceLock::new(),
         }
+    }
+
+    /// Count one answer whose engine reported its cached prompt tokens (`served`), beside what
+    /// the routing predicted (none: 0).
+    fn count_cache(&self, families: &Families, prompt: u64, served: u64, predicted: Option<u64>) {
+        let c = self.cache.get_or_init(|| {
+            CACHE_KINDS.map(|k| families.cache_tokens.with_label_values(&[&self.model, k]))
+        });
+        let served = served.min(prompt);
+        let predicted = predicted.unwrap_or(0).min(prompt);
+        c[0].inc_by(prompt);
+        c[1].inc_by(served);
+        c[2].inc_by(predicted);
+        c[3].inc_by(served.abs_diff(predicted));
     }
 
     /// The handles of (environment, family), resolved on first use.
@@ -162,7 +181,11 @@ struct Families {
     tokens: IntCounterVec,
     info: IntGaugeVec,
     queue_depth: IntGaugeVec,
+    cache_tokens: IntCounterVec,
 }
+
+/// `fleetgate_prompt_cache_tokens_total`'s kinds, in `PoolSeries::cache` order.
+const CACHE_KINDS: [&str; 4] = ["prompt", "served", "predicted", "error"];
 
 pub struct RequestMetrics {
     layout: ArcSwap<Layout>,
@@ -386,6 +409,12 @@ impl RequestMetrics {
             "Requests of affinity.by = \"kv_events\" pools by outcome: hit (sent to a backend whose engine holds part of the prompt, by its KV events) or miss (none holds any, or its backends were loaded beyond the bound: the usual choice)",
             &["model", "outcome"],
         )?;
+        let cache_tokens = counter_vec(
+            registry,
+            "fleetgate_prompt_cache_tokens_total",
+            "Prompt tokens of answers whose engine reported its prefix-cache hits (usage cached_tokens or cache_read_input_tokens), by kind: prompt (their prompt tokens), served (what the engines served from cache), predicted (what the routing predicted the chosen engine holds; 0 without kv_events or longest_prefix), error (the sum of each answer's |predicted - served|). served / prompt is the fleet's hit rate, predicted / prompt the gateway's belief",
+            &["model", "kind"],
+        )?;
         let implausible_usage = counter_vec(
             registry,
             "fleetgate_upstream_implausible_usage_total",
@@ -403,6 +432,7 @@ impl RequestMetrics {
             tokens,
             info,
             queue_depth,
+            cache_tokens,
         };
         let none = PoolSeries::new("none");
         let metrics = Self {
@@ -443,6 +473,7 @@ impl RequestMetrics {
                     model: old.model.clone(),
                     backends: old.backends.clone(),
                     series: old.series.clone(),
+                    cache: old.cache.clone(),
                 },
                 None => PoolSeries::new(&p.model),
             };
@@ -577,6 +608,14 @@ impl RequestMetrics {
             let (tokens, source) = t.stream().output_tokens();
             if let Some(u) = t.stream().usage {
                 s.tokens[0].inc_by(u.prompt_tokens);
+                if let Some(served) = u.cached_tokens {
+                    ps.count_cache(
+                        &self.families,
+                        u.prompt_tokens,
+                        served,
+                        r.predicted_cached_tokens(),
+                    );
+                }
             }
             if source != UsageSource::None {
                 s.tokens[1].inc_by(tokens.unwrap_or(0));
@@ -634,47 +673,6 @@ impl RequestMetrics {
                     self.update_kv_events(&p.model, &b.base, cache);
                 }
             }
-        }
-    }
-}
-
-impl RequestMetrics {
-    fn update_kv_events(
-        &self,
-        model: &str,
-        backend: &str,
-        cache: &crate::pool::engine_cache::EngineCache,
-    ) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let mut totals = [0u64; 4];
-        for r in cache.ranks.iter() {
-            let rank = r.rank.to_string();
-            let labels = [model, backend, rank.as_str()];
-            let state = match r.state() {
-                "live" => 2,
-                "partial" => 1,
-                _ => 0,
-            };
-            self.kv_events_state.with_label_values(&labels).set(state);
-            let blocks = r.index.read().map(|i| i.len()).unwrap_or(0);
-            self.kv_events_blocks
-                .with_label_values(&labels)
-                .set(i64::try_from(blocks).unwrap_or(i64::MAX));
-            for (t, n) in totals
-                .iter_mut()
-                .zip([&r.applied, &r.replayed, &r.lost, &r.bad])
-            {
-                *t += n.load(Relaxed);
-            }
-        }
-        for (outcome, now) in ["applied", "replayed", "lost", "bad"]
-            .into_iter()
-            .zip(totals)
-        {
-            let c = self
-                .kv_events_batches
-                .with_label_values(&[model, backend, outcome]);
-            c.inc_by(now.saturating_sub(c.get()));
         }
     }
 }
