@@ -64,7 +64,7 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-export NO_COLOR=1 RUST_LOG=${RUST_LOG:-warn}
+export NO_COLOR=1 RUST_LOG=${RUST_LOG:-info}
 
 KV_PORT=$(free_port)
 "$BIN" sim --host 127.0.0.1 --port 0 --served-model-name qwen32b --zero-delay \
@@ -107,7 +107,7 @@ EOF
 start_fleetgate p2c "backends = [\"$SIM_URL\"]"
 KEY=$(create_key "$TMP/p2c.toml" kv-cost "$TMP/keys.log")
 start_fleetgate longest "backends = [\"$SIM_URL\"]"$'\n[pools.affinity]\nby = "longest_prefix"'
-start_fleetgate kv $'[[pools.backends]]\nurl = "'"$SIM_URL"$'"\nkv_events_port = '"$KV_PORT"$'\n[pools.affinity]\nby = "kv_events"\n[pools.kv_events]\ntokenizer = "'"$MODEL_DIR"'"'
+start_fleetgate kv "backends = [\"$SIM_URL\"]"$'\n[pools.affinity]\nby = "kv_events"\n[pools.kv_events]\nport = '"$KV_PORT"$'\ntokenizer = "'"$MODEL_DIR"'"'
 
 NGINX_PORT=$(free_port)
 N="$TMP/nginx"
@@ -167,7 +167,7 @@ def ttft(name, host, port, body):
     first = None
     usage = None
     while True:
-        line = r.fp.readline()
+        line = r.readline()
         if not line:
             break
         if line.startswith(b"data: ") and first is None and b'"content"' in line:
@@ -195,7 +195,7 @@ for size in sizes:
     for c in range(conversations):
         # Each target gets a copy of the conversation with its own system prompt, so no target
         # finds another's history in the sim's cache or the gateway's memory.
-        base = text(size // 3)
+        base = text(size // 4)
         histories = {t[0]: [{"role": "system", "content": f"{t[0]} {c} " + base}] for t in targets}
         for turn in range(turns):
             question = text(40)

@@ -12,6 +12,9 @@
 #   - fleetgate, [pools.affinity] by = "longest_prefix"                   "longest_prefix"
 #   - fleetgate, [pools.affinity] by = "kv_events", [pools.kv_events]     "kv_events"
 #     with the same tokenizer directory
+#   - with REPLICAS > 1, also that many replicas of the kv_events gateway behind Debian's nginx
+#     as a round-robin balancer, each subscribing to the engines itself (no Redis, no
+#     shared state but the SQLite key store)                               "kv_events × N"
 # Then `fleetgate bench`'s multi-turn mode runs agent traffic through each of them, ROUNDS
 # times, the order turning every round; each run has a seed of its own, so its texts (system
 # prompt included) are new and no run finds an earlier run's prefixes. Each run reports TTFT
@@ -38,6 +41,7 @@
 #   DECODE_MS [5]     sim decode step, ms
 #   CONVERSATIONS [16] TURNS [6] SYSTEM_LEN [6000] USER_LEN [200] OUTPUT_LEN [32]
 #   THINK_MS [200]    the multi-turn workload (see docs/bench.md)
+#   REPLICAS [3]      kv_events replicas behind round robin, measured beside one (1: not run)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -55,6 +59,7 @@ SYSTEM_LEN=${SYSTEM_LEN:-6000}
 USER_LEN=${USER_LEN:-200}
 OUTPUT_LEN=${OUTPUT_LEN:-32}
 THINK_MS=${THINK_MS:-200}
+REPLICAS=${REPLICAS:-3}
 BIN=${FLEETGATE_BIN:-"$ROOT/target/release/fleetgate"}
 VHOME=${FLEETGATE_VLLM_HOME:-"$HOME/.cache/fleetgate/vllm"}
 MODEL_DIR=${MODEL_DIR:-"$VHOME/tiny-qwen"}
@@ -138,9 +143,69 @@ EOF
     ADMIN[$name]="http://127.0.0.1:$admin"
 }
 
-# The gateway's cache and routing counters, one "name value" line each.
+# start_replicas NAME TAG POOL_EXTRA_TOML: REPLICAS gateways and a round-robin nginx in front;
+# PID and ADMIN of NAME list them all.
+start_replicas() {
+    local name=$1 tag=$2 extra=$3 pids="" admins="" servers="" port i
+    for i in $(seq 1 "$REPLICAS"); do
+        start_fleetgate "$name-r$i" "$tag" "$extra"
+        pids+=" ${PID[$name-r$i]}"
+        admins+=" ${ADMIN[$name-r$i]}"
+        servers+="        server ${URL[$name-r$i]#http://};"$'\n'
+    done
+    port=$(free_port)
+    mkdir -p "$TMP/nginx-$tag"
+    cat >"$TMP/nginx-$tag/nginx.conf" <<EOF
+worker_processes 1;
+daemon off;
+pid $TMP/nginx-$tag/nginx.pid;
+error_log $TMP/nginx-$tag/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $TMP/nginx-$tag/client_body;
+    client_max_body_size 16m;
+    client_body_buffer_size 1m;
+    proxy_temp_path $TMP/nginx-$tag/proxy;
+    tcp_nodelay on;
+    upstream replicas {
+$servers        keepalive 64;
+    }
+    server {
+        listen 127.0.0.1:$port;
+        location / {
+            proxy_pass http://replicas;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }
+    }
+}
+EOF
+    "$NGINX_BIN" -p "$TMP/nginx-$tag/" -c "$TMP/nginx-$tag/nginx.conf" >"$TMP/nginx-$tag.log" 2>&1 &
+    STARTED+=($!)
+    URL[$name]="http://127.0.0.1:$port"
+    PID[$name]=${pids# }
+    ADMIN[$name]=${admins# }
+    for _ in $(seq 1 100); do
+        curl -sf -o /dev/null "${URL[$name]}/health" && return 0
+        sleep 0.1
+    done
+    die "nginx in front of the replicas did not answer within 10 s"
+}
+
+# CPU time of every process listed.
+cpu_all() {
+    local total=0 p
+    for p in $1; do total=$((total + $(cpu_ns "$p"))); done
+    echo "$total"
+}
+
+# The gateway's cache and routing counters, one "name value" line each (summed over replicas
+# by the summary).
 counters() {
-    curl -sf "${ADMIN[$1]}/metrics" | awk '
+    local a
+    for a in ${ADMIN[$1]}; do curl -sf "$a/metrics"; done | awk '
         /^fleetgate_prompt_cache_tokens_total\{/ { match($0, /kind="[a-z]+"/); k = substr($0, RSTART + 6, RLENGTH - 7); print "cache_" k, $NF }
         /^fleetgate_prefix_routing_total\{/ { match($0, /outcome="[a-z]+"/); k = substr($0, RSTART + 9, RLENGTH - 10); print "prefix_" k, $NF }
         /^fleetgate_kv_routing_total\{/ { match($0, /outcome="[a-z]+"/); k = substr($0, RSTART + 9, RLENGTH - 10); print "kv_" k, $NF }'
@@ -149,6 +214,7 @@ counters() {
 RESULTS="$RUN_DIR/runs.tsv"
 printf 'kv\tround\ttarget\tcpu_ns\tfile\tbefore\tafter\n' >"$RESULTS"
 TARGETS=(p2c longest kv)
+[ "$REPLICAS" -gt 1 ] && TARGETS+=(kvn) && find_nginx
 seed=500
 for kv_tokens in $KV_SIZES; do
     log "cache of $kv_tokens tokens per sim"
@@ -183,14 +249,17 @@ for kv_tokens in $KV_SIZES; do
         export OPENAI_API_KEY=$KEY
     fi
     start_fleetgate longest "$kv_tokens" "$plain"$'\n[pools.affinity]\nby = "longest_prefix"'
-    start_fleetgate kv "$kv_tokens" "$tables"$'\n[pools.affinity]\nby = "kv_events"\n[pools.kv_events]\ntopic = "kv"\ntokenizer = "'"$MODEL_DIR"'"'
+    kv_toml="$tables"$'\n[pools.affinity]\nby = "kv_events"\n[pools.kv_events]\ntopic = "kv"\nport = '"${KV_PORTS[0]}"$'\nreplay_port = '"$((KV_PORTS[0] + 1))"$'\ntokenizer = "'"$MODEL_DIR"'"'
+    start_fleetgate kv "$kv_tokens" "$kv_toml"
+    [ "$REPLICAS" -gt 1 ] && start_replicas kvn "$kv_tokens" "$kv_toml"
     # Every subscriber live before the first run.
+    want=$((BACKENDS * (1 + (REPLICAS > 1 ? REPLICAS : 0))))
     for _ in $(seq 1 100); do
-        live=$(curl -sf "${ADMIN[kv]}/metrics" | grep -c '^fleetgate_kv_events_state{.*} 2$' || true)
-        [ "$live" -ge "$BACKENDS" ] && break
+        live=$(for a in ${ADMIN[kv]} ${ADMIN[kvn]:-}; do curl -sf "$a/metrics"; done | grep -c '^fleetgate_kv_events_state{.*} 2$' || true)
+        [ "$live" -ge "$want" ] && break
         sleep 0.1
     done
-    [ "$live" -ge "$BACKENDS" ] || die "the kv_events gateway's subscribers are not live ($live of $BACKENDS)"
+    [ "$live" -ge "$want" ] || die "the kv_events gateways' subscribers are not live ($live of $want)"
     n=${#TARGETS[@]}
     for round in $(seq 1 "$ROUNDS"); do
         for k in $(seq 0 $((n - 1))); do
@@ -199,7 +268,7 @@ for kv_tokens in $KV_SIZES; do
             out="$RUN_DIR/$kv_tokens-$round-$target"
             log "cache $kv_tokens, round $round, $target"
             counters "$target" >"$out.before"
-            before=$(cpu_ns "${PID[$target]}")
+            before=$(cpu_all "${PID[$target]}")
             "$BIN" bench --base-url "${URL[$target]}" --endpoint-type openai-chat --model qwen32b \
                 --multi-turn-conversations "$CONVERSATIONS" --multi-turn-turns "$TURNS" \
                 --multi-turn-system-len "$SYSTEM_LEN" --multi-turn-user-len "$USER_LEN" \
@@ -209,7 +278,7 @@ for kv_tokens in $KV_SIZES; do
                 cat "$out.txt" >&2
                 die "bench failed ($target, cache $kv_tokens)"
             }
-            after=$(cpu_ns "${PID[$target]}")
+            after=$(cpu_all "${PID[$target]}")
             counters "$target" >"$out.after"
             printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$kv_tokens" "$round" "$target" "$((after - before))" \
                 "$out.json" "$out.before" "$out.after" >>"$RESULTS"
@@ -219,10 +288,11 @@ for kv_tokens in $KV_SIZES; do
 done
 
 # --- the summary ------------------------------------------------------------------------------
-python3 - "$RESULTS" >"$RUN_DIR/summary.md" <<'EOF'
+python3 - "$RESULTS" "$REPLICAS" >"$RUN_DIR/summary.md" <<'EOF'
 import json, statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])][1:]
-names = {"p2c": "P2C (no affinity)", "longest": "longest_prefix", "kv": "kv_events"}
+names = {"p2c": "P2C (no affinity)", "longest": "longest_prefix", "kv": "kv_events",
+         "kvn": f"kv_events, {sys.argv[2]} replicas (round robin)"}
 def counters(path):
     out = {}
     for line in open(path):
@@ -273,6 +343,9 @@ for kv in sizes:
     if p2c and kvr and lp:
         ratio = lambda a, b: med([x["later"] for x in a]) / med([x["later"] for x in b])
         print(f"\nLater-turn TTFT p50, kv_events against P2C: {ratio(kvr, p2c):.2f}×; against longest_prefix: {ratio(kvr, lp):.2f}×.")
+        kvn = by.get((kv, "kvn"))
+        if kvn:
+            print(f"{sys.argv[2]} replicas against 1: {ratio(kvn, kvr):.2f}×.")
     print()
 print(f"Medians over the rounds (range in brackets). \"gateway predicted\": the cached prompt tokens the routing predicted on the backends it chose, in percent of the prompt tokens of answers whose engine reported its cache (0 for P2C, which predicts nothing); \"engines served from cache\": the sims' own vllm:prefix_cache_hits / queries.")
 EOF

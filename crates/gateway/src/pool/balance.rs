@@ -312,29 +312,62 @@ impl Balancer {
         })
     }
 
-    /// KV-event routing: the backend whose engine holds the most leading blocks of the prompt
-    /// (`held`, by backend position); among equals the agent session's own backend (`session`:
-    /// rendezvous hashing over the usable backends, as every replica computes it), then the
-    /// least loaded; the session's backend also takes a prompt no engine holds any of. Within
-    /// the same bound as longest-prefix routing; else the usual choice. `true` when it went to
-    /// a backend holding some of the prompt.
+    /// KV-event routing: among the usable backends with capacity whose load is within the
+    /// bound of longest-prefix routing (at most twice the least loaded backend's, or `slack`
+    /// above it), the one where the request would start soonest — the fewest prompt tokens
+    /// left to prefill there plus, for each request it already has in flight, the prefill one
+    /// request typically leaves (Dynamo's cost: blocks to prefill plus active work) — then the
+    /// agent session's own backend (rendezvous hashing over the usable backends, as every
+    /// replica computes it), then the least loaded. When no backend is within the bound or has
+    /// capacity: the usual choice. `true` when it went to a backend holding some of the prompt.
     pub(crate) fn try_acquire_held(
         self: &Arc<Self>,
-        held: &[usize],
-        session: Option<u64>,
+        cost: &PrefillCost<'_>,
         exclude: u64,
         slack: u32,
     ) -> Option<(InFlight, bool)> {
-        let home = session.and_then(|key| self.home(key, exclude));
-        self.try_acquire_preferred(exclude, slack, |i| {
-            let h = held.get(i).copied().unwrap_or(0);
-            let at_home = home == Some(i);
-            (h > 0 || at_home).then_some((h, at_home))
-        })
-        .map(|(slot, preferred)| {
-            let hit = preferred && held.get(slot.index).is_some_and(|h| *h > 0);
-            (slot, hit)
-        })
+        let home = cost.session.and_then(|key| self.home(key, exclude));
+        let load = |b: &Backend| {
+            let f = b.in_flight.load(Ordering::SeqCst);
+            (f, u64::from(f.max(b.remote_load.load(Ordering::Relaxed))))
+        };
+        let usable = |i: usize| exclude & bit(i) == 0 && self.backends[i].eligible();
+        let min_load = (0..self.backends.len())
+            .filter(|i| usable(*i))
+            .map(|i| load(&self.backends[i]).1)
+            .min()
+            .unwrap_or(0);
+        let fair = min_load
+            .saturating_mul(2)
+            .max(min_load.saturating_add(u64::from(slack)));
+        let best = (0..self.backends.len())
+            .filter(|i| usable(*i))
+            .filter_map(|i| {
+                let b = &self.backends[i];
+                let (f, l) = load(b);
+                let cap = b.capacity();
+                (l <= fair && (cap == 0 || f < cap)).then(|| {
+                    let prefill = cost.uncached.get(i).copied().unwrap_or(u64::MAX);
+                    let busy = l.saturating_mul(cost.per_request);
+                    ((prefill.saturating_add(busy), home != Some(i), l), i, f)
+                })
+            })
+            .min();
+        if let Some((_, i, f)) = best
+            && self.backends[i]
+                .in_flight
+                .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            let hit = cost.held.get(i).is_some_and(|h| *h > 0);
+            let slot = InFlight {
+                balancer: self.clone(),
+                index: i,
+                counted: true,
+            };
+            return Some((slot, hit));
+        }
+        self.try_acquire_excluding(exclude).map(|s| (s, false))
     }
 
     /// The usable backend a key hashes to (rendezvous hashing: only a removed backend's keys
@@ -484,6 +517,17 @@ impl Slots for Balancer {
     }
 }
 
+/// What KV-event routing weighs for each backend (by position): the leading blocks its engine
+/// holds of the prompt, the prompt tokens left to prefill there, the tokens one request in
+/// flight stands for, and the agent session's hash.
+#[derive(Debug)]
+pub(crate) struct PrefillCost<'a> {
+    pub(crate) held: &'a [usize],
+    pub(crate) uncached: &'a [u64],
+    pub(crate) per_request: u64,
+    pub(crate) session: Option<u64>,
+}
+
 /// Holds one in-flight slot on a backend; released on drop, whatever ends the request, and
 /// handed straight to the next waiting request if there is one. An uncounted one
 /// (`try_acquire_uncounted`) only names the backend.
@@ -573,6 +617,48 @@ mod tests {
             used.insert(s.position());
         }
         assert_eq!(used.len(), 3);
+    }
+
+    /// KV-event routing weighs what is left to prefill against what each backend is busy
+    /// with: the engine holding the prompt wins until its requests in flight cost more than the
+    /// prefill it saves; among equals the session's backend, then the least loaded.
+    #[test]
+    fn kv_routing_goes_where_the_request_starts_soonest() {
+        let pools = Generation::new(&[pool_cfg(3)], &QueueConfig::default()).unwrap();
+        let balancer = &pools.get("m").unwrap().balancer;
+        let held = [0, 60, 0];
+        let uncached = [1000, 40, 1000];
+        let cost = |session| PrefillCost {
+            held: &held,
+            uncached: &uncached,
+            per_request: 300,
+            session,
+        };
+        // Backend 1 holds most of the prompt: 40 + 300 × its load, against 1000 + 300 × 0.
+        let mut at_one = Vec::new();
+        for expected_load in 0..4 {
+            let (slot, hit) = balancer.try_acquire_held(&cost(None), 0, 64).unwrap();
+            assert_eq!((slot.position(), hit), (1, true), "load {expected_load}");
+            at_one.push(slot);
+        }
+        // With four in flight there (40 + 1200 > 1000) an idle backend is sooner.
+        let (slot, hit) = balancer.try_acquire_held(&cost(None), 0, 64).unwrap();
+        assert!(slot.position() != 1 && !hit);
+        drop(slot);
+        // Backends 0 and 2 tie: the session's own backend takes it, whichever it is.
+        let home = |key: u64| balancer.home(key, 0).unwrap();
+        let key = (0..64u64).find(|k| home(*k) != 1).unwrap();
+        let (slot, _) = balancer.try_acquire_held(&cost(Some(key)), 0, 64).unwrap();
+        assert_eq!(slot.position(), home(key));
+        drop(slot);
+        // The load bound stands: with slack 1 backend 1 (4 in flight) is past 2 × 0 and 0 + 1.
+        drop(at_one.split_off(2));
+        let (slot, _) = balancer.try_acquire_held(&cost(None), 0, 1).unwrap();
+        assert_ne!(
+            slot.position(),
+            1,
+            "two in flight is past the bound of slack 1"
+        );
     }
 
     #[test]

@@ -138,9 +138,10 @@ fn claim_in(
         );
         (claimed, hit.get())
     };
-    // KV-event routing: the backends whose engines hold the most of the prompt first, by
-    // their own events.
+    // KV-event routing: where the request would start soonest, by what each engine holds of
+    // the prompt (its own events) and what it is already busy with.
     if let (Some(blocks), Some(a)) = (&route.engine_blocks, pool.affinity) {
+        use std::sync::atomic::Ordering::Relaxed;
         let held: Vec<usize> = pool
             .backends
             .iter()
@@ -151,9 +152,32 @@ fn claim_in(
                     .map_or(0, |c| c.held(&blocks.blocks))
             })
             .collect();
-        let (claimed, hit) =
-            preferring(&|avoid| balancer.try_acquire_held(&held, route.affinity, avoid, a.slack));
-        pool.kv_counts[usize::from(!hit)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let prompt = u64::from(blocks.prompt_tokens);
+        let uncached: Vec<u64> = held
+            .iter()
+            .map(|h| prompt - blocks.cached_tokens(*h))
+            .collect();
+        // One request in flight stands for the prefill a request typically leaves (a moving
+        // average over the pool's requests, 1/8 each).
+        let least = uncached.iter().copied().min().unwrap_or(prompt);
+        let average = &pool.kv_counts[2];
+        let per_request = average.load(Relaxed);
+        average.store(
+            if per_request == 0 {
+                least.max(1)
+            } else {
+                per_request - per_request / 8 + least / 8
+            },
+            Relaxed,
+        );
+        let cost = crate::pool::PrefillCost {
+            held: &held,
+            uncached: &uncached,
+            per_request: per_request.max(1),
+            session: route.affinity,
+        };
+        let (claimed, hit) = preferring(&|avoid| balancer.try_acquire_held(&cost, avoid, a.slack));
+        pool.kv_counts[usize::from(!hit)].fetch_add(1, Relaxed);
         return claimed;
     }
     // Longest-prefix routing: the backends holding the prompt's longest known prefix first.
