@@ -579,7 +579,7 @@ async fn the_gateways_prediction_is_what_the_engine_serves_from_its_cache() {
     let model = (dir.clone(), template.clone());
     let (gw, sims) = kv_fleet(
         move |a| {
-            a.kv_cache_tokens = 8192;
+            a.kv_cache_tokens = 65_536;
             a.enable_prompt_tokens_details = true;
             a.tokenizer = Some(dir.clone());
             a.chat_template = Some(template.clone());
@@ -596,7 +596,8 @@ async fn the_gateways_prediction_is_what_the_engine_serves_from_its_cache() {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    let system = words(0, 120);
+    // Long enough (over 16 kB) that the gateway cuts it on a blocking thread.
+    let system = words(0, 4000);
     let url = gw.url("/v1/chat/completions");
     let mut histories: Vec<Vec<Value>> = (0..4)
         .map(|c| {

@@ -89,10 +89,16 @@ pub(crate) struct NewSeq {
     pub max_tokens: u32,
     /// vLLM's `priority` (lower first), read only with `--scheduling-policy priority`.
     pub priority: i64,
+    /// Run when the prompt's prefill completes: its blocks enter the prefix cache then.
+    pub on_prefilled: Option<Prefilled>,
 }
+
+/// What a sequence does when its prefill completes (its blocks into the prefix cache).
+pub(crate) struct Prefilled(Box<dyn FnOnce() + Send>);
 
 struct Seq {
     shared: Arc<SeqShared>,
+    on_prefilled: Option<Prefilled>,
     priority: i64,
     prompt_tokens: u32,
     prefill_left: u32,
@@ -159,6 +165,7 @@ impl BatchModel {
         let cached = s.cached_tokens.min(prompt - 1);
         self.waiting.push_back(Seq {
             shared: s.shared,
+            on_prefilled: s.on_prefilled,
             priority: s.priority,
             prompt_tokens: prompt,
             prefill_left: prompt - cached,
@@ -246,6 +253,11 @@ impl BatchModel {
             let emits = if s.chunk > 0 {
                 s.prefill_left -= s.chunk;
                 s.chunk = 0;
+                if s.prefill_left == 0
+                    && let Some(Prefilled(done)) = s.on_prefilled.take()
+                {
+                    done();
+                }
                 s.prefill_left == 0
             } else {
                 s.prefill_left == 0
@@ -327,18 +339,37 @@ impl Engine {
             token_seed,
             priority,
         } = output;
-        let cached_tokens = match &self.prefix_cache {
+        // As vLLM: the prompt's blocks are found now, and enter the cache (and the events) when
+        // its prefill has computed them, so two prompts prefilling at once both miss what
+        // neither has finished. Without a scheduler (zero delays) they enter at once.
+        let (cached_tokens, on_prefilled) = match &self.prefix_cache {
             Some(cache) if !prompt_blocks.hashes.is_empty() => {
-                cache.lock().map_or(0, |mut c| {
-                    let hit = c.admit(prompt_blocks, prompt_tokens);
-                    if let Some(p) = &self.kv_events {
-                        // Under the cache's lock, so batches leave in the order of the changes.
-                        p.publish(c.take_changes());
+                let hit = cache
+                    .lock()
+                    .map_or(0, |mut c| c.lookup(prompt_blocks, prompt_tokens));
+                let (cache, events) = (cache.clone(), self.kv_events.clone());
+                let blocks = prompt_blocks.clone();
+                let store = move || {
+                    if let Ok(mut c) = cache.lock() {
+                        c.store(&blocks);
+                        if let Some(p) = &events {
+                            // Under the cache's lock, so batches leave in the order of the
+                            // changes.
+                            p.publish(c.take_changes());
+                        }
                     }
-                    hit
-                })
+                };
+                (hit, Some(store))
             }
-            _ => 0,
+            _ => (0, None),
+        };
+        let on_prefilled = match (&self.submit, on_prefilled) {
+            (Some(_), Some(store)) => Some(Prefilled(Box::new(store))),
+            (None, Some(store)) => {
+                store();
+                None
+            }
+            (_, None) => None,
         };
         let feed = match &self.submit {
             Some(tx) => {
@@ -349,6 +380,7 @@ impl Engine {
                     cached_tokens,
                     max_tokens,
                     priority,
+                    on_prefilled,
                 };
                 match tx.send(seq) {
                     Ok(()) => Feed::Scheduled(shared),
@@ -603,6 +635,7 @@ mod tests {
                     cached_tokens: 0,
                     max_tokens,
                     priority: 0,
+                    on_prefilled: None,
                 });
                 s
             })
@@ -665,6 +698,7 @@ mod tests {
                         cached_tokens: 0,
                         max_tokens: 1,
                         priority,
+                        on_prefilled: None,
                     });
                     s
                 })
@@ -696,6 +730,7 @@ mod tests {
             cached_tokens: 5000,
             max_tokens: 1,
             priority: 0,
+            on_prefilled: None,
         });
         // Only the 1000 uncached tokens cost prefill time.
         assert_eq!(
@@ -712,6 +747,7 @@ mod tests {
             cached_tokens: 64,
             max_tokens: 1,
             priority: 0,
+            on_prefilled: None,
         });
         m.plan().unwrap();
         assert_eq!(m.prefilled_tokens(), 1001);
@@ -742,6 +778,7 @@ mod tests {
             cached_tokens: 0,
             max_tokens: 2,
             priority: 0,
+            on_prefilled: None,
         });
         let mut steps = 0;
         while s.produced() == 0 {
@@ -768,6 +805,7 @@ mod tests {
                 cached_tokens: 0,
                 max_tokens: 100,
                 priority: 0,
+                on_prefilled: None,
             });
         }
         m.plan().unwrap();

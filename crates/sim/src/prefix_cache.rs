@@ -2,10 +2,12 @@
 //! automatic prefix caching does, kept in LRU order within a token budget, so a repeated
 //! prefix skips its prefill.
 //!
-//! Simplifications against vLLM, chosen so that hit counts stay predictable for tests: a
-//! prompt's blocks enter the cache when its request starts (vLLM caches them as prefill
-//! computes them, so two identical prompts sent at the same instant both miss there), and
-//! blocks of running sequences are evictable like any other.
+//! As vLLM, a prompt's blocks are looked up when its request starts and enter the cache (and
+//! the KV events) when its prefill has computed them, so two identical prompts prefilling at
+//! once both miss (with zero delays, where no scheduler runs, they enter at once).
+//! Simplifications against vLLM: a prompt's blocks enter together when its whole prefill is
+//! done (vLLM caches each chunk as it is computed), and blocks of running sequences are
+//! evictable like any other.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -107,15 +109,48 @@ impl PrefixCache {
     /// Looks a prompt of `prompt_tokens` tokens up by its block hashes and stores its blocks;
     /// returns the tokens found (a multiple of the block size). As vLLM, at least the last
     /// prompt token is always computed, so a prompt that is all cached still pays one block.
+    #[cfg(test)]
     pub(crate) fn admit(&mut self, prompt: &PromptBlocks, prompt_tokens: u32) -> u32 {
-        let hashes = &prompt.hashes[..];
+        let hit = self.lookup(prompt, prompt_tokens);
+        self.store(prompt);
+        hit
+    }
+
+    /// The leading prompt tokens of `prompt` the cache holds (a multiple of the block size, at
+    /// most the last whole block before the prompt's last token); they become the most recently
+    /// used.
+    pub(crate) fn lookup(&mut self, prompt: &PromptBlocks, prompt_tokens: u32) -> u32 {
         let bs = self.block_size;
         let usable = usize::try_from(prompt_tokens.saturating_sub(1) / bs).unwrap_or(usize::MAX);
-        let hit_blocks = hashes
+        let hit_blocks = prompt
+            .hashes
             .iter()
             .take(usable)
             .take_while(|h| self.blocks.contains_key(h))
             .count();
+        self.touch(&prompt.hashes[..hit_blocks]);
+        u32::try_from(hit_blocks)
+            .unwrap_or(u32::MAX)
+            .saturating_mul(bs)
+    }
+
+    /// `hashes` become the most recently used, the chain's head last (evicted last).
+    fn touch(&mut self, hashes: &[u64]) {
+        self.tick += hashes.len() as u64 + 1;
+        for (i, h) in hashes.iter().enumerate() {
+            let t = self.tick - i as u64;
+            if let Some(old) = self.blocks.insert(*h, t) {
+                self.lru.remove(&old);
+            }
+            self.lru.insert(t, *h);
+        }
+    }
+
+    /// The prompt's blocks, computed, enter the cache (the new ones as one `BlockStored`
+    /// behind the block before the first), least recently used ones evicted past the budget.
+    pub(crate) fn store(&mut self, prompt: &PromptBlocks) {
+        let hashes = &prompt.hashes[..];
+        let bs = self.block_size;
         // Ticks run backwards along the chain, so eviction takes a prompt's tail blocks before
         // its head: the prefix others share stays longest.
         self.tick += hashes.len() as u64 + 1;
@@ -156,9 +191,6 @@ impl PrefixCache {
         {
             changes.push(Change::Removed(evicted));
         }
-        u32::try_from(hit_blocks)
-            .unwrap_or(u32::MAX)
-            .saturating_mul(bs)
     }
 
     /// Blocks held now.

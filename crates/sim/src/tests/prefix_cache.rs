@@ -223,3 +223,32 @@ async fn a_growing_conversation_hits_more_each_turn() {
     assert!(sample(&m, "vllm:prefix_cache_hits_total", "") >= last_cached as f64);
     sim.shutdown().await;
 }
+
+/// As vLLM caches a block once prefill has computed it: two identical prompts prefilling at
+/// once both miss (neither has finished the blocks the other would find), and the next one
+/// finds them. Prefill is slowed (2 ms a token, 200 ms a prompt) so both are in it together.
+#[tokio::test]
+async fn blocks_enter_the_cache_when_prefill_has_computed_them() {
+    let sim = start(SimArgs {
+        enable_prompt_tokens_details: true,
+        kv_cache_tokens: 1_000_000,
+        prefill_us_per_token: 2000.0,
+        ..timed()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let messages = json!([{"role": "user", "content": text_of('s', 100)}]);
+    let (a, b) = tokio::join!(
+        chat_usage(&c, &sim, messages.clone()),
+        chat_usage(&c, &sim, messages.clone())
+    );
+    for (u, _) in [&a, &b] {
+        assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 0, "{u}");
+    }
+    let (after, _) = chat_usage(&c, &sim, messages).await;
+    assert_eq!(
+        after["prompt_tokens_details"]["cached_tokens"], 96,
+        "{after}"
+    );
+}
