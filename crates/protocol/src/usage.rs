@@ -15,8 +15,9 @@ use serde::Deserialize;
 pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
-    /// Prompt tokens the engine read from its prefix cache, when it said.
-    pub cached_tokens: Option<u64>,
+    /// Prompt tokens the engine read from its prefix cache, when it said (at most
+    /// `MAX_PLAUSIBLE_TOKENS`, so 32 bits: the usage stays 24 bytes in every request's record).
+    pub cached_tokens: Option<u32>,
 }
 
 /// One `usage` object as sent: the counts it names, in either protocol's words.
@@ -123,7 +124,11 @@ impl UsagePart {
             u.completion_tokens = c;
         }
         // A cache count past every plausible count is no count (the others still are).
-        if let Some(c) = self.cached().filter(|c| *c <= MAX_PLAUSIBLE_TOKENS) {
+        if let Some(c) = self
+            .cached()
+            .filter(|c| *c <= MAX_PLAUSIBLE_TOKENS)
+            .and_then(|c| u32::try_from(c).ok())
+        {
             u.cached_tokens = Some(c);
         }
     }

@@ -155,7 +155,7 @@ fn claim_in(
         let prompt = u64::from(blocks.prompt_tokens);
         let uncached: Vec<u64> = held
             .iter()
-            .map(|h| prompt - blocks.cached_tokens(*h))
+            .map(|h| prompt - u64::from(blocks.cached_tokens(*h)))
             .collect();
         // One request in flight stands for the prefill a request typically leaves (a moving
         // average over the pool's requests, 1/8 each).

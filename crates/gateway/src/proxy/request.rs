@@ -47,7 +47,7 @@ pub(super) struct Prepared {
     /// `longest_prefix`: the prompt's block names, recorded for the backend it is sent to.
     pub(super) prefix: Option<Arc<[u64]>>,
     /// `kv_events`: the prompt's engine blocks, to say what the chosen backend holds of it.
-    pub(super) engine_blocks: Option<crate::route::EngineBlocks>,
+    pub(super) engine_blocks: Option<Arc<crate::route::EngineBlocks>>,
     /// Where the other replicas learn it (`limits.shared = "redis"`).
     pub(super) prefix_share: Option<Arc<PrefixShare>>,
 }

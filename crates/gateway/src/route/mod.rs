@@ -52,7 +52,7 @@ pub(crate) struct Route<'p> {
     pub(crate) prefix: Option<Arc<[u64]>>,
     /// `kv_events`: the prompt's full blocks in the engines' own tokens, to find the backend
     /// whose engine holds the longest of them.
-    pub(crate) engine_blocks: Option<EngineBlocks>,
+    pub(crate) engine_blocks: Option<Arc<EngineBlocks>>,
     /// The backends' own name for the model as a JSON string, when the client named another
     /// (an alias, or the pool's name under a different `served_model_name`): spliced into
     /// the body.
@@ -61,9 +61,11 @@ pub(crate) struct Route<'p> {
 
 /// A prompt in the engines' blocks: its full blocks (shared, one clone per attempt) and its
 /// length in tokens.
-#[derive(Debug, Clone)]
+/// Shared behind an `Arc` (one pointer in the route and the prepared request, whose futures
+/// every request of every pool carries).
+#[derive(Debug)]
 pub(crate) struct EngineBlocks {
-    pub(crate) blocks: Arc<[BlockId]>,
+    pub(crate) blocks: Box<[BlockId]>,
     pub(crate) prompt_tokens: u32,
     pub(crate) block_size: u32,
 }
@@ -72,9 +74,12 @@ impl EngineBlocks {
     /// The prompt tokens an engine holding the first `held` blocks serves from its cache. vLLM
     /// computes the last prompt token again to get its logits, so a prompt fully held is served
     /// up to its last whole block before that token (`(tokens - 1)` rounded down to a block).
-    pub(crate) fn cached_tokens(&self, held: usize) -> u64 {
+    pub(crate) fn cached_tokens(&self, held: usize) -> u32 {
         let most = self.prompt_tokens.saturating_sub(1) / self.block_size.max(1);
-        u64::from(u32::try_from(held).unwrap_or(u32::MAX).min(most)) * u64::from(self.block_size)
+        u32::try_from(held)
+            .unwrap_or(u32::MAX)
+            .min(most)
+            .saturating_mul(self.block_size)
     }
 }
 
@@ -211,7 +216,7 @@ fn prefix_names(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<[u64
 /// template and tokenized, a completions prompt tokenized (or taken as the token ids it is).
 /// `None` (routing by load alone) before any engine said its block size, for other endpoints,
 /// and for a request the template cannot render.
-fn engine_blocks(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<EngineBlocks> {
+fn engine_blocks(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<Arc<EngineBlocks>> {
     let tokens = pool.prompt_tokens.as_ref()?;
     let block_size = pool
         .backends
@@ -223,11 +228,11 @@ fn engine_blocks(pool: &Pool, body: &[u8], endpoint: Endpoint) -> Option<EngineB
         _ => return None,
     };
     match ids {
-        Ok(ids) => Some(EngineBlocks {
+        Ok(ids) => Some(Arc::new(EngineBlocks {
             blocks: BlockId::of_prompt(&ids, block_size, None).collect(),
             prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
             block_size,
-        }),
+        })),
         Err(why) => {
             tracing::debug!(
                 model = &*pool.model,

@@ -155,11 +155,12 @@ pub struct RequestRecord {
     recorder: Arc<Recorder>,
 }
 
-/// What prefix-aware routing believed the chosen backend's engine holds of the prompt.
+/// What prefix-aware routing believed the chosen backend's engine holds of the prompt (12
+/// bytes: every request's record carries the field).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CacheBelief {
     /// `kv_events`: the prompt tokens the engine will serve from its cache, by its events.
-    Tokens(u64),
+    Tokens(u32),
     /// `longest_prefix`: `held` of the prompt's `of` blocks of text were sent to the backend
     /// before; in tokens, that share of the prompt the backend reports.
     Share { held: u32, of: u32 },
@@ -198,7 +199,7 @@ impl RequestRecord {
     /// cache (a share of the reported prompt for `longest_prefix`, which knows no tokens).
     pub(crate) fn predicted_cached_tokens(&self) -> Option<u64> {
         match self.cache_belief? {
-            CacheBelief::Tokens(t) => Some(t),
+            CacheBelief::Tokens(t) => Some(u64::from(t)),
             CacheBelief::Share { held, of } => {
                 let prompt = self.timeline.stream().usage?.prompt_tokens;
                 let share = u128::from(prompt) * u128::from(held) / u128::from(of.max(1));

@@ -608,7 +608,7 @@ impl RequestMetrics {
             let (tokens, source) = t.stream().output_tokens();
             if let Some(u) = t.stream().usage {
                 s.tokens[0].inc_by(u.prompt_tokens);
-                if let Some(served) = u.cached_tokens {
+                if let Some(served) = u.cached_tokens.map(u64::from) {
                     ps.count_cache(
                         &self.families,
                         u.prompt_tokens,

@@ -152,7 +152,11 @@ impl Pending {
             endpoint: r.endpoint.map(fleetgate_protocol::Endpoint::as_str),
             trace_id: r.trace_id.map(|t| t.hex()),
             predicted_cached_tokens: r.predicted_cached.map(count),
-            cached_tokens: t.stream().usage.and_then(|u| u.cached_tokens).map(count),
+            cached_tokens: t
+                .stream()
+                .usage
+                .and_then(|u| u.cached_tokens)
+                .map(i64::from),
         }
     }
 
