@@ -327,24 +327,12 @@ impl Balancer {
         slack: u32,
     ) -> Option<(InFlight, bool)> {
         let home = cost.session.and_then(|key| self.home(key, exclude));
-        let load = |b: &Backend| {
-            let f = b.in_flight.load(Ordering::SeqCst);
-            (f, u64::from(f.max(b.remote_load.load(Ordering::Relaxed))))
-        };
-        let usable = |i: usize| exclude & bit(i) == 0 && self.backends[i].eligible();
-        let min_load = (0..self.backends.len())
-            .filter(|i| usable(*i))
-            .map(|i| load(&self.backends[i]).1)
-            .min()
-            .unwrap_or(0);
-        let fair = min_load
-            .saturating_mul(2)
-            .max(min_load.saturating_add(u64::from(slack)));
+        let fair = self.fair_load(exclude, slack);
         let best = (0..self.backends.len())
-            .filter(|i| usable(*i))
+            .filter(|i| self.usable(*i, exclude))
             .filter_map(|i| {
                 let b = &self.backends[i];
-                let (f, l) = load(b);
+                let (f, l) = load_of(b);
                 let cap = b.capacity();
                 (l <= fair && (cap == 0 || f < cap)).then(|| {
                     let prefill = cost.uncached.get(i).copied().unwrap_or(u64::MAX);
@@ -354,18 +342,9 @@ impl Balancer {
             })
             .min();
         if let Some((_, i, f)) = best
-            && self.backends[i]
-                .in_flight
-                .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
+            && let Some(slot) = self.claim_at(i, f)
         {
-            let hit = cost.held.get(i).is_some_and(|h| *h > 0);
-            let slot = InFlight {
-                balancer: self.clone(),
-                index: i,
-                counted: true,
-            };
-            return Some((slot, hit));
+            return Some((slot, cost.held.get(i).is_some_and(|h| *h > 0)));
         }
         self.try_acquire_excluding(exclude).map(|s| (s, false))
     }
@@ -374,7 +353,7 @@ impl Balancer {
     /// move), full or not.
     fn home(&self, key: u64, exclude: u64) -> Option<usize> {
         (0..self.backends.len())
-            .filter(|&i| exclude & bit(i) == 0 && self.backends[i].eligible())
+            .filter(|&i| self.usable(i, exclude))
             .max_by_key(|&i| mix64(key ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
     }
 
@@ -387,48 +366,59 @@ impl Balancer {
         slack: u32,
         rank: impl Fn(usize) -> Option<K>,
     ) -> Option<(InFlight, bool)> {
-        let load = |b: &Backend| {
-            let f = b.in_flight.load(Ordering::SeqCst);
-            (f, u64::from(f.max(b.remote_load.load(Ordering::Relaxed))))
-        };
-        let usable = |i: usize| exclude & bit(i) == 0 && self.backends[i].eligible();
-        let min_load = (0..self.backends.len())
-            .filter(|i| usable(*i))
-            .map(|i| load(&self.backends[i]).1)
-            .min()
-            .unwrap_or(0);
-        let fair = min_load
-            .saturating_mul(2)
-            .max(min_load.saturating_add(u64::from(slack)));
+        let fair = self.fair_load(exclude, slack);
         let best = (0..self.backends.len())
-            .filter(|i| usable(*i))
+            .filter(|i| self.usable(*i, exclude))
             .filter(|i| {
                 let b = &self.backends[*i];
                 let cap = b.capacity();
-                cap == 0 || load(b).0 < cap
+                cap == 0 || load_of(b).0 < cap
             })
-            .filter_map(|i| rank(i).map(|r| (r, std::cmp::Reverse(load(&self.backends[i]).1), i)))
+            .filter_map(|i| {
+                rank(i).map(|r| (r, std::cmp::Reverse(load_of(&self.backends[i]).1), i))
+            })
             .max()
             .map(|(_, _, i)| i);
         if let Some(i) = best {
-            let b = &self.backends[i];
-            let (f, l) = load(b);
+            let (f, l) = load_of(&self.backends[i]);
             if l <= fair
-                && b.in_flight
-                    .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok()
+                && let Some(slot) = self.claim_at(i, f)
             {
-                return Some((
-                    InFlight {
-                        balancer: self.clone(),
-                        index: i,
-                        counted: true,
-                    },
-                    true,
-                ));
+                return Some((slot, true));
             }
         }
         self.try_acquire_excluding(exclude).map(|s| (s, false))
+    }
+
+    /// Neither excluded nor out of rotation.
+    fn usable(&self, i: usize, exclude: u64) -> bool {
+        exclude & bit(i) == 0 && self.backends[i].eligible()
+    }
+
+    /// The most load a preferred backend may carry: twice the least loaded usable backend's,
+    /// or `slack` above it.
+    fn fair_load(&self, exclude: u64, slack: u32) -> u64 {
+        let min_load = (0..self.backends.len())
+            .filter(|i| self.usable(*i, exclude))
+            .map(|i| load_of(&self.backends[i]).1)
+            .min()
+            .unwrap_or(0);
+        min_load
+            .saturating_mul(2)
+            .max(min_load.saturating_add(u64::from(slack)))
+    }
+
+    /// A slot on backend `i`, if its in-flight count is still `f`.
+    fn claim_at(self: &Arc<Self>, i: usize, f: u32) -> Option<InFlight> {
+        self.backends[i]
+            .in_flight
+            .compare_exchange(f, f + 1, Ordering::SeqCst, Ordering::SeqCst)
+            .ok()
+            .map(|_| InFlight {
+                balancer: self.clone(),
+                index: i,
+                counted: true,
+            })
     }
 
     fn scan(
@@ -515,6 +505,13 @@ impl Slots for Balancer {
     fn any_usable(&self) -> bool {
         Balancer::any_usable(self)
     }
+}
+
+/// A backend's requests in flight here, and its load: the larger of those and what its own
+/// metrics say it runs (other replicas' requests included).
+fn load_of(b: &Backend) -> (u32, u64) {
+    let f = b.in_flight.load(Ordering::SeqCst);
+    (f, u64::from(f.max(b.remote_load.load(Ordering::Relaxed))))
 }
 
 /// What KV-event routing weighs for each backend (by position): the leading blocks its engine
