@@ -25,7 +25,8 @@
 # time per request.
 #
 # Results: bench-out/kv-<UTC time>/ (git-ignored): every run's result JSON and text, the
-# gateways' metrics before and after each run, and summary.md (medians over the rounds), also
+# gateways' counters before and after each run (and every metric of the gateways and the sims,
+# *.metrics.before / *.metrics.after), logs/, and summary.md (medians over the rounds), also
 # copied to bench-out/kv-latest.md and printed.
 #
 # Environment (defaults in brackets):
@@ -42,6 +43,8 @@
 #   CONVERSATIONS [16] TURNS [6] SYSTEM_LEN [6000] USER_LEN [200] OUTPUT_LEN [32]
 #   THINK_MS [200]    the multi-turn workload (see docs/bench.md)
 #   REPLICAS [3]      kv_events replicas behind round robin, measured beside one (1: not run)
+#   REQUEST_EVENTS [false]  true: the gateways log one line per request (backend, TTFT, e2e),
+#                     in logs/<target>-<size>.log, to see where each request went and when
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -116,7 +119,7 @@ start_fleetgate() {
 [server]
 listen = "127.0.0.1:0"
 log_format = "text"
-request_log_events = false
+request_log_events = ${REQUEST_EVENTS:-false}
 shutdown_grace_seconds = 1
 health_interval_ms = 5000
 
@@ -211,6 +214,14 @@ counters() {
         /^fleetgate_kv_routing_total\{/ { match($0, /outcome="[a-z]+"/); k = substr($0, RSTART + 9, RLENGTH - 10); print "kv_" k, $NF }'
 }
 
+# Every metric of the gateway(s) and of the sims, for a closer look at a run (per backend: the
+# upstream TTFT histogram, requests; per sim: prefilled tokens, cache hits).
+snapshot() {
+    local a u
+    for a in ${ADMIN[$1]}; do curl -sf "$a/metrics" | sed "s|^|gateway $a |"; done
+    for u in "${SIM_URLS[@]}"; do curl -sf "$u/metrics" | sed "s|^|sim $u |"; done
+}
+
 RESULTS="$RUN_DIR/runs.tsv"
 printf 'kv\tround\ttarget\tcpu_ns\tfile\tbefore\tafter\n' >"$RESULTS"
 TARGETS=(p2c longest kv)
@@ -268,6 +279,7 @@ for kv_tokens in $KV_SIZES; do
             out="$RUN_DIR/$kv_tokens-$round-$target"
             log "cache $kv_tokens, round $round, $target"
             counters "$target" >"$out.before"
+            snapshot "$target" >"$out.metrics.before"
             before=$(cpu_all "${PID[$target]}")
             "$BIN" bench --base-url "${URL[$target]}" --endpoint-type openai-chat --model qwen32b \
                 --multi-turn-conversations "$CONVERSATIONS" --multi-turn-turns "$TURNS" \
@@ -280,6 +292,7 @@ for kv_tokens in $KV_SIZES; do
             }
             after=$(cpu_all "${PID[$target]}")
             counters "$target" >"$out.after"
+            snapshot "$target" >"$out.metrics.after"
             printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$kv_tokens" "$round" "$target" "$((after - before))" \
                 "$out.json" "$out.before" "$out.after" >>"$RESULTS"
         done

@@ -57,6 +57,9 @@ pub struct Backend {
     /// What its engines' KV events say they hold, when the pool subscribes to them (set by
     /// `Fleet::kv_events_loop`).
     pub(crate) engine_cache: ArcSwapOption<super::engine_cache::EngineCache>,
+    /// Prompt tokens this gateway sent it (KV-event routing) that are not prefilled yet: the
+    /// prompts of its requests without a first token, less what the engine held of each.
+    pub(crate) prefill_pending: AtomicU64,
     /// Its engine's KV event port when it is not the pool's (`kv_events_port`).
     pub(crate) kv_events_port: Option<u16>,
     /// Its KV-cache usage in thousandths, from the same scrape.
@@ -207,6 +210,7 @@ impl Backend {
             remote_load: AtomicU32::new(0),
             kv_usage_permille: AtomicU32::new(0),
             engine_cache: ArcSwapOption::empty(),
+            prefill_pending: AtomicU64::new(0),
             kv_events_port: cfg.kv_events_port,
             weight: AtomicU32::new(weight_of(cfg)),
             capacity: AtomicU32::new(capacity_of(cfg, pool)),

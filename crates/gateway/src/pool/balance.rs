@@ -170,6 +170,7 @@ impl Balancer {
                     balancer: self.clone(),
                     index: i,
                     counted: true,
+                    prefill: 0,
                 });
             }
         }
@@ -197,6 +198,7 @@ impl Balancer {
             balancer: self.clone(),
             index: i,
             counted,
+            prefill: 0,
         })
     }
 
@@ -244,6 +246,7 @@ impl Balancer {
             balancer: self.clone(),
             index: i,
             counted: false,
+            prefill: 0,
         })
     }
 
@@ -290,6 +293,7 @@ impl Balancer {
                     balancer: self.clone(),
                     index: i,
                     counted: true,
+                    prefill: 0,
                 });
             }
         }
@@ -312,14 +316,24 @@ impl Balancer {
         })
     }
 
-    /// KV-event routing: among the usable backends with capacity whose load is within the
+    /// KV-event routing. Among the usable backends with capacity whose load is within the
     /// bound of longest-prefix routing (at most twice the least loaded backend's, or `slack`
-    /// above it), the one where the request would start soonest — the fewest prompt tokens
-    /// left to prefill there plus, for each request it already has in flight, the prefill one
-    /// request typically leaves (Dynamo's cost: blocks to prefill plus active work) — then the
-    /// agent session's own backend (rendezvous hashing over the usable backends, as every
-    /// replica computes it), then the least loaded. When no backend is within the bound or has
-    /// capacity: the usual choice. `true` when it went to a backend holding some of the prompt.
+    /// above it):
+    /// - when they differ in what they hold of the prompt, the one where the request would
+    ///   start soonest: the fewest prompt tokens its engine has still to prefill before it
+    ///   gets to this one (what this gateway sent it that has no first token yet,
+    ///   `prefill_pending`) plus this prompt's tokens it does not hold (Dynamo's cost: blocks
+    ///   to prefill plus active prefill work); then the agent session's own backend, then the
+    ///   least loaded. A request decoding costs a new one little (one token of a step's
+    ///   budget), so in-flight requests count only by what they have left to prefill;
+    /// - when they all hold the same of it (nothing, or only what every engine holds, such as
+    ///   a shared system prompt under cache pressure), where it goes changes nothing it
+    ///   prefills: the agent session's own backend (rendezvous hashing over the usable
+    ///   backends, as every replica computes it), else the usual choice (power of two
+    ///   choices), so requests that arrive together are not dealt out in lockstep.
+    ///
+    /// When no backend is within the bound or has capacity: the usual choice. `true` when it
+    /// went to a backend holding some of the prompt.
     pub(crate) fn try_acquire_held(
         self: &Arc<Self>,
         cost: &PrefillCost<'_>,
@@ -328,6 +342,9 @@ impl Balancer {
     ) -> Option<(InFlight, bool)> {
         let home = cost.session.and_then(|key| self.home(key, exclude));
         let fair = self.fair_load(exclude, slack);
+        let uncached = |i: usize| cost.uncached.get(i).copied().unwrap_or(u64::MAX);
+        let mut fewest = u64::MAX;
+        let mut most = 0;
         let best = (0..self.backends.len())
             .filter(|i| self.usable(*i, exclude))
             .filter_map(|i| {
@@ -335,18 +352,31 @@ impl Balancer {
                 let (f, l) = load_of(b);
                 let cap = b.capacity();
                 (l <= fair && (cap == 0 || f < cap)).then(|| {
-                    let prefill = cost.uncached.get(i).copied().unwrap_or(u64::MAX);
-                    let busy = l.saturating_mul(cost.per_request);
-                    ((prefill.saturating_add(busy), home != Some(i), l), i, f)
+                    let prefill = uncached(i);
+                    fewest = fewest.min(prefill);
+                    most = most.max(prefill);
+                    let queued = b.prefill_pending.load(Ordering::Relaxed);
+                    ((prefill.saturating_add(queued), home != Some(i), l), i, f)
                 })
             })
             .min();
-        if let Some((_, i, f)) = best
-            && let Some(slot) = self.claim_at(i, f)
-        {
-            return Some((slot, cost.held.get(i).is_some_and(|h| *h > 0)));
-        }
-        self.try_acquire_excluding(exclude).map(|s| (s, false))
+        let slot = match best {
+            None => None,
+            Some((_, i, f)) if fewest < most => self.claim_at(i, f),
+            Some(_) => home
+                .and_then(|h| {
+                    let (f, l) = load_of(&self.backends[h]);
+                    let cap = self.backends[h].capacity();
+                    (l <= fair && (cap == 0 || f < cap))
+                        .then(|| self.claim_at(h, f))
+                        .flatten()
+                })
+                .or_else(|| self.try_acquire_excluding(exclude)),
+        };
+        let mut slot = slot.or_else(|| self.try_acquire_excluding(exclude))?;
+        let i = slot.position();
+        slot.leave_prefill(cost.uncached.get(i).copied().unwrap_or(0));
+        Some((slot, cost.held.get(i).is_some_and(|h| *h > 0)))
     }
 
     /// The usable backend a key hashes to (rendezvous hashing: only a removed backend's keys
@@ -418,6 +448,7 @@ impl Balancer {
                 balancer: self.clone(),
                 index: i,
                 counted: true,
+                prefill: 0,
             })
     }
 
@@ -515,13 +546,11 @@ fn load_of(b: &Backend) -> (u32, u64) {
 }
 
 /// What KV-event routing weighs for each backend (by position): the leading blocks its engine
-/// holds of the prompt, the prompt tokens left to prefill there, the tokens one request in
-/// flight stands for, and the agent session's hash.
+/// holds of the prompt, the prompt tokens left to prefill there, and the agent session's hash.
 #[derive(Debug)]
 pub(crate) struct PrefillCost<'a> {
     pub(crate) held: &'a [usize],
     pub(crate) uncached: &'a [u64],
-    pub(crate) per_request: u64,
     pub(crate) session: Option<u64>,
 }
 
@@ -533,6 +562,9 @@ pub struct InFlight {
     balancer: Arc<Balancer>,
     index: usize,
     counted: bool,
+    /// Prompt tokens this request left its backend's engine to prefill (KV-event routing),
+    /// counted in the backend's `prefill_pending` until its first token or its end.
+    prefill: u32,
 }
 
 impl InFlight {
@@ -563,12 +595,35 @@ impl InFlight {
             balancer: self.balancer.clone(),
             index: self.index,
             counted: std::mem::replace(&mut self.counted, false),
+            prefill: std::mem::take(&mut self.prefill),
+        }
+    }
+
+    /// The request leaves its backend's engine `tokens` of prompt to prefill before its
+    /// first token.
+    fn leave_prefill(&mut self, tokens: u64) {
+        let tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
+        self.backend()
+            .prefill_pending
+            .fetch_add(u64::from(tokens), Ordering::Relaxed);
+        self.prefill = tokens;
+    }
+
+    /// The engine has prefilled the prompt (its first token, or the answer's head when it
+    /// is not streamed): it no longer stands before the backend's next requests.
+    pub(crate) fn prefilled(&mut self) {
+        let tokens = std::mem::take(&mut self.prefill);
+        if tokens > 0 {
+            self.backend()
+                .prefill_pending
+                .fetch_sub(u64::from(tokens), Ordering::Relaxed);
         }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.prefilled();
         if !self.counted {
             return;
         }
@@ -616,46 +671,99 @@ mod tests {
         assert_eq!(used.len(), 3);
     }
 
-    /// KV-event routing weighs what is left to prefill against what each backend is busy
-    /// with: the engine holding the prompt wins until its requests in flight cost more than the
-    /// prefill it saves; among equals the session's backend, then the least loaded.
+    /// KV-event routing weighs what is left to prefill here against the prefill each backend
+    /// still owes the requests sent before: the engine holding the prompt wins until the
+    /// prompts queued on it cost more than the prefill it saves; a request that has its first
+    /// token no longer counts; among equals the session's backend, then the least loaded.
     #[test]
     fn kv_routing_goes_where_the_request_starts_soonest() {
         let pools = Generation::new(&[pool_cfg(3)], &QueueConfig::default()).unwrap();
         let balancer = &pools.get("m").unwrap().balancer;
         let held = [0, 60, 0];
-        let uncached = [1000, 40, 1000];
+        let uncached = [1000, 400, 1000];
         let cost = |session| PrefillCost {
             held: &held,
             uncached: &uncached,
-            per_request: 300,
             session,
         };
-        // Backend 1 holds most of the prompt: 40 + 300 × its load, against 1000 + 300 × 0.
+        // Backend 1 holds most of the prompt: 400 + 400 × the prompts it has not prefilled yet,
+        // against 1000.
         let mut at_one = Vec::new();
-        for expected_load in 0..4 {
+        for queued in 0..2 {
             let (slot, hit) = balancer.try_acquire_held(&cost(None), 0, 64).unwrap();
-            assert_eq!((slot.position(), hit), (1, true), "load {expected_load}");
+            assert_eq!((slot.position(), hit), (1, true), "{queued} queued");
             at_one.push(slot);
         }
-        // With four in flight there (40 + 1200 > 1000) an idle backend is sooner.
+        // Two prompts queued there (400 + 800 > 1000): an idle backend is sooner.
         let (slot, hit) = balancer.try_acquire_held(&cost(None), 0, 64).unwrap();
         assert!(slot.position() != 1 && !hit);
         drop(slot);
+        // Once they have their first tokens they are only decoding: backend 1 again, though it
+        // has the most requests in flight.
+        for s in &mut at_one {
+            s.prefilled();
+        }
+        let (slot, _) = balancer.try_acquire_held(&cost(None), 0, 64).unwrap();
+        assert_eq!(
+            slot.position(),
+            1,
+            "decoding requests cost a new one no prefill"
+        );
+        at_one.push(slot);
+        // A request that ends before its first token takes its prompt off the queue too.
+        drop(at_one.pop());
+        let (slot, _) = balancer.try_acquire_held(&cost(None), 0, 64).unwrap();
+        assert_eq!(slot.position(), 1);
+        at_one.push(slot);
         // Backends 0 and 2 tie: the session's own backend takes it, whichever it is.
         let home = |key: u64| balancer.home(key, 0).unwrap();
         let key = (0..64u64).find(|k| home(*k) != 1).unwrap();
-        let (slot, _) = balancer.try_acquire_held(&cost(Some(key)), 0, 64).unwrap();
+        let (slot, _) = balancer
+            .try_acquire_held(
+                &PrefillCost {
+                    held: &[0, 0, 0],
+                    uncached: &[1000, 1000, 1000],
+                    session: Some(key),
+                },
+                0,
+                64,
+            )
+            .unwrap();
         assert_eq!(slot.position(), home(key));
         drop(slot);
-        // The load bound stands: with slack 1 backend 1 (4 in flight) is past 2 × 0 and 0 + 1.
-        drop(at_one.split_off(2));
+        // The load bound stands: with slack 1, backend 1 (3 in flight) is past 2 × 0 and 0 + 1.
         let (slot, _) = balancer.try_acquire_held(&cost(None), 0, 1).unwrap();
         assert_ne!(
             slot.position(),
             1,
-            "two in flight is past the bound of slack 1"
+            "three in flight is past the bound of slack 1"
         );
+    }
+
+    /// Where every engine holds the same of the prompt, the choice is the usual one: idle
+    /// backends are drawn at random (a fixed order would deal requests that arrive together
+    /// out in lockstep), and what is queued to prefill is still counted.
+    #[test]
+    fn kv_routing_without_a_difference_is_the_usual_choice() {
+        let pools = Generation::new(&[pool_cfg(3)], &QueueConfig::default()).unwrap();
+        let balancer = &pools.get("m").unwrap().balancer;
+        let cost = PrefillCost {
+            held: &[2, 2, 2],
+            uncached: &[700, 700, 700],
+            session: None,
+        };
+        let mut used = [0u32; 3];
+        for _ in 0..60 {
+            let (slot, hit) = balancer.try_acquire_held(&cost, 0, 64).unwrap();
+            assert!(hit, "every backend holds some of it");
+            used[slot.position()] += 1;
+        }
+        assert!(used.iter().all(|n| *n > 0), "idle backends drawn: {used:?}");
+        let (slot, _) = balancer.try_acquire_held(&cost, 0, 64).unwrap();
+        let b = slot.backend().clone();
+        assert_eq!(b.prefill_pending.load(Ordering::Relaxed), 700);
+        drop(slot);
+        assert_eq!(b.prefill_pending.load(Ordering::Relaxed), 0);
     }
 
     #[test]

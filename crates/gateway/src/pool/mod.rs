@@ -79,11 +79,9 @@ pub struct Pool {
     /// `by = "kv_events"`: the model's tokenizer and chat template (kept across a reload while
     /// the settings stay).
     pub(crate) prompt_tokens: Option<Arc<PromptTokens>>,
-    /// `by = "kv_events"`: requests sent to a backend holding part of their prompt (hits), the
-    /// others (misses), and the moving average of the prompt tokens a request leaves to prefill
-    /// where it is cheapest (the cost one request in flight stands for); shared by the workers'
-    /// copies, kept across a reload.
-    pub(crate) kv_counts: Arc<[std::sync::atomic::AtomicU64; 3]>,
+    /// `by = "kv_events"`: requests sent to a backend holding part of their prompt (hits) and
+    /// the others (misses); shared by the workers' copies, kept across a reload.
+    pub(crate) kv_counts: Arc<[std::sync::atomic::AtomicU64; 2]>,
     config: PoolConfig,
 }
 

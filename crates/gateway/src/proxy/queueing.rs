@@ -157,23 +157,9 @@ fn claim_in(
             .iter()
             .map(|h| prompt - u64::from(blocks.cached_tokens(*h)))
             .collect();
-        // One request in flight stands for the prefill a request typically leaves (a moving
-        // average over the pool's requests, 1/8 each).
-        let least = uncached.iter().copied().min().unwrap_or(prompt);
-        let average = &pool.kv_counts[2];
-        let per_request = average.load(Relaxed);
-        average.store(
-            if per_request == 0 {
-                least.max(1)
-            } else {
-                per_request - per_request / 8 + least / 8
-            },
-            Relaxed,
-        );
         let cost = crate::pool::PrefillCost {
             held: &held,
             uncached: &uncached,
-            per_request: per_request.max(1),
             session: route.affinity,
         };
         let (claimed, hit) = preferring(&|avoid| balancer.try_acquire_held(&cost, avoid, a.slack));

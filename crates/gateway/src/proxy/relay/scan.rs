@@ -151,7 +151,7 @@ pub(super) fn timing_trailer(wanted: bool, record: &RequestRecord) -> Option<htt
 /// Once the first token has been seen: take the upstream socket's stamps (the kernel's arrival
 /// of the bytes that carried it) and feed the backend's mean TTFT.
 pub(super) fn observe_first_token(
-    slot: &InFlight,
+    slot: &mut InFlight,
     record: &mut RequestRecord,
     rx: Option<&UpstreamRx>,
 ) {
@@ -159,6 +159,7 @@ pub(super) fn observe_first_token(
     if t.upstream_first_token().is_none() {
         return;
     }
+    slot.prefilled();
     if let Some(rx) = rx {
         let (written, arrived) = rx.0.first_token_arrival();
         t.stamp_upstream_wire(written, arrived);

@@ -74,7 +74,7 @@ impl RelayBody {
             sse,
             dialect,
             timeouts,
-            slot,
+            mut slot,
             answer:
                 AnswerEdits {
                     strip_usage,
@@ -131,7 +131,11 @@ impl RelayBody {
         }
         let first_token = ex.record.timeline.upstream_first_token().is_some();
         if first_token && sse {
-            observe_first_token(&slot, &mut ex.record, upstream.rx());
+            observe_first_token(&mut slot, &mut ex.record, upstream.rx());
+        }
+        if !sse {
+            // An answer that is not streamed comes whole: its prompt was prefilled long ago.
+            slot.prefilled();
         }
         let deadline = deadline(sent_at, now, sse, first_token, &timeouts);
         let closing = &state.closing;
