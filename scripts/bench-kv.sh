@@ -12,6 +12,9 @@
 #   - fleetgate, [pools.affinity] by = "longest_prefix"                   "longest_prefix"
 #   - fleetgate, [pools.affinity] by = "kv_events", [pools.kv_events]     "kv_events"
 #     with the same tokenizer directory
+#   - the same with kv_events = false on every backend: no subscription;    "estimated"
+#     what each engine holds is estimated from the prompts sent to it,
+#     within the cache size its /metrics reports (vllm:cache_config_info)
 #   - with REPLICAS > 1, also that many replicas of the kv_events gateway behind Debian's nginx
 #     as a round-robin balancer, each subscribing to the engines itself (no Redis, no
 #     shared state but the SQLite key store)                               "kv_events × N"
@@ -99,6 +102,8 @@ two_ports() {
 import socket
 for _ in range(200):
     a = socket.socket(); a.bind(("127.0.0.1", 0)); p = a.getsockname()[1]
+    if p >= 65535:
+        a.close(); continue
     b = socket.socket()
     try:
         b.bind(("127.0.0.1", p + 1)); print(p); break
@@ -224,7 +229,7 @@ snapshot() {
 
 RESULTS="$RUN_DIR/runs.tsv"
 printf 'kv\tround\ttarget\tcpu_ns\tfile\tbefore\tafter\n' >"$RESULTS"
-TARGETS=(p2c longest kv)
+TARGETS=(p2c longest kv est)
 [ "$REPLICAS" -gt 1 ] && TARGETS+=(kvn) && find_nginx
 seed=500
 for kv_tokens in $KV_SIZES; do
@@ -234,6 +239,8 @@ for kv_tokens in $KV_SIZES; do
     KV_PORTS=()
     for i in $(seq 1 "$BACKENDS"); do
         port=$(two_ports)
+        [ -n "$port" ] || port=$(two_ports)
+        [ -n "$port" ] || die "no two consecutive free ports for sim $i's publisher and replay endpoint"
         events=$(printf '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:%s", "replay_endpoint": "tcp://*:%s", "topic": "kv"}' "$port" $((port + 1)))
         "$BIN" sim --host 127.0.0.1 --port 0 --served-model-name qwen32b \
             --kv-cache-tokens "$kv_tokens" --enable-prompt-tokens-details \
@@ -262,6 +269,12 @@ for kv_tokens in $KV_SIZES; do
     start_fleetgate longest "$kv_tokens" "$plain"$'\n[pools.affinity]\nby = "longest_prefix"'
     kv_toml="$tables"$'\n[pools.affinity]\nby = "kv_events"\n[pools.kv_events]\ntopic = "kv"\nport = '"${KV_PORTS[0]}"$'\nreplay_port = '"$((KV_PORTS[0] + 1))"$'\ntokenizer = "'"$MODEL_DIR"'"'
     start_fleetgate kv "$kv_tokens" "$kv_toml"
+    est_toml=""
+    for i in "${!SIM_URLS[@]}"; do
+        est_toml+=$'\n'"[[pools.backends]]"$'\n'"url = \"${SIM_URLS[$i]}\""$'\n'"kv_events = false"
+    done
+    est_toml+=$'\n[pools.affinity]\nby = "kv_events"\n[pools.kv_events]\ntokenizer = "'"$MODEL_DIR"'"'
+    start_fleetgate est "$kv_tokens" "$est_toml"
     [ "$REPLICAS" -gt 1 ] && start_replicas kvn "$kv_tokens" "$kv_toml"
     # Every subscriber live before the first run.
     want=$((BACKENDS * (1 + (REPLICAS > 1 ? REPLICAS : 0))))
@@ -271,6 +284,12 @@ for kv_tokens in $KV_SIZES; do
         sleep 0.1
     done
     [ "$live" -ge "$want" ] || die "the kv_events gateways' subscribers are not live ($live of $want)"
+    for _ in $(seq 1 100); do
+        known=$(curl -sf "${ADMIN[est]}/metrics" | grep -c '^fleetgate_kv_events_state{.*rank="estimated"} 3$' || true)
+        [ "$known" -ge "$BACKENDS" ] && break
+        sleep 0.1
+    done
+    [ "$known" -ge "$BACKENDS" ] || die "the estimating gateway never read the sims' cache sizes ($known of $BACKENDS)"
     n=${#TARGETS[@]}
     for round in $(seq 1 "$ROUNDS"); do
         for k in $(seq 0 $((n - 1))); do
@@ -305,6 +324,7 @@ python3 - "$RESULTS" "$REPLICAS" >"$RUN_DIR/summary.md" <<'EOF'
 import json, statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])][1:]
 names = {"p2c": "P2C (no affinity)", "longest": "longest_prefix", "kv": "kv_events",
+         "est": "kv_events, estimated (no events)",
          "kvn": f"kv_events, {sys.argv[2]} replicas (round robin)"}
 def counters(path):
     out = {}

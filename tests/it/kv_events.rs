@@ -30,7 +30,7 @@ async fn two_ports() -> u16 {
 
 fn kv(port: u16, replay: bool) -> KvEventsConfig {
     KvEventsConfig {
-        port,
+        port: Some(port),
         replay_port: replay.then_some(port + 1),
         data_parallel_size: 1,
         topic: String::new(),
@@ -520,7 +520,7 @@ async fn kv_fleet(
 /// A model directory both the sims (`--tokenizer`) and the gateway load: a word-level
 /// tokenizer over `w0` … `w499` with Qwen's special tokens as single tokens, and Qwen3's chat
 /// template. Each side renders the template and tokenizes by its own code.
-fn chat_model_dir() -> (std::path::PathBuf, std::path::PathBuf) {
+pub(crate) fn chat_model_dir() -> (std::path::PathBuf, std::path::PathBuf) {
     let dir = temp_dir("kv-chat-model");
     let mut vocab = serde_json::Map::new();
     vocab.insert("[UNK]".into(), json!(0));
@@ -557,7 +557,7 @@ fn chat_model_dir() -> (std::path::PathBuf, std::path::PathBuf) {
 }
 
 /// `name{labels…}`'s value in a Prometheus text exposition (labels in any order).
-fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+pub(crate) fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     text.lines()
         .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
         .find(|l| {

@@ -28,6 +28,7 @@ mod balancing;
 mod failover;
 mod fleet_changes;
 mod hostile_backends;
+mod kv_estimate;
 mod kv_events;
 mod model_names;
 mod prefix_routing;

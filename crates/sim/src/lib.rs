@@ -133,10 +133,18 @@ pub async fn start(args: SimArgs) -> io::Result<SimServer> {
     // A plausible KV-cache size for the usage gauge: room for a full batch of quarter-length
     // sequences, which like a real deployment is less than max_num_seqs × max_model_len.
     let kv_capacity = u64::from(cfg.max_model_len) * u64::from(cfg.max_num_seqs.div_ceil(4)).max(1);
+    // The KV blocks it reports (`vllm:cache_config_info`): the prefix cache's, when it has one.
+    let block_size = cfg.block_size.max(1);
+    let kv_blocks = if cfg.prefix_caching() {
+        cfg.prefix_cache_tokens
+    } else {
+        kv_capacity
+    } / u64::from(block_size);
     let stats = Arc::new(SimStats::new(
         cfg.capture,
         kv_capacity,
         u64::from(cfg.max_model_len),
+        (block_size, kv_blocks),
     ));
     let cancel = CancellationToken::new();
     let mut kv_task = None;

@@ -31,7 +31,14 @@ pub struct SimStats {
 }
 
 impl SimStats {
-    pub(crate) fn new(capture: bool, kv_capacity_tokens: u64, max_model_len: u64) -> Self {
+    /// `cache_config`: the block size and the number of KV blocks `vllm:cache_config_info`
+    /// reports.
+    pub(crate) fn new(
+        capture: bool,
+        kv_capacity_tokens: u64,
+        max_model_len: u64,
+        cache_config: (u32, u64),
+    ) -> Self {
         Self {
             requests: AtomicU64::new(0),
             tokenizations: AtomicU64::new(0),
@@ -40,7 +47,7 @@ impl SimStats {
             failed_injected: AtomicU64::new(0),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
-            engine: EngineMetrics::new(kv_capacity_tokens, max_model_len),
+            engine: EngineMetrics::new(kv_capacity_tokens, max_model_len, cache_config),
             captures: capture.then(|| Mutex::new(HashMap::new())),
         }
     }
@@ -144,10 +151,12 @@ pub(crate) struct EngineMetrics {
     /// Tokens held by running sequences; the KV-cache usage gauge is this over the capacity.
     pub kv_tokens: AtomicU64,
     kv_capacity_tokens: u64,
+    /// `vllm:cache_config_info`'s block size and number of KV blocks.
+    cache_config: (u32, u64),
 }
 
 impl EngineMetrics {
-    fn new(kv_capacity_tokens: u64, max_model_len: u64) -> Self {
+    fn new(kv_capacity_tokens: u64, max_model_len: u64, cache_config: (u32, u64)) -> Self {
         let token_buckets = one_two_five(max_model_len);
         Self {
             prompt_tokens: AtomicU64::new(0),
@@ -164,6 +173,7 @@ impl EngineMetrics {
             request_generation_tokens: Histogram::counts(token_buckets),
             kv_tokens: AtomicU64::new(0),
             kv_capacity_tokens: kv_capacity_tokens.max(1),
+            cache_config,
         }
     }
 
@@ -330,6 +340,34 @@ pub(crate) fn render_metrics(stats: &SimStats, model_name: &str) -> String {
         "gauge",
         "KV-cache usage. 1 means 100 percent usage.",
         &[("", usage)],
+    );
+    // vLLM's info gauge: every field of its CacheConfig as a label, no `model_name` (the
+    // labels and values of vLLM 0.32's CPU server, the cache's size and block size this sim's).
+    let (block_size, blocks) = m.cache_config;
+    let tokens = blocks * u64::from(block_size);
+    let _ = writeln!(
+        out,
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+         # TYPE vllm:cache_config_info gauge\n\
+         vllm:cache_config_info{{_block_size_resolved=\"True\",block_size=\"{block_size}\",\
+         cache_dtype=\"auto\",cache_hit_alignment_tokens=\"None\",\
+         effective_attention_block_size=\"{block_size}\",\
+         enable_mamba_shared_prefix_checkpoint=\"False\",enable_prefix_caching=\"True\",\
+         engine=\"0\",gpu_memory_utilization=\"0.92\",hash_block_size=\"None\",\
+         is_attention_free=\"False\",kv_cache_dtype_skip_layers=\"[]\",\
+         kv_cache_layout=\"None\",kv_cache_max_concurrency=\"512.0\",\
+         kv_cache_memory_bytes=\"1073741824\",kv_cache_size_tokens=\"{tokens}\",\
+         kv_offloading_backend=\"native\",kv_offloading_size=\"None\",\
+         kv_sharing_fast_prefill=\"False\",mamba_block_size=\"None\",\
+         mamba_cache_dtype=\"auto\",mamba_cache_mode=\"none\",\
+         mamba_page_size_padded=\"None\",mamba_ssm_cache_dtype=\"float32\",\
+         num_cpu_blocks=\"None\",num_gpu_blocks=\"{blocks}\",\
+         num_gpu_blocks_override=\"None\",prefix_cache_retention_interval=\"0\",\
+         prefix_caching_hash_algo=\"sha256\",prefix_match_unit=\"None\",\
+         replayssm_buffer_len=\"16\",skip_page_size_padded=\"None\",\
+         sliding_window=\"None\",swa_bounded_replay=\"True\",\
+         use_kda_recoverssm=\"False\",use_replayssm=\"False\",\
+         user_specified_block_size=\"False\"}} 1.0"
     );
     let count = |a: &AtomicU64| a.load(Relaxed) as f64;
     family(

@@ -60,7 +60,7 @@ async fn the_gateway_indexes_what_real_vllm_publishes_from_a_late_join() {
     let mut p = pool(&r.model, std::slice::from_ref(&r.url));
     p.upstream_api_key = Some(fleetgate_gateway::secret::Secret::new(&r.key));
     p.kv_events = Some(KvEventsConfig {
-        port,
+        port: Some(port),
         replay_port: Some(port + 1),
         data_parallel_size: 1,
         topic: "kv".into(),

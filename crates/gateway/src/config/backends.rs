@@ -27,6 +27,10 @@ pub struct BackendConfig {
     /// Its engine's KV event publisher port, where it is not the pool's `kv_events.port` (say,
     /// several vLLM servers on one host).
     pub kv_events_port: Option<u16>,
+    /// Whether its engine publishes KV events (`kv_events = false`: in a pool with
+    /// `[pools.kv_events]`, what its cache holds is estimated from what the gateway sent it,
+    /// within the capacity its `/metrics` reports).
+    pub kv_events: bool,
 }
 
 /// How a backend entry becomes backends.
@@ -51,6 +55,7 @@ impl BackendConfig {
             upstream_api_key: None,
             discover: Discover::Static,
             kv_events_port: None,
+            kv_events: true,
         }
     }
 }
@@ -209,6 +214,12 @@ fn table(
             ));
         }
     };
+    if !t.kv_events && t.kv_events_port.is_some() {
+        return Err(err.at(
+            bat(".kv_events_port"),
+            "names the event publisher of a backend with `kv_events = false`: leave one of them out",
+        ));
+    }
     Ok(BackendConfig {
         url,
         weight: t.weight,
@@ -220,6 +231,7 @@ fn table(
             Some(0) => return Err(err.at(bat(".kv_events_port"), "must be a port (1-65535)")),
             p => p,
         },
+        kv_events: t.kv_events,
     })
 }
 
@@ -235,7 +247,7 @@ impl<'de> Deserialize<'de> for RawBackend {
         impl<'de> serde::de::Visitor<'de> for V {
             type Value = RawBackend;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a backend base URL, or a table { url = \"...\", weight, capacity, labels, upstream_api_key, kv_events_port }")
+                f.write_str("a backend base URL, or a table { url = \"...\", weight, capacity, labels, upstream_api_key, kv_events_port, kv_events }")
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawBackend, E> {
                 Ok(RawBackend::Url(v.to_owned()))
@@ -263,6 +275,12 @@ pub(super) struct RawBackendTable {
     pub(super) discover: Option<String>,
     pub(super) refresh_interval_ms: Option<u64>,
     pub(super) kv_events_port: Option<u16>,
+    #[serde(default = "yes")]
+    pub(super) kv_events: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_weight() -> u32 {

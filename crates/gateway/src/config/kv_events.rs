@@ -11,8 +11,9 @@ use super::{ConfigError, FileErrors};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct KvEventsConfig {
-    /// The publisher's port on each backend's host (vLLM's `endpoint`, bound with `*`).
-    pub port: u16,
+    /// The publisher's port on each backend's host (vLLM's `endpoint`, bound with `*`);
+    /// `None` when every backend names its own (`kv_events_port`) or publishes none.
+    pub port: Option<u16>,
     /// The replay endpoint's port (vLLM's `replay_endpoint`), to fill gaps.
     pub replay_port: Option<u16>,
     /// Data-parallel ranks behind each backend: rank r publishes on `port + r` (and replays
@@ -35,7 +36,7 @@ pub(super) const DEFAULT_MAX_BLOCKS: usize = 1 << 20;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawKvEvents {
-    port: u16,
+    port: Option<u16>,
     replay_port: Option<u16>,
     #[serde(default = "one")]
     data_parallel_size: u32,
@@ -61,10 +62,16 @@ impl RawKvEvents {
         at: &dyn Fn(&str) -> String,
         err: FileErrors<'_>,
     ) -> Result<KvEventsConfig, ConfigError> {
-        if self.port == 0 {
+        if self.port == Some(0) {
             return Err(err.at(
                 at("kv_events.port"),
                 "must be the engines' publisher port (vLLM's default endpoint is tcp://*:5557)",
+            ));
+        }
+        if self.replay_port.is_some() && self.port.is_none() {
+            return Err(err.at(
+                at("kv_events.replay_port"),
+                "goes with `port` (each backend's replay endpoint keeps its distance from its publisher's port)",
             ));
         }
         if !(1..=256).contains(&self.data_parallel_size) {
@@ -74,14 +81,16 @@ impl RawKvEvents {
             ));
         }
         let last = |p: u16| u32::from(p) + self.data_parallel_size - 1;
-        if last(self.port) > 65535 || self.replay_port.is_some_and(|p| p == 0 || last(p) > 65535) {
+        if self.port.is_some_and(|p| last(p) > 65535)
+            || self.replay_port.is_some_and(|p| p == 0 || last(p) > 65535)
+        {
             return Err(err.at(
                 at("kv_events"),
                 "port (and replay_port) plus data_parallel_size - 1 must be a port (1-65535)",
             ));
         }
-        if let Some(r) = self.replay_port {
-            let (a, b) = (u32::from(self.port), u32::from(r));
+        if let (Some(r), Some(p)) = (self.replay_port, self.port) {
+            let (a, b) = (u32::from(p), u32::from(r));
             if a.max(b) - a.min(b) < self.data_parallel_size {
                 return Err(err.at(
                     at("kv_events.replay_port"),

@@ -328,6 +328,17 @@ fn pool(
         None => None,
     };
     let kv_events = p.kv_events.map(|k| k.check(&at, err)).transpose()?;
+    if let Some(k) = &kv_events
+        && k.port.is_none()
+        && let Some(i) = backends
+            .iter()
+            .position(|b| b.kv_events && b.kv_events_port.is_none())
+    {
+        return Err(err.at(
+            at(&format!("backends[{i}]")),
+            "has no KV event publisher port: give [pools.kv_events] a `port` (vLLM's default endpoint is tcp://*:5557), this backend a `kv_events_port`, or `kv_events = false` if its engine publishes none",
+        ));
+    }
     if p.affinity
         .as_ref()
         .is_some_and(|a| a.by == AffinityBy::KvEvents)

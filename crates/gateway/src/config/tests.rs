@@ -294,7 +294,7 @@ fn kv_events_and_their_mistakes() {
     let k = c.pools[0].kv_events.as_ref().unwrap();
     assert_eq!(
         (k.port, k.replay_port, k.data_parallel_size, k.max_blocks),
-        (5557, Some(5567), 2, 1 << 20)
+        (Some(5557), Some(5567), 2, 1 << 20)
     );
     assert_eq!(k.tokenizer.as_deref(), Some(dir.as_path()));
     assert_eq!(c.pools[0].backends[1].kv_events_port, Some(6000));
@@ -332,8 +332,27 @@ fn kv_events_and_their_mistakes() {
             "[pools.kv_events]\nport=5557\nendpoint='tcp://x'\n",
             "endpoint",
         ),
+        (
+            "[pools.kv_events]\ntopic='kv'\n",
+            "pools[0].backends[0]: has no KV event publisher port",
+        ),
+        ("[pools.kv_events]\nreplay_port=5558\n", "goes with `port`"),
     ] {
         let e = parse(&format!("{pool}{tail}")).unwrap_err().to_string();
         assert!(e.contains(says), "{tail}: {e}");
     }
+    // Backends that publish no events, or name their own port, need no pool port.
+    let c = parse(
+        "[[pools]]\nmodel='m'\nbackends=[{url='http://a:8000', kv_events=false}, {url='http://b:8000', kv_events_port=6000}]\n[pools.kv_events]\ntopic='kv'\n",
+    )
+    .unwrap();
+    let b = &c.pools[0].backends;
+    assert_eq!(c.pools[0].kv_events.as_ref().unwrap().port, None);
+    assert_eq!((b[0].kv_events, b[1].kv_events), (false, true));
+    let e = parse(
+        "[[pools]]\nmodel='m'\nbackends=[{url='http://a:8000', kv_events=false, kv_events_port=6000}]\n[pools.kv_events]\nport=5557\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("kv_events = false"), "{e}");
 }

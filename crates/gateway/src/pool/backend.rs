@@ -62,6 +62,8 @@ pub struct Backend {
     pub(crate) prefill_pending: AtomicU64,
     /// Its engine's KV event port when it is not the pool's (`kv_events_port`).
     pub(crate) kv_events_port: Option<u16>,
+    /// Its engine publishes KV events (`kv_events = false`: its cache is estimated).
+    pub(crate) kv_events: bool,
     /// Its KV-cache usage in thousandths, from the same scrape.
     pub(super) kv_usage_permille: AtomicU32,
     /// Share of new requests relative to the pool's other backends (a reload may change it).
@@ -212,6 +214,7 @@ impl Backend {
             engine_cache: ArcSwapOption::empty(),
             prefill_pending: AtomicU64::new(0),
             kv_events_port: cfg.kv_events_port,
+            kv_events: cfg.kv_events,
             weight: AtomicU32::new(weight_of(cfg)),
             capacity: AtomicU32::new(capacity_of(cfg, pool)),
             labels: ArcSwap::from_pointee(cfg.labels.clone()),

@@ -46,14 +46,19 @@ use state::ProxyState;
 
 /// Forward one request of the endpoint table. `record` already carries the request id and
 /// `received`; `id` is the stored response a path names.
-pub(crate) async fn forward(
+///
+/// Not itself `async`: it hands back `phases()`'s future, so the request's future does not hold
+/// the request and its record twice (an `async fn` keeps its arguments for its whole life,
+/// beside the future it awaits). That future is boxed once per request and stays allocated
+/// until the response head is out: its size is memory per request in flight.
+pub(crate) fn forward(
     state: &Arc<ProxyState>,
     endpoint: Endpoint,
     id: Option<Box<str>>,
     req: Request<Incoming>,
     record: RequestRecord,
-) -> Response<GatewayBody> {
-    phases(state, endpoint, id, req, Exchange::new(record, endpoint)).await
+) -> impl Future<Output = Response<GatewayBody>> + '_ {
+    phases(state, endpoint, id, req, Exchange::new(record, endpoint))
 }
 
 /// A step's value, or the request answered with the step's error (and `phases()` ends there).

@@ -160,11 +160,12 @@ async fn send(
         && prepared.endpoint.needs().generates
     {
         let held = prepared.engine_blocks.as_ref().map_or(0, |e| {
-            let blocks = backend
-                .engine_cache
-                .load()
-                .as_ref()
-                .map_or(0, |c| c.held(&e.blocks));
+            let blocks = backend.engine_cache.load().as_ref().map_or(0, |c| {
+                let held = c.held(&e.blocks);
+                // An engine without events is believed to hold what it was sent.
+                c.sent(&e.blocks);
+                held
+            });
             e.cached_tokens(blocks)
         });
         ex.record.cache_belief = Some(CacheBelief::Tokens(held));

@@ -12,7 +12,12 @@
 //!   rank is `down` and its index is left as it was, untrusted from the first batch after.
 //!
 //! Every replica subscribes itself, so all of them read the same truth without sharing it.
+//!
+//! A backend whose engine publishes no events (`kv_events = false`) has an `Estimate`
+//! instead: what this gateway sent it, within the capacity its `/metrics` reports.
 
+mod cache_config;
+mod estimate;
 pub(crate) mod index;
 pub(crate) mod prompt;
 mod segments;
@@ -116,16 +121,22 @@ impl Rank {
     }
 }
 
-/// One backend's engines.
+/// One backend's engines: their events' ranks, or (no events) the estimate.
 #[derive(Debug)]
 pub(crate) struct EngineCache {
     pub(crate) ranks: Box<[Arc<Rank>]>,
+    pub(crate) estimate: Option<Estimate>,
 }
+
+pub(crate) use estimate::Estimate;
 
 impl EngineCache {
     /// Leading blocks of `prompt` the backend's best engine holds: 0 from an engine whose
     /// events do not arrive (its index is left as it was, and no longer trusted).
     pub(crate) fn held(&self, prompt: &[BlockId]) -> usize {
+        if let Some(e) = &self.estimate {
+            return e.held(prompt);
+        }
         self.ranks
             .iter()
             .filter(|r| r.link() == Link::Up)
@@ -134,12 +145,30 @@ impl EngineCache {
             .unwrap_or(0)
     }
 
-    /// The engines' block size, once an event said it.
+    /// The engines' block size, once an event (or, estimated, their `/metrics`) said it.
     pub(crate) fn block_size(&self) -> Option<u32> {
+        if let Some(e) = &self.estimate {
+            return e.block_size();
+        }
         self.ranks
             .iter()
             .filter_map(|r| r.index.read().ok().map(|i| i.block_size))
             .find(|&b| b > 0)
+    }
+
+    /// The backend was sent `prompt`: an estimate now believes it (events say it themselves).
+    pub(crate) fn sent(&self, prompt: &[BlockId]) {
+        if let Some(e) = &self.estimate {
+            e.sent(prompt);
+        }
+    }
+
+    /// A backend whose engine publishes no events.
+    pub(crate) fn estimated(cfg: &KvEventsConfig) -> Self {
+        Self {
+            ranks: Box::new([]),
+            estimate: Some(Estimate::new(cfg.max_blocks)),
+        }
     }
 
     /// The ranks of the backend at `host` (as a URL writes it, IPv6 in brackets), publishing
@@ -147,7 +176,10 @@ impl EngineCache {
     pub(crate) fn new(host: &str, port: u16, cfg: &KvEventsConfig) -> Self {
         let ranks = (0..cfg.data_parallel_size)
             .map(|r| {
-                let replay_offset = cfg.replay_port.map(|p| i32::from(p) - i32::from(cfg.port));
+                let replay_offset = cfg
+                    .replay_port
+                    .zip(cfg.port)
+                    .map(|(r, p)| i32::from(r) - i32::from(p));
                 let port = u32::from(port) + r;
                 Arc::new(Rank {
                     rank: r,
@@ -167,11 +199,30 @@ impl EngineCache {
                 })
             })
             .collect();
-        Self { ranks }
+        Self {
+            ranks,
+            estimate: None,
+        }
     }
 
     /// `/admin/ready`'s view: the backend's state (the worst of its ranks') and each rank's.
     pub(crate) fn json(&self) -> serde_json::Value {
+        if let Some(e) = &self.estimate {
+            let learned = e.learned_ms.load(Ordering::Relaxed);
+            return serde_json::json!({
+                "state": "estimated",
+                "routing": if learned == 0 {
+                    "no events, and the engine's cache size is not known yet (vllm:cache_config_info on its /metrics): routed by load alone"
+                } else {
+                    "no events: the prompts sent to it, within the engine's cache size"
+                },
+                "blocks": e.len(),
+                "num_gpu_blocks": (learned > 0).then(|| e.capacity()),
+                "block_size": e.block_size(),
+                "cache_config_seconds_ago": (learned > 0)
+                    .then(|| crate::clock::mono_ms().saturating_sub(learned) as f64 / 1e3),
+            });
+        }
         let states: Vec<&str> = self.ranks.iter().map(|r| r.state()).collect();
         let state = ["down", "connecting", "partial", "live"]
             .into_iter()

@@ -11,8 +11,8 @@ use super::{EngineCache, run_rank};
 use crate::config::KvEventsConfig;
 use crate::pool::fleet::Fleet;
 
-/// A backend's subscription, by pool model, backend base URL, its publisher port and what the
-/// pool configures.
+/// A backend's subscription, by pool model, backend base URL, its publisher port (0: no
+/// events, an estimate) and what the pool configures.
 type Key = (Arc<str>, Arc<str>, u16, KvEventsConfig);
 
 impl Fleet {
@@ -31,10 +31,28 @@ impl Fleet {
                     continue;
                 };
                 for b in &p.backends {
-                    let port = b.kv_events_port.unwrap_or(cfg.port);
+                    // The configuration ensures a port for every backend with events.
+                    let port = if b.kv_events {
+                        b.kv_events_port.or(cfg.port).unwrap_or(0)
+                    } else {
+                        0
+                    };
                     let key = (p.model.clone(), b.base.clone(), port, cfg.clone());
                     let cache = match running.get(&key) {
                         Some((cache, _)) => cache.clone(),
+                        None if port == 0 => {
+                            let cache = Arc::new(EngineCache::estimated(cfg));
+                            let token = stop.child_token();
+                            tasks.spawn(super::cache_config::watch(
+                                cache.clone(),
+                                p.client.clone(),
+                                b.clone(),
+                                p.config().health.timeout,
+                                token.clone(),
+                            ));
+                            running.insert(key.clone(), (cache.clone(), token));
+                            cache
+                        }
                         None => {
                             let host = b
                                 .base

@@ -11,6 +11,19 @@ impl RequestMetrics {
         cache: &crate::pool::engine_cache::EngineCache,
     ) {
         use std::sync::atomic::Ordering::Relaxed;
+        if let Some(e) = &cache.estimate {
+            // No events: the estimate, as one rank named `estimated` (3 once the engine's cache
+            // size is known, 0 before: routed by load alone).
+            let labels = [model, backend, "estimated"];
+            let known = e.learned_ms.load(Relaxed) > 0;
+            self.kv_events_state
+                .with_label_values(&labels)
+                .set(if known { 3 } else { 0 });
+            self.kv_events_blocks
+                .with_label_values(&labels)
+                .set(i64::try_from(e.len()).unwrap_or(i64::MAX));
+            return;
+        }
         let mut totals = [0u64; 4];
         for r in cache.ranks.iter() {
             let rank = r.rank.to_string();
