@@ -46,6 +46,7 @@
 #   CONVERSATIONS [16] TURNS [6] SYSTEM_LEN [6000] USER_LEN [200] OUTPUT_LEN [32]
 #   THINK_MS [200]    the multi-turn workload (see docs/bench.md)
 #   REPLICAS [3]      kv_events replicas behind round robin, measured beside one (1: not run)
+#   ONLY [all]        the targets to run, e.g. "p2c kv" (p2c longest kv est kvn)
 #   REQUEST_EVENTS [false]  true: the gateways log one line per request (backend, TTFT, e2e),
 #                     in logs/<target>-<size>.log, to see where each request went and when
 set -euo pipefail
@@ -231,6 +232,8 @@ RESULTS="$RUN_DIR/runs.tsv"
 printf 'kv\tround\ttarget\tcpu_ns\tfile\tbefore\tafter\n' >"$RESULTS"
 TARGETS=(p2c longest kv est)
 [ "$REPLICAS" -gt 1 ] && TARGETS+=(kvn) && find_nginx
+# ONLY="p2c kv": run only these targets (the others still start).
+[ -n "${ONLY:-}" ] && read -r -a TARGETS <<<"$ONLY"
 seed=500
 for kv_tokens in $KV_SIZES; do
     log "cache of $kv_tokens tokens per sim"

@@ -324,8 +324,9 @@ impl Balancer {
     ///   gets to this one (what this gateway sent it that has no first token yet,
     ///   `prefill_pending`) plus this prompt's tokens it does not hold (Dynamo's cost: blocks
     ///   to prefill plus active prefill work); then the agent session's own backend, then the
-    ///   least loaded. A request decoding costs a new one little (one token of a step's
-    ///   budget), so in-flight requests count only by what they have left to prefill;
+    ///   least loaded, then any (drawn at random). A request decoding costs a new one little
+    ///   (one token of a step's budget), so in-flight requests count only by what they have
+    ///   left to prefill;
     /// - when they all hold the same of it (nothing, or only what every engine holds, such as
     ///   a shared system prompt under cache pressure), where it goes changes nothing it
     ///   prefills: the agent session's own backend (rendezvous hashing over the usable
@@ -345,7 +346,12 @@ impl Balancer {
         let uncached = |i: usize| cost.uncached.get(i).copied().unwrap_or(u64::MAX);
         let mut fewest = u64::MAX;
         let mut most = 0;
-        let best = (0..self.backends.len())
+        // Equal costs go to the first found, from a random backend on: not always the same
+        // one, which would deal requests arriving together out in a fixed order.
+        let n = self.backends.len();
+        let from = if n > 1 { rand::random_range(0..n) } else { 0 };
+        let best = (0..n)
+            .map(|k| (from + k) % n)
             .filter(|i| self.usable(*i, exclude))
             .filter_map(|i| {
                 let b = &self.backends[i];
@@ -359,7 +365,7 @@ impl Balancer {
                     ((prefill.saturating_add(queued), home != Some(i), l), i, f)
                 })
             })
-            .min();
+            .min_by_key(|(cost, _, _)| *cost);
         let slot = match best {
             None => None,
             Some((_, i, f)) if fewest < most => self.claim_at(i, f),
