@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use crate::common::*;
-use crate::kv_events::{chat_model_dir, metric_value};
+use crate::kv_events::{chat_model_dir, next_turn, predictions_match, rows, words};
 use fleetgate_gateway::config::{AffinityBy, AffinityConfig, BackendConfig, KvEventsConfig};
 use serde_json::{Value, json};
 
@@ -76,40 +76,6 @@ async fn estimated_fleet(n: usize, cache_tokens: u64) -> (Gateway, Vec<fleetgate
     (gw, sims)
 }
 
-fn words(from: usize, n: usize) -> String {
-    (from..from + n)
-        .map(|i| format!("w{}", i % 500))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-async fn rows(gw: &Gateway, n: usize) -> Vec<(String, Option<i64>, Option<i64>)> {
-    use sqlx::Row;
-    let store = gw.server.auth.store().clone();
-    let start = std::time::Instant::now();
-    loop {
-        let rows = sqlx::query(
-            "SELECT request_id, predicted_cached_tokens, cached_tokens FROM request_log ORDER BY request_id",
-        )
-        .fetch_all(store.pool())
-        .await
-        .unwrap();
-        if rows.len() >= n || start.elapsed() > Duration::from_secs(10) {
-            return rows
-                .iter()
-                .map(|r| {
-                    (
-                        r.get("request_id"),
-                        r.get("predicted_cached_tokens"),
-                        r.get("cached_tokens"),
-                    )
-                })
-                .collect();
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn ask(gw: &Gateway, id: &str, messages: &[Value]) -> Value {
     let body = json!({"model": "qwen32b", "max_tokens": 2, "messages": messages});
     let m = post(
@@ -139,38 +105,10 @@ async fn without_events_each_turn_goes_where_it_was_sent_before() {
     for turn in 0..3 {
         for (c, history) in histories.iter_mut().enumerate() {
             let answer = ask(&gw, &format!("est-{c}-{turn}"), history).await;
-            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap();
-            if turn > 0 {
-                assert!(
-                    cached >= 600,
-                    "turn {turn} of {c} found its history: {cached} cached"
-                );
-            }
-            served += cached;
-            history.push(
-                json!({"role": "assistant", "content": answer["choices"][0]["message"]["content"]}),
-            );
-            history.push(json!({"role": "user", "content": words(300 + c * 40 + turn * 7, 30)}));
+            served += next_turn(&answer, history, (c, turn), 600);
         }
     }
-    let rows = rows(&gw, 12).await;
-    assert_eq!(rows.len(), 12);
-    for (id, predicted, served) in &rows {
-        assert!(served.is_some(), "{id}: the engine's report is recorded");
-        assert_eq!(predicted, served, "{id}: predicted against served");
-    }
-    let text = admin_metrics(&gw).await;
-    let m = |kind| {
-        metric_value(
-            &text,
-            "fleetgate_prompt_cache_tokens_total",
-            &[("model", "qwen32b"), ("kind", kind)],
-        )
-    };
-    assert_eq!(m("predicted"), Some(served as f64), "{text}");
-    assert_eq!(m("error"), Some(0.0));
+    let text = predictions_match(&gw, 12, served).await;
     assert!(text.contains("fleetgate_kv_events_state{"), "{text}");
     assert!(
         text.lines()

@@ -517,6 +517,89 @@ async fn kv_fleet(
     (gw, sims)
 }
 
+/// The request log's (id, predicted cached tokens, cached tokens) once it holds `n` rows (or
+/// after 10 s), by id.
+pub(crate) async fn rows(gw: &Gateway, n: usize) -> Vec<(String, Option<i64>, Option<i64>)> {
+    use sqlx::Row;
+    let store = gw.server.auth.store().clone();
+    let start = std::time::Instant::now();
+    loop {
+        let rows = sqlx::query(
+            "SELECT request_id, predicted_cached_tokens, cached_tokens FROM request_log ORDER BY request_id",
+        )
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+        if rows.len() >= n || start.elapsed() > Duration::from_secs(10) {
+            return rows
+                .iter()
+                .map(|r| {
+                    (
+                        r.get("request_id"),
+                        r.get("predicted_cached_tokens"),
+                        r.get("cached_tokens"),
+                    )
+                })
+                .collect();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `n` answers whose engines served `served` cached tokens in all: each row's prediction is
+/// its engine's report, and so are the metric's sums. Returns the metrics text.
+pub(crate) async fn predictions_match(gw: &Gateway, n: usize, served: u64) -> String {
+    let rows = rows(gw, n).await;
+    assert_eq!(rows.len(), n);
+    for (id, predicted, reported) in &rows {
+        assert!(reported.is_some(), "{id}: the engine's report is recorded");
+        assert_eq!(predicted, reported, "{id}: predicted against served");
+    }
+    let text = admin_metrics(gw).await;
+    let m = |kind| {
+        metric_value(
+            &text,
+            "fleetgate_prompt_cache_tokens_total",
+            &[("model", "qwen32b"), ("kind", kind)],
+        )
+    };
+    assert_eq!(m("served"), Some(served as f64), "{text}");
+    assert_eq!(m("predicted"), Some(served as f64));
+    assert_eq!(m("error"), Some(0.0));
+    assert!(m("prompt").unwrap() > served as f64);
+    text
+}
+
+/// Words of the test model's vocabulary, `w{from}` on.
+pub(crate) fn words(from: usize, n: usize) -> String {
+    (from..from + n)
+        .map(|i| format!("w{}", i % 500))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The cached prompt tokens the engine reported for conversation `c`'s answer at `turn` (at
+/// least `min` after the first turn: it found its history), the answer and a next question
+/// appended to its `history`.
+pub(crate) fn next_turn(
+    answer: &Value,
+    history: &mut Vec<Value>,
+    (c, turn): (usize, usize),
+    min: u64,
+) -> u64 {
+    let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        turn == 0 || cached >= min,
+        "turn {turn} of {c} found its history: {cached} cached"
+    );
+    history
+        .push(json!({"role": "assistant", "content": answer["choices"][0]["message"]["content"]}));
+    history.push(json!({"role": "user", "content": words(300 + c * 40 + turn * 7, 30)}));
+    cached
+}
+
 /// A model directory both the sims (`--tokenizer`) and the gateway load: a word-level
 /// tokenizer over `w0` … `w499` with Qwen's special tokens as single tokens, and Qwen3's chat
 /// template. Each side renders the template and tokenizes by its own code.
@@ -589,13 +672,6 @@ async fn the_gateways_prediction_is_what_the_engine_serves_from_its_cache() {
     )
     .await;
     let viewer = token(fleetgate_gateway::admin::jwt::Role::Viewer);
-    let start = std::time::Instant::now();
-    let words = |from: usize, n: usize| {
-        (from..from + n)
-            .map(|i| format!("w{}", i % 500))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
     // Long enough (over 16 kB) that the gateway cuts it on a blocking thread.
     let system = words(0, 4000);
     let url = gw.url("/v1/chat/completions");
@@ -629,21 +705,7 @@ async fn the_gateways_prediction_is_what_the_engine_serves_from_its_cache() {
             )
             .await;
             assert_eq!(m.status, 200, "{:?}", m.body);
-            let answer = json_body(&m);
-            let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap();
-            if turn > 0 {
-                assert!(
-                    cached >= 160,
-                    "turn {turn} of {c} found its history: {cached} cached"
-                );
-            }
-            served += cached;
-            history.push(
-                json!({"role": "assistant", "content": answer["choices"][0]["message"]["content"]}),
-            );
-            history.push(json!({"role": "user", "content": words(300 + c * 40 + turn * 7, 30)}));
+            served += next_turn(&json_body(&m), history, (c, turn), 160);
             // Its new blocks are in an index before the next request is routed.
             let t = std::time::Instant::now();
             while blocks_indexed().await <= before {
@@ -656,40 +718,7 @@ async fn the_gateways_prediction_is_what_the_engine_serves_from_its_cache() {
         }
     }
     // Row by row, the prediction is the truth.
-    let store = gw.server.auth.store().clone();
-    let rows = loop {
-        let rows = sqlx::query(
-            "SELECT request_id, predicted_cached_tokens, cached_tokens FROM request_log ORDER BY request_id",
-        )
-        .fetch_all(store.pool())
-        .await
-        .unwrap();
-        if rows.len() >= 12 || start.elapsed() > Duration::from_secs(20) {
-            break rows;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    use sqlx::Row;
-    assert_eq!(rows.len(), 12);
-    for r in &rows {
-        let id: String = r.get("request_id");
-        let predicted: Option<i64> = r.get("predicted_cached_tokens");
-        let served: Option<i64> = r.get("cached_tokens");
-        assert!(served.is_some(), "{id}: the engine's report is recorded");
-        assert_eq!(predicted, served, "{id}: predicted against served");
-    }
-    let text = admin_metrics(&gw).await;
-    let m = |kind| {
-        metric_value(
-            &text,
-            "fleetgate_prompt_cache_tokens_total",
-            &[("model", "qwen32b"), ("kind", kind)],
-        )
-    };
-    assert_eq!(m("served"), Some(served as f64), "{text}");
-    assert_eq!(m("predicted"), Some(served as f64));
-    assert_eq!(m("error"), Some(0.0));
-    assert!(m("prompt").unwrap() > served as f64);
+    predictions_match(&gw, 12, served).await;
     for s in sims {
         s.shutdown().await;
     }

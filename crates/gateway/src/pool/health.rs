@@ -192,15 +192,31 @@ async fn check_models(pool: &Pool, backend: &Backend) {
 /// Read a backend's own load from its Prometheus text: vLLM's running + waiting requests and
 /// KV-cache usage. An unreadable answer counts as no information (load 0: local counts only).
 async fn scrape(pool: &Pool, backend: &Backend) {
+    let text = metrics_text(&pool.client, backend, pool.config.health.timeout).await;
+    let (load, kv) = text.as_deref().map_or((0.0, 0.0), vllm_load);
+    backend.remote_load.store(
+        load.clamp(0.0, f64::from(u32::MAX)) as u32,
+        Ordering::Relaxed,
+    );
+    backend
+        .kv_usage_permille
+        .store((kv.clamp(0.0, 1.0) * 1000.0) as u32, Ordering::Relaxed);
+}
+
+/// A backend's `/metrics` text (with its upstream key), up to 4 MiB, within `timeout`; `None`
+/// when it cannot be read or answers an error.
+pub(crate) async fn metrics_text(
+    client: &super::UpstreamClient,
+    backend: &Backend,
+    timeout: Duration,
+) -> Option<Bytes> {
     let mut req = Request::get(backend.metrics_uri.clone());
     if let Some(auth) = &backend.upstream_auth {
         req = req.header(http::header::AUTHORIZATION, auth.clone());
     }
-    let Ok(req) = req.body(Full::new(Bytes::new())) else {
-        return;
-    };
-    let text = tokio::time::timeout(pool.config.health.timeout, async {
-        let resp = pool.client.request(req).await.ok()?;
+    let req = req.body(Full::new(Bytes::new())).ok()?;
+    tokio::time::timeout(timeout, async {
+        let resp = client.request(req).await.ok()?;
         if !resp.status().is_success() {
             return None;
         }
@@ -212,15 +228,7 @@ async fn scrape(pool: &Pool, backend: &Backend) {
     })
     .await
     .ok()
-    .flatten();
-    let (load, kv) = text.as_deref().map_or((0.0, 0.0), vllm_load);
-    backend.remote_load.store(
-        load.clamp(0.0, f64::from(u32::MAX)) as u32,
-        Ordering::Relaxed,
-    );
-    backend
-        .kv_usage_permille
-        .store((kv.clamp(0.0, 1.0) * 1000.0) as u32, Ordering::Relaxed);
+    .flatten()
 }
 
 /// (running + waiting, KV-cache usage) summed over a vLLM `/metrics` text's series.

@@ -5,8 +5,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
 use tokio_util::sync::CancellationToken;
 
 use super::EngineCache;
@@ -58,25 +56,7 @@ pub(crate) async fn watch(
 }
 
 async fn read(client: &UpstreamClient, backend: &Backend, timeout: Duration) -> Option<(u64, u32)> {
-    let mut req = http::Request::get(backend.metrics_uri.clone());
-    if let Some(auth) = &backend.upstream_auth {
-        req = req.header(http::header::AUTHORIZATION, auth.clone());
-    }
-    let req = req.body(Full::new(Bytes::new())).ok()?;
-    let text = tokio::time::timeout(timeout, async {
-        let resp = client.request(req).await.ok()?;
-        if !resp.status().is_success() {
-            return None;
-        }
-        http_body_util::Limited::new(resp.into_body(), 4 << 20)
-            .collect()
-            .await
-            .ok()
-            .map(|c| c.to_bytes())
-    })
-    .await
-    .ok()
-    .flatten()?;
+    let text = crate::pool::health::metrics_text(client, backend, timeout).await?;
     parse(&String::from_utf8_lossy(&text))
 }
 
