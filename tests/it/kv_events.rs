@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Two consecutive free ports (publisher, replay).
-async fn two_ports() -> u16 {
+pub(crate) async fn two_ports() -> u16 {
     for _ in 0..100 {
         let a = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let p = a.local_addr().unwrap().port();
@@ -368,7 +368,7 @@ async fn a_hostile_publisher_is_counted_and_survived() {
 
 /// A model directory the gateway can load (a word-level tokenizer: the requests below are
 /// token ids, which need none).
-fn tokenizer_dir() -> std::path::PathBuf {
+pub(crate) fn tokenizer_dir() -> std::path::PathBuf {
     let dir = temp_dir("kv-tokenizer");
     let tokenizer = json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],

@@ -2,8 +2,10 @@
 //! PostgreSQL database (keys, request log), one Redis (limits), one simulated backend. A key
 //! created on one replica works on all, a revocation on one is refused by all within a second,
 //! a rate limit is one limit across replicas, the request log holds every replica's rows, and
-//! killing one replica mid-stream cuts only that replica's streams.
+//! killing one replica mid-stream cuts only that replica's streams. Submodules: the prefix index
+//! through Redis, prod first across replicas, and routing by the engines' KV events.
 
+mod kv_events;
 mod prefix_sharing;
 mod priority;
 

@@ -343,6 +343,13 @@ impl Balancer {
     ) -> Option<(InFlight, bool)> {
         let home = cost.session.and_then(|key| self.home(key, exclude));
         let fair = self.fair_load(exclude, slack);
+        // Backend `i`'s in-flight count and load, when it is within the bound and has room.
+        let open = |i: usize| {
+            let b = &self.backends[i];
+            let (f, l) = load_of(b);
+            let cap = b.capacity();
+            (l <= fair && (cap == 0 || f < cap)).then_some((f, l))
+        };
         let uncached = |i: usize| cost.uncached.get(i).copied().unwrap_or(u64::MAX);
         let mut fewest = u64::MAX;
         let mut most = 0;
@@ -354,14 +361,11 @@ impl Balancer {
             .map(|k| (from + k) % n)
             .filter(|i| self.usable(*i, exclude))
             .filter_map(|i| {
-                let b = &self.backends[i];
-                let (f, l) = load_of(b);
-                let cap = b.capacity();
-                (l <= fair && (cap == 0 || f < cap)).then(|| {
+                open(i).map(|(f, l)| {
                     let prefill = uncached(i);
                     fewest = fewest.min(prefill);
                     most = most.max(prefill);
-                    let queued = b.prefill_pending.load(Ordering::Relaxed);
+                    let queued = self.backends[i].prefill_pending.load(Ordering::Relaxed);
                     ((prefill.saturating_add(queued), home != Some(i), l), i, f)
                 })
             })
@@ -369,15 +373,7 @@ impl Balancer {
         let slot = match best {
             None => None,
             Some((_, i, f)) if fewest < most => self.claim_at(i, f),
-            Some(_) => home
-                .and_then(|h| {
-                    let (f, l) = load_of(&self.backends[h]);
-                    let cap = self.backends[h].capacity();
-                    (l <= fair && (cap == 0 || f < cap))
-                        .then(|| self.claim_at(h, f))
-                        .flatten()
-                })
-                .or_else(|| self.try_acquire_excluding(exclude)),
+            Some(_) => home.and_then(|h| open(h).and_then(|(f, _)| self.claim_at(h, f))),
         };
         let mut slot = slot.or_else(|| self.try_acquire_excluding(exclude))?;
         let i = slot.position();

@@ -154,6 +154,8 @@ async fn send(
     }
     // KV-event routing believes what the engine's events say it holds; a request it could
     // not cut into blocks (no event yet, another endpoint) is believed to find nothing.
+    // Read again here rather than kept from the routing: events keep arriving while a
+    // request waits in the queue, and the belief is the one at the moment it is sent.
     if pool
         .affinity
         .is_some_and(|a| a.by == crate::config::AffinityBy::KvEvents)

@@ -296,6 +296,8 @@ fn emit_event(r: &RequestRecord) {
         itl_max_ms = ms(t.stream().itl_max()),
         content_events = t.stream().content_events,
         prompt_tokens = t.stream().usage.map_or(0, |u| u.prompt_tokens),
+        cached_tokens = t.stream().usage.and_then(|u| u.cached_tokens),
+        predicted_cached_tokens = r.predicted_cached_tokens(),
         completion_tokens = tokens.unwrap_or(0),
         usage_source = source.as_str(),
         "request"
