@@ -77,6 +77,8 @@ pub(crate) struct Output {
     pub max_tokens: u32,
     /// Seed of the token texts.
     pub token_seed: u64,
+    /// Tokens of the seed's answer already given (a continuation): skipped.
+    pub skip: u32,
     /// vLLM's `priority`.
     pub priority: i64,
 }
@@ -337,6 +339,7 @@ impl Engine {
         let Output {
             max_tokens,
             token_seed,
+            skip,
             priority,
         } = output;
         // As vLLM: the prompt's blocks are found now, and enter the cache (and the events) when
@@ -400,7 +403,7 @@ impl Engine {
         }
         SeqHandle {
             feed,
-            tokens: TokenSource::new(token_seed),
+            tokens: TokenSource::new(token_seed).skipping(skip),
             prompt_tokens,
             cached_tokens,
             max_tokens: max_tokens.max(1),

@@ -71,6 +71,14 @@ impl TokenSource {
         }
     }
 
+    /// The same source, `n` tokens on.
+    pub(crate) fn skipping(mut self, n: u32) -> Self {
+        for _ in 0..n {
+            self.next_token();
+        }
+        self
+    }
+
     pub(crate) fn next_token(&mut self) -> &'static str {
         let i = self.rng.random_range(0..VOCAB.len());
         VOCAB.get(i).copied().unwrap_or(" the")

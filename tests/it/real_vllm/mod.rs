@@ -23,6 +23,7 @@
 
 mod agents;
 mod benches;
+mod continuation;
 mod kv_events;
 mod priority;
 mod relay;

@@ -39,6 +39,10 @@ pub(super) struct SamplingParams {
 #[derive(Deserialize)]
 struct ChatRequest {
     messages: Vec<ChatMessage>,
+    /// vLLM's chat template switches: `true` by default; a continuation sets it `false`.
+    add_generation_prompt: Option<bool>,
+    /// The final message is the start of the answer, to be continued (vLLM's extension).
+    continue_final_message: Option<bool>,
     #[serde(flatten)]
     params: SamplingParams,
 }
@@ -99,6 +103,9 @@ pub(crate) struct GenRequest {
     pub continuous_usage: bool,
     /// Seed of the token texts: the sim seed folded with the prompt (and the request seed).
     pub token_seed: u64,
+    /// Tokens of the seed's answer already given (`continue_final_message`): the answer goes on
+    /// from there.
+    pub token_skip: u32,
     /// `/v1/responses` only.
     pub responses: ResponsesExtras,
     /// The answer ends at its end of sequence (`--output-tokens`), not at its limit.
@@ -129,14 +136,36 @@ pub(crate) fn parse_generation(
             PromptBlocks::default()
         }
     };
+    // A continued answer's text so far (chat's `continue_final_message`).
+    let mut continued: Option<String> = None;
     let (prompt_tokens, prompt_hash, params) = match endpoint {
         Endpoint::Chat => {
             let r: ChatRequest = validate(body)?;
+            let continues = r.continue_final_message == Some(true);
+            if continues && r.add_generation_prompt != Some(false) {
+                return Err(bad(
+                    "continue_final_message and add_generation_prompt are not compatible. Use \
+                     continue_final_message when you want the model to continue the final \
+                     message, and add_generation_prompt when you want to add a header that will \
+                     prompt it to start a new assistant message instead.",
+                ));
+            }
             let mut prompt = String::new();
             let mut hash = cfg.seed;
-            for t in chat_texts(&r.messages) {
+            // A continuation's answer is seeded by the conversation before the message it
+            // continues: the same answer as the request that began it.
+            let (before, last) = match r.messages.split_last() {
+                Some((last, before)) if continues => (before, Some(last)),
+                _ => (r.messages.as_slice(), None),
+            };
+            for t in chat_texts(before) {
                 prompt.push_str(t);
                 hash = fnv1a(hash, t.as_bytes());
+            }
+            if let Some(last) = last {
+                let text: String = chat_texts(std::slice::from_ref(last)).collect();
+                prompt.push_str(&text);
+                continued = Some(text);
             }
             let tokens = match &cfg.tokens {
                 // The model's own tokens, as the template renders the request.
@@ -270,7 +299,36 @@ pub(crate) fn parse_generation(
         cfg,
     )?;
     request.prompt_blocks = prompt_blocks;
+    if let Some(text) = continued {
+        request.token_skip = own_tokens(request.token_seed, &text);
+        // An answer with a natural end ends where the one it continues would have.
+        if let Some(n) = cfg.output_tokens {
+            let left = n.saturating_sub(request.token_skip).max(1);
+            if left < request.max_tokens || request.natural_end {
+                request.max_tokens = left;
+                request.natural_end = true;
+            }
+        }
+    }
     Ok(request)
+}
+
+/// How many tokens of the answer seeded by `seed` `text` is, when it is exactly that answer's
+/// start (a continuation of the sim's own words goes on where they stopped); 0 otherwise (the
+/// answer starts afresh after the text, as a model continues any text).
+fn own_tokens(seed: u64, text: &str) -> u32 {
+    let mut source = crate::tokens::TokenSource::new(seed);
+    let mut at = 0;
+    let mut n = 0u32;
+    while let Some(rest) = text.get(at..).filter(|r| !r.is_empty()) {
+        let token = source.next_token();
+        if !rest.starts_with(token) {
+            return 0;
+        }
+        at += token.len();
+        n += 1;
+    }
+    n
 }
 
 /// The blocks of a prompt in the model's own token ids (`--tokenizer`).
@@ -389,6 +447,7 @@ pub(super) fn sampling(
         include_usage,
         continuous_usage,
         token_seed,
+        token_skip: 0,
         responses,
         natural_end,
         prompt_blocks: PromptBlocks::default(),

@@ -48,6 +48,7 @@ pub(super) async fn batch_chat(
             Output {
                 max_tokens: c.max_tokens,
                 token_seed: c.token_seed,
+                skip: c.token_skip,
                 priority: c.priority,
             },
             arrived,
@@ -148,6 +149,7 @@ pub(super) async fn generate(
         Output {
             max_tokens: parsed.max_tokens,
             token_seed: parsed.token_seed,
+            skip: parsed.token_skip,
             priority: parsed.priority,
         },
         arrived,

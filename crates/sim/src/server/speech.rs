@@ -53,6 +53,7 @@ pub(super) async fn speech(
             max_tokens: parsed.max_tokens,
             token_seed: parsed.token_seed,
             priority: 0,
+            ..Output::default()
         },
         arrived,
     );

@@ -235,3 +235,116 @@ async fn chat_batch_answers_one_choice_per_conversation() {
     assert_eq!(r.status(), StatusCode::BAD_REQUEST);
     sim.shutdown().await;
 }
+
+/// A streamed chat's content deltas, its finish reason and its usage.
+async fn streamed_chat(sim: &crate::SimServer, body: Value) -> (Vec<String>, String, Value) {
+    let r = send(
+        &client(),
+        sim,
+        "POST",
+        "/v1/chat/completions",
+        Some(body),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let events = sse_events(&read_all(r).await);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let mut deltas = Vec::new();
+    let (mut finish, mut usage) = (String::new(), Value::Null);
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str()
+            && v["choices"][0]["delta"].get("role").is_none()
+        {
+            deltas.push(c.to_owned());
+        }
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            finish = f.to_owned();
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    }
+    (deltas, finish, usage)
+}
+
+/// `continue_final_message` as vLLM takes it: the final message is the answer so far, and the
+/// answer goes on from it. The sim's words depend on the conversation before that message, so
+/// a continuation of its own start is the rest of the same answer, token for token — what a
+/// resumed stream must give. `add_generation_prompt` left at its default is refused, as vLLM
+/// 0.32 refuses it.
+#[tokio::test]
+async fn a_continued_answer_goes_on_where_it_stopped() {
+    const QUESTION: &str = "Tell me the whole story, please.";
+    for natural_end in [None, Some(20)] {
+        let sim = start(SimArgs {
+            output_tokens: natural_end,
+            ..zero_delay()
+        })
+        .await
+        .unwrap();
+        let question = json!([{"role": "user", "content": QUESTION}]);
+        let options = json!({"include_usage": true});
+        let (whole, finish, usage) = streamed_chat(
+            &sim,
+            json!({"messages": question, "max_tokens": 30, "stream": true, "stream_options": options}),
+        )
+        .await;
+        let (len, want_finish) = match natural_end {
+            Some(n) => (n as usize, "stop"),
+            None => (30, "length"),
+        };
+        assert_eq!((whole.len(), finish.as_str()), (len, want_finish));
+        assert_eq!(usage["prompt_tokens"], tokens::count(QUESTION) as u64);
+        for cut in [1, 12, len - 1] {
+            let so_far: String = whole[..cut].concat();
+            let mut messages = question.as_array().unwrap().clone();
+            messages.push(json!({"role": "assistant", "content": so_far}));
+            let body = json!({
+                "messages": messages, "max_tokens": 30 - cut, "stream": true,
+                "stream_options": options, "continue_final_message": true,
+                "add_generation_prompt": false,
+            });
+            let (rest, finish, usage) = streamed_chat(&sim, body).await;
+            assert_eq!(rest, whole[cut..], "cut after {cut} tokens");
+            assert_eq!(finish, want_finish);
+            assert_eq!(usage["completion_tokens"], (len - cut) as u64);
+            // The answer so far is part of the continuation's prompt.
+            assert_eq!(
+                usage["prompt_tokens"].as_u64().unwrap(),
+                tokens::count(&format!("{QUESTION}{so_far}")) as u64
+            );
+        }
+        // Text that is not the sim's own start is continued with a new answer, in full.
+        let mut messages = question.as_array().unwrap().clone();
+        messages.push(json!({"role": "assistant", "content": "Once upon a time"}));
+        let (rest, _, _) = streamed_chat(
+            &sim,
+            json!({"messages": messages, "max_tokens": 5, "stream": true,
+                   "continue_final_message": true, "add_generation_prompt": false}),
+        )
+        .await;
+        assert_eq!(rest.len(), 5.min(len));
+        // Without add_generation_prompt: false, refused as vLLM does.
+        let r = send(
+            &client(),
+            &sim,
+            "POST",
+            "/v1/chat/completions",
+            Some(json!({"messages": messages, "max_tokens": 5, "continue_final_message": true})),
+            &[],
+        )
+        .await;
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        let (message, kind, _, _) = super::openai_error(&read_all(r).await);
+        assert!(
+            message.starts_with(
+                "continue_final_message and add_generation_prompt are not compatible."
+            ),
+            "{message}"
+        );
+        assert_eq!(kind, "BadRequestError");
+        sim.shutdown().await;
+    }
+}

@@ -1,0 +1,117 @@
+//! How real vLLM continues an answer, which a stream resumed on another backend builds on
+//! (issue 60): chat's `continue_final_message` with `add_generation_prompt: false` continues
+//! the final message, streaming only the new text after the usual opening chunk, with the
+//! answer so far counted in the prompt; left at its default, `add_generation_prompt` makes vLLM
+//! refuse it. `/v1/messages` and `/v1/responses` take no prefill: an assistant message last is
+//! rendered as a closed turn and a new one is begun (their prompt is exactly chat's with the
+//! generation prompt), so those answers cannot be continued in their own protocol.
+
+use super::*;
+use serde_json::{Value, json};
+
+/// The `data:` payloads of an SSE body (Anthropic's `event:` lines skipped).
+fn payloads(m: &fleetgate_protocol::client::Measured) -> Vec<Value> {
+    text(m)
+        .split("\n\n")
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// `/tokenize`'s count for a chat request's messages and template switches.
+async fn chat_prompt_tokens(r: &Real, messages: &Value, switches: Value) -> u64 {
+    let mut body = json!({"model": r.model, "messages": messages});
+    for (k, v) in switches.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let m = direct(r, "/tokenize", &body).await;
+    assert_eq!(m.status, 200, "{}", text(&m));
+    serde_json::from_slice::<Value>(m.body.as_deref().unwrap()).unwrap()["count"]
+        .as_u64()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn vllm_continues_a_final_assistant_message_on_chat_only() {
+    let _serial = SERIAL.lock().await;
+    let Some(r) = real("vllm_continues_a_final_assistant_message_on_chat_only").await else {
+        return;
+    };
+    let question = json!([{"role": "user", "content": "Tell me about the sea"}]);
+    let mut first = chat(&r.model, 8, true);
+    first["stream_options"] = json!({"include_usage": true});
+    let m = direct(&r, "/v1/chat/completions", &first).await;
+    assert_eq!(m.status, 200, "{}", text(&m));
+    let so_far: String = payloads(&m)
+        .iter()
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert!(!so_far.is_empty(), "{}", text(&m));
+
+    // The continuation: the answer so far as the final message.
+    let mut messages = question.as_array().unwrap().clone();
+    messages.push(json!({"role": "assistant", "content": so_far}));
+    let messages = Value::from(messages);
+    let mut body = first.clone();
+    body["messages"] = messages.clone();
+    body["max_tokens"] = json!(4);
+    body["continue_final_message"] = json!(true);
+    body["add_generation_prompt"] = json!(false);
+    let m = direct(&r, "/v1/chat/completions", &body).await;
+    assert_eq!(m.status, 200, "{}", text(&m));
+    let events = payloads(&m);
+    // The usual opening chunk, then only the new text.
+    assert_eq!(
+        events[0]["choices"][0]["delta"]["role"],
+        "assistant",
+        "{}",
+        text(&m)
+    );
+    assert_eq!(events[0]["choices"][0]["delta"]["content"], "");
+    let finish: Vec<&Value> = events
+        .iter()
+        .map(|v| &v["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("length")], "{}", text(&m));
+    let usage = &events.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 4, "{}", text(&m));
+    // The answer so far is prompt: exactly the template with the final message left open.
+    let open = json!({"add_generation_prompt": false, "continue_final_message": true});
+    assert_eq!(
+        usage["prompt_tokens"].as_u64().unwrap(),
+        chat_prompt_tokens(&r, &messages, open).await
+    );
+    // Without `add_generation_prompt: false`, refused.
+    body.as_object_mut()
+        .unwrap()
+        .remove("add_generation_prompt");
+    let m = direct(&r, "/v1/chat/completions", &body).await;
+    assert_eq!(m.status, 400, "{}", text(&m));
+    assert!(
+        text(&m).contains("continue_final_message and add_generation_prompt are not compatible"),
+        "{}",
+        text(&m)
+    );
+
+    // /v1/messages and /v1/responses: the assistant message is a closed turn, whatever the
+    // request says.
+    let closed = chat_prompt_tokens(&r, &messages, json!({"add_generation_prompt": true})).await;
+    let anthropic = json!({"model": r.model, "messages": messages, "max_tokens": 2,
+        "continue_final_message": true, "add_generation_prompt": false});
+    let m = direct(&r, "/v1/messages", &anthropic).await;
+    assert_eq!(m.status, 200, "{}", text(&m));
+    let v: Value = serde_json::from_slice(m.body.as_deref().unwrap()).unwrap();
+    assert_eq!(v["usage"]["input_tokens"].as_u64().unwrap(), closed, "{v}");
+    let responses = json!({"model": r.model, "input": messages, "max_output_tokens": 2,
+        "continue_final_message": true, "add_generation_prompt": false});
+    let m = direct(&r, "/v1/responses", &responses).await;
+    assert_eq!(m.status, 200, "{}", text(&m));
+    let v: Value = serde_json::from_slice(m.body.as_deref().unwrap()).unwrap();
+    assert_eq!(v["usage"]["input_tokens"].as_u64().unwrap(), closed, "{v}");
+}
