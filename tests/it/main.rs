@@ -17,6 +17,7 @@ mod errors;
 mod listeners;
 mod pooling_endpoints;
 mod relay;
+mod resume;
 mod routes;
 mod stored_responses;
 mod stream_usage;

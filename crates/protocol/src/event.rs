@@ -66,19 +66,20 @@ pub(crate) fn classify(payload: &[u8]) -> DataKind {
 static DELTA: LazyLock<memmem::Finder<'static>> =
     LazyLock::new(|| memmem::Finder::new(b"\"delta\""));
 
-/// The fields of a chat delta that decide whether it streams output, borrowed from the bytes.
+/// The fields of a chat delta that decide whether it streams output, borrowed from the bytes
+/// (also what a resumed stream reads of its answer so far: `resume`).
 #[derive(serde::Deserialize)]
-struct Delta<'a> {
+pub(crate) struct Delta<'a> {
     #[serde(borrow)]
-    role: Option<&'a RawValue>,
+    pub(crate) role: Option<&'a RawValue>,
     #[serde(borrow)]
-    content: Option<&'a RawValue>,
+    pub(crate) content: Option<&'a RawValue>,
     #[serde(borrow)]
-    reasoning: Option<&'a RawValue>,
+    pub(crate) reasoning: Option<&'a RawValue>,
     #[serde(borrow)]
-    tool_calls: Option<&'a RawValue>,
+    pub(crate) tool_calls: Option<&'a RawValue>,
     #[serde(borrow)]
-    function_call: Option<&'a RawValue>,
+    pub(crate) function_call: Option<&'a RawValue>,
 }
 
 /// Does the first choice (`choices` starts just after its `[`) stream output? A choice without

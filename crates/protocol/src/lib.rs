@@ -19,6 +19,7 @@ pub mod fingerprint;
 pub mod finish;
 pub mod kv_events;
 pub mod models;
+pub mod resume;
 pub mod sse;
 pub mod stream;
 pub mod trace_context;

@@ -154,12 +154,13 @@ pub(crate) fn token_text(id: u64) -> Option<String> {
 /// FNV-1a, used to fold request content into a token seed; stable across runs and platforms,
 /// unlike std's randomly keyed hasher.
 pub(crate) fn fnv1a(seed: u64, data: &[u8]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325 ^ seed;
-    for &b in data {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
+    data.iter()
+        .fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, &b| fnv1a_step(h, b))
+}
+
+/// One byte folded into an FNV-1a state.
+pub(crate) fn fnv1a_step(h: u64, b: u8) -> u64 {
+    (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
 }
 
 /// SplitMix64 finaliser: turns a counter into a well-spread u64 (fault decisions).

@@ -115,3 +115,93 @@ async fn vllm_continues_a_final_assistant_message_on_chat_only() {
     let v: Value = serde_json::from_slice(m.body.as_deref().unwrap()).unwrap();
     assert_eq!(v["usage"]["input_tokens"].as_u64().unwrap(), closed, "{v}");
 }
+
+/// A stream cut after five of twelve tokens, continued by vLLM from the request
+/// `fleetgate_protocol::resume` builds, its chunks made the first answer's: one answer of twelve
+/// token events, one chunk id, one opening chunk, the continuation's `finish_reason`, and the
+/// continuation billing the seven tokens it generated. (Not the uninterrupted run's exact tokens:
+/// the tiny model's greedy choice after the re-tokenized text so far may differ.)
+#[tokio::test]
+async fn a_cut_stream_continued_by_vllm_is_one_answer() {
+    use fleetgate_protocol::Endpoint;
+    use fleetgate_protocol::resume::{AnswerSoFar, Seam, continuation};
+    let _serial = SERIAL.lock().await;
+    let Some(r) = real("a_cut_stream_continued_by_vllm_is_one_answer").await else {
+        return;
+    };
+    let is_token = |v: &Value| {
+        let c = &v["choices"][0];
+        c["text"].is_string() || (c["delta"]["content"].is_string() && c["delta"]["role"].is_null())
+    };
+    for (endpoint, path, mut request) in [
+        (
+            Endpoint::Chat,
+            "/v1/chat/completions",
+            chat(&r.model, 12, true),
+        ),
+        (
+            Endpoint::Completions,
+            "/v1/completions",
+            completion(&r.model, 12, true),
+        ),
+    ] {
+        request["stream_options"] = json!({"include_usage": true});
+        let m = direct(&r, path, &request).await;
+        assert_eq!(m.status, 200, "{}", text(&m));
+        let mut so_far = AnswerSoFar::new();
+        let mut client = Vec::new();
+        let mut tokens = 0;
+        for v in payloads(&m) {
+            if tokens == 5 {
+                break;
+            }
+            if is_token(&v) {
+                tokens += 1;
+                so_far.observe(v.to_string().as_bytes());
+            }
+            client.push(v);
+        }
+        let seam = Seam::learn(client[0].to_string().as_bytes()).unwrap();
+        let next = continuation(endpoint, request.to_string().as_bytes(), &so_far)
+            .unwrap()
+            .unwrap();
+        let next: Value = serde_json::from_slice(&next).unwrap();
+        let m = direct(&r, path, &next).await;
+        assert_eq!(m.status, 200, "{}", text(&m));
+        let rest = payloads(&m);
+        let usage = rest.last().unwrap()["usage"].clone();
+        for v in rest {
+            if let Some(p) = seam.rewrite(v.to_string().as_bytes()) {
+                client.push(serde_json::from_slice(&p).unwrap());
+            }
+        }
+        let id = &client[0]["id"];
+        assert!(client.iter().all(|c| &c["id"] == id), "{client:?}");
+        assert_eq!(
+            client.iter().filter(|c| is_token(c)).count(),
+            12,
+            "{client:?}"
+        );
+        let opening = client
+            .iter()
+            .filter(|c| !c["choices"][0]["delta"]["role"].is_null())
+            .count();
+        assert_eq!(
+            opening,
+            usize::from(endpoint == Endpoint::Chat),
+            "{client:?}"
+        );
+        let finish: Vec<&Value> = client
+            .iter()
+            .map(|c| &c["choices"][0]["finish_reason"])
+            .filter(|f| !f.is_null())
+            .collect();
+        assert_eq!(finish, [&json!("length")], "{client:?}");
+        assert_eq!(usage["completion_tokens"], 7, "{usage}");
+        eprintln!(
+            "{endpoint:?}: so far {:?}, continued with prompt {} tokens",
+            so_far.text(),
+            usage["prompt_tokens"]
+        );
+    }
+}

@@ -136,8 +136,9 @@ pub(crate) fn parse_generation(
             PromptBlocks::default()
         }
     };
-    // A continued answer's text so far (chat's `continue_final_message`).
-    let mut continued: Option<String> = None;
+    // A continued answer (chat's `continue_final_message`, a completion's prompt ending with
+    // the sim's own words): the seed of the answer it continues, and the tokens given.
+    let mut resumed: Option<(u64, u32)> = None;
     let (prompt_tokens, prompt_hash, params) = match endpoint {
         Endpoint::Chat => {
             let r: ChatRequest = validate(body)?;
@@ -165,7 +166,8 @@ pub(crate) fn parse_generation(
             if let Some(last) = last {
                 let text: String = chat_texts(std::slice::from_ref(last)).collect();
                 prompt.push_str(&text);
-                continued = Some(text);
+                let seed = token_seed(hash, r.params.seed);
+                resumed = Some((seed, own_tokens(seed, &text)));
             }
             let tokens = match &cfg.tokens {
                 // The model's own tokens, as the template renders the request.
@@ -194,6 +196,7 @@ pub(crate) fn parse_generation(
                 },
                 _ => None,
             };
+            resumed = text.and_then(|t| continued_split(cfg.seed, r.params.seed, t));
             match (&cfg.tokens, text) {
                 (Some(model), Some(text)) => {
                     let ids = model.completion(text).map_err(bad)?;
@@ -299,8 +302,9 @@ pub(crate) fn parse_generation(
         cfg,
     )?;
     request.prompt_blocks = prompt_blocks;
-    if let Some(text) = continued {
-        request.token_skip = own_tokens(request.token_seed, &text);
+    if let Some((seed, skip)) = resumed {
+        request.token_seed = seed;
+        request.token_skip = skip;
         // An answer with a natural end ends where the one it continues would have.
         if let Some(n) = cfg.output_tokens {
             let left = n.saturating_sub(request.token_skip).max(1);
@@ -311,6 +315,36 @@ pub(crate) fn parse_generation(
         }
     }
     Ok(request)
+}
+
+/// The seed of an answer's words: the prompt's hash, folded with the request's `seed`.
+fn token_seed(prompt_hash: u64, seed: Option<i64>) -> u64 {
+    match seed {
+        Some(s) => mix64(prompt_hash ^ mix64(s as u64)),
+        None => prompt_hash,
+    }
+}
+
+/// A completion's prompt that ends with the start of the sim's own answer to the prompt before
+/// it (a continuation, as a gateway resuming a cut stream sends): that answer's seed and the
+/// tokens already given. Split points are looked for in the last 4 KiB, where a token of the
+/// sim's vocabulary can start.
+fn continued_split(sim_seed: u64, seed: Option<i64>, prompt: &str) -> Option<(u64, u32)> {
+    let bytes = prompt.as_bytes();
+    let from = bytes.len().saturating_sub(4096).max(1);
+    // FNV-1a of each prefix, folded byte by byte as `fnv1a` does.
+    let mut h = fnv1a(sim_seed, &bytes[..from]);
+    for (p, &b) in bytes.iter().enumerate().skip(from) {
+        if matches!(b, b' ' | b',' | b'.' | b'\n') && prompt.is_char_boundary(p) {
+            let seed = token_seed(h, seed);
+            let n = own_tokens(seed, &prompt[p..]);
+            if n > 0 {
+                return Some((seed, n));
+            }
+        }
+        h = crate::tokens::fnv1a_step(h, b);
+    }
+    None
 }
 
 /// How many tokens of the answer seeded by `seed` `text` is, when it is exactly that answer's
@@ -436,10 +470,7 @@ pub(super) fn sampling(
         Some(n) if n < max_tokens => (n, true),
         _ => (max_tokens, false),
     };
-    let token_seed = match seed {
-        Some(s) => mix64(prompt_hash ^ mix64(s as u64)),
-        None => prompt_hash,
-    };
+    let token_seed = token_seed(prompt_hash, seed);
     Ok(GenRequest {
         prompt_tokens,
         max_tokens,

@@ -1,0 +1,127 @@
+//! Resuming a stream on another backend (issue 60): the continuation `fleetgate_protocol::
+//! resume` builds from a cut answer, sent to a second sim, and its chunks made the first
+//! answer's own, give the client exactly the answer an uninterrupted stream would have — the
+//! same chunk id throughout, no token repeated or lost at the seam, the finish reason of the
+//! continuation — for chat and completions, cut anywhere.
+
+use crate::common::*;
+use fleetgate_protocol::Endpoint;
+use fleetgate_protocol::resume::{AnswerSoFar, Seam, continuation};
+use serde_json::{Value, json};
+
+/// The `data:` payloads of a streamed answer.
+fn payloads(m: &fleetgate_protocol::client::Measured) -> Vec<Vec<u8>> {
+    let body = m.body.as_deref().expect("body kept");
+    std::str::from_utf8(body)
+        .unwrap()
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .map(|d| d.as_bytes().to_vec())
+        .collect()
+}
+
+/// Is this payload a token event (content or text)?
+fn is_token(p: &[u8]) -> bool {
+    let Ok(v) = serde_json::from_slice::<Value>(p) else {
+        return false;
+    };
+    let c = &v["choices"][0];
+    c["text"].is_string() || (c["delta"]["content"].is_string() && c["delta"]["role"].is_null())
+}
+
+fn text_of(p: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(p).ok()?;
+    let c = &v["choices"][0];
+    c["delta"]["content"]
+        .as_str()
+        .or(c["text"].as_str())
+        .map(str::to_owned)
+}
+
+#[tokio::test]
+async fn a_cut_answer_continued_on_another_sim_is_the_uninterrupted_answer() {
+    // Two sims with the same seed: the same model on two servers.
+    let first = sim(|a| a.zero_delay = true).await;
+    let second = sim(|a| a.zero_delay = true).await;
+    let cases = [
+        (
+            Endpoint::Chat,
+            "/v1/chat/completions",
+            json!({"model": "qwen32b", "stream": true, "max_tokens": 24,
+                   "stream_options": {"include_usage": true},
+                   "messages": [{"role": "user", "content": "Tell me everything."}]}),
+        ),
+        (
+            Endpoint::Completions,
+            "/v1/completions",
+            json!({"model": "qwen32b", "stream": true, "max_tokens": 24,
+                   "prompt": "Once upon a time"}),
+        ),
+    ];
+    for (endpoint, path, request) in cases {
+        let url = |s: &fleetgate_sim::SimServer| format!("{}{path}", s.url()).parse().unwrap();
+        let whole = payloads(&post(&url(&first), &[], request.to_string()).await);
+        let whole_text: Vec<String> = whole
+            .iter()
+            .filter(|p| is_token(p))
+            .filter_map(|p| text_of(p))
+            .collect();
+        assert_eq!(whole_text.len(), 24);
+        // Cut after `cut` token events, as a backend dying there leaves the client.
+        for cut in [1, 9, 23] {
+            let mut so_far = AnswerSoFar::new();
+            let mut client: Vec<Vec<u8>> = Vec::new();
+            let mut tokens = 0;
+            for p in &whole {
+                if tokens == cut {
+                    break;
+                }
+                if is_token(p) {
+                    tokens += 1;
+                    so_far.observe(p);
+                }
+                client.push(p.clone());
+            }
+            let seam = Seam::learn(&client[0]).unwrap();
+            let next = continuation(endpoint, request.to_string().as_bytes(), &so_far)
+                .unwrap()
+                .expect("tokens left");
+            let rest = payloads(&post(&url(&second), &[], next).await);
+            for p in &rest {
+                if let Some(p) = seam.rewrite(p) {
+                    client.push(p);
+                }
+            }
+            // One answer: the uninterrupted answer's tokens, one id, its finish reason.
+            let texts: Vec<String> = client
+                .iter()
+                .filter(|p| is_token(p))
+                .filter_map(|p| text_of(p))
+                .collect();
+            assert_eq!(texts, whole_text, "{endpoint:?} cut after {cut}");
+            let chunks: Vec<Value> = client
+                .iter()
+                .filter_map(|p| serde_json::from_slice(p).ok())
+                .collect();
+            let first_id = &chunks[0]["id"];
+            assert!(chunks.iter().all(|c| &c["id"] == first_id), "{chunks:?}");
+            let roles = chunks
+                .iter()
+                .filter(|c| !c["choices"][0]["delta"]["role"].is_null())
+                .count();
+            assert_eq!(roles, usize::from(endpoint == Endpoint::Chat));
+            let finishes: Vec<&Value> = chunks
+                .iter()
+                .map(|c| &c["choices"][0]["finish_reason"])
+                .filter(|f| !f.is_null())
+                .collect();
+            assert_eq!(finishes, [&json!("length")]);
+            assert_eq!(client.last().map(Vec::as_slice), Some(&b"[DONE]"[..]));
+            // The continuation reports its usage: what it generated.
+            let usage = chunks.iter().rev().find(|c| !c["usage"].is_null()).unwrap();
+            assert_eq!(usage["usage"]["completion_tokens"], 24 - cut);
+        }
+    }
+    first.shutdown().await;
+    second.shutdown().await;
+}
