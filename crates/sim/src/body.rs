@@ -14,6 +14,10 @@ use super::engine::SeqHandle;
 use super::frames::{self, FrameWriter};
 use super::stats::SimStats;
 
+/// What vLLM 0.32 says when its engine core died (`vllm.v1.engine.exceptions.EngineDeadError`).
+pub(crate) const ENGINE_DEAD: &str =
+    "EngineCore encountered an issue. See stack trace (above) for the root cause.";
+
 /// Why a body ended abnormally; hyper turns it into an aborted connection.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum SimBodyError {
@@ -246,7 +250,9 @@ impl TokenStream {
                     }
                 }
                 Phase::ErrorEvent => {
-                    let msg = "Simulated engine failure (--error-after-chunks)";
+                    // vLLM 0.32's words when its engine core dies mid-answer (EngineDeadError,
+                    // sent as an InternalServerError event, then `[DONE]` on chat).
+                    let msg = ENGINE_DEAD;
                     let (frame, next) = match &mut self.frames {
                         Frames::Chat(_) | Frames::Audio(_) => {
                             (frames::error_event(msg), Phase::Done)

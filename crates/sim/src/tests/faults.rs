@@ -154,6 +154,11 @@ async fn injected_faults() {
     let err: Value = serde_json::from_str(&events[3]).unwrap();
     assert_eq!(err["error"]["type"], "InternalServerError");
     assert_eq!(err["error"]["code"], 500);
+    // vLLM 0.32's EngineDeadError, as its chat stream sends it.
+    assert_eq!(
+        err["error"]["message"],
+        "EngineCore encountered an issue. See stack trace (above) for the root cause."
+    );
     assert_eq!(events[4], "[DONE]");
     sim.shutdown().await;
 
