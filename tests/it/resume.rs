@@ -6,7 +6,7 @@
 
 use crate::common::*;
 use fleetgate_protocol::Endpoint;
-use fleetgate_protocol::resume::{AnswerSoFar, Seam, continuation};
+use fleetgate_protocol::resume::{AnswerSoFar, Seam, continuation, one_usage, tokenize_body};
 use serde_json::{Value, json};
 
 /// The `data:` payloads of a streamed answer.
@@ -55,7 +55,7 @@ async fn a_cut_answer_continued_on_another_sim_is_the_uninterrupted_answer() {
             Endpoint::Completions,
             "/v1/completions",
             json!({"model": "qwen32b", "stream": true, "max_tokens": 24,
-                   "prompt": "Once upon a time"}),
+                   "stream_options": {"include_usage": true}, "prompt": "Once upon a time"}),
         ),
     ];
     for (endpoint, path, request) in cases {
@@ -87,9 +87,21 @@ async fn a_cut_answer_continued_on_another_sim_is_the_uninterrupted_answer() {
                 .unwrap()
                 .expect("tokens left");
             let rest = payloads(&post(&url(&second), &[], next).await);
+            // The original prompt, counted by the backend that continues.
+            let count = post(
+                &format!("{}/tokenize", second.url()).parse().unwrap(),
+                &[],
+                tokenize_body(endpoint, request.to_string().as_bytes()).unwrap(),
+            )
+            .await;
+            assert_eq!(count.status, 200);
+            let prompt_tokens = serde_json::from_slice::<Value>(count.body.as_deref().unwrap())
+                .unwrap()["count"]
+                .as_u64()
+                .unwrap();
             for p in &rest {
                 if let Some(p) = seam.rewrite(p) {
-                    client.push(p);
+                    client.push(one_usage(&p, prompt_tokens, cut).unwrap_or(p));
                 }
             }
             // One answer: the uninterrupted answer's tokens, one id, its finish reason.
@@ -117,9 +129,20 @@ async fn a_cut_answer_continued_on_another_sim_is_the_uninterrupted_answer() {
                 .collect();
             assert_eq!(finishes, [&json!("length")]);
             assert_eq!(client.last().map(Vec::as_slice), Some(&b"[DONE]"[..]));
-            // The continuation reports its usage: what it generated.
-            let usage = chunks.iter().rev().find(|c| !c["usage"].is_null()).unwrap();
-            assert_eq!(usage["usage"]["completion_tokens"], 24 - cut);
+            // One usage: the uninterrupted answer's.
+            let usage = |chunks: &[Value]| {
+                chunks.iter().rev().find(|c| !c["usage"].is_null()).unwrap()["usage"].clone()
+            };
+            let whole_chunks: Vec<Value> = whole
+                .iter()
+                .filter_map(|p| serde_json::from_slice(p).ok())
+                .collect();
+            assert_eq!(
+                usage(&chunks),
+                usage(&whole_chunks),
+                "{endpoint:?} cut after {cut}"
+            );
+            assert_eq!(usage(&chunks)["completion_tokens"], 24);
         }
     }
     first.shutdown().await;

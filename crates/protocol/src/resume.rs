@@ -290,6 +290,58 @@ pub fn continuation(
         .map_err(|_| NotResumable::Body)
 }
 
+/// The `/tokenize` request that counts `body`'s prompt as the backend renders it: a stream cut
+/// before its usage chunk never said how long its prompt was, and the one usage a resumed
+/// answer reports starts from it (the continuation's own prompt holds the answer so far too).
+pub fn tokenize_body(endpoint: Endpoint, body: &[u8]) -> Result<Vec<u8>, NotResumable> {
+    let req = object(body)?;
+    let keys: &[&str] = match endpoint {
+        Endpoint::Chat => &[
+            "model",
+            "messages",
+            "tools",
+            "chat_template",
+            "chat_template_kwargs",
+            "add_generation_prompt",
+            "continue_final_message",
+            "add_special_tokens",
+            "mm_processor_kwargs",
+        ],
+        Endpoint::Completions => &["model", "prompt", "add_special_tokens"],
+        _ => return Err(NotResumable::Endpoint),
+    };
+    let kept: Map<String, Value> = keys
+        .iter()
+        .filter_map(|k| req.get(*k).map(|v| ((*k).to_owned(), v.clone())))
+        .collect();
+    serde_json::to_vec(&Value::Object(kept)).map_err(|_| NotResumable::Body)
+}
+
+/// A continuation's chunk carrying usage, with the usage of the whole answer the client
+/// received: the original prompt's tokens, and the completion tokens of both parts (the first
+/// part's `first_part` and the continuation's own). The continuation's cached-token details
+/// are of its own prompt, not the client's: they go. `None` when the chunk has no usage.
+pub fn one_usage(chunk: &[u8], prompt_tokens: u64, first_part: u32) -> Option<Vec<u8>> {
+    let Ok(Value::Object(mut chunk)) = serde_json::from_slice(chunk) else {
+        return None;
+    };
+    let Some(Value::Object(usage)) = chunk.get_mut("usage") else {
+        return None;
+    };
+    let completion = usage
+        .get("completion_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+        + u64::from(first_part);
+    usage.insert("prompt_tokens".into(), prompt_tokens.into());
+    usage.insert("completion_tokens".into(), completion.into());
+    usage.insert("total_tokens".into(), (prompt_tokens + completion).into());
+    if usage.contains_key("prompt_tokens_details") {
+        usage.insert("prompt_tokens_details".into(), Value::Null);
+    }
+    serde_json::to_vec(&Value::Object(chunk)).ok()
+}
+
 /// What makes a continuation's events the first answer's own: its `id`, `created`, `model` and
 /// `system_fingerprint`, learned from the first answer's first chunk.
 #[derive(Debug, Clone, Default)]

@@ -118,13 +118,14 @@ async fn vllm_continues_a_final_assistant_message_on_chat_only() {
 
 /// A stream cut after five of twelve tokens, continued by vLLM from the request
 /// `fleetgate_protocol::resume` builds, its chunks made the first answer's: one answer of twelve
-/// token events, one chunk id, one opening chunk, the continuation's `finish_reason`, and the
-/// continuation billing the seven tokens it generated. (Not the uninterrupted run's exact tokens:
+/// token events, one chunk id, one opening chunk, the continuation's `finish_reason`, the
+/// continuation billing the seven tokens it generated, and one usage equal to the uninterrupted
+/// answer's (the original prompt counted by vLLM's `/tokenize` from `resume::tokenize_body`). (Not the uninterrupted run's exact tokens:
 /// the tiny model's greedy choice after the re-tokenized text so far may differ.)
 #[tokio::test]
 async fn a_cut_stream_continued_by_vllm_is_one_answer() {
     use fleetgate_protocol::Endpoint;
-    use fleetgate_protocol::resume::{AnswerSoFar, Seam, continuation};
+    use fleetgate_protocol::resume::{AnswerSoFar, Seam, continuation, one_usage, tokenize_body};
     let _serial = SERIAL.lock().await;
     let Some(r) = real("a_cut_stream_continued_by_vllm_is_one_answer").await else {
         return;
@@ -148,10 +149,12 @@ async fn a_cut_stream_continued_by_vllm_is_one_answer() {
         request["stream_options"] = json!({"include_usage": true});
         let m = direct(&r, path, &request).await;
         assert_eq!(m.status, 200, "{}", text(&m));
+        let whole = payloads(&m);
+        let whole_usage = whole.last().unwrap()["usage"].clone();
         let mut so_far = AnswerSoFar::new();
         let mut client = Vec::new();
         let mut tokens = 0;
-        for v in payloads(&m) {
+        for v in whole {
             if tokens == 5 {
                 break;
             }
@@ -170,11 +173,35 @@ async fn a_cut_stream_continued_by_vllm_is_one_answer() {
         assert_eq!(m.status, 200, "{}", text(&m));
         let rest = payloads(&m);
         let usage = rest.last().unwrap()["usage"].clone();
+        // The original prompt, counted by vLLM's /tokenize as the request renders.
+        let count = direct(
+            &r,
+            "/tokenize",
+            &serde_json::from_slice(
+                &tokenize_body(endpoint, request.to_string().as_bytes()).unwrap(),
+            )
+            .unwrap(),
+        )
+        .await;
+        assert_eq!(count.status, 200, "{}", text(&count));
+        let prompt_tokens = serde_json::from_slice::<Value>(count.body.as_deref().unwrap())
+            .unwrap()["count"]
+            .as_u64()
+            .unwrap();
         for v in rest {
             if let Some(p) = seam.rewrite(v.to_string().as_bytes()) {
+                let p = one_usage(&p, prompt_tokens, 5).unwrap_or(p);
                 client.push(serde_json::from_slice(&p).unwrap());
             }
         }
+        // One usage, as the uninterrupted answer's: its prompt, twelve completion tokens.
+        let merged = &client.last().unwrap()["usage"];
+        assert_eq!(
+            merged["prompt_tokens"], whole_usage["prompt_tokens"],
+            "{merged} {whole_usage}"
+        );
+        assert_eq!(merged["completion_tokens"], 12);
+        assert_eq!(merged["total_tokens"], whole_usage["total_tokens"]);
         let id = &client[0]["id"];
         assert!(client.iter().all(|c| &c["id"] == id), "{client:?}");
         assert_eq!(

@@ -225,3 +225,45 @@ fn a_continuations_chunks_carry_the_first_answers_identity() {
     assert_eq!(seam.rewrite(b"[DONE]").as_deref(), Some(&b"[DONE]"[..]));
     assert_eq!(seam.rewrite(b"{not json"), None);
 }
+
+#[test]
+fn the_original_prompt_is_counted_as_the_backend_renders_it() {
+    let chat = body(json!({
+        "model": "m", "messages": [{"role": "user", "content": "q"}], "stream": true,
+        "max_tokens": 9, "tools": [{"type": "function", "function": {"name": "f"}}],
+        "chat_template_kwargs": {"enable_thinking": false}, "temperature": 0.5,
+    }));
+    let t: Value = serde_json::from_slice(&tokenize_body(Endpoint::Chat, &chat).unwrap()).unwrap();
+    assert_eq!(
+        t,
+        json!({"model": "m", "messages": [{"role": "user", "content": "q"}],
+               "tools": [{"type": "function", "function": {"name": "f"}}],
+               "chat_template_kwargs": {"enable_thinking": false}})
+    );
+    let completion = body(json!({"model": "m", "prompt": "Once", "max_tokens": 3, "echo": false}));
+    let t: Value =
+        serde_json::from_slice(&tokenize_body(Endpoint::Completions, &completion).unwrap())
+            .unwrap();
+    assert_eq!(t, json!({"model": "m", "prompt": "Once"}));
+    assert_eq!(
+        tokenize_body(Endpoint::Messages, b"{}"),
+        Err(NotResumable::Endpoint)
+    );
+}
+
+#[test]
+fn a_resumed_answer_reports_one_usage() {
+    let usage_chunk = json!({"id": "c", "choices": [], "usage": {
+        "prompt_tokens": 30, "completion_tokens": 7, "total_tokens": 37,
+        "prompt_tokens_details": {"cached_tokens": 16}}});
+    let out = one_usage(usage_chunk.to_string().as_bytes(), 14, 5).unwrap();
+    let out: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(
+        out["usage"],
+        json!({"prompt_tokens": 14, "completion_tokens": 12, "total_tokens": 26,
+               "prompt_tokens_details": null})
+    );
+    assert_eq!(out["id"], "c");
+    assert_eq!(one_usage(&chunk(json!({"content": "a"})), 14, 5), None);
+    assert_eq!(one_usage(b"[DONE]", 14, 5), None);
+}
