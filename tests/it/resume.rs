@@ -148,3 +148,32 @@ async fn a_cut_answer_continued_on_another_sim_is_the_uninterrupted_answer() {
     first.shutdown().await;
     second.shutdown().await;
 }
+
+/// The sim's engine failure (`--error-after-chunks`) is vLLM's `EngineDeadError` event, which
+/// calls for resuming; the stream then ends with `[DONE]` as vLLM's does.
+#[tokio::test]
+async fn the_sims_dead_engine_is_recognised() {
+    use fleetgate_protocol::resume::{Cause, failure_in};
+    let s = sim(|a| {
+        a.zero_delay = true;
+        a.error_after_chunks = Some(3);
+    })
+    .await;
+    let m = post(
+        &format!("{}/v1/chat/completions", s.url()).parse().unwrap(),
+        &[],
+        json!({"model": "qwen32b", "stream": true, "max_tokens": 10,
+               "messages": [{"role": "user", "content": "hi"}]})
+        .to_string(),
+    )
+    .await;
+    let events = payloads(&m);
+    let causes: Vec<Option<Cause>> = events.iter().map(|p| failure_in(p)).collect();
+    assert_eq!(
+        causes.iter().filter(|c| c.is_some()).collect::<Vec<_>>(),
+        [&Some(Cause::EngineDead)],
+        "{events:?}"
+    );
+    assert_eq!(events.last().map(Vec::as_slice), Some(&b"[DONE]"[..]));
+    s.shutdown().await;
+}

@@ -63,6 +63,59 @@ impl NotResumable {
     }
 }
 
+/// Why a stream is to be resumed: the metric's `cause` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// The backend's connection was reset or closed before the answer's terminal event.
+    Closed,
+    /// The backend said its engine died (vLLM's `EngineDeadError` event).
+    EngineDead,
+    /// The backend said the request failed and may be retried (vLLM's `RetryableRequestError`).
+    Retryable,
+    /// No token within the inter-token limit.
+    Stalled,
+}
+
+impl Cause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::Closed => "closed",
+            Cause::EngineDead => "engine_dead",
+            Cause::Retryable => "retryable",
+            Cause::Stalled => "stalled",
+        }
+    }
+}
+
+/// vLLM 0.32's words when its engine core dies (`vllm.v1.engine.exceptions.EngineDeadError`).
+pub const ENGINE_DEAD: &str =
+    "EngineCore encountered an issue. See stack trace (above) for the root cause.";
+
+/// An in-stream error event that calls for resuming elsewhere: the engine died, or the request
+/// failed in a way vLLM says a client may retry (`ServiceUnavailableError`, 503). Any other
+/// error event (a bad request, a failed generation) is the answer, and is relayed as it is.
+pub fn failure_in(payload: &[u8]) -> Option<Cause> {
+    #[derive(Deserialize)]
+    struct Event<'a> {
+        #[serde(borrow)]
+        error: Option<Error<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct Error<'a> {
+        #[serde(borrow)]
+        message: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow, rename = "type")]
+        kind: Option<std::borrow::Cow<'a, str>>,
+        code: Option<u16>,
+    }
+    let error = serde_json::from_slice::<Event<'_>>(payload).ok()?.error?;
+    if error.message.as_deref() == Some(ENGINE_DEAD) {
+        return Some(Cause::EngineDead);
+    }
+    (error.kind.as_deref() == Some("ServiceUnavailableError") || error.code == Some(503))
+        .then_some(Cause::Retryable)
+}
+
 /// The answer a client has been sent so far: the text of the first choice's content (kept as
 /// the JSON-escaped bytes the events carried, unescaped once if the stream is resumed), its
 /// token events, and whether anything was streamed that cannot be continued as text.

@@ -267,3 +267,21 @@ fn a_resumed_answer_reports_one_usage() {
     assert_eq!(one_usage(&chunk(json!({"content": "a"})), 14, 5), None);
     assert_eq!(one_usage(b"[DONE]", 14, 5), None);
 }
+
+#[test]
+fn an_engine_that_died_or_a_retryable_failure_calls_for_resuming() {
+    // vLLM 0.32's events (create_streaming_error_response), and the sim's --error-after-chunks.
+    let dead = br#"{"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the root cause.","type":"InternalServerError","param":null,"code":500}}"#;
+    assert_eq!(failure_in(dead), Some(Cause::EngineDead));
+    let retry = br#"{"error":{"message":"Request failed; please retry","type":"ServiceUnavailableError","param":null,"code":503}}"#;
+    assert_eq!(failure_in(retry), Some(Cause::Retryable));
+    // A failed generation, a refusal, a chunk: the answer as it is.
+    let failed = br#"{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}"#;
+    assert_eq!(failure_in(failed), None);
+    let refused =
+        br#"{"error":{"message":"bad \"x\"","type":"BadRequestError","param":"x","code":400}}"#;
+    assert_eq!(failure_in(refused), None);
+    assert_eq!(failure_in(&chunk(json!({"content": "a"}))), None);
+    assert_eq!(failure_in(b"[DONE]"), None);
+    assert_eq!(Cause::EngineDead.as_str(), "engine_dead");
+}
