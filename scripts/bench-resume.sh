@@ -165,36 +165,7 @@ EOF
         ;;
     nginx)
         port=$(free_port)
-        mkdir -p "$TMP/nginx-$tag"
-        cat >"$TMP/nginx-$tag/nginx.conf" <<EOF
-worker_processes 1;
-daemon off;
-pid $TMP/nginx-$tag/nginx.pid;
-error_log $TMP/nginx-$tag/error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off;
-    client_body_temp_path $TMP/nginx-$tag/client_body;
-    proxy_temp_path $TMP/nginx-$tag/proxy;
-    tcp_nodelay on;
-    upstream sims {
-        server ${SIM_URLS[0]#http://};
-        server ${SIM_URLS[1]#http://};
-        server ${SIM_URLS[2]#http://};
-        keepalive 64;
-    }
-    server {
-        listen 127.0.0.1:$port;
-        location / {
-            proxy_pass http://sims;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_read_timeout ${STALL_MS}ms;
-        }
-    }
-}
-EOF
+        NGINX_READ_TIMEOUT=${STALL_MS}ms nginx_proxy_conf "$TMP/nginx-$tag" "$port" "${SIM_URLS[*]}" 4096
         "$NGINX_BIN" -p "$TMP/nginx-$tag/" -c "$TMP/nginx-$tag/nginx.conf" >"$TMP/nginx-$tag.log" 2>&1 &
         gw_pid=$!
         STARTED+=($!)

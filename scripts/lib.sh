@@ -83,11 +83,14 @@ create_key() {
 }
 
 # nginx_proxy_conf DIR PORT UPSTREAM [WORKER_CONNECTIONS] [KEEPALIVE]: writes DIR/nginx.conf, one
-# worker proxying 127.0.0.1:PORT to UPSTREAM (http://host:port) as a plain streaming reverse
-# proxy (no buffering, keep-alive upstream, no access log): the floor a hop costs. Start it with
+# worker proxying 127.0.0.1:PORT to UPSTREAM (http://host:port; several, space-separated, are
+# taken round robin) as a plain streaming reverse proxy (no buffering, keep-alive upstream, no
+# access log): the floor a hop costs. NGINX_READ_TIMEOUT (e.g. 2000ms) sets proxy_read_timeout
+# (nginx's default 60s otherwise). Start it with
 #   "$NGINX_BIN" -p "DIR/" -c "DIR/nginx.conf"
 nginx_proxy_conf() {
-    local dir=$1 port=$2 upstream=${3#http://} conns=${4:-1024} keepalive=${5:-64}
+    local dir=$1 port=$2 conns=${4:-1024} keepalive=${5:-64} servers="" u
+    for u in $3; do servers+="server ${u#http://}; "; done
     mkdir -p "$dir"
     cat >"$dir/nginx.conf" <<EOF
 worker_processes 1;
@@ -103,7 +106,7 @@ http {
     client_body_buffer_size 1m;
     proxy_temp_path $dir/proxy;
     tcp_nodelay on;
-    upstream backend { server $upstream; keepalive $keepalive; }
+    upstream backend { ${servers}keepalive $keepalive; }
     server {
         listen 127.0.0.1:$port;
         location / {
@@ -111,6 +114,7 @@ http {
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
+            proxy_read_timeout ${NGINX_READ_TIMEOUT:-60s};
         }
     }
 }

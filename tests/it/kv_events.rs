@@ -408,23 +408,9 @@ async fn kv_event_routing_sends_each_turn_where_the_engine_holds_its_prefix() {
             .sum::<u64>()
     };
     let url = gw.url("/v1/completions");
-    let complete = |prompt: Vec<u32>| {
-        let url = url.clone();
-        async move {
-            let body = json!({"model": "qwen32b", "prompt": prompt, "max_tokens": 1});
-            let m = post(&url, &[], bytes::Bytes::from(body.to_string())).await;
-            assert_eq!(m.status, 200, "{:?}", m.body);
-            json_body(&m)["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0)
-        }
-    };
-    // Six conversations of ten 16-token blocks each, then a second turn each.
-    let first: Vec<Vec<u32>> = (0..6u32)
-        .map(|c| (0..160).map(|t| 1000 + c * 1000 + t).collect())
-        .collect();
+    let first = token_conversations();
     for (i, prompt) in first.iter().enumerate() {
-        assert_eq!(complete(prompt.clone()).await, 0);
+        assert_eq!(cached_of_completion(&url, &[], prompt).await, 0);
         // Wait until its blocks are in an index.
         let want = 10 * (i as u64 + 1);
         let t = std::time::Instant::now();
@@ -437,10 +423,8 @@ async fn kv_event_routing_sends_each_turn_where_the_engine_holds_its_prefix() {
         }
     }
     for prompt in &first {
-        let mut next = prompt.clone();
-        next.extend(50_000..50_032);
         assert_eq!(
-            complete(next).await,
+            cached_of_completion(&url, &[], &second_turn(prompt)).await,
             160,
             "the second turn found its first turn's blocks"
         );
@@ -453,6 +437,33 @@ async fn kv_event_routing_sends_each_turn_where_the_engine_holds_its_prefix() {
     for s in sims {
         s.shutdown().await;
     }
+}
+
+/// Six conversations of ten 16-token blocks each, as token ids.
+pub(crate) fn token_conversations() -> Vec<Vec<u32>> {
+    (0..6u32)
+        .map(|c| (0..160).map(|t| 1000 + c * 1000 + t).collect())
+        .collect()
+}
+
+/// A conversation's second turn: its first, then 32 new tokens.
+pub(crate) fn second_turn(first: &[u32]) -> Vec<u32> {
+    first.iter().copied().chain(50_000..50_032).collect()
+}
+
+/// A one-token completion of `prompt` (token ids) at `url`: the cached prompt tokens the
+/// backend reported.
+pub(crate) async fn cached_of_completion(
+    url: &http::Uri,
+    headers: &[(&str, &str)],
+    prompt: &[u32],
+) -> u64 {
+    let body = json!({"model": "qwen32b", "prompt": prompt, "max_tokens": 1});
+    let m = post(url, headers, bytes::Bytes::from(body.to_string())).await;
+    assert_eq!(m.status, 200, "{:?}", m.body);
+    json_body(&m)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
 }
 
 /// `Some(())` once every backend's events are live.

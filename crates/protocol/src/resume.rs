@@ -95,25 +95,14 @@ pub const ENGINE_DEAD: &str =
 /// failed in a way vLLM says a client may retry (`ServiceUnavailableError`, 503). Any other
 /// error event (a bad request, a failed generation) is the answer, and is relayed as it is.
 pub fn failure_in(payload: &[u8]) -> Option<Cause> {
-    #[derive(Deserialize)]
-    struct Event<'a> {
-        #[serde(borrow)]
-        error: Option<Error<'a>>,
-    }
-    #[derive(Deserialize)]
-    struct Error<'a> {
-        #[serde(borrow)]
-        message: Option<std::borrow::Cow<'a, str>>,
-        #[serde(borrow, rename = "type")]
-        kind: Option<std::borrow::Cow<'a, str>>,
-        code: Option<u16>,
-    }
-    let error = serde_json::from_slice::<Event<'_>>(payload).ok()?.error?;
-    if error.message.as_deref() == Some(ENGINE_DEAD) {
+    let event: Value = serde_json::from_slice(payload).ok()?;
+    let error = event.get("error")?;
+    if error.get("message").and_then(Value::as_str) == Some(ENGINE_DEAD) {
         return Some(Cause::EngineDead);
     }
-    (error.kind.as_deref() == Some("ServiceUnavailableError") || error.code == Some(503))
-        .then_some(Cause::Retryable)
+    (error.get("type").and_then(Value::as_str) == Some("ServiceUnavailableError")
+        || error.get("code").and_then(Value::as_u64) == Some(503))
+    .then_some(Cause::Retryable)
 }
 
 /// The answer a client has been sent so far: the text of the first choice's content (kept as

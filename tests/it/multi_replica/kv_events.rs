@@ -3,7 +3,9 @@
 //! between the replicas but what the engines publish.
 
 use super::*;
-use crate::kv_events::{tokenizer_dir, two_ports};
+use crate::kv_events::{
+    cached_of_completion, second_turn, token_conversations, tokenizer_dir, two_ports,
+};
 
 /// Every replica's index holds `want` blocks over all engines, every engine live, within 5 s.
 async fn every_index_holds(replicas: &[Replica], want: u64) {
@@ -83,31 +85,21 @@ max_blocks = 4096
     let replicas = start_replicas(&db.url, &redis, &dir, &pools).await;
     let key = issue_key_on(&replicas[0], "agent", "prod").await;
     every_index_holds(&replicas, 0).await;
+    let auth = format!("Bearer {key}");
     let complete = |r: &Replica, prompt: Vec<u32>| {
         let url = r.url("/v1/completions");
-        let auth = format!("Bearer {key}");
-        async move {
-            let body = serde_json::json!({"model": "qwen32b", "prompt": prompt, "max_tokens": 1});
-            let m = post(&url, &[("authorization", &auth)], body.to_string()).await;
-            assert_eq!(m.status, 200, "{:?}", m.body);
-            json_body(&m)["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0)
-        }
+        let auth = auth.clone();
+        async move { cached_of_completion(&url, &[("authorization", &auth)], &prompt).await }
     };
-    let first: Vec<Vec<u32>> = (0..6u32)
-        .map(|c| (0..160).map(|t| 1000 + c * 1000 + t).collect())
-        .collect();
+    let first = token_conversations();
     for (c, prompt) in first.iter().enumerate() {
         assert_eq!(complete(&replicas[c % REPLICAS], prompt.clone()).await, 0);
         // Every replica has read the engine's events for it before the next turn.
         every_index_holds(&replicas, 10 * (c as u64 + 1)).await;
     }
     for (c, prompt) in first.iter().enumerate() {
-        let mut next = prompt.clone();
-        next.extend(50_000..50_032);
         assert_eq!(
-            complete(&replicas[(c + 1) % REPLICAS], next).await,
+            complete(&replicas[(c + 1) % REPLICAS], second_turn(prompt)).await,
             160,
             "conversation {c}'s second turn, on replica {}, found its first turn's blocks",
             (c + 1) % REPLICAS
