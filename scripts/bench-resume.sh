@@ -25,6 +25,8 @@
 #   ONLY [all]        the targets to run, e.g. "fleetgate nginx" (direct nginx fleetgate)
 #   STALL [false]     true: the busiest sim is stopped (SIGSTOP) instead of killed, its
 #                     connections open and silent: a stall, not a death
+#   FAULT [kill]      kill, stop (as STALL=true), or none: no sim fails, for the CPU a stream
+#                     that never fails costs (run it with two FLEETGATE_BINs, before and after)
 #   STALL_MS [2000]   the longest silence between two chunks each proxy waits for (fleetgate's
 #                     [pools.timeouts] idle_ms, nginx's proxy_read_timeout)
 set -euo pipefail
@@ -40,6 +42,9 @@ DECODE_MS=${DECODE_MS:-20}
 KILL_AFTER_MS=${KILL_AFTER_MS:-1200}
 ONLY=${ONLY:-"direct nginx fleetgate"}
 STALL=${STALL:-false}
+FAULT=${FAULT:-$([ "$STALL" = true ] && echo stop || echo kill)}
+case $FAULT in kill | stop | none) ;; *) echo "FAULT must be kill, stop or none" >&2; exit 2 ;; esac
+[ "$FAULT" = stop ] && STALL=true
 STALL_MS=${STALL_MS:-2000}
 BIN=${FLEETGATE_BIN:-"$ROOT/target/release/fleetgate"}
 # The client gives up on a stream after twice its length plus the stall limit.
@@ -188,18 +193,19 @@ EOF
     # The busiest sim dies (or stalls).
     local busiest=0 most=-1 n
     for i in 0 1 2; do
+        [ "$FAULT" = none ] && break
         n=$(running "${SIM_URLS[$i]}" || echo 0)
         if [ "$n" -gt "$most" ]; then
             most=$n
             busiest=$i
         fi
     done
-    if [ "$STALL" = true ]; then
-        kill -STOP "${SIM_PIDS[$busiest]}"
-    else
-        kill -KILL "${SIM_PIDS[$busiest]}"
-    fi
-    log "$tag: sim $((busiest + 1)) $([ "$STALL" = true ] && echo stopped || echo killed) with $most streams running"
+    case $FAULT in
+    stop) kill -STOP "${SIM_PIDS[$busiest]}" ;;
+    kill) kill -KILL "${SIM_PIDS[$busiest]}" ;;
+    none) most=0 ;;
+    esac
+    log "$tag: sim $((busiest + 1)) $FAULT with $most streams running"
     for i in "${pids[@]}"; do wait "$i" || true; done
     [ -n "$gw_pid" ] && cpu1=$(cpu_tree "$gw_pid")
     [ "$STALL" = true ] && kill -CONT "${SIM_PIDS[$busiest]}" 2>/dev/null || true
@@ -222,10 +228,10 @@ for round in $(seq 1 "$ROUNDS"); do
     done
 done
 
-python3 - "$RUN_DIR" "$OUTPUT_LEN" "$STREAMS" "$DECODE_MS" "$KILL_AFTER_MS" "$STALL" >"$RUN_DIR/summary.md" <<'PY'
+python3 - "$RUN_DIR" "$OUTPUT_LEN" "$STREAMS" "$DECODE_MS" "$KILL_AFTER_MS" "$FAULT" >"$RUN_DIR/summary.md" <<'PY'
 import csv, glob, json, os, statistics, sys
 
-run_dir, want, streams, decode_ms, kill_ms, stall = sys.argv[1:7]
+run_dir, want, streams, decode_ms, kill_ms, fault = sys.argv[1:7]
 want = int(want)
 rows = list(csv.DictReader(open(os.path.join(run_dir, "runs.tsv")), delimiter="\t"))
 
@@ -264,8 +270,11 @@ for row in rows:
         )
     )
 
-what = "stopped (SIGSTOP)" if stall == "true" else "killed (SIGKILL)"
-print(f"# A backend {what} mid-answer: {streams} streams of {want} tokens, a token every {decode_ms} ms, the busiest of 3 sims {what.split()[0]} {kill_ms} ms in\n")
+if fault == "none":
+    print(f"# No backend fails: {streams} streams of {want} tokens, a token every {decode_ms} ms, over 3 sims\n")
+else:
+    what = "stopped (SIGSTOP)" if fault == "stop" else "killed (SIGKILL)"
+    print(f"# A backend {what} mid-answer: {streams} streams of {want} tokens, a token every {decode_ms} ms, the busiest of 3 sims {what.split()[0]} {kill_ms} ms in\n")
 print("| target | rounds | streams on the dead sim | broken | whole | longest pause in a whole stream, p50 / p99 ms | gateway CPU µs/request |")
 print("|---|---|---|---|---|---|---|")
 for t in ["direct", "nginx", "fleetgate"]:

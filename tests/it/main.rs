@@ -18,6 +18,7 @@ mod listeners;
 mod pooling_endpoints;
 mod relay;
 mod resume;
+mod resumed;
 mod routes;
 mod stored_responses;
 mod stream_usage;

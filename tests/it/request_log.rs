@@ -598,6 +598,11 @@ fn spilled_row(i: i64) -> fleetgate_gateway::telemetry::request_log::row::SpillR
         trace_id: Some(format!("{i:032x}")),
         predicted_cached_tokens: Some(4),
         cached_tokens: Some(3),
+        resumes: Some(1),
+        resume_detail: Some(
+            r#"{"parts":[{"backend":"http://10.0.0.4:8000","cause":"closed","tokens":7}]}"#.into(),
+        ),
+        fleet_tokens: Some(33),
     }
 }
 
@@ -700,6 +705,22 @@ async fn a_spill_file_replayed_twice_stores_each_row_once() {
             ),
             (Some(4), Some(3)),
             "a replayed row keeps the cache's belief and truth"
+        );
+        assert_eq!(
+            (
+                r.get::<Option<i32>, _>("resumes"),
+                r.get::<Option<String>, _>("resume_detail"),
+                r.get::<Option<i64>, _>("fleet_tokens")
+            ),
+            (
+                Some(1),
+                Some(
+                    r#"{"parts":[{"backend":"http://10.0.0.4:8000","cause":"closed","tokens":7}]}"#
+                        .into()
+                ),
+                Some(33)
+            ),
+            "a replayed row keeps how its stream was resumed"
         );
     }
 }

@@ -38,6 +38,8 @@ pub(crate) struct Event {
     pub(crate) kind: DataKind,
     /// The usage this event reports, if any.
     pub(crate) usage: Option<UsagePart>,
+    /// What a chat token event streamed (`Unread` elsewhere).
+    pub(crate) streamed: event::Streamed,
 }
 
 impl Dialect {
@@ -73,7 +75,7 @@ struct UsageEnvelope {
 /// A chat or completions chunk: classified by vLLM's rule; usage read from the usage chunk, or
 /// from any chunk when `continuous_usage_stats` puts it on every one (the last one wins).
 fn chat_event(payload: &[u8]) -> Event {
-    let kind = event::classify(payload);
+    let (kind, streamed) = event::classify_streamed(payload);
     let usage = match kind {
         DataKind::Content => USAGE.find(payload).and_then(|at| {
             let after = payload[at + 7..].trim_ascii_start().strip_prefix(b":")?;
@@ -87,7 +89,11 @@ fn chat_event(payload: &[u8]) -> Event {
         }
         _ => None,
     };
-    Event { kind, usage }
+    Event {
+        kind,
+        usage,
+        streamed,
+    }
 }
 
 fn top_level_usage(payload: &[u8]) -> Option<UsagePart> {
@@ -130,6 +136,7 @@ fn typed_event(payload: &[u8], kinds: Kinds) -> Event {
         return Event {
             kind: DataKind::NoOutput,
             usage: None,
+            streamed: event::Streamed::Unread,
         };
     }
     let ty = serde_json::from_slice::<Typed<'_>>(payload)
@@ -140,6 +147,7 @@ fn typed_event(payload: &[u8], kinds: Kinds) -> Event {
         Some(None) => Event {
             kind: DataKind::NoOutput,
             usage: None,
+            streamed: event::Streamed::Unread,
         },
         // Not an event of this protocol: a chat-style `{"error": ...}` still counts as one.
         None => Event {
@@ -149,13 +157,18 @@ fn typed_event(payload: &[u8], kinds: Kinds) -> Event {
                 DataKind::NoOutput
             },
             usage: None,
+            streamed: event::Streamed::Unread,
         },
     }
 }
 
 fn event_of(payload: &[u8], (kind, has_usage): (DataKind, bool)) -> Event {
     let usage = if has_usage { usage_in(payload) } else { None };
-    Event { kind, usage }
+    Event {
+        kind,
+        usage,
+        streamed: event::Streamed::Unread,
+    }
 }
 
 /// The Responses API's events, as `vllm bench serve --backend openai-responses` times them:

@@ -37,12 +37,34 @@ pub enum DataKind {
     Done,
 }
 
+/// What a token event streamed, as the delta parse that classified it saw it (nothing more is
+/// read for it): what a resumable stream keeps of its answer so far (`resume::AnswerSoFar`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Streamed {
+    /// Not read: a completions chunk (its `text` is read only where it is kept), another
+    /// dialect's event, or no token.
+    #[default]
+    Unread,
+    /// The first choice's `content`: where the inside of its JSON string (escapes kept) lies in
+    /// the payload.
+    Text { start: u32, end: u32 },
+    /// A tool call (`tool_calls`, `function_call`): a parser's split of the raw text.
+    ToolCall,
+    /// Reasoning text: a reasoning parser's split of the raw text.
+    Reasoning,
+}
+
 /// Classify a chat or completions payload without parsing the JSON: look for the top-level
 /// markers only.
 pub(crate) fn classify(payload: &[u8]) -> DataKind {
+    classify_streamed(payload).0
+}
+
+/// `classify`, and what a token event streamed (`Streamed`), from the same reading.
+pub(crate) fn classify_streamed(payload: &[u8]) -> (DataKind, Streamed) {
     let p = trim_ascii(payload);
     if p == b"[DONE]" {
-        return DataKind::Done;
+        return (DataKind::Done, Streamed::Unread);
     }
     if let Some(at) = CHOICES.find(p) {
         let after = skip_ws(&p[at + 9..]);
@@ -50,17 +72,43 @@ pub(crate) fn classify(payload: &[u8]) -> DataKind {
             Some((b':', r)) => skip_ws(r),
             _ => after,
         };
-        return match after.split_first() {
+        let kind = match after.split_first() {
             Some((b'[', r)) if skip_ws(r).first() == Some(&b']') => DataKind::NoChoices,
-            Some((b'[', r)) if streams_output(r) => DataKind::Content,
-            Some((b'[', _)) => DataKind::NoOutput,
+            Some((b'[', r)) => match streams_output(r) {
+                Some(streamed) => return (DataKind::Content, within(payload, streamed)),
+                None => DataKind::NoOutput,
+            },
             _ => DataKind::NoChoices,
         };
+        return (kind, Streamed::Unread);
     }
     if ERROR.find(p).is_some() {
-        return DataKind::Error;
+        return (DataKind::Error, Streamed::Unread);
     }
-    DataKind::NoChoices
+    (DataKind::NoChoices, Streamed::Unread)
+}
+
+/// A text span found in a borrowed slice of `payload`, as offsets into `payload`.
+fn within(payload: &[u8], streamed: Output<'_>) -> Streamed {
+    match streamed {
+        Output::Text(inside) => {
+            let start = (inside.as_ptr() as usize).wrapping_sub(payload.as_ptr() as usize);
+            let end = start + inside.len();
+            match (u32::try_from(start), u32::try_from(end)) {
+                (Ok(start), Ok(end)) if end as usize <= payload.len() => {
+                    Streamed::Text { start, end }
+                }
+                _ => Streamed::Unread,
+            }
+        }
+        Output::Other(s) => s,
+    }
+}
+
+/// What `streams_output` saw of a token event, borrowed from the payload.
+enum Output<'a> {
+    Text(&'a [u8]),
+    Other(Streamed),
 }
 
 static DELTA: LazyLock<memmem::Finder<'static>> =
@@ -82,30 +130,41 @@ pub(crate) struct Delta<'a> {
     pub(crate) function_call: Option<&'a RawValue>,
 }
 
-/// Does the first choice (`choices` starts just after its `[`) stream output? A choice without
-/// a `delta` (completions' `text`) does. A chat delta does when one of its output fields is
-/// non-empty, or it has `content: ""` and no `role`. Only the delta object is parsed (serde
-/// stops at its end, the values stay borrowed): this runs on every relayed event.
-fn streams_output(choices: &[u8]) -> bool {
+/// Does the first choice (`choices` starts just after its `[`) stream output, and what? A
+/// choice without a `delta` (completions' `text`) does (unread). A chat delta does when one of
+/// its output fields is non-empty, or it has `content: ""` and no `role`. Only the delta object
+/// is parsed (serde stops at its end, the values stay borrowed): this runs on every relayed
+/// event. `None`: no output.
+fn streams_output(choices: &[u8]) -> Option<Output<'_>> {
     let Some(at) = DELTA.find(choices) else {
-        return true;
+        return Some(Output::Other(Streamed::Unread));
     };
     let rest = skip_ws(&choices[at + 7..]);
     let Some((b':', rest)) = rest.split_first() else {
-        return false;
+        return None;
     };
-    let Some(Ok(d)) = serde_json::Deserializer::from_slice(rest)
+    let d = serde_json::Deserializer::from_slice(rest)
         .into_iter::<Delta<'_>>()
-        .next()
-    else {
-        return false;
+        .next()?
+        .ok()?;
+    let full = |v: Option<&RawValue>| v.is_some_and(|v| !is_empty_value(v.get().as_bytes()));
+    if full(d.tool_calls) || full(d.function_call) {
+        return Some(Output::Other(Streamed::ToolCall));
+    }
+    if full(d.reasoning) {
+        return Some(Output::Other(Streamed::Reasoning));
+    }
+    let text = || {
+        let inside = d.content?.get().as_bytes();
+        let inside = inside.strip_prefix(b"\"")?.strip_suffix(b"\"")?;
+        Some(Output::Text(inside))
     };
-    let output = [d.content, d.reasoning, d.tool_calls, d.function_call]
-        .into_iter()
-        .flatten()
-        .any(|v| !is_empty_value(v.get().as_bytes()));
+    if full(d.content) {
+        return Some(text().unwrap_or(Output::Other(Streamed::Unread)));
+    }
     let role = d.role.is_some_and(|r| r.get() != "null");
-    output || (!role && d.content.is_some_and(|c| c.get() == "\"\""))
+    (!role && d.content.is_some_and(|c| c.get() == "\"\""))
+        .then(|| text().unwrap_or(Output::Other(Streamed::Unread)))
 }
 
 /// `null`, `""`, `[]` or `{}` (with any whitespace inside the brackets).

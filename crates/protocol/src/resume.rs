@@ -18,7 +18,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::Endpoint;
-use crate::event::Delta;
+use crate::event::{Delta, Streamed};
 
 /// Why an answer cannot be continued exactly, each counted and named in the error event that
 /// ends the stream instead.
@@ -163,9 +163,13 @@ impl AnswerSoFar {
             Some(d) => {
                 if present(d.tool_calls) || present(d.function_call) {
                     self.blocked = Some(NotResumable::ToolCall);
+                    self.tokens += 1;
+                    return;
                 }
                 if present(d.reasoning) {
                     self.blocked.get_or_insert(NotResumable::Reasoning);
+                    self.tokens += 1;
+                    return;
                 }
                 d.content
             }
@@ -174,6 +178,35 @@ impl AnswerSoFar {
         if let Some(inside) = text.and_then(string_inside) {
             self.escaped.extend_from_slice(inside);
             self.tokens += 1;
+        }
+    }
+
+    /// One token event as the relay read it: the content span its classification found
+    /// (nothing parsed again), or a completions chunk's `text` read here. This is all a stream
+    /// that never fails pays for being resumable: a copy of the escaped bytes.
+    pub fn push(&mut self, payload: &[u8], streamed: Streamed) {
+        match streamed {
+            Streamed::Text { start, end } => {
+                if let Some(inside) = payload.get(start as usize..end as usize) {
+                    self.escaped.extend_from_slice(inside);
+                    self.tokens += 1;
+                }
+            }
+            Streamed::ToolCall => {
+                self.blocked = Some(NotResumable::ToolCall);
+                self.tokens += 1;
+            }
+            Streamed::Reasoning => {
+                self.blocked.get_or_insert(NotResumable::Reasoning);
+                self.tokens += 1;
+            }
+            Streamed::Unread => match text_field(payload) {
+                Some(inside) => {
+                    self.escaped.extend_from_slice(inside);
+                    self.tokens += 1;
+                }
+                None => self.observe(payload),
+            },
         }
     }
 
@@ -195,6 +228,27 @@ impl AnswerSoFar {
     pub fn blocked(&self) -> Option<NotResumable> {
         self.blocked
     }
+}
+
+static TEXT: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"text\""));
+
+/// A completions chunk's `"text": "..."` inside (escapes kept), found without parsing the
+/// chunk: the first `"text"` followed by a colon is the key (a string holding the sequence
+/// would have it escaped).
+fn text_field(payload: &[u8]) -> Option<&[u8]> {
+    for at in TEXT.find_iter(payload) {
+        let rest = payload[at + 6..].trim_ascii_start();
+        let Some(rest) = rest.strip_prefix(b":") else {
+            continue;
+        };
+        let value = serde_json::Deserializer::from_slice(rest.trim_ascii_start())
+            .into_iter::<&RawValue>()
+            .next()?
+            .ok()?;
+        return string_inside(value);
+    }
+    None
 }
 
 /// Whether `body` (the request as forwarded) could be continued at all, before any answer.

@@ -17,6 +17,8 @@ pub struct DataLine<'a> {
     /// The usage this event reports, if any.
     pub usage: Option<UsagePart>,
     pub payload: &'a [u8],
+    /// What a chat token event streamed, from the reading that classified it.
+    pub streamed: crate::event::Streamed,
     /// Where the event (this line, its newline and a blank line right after it) sits in the
     /// chunk just fed — `None` when the line began in an earlier chunk.
     pub event_span: Option<std::ops::Range<usize>>,
@@ -171,6 +173,7 @@ fn handle_line(
         kind: event.kind,
         usage: event.usage,
         payload,
+        streamed: event.streamed,
         event_span,
     });
 }

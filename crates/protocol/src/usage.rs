@@ -94,6 +94,11 @@ impl Usage {
 }
 
 impl UsagePart {
+    /// The prompt tokens this part names, if it names them.
+    pub fn prompt(&self) -> Option<u64> {
+        self.prompt_tokens
+    }
+
     /// Every count it names within `MAX_PLAUSIBLE_TOKENS`.
     pub(crate) fn plausible(&self) -> bool {
         self.prompt_tokens.is_none_or(|t| t <= MAX_PLAUSIBLE_TOKENS)

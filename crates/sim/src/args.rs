@@ -77,6 +77,11 @@ pub struct SimArgs {
     #[arg(long)]
     pub error_after_chunks: Option<u32>,
 
+    /// Send nothing more after this many content chunks, the connection left open (a server
+    /// that hangs mid-answer, as a stopped process does).
+    #[arg(long)]
+    pub stall_after_chunks: Option<u32>,
+
     /// Extra wait before a sequence's first token, in milliseconds.
     #[arg(long, default_value_t = 0.0)]
     pub stall_first_token_ms: f64,
@@ -228,6 +233,7 @@ impl Default for SimArgs {
             fail_rate: 0.0,
             drop_after_chunks: None,
             error_after_chunks: None,
+            stall_after_chunks: None,
             stall_first_token_ms: 0.0,
             warmup_secs: 0.0,
             timeout_keep_alive: 0.0,
@@ -272,6 +278,7 @@ impl fmt::Debug for SimArgs {
             .field("fail_rate", &self.fail_rate)
             .field("drop_after_chunks", &self.drop_after_chunks)
             .field("error_after_chunks", &self.error_after_chunks)
+            .field("stall_after_chunks", &self.stall_after_chunks)
             .field("stall_first_token_ms", &self.stall_first_token_ms)
             .field("warmup_secs", &self.warmup_secs)
             .field("timeout_keep_alive", &self.timeout_keep_alive)
@@ -321,9 +328,11 @@ impl StepTiming {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum StreamFault {
     /// Abort the body (connection reset, no terminating chunk) after K content chunks.
-    DropAfter(u32),
+    Drop(u32),
     /// Send vLLM's in-stream error event and `[DONE]` after K content chunks.
-    ErrorAfter(u32),
+    EngineDead(u32),
+    /// Send nothing more after K content chunks, the connection left open.
+    Stall(u32),
 }
 
 /// What a pooling model computes (`--runner pooling`).
@@ -451,15 +460,20 @@ impl TryFrom<&SimArgs> for SimConfig {
                 a.fail_rate
             )));
         }
-        let fault = match (a.drop_after_chunks, a.error_after_chunks) {
-            (Some(_), Some(_)) => {
+        let fault = match (
+            a.drop_after_chunks,
+            a.error_after_chunks,
+            a.stall_after_chunks,
+        ) {
+            (Some(k), None, None) => Some(StreamFault::Drop(k)),
+            (None, Some(k), None) => Some(StreamFault::EngineDead(k)),
+            (None, None, Some(k)) => Some(StreamFault::Stall(k)),
+            (None, None, None) => None,
+            _ => {
                 return Err(invalid(
-                    "give at most one of --drop-after-chunks and --error-after-chunks".into(),
+                    "give at most one of --drop-after-chunks, --error-after-chunks and --stall-after-chunks".into(),
                 ));
             }
-            (Some(k), None) => Some(StreamFault::DropAfter(k)),
-            (None, Some(k)) => Some(StreamFault::ErrorAfter(k)),
-            (None, None) => None,
         };
         if a.block_size == 0 {
             return Err(invalid("--block-size must be >= 1".into()));

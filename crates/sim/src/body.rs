@@ -152,9 +152,7 @@ impl TokenStream {
                 Phase::Tokens => {
                     let sent = self.generation.emitted();
                     match self.fault {
-                        Some(StreamFault::DropAfter(k))
-                            if sent == k && !self.generation.is_last() =>
-                        {
+                        Some(StreamFault::Drop(k)) if sent == k && !self.generation.is_last() => {
                             // hyper drops its unflushed write buffer when a body fails, so the
                             // client would never see the K chunks. Yielding once makes hyper flush
                             // them first; the abort follows on the next poll.
@@ -167,7 +165,11 @@ impl TokenStream {
                             self.phase = Phase::End;
                             return Poll::Ready(Some(Err(SimBodyError::InjectedDrop(k))));
                         }
-                        Some(StreamFault::ErrorAfter(k))
+                        Some(StreamFault::Stall(k)) if sent == k && !self.generation.is_last() => {
+                            // Never woken: the body hangs until the client leaves.
+                            return Poll::Pending;
+                        }
+                        Some(StreamFault::EngineDead(k))
                             if sent == k && !self.generation.is_last() =>
                         {
                             self.generation.fail_injected();

@@ -45,8 +45,8 @@ pub use kv_events::KvEventsConfig;
 pub use limits::{EnvLimits, LimitsConfig, RedisConfig, SharedLimits};
 pub use otel::TracingConfig;
 pub(crate) use otel::{OtlpExport, SamplerChoice};
-pub use pool_health::LoadAwareConfig;
 pub(crate) use pool_health::{EjectionConfig, RetryConfig};
+pub use pool_health::{LoadAwareConfig, ResumeConfig};
 pub use pools::Timeouts;
 pub use pools::{
     AffinityBy, AffinityConfig, EnginePriority, LongPromptConfig, PoolConfig, PoolKind,

@@ -1,6 +1,7 @@
 //! A pool's backend health settings: `[pools.health]` (probes), `[pools.warmup]` (a recovered
 //! backend's ramp), `[pools.retries]`, `[pools.ejection]` and `[pools.load_aware]` (the
-//! backends' own load, scraped): each raw table, its defaults and its checked type.
+//! backends' own load, scraped) and `[pools.resume]` (a stream continued on another backend
+//! when its own dies mid-answer): each raw table, its defaults and its checked type.
 
 use std::time::Duration;
 
@@ -51,6 +52,76 @@ impl Default for WarmupConfig {
             slow_start: Duration::ZERO,
         }
     }
+}
+
+/// `[pools.resume]`: a stream whose backend dies, says its engine died, or stalls mid-answer is
+/// continued on another backend of the pool (`proxy::relay::resume`).
+#[derive(Debug, Clone, Copy)]
+pub struct ResumeConfig {
+    pub enabled: bool,
+    /// Continuations per request at most.
+    pub max_resumes: u8,
+    /// A stream silent this long after its first token has stalled: it is resumed elsewhere
+    /// (the pool's idle limit still ends what cannot be resumed).
+    pub stall: Duration,
+}
+
+impl Default for ResumeConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_resumes: 2,
+            stall: Duration::from_millis(DEFAULT_STALL_MS),
+        }
+    }
+}
+
+const DEFAULT_STALL_MS: u64 = 15_000;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawResume {
+    #[serde(default = "yes")]
+    pub(super) enabled: bool,
+    #[serde(default = "default_max_resumes")]
+    pub(super) max_resumes: u8,
+    #[serde(default = "default_stall_ms")]
+    pub(super) stall_ms: u64,
+}
+
+impl Default for RawResume {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_resumes: default_max_resumes(),
+            stall_ms: DEFAULT_STALL_MS,
+        }
+    }
+}
+
+impl RawResume {
+    pub(super) fn check(self) -> Result<ResumeConfig, &'static str> {
+        if self.stall_ms == 0 {
+            return Err("stall_ms must be > 0 (set enabled = false to turn resuming off)");
+        }
+        Ok(ResumeConfig {
+            enabled: self.enabled && self.max_resumes > 0,
+            max_resumes: self.max_resumes,
+            stall: Duration::from_millis(self.stall_ms),
+        })
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_max_resumes() -> u8 {
+    2
+}
+
+fn default_stall_ms() -> u64 {
+    DEFAULT_STALL_MS
 }
 
 /// Retries on another backend, before any byte of the answer reached the client.

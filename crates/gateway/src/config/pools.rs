@@ -10,8 +10,8 @@ use serde::Deserialize;
 
 use super::backends::{self, BackendConfig, RawBackend};
 use super::pool_health::{
-    EjectionConfig, HealthConfig, LoadAwareConfig, RawEjection, RawHealth, RawLoadAware,
-    RawRetries, RawWarmup, RetryConfig, WarmupConfig,
+    EjectionConfig, HealthConfig, LoadAwareConfig, RawEjection, RawHealth, RawLoadAware, RawResume,
+    RawRetries, RawWarmup, ResumeConfig, RetryConfig, WarmupConfig,
 };
 use super::{ConfigError, Environment, FileErrors};
 use crate::secret::Secret;
@@ -56,6 +56,8 @@ pub struct PoolConfig {
     /// Send each environment's `priority` to the backends (`[pools.priority]`), for vLLM's
     /// `--scheduling-policy priority`.
     pub priority: Option<EnginePriority>,
+    /// Continue a stream on another backend when its own dies mid-answer (`[pools.resume]`).
+    pub resume: ResumeConfig,
     /// Clients' error messages name backends by address (`server.expose_backend_addresses`,
     /// set on every pool by the server), else as `<model>#<number>`.
     pub(crate) expose_backend_addresses: bool,
@@ -175,6 +177,7 @@ impl PoolConfig {
             affinity: None,
             kv_events: None,
             priority: None,
+            resume: ResumeConfig::default(),
             expose_backend_addresses: false,
         }
     }
@@ -328,6 +331,7 @@ fn pool(
         None => None,
     };
     let kv_events = p.kv_events.map(|k| k.check(&at, err)).transpose()?;
+    let resume = p.resume.check().map_err(|m| err.at(at("resume"), m))?;
     if let Some(k) = &kv_events
         && k.port.is_none()
         && let Some(i) = backends
@@ -396,6 +400,7 @@ fn pool(
             max_age: Duration::from_secs(a.max_age_seconds.max(1)),
         }),
         kv_events,
+        resume,
         expose_backend_addresses: false,
     })
 }
@@ -540,6 +545,8 @@ pub(super) struct RawPool {
     pub(super) affinity: Option<RawAffinity>,
     pub(super) kv_events: Option<super::kv_events::RawKvEvents>,
     pub(super) priority: Option<RawEnginePriority>,
+    #[serde(default)]
+    pub(super) resume: RawResume,
 }
 
 /// `[pools.priority]`: each environment's vLLM `priority`, sent to the backends.

@@ -492,6 +492,12 @@ impl Balancer {
         (a, b)
     }
 
+    /// Some backend not in `exclude` may take requests now or later (not down, not draining,
+    /// not ejected): where a stream cut on one backend may be continued.
+    pub(crate) fn any_usable_besides(&self, exclude: u64) -> bool {
+        (0..self.backends.len()).any(|i| self.usable(i, exclude))
+    }
+
     /// Some backend may take requests now or later (not down, not draining).
     pub(crate) fn any_usable(&self) -> bool {
         self.backends.iter().any(|b| {

@@ -150,6 +150,14 @@ pub(crate) enum ApiError {
     QueueRefused(Box<QueueRefusal>),
     #[error("internal error")]
     Internal,
+    /// A stream failure that could not be resumed on another backend: the failure as it is,
+    /// and why it was not continued (`proxy::relay::resume`).
+    #[error("{failure} (not resumed: {reason})")]
+    NotResumed {
+        failure: Box<ApiError>,
+        reason: &'static str,
+        why: &'static str,
+    },
 }
 
 impl ApiError {
@@ -216,6 +224,7 @@ impl ApiError {
             ApiError::Limited(r) => r.kind.error_kind(),
             ApiError::QueueRefused(r) => r.kind.error_kind(),
             ApiError::Internal => ErrorKind::Internal,
+            ApiError::NotResumed { failure, .. } => failure.kind(),
         }
     }
 
@@ -265,6 +274,21 @@ impl ApiError {
     /// (message, type, param, code) of the OpenAI error body.
     fn parts(&self) -> (String, &'static str, Option<&str>, &'static str) {
         match self {
+            ApiError::NotResumed {
+                failure,
+                reason,
+                why,
+            } => {
+                let (message, kind, param, code) = failure.parts();
+                (
+                    format!(
+                        "{message} It was not continued on another backend ([pools.resume]): {why} (reason `{reason}`)."
+                    ),
+                    kind,
+                    param,
+                    code,
+                )
+            }
             ApiError::RouteNotFound { method, path }
                 if path.ends_with("/tokenize") || path.ends_with("/detokenize") =>
             {

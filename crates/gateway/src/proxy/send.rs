@@ -119,9 +119,13 @@ pub(super) struct RelayParts {
     /// The request's edits of the answer, its pin naming the backend (the stored response's id
     /// still to be read), a `Server-Timing` trailer only on a stream.
     pub(super) answer: AnswerEdits,
+    /// What resuming the stream on another backend needs, where its pool resumes streams.
+    pub(super) resume: Option<Box<super::relay::Kept>>,
 }
 
-/// What sending upstream gave.
+/// What sending upstream gave. (Moved once, from the send step to the relay: boxing the relay's
+/// parts would cost every request an allocation to save a few hundred bytes of stack.)
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Sent {
     /// Head ready; the body will be relayed.
     Relay(Response<()>, RelayParts),
@@ -180,6 +184,7 @@ async fn send(
     // Inference, pooling included: a whole answer's head is its first token (the hop's
     // measure), as on a non-streaming chat.
     let inference = endpoint.needs().takes_slot;
+    let resume = kept_for_resuming(pool, &prepared, ex);
     let mut upstream_req = upstream_request(&backend, prepared)?;
 
     // Send; wait for the head within the first-token (and total) limit.
@@ -276,8 +281,36 @@ async fn send(
             timeouts: t,
             slot,
             answer,
+            resume,
         },
     ))
+}
+
+/// What a stream needs to be resumed on another backend, where its pool resumes streams: the
+/// request as forwarded, kept only where an answer can be continued (chat and completions, a
+/// pool of several backends, a request not pinned to one).
+fn kept_for_resuming(
+    pool: &Pool,
+    prepared: &Prepared,
+    ex: &Exchange,
+) -> Option<Box<super::relay::Kept>> {
+    let config = pool.config().resume;
+    if !config.enabled || !ex.record.stream {
+        return None;
+    }
+    let endpoint = prepared.endpoint;
+    let alone = pool.backends.len() < 2 || prepared.pinned;
+    let continued = matches!(
+        endpoint,
+        fleetgate_protocol::Endpoint::Chat | fleetgate_protocol::Endpoint::Completions
+    );
+    let request = (continued && !alone).then(|| (prepared.headers.clone(), prepared.body.clone()));
+    Some(Box::new(super::relay::Kept {
+        endpoint,
+        request,
+        config,
+        alone,
+    }))
 }
 
 /// The request as this backend gets it: its own URI and its own upstream key. A client's key

@@ -5,6 +5,7 @@
 pub mod metrics;
 pub(crate) mod otel;
 pub mod request_log;
+pub(crate) mod resume;
 pub(crate) mod timeline;
 pub mod usage;
 
@@ -152,6 +153,8 @@ pub struct RequestRecord {
     pub(crate) otel: Option<Box<otel::Scope>>,
     /// How much of the prompt the routing believed the chosen backend's engine holds.
     pub(crate) cache_belief: Option<CacheBelief>,
+    /// A stream resumed on another backend, or refused that (`resume`).
+    pub(crate) resume: Option<Box<resume::ResumeLog>>,
     recorder: Arc<Recorder>,
 }
 
@@ -185,6 +188,7 @@ impl RequestRecord {
             trace_id: None,
             otel: None,
             cache_belief: None,
+            resume: None,
             recorder,
         }
     }
@@ -192,7 +196,16 @@ impl RequestRecord {
     /// Tokens this request used, for settling a token reservation made with
     /// `prompt_estimate`: see `used_tokens`.
     pub(crate) fn used_tokens(&self, prompt_estimate: u64) -> u64 {
-        used_tokens(&self.timeline, self.error, prompt_estimate)
+        used_tokens(&self.timeline, self.error, prompt_estimate).saturating_add(
+            self.resume
+                .as_ref()
+                .map_or(0, |r| r.continuation_prompt_tokens),
+        )
+    }
+
+    /// Continuations sent for this request.
+    pub(crate) fn resumes(&self) -> usize {
+        self.resume.as_ref().map_or(0, |r| r.resumes())
     }
 
     /// The prompt tokens the routing predicted the chosen backend's engine serves from its
@@ -283,6 +296,7 @@ fn emit_event(r: &RequestRecord) {
         status = r.status,
         error = r.error.map_or("-", ErrorKind::as_str),
         retries = r.retries,
+        resumes = r.resumes(),
         trace_id = r.trace_id.map(tracing::field::display),
         queue_wait_ms = ms(Some(t.queue_wait())),
         upstream_ttft_ms = ms(t.upstream_ttft()),

@@ -285,3 +285,51 @@ fn an_engine_that_died_or_a_retryable_failure_calls_for_resuming() {
     assert_eq!(failure_in(b"[DONE]"), None);
     assert_eq!(Cause::EngineDead.as_str(), "engine_dead");
 }
+
+/// What the relay keeps (`push`, from the span the classification found) is what a full parse
+/// of each event reads (`observe`): the same text, tokens and refusals, chat and completions.
+#[test]
+fn what_the_relay_keeps_is_what_a_full_parse_reads() {
+    let events: Vec<Vec<u8>> = vec![
+        chunk(json!({"role": "assistant", "content": ""})),
+        chunk(json!({"content": "He said \"hi\""})),
+        chunk(json!({"content": "\n caf\u{e9} \\ "})),
+        chunk(json!({"content": ""})),
+        br#"{"id":"x","choices":[{"delta" : { "content" : "spaced" }}]}"#.to_vec(),
+        br#"{"id":"cmpl-1","object":"text_completion","model":"text","choices":[{"index":0,"text" : " once \"q\"","finish_reason":null}]}"#.to_vec(),
+        chunk(json!({"reasoning": "think"})),
+        chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]})),
+    ];
+    let mut stream = Vec::new();
+    for e in &events {
+        stream.extend_from_slice(b"data: ");
+        stream.extend_from_slice(e);
+        stream.extend_from_slice(b"\n\n");
+    }
+    let (mut pushed, mut parsed) = (AnswerSoFar::new(), AnswerSoFar::new());
+    let mut scanner = crate::sse::SseScanner::new();
+    let mut seen = 0;
+    // Fed in two reads split mid-event: a carried line is read whole too.
+    let (a, b) = stream.split_at(100);
+    for part in [a, b] {
+        scanner.feed(part, |line| {
+            if line.kind == crate::event::DataKind::Content {
+                pushed.push(line.payload, line.streamed);
+                parsed.observe(line.payload);
+                seen += 1;
+                // Each check after every event: the refusals come in the same order.
+                assert_eq!(pushed.text(), parsed.text());
+                assert_eq!(pushed.tokens(), parsed.tokens());
+                assert_eq!(pushed.blocked(), parsed.blocked());
+            }
+        });
+    }
+    assert_eq!(seen, 7);
+    assert_eq!(pushed.tokens(), 7);
+    assert!(
+        pushed
+            .text()
+            .starts_with("He said \"hi\"\n café \\ spaced once \"q\"")
+    );
+    assert_eq!(pushed.blocked(), Some(NotResumable::ToolCall));
+}

@@ -25,9 +25,11 @@ use tokio::time::Sleep;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
 mod ready;
+mod resume;
 mod scan;
 mod start;
 
+pub(super) use resume::Kept;
 pub(super) use start::start;
 
 use super::error::{ApiError, TimeoutKind};
@@ -37,6 +39,7 @@ use crate::pool::InFlight;
 use crate::queue::QueuedBody;
 use fleetgate_protocol::Dialect;
 use fleetgate_protocol::error::ErrorKind;
+use fleetgate_protocol::resume::Cause;
 use fleetgate_protocol::sse::SseScanner;
 use ready::Ready;
 use scan::{Scan, learn_whole, observe_first_token, scan_frame, timing_trailer};
@@ -106,6 +109,8 @@ enum State {
     Closing(Bytes),
     /// Upstream trailers, passed on after the data before them.
     Trailers(http::HeaderMap),
+    /// The backend failed mid-answer: the rest comes from another (`resume`).
+    Resuming,
     Ended,
 }
 
@@ -142,6 +147,8 @@ pin_project! {
         // watcher if the client leaves before the end.
         background: Option<Box<super::background::Handover>>,
         background_id: Option<String>,
+        // A stream its pool resumes on another backend should its own fail mid-answer.
+        resume: Option<Box<resume::Resume>>,
         // Declared before `ex` so the slot is released before the request is recorded.
         slot: InFlight,
         ex: Exchange,
@@ -220,6 +227,12 @@ impl Body for RelayBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         loop {
+            if matches!(self.state, State::Resuming) {
+                match self.as_mut().poll_resuming(cx) {
+                    Some(out) => return out,
+                    None => continue,
+                }
+            }
             if let Some(out) = self.as_mut().after_relaying() {
                 return out;
             }
@@ -287,8 +300,8 @@ impl RelayBody {
                 Some(Poll::Ready(Some(Ok(Frame::data(out)))))
             }
             State::Trailers(t) => Some(Poll::Ready(Some(Ok(Frame::trailers(t))))),
-            State::Relaying => {
-                *this.state = State::Relaying;
+            keep @ (State::Relaying | State::Resuming) => {
+                *this.state = keep;
                 None
             }
         }
@@ -314,6 +327,10 @@ impl RelayBody {
             }
         };
         if *this.sse {
+            if let Some(r) = this.resume.as_deref_mut() {
+                // A continuation's events, made the first answer's.
+                data = r.rewrite(data)?;
+            }
             let had_first = this.ex.record.timeline.upstream_first_token().is_some();
             let scanned = scan_frame(
                 this.scanner,
@@ -326,6 +343,7 @@ impl RelayBody {
                     backend: this.slot.backend(),
                     pin: this.pin,
                     learned: this.background.as_ref().map(|_| &mut *this.background_id),
+                    capture: this.resume.as_deref_mut().and_then(|r| r.capture()),
                 },
             );
             if !had_first && this.ex.record.timeline.upstream_first_token().is_some() {
@@ -348,6 +366,27 @@ impl RelayBody {
                 tracing::warn!(backend = %this.slot.backend().base, limit = this.scanner.max_line(), "backend sent an SSE line past the limit: stream ended");
                 *this.state = State::Closing(err.sse_event(*this.dialect, true));
                 return None;
+            }
+            // An event saying the engine died: what came before it goes out, then the answer
+            // is resumed (or ends, naming why not).
+            let failed = this
+                .resume
+                .as_deref_mut()
+                .and_then(|r| r.capture.failed.take());
+            if let Some((cause, partial)) = failed {
+                if let Some(rest) = scanned.filter(|d| !d.is_empty())
+                    && let Some(rest) = match this.rename.as_mut() {
+                        Some(r) => r.pass(rest),
+                        None => Some(rest),
+                    }
+                {
+                    this.ready.push(rest);
+                }
+                let err = ApiError::UpstreamStreamFailed {
+                    backend: this.slot.backend().shown.to_string(),
+                    detail: format!("it said its engine failed ({})", cause.as_str()),
+                };
+                return self.fail(cause, err, partial);
             }
             match scanned {
                 Some(rest) => data = rest,
@@ -390,17 +429,15 @@ impl RelayBody {
         if *this.sse {
             let tl = &mut this.ex.record.timeline;
             let at = tl.offset(now);
+            let partial = this.scanner.has_partial_line();
             this.scanner.finish(|line| {
                 tl.on_upstream_event(line.kind, line.usage, now, at);
             });
             if !tl.stream().done && !tl.stream().error {
-                this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
                 let err = ApiError::UpstreamStreamCut {
                     backend: this.slot.backend().shown.to_string(),
                 };
-                *this.state =
-                    State::Closing(err.sse_event(*this.dialect, this.scanner.has_partial_line()));
-                return None;
+                return self.fail(Cause::Closed, err, partial);
             }
         } else {
             this.ex
@@ -452,17 +489,16 @@ impl RelayBody {
         if self.answered() {
             return self.end_answered();
         }
-        let this = self.project();
-        this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
         let err = ApiError::UpstreamStreamFailed {
-            backend: this.slot.backend().shown.to_string(),
+            backend: self.slot.backend().shown.to_string(),
             detail: e.to_string(),
         };
-        if *this.sse {
-            let partial = this.scanner.has_partial_line();
-            *this.state = State::Closing(err.sse_event(*this.dialect, partial));
-            return None;
+        if self.sse {
+            let partial = self.scanner.has_partial_line();
+            return self.fail(Cause::Closed, err, partial);
         }
+        let this = self.project();
+        this.ex.record.error = Some(ErrorKind::UpstreamStreamError);
         this.ex.record.finish(Instant::now());
         Some(Poll::Ready(Some(Err(std::io::Error::other(err.message())))))
     }
@@ -497,19 +533,27 @@ impl RelayBody {
             return self.end_answered();
         }
         let kind = self.timeout_kind(now);
+        if kind == TimeoutKind::Idle
+            && self
+                .resume
+                .as_deref()
+                .is_some_and(|r| r.stall_pending(&self.timeouts))
+        {
+            // The stall limit: resumed elsewhere, or the idle limit waited out.
+            return self.stalled();
+        }
         let limit = self.limit_of(kind);
-        let this = self.project();
-        this.ex.record.error = Some(ErrorKind::UpstreamTimeout);
         let err = ApiError::UpstreamTimeout {
-            backend: this.slot.backend().shown.to_string(),
+            backend: self.slot.backend().shown.to_string(),
             kind,
             after_ms: limit.as_millis(),
         };
-        if *this.sse {
-            let partial = this.scanner.has_partial_line();
-            *this.state = State::Closing(err.sse_event(*this.dialect, partial));
-            return None;
+        if self.sse {
+            let partial = self.scanner.has_partial_line();
+            return self.fail(Cause::Stalled, err, partial);
         }
+        let this = self.project();
+        this.ex.record.error = Some(ErrorKind::UpstreamTimeout);
         *this.state = State::Ended;
         this.ex.record.finish(now);
         Some(Poll::Ready(Some(Err(std::io::Error::new(

@@ -33,6 +33,7 @@ pub(super) fn scan_frame(
         backend,
         pin,
         mut learned,
+        mut capture,
     } = scan;
     let tl = &mut record.timeline;
     // The stream already ended at its terminal event: a backend's bytes after it are not part
@@ -51,8 +52,20 @@ pub(super) fn scan_frame(
     let chat = dialect == Dialect::Chat;
     // A traced request's finish reasons, for its span.
     let mut traced = record.otel.as_deref_mut().filter(|s| s.sampled());
+    // Where a failure event (an engine that died) begins in this frame: cut there.
+    let mut failed_at = None;
     scanner.feed(&data, |line| {
         if tl.stream().done {
+            return;
+        }
+        // A resumable stream keeps its text; an event saying the engine died ends the part
+        // (neither it nor what follows is relayed or counted).
+        if let Some(c) = capture.as_deref_mut()
+            && !c.see(&line)
+        {
+            if failed_at.is_none() {
+                failed_at = Some(line.event_span.as_ref().map_or(0, |span| span.start));
+            }
             return;
         }
         if line.kind == DataKind::Done {
@@ -96,7 +109,7 @@ pub(super) fn scan_frame(
         record.error = Some(ErrorKind::UpstreamStreamError);
     }
     let mut data = data;
-    if let Some(end) = end
+    if let Some(end) = end.into_iter().chain(failed_at).min()
         && end < data.len()
     {
         data.truncate(end);
@@ -121,6 +134,8 @@ pub(super) struct Scan<'a> {
     pub(super) pin: &'a mut Option<pins::Learn>,
     /// Where the learned id is kept too (a streamed background response).
     pub(super) learned: Option<&'a mut Option<String>>,
+    /// A resumable stream's answer so far (`resume`).
+    pub(super) capture: Option<&'a mut super::resume::Capture>,
 }
 
 /// The usage chunk of a chat stream: `choices: []` with a `usage` object.

@@ -3,6 +3,7 @@
 //! background POST's answer is read whole and its work watched (`proxy::background`); an
 //! answer the send step already holds whole goes out as it is.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -23,7 +24,7 @@ use fleetgate_protocol::sse::SseScanner;
 
 /// The answer to the client, from what the send step gave.
 pub(in crate::proxy) async fn start(
-    state: &ProxyState,
+    state: &Arc<ProxyState>,
     sent: Sent,
     mut ex: Exchange,
 ) -> Response<GatewayBody> {
@@ -64,7 +65,7 @@ impl RelayBody {
     /// The relay of an upstream body, with the request's exchange travelling in it.
     /// `ex.record.timeline.upstream_sent()` must be set.
     pub(in crate::proxy) fn new(
-        state: &ProxyState,
+        state: &Arc<ProxyState>,
         parts: RelayParts,
         mut ex: Exchange,
         first: Option<Bytes>,
@@ -73,8 +74,9 @@ impl RelayBody {
             upstream,
             sse,
             dialect,
-            timeouts,
+            mut timeouts,
             mut slot,
+            resume,
             answer:
                 AnswerEdits {
                     strip_usage,
@@ -101,6 +103,11 @@ impl RelayBody {
         let sent_at = ex.record.timeline.upstream_sent().unwrap_or(now);
         let mut scanner = SseScanner::for_dialect(dialect, state.max_stream_line);
         let mut ready = Ready::default();
+        let mut resume = if sse {
+            super::resume::Resume::new(state, resume, &mut timeouts)
+        } else {
+            None
+        };
         if let Some(data) = first {
             // A frame read together with the head: account for it as if just relayed.
             let data = if sse {
@@ -115,6 +122,7 @@ impl RelayBody {
                         backend: slot.backend(),
                         pin: &mut pin,
                         learned: background.as_ref().map(|_| &mut background_id),
+                        capture: resume.as_deref_mut().and_then(|r| r.capture()),
                     },
                 )
             } else {
@@ -161,6 +169,7 @@ impl RelayBody {
             grace: closing.grace,
             background,
             background_id,
+            resume,
             slot,
             ex,
         }

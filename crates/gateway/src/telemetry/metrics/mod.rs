@@ -26,6 +26,7 @@ use fleetgate_protocol::stream::UsageSource;
 use super::RequestRecord;
 
 mod engines;
+mod resume;
 
 /// vLLM's own buckets (vllm/v1/metrics/loggers.py), so the gateway's and the engine's
 /// histograms line up.
@@ -207,6 +208,7 @@ pub struct RequestMetrics {
     kv_routing: IntCounterVec,
     /// Answers whose usage was past every plausible count, by backend (treated as none).
     implausible_usage: IntCounterVec,
+    resume: resume::ResumeMetrics,
 }
 
 impl std::fmt::Debug for RequestMetrics {
@@ -451,6 +453,7 @@ impl RequestMetrics {
             kv_events_batches,
             kv_routing,
             implausible_usage,
+            resume: resume::ResumeMetrics::new(registry)?,
         };
         metrics.relayout(pools, &[]);
         Ok(metrics)
@@ -555,6 +558,10 @@ impl RequestMetrics {
 
     /// Record one finished request (called once, from the record's drop).
     pub(crate) fn observe(&self, r: &RequestRecord) {
+        if let Some(log) = &r.resume {
+            self.resume
+                .observe(r.model.as_deref().unwrap_or("none"), log);
+        }
         if r.timeline.stream().implausible_usage {
             let model = r.model.as_deref().unwrap_or("none");
             let backend = r.backend.as_deref().unwrap_or("none");

@@ -69,6 +69,18 @@ impl RequestLog {
                 endpoint: r.endpoint,
                 trace_id: r.trace_id,
                 predicted_cached: r.predicted_cached_tokens(),
+                resume: r.resume.as_ref().map(|log| {
+                    let fleet = r.timeline.stream().usage.map(|u| {
+                        u.prompt_tokens
+                            .saturating_add(u.completion_tokens)
+                            .saturating_add(log.continuation_prompt_tokens)
+                    });
+                    (
+                        i32::try_from(log.resumes()).unwrap_or(i32::MAX),
+                        log.detail(),
+                        fleet,
+                    )
+                }),
             },
         };
         match self.tx.try_send(pending) {

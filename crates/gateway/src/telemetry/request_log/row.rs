@@ -51,13 +51,23 @@ pub struct SpillRow {
     /// files.
     #[serde(default)]
     pub cached_tokens: Option<i64>,
+    /// Continuations sent for a stream whose backend failed mid-answer; absent in older spill
+    /// files and where no stream failed.
+    #[serde(default)]
+    pub resumes: Option<i32>,
+    /// The failed parts and a refusal's reason, as JSON.
+    #[serde(default)]
+    pub resume_detail: Option<String>,
+    /// Tokens the fleet spent: the usage plus every continuation's prompt.
+    #[serde(default)]
+    pub fleet_tokens: Option<i64>,
 }
 
 pub(super) const COLUMNS: &str = "row_id, at, request_id, key_id, environment, model, backend, status, error, \
     stream, prompt_tokens, completion_tokens, usage_source, queue_wait_us, upstream_ttft_us, \
     client_ttft_us, overhead_pre_us, overhead_relay_us, e2el_us, tpot_us, itl_mean_us, itl_p99_us, \
     itl_max_us, content_events, client_addr, hop_us, endpoint, trace_id, \
-    predicted_cached_tokens, cached_tokens";
+    predicted_cached_tokens, cached_tokens, resumes, resume_detail, fleet_tokens";
 
 pub(super) fn us(d: Option<Duration>) -> Option<i64> {
     d.map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
@@ -83,6 +93,8 @@ pub(super) struct RecordCopy {
     pub(super) endpoint: Option<fleetgate_protocol::Endpoint>,
     pub(super) trace_id: Option<fleetgate_protocol::trace_context::TraceId>,
     pub(super) predicted_cached: Option<u64>,
+    /// (continuations, detail, fleet tokens) of a stream that failed mid-answer.
+    pub(super) resume: Option<(i32, String, Option<u64>)>,
 }
 
 /// A row's values, borrowed from its `Pending` (nothing allocated, except a request id that
@@ -110,6 +122,9 @@ pub(super) struct Fields<'a> {
     pub(super) trace_id: Option<[u8; 32]>,
     pub(super) predicted_cached_tokens: Option<i64>,
     pub(super) cached_tokens: Option<i64>,
+    pub(super) resumes: Option<i32>,
+    pub(super) resume_detail: Option<&'a str>,
+    pub(super) fleet_tokens: Option<i64>,
 }
 
 pub(super) fn count(n: u64) -> i64 {
@@ -157,6 +172,9 @@ impl Pending {
                 .usage
                 .and_then(|u| u.cached_tokens)
                 .map(i64::from),
+            resumes: r.resume.as_ref().map(|r| r.0),
+            resume_detail: r.resume.as_ref().map(|r| r.1.as_str()),
+            fleet_tokens: r.resume.as_ref().and_then(|r| r.2).map(count),
         }
     }
 
@@ -209,6 +227,9 @@ impl Pending {
                 .map(|h| String::from_utf8_lossy(h).into_owned()),
             predicted_cached_tokens: f.predicted_cached_tokens,
             cached_tokens: f.cached_tokens,
+            resumes: f.resumes,
+            resume_detail: f.resume_detail.map(str::to_owned),
+            fleet_tokens: f.fleet_tokens,
         }
     }
 }

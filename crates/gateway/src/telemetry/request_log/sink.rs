@@ -8,7 +8,7 @@ use crate::config::DbKind;
 use crate::store::{BulkPool, KeyStore};
 
 /// Columns per row.
-pub(super) const WIDTH: usize = 30;
+pub(super) const WIDTH: usize = 33;
 
 /// Rows per SQLite statement, largest first: a batch is cut into statements of these sizes,
 /// so at most a few distinct statements exist, each prepared once and then cached. 64 rows, not
@@ -119,7 +119,10 @@ impl Sink {
                                     .map(|h| String::from_utf8_lossy(h).into_owned()),
                             )
                             .bind(f.predicted_cached_tokens)
-                            .bind(f.cached_tokens);
+                            .bind(f.cached_tokens)
+                            .bind(f.resumes)
+                            .bind(f.resume_detail)
+                            .bind(f.fleet_tokens);
                     }
                     q.execute(&mut *tx).await?;
                     rest = tail;
@@ -197,6 +200,12 @@ pub(super) fn encode_copy(buf: &mut Vec<u8>, prefix: &str, rows: &[Pending]) {
         text(buf, f.trace_id.as_ref().map(|h| &h[..]));
         int8(buf, f.predicted_cached_tokens);
         int8(buf, f.cached_tokens);
+        match f.resumes {
+            Some(n) => int4(buf, n),
+            None => text(buf, None),
+        }
+        text(buf, f.resume_detail.map(str::as_bytes));
+        int8(buf, f.fleet_tokens);
     }
     buf.extend_from_slice(&(-1i16).to_be_bytes());
 }
@@ -306,7 +315,10 @@ pub(super) async fn insert_rows(
             .bind(r.endpoint.clone())
             .bind(r.trace_id.clone())
             .bind(r.predicted_cached_tokens)
-            .bind(r.cached_tokens);
+            .bind(r.cached_tokens)
+            .bind(r.resumes)
+            .bind(r.resume_detail.clone())
+            .bind(r.fleet_tokens);
     }
     q.execute(&mut **tx).await?;
     Ok(())
