@@ -9,16 +9,24 @@
 # tokens, one after another, through curl); the instructions per request are the difference of
 # the two totals over N_HIGH - N_LOW, so start-up and shutdown cancel out. Each build is run
 # twice, alternating. Environment: N_LOW (default 50), N_HIGH (default 850), PORT (18801),
-# SIM_PORT (18701).
+# SIM_PORT (18701), SIMS (1: the pool's backends, sims on SIM_PORT, SIM_PORT+1, ...; a pool of
+# two or more keeps what resuming a stream needs, `[pools.resume]`).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 BIN [BIN...]" >&2; exit 64; }
 command -v valgrind >/dev/null || { echo "valgrind is not installed (Debian's valgrind)" >&2; exit 69; }
 N_LOW=${N_LOW:-50} N_HIGH=${N_HIGH:-850} PORT=${PORT:-18801} SIM_PORT=${SIM_PORT:-18701}
+SIMS=${SIMS:-1}
 WORK=$(mktemp -d /tmp/callgrind-hop.XXXXXX)
-"$1" sim --port "$SIM_PORT" --zero-delay >"$WORK/sim.log" 2>&1 &
-SIM=$!
-trap 'kill $SIM 2>/dev/null; rm -rf "$WORK"' EXIT
-for _ in $(seq 1 50); do curl -sf -o /dev/null "http://127.0.0.1:$SIM_PORT/health" && break; sleep 0.1; done
+SIM_PIDS=()
+BACKENDS=""
+trap 'kill "${SIM_PIDS[@]}" 2>/dev/null; rm -rf "$WORK"' EXIT
+for i in $(seq 0 $((SIMS - 1))); do
+    port=$((SIM_PORT + i))
+    "$1" sim --port "$port" --zero-delay >"$WORK/sim$i.log" 2>&1 &
+    SIM_PIDS+=($!)
+    BACKENDS="$BACKENDS${BACKENDS:+, }\"http://127.0.0.1:$port\""
+    for _ in $(seq 1 50); do curl -sf -o /dev/null "http://127.0.0.1:$port/health" && break; sleep 0.1; done
+done
 
 # total BIN N: callgrind's instruction total for `serve` over N requests
 total() {
@@ -39,7 +47,7 @@ sqlite_path = "$dir/db"
 listen = ""
 [[pools]]
 model = "qwen32b"
-backends = ["http://127.0.0.1:$SIM_PORT"]
+backends = [$BACKENDS]
 max_in_flight_per_backend = 0
 T
     local key vpid

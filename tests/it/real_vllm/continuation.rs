@@ -232,3 +232,127 @@ async fn a_cut_stream_continued_by_vllm_is_one_answer() {
         );
     }
 }
+
+/// A backend that forwards everything to the real server and cuts every stream's connection
+/// after `after` token events: a vLLM server dying mid-answer, as the gateway sees it.
+async fn cutting_proxy(r: &Real, after: usize) -> (String, tokio::task::JoinHandle<()>) {
+    use futures_util::StreamExt;
+    let upstream = r.url.clone();
+    let (addr, task) = http_backend(move |req: http::Request<hyper::body::Incoming>| {
+        let upstream = upstream.clone();
+        async move {
+            let (head, body) = req.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            let path = head.uri.path_and_query().map_or("/", |p| p.as_str());
+            let mut out = http::Request::builder()
+                .method(head.method.clone())
+                .uri(format!("{upstream}{path}"));
+            for (k, v) in &head.headers {
+                if k != http::header::HOST {
+                    out = out.header(k, v);
+                }
+            }
+            let resp = fleetgate_protocol::client::http_client()
+                .request(out.body(http_body_util::Full::new(body)).unwrap())
+                .await
+                .unwrap();
+            let (head, body) = resp.into_parts();
+            let sse = head
+                .headers
+                .get(http::header::CONTENT_TYPE)
+                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            let mut tokens = 0;
+            type Failure = Box<dyn std::error::Error + Send + Sync>;
+            let frames = body.into_data_stream().map(move |frame| {
+                let frame = frame.map_err(|e| -> Failure { Box::new(e) })?;
+                if sse {
+                    let text = String::from_utf8_lossy(&frame);
+                    tokens += text.matches(r#""delta":{"content":"#).count()
+                        + text.matches(r#""text":"#).count();
+                    if tokens > after {
+                        return Err(Failure::from("cut mid-answer"));
+                    }
+                }
+                Ok::<_, Failure>(hyper::body::Frame::data(frame))
+            });
+            http::Response::from_parts(head, http_body_util::StreamBody::new(frames))
+        }
+    })
+    .await;
+    (format!("http://{addr}"), task)
+}
+
+/// Issue 60's real-vLLM case: the gateway in front of two backends that each die mid-answer
+/// (cutting proxies in front of the real server, which the machine can run once). vLLM accepts
+/// every continuation the gateway sends, and the client receives the answer an uninterrupted
+/// stream gives: its tokens, one chunk id, its finish reason and its usage.
+#[tokio::test]
+async fn a_stream_resumed_through_the_gateway_is_vllms_uninterrupted_answer() {
+    let _serial = SERIAL.lock().await;
+    let Some(r) = real("a_stream_resumed_through_the_gateway_is_vllms_uninterrupted_answer").await
+    else {
+        return;
+    };
+    let (a, task_a) = cutting_proxy(&r, 5).await;
+    let (b, task_b) = cutting_proxy(&r, 5).await;
+    let mut p = pool(&r.model, &[a, b]);
+    p.upstream_api_key = Some(fleetgate_gateway::secret::Secret::new(&r.key));
+    p.resume.max_resumes = 3;
+    let gw = gateway(vec![p]).await;
+    for (path, mut request) in [
+        ("/v1/chat/completions", chat(&r.model, 16, true)),
+        ("/v1/completions", completion(&r.model, 16, true)),
+    ] {
+        request["stream_options"] = json!({"include_usage": true});
+        let whole = payloads(&direct(&r, path, &request).await);
+        let m = post(&gw.url(path), &[], Bytes::from(request.to_string())).await;
+        assert_eq!(m.status, 200, "{}", text(&m));
+        let got = payloads(&m);
+        assert!(
+            got.iter().all(|v| v.get("error").is_none()),
+            "{path}: no error event: {}",
+            text(&m)
+        );
+        let tokens = |events: &[Value]| -> Vec<String> {
+            events
+                .iter()
+                .filter_map(|v| {
+                    let c = &v["choices"][0];
+                    c["text"]
+                        .as_str()
+                        .or_else(|| {
+                            c["delta"]["content"]
+                                .as_str()
+                                .filter(|_| c["delta"]["role"].is_null())
+                        })
+                        .map(str::to_owned)
+                })
+                .collect()
+        };
+        assert_eq!(tokens(&got), tokens(&whole), "{path}: {}", text(&m));
+        let ids: std::collections::HashSet<&Value> = got.iter().map(|v| &v["id"]).collect();
+        assert_eq!(ids.len(), 1, "{path}: one chunk id");
+        let finish = |events: &[Value]| -> Vec<Value> {
+            events
+                .iter()
+                .map(|v| v["choices"][0]["finish_reason"].clone())
+                .filter(|f| !f.is_null())
+                .collect()
+        };
+        assert_eq!(finish(&got), finish(&whole), "{path}");
+        let usage = |events: &[Value]| events.last().unwrap()["usage"].clone();
+        assert_eq!(usage(&got), usage(&whole), "{path}: one usage");
+        assert!(text(&m).trim_end().ends_with("data: [DONE]"), "{path}");
+    }
+    let resumed: u64 = metrics_text(&gw)
+        .lines()
+        .filter(|l| l.starts_with("fleetgate_stream_resumes_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert!(
+        resumed >= 4,
+        "16 tokens cut every 5: three continuations a stream (counted {resumed})"
+    );
+    task_a.abort();
+    task_b.abort();
+}
