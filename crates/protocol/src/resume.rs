@@ -185,6 +185,10 @@ impl AnswerSoFar {
     /// (nothing parsed again), or a completions chunk's `text` read here. This is all a stream
     /// that never fails pays for being resumable: a copy of the escaped bytes.
     pub fn push(&mut self, payload: &[u8], streamed: Streamed) {
+        if self.escaped.capacity() == 0 {
+            // One allocation for most answers' first few hundred bytes, not one per doubling.
+            self.escaped.reserve(512);
+        }
         match streamed {
             Streamed::Text { start, end } => {
                 if let Some(inside) = payload.get(start as usize..end as usize) {

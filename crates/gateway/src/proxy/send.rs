@@ -304,7 +304,7 @@ fn kept_for_resuming(
         endpoint,
         fleetgate_protocol::Endpoint::Chat | fleetgate_protocol::Endpoint::Completions
     );
-    let request = (continued && !alone).then(|| (prepared.headers.clone(), prepared.body.clone()));
+    let request = (continued && !alone).then(|| prepared.body.clone());
     Some(Box::new(super::relay::Kept {
         endpoint,
         request,

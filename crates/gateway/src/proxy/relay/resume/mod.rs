@@ -23,6 +23,7 @@ use http::{Method, Request, Version};
 use http_body_util::{BodyExt, Full};
 
 use super::super::error::ApiError;
+use super::super::headers::{APPLICATION_JSON, TEXT_EVENT_STREAM, X_REQUEST_ID};
 use super::super::state::ProxyState;
 use super::{Out, RelayBody, State, deadline};
 use crate::config::ResumeConfig;
@@ -43,11 +44,13 @@ mod refused;
 
 use refused::Refused;
 
-/// What the send step keeps for a stream that may be resumed: the request as forwarded (only
-/// where an answer can be continued: chat and completions on a pool of several backends).
+/// What the send step keeps for a stream that may be resumed: the body as forwarded (only
+/// where an answer can be continued: chat and completions on a pool of several backends; the
+/// bytes are shared, not copied). A continuation's head is made anew: a backend needs its own
+/// key, the length, the request id and the trace, nothing the client sent.
 pub(in crate::proxy) struct Kept {
     pub(in crate::proxy) endpoint: Endpoint,
-    pub(in crate::proxy) request: Option<(HeaderMap, Bytes)>,
+    pub(in crate::proxy) request: Option<Bytes>,
     pub(in crate::proxy) config: ResumeConfig,
     /// The pool has one backend: nowhere to continue.
     pub(in crate::proxy) alone: bool,
@@ -186,7 +189,7 @@ impl Resume {
 
     /// The continuation's body, from the request as forwarded and the answer so far.
     fn next_body(&self) -> Result<Vec<u8>, Refused> {
-        let Some((_, body)) = &self.kept.request else {
+        let Some(body) = &self.kept.request else {
             return Err(Refused::Shape(NotResumable::Endpoint));
         };
         cont::continuation(self.kept.endpoint, body, &self.capture.so_far)
@@ -325,21 +328,25 @@ async fn send(
     Ok((answer?, counted))
 }
 
-/// A request to `backend` at `uri` with the forwarded head (its length, host and upstream
-/// key made this backend's).
+/// A JSON request to `backend` at `uri`, with the request's id (`x-request-id`) and the
+/// backend's own host and upstream key; a stream asks for events.
 fn request_to(
     backend: &Backend,
     uri: http::Uri,
-    headers: &HeaderMap,
+    (request_id, endpoint): (&HeaderValue, Endpoint),
     body: Vec<u8>,
 ) -> Request<Full<Bytes>> {
-    let mut headers = headers.clone();
+    let mut headers = HeaderMap::with_capacity(6);
+    headers.insert(header::CONTENT_TYPE, APPLICATION_JSON.clone());
+    if endpoint != Endpoint::Tokenize {
+        headers.insert(header::ACCEPT, TEXT_EVENT_STREAM.clone());
+    }
+    headers.insert(X_REQUEST_ID.clone(), request_id.clone());
     if let Some(auth) = &backend.upstream_auth {
         headers.insert(header::AUTHORIZATION, auth.clone());
     }
     headers.insert(header::HOST, backend.host.clone());
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-    headers.remove(header::TRANSFER_ENCODING);
     let mut req = Request::new(Full::new(Bytes::from(body)));
     *req.method_mut() = Method::POST;
     *req.uri_mut() = uri;
@@ -572,9 +579,10 @@ impl Resume {
         sent_at: Instant,
     ) -> Result<InFlight, Refused> {
         let next = self.next_body()?;
-        let Some((headers, body)) = &self.kept.request else {
+        let Some(body) = &self.kept.request else {
             return Err(Refused::Shape(NotResumable::Endpoint));
         };
+        let headers = (&record.request_id, self.kept.endpoint);
         let endpoint = self.kept.endpoint;
         let backend = slot.backend().clone();
         let generation = self.state.generation.load();
@@ -595,7 +603,7 @@ impl Resume {
                 request_to(
                     &backend,
                     backend.uri(Endpoint::Tokenize).clone(),
-                    headers,
+                    (headers.0, Endpoint::Tokenize),
                     b,
                 )
             }),
@@ -632,7 +640,7 @@ impl Resume {
             .kept
             .request
             .as_ref()
-            .is_some_and(|(_, body)| asks_usage(body));
+            .is_some_and(|body| asks_usage(body));
         let seam = match &self.seam {
             Some(s) => s.seam.clone(),
             None => Seam::learn(&self.capture.first).unwrap_or_default(),
