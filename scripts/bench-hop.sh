@@ -23,6 +23,9 @@
 #   GATEWAY_WORKERS      request-path worker threads of the gateway (server.workers; default 0 =
 #                        one per core)
 #   GATEWAY_THREADS      tokio worker threads of the gateway's control plane (default: tokio's)
+#   RESUMABLE            1: the memory phase's pool (slow) lists its sim twice (as 127.0.0.1
+#                        and as localhost), so its streams keep what resuming a stream on
+#                        another backend needs ([pools.resume]: the text so far); default 0
 #   REQUEST_LOG          1: the request log on, as shipped (SQLite store); default 0, like
 #                        nginx's access_log off
 #   NGINX_WORKERS        nginx worker_processes (default 1, see docs/benchmarks.md)
@@ -232,7 +235,7 @@ $(printf '%b' "${POOL_TOML:-}")
 
 [[pools]]
 model = "slow"
-backends = ["$SLOW_URL"]
+backends = ["$SLOW_URL"$([ "${RESUMABLE:-0}" = 1 ] && echo ", \"${SLOW_URL/127.0.0.1/localhost}\"")]
 max_in_flight_per_backend = 0
 
 [[pools]]

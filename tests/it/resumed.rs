@@ -71,6 +71,43 @@ fn assert_one_answer(got: &[Value], whole: &[Value], what: &str) {
     assert_eq!(got.last(), Some(&json!("[DONE]")), "{what}");
 }
 
+/// The request log's row of `id`: (resumes, resume_detail, fleet_tokens, prompt_tokens,
+/// completion_tokens), once written.
+async fn logged(
+    gw: &Gateway,
+    id: &str,
+) -> (
+    Option<i32>,
+    Option<String>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+) {
+    use sqlx::Row;
+    let store = gw.server.auth.store().clone();
+    for _ in 0..500 {
+        let row = sqlx::query(
+            "SELECT resumes, resume_detail, fleet_tokens, prompt_tokens, completion_tokens \
+             FROM request_log WHERE request_id = $1",
+        )
+        .bind(id)
+        .fetch_optional(store.pool())
+        .await
+        .unwrap();
+        if let Some(r) = row {
+            return (
+                r.get("resumes"),
+                r.get("resume_detail"),
+                r.get("fleet_tokens"),
+                r.get("prompt_tokens"),
+                r.get("completion_tokens"),
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("no request-log row for {id}");
+}
+
 fn resuming_pool(backends: &[String], max_resumes: u8) -> fleetgate_gateway::config::PoolConfig {
     let mut p = pool("qwen32b", backends);
     p.resume.max_resumes = max_resumes;
@@ -155,9 +192,37 @@ async fn a_backend_that_fails_mid_answer_is_resumed_on_another() {
         );
         let seen = gw.record_of("resumed-1").await;
         assert_eq!(seen.error, None, "{cause} {path}");
+        let n = tokens(&whole).len();
         assert_eq!(
             usize::try_from(seen.timeline.stream().content_events).unwrap(),
-            tokens(&whole).len()
+            n
+        );
+        // The request log: two continuations, the parts that failed (each the sim's fault
+        // apart), and the fleet's spend: the client's usage plus each continuation's prompt
+        // (the original prompt and the answer so far).
+        let (resumes, detail, fleet, prompt, completion) = logged(&gw, "resumed-1").await;
+        assert_eq!(resumes, Some(2), "{cause} {path}");
+        let detail: Value = serde_json::from_str(&detail.unwrap()).unwrap();
+        let part = if cause == "closed" { 8 } else { 5 };
+        let parts = detail["parts"].as_array().unwrap();
+        assert_eq!(parts.len(), 2, "{detail}");
+        assert!(
+            parts
+                .iter()
+                .all(|p| p["cause"] == cause && p["tokens"] == part),
+            "{detail}"
+        );
+        assert_ne!(
+            parts[0]["backend"], parts[1]["backend"],
+            "each on the other"
+        );
+        assert!(detail.get("refused").is_none(), "{detail}");
+        let (prompt, completion) = (prompt.unwrap(), completion.unwrap());
+        assert_eq!(completion, i64::try_from(n).unwrap());
+        assert_eq!(
+            fleet,
+            Some(prompt + completion + 2 * prompt + part + 2 * part),
+            "{cause} {path}"
         );
         a.shutdown().await;
         b.shutdown().await;
