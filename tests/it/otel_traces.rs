@@ -413,6 +413,52 @@ async fn a_retry_on_another_backend_is_its_own_client_span() {
     assert_ne!(calls[0].id_hex(), calls[1].id_hex());
 }
 
+/// A stream resumed on another backend (`[pools.resume]`) has both upstream attempts in its
+/// trace: the part cut mid-answer, ended with its error, then the continuation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_stream_has_both_attempts_in_its_trace() {
+    let collector = OtlpReceiver::start().await;
+    let cutting = || async {
+        sim(|a| {
+            a.zero_delay = true;
+            a.drop_after_chunks = Some(4);
+        })
+        .await
+    };
+    let (a, b) = (cutting().await, cutting().await);
+    let gw = gateway_with(vec![pool("qwen32b", &[a.url(), b.url()])], |c| {
+        c.tracing = tracing_to(&collector.endpoint());
+    })
+    .await;
+    // 6 tokens, cut after 4: the continuation's 2 are its last, which the sim never cuts.
+    let m = post(
+        &gw.url("/v1/chat/completions"),
+        &[("x-request-id", "resumed-trace")],
+        chat_body("qwen32b", "hi", 6, true),
+    )
+    .await;
+    assert!(m.metrics.done && !m.metrics.error, "{:?}", m.body);
+    assert_eq!(m.metrics.content_events, 6);
+    let spans = collector.request("resumed-trace", 3).await;
+    assert_eq!(spans.len(), 3, "{spans:#?}");
+    let server = one(&spans, SERVER);
+    assert_ne!(server.status_code(), ERROR, "the answer was whole");
+    let mut calls: Vec<_> = spans.iter().filter(|s| s.kind() == CLIENT).collect();
+    calls.sort_by_key(|s| s.int("fleetgate.attempt"));
+    assert_eq!(calls[0].str("error.type"), Some("upstream_stream_error"));
+    assert_eq!(calls[1].attr("error.type"), None);
+    assert_ne!(
+        calls[0].int("server.port"),
+        calls[1].int("server.port"),
+        "the continuation went to the other backend"
+    );
+    for c in &calls {
+        assert_eq!(c.parent_hex(), server.id_hex());
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sampler_decides_and_a_malformed_traceparent_starts_a_new_trace() {
     let collector = OtlpReceiver::start().await;

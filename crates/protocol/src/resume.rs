@@ -186,8 +186,9 @@ impl AnswerSoFar {
     /// that never fails pays for being resumable: a copy of the escaped bytes.
     pub fn push(&mut self, payload: &[u8], streamed: Streamed) {
         if self.escaped.capacity() == 0 {
-            // One allocation for most answers' first few hundred bytes, not one per doubling.
-            self.escaped.reserve(512);
+            // One allocation for an answer's first tens of tokens, not one per doubling (and
+            // no more: 5 000 open streams each hold theirs).
+            self.escaped.reserve(128);
         }
         match streamed {
             Streamed::Text { start, end } => {

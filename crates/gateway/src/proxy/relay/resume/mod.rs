@@ -397,10 +397,14 @@ impl RelayBody {
             .and_then(|()| resume.begin(record, (&balancer, tried), this.sent_at, this.timeouts));
         match started {
             Ok(()) => {
-                this.slot.backend().record_failure(
-                    &balancer.ejection,
-                    &format!("stream failed mid-answer ({})", cause.as_str()),
-                );
+                // A backend that dies cuts every stream on it at once: one failure, not one per
+                // stream (each would double the ejection it already earned).
+                if this.slot.backend().eligible() {
+                    this.slot.backend().record_failure(
+                        &balancer.ejection,
+                        &format!("stream failed mid-answer ({})", cause.as_str()),
+                    );
+                }
                 tracing::info!(request_id = ?record.request_id, backend = %this.slot.backend().base, cause = cause.as_str(), tokens, "resuming a stream on another backend");
                 *this.state = State::Resuming;
             }
