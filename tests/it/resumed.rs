@@ -18,24 +18,6 @@ fn events(m: &fleetgate_protocol::client::Measured) -> Vec<Value> {
         .collect()
 }
 
-/// The text of each token event, in order.
-fn tokens(events: &[Value]) -> Vec<String> {
-    events
-        .iter()
-        .filter_map(|e| {
-            let c = &e["choices"][0];
-            c["text"]
-                .as_str()
-                .or_else(|| {
-                    c["delta"]["content"]
-                        .as_str()
-                        .filter(|_| c["delta"]["role"].is_null())
-                })
-                .map(str::to_owned)
-        })
-        .collect()
-}
-
 fn usages(events: &[Value]) -> Vec<Value> {
     events
         .iter()
@@ -50,7 +32,11 @@ fn assert_one_answer(got: &[Value], whole: &[Value], what: &str) {
         got.iter().all(|e| e.get("error").is_none()),
         "{what}: no error event: {got:?}"
     );
-    assert_eq!(tokens(got), tokens(whole), "{what}: the same tokens");
+    assert_eq!(
+        token_texts(got),
+        token_texts(whole),
+        "{what}: the same tokens"
+    );
     let ids: std::collections::HashSet<&Value> = got
         .iter()
         .filter(|e| e.is_object())
@@ -192,7 +178,7 @@ async fn a_backend_that_fails_mid_answer_is_resumed_on_another() {
         );
         let seen = gw.record_of("resumed-1").await;
         assert_eq!(seen.error, None, "{cause} {path}");
-        let n = tokens(&whole).len();
+        let n = token_texts(&whole).len();
         assert_eq!(
             usize::try_from(seen.timeline.stream().content_events).unwrap(),
             n

@@ -94,3 +94,22 @@ pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool
     }
     cond()
 }
+
+/// The text of each token event of a chat or completions stream's parsed `data:` payloads, in
+/// order (the opening role chunk is not one).
+pub fn token_texts(events: &[serde_json::Value]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| {
+            let c = &e["choices"][0];
+            c["text"]
+                .as_str()
+                .or_else(|| {
+                    c["delta"]["content"]
+                        .as_str()
+                        .filter(|_| c["delta"]["role"].is_null())
+                })
+                .map(str::to_owned)
+        })
+        .collect()
+}

@@ -313,23 +313,12 @@ async fn a_stream_resumed_through_the_gateway_is_vllms_uninterrupted_answer() {
             "{path}: no error event: {}",
             text(&m)
         );
-        let tokens = |events: &[Value]| -> Vec<String> {
-            events
-                .iter()
-                .filter_map(|v| {
-                    let c = &v["choices"][0];
-                    c["text"]
-                        .as_str()
-                        .or_else(|| {
-                            c["delta"]["content"]
-                                .as_str()
-                                .filter(|_| c["delta"]["role"].is_null())
-                        })
-                        .map(str::to_owned)
-                })
-                .collect()
-        };
-        assert_eq!(tokens(&got), tokens(&whole), "{path}: {}", text(&m));
+        assert_eq!(
+            token_texts(&got),
+            token_texts(&whole),
+            "{path}: {}",
+            text(&m)
+        );
         let ids: std::collections::HashSet<&Value> = got.iter().map(|v| &v["id"]).collect();
         assert_eq!(ids.len(), 1, "{path}: one chunk id");
         let finish = |events: &[Value]| -> Vec<Value> {

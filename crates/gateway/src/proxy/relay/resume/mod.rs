@@ -98,6 +98,8 @@ pub(super) struct Resume {
     /// The pool's idle limit: the relay's own is the stall limit while a stall may be resumed.
     idle: Duration,
     phase: Phase,
+    /// The continuation `check` built, on its way to the next backend.
+    next: Option<Next>,
     seam: Option<Box<SeamState>>,
     resumes: u8,
     /// Token events of the answer before the current part began.
@@ -133,6 +135,7 @@ impl Resume {
             capture: Capture::default(),
             idle,
             phase: Phase::Idle,
+            next: None,
             seam: None,
             resumes: 0,
             part_start: 0,
@@ -160,8 +163,9 @@ impl Resume {
         }
     }
 
-    /// Whether (and how) the answer can be continued, checked in the order a user would ask.
-    fn check(&self, partial: bool, balancer: &Balancer, tried: u64) -> Result<(), Refused> {
+    /// Whether (and how) the answer can be continued, checked in the order a user would ask:
+    /// the continuation, built once, or why not.
+    fn check(&self, partial: bool, balancer: &Balancer, tried: u64) -> Result<Next, Refused> {
         if partial {
             return Err(Refused::PartialEvent);
         }
@@ -177,25 +181,33 @@ impl Resume {
         if let Some(why) = self.capture.so_far.blocked() {
             return Err(Refused::Shape(why));
         }
-        self.next_body()?;
-        if Seam::learn(&self.capture.first).is_none() {
-            return Err(Refused::Shape(NotResumable::Body));
-        }
+        let Some(forwarded) = &self.kept.request else {
+            return Err(Refused::Shape(NotResumable::Endpoint));
+        };
+        let body = cont::continuation(self.kept.endpoint, forwarded, &self.capture.so_far)
+            .map_err(Refused::Shape)?
+            .ok_or(Refused::LimitReached)?;
+        let seam = match &self.seam {
+            Some(s) => s.seam.clone(),
+            None => Seam::learn(&self.capture.first).ok_or(Refused::Shape(NotResumable::Body))?,
+        };
         if !balancer.any_usable_besides(tried) {
             return Err(Refused::NoBackend);
         }
-        Ok(())
+        Ok(Next {
+            body,
+            seam,
+            usage: asks_usage(forwarded),
+        })
     }
+}
 
-    /// The continuation's body, from the request as forwarded and the answer so far.
-    fn next_body(&self) -> Result<Vec<u8>, Refused> {
-        let Some(body) = &self.kept.request else {
-            return Err(Refused::Shape(NotResumable::Endpoint));
-        };
-        cont::continuation(self.kept.endpoint, body, &self.capture.so_far)
-            .map_err(Refused::Shape)?
-            .ok_or(Refused::LimitReached)
-    }
+/// A continuation ready to send: its body, the identity its events take, and whether the
+/// client's request asked for usage.
+struct Next {
+    body: Vec<u8>,
+    seam: Seam,
+    usage: bool,
 }
 
 /// What makes a continuation's events the first answer's own.
@@ -371,6 +383,17 @@ impl RelayBody {
         failure: ApiError,
         partial: bool,
     ) -> Option<Out> {
+        self.settle(cause, failure, partial, None)
+    }
+
+    /// `fail`, with the continuation already `check`ed where the caller had to (a stall).
+    fn settle(
+        self: Pin<&mut Self>,
+        cause: Cause,
+        failure: ApiError,
+        partial: bool,
+        checked: Option<Next>,
+    ) -> Option<Out> {
         let this = self.project();
         let Some(resume) = this.resume.as_deref_mut() else {
             this.ex.record.error = Some(failure.kind());
@@ -392,9 +415,19 @@ impl RelayBody {
         });
         let balancer = this.slot.balancer().clone();
         let tried = crate::pool::bit(this.slot.position());
-        let started = resume
-            .check(partial, &balancer, tried)
-            .and_then(|()| resume.begin(record, (&balancer, tried), this.sent_at, this.timeouts));
+        let checked = match checked {
+            Some(next) => Ok(next),
+            None => resume.check(partial, &balancer, tried),
+        };
+        let started = checked.and_then(|next| {
+            resume.begin(
+                next,
+                record,
+                (&balancer, tried),
+                this.sent_at,
+                this.timeouts,
+            )
+        });
         match started {
             Ok(()) => {
                 // A backend that dies cuts every stream on it at once: one failure, not one per
@@ -432,21 +465,24 @@ impl RelayBody {
         let resume = this.resume.as_deref_mut()?;
         let balancer = this.slot.balancer().clone();
         let tried = crate::pool::bit(this.slot.position());
-        if let Err(refused) = resume.check(false, &balancer, tried) {
-            // Nothing to resume it with: the stream waits as long as it did before resuming
-            // existed (the idle limit), and ends as it did then.
-            resume.gave_up = Some(refused);
-            this.timeouts.idle = resume.idle;
-            let at = deadline(*this.sent_at, *this.last_read, true, true, this.timeouts);
-            this.timer.reset(at.into());
-            return None;
-        }
+        let next = match resume.check(false, &balancer, tried) {
+            Ok(next) => next,
+            Err(refused) => {
+                // Nothing to resume it with: the stream waits as long as it did before
+                // resuming existed (the idle limit), and ends as it did then.
+                resume.gave_up = Some(refused);
+                this.timeouts.idle = resume.idle;
+                let at = deadline(*this.sent_at, *this.last_read, true, true, this.timeouts);
+                this.timer.reset(at.into());
+                return None;
+            }
+        };
         let failure = ApiError::UpstreamTimeout {
             backend: this.slot.backend().shown.to_string(),
             kind: super::super::error::TimeoutKind::Idle,
             after_ms: this.timeouts.idle.as_millis(),
         };
-        self.fail(Cause::Stalled, failure, false)
+        self.settle(Cause::Stalled, failure, false, Some(next))
     }
 
     /// Resuming: what was read before the failure goes out first, then the continuation's
@@ -515,6 +551,7 @@ impl RelayBody {
         }
         if let Some(resume) = this.resume.as_deref_mut() {
             resume.phase = Phase::Idle;
+            resume.next = None;
         }
         record.error = Some(ErrorKind::UpstreamStreamError);
         tracing::warn!(request_id = ?record.request_id, reason = refused.as_str(), "a stream's continuation failed: the stream ends");
@@ -546,6 +583,7 @@ impl Resume {
     /// continued exactly), and its slot asked for.
     fn begin(
         &mut self,
+        next: Next,
         record: &mut RequestRecord,
         (balancer, tried): (&Arc<Balancer>, u64),
         sent_at: &Instant,
@@ -559,6 +597,7 @@ impl Resume {
         if let Some(scope) = record.otel.as_deref_mut() {
             scope.attempt_failed(now, 0, Some(ErrorKind::UpstreamStreamError));
         }
+        self.next = Some(next);
         let who = (
             record.key.clone(),
             record.model.clone().unwrap_or_else(|| Arc::from("")),
@@ -582,7 +621,11 @@ impl Resume {
         timeouts: &crate::config::Timeouts,
         sent_at: Instant,
     ) -> Result<InFlight, Refused> {
-        let next = self.next_body()?;
+        let next = self
+            .next
+            .as_mut()
+            .map(|n| std::mem::take(&mut n.body))
+            .ok_or(Refused::Shape(NotResumable::Body))?;
         let Some(body) = &self.kept.request else {
             return Err(Refused::Shape(NotResumable::Endpoint));
         };
@@ -640,14 +683,8 @@ impl Resume {
                 .continuation_prompt_tokens
                 .saturating_add(prompt_tokens.unwrap_or(0) + u64::from(first_part));
         }
-        let usage = self
-            .kept
-            .request
-            .as_ref()
-            .is_some_and(|body| asks_usage(body));
-        let seam = match &self.seam {
-            Some(s) => s.seam.clone(),
-            None => Seam::learn(&self.capture.first).unwrap_or_default(),
+        let Some(Next { seam, usage, .. }) = self.next.take() else {
+            return;
         };
         self.seam = Some(Box::new(SeamState {
             seam,
