@@ -30,7 +30,7 @@ use crate::config::ResumeConfig;
 use crate::key::{Environment, KeyRecord};
 use crate::pool::UpstreamClient;
 use crate::pool::upstream_conn::UpstreamBody;
-use crate::pool::{Backend, Balancer, InFlight};
+use crate::pool::{Backend, Balancer, InFlight, Reachability};
 use crate::queue::{self, Asker, Claim};
 use crate::telemetry::RequestRecord;
 use crate::telemetry::resume::ResumePart;
@@ -310,8 +310,13 @@ async fn send(
             .headers()
             .get(header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        // As the send step reads any head: the backend is up, and a failure or a success in a
+        // row (a success ends a run of failures, which ejection counts).
+        backend.mark(Reachability::Up);
         if resp.status().is_server_error() {
             backend.record_failure(&ejection, &format!("answered {}", resp.status()));
+        } else {
+            backend.record_success();
         }
         if resp.status() != http::StatusCode::OK || !sse {
             tracing::warn!(backend = %backend.base, status = %resp.status(), "a stream's continuation was not accepted");
