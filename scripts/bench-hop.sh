@@ -6,9 +6,10 @@
 # 127.0.0.1 only:
 #   - a zero-delay sim (model qwen32b): the main pass, phases 1-2;
 #   - a slow sim (model slow): phase 3, streams that stay open;
-#   - a burst sim (model burst, a token every 100 ms, no prefill queue): phase 0 (`--phases
-#     burst`: bursts of 5000 streams opened at once through each proxy and directly, cold then
-#     warm, with the RSS after each; run it first, e.g. `--phases burst,latency,memory`);
+#   - a burst sim (model burst, first token on arrival, then one every 500 ms, no prefill
+#     queue): phase 0 (`--phases burst`: bursts of 5000 streams opened at once through each
+#     proxy and directly, cold then warm, with the RSS after each; run it first, e.g.
+#     `--phases burst,latency,memory`);
 #   - a paced sim (model paced, one token per ~2 ms step): the second pass, phases 1-2 with
 #     tokens arriving one by one (skip with PACED=0);
 #   - fleetgate in front of all four (one pool per model) and nginx in front of all four
@@ -162,12 +163,15 @@ SIM_PID=$SIM_STARTED_PID SIM_URL=$SIM_STARTED_URL
 start_sim sim-slow slow --decode-step-ms 200 --decode-ms-per-seq 0 --prefill-us-per-token 0 \
     --max-num-seqs 10000 --max-num-batched-tokens 20000
 SLOW_URL=$SIM_STARTED_URL
-# The bursts' backend (phase 0): a token every 100 ms to every running sequence and room for
-# all 5000 in one step's batch (no prefill queue), so that a stream's first token comes one
-# step after it arrives and the streams of a burst overlap; burst directly too, as the floor.
-# Idle kept-alive connections are closed after 5 s, as vLLM's server closes them.
-start_sim sim-burst burst --decode-step-ms 100 --decode-ms-per-seq 0 --prefill-us-per-token 0 \
-    --max-num-seqs 10000 --max-num-batched-tokens 1000000 --timeout-keep-alive 5
+# The bursts' backend (phase 0): each stream's first token leaves the moment its request
+# arrives, then a token every 500 ms to every running sequence, with room for all 5000 in one
+# step's batch (no prefill queue): the backend adds nothing to a burst's TTFT, and a burst's
+# streams all stay open together (20 tokens, 10 s). Burst directly too: the floor, the driver's
+# own and the sim's connection handling. Idle kept-alive connections are closed after 5 s, as
+# vLLM's server closes them.
+start_sim sim-burst burst --first-token-at-once --decode-step-ms 500 --decode-ms-per-seq 0 \
+    --prefill-us-per-token 0 --max-num-seqs 10000 --max-num-batched-tokens 1000000 \
+    --timeout-keep-alive 5
 BURST_PID=$SIM_STARTED_PID BURST_URL=$SIM_STARTED_URL
 if [ "$PACED" = 1 ]; then
     # One token per scheduler step of 1 ms (about 2 ms with the timer's granularity): every

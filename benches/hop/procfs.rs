@@ -21,7 +21,7 @@ fn cpu_ticks(pid: &str) -> Res<u64> {
 }
 
 /// Total CPU seconds of a set of processes (0 for an empty set).
-fn cpu_secs(pids: &[u32]) -> Res<f64> {
+pub fn cpu_secs(pids: &[u32]) -> Res<f64> {
     let mut ticks = 0;
     for pid in pids {
         ticks += cpu_ticks(&pid.to_string())?;
@@ -29,7 +29,7 @@ fn cpu_secs(pids: &[u32]) -> Res<f64> {
     Ok(ticks as f64 / TICKS_PER_SEC)
 }
 
-fn self_cpu_secs() -> Res<f64> {
+pub fn self_cpu_secs() -> Res<f64> {
     Ok(cpu_ticks("self")? as f64 / TICKS_PER_SEC)
 }
 

@@ -317,7 +317,7 @@ pub fn memory_section(md: &mut String, args: &Args, mem: &[Value]) {
 pub fn burst_section(md: &mut String, args: &Args, bursts: &[Value]) {
     let _ = writeln!(
         md,
-        "### 0. Bursts of {} streams opened at once, each on a new connection ({} rounds; the first is the process's first traffic)\n\n| via | burst | ok | TTFT p50 | TTFT p99 | TTFT ≥ 1 s | listen drops | SYN retransmits | RSS peak | RSS {} s after |\n|---|---|---|---|---|---|---|---|---|---|",
+        "### 0. Bursts of {} streams opened at once, each on a new connection ({} rounds; the first is the process's first traffic)\n\n| via | burst | ok | TTFT p50 | TTFT p99 | CPU per stream (driver's) | TTFT ≥ 1 s | listen drops | SYN retransmits | RSS peak | RSS all open | RSS {} s after |\n|---|---|---|---|---|---|---|---|---|---|---|---|",
         args.burst_streams, args.burst_rounds, args.burst_settle_secs
     );
     for b in bursts {
@@ -326,30 +326,33 @@ pub fn burst_section(md: &mut String, args: &Args, bursts: &[Value]) {
         let anon = mib(b["rss_idle_anon_kib"].as_u64().unwrap_or(0));
         let _ = writeln!(
             md,
-            "| {via} | idle | | | | | | | {idle:.1} MiB (anonymous {anon:.1}) | |"
+            "| {via} | idle | | | | | | | | {idle:.1} MiB (anonymous {anon:.1}) | | |"
         );
         for (i, r) in b["bursts"].as_array().into_iter().flatten().enumerate() {
             let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
             let _ = writeln!(
                 md,
-                "| {via} | {}{} | {}/{} | {:.1} ms | {:.1} ms | {} | {} | {} | {:.1} MiB | {:.1} MiB |",
+                "| {via} | {}{} | {}/{} | {:.1} ms | {:.1} ms | {:.0} µs ({:.0}) | {} | {} | {} | {:.1} MiB | {:.1} MiB | {:.1} MiB |",
                 i + 1,
                 if i == 0 { " (cold)" } else { "" },
                 r["ok"],
                 r["streams"],
                 f("ttft_p50_ms"),
                 f("ttft_p99_ms"),
+                f("cpu_per_stream_us"),
+                f("driver_cpu_per_stream_us"),
                 r["ttft_over_1s"],
                 r["listen_drops"],
                 r["syn_retrans"],
                 mib(r["rss_peak_kib"].as_u64().unwrap_or(0)),
+                mib(r["rss_open_kib"].as_u64().unwrap_or(0)),
                 mib(r["rss_after_kib"].as_u64().unwrap_or(0)),
             );
         }
         if let Some(kib) = b["rss_drained_kib"].as_u64() {
             let _ = writeln!(
                 md,
-                "| {via} | {:.0} s after the last | | | | | | | | {:.1} MiB (anonymous {:.1}) |",
+                "| {via} | {:.0} s after the last | | | | | | | | | | {:.1} MiB (anonymous {:.1}) |",
                 args.burst_drain_secs,
                 mib(kib),
                 mib(b["rss_drained_anon_kib"].as_u64().unwrap_or(0))

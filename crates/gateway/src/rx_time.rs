@@ -133,9 +133,21 @@ pub fn enable(sock: &impl std::os::fd::AsFd) -> io::Result<()> {
     }
 }
 
-/// At most this much is read by a stamped read (the rest by the next, plain one): the part
-/// of the caller's buffer a stamped read initialises.
+/// At most this much is read by a stamped read (the rest by the next, plain one): the size of
+/// each thread's staging buffer.
 const STAMPED_READ_MAX: usize = 16 * 1024;
+
+#[cfg(target_os = "linux")]
+thread_local! {
+    /// Where a stamped read lands before its bytes are copied to the caller. `recvmsg` needs
+    /// initialised memory and the caller's is not (hyper hands out its read buffer as it
+    /// comes): initialising the caller's room would write every byte of it, the whole 8 KiB of
+    /// a fresh connection's buffer where a request or an answer's first events fill a few
+    /// hundred, and each such page would become resident. One buffer per thread, initialised
+    /// once; only what was read is copied.
+    static STAGE: std::cell::RefCell<Box<[u8]>> =
+        std::cell::RefCell::new(vec![0; STAMPED_READ_MAX].into_boxed_slice());
+}
 
 /// A TCP stream whose reads are stamped while its clock wants it.
 pub(crate) struct StampedStream {
@@ -152,6 +164,11 @@ impl StampedStream {
         &self.clock
     }
 
+    /// The next bytes to read, left in the kernel (`MSG_PEEK`; not stamped).
+    pub(crate) async fn peek(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.io.peek(buf).await
+    }
+
     #[cfg(target_os = "linux")]
     fn poll_read_stamped(
         &mut self,
@@ -163,22 +180,23 @@ impl StampedStream {
         loop {
             std::task::ready!(self.io.poll_read_ready(cx))?;
             let room = buf.remaining().min(STAMPED_READ_MAX);
-            let dst = buf.initialize_unfilled_to(room);
             // A short read emptied the socket: its readiness is forgotten in the same step (a
             // `WouldBlock` from the closure clears the readiness seen before the read, as
             // tokio's own reads do), instead of learning it from one more `recvmsg` that
             // fails with EAGAIN.
             let mut got = None;
-            let read = self.io.try_io(tokio::io::Interest::READABLE, || {
-                let (n, stamp) = recv_stamped(fd, dst)?;
-                got = Some((n, stamp));
-                if n > 0 && n < room {
-                    return Err(io::ErrorKind::WouldBlock.into());
-                }
-                Ok(())
+            let read = STAGE.with_borrow_mut(|stage| {
+                self.io.try_io(tokio::io::Interest::READABLE, || {
+                    let (n, stamp) = recv_stamped(fd, &mut stage[..room])?;
+                    buf.put_slice(&stage[..n]);
+                    got = Some((n, stamp));
+                    if n > 0 && n < room {
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
+                    Ok(())
+                })
             });
             if let Some((n, stamp)) = got {
-                buf.advance(n);
                 if let Some(ns) = stamp
                     && n > 0
                 {

@@ -86,6 +86,12 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.0)]
     pub stall_first_token_ms: f64,
 
+    /// Hand out each sequence's first token the moment it arrives, before any scheduler step;
+    /// the later tokens come one per step as usual. A backend whose own time to first token is
+    /// nil but whose streams stay open: what a burst through a proxy measures is the proxy.
+    #[arg(long)]
+    pub first_token_at_once: bool,
+
     /// Refuse connections (no listen()) for this many seconds after start, like a cold instance.
     #[arg(long, default_value_t = 0.0)]
     pub warmup_secs: f64,
@@ -235,6 +241,7 @@ impl Default for SimArgs {
             error_after_chunks: None,
             stall_after_chunks: None,
             stall_first_token_ms: 0.0,
+            first_token_at_once: false,
             warmup_secs: 0.0,
             timeout_keep_alive: 0.0,
             zero_delay: false,
@@ -280,6 +287,7 @@ impl fmt::Debug for SimArgs {
             .field("error_after_chunks", &self.error_after_chunks)
             .field("stall_after_chunks", &self.stall_after_chunks)
             .field("stall_first_token_ms", &self.stall_first_token_ms)
+            .field("first_token_at_once", &self.first_token_at_once)
             .field("warmup_secs", &self.warmup_secs)
             .field("timeout_keep_alive", &self.timeout_keep_alive)
             .field("zero_delay", &self.zero_delay)
@@ -312,6 +320,8 @@ pub(crate) struct StepTiming {
     pub decode_per_seq: Duration,
     pub prefill_per_token: Duration,
     pub stall_first_token: Duration,
+    /// `--first-token-at-once`: the first token waits for no step.
+    pub first_token_at_once: bool,
 }
 
 impl StepTiming {
@@ -526,8 +536,16 @@ impl TryFrom<&SimArgs> for SimConfig {
                 decode_per_seq: Duration::ZERO,
                 prefill_per_token: Duration::ZERO,
                 stall_first_token: Duration::ZERO,
+                first_token_at_once: false,
             }
         } else {
+            if a.first_token_at_once && a.stall_first_token_ms > 0.0 {
+                return Err(invalid(
+                    "--first-token-at-once and --stall-first-token-ms contradict each other: \
+                     the first token either leaves at once or waits"
+                        .to_owned(),
+                ));
+            }
             StepTiming {
                 decode_step: duration_flag("decode-step-ms", a.decode_step_ms, ms)?,
                 decode_per_seq: duration_flag("decode-ms-per-seq", a.decode_ms_per_seq, ms)?,
@@ -541,6 +559,7 @@ impl TryFrom<&SimArgs> for SimConfig {
                     a.stall_first_token_ms,
                     ms,
                 )?,
+                first_token_at_once: a.first_token_at_once,
             }
         };
         Ok(Self {

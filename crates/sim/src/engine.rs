@@ -281,6 +281,8 @@ pub(crate) struct Engine {
     prefix_cache: Option<Arc<Mutex<PrefixCache>>>,
     /// Where the cache's changes go, with `--kv-events-config`.
     kv_events: Option<crate::kv_events::Publisher>,
+    /// `--first-token-at-once`: a sequence's first token waits for no step.
+    first_token_at_once: bool,
 }
 
 impl Engine {
@@ -305,6 +307,7 @@ impl Engine {
                     submit: None,
                     prefix_cache,
                     kv_events,
+                    first_token_at_once: false,
                 },
                 None,
             );
@@ -320,6 +323,7 @@ impl Engine {
                 submit: Some(tx),
                 prefix_cache,
                 kv_events,
+                first_token_at_once: cfg.timing.first_token_at_once,
             },
             Some(task),
         )
@@ -408,6 +412,7 @@ impl Engine {
             cached_tokens,
             max_tokens: max_tokens.max(1),
             emitted: 0,
+            ahead: u32::from(self.first_token_at_once),
             arrived,
             last_token: arrived,
             stats,
@@ -495,6 +500,9 @@ pub(crate) struct SeqHandle {
     pub cached_tokens: u32,
     pub max_tokens: u32,
     emitted: u32,
+    /// Tokens handed out ahead of the scheduler's steps: 1 with `--first-token-at-once` (the
+    /// first token leaves on arrival, the step that would have made it makes the second), else 0.
+    ahead: u32,
     arrived: Instant,
     /// When the last token was handed out (`vllm:inter_token_latency_seconds`).
     last_token: Instant,
@@ -515,6 +523,7 @@ impl SeqHandle {
     pub(crate) fn poll_first(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         match &self.feed {
             Feed::Instant => Poll::Ready(()),
+            Feed::Scheduled(_) if self.ahead > 0 => Poll::Ready(()),
             Feed::Scheduled(s) => s.poll_beyond(0, cx),
         }
     }
@@ -525,7 +534,8 @@ impl SeqHandle {
             return Poll::Ready(None);
         }
         if let Feed::Scheduled(s) = &self.feed
-            && s.poll_beyond(self.emitted, cx).is_pending()
+            && let Some(step) = self.emitted.checked_sub(self.ahead)
+            && s.poll_beyond(step, cx).is_pending()
         {
             return Poll::Pending;
         }
@@ -623,6 +633,7 @@ mod tests {
             decode_per_seq: Duration::from_micros(500),
             prefill_per_token: Duration::from_micros(20),
             stall_first_token: Duration::ZERO,
+            first_token_at_once: false,
         }
     }
 

@@ -220,7 +220,11 @@ impl Parts {
     fn into_bytes(self) -> Bytes {
         let first = self.first.unwrap_or_default();
         if self.more.is_empty() {
-            return first;
+            // A copy: the chunk is a slice of the connection's read buffer (8 KiB, or more
+            // once hyper has grown it), and the body lives as long as the request's answer,
+            // a stream's whole length. While it is alive the connection reads into a buffer
+            // of its own beside it.
+            return Bytes::copy_from_slice(&first);
         }
         let mut all = BytesMut::with_capacity(self.len);
         all.extend_from_slice(&first);

@@ -13,6 +13,7 @@
 
 pub mod allocator;
 mod conn_limit;
+mod preface;
 pub mod reload;
 mod router;
 mod startup;

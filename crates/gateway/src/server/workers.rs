@@ -1,7 +1,7 @@
 //! The request-path workers: one thread per core, each a single-threaded event loop with its
 //! own upstream clients, accepting from the one API socket (`spawn_workers`); and the accept
-//! loop every listener runs (`accept_loop`): TCP_NODELAY, TLS, hyper-util's auto server
-//! (HTTP/1.1, and h2 by prior knowledge or ALPN) with keep-alive, one request-head limit for
+//! loop every listener runs (`accept_loop`): TCP_NODELAY, TLS, hyper-util's server (HTTP/1.1,
+//! and h2 by prior knowledge or ALPN, told before hyper reads: `preface`) with keep-alive, one request-head limit for
 //! both protocols, the connection caps (`conn_limit`), and the graceful drain.
 
 use std::net::SocketAddr;
@@ -20,6 +20,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
 use super::conn_limit::{AcceptBackoff, ConnLimit, ConnPermit};
+use super::preface::{self, Proto};
 use super::{AppState, StartError, router};
 use crate::config::Config;
 use crate::proxy::state::ProxyState;
@@ -113,6 +114,24 @@ pub(super) fn spawn_workers(
     Ok(worker_done)
 }
 
+/// The server's builders: one per protocol, and the auto builder for a connection whose
+/// protocol its bytes must tell.
+struct Builders {
+    http1: auto::Builder<TokioExecutor>,
+    http2: auto::Builder<TokioExecutor>,
+    auto: auto::Builder<TokioExecutor>,
+}
+
+impl Builders {
+    fn of(&self, proto: Proto) -> &auto::Builder<TokioExecutor> {
+        match proto {
+            Proto::Http1 => &self.http1,
+            Proto::Http2 => &self.http2,
+            Proto::Unknown => &self.auto,
+        }
+    }
+}
+
 /// Serve `listener` until `shutdown`, within `limit`'s bounds (connections, timeouts, the
 /// largest request head read, the same for HTTP/1.1 and HTTP/2).
 pub(super) async fn accept_loop<H, F, B>(
@@ -147,6 +166,14 @@ pub(super) async fn accept_loop<H, F, B>(
         .max_concurrent_streams(1024)
         .max_header_list_size(u32::try_from(limit.max_head).unwrap_or(u32::MAX))
         .keep_alive_interval(Some(Duration::from_secs(30)));
+    // The protocol is known before hyper reads (`preface`): a connection is served by the
+    // builder of its protocol, and by the auto builder's own detection only where TLS named
+    // none.
+    let builders = Arc::new(Builders {
+        http1: builder.clone().http1_only(),
+        http2: builder.clone().http2_only(),
+        auto: builder,
+    });
     let graceful = GracefulShutdown::new();
     // Connection tasks live in a set so that the ones still open after the grace period can be
     // aborted, and so none outlives the server.
@@ -212,7 +239,7 @@ pub(super) async fn accept_loop<H, F, B>(
             let fut = Box::pin(handler(req, peer, clock.take_arrival()));
             async move { Ok::<_, std::convert::Infallible>(fut.await) }
         });
-        let builder = builder.clone();
+        let builders = builders.clone();
         let watcher = graceful.watcher();
         let acceptor = tls.clone();
         let limit = limit.clone();
@@ -225,7 +252,16 @@ pub(super) async fn accept_loop<H, F, B>(
             let serve = async move {
                 let result = match acceptor {
                     None => {
-                        let conn = builder
+                        let proto = match preface::sniff(&stream).await {
+                            Ok(Some(proto)) => proto,
+                            Ok(None) => return,
+                            Err(e) => {
+                                tracing::debug!(%peer, error = %e, "connection failed before its first byte");
+                                return;
+                            }
+                        };
+                        let conn = builders
+                            .of(proto)
                             .serve_connection(TokioIo::new(stream), service)
                             .into_owned();
                         watcher.watch(conn).await
@@ -238,7 +274,9 @@ pub(super) async fn accept_loop<H, F, B>(
                                 return;
                             }
                         };
-                        let conn = builder
+                        let proto = preface::from_alpn(tls_stream.get_ref().1.alpn_protocol());
+                        let conn = builders
+                            .of(proto)
                             .serve_connection(TokioIo::new(tls_stream), service)
                             .into_owned();
                         watcher.watch(conn).await

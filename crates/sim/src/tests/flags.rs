@@ -49,6 +49,11 @@ async fn invalid_flags_are_rejected() {
             decode_step_ms: -1.0,
             ..SimArgs::default()
         },
+        SimArgs {
+            first_token_at_once: true,
+            stall_first_token_ms: 5.0,
+            ..SimArgs::default()
+        },
     ] {
         let err = start(bad).await.err().unwrap();
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);

@@ -172,3 +172,57 @@ async fn priority_orders_the_waiting_queue_only_under_the_priority_policy() {
         assert_eq!(order, want, "{policy:?}");
     }
 }
+
+/// `--first-token-at-once`: the first token leaves on arrival, before the scheduler's first
+/// step (an hour long here), and the step that would have made it makes the second.
+#[tokio::test]
+async fn the_first_token_can_leave_before_the_first_step() {
+    let sim = start(SimArgs {
+        decode_step_ms: 3_600_000.0,
+        first_token_at_once: true,
+        ..timed()
+    })
+    .await
+    .unwrap();
+    let c = client();
+    let req = json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 3,
+        "stream": true});
+    let r = send(&c, &sim, "POST", "/v1/chat/completions", Some(req), &[]).await;
+    let mut body = r.into_body();
+    let seen = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        read_events(&mut body, 1),
+    )
+    .await
+    .expect("the first token waits for no step");
+    assert_eq!(seen.matches("\"content\":").count(), 1, "{seen}");
+    assert_eq!(
+        sim.stats().running.load(Relaxed),
+        1,
+        "the rest waits for steps"
+    );
+    drop(body);
+    sim.shutdown().await;
+
+    // With short steps the answer is whole: every token once, then the end.
+    let sim = start(SimArgs {
+        first_token_at_once: true,
+        ..timed()
+    })
+    .await
+    .unwrap();
+    let req = json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 5,
+        "stream": true});
+    let r = send(&c, &sim, "POST", "/v1/chat/completions", Some(req), &[]).await;
+    let text = read_all(r).await;
+    let events = super::sse_events(&text);
+    let tokens = events
+        .iter()
+        .filter(|e| e.contains("\"content\":\""))
+        .count();
+    // The role chunk carries `"content":""`; five tokens follow it.
+    assert_eq!(tokens, 6, "{events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(sim.stats().completed.load(Relaxed), 1);
+    sim.shutdown().await;
+}
