@@ -184,8 +184,8 @@ pub(crate) async fn read(
     }
 }
 
-/// The chunks of a body as they came: the first is kept as the connection's own bytes, and
-/// only a body of several chunks allocates a list (most JSON bodies come in one).
+/// The chunks of a body as they came: only a body of several chunks allocates a list (most
+/// JSON bodies come in one); `into_bytes` makes either one buffer of the body's own.
 #[derive(Default)]
 struct Parts {
     first: Option<Bytes>,
@@ -221,9 +221,9 @@ impl Parts {
         let first = self.first.unwrap_or_default();
         if self.more.is_empty() {
             // A copy: the chunk is a slice of the connection's read buffer (8 KiB, or more
-            // once hyper has grown it), and the body lives as long as the request's answer,
-            // a stream's whole length. While it is alive the connection reads into a buffer
-            // of its own beside it.
+            // once hyper has grown it), and the body can live as long as the answer (a stream
+            // that may be resumed keeps it for its whole length), the buffer with it, while
+            // the connection reads into another beside it.
             return Bytes::copy_from_slice(&first);
         }
         let mut all = BytesMut::with_capacity(self.len);
