@@ -261,9 +261,10 @@ async fn prefix_records_are_scoped_to_one_deployment_and_bounded() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // A message as another replica encodes it (proxy::prefix_share's format).
+    // A message as another replica encodes it (proxy::prefix_share's format): one record.
     let message = |names: u32| {
         let mut m = 99u64.to_le_bytes().to_vec();
+        m.extend_from_slice(&1u32.to_le_bytes());
         for text in ["qwen32b", s.url().as_str()] {
             m.extend_from_slice(&(text.len() as u16).to_le_bytes());
             m.extend_from_slice(text.as_bytes());

@@ -180,7 +180,9 @@ pub struct BenchArgs {
     pub(crate) burstiness: f64,
     #[arg(long)]
     pub(crate) max_concurrency: Option<usize>,
-    /// Run for this long instead of --num-prompts requests (prompts are reused in turn).
+    /// Run for this long instead of --num-prompts requests (prompts are reused in turn). With
+    /// --multi-turn-conversations: each conversation starts over as a new one (its messages'
+    /// words rotated) until the time is up; a turn begun in time runs to its end.
     #[arg(long)]
     pub(crate) duration_seconds: Option<f64>,
     /// Comma-separated: ttft, tpot, itl, e2el (default: ttft,tpot,itl; e2el for

@@ -180,17 +180,60 @@ async fn conversation(
         target.replicas = vec![target.replicas[c % target.replicas.len()].clone()];
     }
     let target = &target;
+    // A timed run (`--duration-seconds`): the conversation starts over, as a new one, until the
+    // time is up; a turn begun in time runs to its end.
+    let deadline = plan.duration.map(|d| started + d);
+    for session in 0.. {
+        if !session_of_turns(
+            &plan, mt, target, &client, c, session, started, deadline, &outcomes,
+        )
+        .await
+            || deadline.is_none()
+        {
+            return;
+        }
+    }
+}
+
+/// One session of conversation `c`'s turns (the first, or the `session`-th start over of a
+/// timed run, its messages' words rotated by `session`: a conversation of its own, of the same
+/// sizes). True when all its turns were answered in time.
+#[allow(clippy::too_many_arguments)]
+async fn session_of_turns(
+    plan: &Plan,
+    mt: &MultiTurn,
+    target: &super::spec::Target,
+    client: &fleetgate_protocol::client::HttpClient,
+    c: usize,
+    session: usize,
+    started: Instant,
+    deadline: Option<Instant>,
+    outcomes: &Arc<Mutex<Vec<Outcome>>>,
+) -> bool {
+    let text_of = |i: usize| -> String {
+        let own = &plan.prompts[i].text;
+        if session == 0 {
+            return own.clone();
+        }
+        let mut words: Vec<&str> = own.split(' ').collect();
+        let by = session % words.len().max(1);
+        words.rotate_left(by);
+        words.join(" ")
+    };
     let mut history: Vec<(Role, String)> = Vec::with_capacity(2 * mt.turns);
     let mut expected = mt.system_len;
     for t in 0..mt.turns {
         if t > 0 && !mt.think.is_zero() {
             tokio::time::sleep(mt.think).await;
         }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return false;
+        }
         let mut sends = Vec::with_capacity(mt.lanes(c));
         for lane in 0..mt.lanes(c) {
             let i = mt.lane_index(c, lane, t);
             let prompt = &plan.prompts[i];
-            history.push((Role::User, prompt.text.clone()));
+            history.push((Role::User, text_of(i)));
             let body = turn_body(
                 plan.endpoint_type,
                 &plan.model,
@@ -201,7 +244,7 @@ async fn conversation(
                 &plan.body_extra,
             );
             history.pop();
-            let (client, outcomes, timeout) = (&client, &outcomes, plan.timeout);
+            let (outcomes, timeout) = (outcomes, plan.timeout);
             let expected = expected + prompt.input_tokens;
             sends.push(async move {
                 let mut o =
@@ -222,12 +265,13 @@ async fn conversation(
         match lanes.next() {
             Some((Some(answer), output_tokens)) => {
                 expected += plan.prompts[i].input_tokens + output_tokens;
-                history.push((Role::User, plan.prompts[i].text.clone()));
+                history.push((Role::User, text_of(i)));
                 history.push((Role::Assistant, answer));
             }
-            _ => return,
+            _ => return false,
         }
     }
+    true
 }
 
 /// What the prefix cache counted over the run: hit and queried tokens.

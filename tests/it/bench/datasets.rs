@@ -269,6 +269,36 @@ async fn multi_turn_through_a_gateway_reads_the_cache_from_the_backends() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_multi_turn_run_starts_conversations_over_until_the_time_is_up() {
+    // 2 conversations of 3 turns, each turn 20 tokens at 5 ms a step (≈ 100 ms), for 1.5 s:
+    // more turns than one pass of the conversations sends, each new start a new history.
+    let s = sim(|a| {
+        a.kv_cache_tokens = 1_000_000;
+        a.enable_prompt_tokens_details = true;
+        a.decode_step_ms = 5.0;
+    })
+    .await;
+    let report = multi_turn(&s.url(), "openai-chat", "2", &["--duration-seconds", "1.5"]).await;
+    assert_eq!(report.exit, 0, "{}", report.text);
+    let done = report.json["completed"].as_u64().unwrap();
+    assert!(
+        done > 6,
+        "one pass is 6 turns; a timed run starts over: {done}"
+    );
+    assert_eq!(s.stats().requests.load(Ordering::SeqCst), done);
+    // Every start over is a new conversation: its first turn is as long as the first pass's
+    // first turn (the history does not carry over), so turn 1's mean prompt stays turn 1's.
+    let t = turns(&report);
+    assert_eq!(t.len(), 3);
+    assert!(t[1].0 >= t[0].0 + 40.0 && t[2].0 >= t[1].0 + 40.0, "{t:?}");
+    let note = report.json["dataset"].as_str().unwrap_or_default();
+    assert!(note.contains("starts over as a new one"), "{note}");
+    // Without the time, the same flags send one pass.
+    let once = multi_turn(&s.url(), "openai-chat", "2", &[]).await;
+    assert_eq!(once.json["completed"], 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_conversation_sends_its_turns_by_lanes_over_one_history() {
     let s = sim(|a| {
         a.kv_cache_tokens = 1_000_000;

@@ -2,6 +2,8 @@
 //! backend whichever replica it reaches, and a paused, killed or slow Redis costs the
 //! replicas nothing (each routes on its own index), sharing coming back when Redis does.
 
+use std::collections::HashMap;
+
 use super::*;
 
 /// Four sims and a pool (TOML) routing over them by longest prefix, in blocks of 64 bytes.
@@ -239,6 +241,130 @@ async fn redis_paused_killed_or_slow_costs_the_replicas_nothing_and_sharing_come
     }
     all_say("shared").await;
     shared_again(7).await;
+    drop(replicas);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Each backend's prompt tokens the other replicas sent and that have no first token yet
+/// (`others_prefill_pending_tokens` in `GET /admin/backends`), by backend URL.
+async fn others_pending(r: &Replica) -> HashMap<String, u64> {
+    let (status, body) = admin_call(r, "GET", "/admin/backends", None).await;
+    assert_eq!(status, 200, "{body}");
+    body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                b["backend"].as_str().unwrap().to_owned(),
+                b["others_prefill_pending_tokens"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// What the other replicas sent and is still being prefilled counts where it waits: a prompt
+/// whose first token has not come (the sims hold every first token 3 s) makes its backend the
+/// worse choice for a new conversation sharing only its system prompt, on a replica that did
+/// not send it; and once it has its first token, nothing of it stays counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_another_replica_sent_and_not_yet_prefilled_count_where_they_wait() {
+    let Some(db) = pg_database("multi_replica_pending").await else {
+        return;
+    };
+    let Some(redis) = redis_url("multi_replica_pending").await else {
+        return;
+    };
+    let mut sims = Vec::new();
+    for _ in 0..2 {
+        sims.push(sim(|a| a.stall_first_token_ms = 3000.0).await);
+    }
+    let urls: Vec<String> = sims.iter().map(|s| s.url()).collect();
+    let pools = format!(
+        r#"[[pools]]
+model = "qwen32b"
+backends = ["{}", "{}"]
+max_in_flight_per_backend = 0
+
+[pools.affinity]
+by = "longest_prefix"
+block_bytes = 64
+"#,
+        urls[0], urls[1]
+    );
+    let dir = temp_dir("multi-replica-pending");
+    let replicas = start_replicas(&db.url, &redis, &dir, &pools).await;
+    let key = issue_key_on(&replicas[0], "agent", "prod").await;
+    prefix_index_is(&replicas, "shared").await;
+    let system = "You are a coding agent. Read, plan, edit, test. ".repeat(12);
+    let send = |r: usize, user: &str| {
+        let url = replicas[r].url("/v1/chat/completions");
+        let auth = format!("Bearer {key}");
+        let body = serde_json::json!({
+            "model": "qwen32b", "max_tokens": 2, "stream": true,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        })
+        .to_string();
+        tokio::spawn(async move { post(&url, &[("authorization", &auth)], body).await })
+    };
+    let served = || -> Vec<u64> {
+        sims.iter()
+            .map(|s| s.stats().requests.load(std::sync::atomic::Ordering::SeqCst))
+            .collect()
+    };
+    // Conversation A on replica 0: its prompt waits 3 s for its first token.
+    let a = send(
+        0,
+        &"Conversation A: fix the parser and its tests. ".repeat(8),
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (a_at, a_backend) = loop {
+        let counts = others_pending(&replicas[1]).await;
+        if let Some((url, _)) = counts.iter().find(|(_, t)| **t > 0) {
+            let at = urls
+                .iter()
+                .position(|u| u.trim_end_matches('/') == url.trim_end_matches('/'))
+                .unwrap();
+            break (at, url.clone());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica 1 never learnt of A's prompt waiting: {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(served()[a_at], 1, "A is where replica 1 says it waits");
+    // Conversation B on replica 1 shares A's system prompt, which replica 1 knows A's backend
+    // was sent: without A's prefill counted there, B would follow it.
+    let b = send(1, "Conversation B: rename the module.");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while served().iter().sum::<u64>() < 2 {
+        assert!(Instant::now() < deadline, "B never reached a backend");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        served()[a_at],
+        1,
+        "B went behind A's prefill on {a_backend}: {:?}",
+        served()
+    );
+    assert_eq!(a.await.unwrap().status, 200);
+    assert_eq!(b.await.unwrap().status, 200);
+    // Both have their first token: nothing stays counted, on any replica.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for r in &replicas {
+        loop {
+            let counts = others_pending(r).await;
+            if counts.values().all(|t| *t == 0) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "prefills still counted after their first tokens: {counts:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     drop(replicas);
     let _ = std::fs::remove_dir_all(&dir);
 }

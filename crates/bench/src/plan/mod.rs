@@ -313,7 +313,12 @@ fn schedule(args: &BenchArgs) -> Result<(f64, Option<Duration>), String> {
         Some(_) => return Err("--duration-seconds must be > 0".into()),
         None => None,
     };
-    if duration.is_some() && rate.is_infinite() && args.max_concurrency.is_none() {
+    // A timed multi-turn run's concurrency is its conversations.
+    if duration.is_some()
+        && rate.is_infinite()
+        && args.max_concurrency.is_none()
+        && args.multi_turn_conversations.is_none()
+    {
         return Err("a timed run needs --max-concurrency (settings: concurrency) or a finite --request-rate".into());
     }
     if args.num_prompts == 0 {

@@ -70,9 +70,10 @@ pub(super) fn multi_turn(
             kind.name()
         ));
     }
-    if targets.len() != 1 || args.sweep.is_some() || args.duration_seconds.is_some() {
+    if targets.len() != 1 || args.sweep.is_some() {
         return Err(
-            "--multi-turn-conversations runs against one --base-url, without --compare, --sweep or --duration-seconds".into(),
+            "--multi-turn-conversations runs against one --base-url, without --compare or --sweep"
+                .into(),
         );
     }
     if !(args.multi_turn_think_ms.is_finite() && args.multi_turn_think_ms >= 0.0) {
@@ -163,6 +164,11 @@ pub(super) fn multi_turn(
         "multi-turn: {conversations} conversations × {} turns, a shared system prompt of {} tokens, {user_len} user tokens and {} out a turn",
         mt.turns, mt.system_len, args.random_output_len
     );
+    if let Some(d) = args.duration_seconds {
+        note.push_str(&format!(
+            "; each conversation starts over as a new one until {d} s have passed"
+        ));
+    }
     if let Some(h) = hot {
         note.push_str(&format!(
             "; conversation 0 hot: {} lanes a turn, {:.1}% of the requests",

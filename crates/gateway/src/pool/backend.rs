@@ -54,12 +54,20 @@ pub struct Backend {
     /// Requests running + waiting on the backend by its own `/metrics` (all gateways' and
     /// anyone else's), when the pool is load-aware; 0 otherwise or when unread.
     pub remote_load: AtomicU32,
+    /// Of `remote_load`, what was not this gateway's own (`in_flight` when the scrape was
+    /// sent): the other replicas' and anyone else's requests at the last scrape. A backend's
+    /// load is this plus this gateway's own requests now (`load`), so a replica sees its own
+    /// choices at once and the others' at the next scrape.
+    others_load: AtomicU32,
     /// What its engines' KV events say they hold, when the pool subscribes to them (set by
     /// `Fleet::kv_events_loop`).
     pub(crate) engine_cache: ArcSwapOption<super::engine_cache::EngineCache>,
     /// Prompt tokens this gateway sent it (KV-event routing) that are not prefilled yet: the
     /// prompts of its requests without a first token, less what the engine held of each.
     pub(crate) prefill_pending: AtomicU64,
+    /// Prompt tokens the other replicas sent it (longest-prefix routing, shared through
+    /// Redis) that are not prefilled yet: the sum of each replica's last published count.
+    pub(crate) others_prefill: AtomicU64,
     /// Its engine's KV event port when it is not the pool's (`kv_events_port`).
     pub(crate) kv_events_port: Option<u16>,
     /// Its engine publishes KV events (`kv_events = false`: its cache is estimated).
@@ -210,9 +218,11 @@ impl Backend {
             )?,
             in_flight: AtomicU32::new(0),
             remote_load: AtomicU32::new(0),
+            others_load: AtomicU32::new(0),
             kv_usage_permille: AtomicU32::new(0),
             engine_cache: ArcSwapOption::empty(),
             prefill_pending: AtomicU64::new(0),
+            others_prefill: AtomicU64::new(0),
             kv_events_port: cfg.kv_events_port,
             kv_events: cfg.kv_events,
             weight: AtomicU32::new(weight_of(cfg)),
@@ -476,6 +486,28 @@ impl Backend {
 
     pub(crate) fn clear_last_error(&self) {
         self.last_error.store(None);
+    }
+
+    /// Its load with `f` of this gateway's requests in flight on it: those plus the others'
+    /// at the last scrape (load-aware pools; else just `f`).
+    pub(crate) fn load(&self, f: u32) -> u64 {
+        u64::from(f) + u64::from(self.others_load.load(Ordering::Relaxed))
+    }
+
+    /// A scrape's reading: `remote` requests running and waiting on the backend, of which
+    /// `own` were this gateway's when the scrape was sent (a request the engine has not seen
+    /// yet, or one it has finished, can make `own` the larger: then nobody else's).
+    pub(crate) fn set_remote_load(&self, remote: u32, own: u32) {
+        self.remote_load.store(remote, Ordering::Relaxed);
+        self.others_load
+            .store(remote.saturating_sub(own), Ordering::Relaxed);
+    }
+
+    /// Another replica sent it a request (its record came through Redis): one more of the
+    /// others' until the next scrape counts them all again. Load-aware pools only (nothing
+    /// else would ever count them down).
+    pub(crate) fn count_others_request(&self) {
+        self.others_load.fetch_add(1, Ordering::Relaxed);
     }
 
     /// KV-cache usage (0..1) from the last scrape, if the pool is load-aware.

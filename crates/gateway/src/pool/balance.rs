@@ -204,11 +204,9 @@ impl Balancer {
 
     /// Fewer in flight per unit of weight: n_a / w_a < n_b / w_b. Idle backends tie, and the
     /// first drawn wins a tie: idle traffic follows the weighted draw. With load-aware pools
-    /// the backend's own count (all gateways') counts when larger.
+    /// the other gateways' requests at the last scrape count too (`Backend::load`).
     fn less_loaded(&self, a: (usize, u32), b: (usize, u32)) -> bool {
-        let load = |(i, f): (usize, u32)| -> u64 {
-            u64::from(f.max(self.backends[i].remote_load.load(Ordering::Relaxed)))
-        };
+        let load = |(i, f): (usize, u32)| -> u64 { self.backends[i].load(f) };
         load(a) * u64::from(self.backends[b.0].weight())
             < load(b) * u64::from(self.backends[a.0].weight())
     }
@@ -267,8 +265,7 @@ impl Balancer {
                 continue;
             }
             let f = b.in_flight.load(Ordering::SeqCst);
-            let load = u64::from(f.max(b.remote_load.load(Ordering::Relaxed)));
-            min_load = min_load.min(load);
+            min_load = min_load.min(b.load(f));
             let cap = b.capacity();
             if cap != 0 && f >= cap {
                 continue;
@@ -280,7 +277,7 @@ impl Balancer {
         }
         if let Some((i, f, _)) = best {
             let b = &self.backends[i];
-            let load = u64::from(f.max(b.remote_load.load(Ordering::Relaxed)));
+            let load = b.load(f);
             let fair = min_load
                 .saturating_mul(2)
                 .max(min_load.saturating_add(u64::from(slack)));
@@ -300,20 +297,44 @@ impl Balancer {
         self.try_acquire_excluding(exclude)
     }
 
-    /// Longest-prefix routing: the least loaded of the backends that hold the deepest known
-    /// prefix (`found`, shortest first) and can take the request — unless it is overloaded
-    /// (more than twice the least loaded backend's requests and more than `slack` above them):
-    /// then the usual choice. `true` with the slot when it went where its prefix is.
+    /// Longest-prefix routing, weighed as KV-event routing weighs what the engines report
+    /// (`try_acquire_held`), on what this fleet of gateways sent where: backend `i` is believed
+    /// to hold the prompt's first `held[i]` blocks (the deepest of `found`, shortest first, it
+    /// is a tenant of), and `blocks` × `tokens_per_block` is the prompt's estimated size. So a
+    /// request goes where it starts soonest: a backend holding its history, unless the
+    /// prompts sent there and not yet prefilled cost more than that history saves — a prefix
+    /// believed held is only being prefilled while the request that carried it waits for its
+    /// first token, and new conversations arriving together are spread, not stacked behind
+    /// it. `true` when it went to a backend believed to hold some of the prompt.
     pub(crate) fn try_acquire_prefix(
         self: &Arc<Self>,
         found: &[Tenants],
+        blocks: usize,
+        tokens_per_block: u64,
         exclude: u64,
         slack: u32,
     ) -> Option<(InFlight, bool)> {
-        self.try_acquire_preferred(exclude, slack, |i| {
-            let me = u32::try_from(self.backends[i].metrics_index).unwrap_or(u32::MAX);
-            found.iter().rposition(|tenants| tenants.contains(me))
-        })
+        let held: Vec<usize> = self
+            .backends
+            .iter()
+            .map(|b| {
+                let me = u32::try_from(b.metrics_index).unwrap_or(u32::MAX);
+                found
+                    .iter()
+                    .rposition(|tenants| tenants.contains(me))
+                    .map_or(0, |deepest| deepest + 1)
+            })
+            .collect();
+        let uncached: Vec<u64> = held
+            .iter()
+            .map(|h| (blocks.saturating_sub(*h) as u64).saturating_mul(tokens_per_block))
+            .collect();
+        let cost = PrefillCost {
+            held: &held,
+            uncached: &uncached,
+            session: None,
+        };
+        self.try_acquire_held(&cost, exclude, slack)
     }
 
     /// KV-event routing. Among the usable backends with capacity whose load is within the
@@ -322,7 +343,7 @@ impl Balancer {
     /// - when they differ in what they hold of the prompt, the one where the request would
     ///   start soonest: the fewest prompt tokens its engine has still to prefill before it
     ///   gets to this one (what this gateway sent it that has no first token yet,
-    ///   `prefill_pending`) plus this prompt's tokens it does not hold (Dynamo's cost: blocks
+    ///   `prefill_pending`, and what the other replicas said they did, `others_prefill`) plus this prompt's tokens it does not hold (Dynamo's cost: blocks
     ///   to prefill plus active prefill work); then the agent session's own backend, then the
     ///   least loaded, then any (drawn at random). A request decoding costs a new one little
     ///   (one token of a step's budget), so in-flight requests count only by what they have
@@ -365,7 +386,9 @@ impl Balancer {
                     let prefill = uncached(i);
                     fewest = fewest.min(prefill);
                     most = most.max(prefill);
-                    let queued = self.backends[i].prefill_pending.load(Ordering::Relaxed);
+                    let b = &self.backends[i];
+                    let queued = b.prefill_pending.load(Ordering::Relaxed)
+                        + b.others_prefill.load(Ordering::Relaxed);
                     ((prefill.saturating_add(queued), home != Some(i), l), i, f)
                 })
             })
@@ -387,39 +410,6 @@ impl Balancer {
         (0..self.backends.len())
             .filter(|&i| self.usable(i, exclude))
             .max_by_key(|&i| mix64(key ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
-    }
-
-    /// The usable backend with capacity whose `rank` is highest (`None`: not preferred), the
-    /// least loaded among equals, when its load is at most twice the least loaded backend's or
-    /// `slack` above it; else the usual choice.
-    fn try_acquire_preferred<K: Ord>(
-        self: &Arc<Self>,
-        exclude: u64,
-        slack: u32,
-        rank: impl Fn(usize) -> Option<K>,
-    ) -> Option<(InFlight, bool)> {
-        let fair = self.fair_load(exclude, slack);
-        let best = (0..self.backends.len())
-            .filter(|i| self.usable(*i, exclude))
-            .filter(|i| {
-                let b = &self.backends[*i];
-                let cap = b.capacity();
-                cap == 0 || load_of(b).0 < cap
-            })
-            .filter_map(|i| {
-                rank(i).map(|r| (r, std::cmp::Reverse(load_of(&self.backends[i]).1), i))
-            })
-            .max()
-            .map(|(_, _, i)| i);
-        if let Some(i) = best {
-            let (f, l) = load_of(&self.backends[i]);
-            if l <= fair
-                && let Some(slot) = self.claim_at(i, f)
-            {
-                return Some((slot, true));
-            }
-        }
-        self.try_acquire_excluding(exclude).map(|s| (s, false))
     }
 
     /// Neither excluded nor out of rotation.
@@ -546,11 +536,11 @@ impl Slots for Balancer {
     }
 }
 
-/// A backend's requests in flight here, and its load: the larger of those and what its own
-/// metrics say it runs (other replicas' requests included).
+/// A backend's requests in flight here, and its load: those and, in a load-aware pool, the
+/// other replicas' (and anyone else's) at the last scrape of its metrics.
 fn load_of(b: &Backend) -> (u32, u64) {
     let f = b.in_flight.load(Ordering::SeqCst);
-    (f, u64::from(f.max(b.remote_load.load(Ordering::Relaxed))))
+    (f, b.load(f))
 }
 
 /// What KV-event routing weighs for each backend (by position): the leading blocks its engine
@@ -677,6 +667,39 @@ mod tests {
             used.insert(s.position());
         }
         assert_eq!(used.len(), 3);
+    }
+
+    /// A load-aware backend's load is the other gateways' requests at the last scrape plus
+    /// this gateway's own now: its own choices count at once, not at the next scrape.
+    #[test]
+    fn a_replica_counts_its_own_requests_at_once_and_the_others_at_the_scrape() {
+        let pools = Generation::new(&[pool_cfg(2)], &QueueConfig::default()).unwrap();
+        let balancer = &pools.get("m").unwrap().balancer;
+        let b = &balancer.backends[0];
+        assert_eq!(b.load(3), 3, "never scraped: its own requests");
+        // The engine ran 6 when 2 of them were ours: 4 are the others'.
+        b.set_remote_load(6, 2);
+        assert_eq!(b.load(2), 6);
+        assert_eq!(b.load(5), 9, "3 sent since the scrape count now");
+        assert_eq!(
+            b.load(0),
+            4,
+            "ours ended: the others' stay until the next scrape"
+        );
+        // Sent but not yet seen by the engine: nobody else's.
+        b.set_remote_load(1, 4);
+        assert_eq!(b.load(4), 4);
+        // With the others' load on backend 0, the least loaded is backend 1 until it holds as
+        // many: 4 others' on 0, so 1 takes the next four.
+        b.set_remote_load(4, 0);
+        let slots: Vec<_> = (0..4)
+            .map(|_| balancer.try_acquire_excluding(0).unwrap())
+            .collect();
+        assert!(
+            slots.iter().all(|s| s.position() == 1),
+            "{:?}",
+            slots.iter().map(|s| s.position()).collect::<Vec<_>>()
+        );
     }
 
     /// KV-event routing weighs what is left to prefill here against the prefill each backend

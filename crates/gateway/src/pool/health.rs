@@ -192,12 +192,12 @@ async fn check_models(pool: &Pool, backend: &Backend) {
 /// Read a backend's own load from its Prometheus text: vLLM's running + waiting requests and
 /// KV-cache usage. An unreadable answer counts as no information (load 0: local counts only).
 async fn scrape(pool: &Pool, backend: &Backend) {
+    // This gateway's own part of what the engine will count: its requests when the scrape
+    // leaves (the engine renders its figures a moment later).
+    let own = backend.in_flight.load(Ordering::Relaxed);
     let text = metrics_text(&pool.client, backend, pool.config.health.timeout).await;
     let (load, kv) = text.as_deref().map_or((0.0, 0.0), vllm_load);
-    backend.remote_load.store(
-        load.clamp(0.0, f64::from(u32::MAX)) as u32,
-        Ordering::Relaxed,
-    );
+    backend.set_remote_load(load.clamp(0.0, f64::from(u32::MAX)) as u32, own);
     backend
         .kv_usage_permille
         .store((kv.clamp(0.0, 1.0) * 1000.0) as u32, Ordering::Relaxed);

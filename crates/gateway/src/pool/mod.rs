@@ -450,6 +450,8 @@ impl Generation {
                         "last_error": b.last_error().map(|e| e.message.clone()),
                         "last_error_at": b.last_error().map(|e| crate::clock::format_wall_ms(e.at_ms)),
                         "kv_events": b.engine_cache.load().as_ref().map(|c| c.json()),
+                        "prefill_pending_tokens": p.affinity.as_ref().map(|_| b.prefill_pending.load(Ordering::Relaxed)),
+                        "others_prefill_pending_tokens": p.prefix.as_ref().map(|_| b.others_prefill.load(Ordering::Relaxed)),
                     })
                 })
             })

@@ -23,14 +23,24 @@
 //! replica takes (`server.max_body_bytes` over the pool's `block_bytes`) is dropped and
 //! counted: no sender can displace the index with one record.
 //!
-//! A message: the sending replica's id (8 bytes), then per record the pool's model and the
-//! backend's base URL (each a 2-byte length and its bytes), the number of block names (4 bytes)
-//! and the names (8 bytes each), all little endian. Backends are named by their base URL, as
-//! configured, since metrics indexes are a replica's own numbering.
+//! Beside the records, each replica tells the others how many prompt tokens it has sent each
+//! backend that are not prefilled yet (no first token): longest-prefix routing weighs them as
+//! it weighs its own (`Balancer::try_acquire_prefix`), so new conversations arriving at several
+//! replicas together are not stacked on one backend. A replica publishes its counts with its
+//! records, again within 20 ms of a change, and at least every second while any is not zero; a
+//! replica's counts not renewed for 3 s are forgotten (it stopped, or Redis lost it), so
+//! nothing stays counted after a replica dies.
+//!
+//! A message: the sending replica's id (8 bytes), the number of records (4 bytes), then per
+//! record the pool's model and the backend's base URL (each a 2-byte length and its bytes), the
+//! number of block names (4 bytes) and the names (8 bytes each); then, to the end, per backend
+//! of the replica's longest-prefix pools its model, base URL and tokens not prefilled (8
+//! bytes); all little endian. Backends are named by their base URL, as configured, since
+//! metrics indexes are a replica's own numbering.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use prometheus::{IntCounter, IntGauge, Opts, Registry};
@@ -49,6 +59,10 @@ const BATCH: usize = 256;
 const LINGER: Duration = Duration::from_millis(20);
 /// How long a publish or a ping may take before Redis counts as away.
 const TIMEOUT: Duration = Duration::from_secs(1);
+/// A replica's counts not prefilled are published again at least this often while not zero.
+const RENEW: Duration = Duration::from_secs(1);
+/// Another replica's counts not renewed for this long are forgotten.
+const FORGET: Duration = Duration::from_secs(3);
 
 /// One prompt sent to one backend.
 struct Record {
@@ -140,7 +154,10 @@ impl PrefixShare {
         tasks.spawn(publish_loop(
             rx,
             link.clone(),
-            replica,
+            Publisher {
+                replica,
+                fleet: fleet.clone(),
+            },
             channel.clone(),
             metrics.clone(),
             up.clone(),
@@ -152,6 +169,7 @@ impl PrefixShare {
                 fleet,
                 replica,
                 max_prompt_bytes,
+                pending: std::sync::Mutex::new(std::collections::HashMap::new()),
             },
             channel,
             metrics.clone(),
@@ -207,32 +225,81 @@ fn channel_of(link: &RedisLink) -> Arc<str> {
     Arc::from(format!("{}:db{db}:prefix-index", link.prefix()))
 }
 
+/// Another replica's count of prompt tokens not prefilled on one backend: (replica, model,
+/// backend's base URL) → (tokens, when it was said).
+type OthersPending = std::collections::HashMap<(u64, String, String), (u64, Instant)>;
+
 /// What the subscriber records received messages into, and how it bounds them.
 struct Learner {
     fleet: Arc<Fleet>,
     replica: u64,
     max_prompt_bytes: usize,
+    /// The other replicas' last published counts not prefilled (only the subscriber's task
+    /// takes the lock).
+    pending: std::sync::Mutex<OthersPending>,
 }
 
-/// One message for a batch: the sending replica, then each record.
-fn encode(replica: u64, batch: &[Record]) -> Vec<u8> {
+/// What the publisher says besides the records: this replica's id and its counts not
+/// prefilled, read from the fleet's longest-prefix pools.
+struct Publisher {
+    replica: u64,
+    fleet: Arc<Fleet>,
+}
+
+/// One backend's count of prompt tokens sent and not prefilled: (model, base URL, tokens).
+type Pending = (Arc<str>, Arc<str>, u64);
+
+impl Publisher {
+    /// This replica's counts, one per backend of each longest-prefix pool.
+    fn pending(&self) -> Vec<Pending> {
+        let generation = self.fleet.current();
+        generation
+            .iter()
+            .filter(|pool| pool.prefix.is_some())
+            .flat_map(|pool| {
+                pool.backends.iter().map(|b| {
+                    (
+                        pool.model.clone(),
+                        b.base.clone(),
+                        b.prefill_pending.load(Ordering::Relaxed),
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+/// Appends `s` with its 2-byte length (cut at 65 535 bytes).
+fn put_text(out: &mut Vec<u8>, s: &str) {
+    let len = u16::try_from(s.len()).unwrap_or(u16::MAX);
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&s.as_bytes()[..usize::from(len)]);
+}
+
+/// One message: the sending replica, each record, then each backend's count not prefilled.
+fn encode(replica: u64, batch: &[Record], pending: &[Pending]) -> Vec<u8> {
     let size: usize = batch
         .iter()
         .map(|r| 8 + r.model.len() + r.backend.len() + r.names.len() * 8)
+        .chain(pending.iter().map(|(m, b, _)| 12 + m.len() + b.len()))
         .sum();
-    let mut out = Vec::with_capacity(8 + size);
+    let mut out = Vec::with_capacity(12 + size);
     out.extend_from_slice(&replica.to_le_bytes());
-    for r in batch {
-        for s in [r.model.as_bytes(), r.backend.as_bytes()] {
-            let len = u16::try_from(s.len()).unwrap_or(u16::MAX);
-            out.extend_from_slice(&len.to_le_bytes());
-            out.extend_from_slice(&s[..usize::from(len)]);
-        }
+    let records = u32::try_from(batch.len()).unwrap_or(u32::MAX);
+    out.extend_from_slice(&records.to_le_bytes());
+    for r in batch.iter().take(records as usize) {
+        put_text(&mut out, &r.model);
+        put_text(&mut out, &r.backend);
         let count = u32::try_from(r.names.len()).unwrap_or(u32::MAX);
         out.extend_from_slice(&count.to_le_bytes());
         for n in r.names.iter().take(count as usize) {
             out.extend_from_slice(&n.to_le_bytes());
         }
+    }
+    for (model, backend, tokens) in pending {
+        put_text(&mut out, model);
+        put_text(&mut out, backend);
+        out.extend_from_slice(&tokens.to_le_bytes());
     }
     out
 }
@@ -240,22 +307,31 @@ fn encode(replica: u64, batch: &[Record]) -> Vec<u8> {
 /// One decoded record: `(model, backend, names)`.
 type Decoded<'a> = (&'a str, &'a str, Vec<u64>);
 
-/// `(replica, records)` of a message, `None` if it is not one.
-fn decode(msg: &[u8]) -> Option<(u64, Vec<Decoded<'_>>)> {
+/// A decoded message: the replica, its records and its counts not prefilled.
+struct Message<'a> {
+    replica: u64,
+    records: Vec<Decoded<'a>>,
+    pending: Vec<(&'a str, &'a str, u64)>,
+}
+
+/// A message's parts, `None` if it is not one.
+fn decode(msg: &[u8]) -> Option<Message<'_>> {
     let replica = u64::from_le_bytes(msg.get(..8)?.try_into().ok()?);
-    let mut rest = &msg[8..];
-    let mut records = Vec::new();
-    while !rest.is_empty() {
-        let mut text = || -> Option<&str> {
-            let len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
-            let s = std::str::from_utf8(rest.get(2..2 + len)?).ok()?;
-            rest = &rest[2 + len..];
-            Some(s)
-        };
-        let model = text()?;
-        let backend = text()?;
-        let count = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
-        let bytes = rest.get(4..4 + count.checked_mul(8)?)?;
+    let count = u32::from_le_bytes(msg.get(8..12)?.try_into().ok()?) as usize;
+    let mut rest = &msg[12..];
+    fn text<'a>(rest: &mut &'a [u8]) -> Option<&'a str> {
+        let len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
+        let s = std::str::from_utf8(rest.get(2..2 + len)?).ok()?;
+        *rest = &rest[2 + len..];
+        Some(s)
+    }
+    // At most what the message can hold (a record takes at least 8 bytes).
+    let mut records = Vec::with_capacity(count.min(rest.len() / 8));
+    for _ in 0..count {
+        let model = text(&mut rest)?;
+        let backend = text(&mut rest)?;
+        let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+        let bytes = rest.get(4..4 + n.checked_mul(8)?)?;
         let names = bytes
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
@@ -263,7 +339,19 @@ fn decode(msg: &[u8]) -> Option<(u64, Vec<Decoded<'_>>)> {
         rest = &rest[4 + bytes.len()..];
         records.push((model, backend, names));
     }
-    Some((replica, records))
+    let mut pending = Vec::new();
+    while !rest.is_empty() {
+        let model = text(&mut rest)?;
+        let backend = text(&mut rest)?;
+        let tokens = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
+        rest = &rest[8..];
+        pending.push((model, backend, tokens));
+    }
+    Some(Message {
+        replica,
+        records,
+        pending,
+    })
 }
 
 /// Publishes batches on a connection of its own (the limits' connection manager, reconnecting
@@ -272,7 +360,7 @@ fn decode(msg: &[u8]) -> Option<(u64, Vec<Decoded<'_>>)> {
 async fn publish_loop(
     mut rx: mpsc::Receiver<Record>,
     link: RedisLink,
-    replica: u64,
+    me: Publisher,
     channel: Arc<str>,
     metrics: Arc<Metrics>,
     up: Arc<Up>,
@@ -283,11 +371,17 @@ async fn publish_loop(
     let mut next_try = tokio::time::Instant::now();
     // Said once per switch, both ways (the first connection is not news).
     let mut said_down = false;
+    // The counts not prefilled last published, when, and when to look at them again (while
+    // any is not zero).
+    let mut said: Vec<u64> = Vec::new();
+    let mut said_at = tokio::time::Instant::now();
+    let mut look_again: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             n = rx.recv_many(&mut batch, BATCH) => if n == 0 { return },
             _ = tokio::time::sleep_until(next_try), if conn.is_none() => {}
+            _ = tokio::time::sleep_until(look_again.unwrap_or(next_try)), if look_again.is_some() => {}
         }
         // Linger, so that the send happens after the request's first token rather than beside
         // it, and the records of a busy moment share one message.
@@ -318,14 +412,20 @@ async fn publish_loop(
                 }
             }
         }
-        if batch.is_empty() {
+        let pending = me.pending();
+        let counts: Vec<u64> = pending.iter().map(|p| p.2).collect();
+        let busy = counts.iter().any(|t| *t > 0);
+        let now = tokio::time::Instant::now();
+        look_again = busy.then_some(now + LINGER);
+        let renew = counts != said || (busy && now >= said_at + RENEW);
+        if batch.is_empty() && !renew {
             continue;
         }
         let sent = match conn.as_mut() {
             Some(c) => {
                 let publish = redis::cmd("PUBLISH")
                     .arg(&*channel)
-                    .arg(encode(replica, &batch))
+                    .arg(encode(me.replica, &batch, &pending))
                     .to_owned();
                 match tokio::time::timeout(TIMEOUT, publish.query_async::<()>(c)).await {
                     Ok(Ok(())) => Ok(()),
@@ -335,6 +435,10 @@ async fn publish_loop(
             }
             None => Err(String::new()),
         };
+        if sent.is_ok() {
+            said = counts;
+            said_at = now;
+        }
         let counter = match sent {
             Ok(()) => &metrics.published,
             Err(why) => {
@@ -398,6 +502,7 @@ async fn subscribe_loop(
                             None => break "the subscription ended".to_owned(),
                         },
                         _ = ping.tick() => {
+                            learner.forget_stale();
                             match tokio::time::timeout(TIMEOUT, sink.ping::<redis::Value>()).await {
                                 Ok(Ok(_)) => {}
                                 Ok(Err(e)) => break e.to_string(),
@@ -436,26 +541,76 @@ impl Learner {
         if msg.get(..8) == Some(&self.replica.to_le_bytes()[..]) {
             return;
         }
-        let Some((_, records)) = decode(msg) else {
+        let Some(Message {
+            replica,
+            records,
+            pending,
+        }) = decode(msg)
+        else {
             metrics.dropped.inc();
             return;
         };
+        self.learn_pending(replica, &pending);
         let generation = self.fleet.current();
         for (model, backend, names) in records {
             let found = generation.get(model).and_then(|pool| {
                 let index = pool.prefix.as_ref()?;
                 let b = pool.backends.iter().find(|b| &*b.base == backend)?;
-                Some((index, b.metrics_index))
+                Some((index, b, pool.config().load_aware.is_some()))
             });
             match found {
-                Some((index, _)) if names.len() > self.max_prompt_bytes / index.block_bytes() => {
+                Some((index, ..)) if names.len() > self.max_prompt_bytes / index.block_bytes() => {
                     metrics.dropped.inc();
                 }
-                Some((index, slot)) => {
-                    index.record(&names, u32::try_from(slot).unwrap_or(u32::MAX));
+                Some((index, b, load_aware)) => {
+                    index.record(&names, u32::try_from(b.metrics_index).unwrap_or(u32::MAX));
+                    // A record is a request the other replica has just sent there: its load
+                    // counts now, not at the next scrape of the backend's metrics.
+                    if load_aware {
+                        b.count_others_request();
+                    }
                     metrics.received.inc();
                 }
                 None => metrics.dropped.inc(),
+            }
+        }
+    }
+
+    /// Replica `replica`'s counts not prefilled replace what it said before.
+    fn learn_pending(&self, replica: u64, counts: &[(&str, &str, u64)]) {
+        let now = Instant::now();
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.retain(|(r, ..), _| *r != replica);
+        for (model, backend, tokens) in counts.iter().filter(|c| c.2 > 0) {
+            pending.insert(
+                (replica, (*model).to_owned(), (*backend).to_owned()),
+                (*tokens, now),
+            );
+        }
+        self.apply_pending(&pending);
+    }
+
+    /// Forget the counts of replicas that have not renewed them for `FORGET`.
+    fn forget_stale(&self) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let before = pending.len();
+        pending.retain(|_, (_, at)| at.elapsed() < FORGET);
+        if pending.len() != before {
+            self.apply_pending(&pending);
+        }
+    }
+
+    /// Each longest-prefix backend's `others_prefill`: the sum of the other replicas' counts.
+    fn apply_pending(&self, pending: &OthersPending) {
+        let generation = self.fleet.current();
+        for pool in generation.iter().filter(|p| p.prefix.is_some()) {
+            for b in pool.backends.iter() {
+                let sum: u64 = pending
+                    .iter()
+                    .filter(|((_, m, base), _)| **m == *pool.model && **base == *b.base)
+                    .map(|(_, (tokens, _))| *tokens)
+                    .sum();
+                b.others_prefill.store(sum, Ordering::Relaxed);
             }
         }
     }
@@ -476,17 +631,41 @@ mod tests {
             r("http://10.0.0.7:8000", vec![1, u64::MAX, 42]),
             r("http://10.0.0.8:8000", vec![]),
         ];
-        let msg = encode(7, &batch);
-        let (replica, records) = decode(&msg).unwrap();
-        assert_eq!(replica, 7);
+        let pending = [
+            (
+                Arc::from("qwen32b"),
+                Arc::from("http://10.0.0.7:8000"),
+                5_500,
+            ),
+            (Arc::from("qwen32b"), Arc::from("http://10.0.0.8:8000"), 0),
+        ];
+        let msg = encode(7, &batch, &pending);
+        let m = decode(&msg).unwrap();
+        assert_eq!(m.replica, 7);
         assert_eq!(
-            records,
+            m.records,
             [
                 ("qwen32b", "http://10.0.0.7:8000", vec![1, u64::MAX, 42]),
                 ("qwen32b", "http://10.0.0.8:8000", vec![]),
             ]
         );
+        assert_eq!(
+            m.pending,
+            [
+                ("qwen32b", "http://10.0.0.7:8000", 5_500),
+                ("qwen32b", "http://10.0.0.8:8000", 0),
+            ]
+        );
+        // Counts alone, without records (a first token arrived).
+        let alone = encode(7, &[], &pending[..1]);
+        let m = decode(&alone).unwrap();
+        assert!(m.records.is_empty());
+        assert_eq!(m.pending, [("qwen32b", "http://10.0.0.7:8000", 5_500)]);
         assert!(decode(&msg[..msg.len() - 1]).is_none(), "a cut message");
         assert!(decode(b"short").is_none());
+        // A record count the message cannot hold.
+        let mut lying = encode(7, &batch, &[]);
+        lying[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode(&lying).is_none());
     }
 }

@@ -166,11 +166,15 @@ fn claim_in(
         pool.kv_counts[usize::from(!hit)].fetch_add(1, Relaxed);
         return claimed;
     }
-    // Longest-prefix routing: the backends holding the prompt's longest known prefix first.
+    // Longest-prefix routing: where the request starts soonest, by the prefixes this fleet
+    // of gateways sent each backend (a block of text counted as a quarter its bytes in
+    // tokens, the estimate of a prompt's size) and the prompts sent there not yet prefilled.
     if let (Some(names), Some(index), Some(a)) = (&route.prefix, &pool.prefix, pool.affinity) {
         let found = index.lookup(names);
-        let (claimed, hit) =
-            preferring(&|avoid| balancer.try_acquire_prefix(&found, avoid, a.slack));
+        let per_block = (index.block_bytes() as u64 / 4).max(1);
+        let (claimed, hit) = preferring(&|avoid| {
+            balancer.try_acquire_prefix(&found, names.len(), per_block, avoid, a.slack)
+        });
         index.count(hit);
         return claimed;
     }
