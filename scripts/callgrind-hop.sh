@@ -10,7 +10,8 @@
 # the two totals over N_HIGH - N_LOW, so start-up and shutdown cancel out. Each build is run
 # twice, alternating. Environment: N_LOW (default 50), N_HIGH (default 850), PORT (18801),
 # SIM_PORT (18701), SIMS (1: the pool's backends, sims on SIM_PORT, SIM_PORT+1, ...; a pool of
-# two or more keeps what resuming a stream needs, `[pools.resume]`).
+# two or more keeps what resuming a stream needs, `[pools.resume]`), POOL_TOML (tables added to
+# the pool, e.g. POOL_TOML=$'[pools.affinity]\nby = "longest_prefix"').
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 BIN [BIN...]" >&2; exit 64; }
 command -v valgrind >/dev/null || { echo "valgrind is not installed (Debian's valgrind)" >&2; exit 69; }
@@ -49,6 +50,7 @@ listen = ""
 model = "qwen32b"
 backends = [$BACKENDS]
 max_in_flight_per_backend = 0
+${POOL_TOML:-}
 T
     local key vpid
     key=$("$bin" keys --config "$dir/gw.toml" create --env prod --name cg --json 2>/dev/null |
