@@ -266,7 +266,8 @@ async fn others_pending(r: &Replica) -> HashMap<String, u64> {
 /// What the other replicas sent and is still being prefilled counts where it waits: a prompt
 /// whose first token has not come (the sims hold every first token 3 s) makes its backend the
 /// worse choice for a new conversation sharing only its system prompt, on a replica that did
-/// not send it; and once it has its first token, nothing of it stays counted.
+/// not send it. Nothing of it stays counted: not once Redis stops answering (the count that
+/// would take it back cannot arrive), nor once it has its first token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_another_replica_sent_and_not_yet_prefilled_count_where_they_wait() {
     let Some(db) = pg_database("multi_replica_pending").await else {
@@ -292,8 +293,15 @@ block_bytes = 64
 "#,
         urls[0], urls[1]
     );
+    let upstream: std::net::SocketAddr = redis
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap_or_else(|_| "127.0.0.1:6379".parse().unwrap());
+    let proxy = Faulty::start(0, upstream).await;
     let dir = temp_dir("multi-replica-pending");
-    let replicas = start_replicas(&db.url, &redis, &dir, &pools).await;
+    let redis_via_proxy = format!("redis://127.0.0.1:{}", proxy.port);
+    let replicas = start_replicas(&db.url, &redis_via_proxy, &dir, &pools).await;
     let key = issue_key_on(&replicas[0], "agent", "prod").await;
     prefix_index_is(&replicas, "shared").await;
     let system = "You are a coding agent. Read, plan, edit, test. ".repeat(12);
@@ -348,8 +356,25 @@ block_bytes = 64
         "B went behind A's prefill on {a_backend}: {:?}",
         served()
     );
+    // Redis stops answering while A still waits: replica 1 can no longer hear it end, and
+    // forgets what replica 0 said rather than keep A's backend counted busy.
+    proxy.set(Fault::Paused);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let counts = others_pending(&replicas[1]).await;
+        if counts.values().all(|t| *t == 0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "counts kept while Redis does not answer: {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(a.await.unwrap().status, 200);
     assert_eq!(b.await.unwrap().status, 200);
+    proxy.set(Fault::None);
+    prefix_index_is(&replicas, "shared").await;
     // Both have their first token: nothing stays counted, on any replica.
     let deadline = Instant::now() + Duration::from_secs(5);
     for r in &replicas {

@@ -343,8 +343,9 @@ impl Balancer {
     /// - when they differ in what they hold of the prompt, the one where the request would
     ///   start soonest: the fewest prompt tokens its engine has still to prefill before it
     ///   gets to this one (what this gateway sent it that has no first token yet,
-    ///   `prefill_pending`, and what the other replicas said they did, `others_prefill`) plus this prompt's tokens it does not hold (Dynamo's cost: blocks
-    ///   to prefill plus active prefill work); then the agent session's own backend, then the
+    ///   `prefill_pending`, and what the other replicas say they did, `others_prefill`) plus
+    ///   this prompt's tokens it does not hold (Dynamo's cost: blocks to prefill plus active
+    ///   prefill work); then the agent session's own backend, then the
     ///   least loaded, then any (drawn at random). A request decoding costs a new one little
     ///   (one token of a step's budget), so in-flight requests count only by what they have
     ///   left to prefill;
@@ -387,8 +388,10 @@ impl Balancer {
                     fewest = fewest.min(prefill);
                     most = most.max(prefill);
                     let b = &self.backends[i];
-                    let queued = b.prefill_pending.load(Ordering::Relaxed)
-                        + b.others_prefill.load(Ordering::Relaxed);
+                    let queued = b
+                        .prefill_pending
+                        .load(Ordering::Relaxed)
+                        .saturating_add(b.others_prefill.load(Ordering::Relaxed));
                     ((prefill.saturating_add(queued), home != Some(i), l), i, f)
                 })
             })

@@ -28,8 +28,9 @@
 //! it weighs its own (`Balancer::try_acquire_prefix`), so new conversations arriving at several
 //! replicas together are not stacked on one backend. A replica publishes its counts with its
 //! records, again within 20 ms of a change, and at least every second while any is not zero; a
-//! replica's counts not renewed for 3 s are forgotten (it stopped, or Redis lost it), so
-//! nothing stays counted after a replica dies.
+//! replica's counts not renewed for 3 s are forgotten (it stopped, or Redis lost it), and all
+//! of them when this replica's subscription is lost, so nothing stays counted after a replica
+//! dies or while Redis is away.
 //!
 //! A message: the sending replica's id (8 bytes), the number of records (4 bytes), then per
 //! record the pool's model and the backend's base URL (each a 2-byte length and its bytes), the
@@ -512,6 +513,7 @@ async fn subscribe_loop(
                     }
                 };
                 up.set(&up.subscribe, false, &metrics);
+                learner.forget_all();
                 tracing::warn!(error = %why, "prefix records are no longer shared between replicas: routing on this replica's own index until Redis answers");
                 said_down = true;
             }
@@ -600,16 +602,26 @@ impl Learner {
         }
     }
 
-    /// Each longest-prefix backend's `others_prefill`: the sum of the other replicas' counts.
+    /// Forget every other replica's counts: the subscription is lost, so they would never
+    /// be renewed nor taken back.
+    fn forget_all(&self) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.clear();
+        self.apply_pending(&pending);
+    }
+
+    /// Each longest-prefix backend's `others_prefill`: the sum of the other replicas' counts
+    /// (summed once per backend named, then looked up: linear in both).
     fn apply_pending(&self, pending: &OthersPending) {
+        let mut sums: std::collections::HashMap<(&str, &str), u64> =
+            std::collections::HashMap::with_capacity(pending.len());
+        for ((_, model, base), (tokens, _)) in pending {
+            *sums.entry((model.as_str(), base.as_str())).or_default() += tokens;
+        }
         let generation = self.fleet.current();
         for pool in generation.iter().filter(|p| p.prefix.is_some()) {
             for b in pool.backends.iter() {
-                let sum: u64 = pending
-                    .iter()
-                    .filter(|((_, m, base), _)| **m == *pool.model && **base == *b.base)
-                    .map(|(_, (tokens, _))| *tokens)
-                    .sum();
+                let sum = sums.get(&(&*pool.model, &*b.base)).copied().unwrap_or(0);
                 b.others_prefill.store(sum, Ordering::Relaxed);
             }
         }
