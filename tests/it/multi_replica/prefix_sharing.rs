@@ -263,6 +263,23 @@ async fn others_pending(r: &Replica) -> HashMap<String, u64> {
         .collect()
 }
 
+/// Replica `r` counts none of the other replicas' prompts as waiting, within 10 s (`when`
+/// says when in the test).
+async fn nothing_counted(r: &Replica, when: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let counts = others_pending(r).await;
+        if counts.values().all(|t| *t == 0) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "prefills still counted {when}: {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// What the other replicas sent and is still being prefilled counts where it waits: a prompt
 /// whose first token has not come (the sims hold every first token 3 s) makes its backend the
 /// worse choice for a new conversation sharing only its system prompt, on a replica that did
@@ -359,36 +376,14 @@ block_bytes = 64
     // Redis stops answering while A still waits: replica 1 can no longer hear it end, and
     // forgets what replica 0 said rather than keep A's backend counted busy.
     proxy.set(Fault::Paused);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let counts = others_pending(&replicas[1]).await;
-        if counts.values().all(|t| *t == 0) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "counts kept while Redis does not answer: {counts:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    nothing_counted(&replicas[1], "while Redis does not answer").await;
     assert_eq!(a.await.unwrap().status, 200);
     assert_eq!(b.await.unwrap().status, 200);
     proxy.set(Fault::None);
     prefix_index_is(&replicas, "shared").await;
     // Both have their first token: nothing stays counted, on any replica.
-    let deadline = Instant::now() + Duration::from_secs(5);
     for r in &replicas {
-        loop {
-            let counts = others_pending(r).await;
-            if counts.values().all(|t| *t == 0) {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "prefills still counted after their first tokens: {counts:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        nothing_counted(r, "after their first tokens").await;
     }
     drop(replicas);
     let _ = std::fs::remove_dir_all(&dir);
