@@ -104,6 +104,15 @@ const WORDS: &[&str] = &[
     "right", "used", "take", "three",
 ];
 
+/// `text` with its words rotated left by `by` (modulo their number): a message of its own, of
+/// the same words and so the same size.
+pub(crate) fn rotate_words(text: &str, by: usize) -> String {
+    let mut words: Vec<&str> = text.split(' ').collect();
+    let by = by % words.len().max(1);
+    words.rotate_left(by);
+    words.join(" ")
+}
+
 /// A random prompt of `tokens` tokens by `counter` (words added or taken off until the count is
 /// right, or as close as single words allow), with its count.
 pub(crate) fn random_prompt(rng: &mut SmallRng, tokens: u64, counter: &Counter) -> (String, u64) {

@@ -215,10 +215,7 @@ async fn session_of_turns(
         if session == 0 {
             return own.clone();
         }
-        let mut words: Vec<&str> = own.split(' ').collect();
-        let by = session % words.len().max(1);
-        words.rotate_left(by);
-        words.join(" ")
+        super::dataset::rotate_words(own, session)
     };
     let mut history: Vec<(Role, String)> = Vec::with_capacity(2 * mt.turns);
     let mut expected = mt.system_len;

@@ -123,10 +123,7 @@ pub(super) fn multi_turn(
         for lane in 1..h.lanes {
             for t in 0..args.multi_turn_turns {
                 let own = &prompts[t];
-                let mut words: Vec<&str> = own.text.split(' ').collect();
-                let by = lane % words.len().max(1);
-                words.rotate_left(by);
-                let text = words.join(" ");
+                let text = dataset::rotate_words(&own.text, lane);
                 let input_tokens = match counter {
                     dataset::Counter::Approximate => own.input_tokens,
                     _ => counter.count(&text),
