@@ -201,6 +201,44 @@ pub struct SimArgs {
     #[arg(long)]
     pub chat_template: Option<std::path::PathBuf>,
 
+    /// Serve LoRA adapters, as `vllm serve --enable-lora`: a request may name one as its
+    /// `model` (those of `--lora-modules`, and those loaded at run time).
+    #[arg(long)]
+    pub enable_lora: bool,
+
+    /// Most adapters in one running batch, as vLLM's flag: a request for one more waits until
+    /// the running requests of an adapter have finished; requests behind it, of the adapters
+    /// running or of the base model, are admitted past it.
+    #[arg(long, default_value_t = 1)]
+    pub max_loras: u32,
+
+    /// vLLM's highest adapter rank: accepted and ignored (the sim has no weights).
+    #[arg(long, default_value_t = 16)]
+    pub max_lora_rank: u32,
+
+    /// Adapters loaded at start (with --enable-lora), as vLLM's flag: one or more values, each
+    /// `name=path` or `{"name": "...", "path": "...", "base_model_name": "..."}`; a path must
+    /// exist, as vLLM refuses to start on an adapter it cannot find.
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH|JSON")]
+    pub lora_modules: Vec<String>,
+
+    /// How long `/v1/load_lora_adapter` takes to load an adapter before it answers, in
+    /// milliseconds (the sim's; vLLM reads the weights).
+    #[arg(long, default_value_t = 50.0)]
+    pub lora_load_delay_ms: f64,
+
+    /// vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (`1` or `true`, any case): serve
+    /// `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (without it they are 404).
+    #[arg(
+        long = "allow-runtime-lora-updating",
+        env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        action = clap::ArgAction::Set,
+        value_parser = crate::lora::env_flag,
+        default_value = "0",
+        value_name = "1|true"
+    )]
+    pub runtime_lora_updating: bool,
+
     /// Keep the exact bytes of every response body, keyed by x-request-id (for tests).
     #[arg(long, hide = true)]
     pub capture_streams: bool,
@@ -262,6 +300,12 @@ impl Default for SimArgs {
             enable_prompt_tokens_details: false,
             tokenizer: None,
             chat_template: None,
+            enable_lora: false,
+            max_loras: 1,
+            max_lora_rank: 16,
+            lora_modules: Vec::new(),
+            lora_load_delay_ms: 50.0,
+            runtime_lora_updating: false,
         }
     }
 }
@@ -304,6 +348,12 @@ impl fmt::Debug for SimArgs {
             .field("kv_events_encoding", &self.kv_events_encoding)
             .field("tokenizer", &self.tokenizer)
             .field("chat_template", &self.chat_template)
+            .field("enable_lora", &self.enable_lora)
+            .field("max_loras", &self.max_loras)
+            .field("max_lora_rank", &self.max_lora_rank)
+            .field("lora_modules", &self.lora_modules)
+            .field("lora_load_delay_ms", &self.lora_load_delay_ms)
+            .field("runtime_lora_updating", &self.runtime_lora_updating)
             .field(
                 "enable_prompt_tokens_details",
                 &self.enable_prompt_tokens_details,
@@ -404,6 +454,12 @@ pub(crate) struct SimConfig {
     pub prompt_tokens_details: bool,
     /// `--tokenizer`: prompts in the model's own tokens.
     pub tokens: Option<crate::model_tokens::ModelTokens>,
+    /// `--enable-lora` and its flags; `None` without it.
+    pub lora: Option<crate::lora::LoraSettings>,
+    /// VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load and unload routes exist.
+    pub runtime_lora_updating: bool,
+    /// `--lora-load-delay-ms`.
+    pub lora_load_delay: Duration,
 }
 
 impl SimConfig {
@@ -529,7 +585,10 @@ impl TryFrom<&SimArgs> for SimConfig {
                 labels: a.num_labels,
             }),
         };
+        let lora = crate::lora::LoraSettings::validate(a.enable_lora, a.max_loras, &a.lora_modules)
+            .map_err(invalid)?;
         let ms = Duration::from_millis(1);
+        let lora_load_delay = duration_flag("lora-load-delay-ms", a.lora_load_delay_ms, ms)?;
         let timing = if a.zero_delay {
             StepTiming {
                 decode_step: Duration::ZERO,
@@ -591,6 +650,9 @@ impl TryFrom<&SimArgs> for SimConfig {
             kv_events,
             prompt_tokens_details: a.enable_prompt_tokens_details,
             tokens,
+            lora,
+            runtime_lora_updating: a.runtime_lora_updating,
+            lora_load_delay,
         })
     }
 }

@@ -4,11 +4,14 @@
 //! header, else estimated from the file size) decides how many words it "transcribes", and the
 //! words are the sim's deterministic tokens, paced by the engine like any generation.
 
+use std::sync::Arc;
+
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::Serialize;
 
 use super::api::{self, error::ApiError};
 use super::args::SimConfig;
+use super::lora::{Adapters, LoraAdapter};
 use super::tokens::{fnv1a, push_json_str};
 
 /// Transcription or translation: vLLM's `task_type`, which names ids and chunk objects.
@@ -65,6 +68,8 @@ pub(crate) struct SpeechRequest {
     pub include_usage: bool,
     pub continuous_usage: bool,
     pub token_seed: u64,
+    /// The LoRA adapter the form's `model` names.
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 fn form_missing(field: &str) -> ApiError {
@@ -193,6 +198,7 @@ pub(crate) async fn parse(
     content_type: Option<&str>,
     body: Bytes,
     cfg: &SimConfig,
+    adapters: &Adapters,
 ) -> Result<SpeechRequest, ApiError> {
     let form = read_form(content_type, body).await?;
     let file = form.file.ok_or_else(|| form_missing("file"))?;
@@ -217,14 +223,11 @@ pub(crate) async fn parse(
     };
     let max_completion_tokens = int("max_completion_tokens", &form.max_completion_tokens)?;
     let seed = int("seed", &form.seed)?;
-    if let Some(m) = form.model.as_deref().filter(|m| !m.is_empty())
-        && !cfg.serves(m)
-    {
-        return Err(ApiError::ModelNotFound(
-            m.to_owned(),
-            cfg.served_names.join(", "),
-        ));
-    }
+    let adapter = api::check_model(
+        form.model.as_deref().filter(|m| !m.is_empty()),
+        cfg,
+        adapters,
+    )?;
     let model = cfg.model_name();
     match form.response_format.as_deref().unwrap_or("json") {
         "json" | "text" => {}
@@ -269,6 +272,7 @@ pub(crate) async fn parse(
         include_usage,
         continuous_usage,
         token_seed,
+        adapter,
     })
 }
 

@@ -21,6 +21,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::args::{SimConfig, StepTiming};
+use super::lora::gauge::adapter_names;
+use super::lora::{BatchAdapters, LoraAdapter};
 use super::prefix_cache::PrefixCache;
 use super::stats::{FinishReason, SimStats};
 use super::tokens::TokenSource;
@@ -70,9 +72,8 @@ impl SeqShared {
     }
 }
 
-/// A sequence submitted to the scheduler.
 /// What a generation is asked for besides its prompt.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Output {
     pub max_tokens: u32,
     /// Seed of the token texts.
@@ -81,8 +82,11 @@ pub(crate) struct Output {
     pub skip: u32,
     /// vLLM's `priority`.
     pub priority: i64,
+    /// The LoRA adapter the request named as its `model`.
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
+/// A sequence submitted to the scheduler.
 pub(crate) struct NewSeq {
     pub shared: Arc<SeqShared>,
     pub prompt_tokens: u32,
@@ -93,6 +97,8 @@ pub(crate) struct NewSeq {
     pub priority: i64,
     /// Run when the prompt's prefill completes: its blocks enter the prefix cache then.
     pub on_prefilled: Option<Prefilled>,
+    /// Its LoRA adapter: one of at most `--max-loras` in the running batch.
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 /// What a sequence does when its prefill completes (its blocks into the prefix cache).
@@ -108,6 +114,7 @@ struct Seq {
     chunk: u32,
     max_tokens: u32,
     produced: u32,
+    adapter: Option<Arc<LoraAdapter>>,
 }
 
 /// The scheduling rules, free of clocks so they can be checked step by step in tests.
@@ -116,6 +123,8 @@ struct Seq {
 /// take what is left in admission order (chunked prefill), then waiting sequences are admitted
 /// FIFO while there is a free slot and budget. A sequence whose prefill completes in a step
 /// emits its first token at the end of that step; decoding ones emit one token per step.
+/// With `--max-loras`, a waiting sequence whose adapter would be one too many in the batch is
+/// passed over (vLLM's scheduler skips it and keeps its place), and the ones behind it may go.
 pub(crate) struct BatchModel {
     max_num_seqs: usize,
     /// Waiting sequences are admitted by `priority` (then arrival) rather than arrival alone.
@@ -126,6 +135,8 @@ pub(crate) struct BatchModel {
     running: Vec<Seq>,
     /// Prompt tokens prefilled so far (cached ones excluded): what prefill time was paid for.
     prefilled_tokens: u64,
+    /// The adapters in the batch being planned, with `--enable-lora`.
+    loras: Option<BatchAdapters>,
 }
 
 impl BatchModel {
@@ -138,7 +149,14 @@ impl BatchModel {
             waiting: VecDeque::new(),
             running: Vec::new(),
             prefilled_tokens: 0,
+            loras: None,
         }
+    }
+
+    /// At most `max` adapters in the running batch (`--max-loras`).
+    pub(crate) fn max_loras(mut self, max: Option<u32>) -> Self {
+        self.loras = max.map(BatchAdapters::new);
+        self
     }
 
     /// Admit waiting sequences by `priority` (`--scheduling-policy priority`).
@@ -148,17 +166,26 @@ impl BatchModel {
     }
 
     /// The next waiting sequence to admit: the first of the lowest priority under the priority
-    /// policy (vLLM: lower first, arrival order among equals), else the first.
+    /// policy (vLLM: lower first, arrival order among equals), else the first; in both, only
+    /// one whose adapter fits in the batch (`loras`).
     fn next_waiting(&mut self) -> Option<Seq> {
-        if !self.by_priority {
-            return self.waiting.pop_front();
+        let loras = &self.loras;
+        let fits = |s: &Seq| loras.as_ref().is_none_or(|l| l.fits(s.adapter.as_deref()));
+        let at = if self.by_priority {
+            self.waiting
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| fits(s))
+                .min_by_key(|(i, s)| (s.priority, *i))?
+                .0
+        } else {
+            self.waiting.iter().position(fits)?
+        };
+        let s = self.waiting.remove(at)?;
+        if let Some(l) = &mut self.loras {
+            l.admit(s.adapter.as_deref());
         }
-        let (at, _) = self
-            .waiting
-            .iter()
-            .enumerate()
-            .min_by_key(|(i, s)| (s.priority, *i))?;
-        self.waiting.remove(at)
+        Some(s)
     }
 
     pub(crate) fn enqueue(&mut self, s: NewSeq) {
@@ -174,6 +201,7 @@ impl BatchModel {
             chunk: 0,
             max_tokens: s.max_tokens.max(1),
             produced: 0,
+            adapter: s.adapter,
         });
     }
 
@@ -188,6 +216,19 @@ impl BatchModel {
     /// Prompt tokens prefilled so far; cached ones never are.
     pub(crate) fn prefilled_tokens(&self) -> u64 {
         self.prefilled_tokens
+    }
+
+    /// The adapters with sequences running and those with sequences waiting, each named once,
+    /// in batch (queue) order and comma-separated, as vLLM's `vllm:lora_requests_info` labels.
+    pub(crate) fn lora_residency(&self, running: &mut String, waiting: &mut String) {
+        adapter_names(
+            self.running.iter().filter_map(|s| s.adapter.as_deref()),
+            running,
+        );
+        adapter_names(
+            self.waiting.iter().filter_map(|s| s.adapter.as_deref()),
+            waiting,
+        );
     }
 
     /// Tokens whose KV entries the running batch holds.
@@ -222,6 +263,9 @@ impl BatchModel {
         };
         for s in self.running.iter_mut().filter(|s| s.prefill_left > 0) {
             give(s, &mut budget);
+        }
+        if let Some(l) = &mut self.loras {
+            l.reset(self.running.iter().filter_map(|s| s.adapter.as_deref()));
         }
         while self.running.len() < self.max_num_seqs && budget > 0 {
             let Some(mut s) = self.next_waiting() else {
@@ -316,7 +360,8 @@ impl Engine {
         // each entry is a few words.
         let (tx, rx) = mpsc::unbounded_channel();
         let model = BatchModel::new(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.timing)
-            .by_priority(cfg.scheduling_policy == crate::args::SchedulingPolicy::Priority);
+            .by_priority(cfg.scheduling_policy == crate::args::SchedulingPolicy::Priority)
+            .max_loras(cfg.lora.as_ref().map(|l| l.max_loras));
         let task = tokio::spawn(run_scheduler(model, rx, stats, cancel));
         (
             Self {
@@ -345,6 +390,7 @@ impl Engine {
             token_seed,
             skip,
             priority,
+            adapter,
         } = output;
         // As vLLM: the prompt's blocks are found now, and enter the cache (and the events) when
         // its prefill has computed them, so two prompts prefilling at once both miss what
@@ -356,9 +402,10 @@ impl Engine {
                     .map_or(0, |mut c| c.lookup(prompt_blocks, prompt_tokens));
                 let (cache, events) = (cache.clone(), self.kv_events.clone());
                 let blocks = prompt_blocks.clone();
+                let owner = adapter.clone();
                 let store = move || {
                     if let Ok(mut c) = cache.lock() {
-                        c.store(&blocks);
+                        c.store(&blocks, owner.as_ref());
                         if let Some(p) = &events {
                             // Under the cache's lock, so batches leave in the order of the
                             // changes.
@@ -388,6 +435,7 @@ impl Engine {
                     max_tokens,
                     priority,
                     on_prefilled,
+                    adapter: adapter.clone(),
                 };
                 match tx.send(seq) {
                     Ok(()) => Feed::Scheduled(shared),
@@ -397,7 +445,12 @@ impl Engine {
             }
             None => Feed::Instant,
         };
+        // Without a scheduler every request runs at once: its adapter runs while it is in flight.
+        let in_flight_adapter = adapter.filter(|_| matches!(feed, Feed::Instant));
         if matches!(feed, Feed::Instant) {
+            if let (Some(gauge), Some(a)) = (&stats.lora, &in_flight_adapter) {
+                gauge.enter(a);
+            }
             stats.running.fetch_add(1, Ordering::Relaxed);
             // No scheduler to count prefill: the uncached part counts at once.
             stats.engine.prefilled_tokens.fetch_add(
@@ -417,6 +470,7 @@ impl Engine {
             last_token: arrived,
             stats,
             state: GenState::Live,
+            in_flight_adapter,
         }
     }
 }
@@ -428,12 +482,13 @@ async fn run_scheduler(
     cancel: CancellationToken,
 ) {
     let mut step_end = Instant::now();
+    let mut residency = (String::new(), String::new());
     loop {
         while let Ok(s) = submit.try_recv() {
             model.enqueue(s);
         }
         let Some(step) = model.plan() else {
-            publish_gauges(&stats, &model);
+            publish_gauges(&stats, &model, &mut residency);
             tokio::select! {
                 () = cancel.cancelled() => return,
                 s = submit.recv() => match s {
@@ -443,7 +498,7 @@ async fn run_scheduler(
             }
             continue;
         };
-        publish_gauges(&stats, &model);
+        publish_gauges(&stats, &model, &mut residency);
         // Steps are laid end to end from the previous deadline so timer rounding does not
         // accumulate into drift; after an idle period the clock restarts from now.
         step_end = step_end.max(Instant::now()) + step;
@@ -459,7 +514,8 @@ async fn run_scheduler(
     }
 }
 
-fn publish_gauges(stats: &SimStats, model: &BatchModel) {
+/// `residency`: the adapter lists of `vllm:lora_requests_info`, reused from step to step.
+fn publish_gauges(stats: &SimStats, model: &BatchModel, residency: &mut (String, String)) {
     let as_u64 = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     stats
         .running
@@ -475,6 +531,11 @@ fn publish_gauges(stats: &SimStats, model: &BatchModel) {
         .engine
         .prefilled_tokens
         .store(model.prefilled_tokens(), Ordering::Relaxed);
+    if let Some(gauge) = &stats.lora {
+        let (running, waiting) = residency;
+        model.lora_residency(running, waiting);
+        gauge.observe(running, waiting);
+    }
 }
 
 enum Feed {
@@ -508,6 +569,8 @@ pub(crate) struct SeqHandle {
     last_token: Instant,
     stats: Arc<SimStats>,
     state: GenState,
+    /// Without a scheduler: the adapter this request keeps running in the LoRA gauge.
+    in_flight_adapter: Option<Arc<LoraAdapter>>,
 }
 
 impl SeqHandle {
@@ -603,6 +666,9 @@ impl SeqHandle {
         match &self.feed {
             Feed::Instant => {
                 self.stats.running.fetch_sub(1, Ordering::Relaxed);
+                if let (Some(gauge), Some(a)) = (&self.stats.lora, &self.in_flight_adapter) {
+                    gauge.leave(a);
+                }
             }
             Feed::Scheduled(s) => {
                 if to != GenState::Finished {
@@ -650,6 +716,7 @@ mod tests {
                     max_tokens,
                     priority: 0,
                     on_prefilled: None,
+                    adapter: None,
                 });
                 s
             })
@@ -713,6 +780,7 @@ mod tests {
                         max_tokens: 1,
                         priority,
                         on_prefilled: None,
+                        adapter: None,
                     });
                     s
                 })
@@ -745,6 +813,7 @@ mod tests {
             max_tokens: 1,
             priority: 0,
             on_prefilled: None,
+            adapter: None,
         });
         // Only the 1000 uncached tokens cost prefill time.
         assert_eq!(
@@ -762,6 +831,7 @@ mod tests {
             max_tokens: 1,
             priority: 0,
             on_prefilled: None,
+            adapter: None,
         });
         m.plan().unwrap();
         assert_eq!(m.prefilled_tokens(), 1001);
@@ -793,6 +863,7 @@ mod tests {
             max_tokens: 2,
             priority: 0,
             on_prefilled: None,
+            adapter: None,
         });
         let mut steps = 0;
         while s.produced() == 0 {
@@ -820,6 +891,7 @@ mod tests {
                 max_tokens: 100,
                 priority: 0,
                 on_prefilled: None,
+                adapter: None,
             });
         }
         m.plan().unwrap();
@@ -830,5 +902,54 @@ mod tests {
         assert_eq!((m.running_len(), m.waiting_len()), (1, 0));
         m.commit();
         assert_eq!(b.produced(), 1);
+    }
+
+    /// `--max-loras 1`: a request for a second adapter waits until the requests of the running
+    /// one are done, while those behind it (of the running adapter, of the base model) pass.
+    #[test]
+    fn a_further_adapter_waits_for_a_seat_in_the_batch() {
+        let adapter = |id, name: &str| {
+            Arc::new(LoraAdapter {
+                id,
+                name: name.into(),
+                path: "/adapters".into(),
+                parent: "m".into(),
+            })
+        };
+        let (a, b) = (adapter(1, "a"), adapter(2, "b"));
+        let mut m = BatchModel::new(8, 8192, timing()).max_loras(Some(1));
+        let seqs: Vec<_> = [Some(&a), Some(&b), Some(&a), None]
+            .into_iter()
+            .map(|lora| {
+                let s = Arc::new(SeqShared::default());
+                m.enqueue(NewSeq {
+                    shared: s.clone(),
+                    prompt_tokens: 4,
+                    cached_tokens: 0,
+                    max_tokens: 3,
+                    priority: 0,
+                    on_prefilled: None,
+                    adapter: lora.cloned(),
+                });
+                s
+            })
+            .collect();
+        let produced = || seqs.iter().map(|s| s.produced()).collect::<Vec<_>>();
+        m.plan().unwrap();
+        m.commit();
+        assert_eq!(produced(), [1, 0, 1, 1]);
+        let (mut running, mut waiting) = (String::new(), String::new());
+        m.lora_residency(&mut running, &mut waiting);
+        assert_eq!((running.as_str(), waiting.as_str()), ("a", "b"));
+        for _ in 0..2 {
+            m.plan().unwrap();
+            m.commit();
+        }
+        assert_eq!(produced(), [3, 0, 3, 3], "b waits while a runs");
+        m.plan().unwrap();
+        m.commit();
+        assert_eq!(produced(), [3, 1, 3, 3], "b runs once a is done");
+        m.lora_residency(&mut running, &mut waiting);
+        assert_eq!((running.as_str(), waiting.as_str()), ("b", ""));
     }
 }

@@ -15,6 +15,8 @@
 //! - `body` / `frames`: the SSE stream, formatted by hand for a cheap per-token path.
 //! - `prefix_cache`: vLLM's automatic prefix caching (chained block hashes, LRU).
 //! - `kv_events`: vLLM's KV cache events of that cache (`--kv-events-config`), over ZeroMQ.
+//! - `lora`: LoRA adapters (`--enable-lora`, `--lora-modules`, loaded at run time) and
+//!   `vllm:lora_requests_info`.
 //! - `stats`: counters for tests and the `/metrics` text.
 //! - `tokens`: deterministic token texts and JSON escaping.
 //!
@@ -34,6 +36,7 @@ mod body;
 mod engine;
 mod frames;
 pub mod kv_events;
+mod lora;
 mod model_tokens;
 mod pooling;
 mod prefix_cache;
@@ -145,6 +148,7 @@ pub async fn start(args: SimArgs) -> io::Result<SimServer> {
         kv_capacity,
         u64::from(cfg.max_model_len),
         (block_size, kv_blocks),
+        cfg.lora.as_ref().map(|l| l.max_loras),
     ));
     let cancel = CancellationToken::new();
     let mut kv_task = None;

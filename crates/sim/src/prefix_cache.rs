@@ -10,8 +10,10 @@
 //! evictable like any other.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use super::kv_events::event_token;
+use super::lora::LoraAdapter;
 use super::tokens::{fnv1a, mix64, pieces, token_id};
 
 /// A prompt's full KV blocks: their hashes, and (when the cache's changes are published) the
@@ -112,7 +114,7 @@ impl PrefixCache {
     #[cfg(test)]
     pub(crate) fn admit(&mut self, prompt: &PromptBlocks, prompt_tokens: u32) -> u32 {
         let hit = self.lookup(prompt, prompt_tokens);
-        self.store(prompt);
+        self.store(prompt, None);
         hit
     }
 
@@ -147,8 +149,9 @@ impl PrefixCache {
     }
 
     /// The prompt's blocks, computed, enter the cache (the new ones as one `BlockStored`
-    /// behind the block before the first), least recently used ones evicted past the budget.
-    pub(crate) fn store(&mut self, prompt: &PromptBlocks) {
+    /// behind the block before the first, naming the request's LoRA adapter), least recently
+    /// used ones evicted past the budget.
+    pub(crate) fn store(&mut self, prompt: &PromptBlocks, adapter: Option<&Arc<LoraAdapter>>) {
         let hashes = &prompt.hashes[..];
         let bs = self.block_size;
         // Ticks run backwards along the chain, so eviction takes a prompt's tail blocks before
@@ -176,6 +179,7 @@ impl PrefixCache {
                 hashes: hashes[from..].to_vec(),
                 parent: from.checked_sub(1).map(|p| hashes[p]),
                 tokens: prompt.tokens[from * bs_len..].to_vec(),
+                adapter: adapter.cloned(),
             });
         }
         let mut evicted = Vec::new();
@@ -268,11 +272,13 @@ mod tests {
                 hashes: h1,
                 parent: None,
                 tokens: t1,
+                adapter: None,
             },
             Change::Stored {
                 hashes: h2,
                 parent: Some(p2),
                 tokens: t2,
+                adapter: None,
             },
         ] = &changes[..]
         else {

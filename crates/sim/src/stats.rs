@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::lora::gauge::LoraGauge;
+
 /// Live counters of one sim. Everything on the request path is a relaxed atomic so that
 /// recording costs next to nothing; readers only need eventually-consistent numbers.
 #[derive(Debug)]
@@ -27,17 +29,20 @@ pub struct SimStats {
     /// Sequences queued for admission (gauge).
     pub waiting: AtomicU64,
     pub(crate) engine: EngineMetrics,
+    /// `vllm:lora_requests_info`, with `--enable-lora`.
+    pub(crate) lora: Option<LoraGauge>,
     captures: Option<Mutex<HashMap<String, Bytes>>>,
 }
 
 impl SimStats {
     /// `cache_config`: the block size and the number of KV blocks `vllm:cache_config_info`
-    /// reports.
+    /// reports; `max_loras`: `--max-loras` with `--enable-lora`.
     pub(crate) fn new(
         capture: bool,
         kv_capacity_tokens: u64,
         max_model_len: u64,
         cache_config: (u32, u64),
+        max_loras: Option<u32>,
     ) -> Self {
         Self {
             requests: AtomicU64::new(0),
@@ -48,6 +53,7 @@ impl SimStats {
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             engine: EngineMetrics::new(kv_capacity_tokens, max_model_len, cache_config),
+            lora: max_loras.map(LoraGauge::new),
             captures: capture.then(|| Mutex::new(HashMap::new())),
         }
     }
@@ -263,7 +269,7 @@ fn py_float(v: f64) -> String {
 }
 
 /// Escapes a Prometheus label value (backslash, quote, newline).
-fn label_value(v: &str) -> String {
+pub(crate) fn label_value(v: &str) -> String {
     let mut s = String::with_capacity(v.len());
     for c in v.chars() {
         match c {
@@ -479,5 +485,8 @@ pub(crate) fn render_metrics(stats: &SimStats, model_name: &str) -> String {
         "Histogram of time spent in WAITING phase for request.",
         &labels,
     );
+    if let Some(lora) = &stats.lora {
+        lora.render(&mut out);
+    }
     out
 }

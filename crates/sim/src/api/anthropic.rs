@@ -4,6 +4,7 @@
 use serde::Deserialize;
 
 use crate::args::SimConfig;
+use crate::lora::Adapters;
 
 use super::error::ApiError;
 use super::{ChatMessage, MessageContent, bad, chat_texts, check_model, prompt_tokens, validate};
@@ -68,9 +69,13 @@ pub(super) fn anthropic_prompt(
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's tokens, as vLLM answers.
-pub(crate) fn count_tokens(body: &[u8], cfg: &SimConfig) -> Result<Vec<u8>, ApiError> {
+pub(crate) fn count_tokens(
+    body: &[u8],
+    cfg: &SimConfig,
+    adapters: &Adapters,
+) -> Result<Vec<u8>, ApiError> {
     let r: CountTokensRequest = validate(body)?;
-    check_model(Some(&r.model), cfg).map_err(ApiError::anthropic)?;
+    check_model(Some(&r.model), cfg, adapters).map_err(ApiError::anthropic)?;
     auto_tool_choice(r.tools.as_deref(), r.tool_choice.as_ref(), cfg)
         .map_err(ApiError::anthropic)?;
     let n = prompt_tokens(&anthropic_prompt(&r.messages, r.system.as_ref()));

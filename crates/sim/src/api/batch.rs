@@ -4,6 +4,7 @@
 use serde::Deserialize;
 
 use crate::args::SimConfig;
+use crate::lora::Adapters;
 use crate::tokens::fnv1a;
 
 use super::answer::{Usage, chat_choice, chat_completion_json};
@@ -61,7 +62,11 @@ pub(crate) struct BatchRequest {
 /// Parses a chat batch as vLLM 0.32 does: `n` other than 1 is refused, each conversation is
 /// checked like a chat request. `stream: true` is not refused (vLLM's validator does not look
 /// at it) and is reported back: vLLM then answers one JSON body anyway.
-pub(crate) fn parse_batch(body: &[u8], cfg: &SimConfig) -> Result<BatchRequest, ApiError> {
+pub(crate) fn parse_batch(
+    body: &[u8],
+    cfg: &SimConfig,
+    adapters: &Adapters,
+) -> Result<BatchRequest, ApiError> {
     let mut r: BatchChatRequest = validate(body)?;
     if let Some(n) = r.params.n.filter(|n| *n != 1) {
         return Err(ApiError::BadParam {
@@ -110,6 +115,7 @@ pub(crate) fn parse_batch(body: &[u8], cfg: &SimConfig) -> Result<BatchRequest, 
             "max_tokens",
             ResponsesExtras::default(),
             cfg,
+            adapters,
         )?);
     }
     Ok(BatchRequest {

@@ -2,10 +2,13 @@
 //! validation into a `GenRequest`, in the order vLLM checks them: JSON, model, parameters,
 //! lengths.
 
+use std::sync::Arc;
+
 use serde::Deserialize;
 
 use crate::args::SimConfig;
 use crate::frames::Endpoint;
+use crate::lora::{Adapters, LoraAdapter};
 use crate::prefix_cache::{PromptBlocks, blocks, text_blocks};
 use crate::tokens::{fnv1a, mix64};
 
@@ -114,6 +117,8 @@ pub(crate) struct GenRequest {
     pub prompt_blocks: PromptBlocks,
     /// vLLM's `priority` (0 when not given).
     pub priority: i64,
+    /// The LoRA adapter the request names as its `model`.
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 /// Parses and validates a body in the order vLLM does: JSON, model, parameters, lengths.
@@ -121,6 +126,7 @@ pub(crate) fn parse_generation(
     endpoint: Endpoint,
     body: &[u8],
     cfg: &SimConfig,
+    adapters: &Adapters,
 ) -> Result<GenRequest, ApiError> {
     let mut responses = ResponsesExtras::default();
     // How vLLM names the output limit in its refusal.
@@ -300,8 +306,12 @@ pub(crate) fn parse_generation(
         limit_name,
         responses,
         cfg,
+        adapters,
     )?;
     request.prompt_blocks = prompt_blocks;
+    if let Some(a) = &request.adapter {
+        a.key_blocks(&mut request.prompt_blocks);
+    }
     if let Some((seed, skip)) = resumed {
         request.token_seed = seed;
         request.token_skip = skip;
@@ -395,6 +405,7 @@ pub(super) fn sampling(
     limit_name: &'static str,
     responses: ResponsesExtras,
     cfg: &SimConfig,
+    adapters: &Adapters,
 ) -> Result<GenRequest, ApiError> {
     let SamplingParams {
         model,
@@ -407,14 +418,7 @@ pub(super) fn sampling(
         priority,
     } = params;
     let max_tokens = max_completion_tokens.or(max_tokens);
-    if let Some(m) = model.as_deref()
-        && !cfg.serves(m)
-    {
-        return Err(ApiError::ModelNotFound(
-            m.to_owned(),
-            cfg.served_names.join(", "),
-        ));
-    }
+    let adapter = super::check_model(model.as_deref(), cfg, adapters)?;
     if let Some(n) = n
         && n != 1
     {
@@ -483,6 +487,7 @@ pub(super) fn sampling(
         natural_end,
         prompt_blocks: PromptBlocks::default(),
         priority: priority.unwrap_or(0),
+        adapter,
     })
 }
 

@@ -18,9 +18,12 @@ pub(crate) mod generation;
 pub(crate) mod models;
 pub(crate) mod tokenizer;
 
+use std::sync::Arc;
+
 use serde::Deserialize;
 
 use super::args::SimConfig;
+use super::lora::{Adapters, LoraAdapter};
 use super::tokens;
 use error::ApiError;
 
@@ -136,12 +139,18 @@ pub(crate) fn prompt_tokens(text: &str) -> u32 {
         .max(1)
 }
 
-fn check_model(model: Option<&str>, cfg: &SimConfig) -> Result<(), ApiError> {
+/// The model a request names: the base model (`None`: no name, or a served one) or a LoRA
+/// adapter loaded now; any other name is vLLM's 404, which lists the served names only.
+pub(crate) fn check_model(
+    model: Option<&str>,
+    cfg: &SimConfig,
+    adapters: &Adapters,
+) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
     match model {
-        Some(m) if !cfg.serves(m) => Err(ApiError::ModelNotFound(
-            m.to_owned(),
-            cfg.served_names.join(", "),
-        )),
-        _ => Ok(()),
+        Some(m) if !cfg.serves(m) => adapters
+            .find(m)
+            .map(Some)
+            .ok_or_else(|| ApiError::ModelNotFound(m.to_owned(), cfg.served_names.join(", "))),
+        _ => Ok(None),
     }
 }

@@ -1,8 +1,11 @@
-//! `GET /v1/models`: the served names as vLLM's model cards.
+//! `GET /v1/models`: the served names and the LoRA adapters loaded as vLLM's model cards.
+
+use std::sync::Arc;
 
 use serde::Serialize;
 
 use crate::args::SimConfig;
+use crate::lora::LoraAdapter;
 
 #[derive(Serialize)]
 struct ModelPermission {
@@ -27,8 +30,8 @@ struct ModelCard<'a> {
     created: u64,
     owned_by: &'static str,
     root: &'a str,
-    parent: Option<()>,
-    max_model_len: u32,
+    parent: Option<&'a str>,
+    max_model_len: Option<u32>,
     permission: [ModelPermission; 1],
 }
 
@@ -38,37 +41,50 @@ struct ModelList<'a> {
     data: Vec<ModelCard<'a>>,
 }
 
-/// `GET /v1/models`: one card per served name, as vLLM lists them. `root` is the model vLLM
-/// loaded (its path), the same on every card: the sim's stand-in is its first served name.
-pub(crate) fn model_list(cfg: &SimConfig, created: u64) -> Vec<u8> {
+fn permission(created: u64) -> [ModelPermission; 1] {
+    [ModelPermission {
+        id: format!("modelperm-{:016x}", rand::random::<u64>()),
+        object: "model_permission",
+        created,
+        allow_create_engine: false,
+        allow_sampling: true,
+        allow_logprobs: true,
+        allow_search_indices: false,
+        allow_view: true,
+        allow_fine_tuning: false,
+        organization: "*",
+        group: None,
+        is_blocking: false,
+    }]
+}
+
+/// `GET /v1/models`: one card per served name, then one per loaded LoRA adapter, as vLLM's
+/// `show_available_models` lists them. A base card's `root` is the model vLLM loaded (its
+/// path), the same on every one: the sim's stand-in is its first served name. An adapter's card
+/// has its path as `root`, its base model as `parent`, and no `max_model_len`.
+pub(crate) fn model_list(cfg: &SimConfig, adapters: &[Arc<LoraAdapter>], created: u64) -> Vec<u8> {
     let root = cfg.served_names.first().map_or("", String::as_str);
-    let data = cfg
-        .served_names
-        .iter()
-        .map(|name| ModelCard {
-            id: name,
-            object: "model",
-            created,
-            owned_by: "vllm",
-            root,
-            parent: None,
-            max_model_len: cfg.max_model_len,
-            permission: [ModelPermission {
-                id: format!("modelperm-{:016x}", rand::random::<u64>()),
-                object: "model_permission",
-                created,
-                allow_create_engine: false,
-                allow_sampling: true,
-                allow_logprobs: true,
-                allow_search_indices: false,
-                allow_view: true,
-                allow_fine_tuning: false,
-                organization: "*",
-                group: None,
-                is_blocking: false,
-            }],
-        })
-        .collect();
+    let base = cfg.served_names.iter().map(|name| ModelCard {
+        id: name,
+        object: "model",
+        created,
+        owned_by: "vllm",
+        root,
+        parent: None,
+        max_model_len: Some(cfg.max_model_len),
+        permission: permission(created),
+    });
+    let lora = adapters.iter().map(|a| ModelCard {
+        id: &a.name,
+        object: "model",
+        created,
+        owned_by: "vllm",
+        root: &a.path,
+        parent: Some(&a.parent),
+        max_model_len: None,
+        permission: permission(created),
+    });
+    let data = base.chain(lora).collect();
     serde_json::to_vec(&ModelList {
         object: "list",
         data,

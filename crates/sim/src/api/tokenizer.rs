@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::args::SimConfig;
+use crate::lora::Adapters;
 use crate::tokens;
 
 use super::error::ApiError;
@@ -41,10 +42,14 @@ struct DetokenizeResponse {
 }
 
 /// The answer to `POST /tokenize`, as vLLM gives it.
-pub(crate) fn tokenize(body: &[u8], cfg: &SimConfig) -> Result<Vec<u8>, ApiError> {
+pub(crate) fn tokenize(
+    body: &[u8],
+    cfg: &SimConfig,
+    adapters: &Adapters,
+) -> Result<Vec<u8>, ApiError> {
     let r: TokenizeRequest =
         serde_json::from_slice(body).map_err(|e| bad(format!("JSON decode error: {e}")))?;
-    check_model(r.model.as_deref(), cfg)?;
+    check_model(r.model.as_deref(), cfg, adapters)?;
     let text: String = match (&r.prompt, &r.messages) {
         (Some(serde_json::Value::String(p)), _) => p.clone(),
         (Some(_), _) => return Err(bad("prompt must be a string")),
@@ -63,10 +68,14 @@ pub(crate) fn tokenize(body: &[u8], cfg: &SimConfig) -> Result<Vec<u8>, ApiError
 
 /// The answer to `POST /detokenize`: the text of the ids, or a 400 naming the first id that
 /// is not a token of the sim's tokenizer.
-pub(crate) fn detokenize(body: &[u8], cfg: &SimConfig) -> Result<Vec<u8>, ApiError> {
+pub(crate) fn detokenize(
+    body: &[u8],
+    cfg: &SimConfig,
+    adapters: &Adapters,
+) -> Result<Vec<u8>, ApiError> {
     let r: DetokenizeRequest =
         serde_json::from_slice(body).map_err(|e| bad(format!("JSON decode error: {e}")))?;
-    check_model(r.model.as_deref(), cfg)?;
+    check_model(r.model.as_deref(), cfg, adapters)?;
     let mut prompt = String::new();
     for id in r.tokens {
         let text = tokens::token_text(id)

@@ -84,7 +84,17 @@ fn event(e: &Outgoing<'_>, encoding: Encoding) -> Value {
                 ("lora_id", Value::Nil),
                 ("medium", Value::from("GPU")),
                 ("lora_name", opt_str(lora_name)),
-                ("extra_keys", Value::Array(vec![Value::Nil; hashes.len()])),
+                // Per block, the keys hashed with its tokens: a LoRA request's adapter name
+                // (vLLM's `generate_block_hash_extra_keys`; the sim has no other).
+                (
+                    "extra_keys",
+                    Value::Array(vec![
+                        lora_name.map_or(Value::Nil, |n| Value::Array(vec![
+                            Value::from(n)
+                        ]));
+                        hashes.len()
+                    ]),
+                ),
                 ("group_idx", Value::from(0)),
                 ("kv_cache_spec_kind", Value::from("full_attention")),
             ],

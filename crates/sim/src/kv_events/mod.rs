@@ -113,6 +113,8 @@ pub(crate) enum Change {
         hashes: Vec<u64>,
         parent: Option<u64>,
         tokens: Vec<u32>,
+        /// The LoRA adapter of the request whose prefill computed the blocks.
+        adapter: Option<std::sync::Arc<crate::lora::LoraAdapter>>,
     },
     Removed(Vec<u64>),
 }
@@ -240,12 +242,13 @@ fn encode_batch(batch: &[Change], block_size: u32, encoding: Encoding) -> Vec<u8
                 hashes,
                 parent,
                 tokens,
+                adapter,
             } => Outgoing::Stored {
                 hashes,
                 parent: *parent,
                 token_ids: tokens,
                 block_size,
-                lora_name: None,
+                lora_name: adapter.as_deref().map(|a| a.name.as_str()),
             },
             Change::Removed(hashes) => Outgoing::Removed { hashes },
         })

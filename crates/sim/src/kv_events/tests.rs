@@ -112,3 +112,43 @@ fn the_config_is_vllms_and_refuses_what_the_sim_cannot_do() {
         assert!(e.contains(says), "{bad}: {e}");
     }
 }
+
+/// A LoRA request's blocks name its adapter as vLLM's `BlockStored` does: `lora_name`, and the
+/// name as each block's extra keys; a base-model block has neither.
+#[test]
+fn a_stored_block_of_an_adapter_names_it() {
+    let adapter = std::sync::Arc::new(crate::lora::LoraAdapter {
+        id: 3,
+        name: "sql".into(),
+        path: "/adapters/sql".into(),
+        parent: "qwen32b".into(),
+    });
+    let stored = |adapter| Change::Stored {
+        hashes: vec![1, 2],
+        parent: None,
+        tokens: vec![0; 8],
+        adapter,
+    };
+    let payload = encode_batch(&[stored(Some(adapter)), stored(None)], 4, Encoding::Maps);
+    let batch = rmpv::decode::read_value(&mut &payload[..]).unwrap();
+    let field = |event: &Value, name: &str| {
+        event
+            .as_map()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(name))
+            .map(|(_, v)| v.clone())
+            .unwrap()
+    };
+    let events = batch.as_array().unwrap()[1].as_array().unwrap().clone();
+    assert_eq!(field(&events[0], "lora_name"), Value::from("sql"));
+    assert_eq!(
+        field(&events[0], "extra_keys"),
+        Value::Array(vec![Value::Array(vec![Value::from("sql")]); 2])
+    );
+    assert_eq!(field(&events[1], "lora_name"), Value::Nil);
+    assert_eq!(
+        field(&events[1], "extra_keys"),
+        Value::Array(vec![Value::Nil; 2])
+    );
+}

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::api::{self, error::ApiError};
 use crate::args::{PoolingTask, SimConfig};
+use crate::lora::Adapters;
 
 use super::model::{base64_f32, embedding, pack_bits, widen};
 use super::{
@@ -90,6 +91,7 @@ pub(super) fn cohere_embed(
     call: &PoolingCall,
     body: &[u8],
     cfg: &SimConfig,
+    adapters: &Adapters,
 ) -> Result<Pooled, ApiError> {
     let r: CohereEmbedRequest = api::validate(body)?;
     let given = [
@@ -108,7 +110,7 @@ pub(super) fn cohere_embed(
             loc: "body".into(),
         });
     }
-    check_model(r.model.as_deref(), cfg)?;
+    let adapter = check_model(r.model.as_deref(), cfg, adapters)?;
     // The sim's model, like the captured one, has no task instructions.
     if let Some(t) = &r.input_type {
         return Err(refuse(format!(
@@ -182,5 +184,6 @@ pub(super) fn cohere_embed(
     Ok(Pooled {
         prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
         body: json.unwrap_or_default(),
+        adapter,
     })
 }

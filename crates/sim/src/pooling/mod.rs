@@ -15,10 +15,13 @@ mod model;
 mod pooled_list;
 mod score;
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use super::api::{self, error::ApiError};
 use super::args::{PoolingTask, SimConfig};
+use super::lora::{Adapters, LoraAdapter, answer_model};
 use super::tokens::fnv1a;
 
 /// A pooling route of vLLM 0.32.
@@ -131,6 +134,8 @@ struct ListResponse<'a, T> {
 pub(crate) struct Pooled {
     pub prompt_tokens: u32,
     pub body: Vec<u8>,
+    /// The LoRA adapter the request named: the engine pass runs on it.
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 /// What the request carries besides its body.
@@ -144,14 +149,19 @@ pub(crate) struct PoolingCall<'a> {
 }
 
 /// Answers one pooling request of a route `call.task`'s model serves.
-pub(crate) fn answer(call: &PoolingCall, body: &[u8], cfg: &SimConfig) -> Result<Pooled, ApiError> {
+pub(crate) fn answer(
+    call: &PoolingCall,
+    body: &[u8],
+    cfg: &SimConfig,
+    adapters: &Adapters,
+) -> Result<Pooled, ApiError> {
     match call.route {
         PoolingRoute::Embeddings | PoolingRoute::Pooling | PoolingRoute::Classify => {
-            pooled_list::pooled_list(call, body, cfg)
+            pooled_list::pooled_list(call, body, cfg, adapters)
         }
-        PoolingRoute::CohereEmbed => cohere::cohere_embed(call, body, cfg),
-        PoolingRoute::Score => score::score(call, body, cfg),
-        PoolingRoute::Rerank => score::rerank(call, body, cfg),
+        PoolingRoute::CohereEmbed => cohere::cohere_embed(call, body, cfg, adapters),
+        PoolingRoute::Score => score::score(call, body, cfg, adapters),
+        PoolingRoute::Rerank => score::rerank(call, body, cfg, adapters),
     }
 }
 
@@ -163,18 +173,27 @@ fn answer_id(call: &PoolingCall, body_id: Option<&str>) -> String {
     format!("{}{base}", call.route.id_prefix())
 }
 
-/// vLLM's pooling routes accept any model name the LoRA resolver does not refuse, but an
-/// unknown one is still a 404 (`param` null, no list of aliases, unlike the generative routes).
-fn check_model(model: Option<&str>, cfg: &SimConfig) -> Result<(), ApiError> {
+/// vLLM's pooling routes accept a served name or a loaded LoRA adapter (returned); any other
+/// name is a 404 (`param` null, no list of aliases, unlike the generative routes).
+fn check_model(
+    model: Option<&str>,
+    cfg: &SimConfig,
+    adapters: &Adapters,
+) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
     match model {
-        Some(m) if !cfg.serves(m) => Err(ApiError::Flat {
+        Some(m) if !cfg.serves(m) => adapters.find(m).map(Some).ok_or_else(|| ApiError::Flat {
             status: http::StatusCode::NOT_FOUND,
             message: format!("The model `{m}` does not exist."),
             kind: "NotFoundError",
             param: None,
         }),
-        _ => Ok(()),
+        _ => Ok(None),
     }
+}
+
+/// The `model` of a pooling answer: the adapter the request named, else the served name.
+fn model_of<'a>(cfg: &'a SimConfig, adapter: &'a Option<Arc<LoraAdapter>>) -> &'a str {
+    answer_model(cfg, adapter.as_deref())
 }
 
 fn missing(field: &str) -> ApiError {

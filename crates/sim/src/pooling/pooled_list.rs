@@ -5,11 +5,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::api::{self, ChatMessage, error::ApiError};
 use crate::args::{PoolingTask, SimConfig};
+use crate::lora::Adapters;
 
 use super::model::{base64_f32, class_probs, embedding, widen};
 use super::{
     Pooled, PoolingCall, PoolingRoute, Prompt, answer_id, check_dimensions, check_length,
-    check_model, ids_prompt, list_json, missing, refuse, text_prompt, total_tokens,
+    check_model, ids_prompt, list_json, missing, model_of, refuse, text_prompt, total_tokens,
 };
 
 /// `input` of the completion-style requests: `list[int] | list[list[int]] | str | list[str]`.
@@ -112,9 +113,11 @@ pub(super) fn pooled_list(
     call: &PoolingCall,
     body: &[u8],
     cfg: &SimConfig,
+    adapters: &Adapters,
 ) -> Result<Pooled, ApiError> {
     let r: PoolingRequest = api::validate(body)?;
-    check_model(r.model.as_deref(), cfg)?;
+    let adapter = check_model(r.model.as_deref(), cfg, adapters)?;
+    let model = model_of(cfg, &adapter);
     if call.route == PoolingRoute::Pooling
         && let Some(task) = r.task.as_deref()
     {
@@ -143,7 +146,7 @@ pub(super) fn pooled_list(
         PoolingTask::Embed { dims } => embedding(*p, dims),
         PoolingTask::Classify { labels } => class_probs(p.hash, labels),
     });
-    let list = |data| list_json(&id, call.created, cfg.model_name(), data, tokens);
+    let list = |data| list_json(&id, call.created, model, data, tokens);
     let json = match call.route {
         PoolingRoute::Embeddings => list(
             vectors
@@ -171,12 +174,12 @@ pub(super) fn pooled_list(
                     }
                 })
                 .collect();
-            list_json(&id, call.created, cfg.model_name(), data, tokens)
+            list_json(&id, call.created, model, data, tokens)
         }
         _ => list_json(
             &id,
             call.created,
-            cfg.model_name(),
+            model,
             vectors
                 .enumerate()
                 .map(|(index, v)| PoolingData {
@@ -191,5 +194,6 @@ pub(super) fn pooled_list(
     Ok(Pooled {
         prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
         body: json,
+        adapter,
     })
 }

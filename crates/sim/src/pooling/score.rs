@@ -5,12 +5,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::api::{self, error::ApiError};
 use crate::args::{PoolingTask, SimConfig};
+use crate::lora::Adapters;
 use crate::tokens::mix64;
 
 use super::model::{class_probs, embedding};
 use super::{
     ListResponse, Pooled, PoolingCall, Prompt, Usage, answer_id, check_length, check_model,
-    missing, refuse, text_prompt, total_tokens,
+    missing, model_of, refuse, text_prompt, total_tokens,
 };
 
 /// One side of a score request: a text or `{"content": [parts]}` (its text parts count).
@@ -172,7 +173,12 @@ fn pair_scores(
     }
 }
 
-pub(super) fn score(call: &PoolingCall, body: &[u8], cfg: &SimConfig) -> Result<Pooled, ApiError> {
+pub(super) fn score(
+    call: &PoolingCall,
+    body: &[u8],
+    cfg: &SimConfig,
+    adapters: &Adapters,
+) -> Result<Pooled, ApiError> {
     let r: ScoreRequest = api::validate(body)?;
     // pydantic tries the variants in order and reports the first one's missing fields.
     let (a, b) = match (
@@ -189,14 +195,14 @@ pub(super) fn score(call: &PoolingCall, body: &[u8], cfg: &SimConfig) -> Result<
         (None, ..) => return Err(missing("queries")),
         (Some(_), None, None, ..) => return Err(missing("documents")),
     };
-    check_model(r.model.as_deref(), cfg)?;
+    let adapter = check_model(r.model.as_deref(), cfg, adapters)?;
     let (scores, tokens) = pair_scores(&a.into_list(), &b.into_list(), cfg, call.task)?;
     let id = answer_id(call, r.request_id.as_deref());
     let json = serde_json::to_vec(&ListResponse {
         id: &id,
         object: "list",
         created: call.created,
-        model: cfg.model_name(),
+        model: model_of(cfg, &adapter),
         data: scores
             .into_iter()
             .enumerate()
@@ -211,14 +217,20 @@ pub(super) fn score(call: &PoolingCall, body: &[u8], cfg: &SimConfig) -> Result<
     Ok(Pooled {
         prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
         body: json.unwrap_or_default(),
+        adapter,
     })
 }
 
 /// `/rerank`: the documents by relevance to the query, best first, the first `top_n` (all of
 /// them when 0).
-pub(super) fn rerank(call: &PoolingCall, body: &[u8], cfg: &SimConfig) -> Result<Pooled, ApiError> {
+pub(super) fn rerank(
+    call: &PoolingCall,
+    body: &[u8],
+    cfg: &SimConfig,
+    adapters: &Adapters,
+) -> Result<Pooled, ApiError> {
     let r: RerankRequest = api::validate(body)?;
-    check_model(r.model.as_deref(), cfg)?;
+    let adapter = check_model(r.model.as_deref(), cfg, adapters)?;
     let docs = r.documents.into_list();
     let (scores, tokens) = pair_scores(std::slice::from_ref(&r.query), &docs, cfg, call.task)?;
     let mut results: Vec<RerankResult> = docs
@@ -245,7 +257,7 @@ pub(super) fn rerank(call: &PoolingCall, body: &[u8], cfg: &SimConfig) -> Result
     let id = answer_id(call, r.request_id.as_deref());
     let json = serde_json::to_vec(&RerankResponse {
         id: &id,
-        model: cfg.model_name(),
+        model: model_of(cfg, &adapter),
         usage: RerankUsage {
             prompt_tokens: tokens,
             total_tokens: tokens,
@@ -255,5 +267,6 @@ pub(super) fn rerank(call: &PoolingCall, body: &[u8], cfg: &SimConfig) -> Result
     Ok(Pooled {
         prompt_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
         body: json.unwrap_or_default(),
+        adapter,
     })
 }

@@ -16,6 +16,7 @@ use crate::api::generation::parse_generation;
 use crate::body::{Capture, Frames, SimBody, TokenStream};
 use crate::engine::Output;
 use crate::frames::{Endpoint, FrameWriter};
+use crate::lora::answer_model;
 
 use super::{SimContext, event_stream, json_response, read_body, unix_now};
 
@@ -30,7 +31,7 @@ pub(super) async fn batch_chat(
 ) -> Result<Response<SimBody>, ApiError> {
     let arrived = Instant::now();
     let body = read_body(req).await?;
-    let batch = batch::parse_batch(&body, &ctx.cfg)?;
+    let batch = batch::parse_batch(&body, &ctx.cfg, &ctx.adapters)?;
     if ctx.draw_failure() {
         ctx.stats.failed_injected.fetch_add(1, Relaxed);
         return Err(ApiError::InjectedFailure);
@@ -50,6 +51,7 @@ pub(super) async fn batch_chat(
                 token_seed: c.token_seed,
                 skip: c.token_skip,
                 priority: c.priority,
+                adapter: c.adapter.clone(),
             },
             arrived,
         );
@@ -77,7 +79,13 @@ pub(super) async fn batch_chat(
         None => format!("{:016x}", rand::random::<u64>()),
     };
     let id = format!("chatcmpl-{request_id}");
-    let body = batch::batch_chat_json(&id, unix_now(), ctx.cfg.model_name(), &answers);
+    // Every conversation names the batch's one `model`.
+    let adapter = batch
+        .conversations
+        .first()
+        .and_then(|c| c.adapter.as_deref());
+    let model = answer_model(&ctx.cfg, adapter);
+    let body = batch::batch_chat_json(&id, unix_now(), model, &answers);
     Ok(json_response(body, Capture::new(&ctx.stats, request_id)))
 }
 
@@ -97,7 +105,7 @@ pub(super) async fn generate(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<i64>().ok());
     let body = read_body(req).await?;
-    let mut parsed = parse_generation(endpoint, &body, &ctx.cfg)?;
+    let mut parsed = parse_generation(endpoint, &body, &ctx.cfg, &ctx.adapters)?;
     if let Some(p) = header_priority {
         parsed.priority = p;
     }
@@ -137,7 +145,7 @@ pub(super) async fn generate(
     };
     let id = format!("{}{request_id}", endpoint.id_prefix());
     let created = unix_now();
-    let model = ctx.cfg.model_name();
+    let model = answer_model(&ctx.cfg, parsed.adapter.as_deref());
     ctx.stats
         .engine
         .prompt_tokens
@@ -151,6 +159,7 @@ pub(super) async fn generate(
             token_seed: parsed.token_seed,
             skip: parsed.token_skip,
             priority: parsed.priority,
+            adapter: parsed.adapter.clone(),
         },
         arrived,
     );

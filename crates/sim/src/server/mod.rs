@@ -7,8 +7,10 @@
 //! - `stored`: `GET /v1/responses/{id}` and its cancel, on the responses store.
 //! - `pooled`: the pooling routes of `--runner pooling`.
 //! - `speech`: `/v1/audio/transcriptions` and `/translations`.
+//! - `lora`: `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
 
 mod generate;
+mod lora;
 mod pooled;
 mod speech;
 mod stored;
@@ -36,6 +38,7 @@ use super::audio::SpeechTask;
 use super::body::{Capture, SimBody};
 use super::engine::Engine;
 use super::frames::Endpoint;
+use super::lora::Adapters;
 use super::pooling::PoolingRoute;
 use super::stats::{SimStats, render_metrics};
 use super::tokens::mix64;
@@ -69,6 +72,8 @@ pub(crate) struct SimContext {
     pub cfg: SimConfig,
     pub stats: Arc<SimStats>,
     pub engine: Engine,
+    /// The LoRA adapters loaded now (none without `--enable-lora`).
+    pub adapters: Adapters,
     /// Numbers requests for `--fail-rate`, so the faulty fraction is reproducible per seed.
     fault_draws: AtomicU64,
 }
@@ -77,6 +82,7 @@ impl SimContext {
     pub(crate) fn new(cfg: SimConfig, stats: Arc<SimStats>, engine: Engine) -> Self {
         Self {
             responses: cfg.responses_store.then(Default::default),
+            adapters: Adapters::new(&cfg),
             cfg,
             stats,
             engine,
@@ -296,9 +302,21 @@ async fn route(
             let capture = || capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
             match (p, req.method()) {
                 ("/v1/models", &Method::GET) => Ok(json_response(
-                    api::models::model_list(&ctx.cfg, unix_now()),
+                    api::models::model_list(&ctx.cfg, &ctx.adapters.list(), unix_now()),
                     capture(),
                 )),
+                // vLLM registers these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+                ("/v1/load_lora_adapter", &Method::POST) if ctx.cfg.runtime_lora_updating => {
+                    lora::load(req, ctx).await
+                }
+                ("/v1/unload_lora_adapter", &Method::POST) if ctx.cfg.runtime_lora_updating => {
+                    lora::unload(req, ctx).await
+                }
+                ("/v1/load_lora_adapter" | "/v1/unload_lora_adapter", _)
+                    if ctx.cfg.runtime_lora_updating =>
+                {
+                    Err(ApiError::MethodNotAllowed)
+                }
                 ("/v1/chat/completions", &Method::POST) => {
                     generate::generate(Endpoint::Chat, req, ctx, capture_key).await
                 }
@@ -316,7 +334,7 @@ async fn route(
                 ("/v1/messages/count_tokens", &Method::POST) => {
                     let body = read_body(req).await?;
                     Ok(json_response(
-                        api::anthropic::count_tokens(&body, &ctx.cfg)?,
+                        api::anthropic::count_tokens(&body, &ctx.cfg, &ctx.adapters)?,
                         capture(),
                     ))
                 }
@@ -389,9 +407,9 @@ async fn tokenizer(
     ctx.stats.tokenizations.fetch_add(1, Relaxed);
     let body = read_body(req).await?;
     let answer = if tokenize {
-        api::tokenizer::tokenize(&body, &ctx.cfg)?
+        api::tokenizer::tokenize(&body, &ctx.cfg, &ctx.adapters)?
     } else {
-        api::tokenizer::detokenize(&body, &ctx.cfg)?
+        api::tokenizer::detokenize(&body, &ctx.cfg, &ctx.adapters)?
     };
     let capture = capture_key.and_then(|k| Capture::new(&ctx.stats, k.to_owned()));
     Ok(json_response(answer, capture))

@@ -33,7 +33,7 @@ pub(super) async fn pooled(
         request_id: capture_key,
         created: unix_now(),
     };
-    let answer = pooling::answer(&call, &body, &ctx.cfg)?;
+    let answer = pooling::answer(&call, &body, &ctx.cfg, &ctx.adapters)?;
     if ctx.draw_failure() {
         ctx.stats.failed_injected.fetch_add(1, Relaxed);
         return Err(ApiError::InjectedFailure);
@@ -48,6 +48,7 @@ pub(super) async fn pooled(
         &crate::prefix_cache::PromptBlocks::default(),
         Output {
             max_tokens: 1,
+            adapter: answer.adapter.clone(),
             ..Output::default()
         },
         arrived,

@@ -31,7 +31,7 @@ pub(super) async fn speech(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let body = read_body(req).await?;
-    let parsed = audio::parse(content_type.as_deref(), body, &ctx.cfg).await?;
+    let parsed = audio::parse(content_type.as_deref(), body, &ctx.cfg, &ctx.adapters).await?;
     if ctx.draw_failure() {
         ctx.stats.failed_injected.fetch_add(1, Relaxed);
         return Err(ApiError::InjectedFailure);
@@ -53,6 +53,7 @@ pub(super) async fn speech(
             max_tokens: parsed.max_tokens,
             token_seed: parsed.token_seed,
             priority: 0,
+            adapter: parsed.adapter.clone(),
             ..Output::default()
         },
         arrived,
@@ -63,7 +64,7 @@ pub(super) async fn speech(
             task,
             &id,
             unix_now(),
-            ctx.cfg.model_name(),
+            crate::lora::answer_model(&ctx.cfg, parsed.adapter.as_deref()),
             parsed.prompt_tokens,
             parsed.continuous_usage,
         ));

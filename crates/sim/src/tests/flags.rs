@@ -59,3 +59,31 @@ async fn invalid_flags_are_rejected() {
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
     }
 }
+
+/// vLLM's LoRA flags: `--lora-modules` takes one or more values, plain or JSON, and the runtime
+/// switch reads vLLM's spelling of true.
+#[test]
+fn lora_flags_parse_as_vllms() {
+    let sim = Cli::try_parse_from([
+        "sim",
+        "--enable-lora",
+        "--max-loras",
+        "4",
+        "--max-lora-rank",
+        "64",
+        "--lora-modules",
+        "sql=/adapters/sql",
+        r#"{"name": "chat", "path": "/adapters/chat", "base_model_name": "qwen32b"}"#,
+        "--allow-runtime-lora-updating",
+        "True",
+    ])
+    .unwrap()
+    .sim;
+    assert!(sim.enable_lora && sim.runtime_lora_updating);
+    assert_eq!((sim.max_loras, sim.max_lora_rank), (4, 64));
+    assert_eq!(sim.lora_modules.len(), 2);
+    let off = Cli::try_parse_from(["sim", "--allow-runtime-lora-updating", "yes"])
+        .unwrap()
+        .sim;
+    assert!(!off.runtime_lora_updating, "vLLM reads only 1 and true");
+}

@@ -8,11 +8,13 @@
 //! - `pooling`: the pooling runner's routes.
 //! - `audio`: speech to text.
 //! - `prefix_cache`: automatic prefix caching and its metrics.
+//! - `lora`: LoRA adapters, their routes and their gauge.
 
 mod audio;
 mod faults;
 mod flags;
 mod generation;
+mod lora;
 mod pooling;
 mod prefix_cache;
 mod routes;
