@@ -28,6 +28,7 @@ mod tokenize;
 mod backend_health;
 mod balancing;
 mod failover;
+mod fallbacks;
 mod fleet_changes;
 mod hostile_backends;
 mod kv_estimate;

@@ -603,6 +603,8 @@ fn spilled_row(i: i64) -> fleetgate_gateway::telemetry::request_log::row::SpillR
             r#"{"parts":[{"backend":"http://10.0.0.4:8000","cause":"closed","tokens":7}]}"#.into(),
         ),
         fleet_tokens: Some(33),
+        fallback_from: Some("big".into()),
+        fallback_detail: Some(r#"[{"model":"big","cause":"no_backend"}]"#.into()),
     }
 }
 

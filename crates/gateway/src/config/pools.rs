@@ -9,6 +9,7 @@ use http::Uri;
 use serde::Deserialize;
 
 use super::backends::{self, BackendConfig, RawBackend};
+use super::fallbacks::{FallbackConfig, RawFallbacks};
 use super::pool_health::{
     EjectionConfig, HealthConfig, LoadAwareConfig, RawEjection, RawHealth, RawLoadAware, RawResume,
     RawRetries, RawWarmup, ResumeConfig, RetryConfig, WarmupConfig,
@@ -58,6 +59,8 @@ pub struct PoolConfig {
     pub priority: Option<EnginePriority>,
     /// Continue a stream on another backend when its own dies mid-answer (`[pools.resume]`).
     pub resume: ResumeConfig,
+    /// The pools that take what this one cannot serve, or a prompt too long for it.
+    pub fallback: FallbackConfig,
     /// Clients' error messages name backends by address (`server.expose_backend_addresses`,
     /// set on every pool by the server), else as `<model>#<number>`.
     pub(crate) expose_backend_addresses: bool,
@@ -178,6 +181,7 @@ impl PoolConfig {
             kv_events: None,
             priority: None,
             resume: ResumeConfig::default(),
+            fallback: FallbackConfig::default(),
             expose_backend_addresses: false,
         }
     }
@@ -238,6 +242,7 @@ pub(super) fn validate(
         pools.push(pool(i, p, &mut seen, err)?);
     }
     check_references(&pools, err)?;
+    super::fallbacks::check_names(&pools, err)?;
     Ok(pools)
 }
 
@@ -332,6 +337,13 @@ fn pool(
     };
     let kv_events = p.kv_events.map(|k| k.check(&at, err)).transpose()?;
     let resume = p.resume.check().map_err(|m| err.at(at("resume"), m))?;
+    let fallback = RawFallbacks {
+        fallbacks: std::mem::take(&mut p.fallbacks),
+        context_window_fallbacks: std::mem::take(&mut p.context_window_fallbacks),
+        fallback_environments: p.fallback_environments.take(),
+        max_model_len: p.max_model_len,
+    }
+    .check(&at, err)?;
     if let Some(k) = &kv_events
         && k.port.is_none()
         && let Some(i) = backends
@@ -401,6 +413,7 @@ fn pool(
         }),
         kv_events,
         resume,
+        fallback,
         expose_backend_addresses: false,
     })
 }
@@ -547,6 +560,12 @@ pub(super) struct RawPool {
     pub(super) priority: Option<RawEnginePriority>,
     #[serde(default)]
     pub(super) resume: RawResume,
+    #[serde(default)]
+    pub(super) fallbacks: Vec<String>,
+    #[serde(default)]
+    pub(super) context_window_fallbacks: Vec<String>,
+    pub(super) fallback_environments: Option<Vec<Environment>>,
+    pub(super) max_model_len: Option<u32>,
 }
 
 /// `[pools.priority]`: each environment's vLLM `priority`, sent to the backends.

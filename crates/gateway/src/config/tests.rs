@@ -356,3 +356,59 @@ fn kv_events_and_their_mistakes() {
     .to_string();
     assert!(e.contains("kv_events = false"), "{e}");
 }
+
+#[test]
+fn fallbacks_name_other_pools_once_and_their_mistakes_are_named() {
+    let two = |a: &str| {
+        format!(
+            "[[pools]]\nmodel='big'\nbackends=['http://a:1']\n{a}\n[[pools]]\nmodel='small'\naliases=['s']\nbackends=['http://b:1']\n"
+        )
+    };
+    let c = parse(&two(
+        "fallbacks=['s']\ncontext_window_fallbacks=['small']\nfallback_environments=['prod']\nmax_model_len=4096",
+    ))
+    .unwrap();
+    let f = &c.pools[0].fallback;
+    assert_eq!(f.on_failure, ["s"]);
+    assert_eq!(f.context_window, ["small"]);
+    assert_eq!(f.environments, Some(vec![Environment::Prod]));
+    assert_eq!(f.max_model_len, Some(4096));
+    assert!(c.pools[1].fallback.is_empty());
+    for (extra, field, says) in [
+        (
+            "fallbacks=['big']",
+            "pools[0].fallbacks[0]",
+            "this pool itself",
+        ),
+        (
+            "fallbacks=['tiny']",
+            "pools[0].fallbacks[0]",
+            "no pool serves `tiny`",
+        ),
+        (
+            "fallbacks=['small','small']",
+            "pools[0].fallbacks[1]",
+            "named twice",
+        ),
+        (
+            "context_window_fallbacks=['nope']",
+            "pools[0].context_window_fallbacks[0]",
+            "no pool serves",
+        ),
+        (
+            "fallback_environments=[]",
+            "pools[0].fallback_environments",
+            "at least one",
+        ),
+        (
+            "fallback_environments=['prod']",
+            "pools[0].fallback_environments",
+            "no `fallbacks`",
+        ),
+        ("max_model_len=0", "pools[0].max_model_len", "> 0"),
+    ] {
+        let e = parse(&two(extra)).unwrap_err();
+        assert_eq!(e.field, field, "{extra}");
+        assert!(e.message.contains(says), "{extra}: {}", e.message);
+    }
+}

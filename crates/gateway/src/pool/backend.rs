@@ -116,6 +116,9 @@ pub struct Backend {
     /// What the backend says about the pool's model (vLLM's ModelCard: `max_model_len`,
     /// `root`, `created`, …), served by the gateway's `/v1/models`.
     model_card: ArcSwapOption<serde_json::Value>,
+    /// The card's `max_model_len` (0: not said): the context length the pool's
+    /// `context_window_fallbacks` are decided by.
+    max_model_len: AtomicU32,
     /// The `system_fingerprint` of the last usage chunk seen from this backend: put into the
     /// finish chunks of streams whose usage chunk the gateway removes (the relay).
     fingerprint: ArcSwapOption<Bytes>,
@@ -248,6 +251,7 @@ impl Backend {
             misconfigured: AtomicBool::new(false),
             card_checked: AtomicBool::new(false),
             model_card: ArcSwapOption::empty(),
+            max_model_len: AtomicU32::new(0),
             fingerprint: ArcSwapOption::empty(),
         })
     }
@@ -365,7 +369,17 @@ impl Backend {
     }
 
     pub(super) fn set_model_card(&self, card: Option<serde_json::Value>) {
+        let len = card
+            .as_ref()
+            .and_then(|c| c.get("max_model_len")?.as_u64())
+            .map_or(0, |l| u32::try_from(l).unwrap_or(u32::MAX));
+        self.max_model_len.store(len, Ordering::Relaxed);
         self.model_card.store(card.map(Arc::new));
+    }
+
+    /// The context length the backend's `/v1/models` card says (`max_model_len`), if any.
+    pub(crate) fn max_model_len(&self) -> Option<u32> {
+        Some(self.max_model_len.load(Ordering::Relaxed)).filter(|l| *l > 0)
     }
 
     /// The `system_fingerprint` this backend's last usage chunk carried.

@@ -82,7 +82,20 @@ pub struct Pool {
     /// `by = "kv_events"`: requests sent to a backend holding part of their prompt (hits) and
     /// the others (misses); shared by the workers' copies, kept across a reload.
     pub(crate) kv_counts: Arc<[std::sync::atomic::AtomicU64; 2]>,
+    /// Its `fallbacks` and `context_window_fallbacks`, as pool indexes (`None`: neither).
+    pub(crate) fallback: Option<Arc<Fallbacks>>,
     config: PoolConfig,
+}
+
+/// A pool's fallbacks, resolved to the indexes of the pools they name in its generation.
+#[derive(Debug)]
+pub(crate) struct Fallbacks {
+    /// Tried in order when the pool cannot serve a request before its first byte.
+    pub(crate) on_failure: Box<[usize]>,
+    /// Tried in order for a prompt too long for the pool's context.
+    pub(crate) context_window: Box<[usize]>,
+    /// Environments whose requests may go to them (`None`: all).
+    pub(crate) environments: Option<Vec<crate::key::Environment>>,
 }
 
 /// Two longest-prefix settings that keep the same index (its blocks and bounds).
@@ -192,6 +205,7 @@ impl Pool {
             prefix,
             prompt_tokens,
             kv_counts: prev.map_or_else(Default::default, |p| p.kv_counts.clone()),
+            fallback: None,
             config: cfg.clone(),
         })
     }
@@ -199,6 +213,49 @@ impl Pool {
     pub(crate) fn config(&self) -> &PoolConfig {
         &self.config
     }
+
+    /// The pool's context length in tokens: its `max_model_len` setting, else the least its
+    /// backends' `/v1/models` cards report (`None` before any card said one).
+    pub fn context_length(&self) -> Option<u32> {
+        self.config
+            .fallback
+            .max_model_len
+            .or_else(|| self.reported_context_length())
+    }
+
+    /// The least context length the backends' `/v1/models` cards report.
+    pub(crate) fn reported_context_length(&self) -> Option<u32> {
+        self.backends.iter().filter_map(|b| b.max_model_len()).min()
+    }
+}
+
+/// `cfg`'s fallbacks as indexes in `cfgs`, each pool once (a model and its alias are one
+/// pool; the config names only pools, each other than `cfg`'s own).
+fn fallbacks(cfg: &PoolConfig, cfgs: &[PoolConfig]) -> Option<Arc<Fallbacks>> {
+    let f = &cfg.fallback;
+    if f.is_empty() {
+        return None;
+    }
+    let resolve = |names: &[String]| -> Box<[usize]> {
+        let mut out: Vec<usize> = Vec::with_capacity(names.len());
+        for name in names {
+            let found = cfgs
+                .iter()
+                .position(|c| c.model == *name || c.aliases.contains(name));
+            if let Some(i) = found
+                && !out.contains(&i)
+                && cfgs[i].model != cfg.model
+            {
+                out.push(i);
+            }
+        }
+        out.into()
+    };
+    Some(Arc::new(Fallbacks {
+        on_failure: resolve(&f.on_failure),
+        context_window: resolve(&f.context_window),
+        environments: f.environments.clone(),
+    }))
 }
 
 /// The model names clients may send to these pools: each pool's model and its aliases. The one
@@ -309,6 +366,7 @@ impl Generation {
                     })?;
                 pools[i].long_prompt = Some((lp.min_prompt_tokens, target));
             }
+            pools[i].fallback = fallbacks(&cfgs[i], cfgs);
         }
         let by_model = pools
             .iter()
@@ -395,6 +453,7 @@ impl Generation {
                     prefix: p.prefix.clone(),
                     prompt_tokens: p.prompt_tokens.clone(),
                     kv_counts: p.kv_counts.clone(),
+                    fallback: p.fallback.clone(),
                     config: p.config.clone(),
                 })
             })

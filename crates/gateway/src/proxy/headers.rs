@@ -242,6 +242,7 @@ fn join_lines(headers: &mut HeaderMap, name: &HeaderName) -> Option<Vec<u8>> {
 
 /// The client's headers as they will go upstream, with what the gateway read of the ones
 /// that do not.
+#[derive(Clone)]
 pub(crate) struct Outgoing {
     pub(crate) headers: HeaderMap,
     /// The client accepts trailers (`TE: trailers`): a stream's `Server-Timing`, with the hop

@@ -12,6 +12,7 @@ mod background;
 pub(crate) mod body;
 mod error;
 mod exchange;
+mod fallback;
 mod family;
 pub(crate) mod headers;
 mod limits;
@@ -128,59 +129,107 @@ async fn phases(
             .bound(limits::hold(state, endpoint, &view, &ex.record))
             .await
     );
-    // queue: a backend slot now, a place in the pool's queue, or the continued response's
-    // backend (routed again if a reload retired every backend the route could use).
-    let mut newer = None;
-    let (generation, route, place) = step!(
-        ex,
-        queueing::claim(
+    // A request that may fall back keeps the client's head to send it to another pool.
+    let mut head = Some(head);
+    let mut route = route;
+    let mut continued = continued;
+    let mut tried = fallback::Tried::default();
+    let mut sent = loop {
+        let pool = route.pool;
+        let may_fall_back = pool.fallback.is_some() && continued.is_none();
+        // On a failure of this pool's that a fallback may take: the route there, and again.
+        macro_rules! fall_back {
+            ($cause:expr, $err:expr) => {{
+                let next = $cause.filter(|_| may_fall_back).and_then(|cause| {
+                    let asked = (asked, &head.as_ref()?.outgoing.headers);
+                    fallback::reroute(asked, &generation, pool, cause, &mut tried, &mut ex)
+                });
+                match next {
+                    Some(next) => {
+                        route = next;
+                        continue;
+                    }
+                    None => $err,
+                }
+            }};
+        }
+        // queue: a backend slot now, a place in the pool's queue, or the continued response's
+        // backend (routed again if a reload retired every backend the route could use).
+        let Some(client_head) = head.as_ref() else {
+            return error::answer(&ApiError::Internal, ex);
+        };
+        let mut newer = None;
+        let claimed = queueing::claim(
             state,
-            (asked, &head.outgoing.headers),
+            (asked, &client_head.outgoing.headers),
             (&generation, &mut newer),
             route,
-            continued,
-            &mut ex.record
-        )
-    );
-    // upstream request: the client's bytes with the route's splices, and the head a backend gets.
-    let prepared = request::prepare(state, head, asked, &route, &place, &ex.record);
-    drop(view);
-    // exit, queued stream: a stream that must wait answers at once, `: queued` comments keeping
-    // it alive; it resumes at the queue wait from its body.
-    let place = match place {
-        Place::Wait(waiting) if queued::keeps_alive(state, &ex.record) => {
-            let queued = queued::Queued {
-                prepared,
-                waiting,
-                generation: generation.clone(),
-            };
-            return queued::answer(state, queued, ex);
-        }
-        place => place,
-    };
-    // queue wait: until the place becomes a slot (the Timeline's queue wait).
-    let slot = step!(
-        ex,
-        closing
+            continued.take(),
+            &mut ex.record,
+        );
+        let (generation, route, place) = match claimed {
+            Ok(claimed) => claimed,
+            Err(e) => fall_back!(fallback::cause_of(&e), return error::answer(&e, ex)),
+        };
+        // upstream request: the client's bytes with the route's splices, and the head a backend
+        // gets.
+        let client_head = match may_fall_back {
+            true => head.clone(),
+            false => head.take(),
+        };
+        let Some(client_head) = client_head else {
+            return error::answer(&ApiError::Internal, ex);
+        };
+        let prepared = request::prepare(state, client_head, asked, &route, &place, &ex.record);
+        // exit, queued stream: a stream that must wait answers at once, `: queued` comments
+        // keeping it alive; it resumes at the queue wait from its body. (Not where a fallback
+        // may take the request: its answer must come from the pool that serves it.)
+        let place = match place {
+            Place::Wait(waiting) if !may_fall_back && queued::keeps_alive(state, &ex.record) => {
+                let queued = queued::Queued {
+                    prepared,
+                    waiting,
+                    generation: generation.clone(),
+                };
+                return queued::answer(state, queued, ex);
+            }
+            place => place,
+        };
+        // queue wait: until the place becomes a slot (the Timeline's queue wait; a fallback's
+        // adds to the wait before it).
+        let queued_from = ex.record.timeline.admitted().unwrap_or(prepared.body_read);
+        let waited = closing
             .bound(queueing::wait(
                 state,
                 route.pool,
                 place,
-                prepared.body_read,
-                &mut ex
+                queued_from,
+                &mut ex,
             ))
-            .await
-    );
-    // send: to the slot's backend, and to another one before the first byte when it could
-    // not be reached or answered 502/503, within the pool's retry budget.
-    let sent = step!(
-        ex,
-        closing
+            .await;
+        let slot = match waited {
+            Ok(slot) => slot,
+            Err(e) => fall_back!(fallback::cause_of(&e), return error::answer(&e, ex)),
+        };
+        // send: to the slot's backend, and to another one before the first byte when it could
+        // not be reached or answered 502/503, within the pool's retry budget.
+        let sent = closing
             .bound(send::with_retries(
-                state, route.pool, slot, prepared, &mut ex
+                state, route.pool, slot, prepared, &mut ex,
             ))
-            .await
-    );
+            .await;
+        // fallback: a pool that could not serve the request before its first byte hands it to
+        // the next of its fallbacks, a prompt too long for it to a context-window fallback.
+        match sent {
+            Ok(sent) => match fallback::cause_of_answer(&sent) {
+                Some(cause) => fall_back!(Some(cause), break sent),
+                None => break sent,
+            },
+            Err(e) => fall_back!(fallback::cause_of(&e), return error::answer(&e, ex)),
+        }
+    };
+    drop(view);
+    fallback::mark(&mut sent, &ex.record);
     // relay: the backend's head goes out and its body is relayed frame by frame.
     relay::start(state, sent, ex).await
 }

@@ -176,10 +176,7 @@ fn spliced(
         answer: AnswerEdits {
             strip_usage: inject_usage,
             timing_trailer,
-            rename: route
-                .rename
-                .and_then(|_| Rename::new(route.pool.served_field.clone(), &view.model))
-                .map(Box::new),
+            rename: answer_rename(route, view),
             pin: None,
         },
         method: Method::POST,
@@ -189,6 +186,22 @@ fn spliced(
         engine_blocks: route.engine_blocks.clone(),
         prefix_share: None,
     }
+}
+
+/// The name the answer's `model` takes in place of the backends' own: the one the client sent
+/// (an alias, or the pool's name under a different `served_model_name`), or, from a fallback,
+/// the model of the pool that answered.
+fn answer_rename(route: &Route<'_>, view: &RequestView<'_>) -> Option<Box<Rename>> {
+    let pool = route.pool;
+    let name = match route.fallback {
+        Some(_) if *pool.model == *pool.served_name => return None,
+        Some(_) => &*pool.model,
+        None => {
+            route.rename?;
+            &*view.model
+        }
+    };
+    Rename::new(pool.served_field.clone(), name).map(Box::new)
 }
 
 /// `<owner>-<request id>`: the request id in a key's namespace.

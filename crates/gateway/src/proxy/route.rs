@@ -9,6 +9,7 @@ use super::state::ProxyState;
 use crate::pool::Generation;
 use crate::route::{self, Route, RouteError};
 use crate::telemetry::RequestRecord;
+use crate::telemetry::fallback::FallbackLog;
 use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::view::RequestView;
 
@@ -42,6 +43,12 @@ pub(super) fn route<'p>(
     };
     match route::resolve(asked, key, pools, |chars| state.limits.prompt_tokens(chars)) {
         Ok(route) => {
+            // A prompt too long for the asked pool's context went to a fallback.
+            if let Some((cause, from)) = route.fallback {
+                record.fallback = Some(Box::new(FallbackLog {
+                    hops: vec![(from.model.clone(), cause)],
+                }));
+            }
             record.model = Some(route.pool.model.clone());
             record.pool_metrics_index = Some(route.pool.metrics_index);
             if let Some(scope) = record.otel.as_deref_mut() {

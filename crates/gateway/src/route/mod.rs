@@ -4,6 +4,8 @@
 //! out the backend preferences (gray keys sent to canary backends first, affinity by user or
 //! prompt prefix). No I/O: everything comes from the request view and the current pools.
 
+pub(crate) mod fallback;
+
 use std::sync::Arc;
 
 use crate::auth::AuthFailure;
@@ -11,6 +13,7 @@ use crate::config::AffinityBy;
 use crate::key::{Environment, KeyRecord};
 use crate::pool::hash::fnv1a;
 use crate::pool::{Generation, Pool};
+use crate::telemetry::fallback::FallbackCause;
 use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::kv_events::BlockId;
 use fleetgate_protocol::view::RequestView;
@@ -57,6 +60,9 @@ pub(crate) struct Route<'p> {
     /// (an alias, or the pool's name under a different `served_model_name`): spliced into
     /// the body.
     pub(crate) rename: Option<&'p [u8]>,
+    /// The pool is a fallback: why the request left the pool before it, and that pool. The
+    /// answer names this pool's model (not the one the client asked for).
+    pub(crate) fallback: Option<(FallbackCause, &'p Pool)>,
 }
 
 /// A prompt in the engines' blocks: its full blocks (shared, one clone per attempt) and its
@@ -109,7 +115,7 @@ pub(crate) fn resolve<'p>(
         view,
         body,
         endpoint,
-        headers,
+        ..
     } = request;
     let pool = pools
         .get(&view.model)
@@ -127,6 +133,36 @@ pub(crate) fn resolve<'p>(
         });
     }
     let pool = long_prompt_pool(pool, pools, key, prompt_tokens(view.prompt_chars));
+    // A prompt too long for the pool's context goes to the first context-window fallback it
+    // fits (only pools with `context_window_fallbacks` count it).
+    let needed = || fallback::needed_tokens(pool, view, body, endpoint, &prompt_tokens);
+    let moved = pool
+        .fallback
+        .as_ref()
+        .filter(|f| !f.context_window.is_empty() && endpoint.needs().generates)
+        .and_then(|_| fallback::context_fit(pool, pools, key, needed()));
+    Ok(match moved {
+        Some(to) => Route {
+            fallback: Some((FallbackCause::ContextWindow, pool)),
+            ..route_in(to, request, key)
+        },
+        None => route_in(pool, request, key),
+    })
+}
+
+/// The route in `pool` (the key's rights on it already checked): the canary backends gray
+/// keys avoid, the affinity or prefix the backend choice goes by, and the rename.
+pub(crate) fn route_in<'p>(
+    pool: &'p Pool,
+    request: Request<'_>,
+    key: Option<&KeyRecord>,
+) -> Route<'p> {
+    let Request {
+        view,
+        body,
+        endpoint,
+        headers,
+    } = request;
     let avoid = match key {
         Some(k) if k.environment == Environment::Gray => pool.balancer.gray_exclude,
         _ => 0,
@@ -143,14 +179,15 @@ pub(crate) fn resolve<'p>(
         }
         _ => (affinity(pool, view, body, endpoint), None, None),
     };
-    Ok(Route {
+    Route {
         pool,
         avoid,
         affinity,
         prefix,
         engine_blocks,
         rename,
-    })
+        fallback: None,
+    }
 }
 
 /// The key may use the model, and its environment the pool.

@@ -2,6 +2,7 @@
 //! request — on success, error and client disconnect alike — when the request's
 //! `RequestRecord` is dropped.
 
+pub(crate) mod fallback;
 pub mod metrics;
 pub(crate) mod otel;
 pub mod request_log;
@@ -155,6 +156,8 @@ pub struct RequestRecord {
     pub(crate) cache_belief: Option<CacheBelief>,
     /// A stream resumed on another backend, or refused that (`resume`).
     pub(crate) resume: Option<Box<resume::ResumeLog>>,
+    /// The pools the request left for a fallback, and why (`route::fallback`).
+    pub(crate) fallback: Option<Box<fallback::FallbackLog>>,
     recorder: Arc<Recorder>,
 }
 
@@ -189,6 +192,7 @@ impl RequestRecord {
             otel: None,
             cache_belief: None,
             resume: None,
+            fallback: None,
             recorder,
         }
     }

@@ -186,6 +186,14 @@ impl Timeline {
         self.client_first_token = None;
     }
 
+    /// The request leaves its pool for a fallback: what its attempts there stamped is
+    /// forgotten (the queue wait stays: it is the request's).
+    pub(crate) fn forget_upstream(&mut self) {
+        self.upstream_sent = None;
+        self.upstream_first_byte = None;
+        self.forget_attempt();
+    }
+
     /// The request ended at `at`; a second end changes nothing.
     pub fn stamp_done(&mut self, at: Instant) {
         if self.done.is_none() {

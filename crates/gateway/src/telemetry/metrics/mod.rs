@@ -26,6 +26,7 @@ use fleetgate_protocol::stream::UsageSource;
 use super::RequestRecord;
 
 mod engines;
+mod fallback;
 mod resume;
 
 /// vLLM's own buckets (vllm/v1/metrics/loggers.py), so the gateway's and the engine's
@@ -209,6 +210,7 @@ pub struct RequestMetrics {
     /// Answers whose usage was past every plausible count, by backend (treated as none).
     implausible_usage: IntCounterVec,
     resume: resume::ResumeMetrics,
+    fallback: fallback::FallbackMetrics,
 }
 
 impl std::fmt::Debug for RequestMetrics {
@@ -454,6 +456,7 @@ impl RequestMetrics {
             kv_routing,
             implausible_usage,
             resume: resume::ResumeMetrics::new(registry)?,
+            fallback: fallback::FallbackMetrics::new(registry)?,
         };
         metrics.relayout(pools, &[]);
         Ok(metrics)
@@ -560,6 +563,10 @@ impl RequestMetrics {
     pub(crate) fn observe(&self, r: &RequestRecord) {
         if let Some(log) = &r.resume {
             self.resume
+                .observe(r.model.as_deref().unwrap_or("none"), log);
+        }
+        if let Some(log) = &r.fallback {
+            self.fallback
                 .observe(r.model.as_deref().unwrap_or("none"), log);
         }
         if r.timeline.stream().implausible_usage {

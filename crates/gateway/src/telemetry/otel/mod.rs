@@ -191,6 +191,8 @@ struct Finished {
     status: u16,
     error: Option<ErrorKind>,
     retries: u8,
+    /// A fallback answered: the model routed to first, and why the last pool left was left.
+    fallback: Option<(Arc<str>, &'static str)>,
 }
 
 impl Scope {
@@ -272,6 +274,10 @@ impl Scope {
             status: r.status,
             error: r.error,
             retries: r.retries,
+            fallback: r
+                .fallback
+                .as_ref()
+                .and_then(|f| Some((f.first()?.clone(), f.last_cause()?.as_str()))),
         }));
         let pipeline = self.pipeline.clone();
         pipeline.queue.send(self);

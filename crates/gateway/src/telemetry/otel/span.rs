@@ -210,6 +210,10 @@ fn server_attributes(scope: &Scope, done: &Finished) -> Vec<KeyValue> {
     }
     a.push(KeyValue::new("fleetgate.stream", done.stream));
     a.push(KeyValue::new("fleetgate.retries", i64::from(done.retries)));
+    if let Some((from, cause)) = &done.fallback {
+        a.push(KeyValue::new("fleetgate.fallback.from", from.to_string()));
+        a.push(KeyValue::new("fleetgate.fallback.cause", *cause));
+    }
     a.push(KeyValue::new(
         "fleetgate.queue_wait_ms",
         t.queue_wait().as_secs_f64() * 1e3,

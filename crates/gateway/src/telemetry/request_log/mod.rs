@@ -81,6 +81,10 @@ impl RequestLog {
                         fleet,
                     )
                 }),
+                fallback: r
+                    .fallback
+                    .as_ref()
+                    .and_then(|log| Some((log.first()?.clone(), log.detail()))),
             },
         };
         match self.tx.try_send(pending) {

@@ -61,13 +61,21 @@ pub struct SpillRow {
     /// Tokens the fleet spent: the usage plus every continuation's prompt.
     #[serde(default)]
     pub fleet_tokens: Option<i64>,
+    /// The model the request was routed to first, when a fallback answered it; absent in older
+    /// spill files.
+    #[serde(default)]
+    pub fallback_from: Option<String>,
+    /// Each pool the request left and why, as JSON.
+    #[serde(default)]
+    pub fallback_detail: Option<String>,
 }
 
 pub(super) const COLUMNS: &str = "row_id, at, request_id, key_id, environment, model, backend, status, error, \
     stream, prompt_tokens, completion_tokens, usage_source, queue_wait_us, upstream_ttft_us, \
     client_ttft_us, overhead_pre_us, overhead_relay_us, e2el_us, tpot_us, itl_mean_us, itl_p99_us, \
     itl_max_us, content_events, client_addr, hop_us, endpoint, trace_id, \
-    predicted_cached_tokens, cached_tokens, resumes, resume_detail, fleet_tokens";
+    predicted_cached_tokens, cached_tokens, resumes, resume_detail, fleet_tokens, fallback_from, \
+    fallback_detail";
 
 pub(super) fn us(d: Option<Duration>) -> Option<i64> {
     d.map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
@@ -95,6 +103,8 @@ pub(super) struct RecordCopy {
     pub(super) predicted_cached: Option<u64>,
     /// (continuations, detail, fleet tokens) of a stream that failed mid-answer.
     pub(super) resume: Option<(i32, String, Option<u64>)>,
+    /// (the model routed to first, each pool left and why) of a request a fallback answered.
+    pub(super) fallback: Option<(Arc<str>, String)>,
 }
 
 /// A row's values, borrowed from its `Pending` (nothing allocated, except a request id that
@@ -125,6 +135,8 @@ pub(super) struct Fields<'a> {
     pub(super) resumes: Option<i32>,
     pub(super) resume_detail: Option<&'a str>,
     pub(super) fleet_tokens: Option<i64>,
+    pub(super) fallback_from: Option<&'a str>,
+    pub(super) fallback_detail: Option<&'a str>,
 }
 
 pub(super) fn count(n: u64) -> i64 {
@@ -175,6 +187,8 @@ impl Pending {
             resumes: r.resume.as_ref().map(|r| r.0),
             resume_detail: r.resume.as_ref().map(|r| r.1.as_str()),
             fleet_tokens: r.resume.as_ref().and_then(|r| r.2).map(count),
+            fallback_from: r.fallback.as_ref().map(|f| &*f.0),
+            fallback_detail: r.fallback.as_ref().map(|f| f.1.as_str()),
         }
     }
 
@@ -230,6 +244,8 @@ impl Pending {
             resumes: f.resumes,
             resume_detail: f.resume_detail.map(str::to_owned),
             fleet_tokens: f.fleet_tokens,
+            fallback_from: f.fallback_from.map(str::to_owned),
+            fallback_detail: f.fallback_detail.map(str::to_owned),
         }
     }
 }

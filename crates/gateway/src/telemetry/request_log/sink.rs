@@ -8,7 +8,7 @@ use crate::config::DbKind;
 use crate::store::{BulkPool, KeyStore};
 
 /// Columns per row.
-pub(super) const WIDTH: usize = 33;
+pub(super) const WIDTH: usize = 35;
 
 /// Rows per SQLite statement, largest first: a batch is cut into statements of these sizes,
 /// so at most a few distinct statements exist, each prepared once and then cached. 64 rows, not
@@ -122,7 +122,9 @@ impl Sink {
                             .bind(f.cached_tokens)
                             .bind(f.resumes)
                             .bind(f.resume_detail)
-                            .bind(f.fleet_tokens);
+                            .bind(f.fleet_tokens)
+                            .bind(f.fallback_from)
+                            .bind(f.fallback_detail);
                     }
                     q.execute(&mut *tx).await?;
                     rest = tail;
@@ -206,6 +208,8 @@ pub(super) fn encode_copy(buf: &mut Vec<u8>, prefix: &str, rows: &[Pending]) {
         }
         text(buf, f.resume_detail.map(str::as_bytes));
         int8(buf, f.fleet_tokens);
+        text(buf, f.fallback_from.map(str::as_bytes));
+        text(buf, f.fallback_detail.map(str::as_bytes));
     }
     buf.extend_from_slice(&(-1i16).to_be_bytes());
 }
@@ -318,7 +322,9 @@ pub(super) async fn insert_rows(
             .bind(r.cached_tokens)
             .bind(r.resumes)
             .bind(r.resume_detail.clone())
-            .bind(r.fleet_tokens);
+            .bind(r.fleet_tokens)
+            .bind(r.fallback_from.clone())
+            .bind(r.fallback_detail.clone());
     }
     q.execute(&mut **tx).await?;
     Ok(())
