@@ -33,6 +33,7 @@ mod fleet_changes;
 mod hostile_backends;
 mod kv_estimate;
 mod kv_events;
+mod lora;
 mod model_names;
 mod prefix_routing;
 mod upstream_http1;

@@ -38,9 +38,38 @@ pub fn find_card(body: &[u8], served: &str) -> Option<serde_json::Value> {
         .cloned()
 }
 
+/// The LoRA adapters in an OpenAI `/v1/models` list, as vLLM lists them: the cards with a
+/// `parent` (their base model), each with its `id` (the name requests use).
+pub fn adapter_cards(body: &[u8]) -> Vec<(String, Value)> {
+    let Ok(list) = serde_json::from_slice::<Value>(body) else {
+        return Vec::new();
+    };
+    let Some(data) = list.get("data").and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    data.iter()
+        .filter(|c| c.get("parent").is_some_and(|p| !p.is_null()))
+        .filter_map(|c| Some((c.get("id")?.as_str()?.to_owned(), c.clone())))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn adapters_are_the_cards_with_a_parent() {
+        let body = br#"{"object":"list","data":[
+            {"id":"qwen","object":"model","root":"/models/qwen","parent":null,"max_model_len":4096},
+            {"id":"sql-lora","object":"model","root":"/adapters/sql","parent":"qwen"},
+            {"id":"bad","parent":"qwen","root":1},
+            {"parent":"qwen"}]}"#;
+        let found = adapter_cards(body);
+        let names: Vec<&str> = found.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["sql-lora", "bad"]);
+        assert_eq!(found[0].1["root"], "/adapters/sql");
+        assert!(adapter_cards(b"not json").is_empty());
+    }
 
     #[test]
     fn a_backends_card_keeps_its_fields_under_the_clients_name() {

@@ -22,6 +22,8 @@ pub(crate) struct HealthConfig {
     pub(crate) healthy_threshold: u32,
     /// Consecutive failed probes that take a backend down.
     pub(crate) unhealthy_threshold: u32,
+    /// How often `GET /v1/models` is read again (its card, its LoRA adapters).
+    pub(crate) models_interval: Duration,
 }
 
 impl Default for HealthConfig {
@@ -31,6 +33,7 @@ impl Default for HealthConfig {
             timeout: Duration::from_secs(2),
             healthy_threshold: 1,
             unhealthy_threshold: 1,
+            models_interval: Duration::from_millis(default_models_interval()),
         }
     }
 }
@@ -183,6 +186,12 @@ pub(super) struct RawHealth {
     pub(super) healthy_threshold: u32,
     #[serde(default = "default_one")]
     pub(super) unhealthy_threshold: u32,
+    #[serde(default = "default_models_interval")]
+    pub(super) models_interval_ms: u64,
+}
+
+pub(super) fn default_models_interval() -> u64 {
+    10_000
 }
 
 impl Default for RawHealth {
@@ -192,6 +201,7 @@ impl Default for RawHealth {
             timeout_ms: default_health_timeout(),
             healthy_threshold: 1,
             unhealthy_threshold: 1,
+            models_interval_ms: default_models_interval(),
         }
     }
 }

@@ -157,6 +157,11 @@ impl Default for Timeouts {
 }
 
 impl PoolConfig {
+    /// Read the backends' `GET /v1/models` (their cards and LoRA adapters) this often.
+    pub fn set_models_interval(&mut self, every: Duration) {
+        self.health.models_interval = every;
+    }
+
     /// A pool with default timeouts and no rename or upstream key.
     pub fn new(model: impl Into<String>, backends: Vec<Uri>) -> Self {
         Self {
@@ -395,6 +400,7 @@ fn pool(
             timeout: Duration::from_millis(p.health.timeout_ms),
             healthy_threshold: p.health.healthy_threshold,
             unhealthy_threshold: p.health.unhealthy_threshold,
+            models_interval: Duration::from_millis(p.health.models_interval_ms.max(100)),
         },
         warmup: WarmupConfig {
             requests: p.warmup.requests,

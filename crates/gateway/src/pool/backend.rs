@@ -116,6 +116,10 @@ pub struct Backend {
     /// What the backend says about the pool's model (vLLM's ModelCard: `max_model_len`,
     /// `root`, `created`, …), served by the gateway's `/v1/models`.
     model_card: ArcSwapOption<serde_json::Value>,
+    /// The LoRA adapters its `/v1/models` lists (`adapters`).
+    adapters: arc_swap::ArcSwap<super::adapters::Served>,
+    /// `mono_ms()` of the last `GET /v1/models` (its cards and adapters).
+    pub(super) models_read_ms: AtomicU64,
     /// The card's `max_model_len` (0: not said): the context length the pool's
     /// `context_window_fallbacks` are decided by.
     max_model_len: AtomicU32,
@@ -252,6 +256,8 @@ impl Backend {
             card_checked: AtomicBool::new(false),
             model_card: ArcSwapOption::empty(),
             max_model_len: AtomicU32::new(0),
+            adapters: arc_swap::ArcSwap::from_pointee(super::adapters::Served::default()),
+            models_read_ms: AtomicU64::new(0),
             fingerprint: ArcSwapOption::empty(),
         })
     }
@@ -375,6 +381,15 @@ impl Backend {
             .map_or(0, |l| u32::try_from(l).unwrap_or(u32::MAX));
         self.max_model_len.store(len, Ordering::Relaxed);
         self.model_card.store(card.map(Arc::new));
+    }
+
+    /// The LoRA adapters its `/v1/models` listed last.
+    pub(crate) fn adapters(&self) -> arc_swap::Guard<Arc<super::adapters::Served>> {
+        self.adapters.load()
+    }
+
+    pub(super) fn set_adapters(&self, served: super::adapters::Served) {
+        self.adapters.store(Arc::new(served));
     }
 
     /// The context length the backend's `/v1/models` card says (`max_model_len`), if any.

@@ -518,7 +518,7 @@ impl Balancer {
     /// Give free slots to waiting requests (after a slot was freed or a backend came back).
     pub(crate) fn dispatch(self: &Arc<Self>) {
         if self.queue.has_waiters() {
-            self.queue.dispatch(|| self.try_acquire());
+            self.queue.dispatch(|only| self.try_take(only));
         }
     }
 }
@@ -530,8 +530,11 @@ impl Slots for Balancer {
         &self.queue
     }
 
-    fn try_take(self: &Arc<Self>) -> Option<InFlight> {
-        self.try_acquire()
+    fn try_take(self: &Arc<Self>, only: u64) -> Option<InFlight> {
+        match only {
+            0 => self.try_acquire(),
+            only => self.try_acquire_excluding(!only),
+        }
     }
 
     fn any_usable(&self) -> bool {

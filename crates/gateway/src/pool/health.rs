@@ -54,8 +54,16 @@ async fn probe(pool: &Pool, backend: &Backend) {
     // vLLM's `/health` needs no key: whether the backend takes the gateway's key is asked of
     // `/v1/models`, when the backend is new (start, reload) or back from down, and again at
     // every probe while it refuses.
+    // It is read again every `models_interval` too: the LoRA adapters a backend serves
+    // change at run time (`/v1/load_lora_adapter`).
+    let interval =
+        u64::try_from(pool.config.health.models_interval.as_millis()).unwrap_or(u64::MAX);
+    let due = crate::clock::mono_ms()
+        .saturating_sub(backend.models_read_ms.load(Ordering::Relaxed))
+        >= interval;
     if !backend.card_checked.load(Ordering::Relaxed)
         || backend.misconfigured.load(Ordering::Relaxed)
+        || due
     {
         check_models(pool, backend).await;
     }
@@ -136,6 +144,9 @@ async fn probe(pool: &Pool, backend: &Backend) {
 /// gateway's own `/v1/models`. Anything else (no answer, a server without the route) changes
 /// nothing: reachability is the health probe's business.
 async fn check_models(pool: &Pool, backend: &Backend) {
+    backend
+        .models_read_ms
+        .store(crate::clock::mono_ms(), Ordering::Relaxed);
     let mut req = Request::get(backend.models_uri.clone());
     if let Some(auth) = &backend.upstream_auth {
         req = req.header(http::header::AUTHORIZATION, auth.clone());
@@ -186,6 +197,7 @@ async fn check_models(pool: &Pool, backend: &Backend) {
             &body,
             &pool.served_name,
         ));
+        pool.learn_adapters(backend, super::adapters::Served::from_list(&body));
     }
 }
 

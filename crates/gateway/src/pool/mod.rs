@@ -11,6 +11,7 @@
 //! reached in `cause`, the longest-prefix index in `prefix`, what the engines' KV events say
 //! their caches hold in `engine_cache` (kept up by `fleet`'s `kv_events_loop`).
 
+pub(crate) mod adapters;
 mod backend;
 mod balance;
 pub(crate) mod cause;
@@ -84,6 +85,8 @@ pub struct Pool {
     pub(crate) kv_counts: Arc<[std::sync::atomic::AtomicU64; 2]>,
     /// Its `fallbacks` and `context_window_fallbacks`, as pool indexes (`None`: neither).
     pub(crate) fallback: Option<Arc<Fallbacks>>,
+    /// Which backends serve each LoRA adapter (`adapters`), shared by the workers' copies.
+    pub(crate) adapters: adapters::SharedIndex,
     config: PoolConfig,
 }
 
@@ -144,6 +147,8 @@ impl Pool {
             None => Arc::new(AdmissionQueue::new(queue.max_size, queue.max_per_key)),
         };
         let balancer = Arc::new(Balancer::new(backends.clone(), queue, cfg));
+        // Kept backends keep the adapters they were seen to serve.
+        let adapter_index = adapters::AdapterIndex::of(&backends);
         let client = client_for(cfg, prev)?;
         let prefix = cfg
             .affinity
@@ -206,6 +211,7 @@ impl Pool {
             prompt_tokens,
             kv_counts: prev.map_or_else(Default::default, |p| p.kv_counts.clone()),
             fallback: None,
+            adapters: Arc::new(arc_swap::ArcSwap::from_pointee(adapter_index)),
             config: cfg.clone(),
         })
     }
@@ -269,17 +275,27 @@ fn model_ids<'a>(pools: impl Iterator<Item = &'a Pool>) -> impl Iterator<Item = 
 /// backends say about it (vLLM's card: `max_model_len`, `root`, `created`, … from the probes'
 /// `GET /v1/models`, a healthy backend's first) under the name clients use, or a plain entry
 /// before any backend has answered.
-fn models_list_body<'a>(pools: impl Iterator<Item = &'a Pool>) -> Bytes {
+fn models_list_body<'a>(
+    pools: impl Iterator<Item = &'a Pool>,
+    key: Option<&crate::key::KeyRecord>,
+) -> Bytes {
     let mut cards = Vec::new();
     for p in pools {
-        let card = p
-            .backends
-            .iter()
-            .filter(|b| b.reachability() == Reachability::Up)
-            .chain(p.backends.iter())
-            .find_map(|b| b.model_card());
-        for id in model_ids(std::iter::once(p)) {
-            cards.push(models::card(id, card.as_deref()));
+        if key.is_none_or(|k| usable_by(k, p)) {
+            let card = p
+                .backends
+                .iter()
+                .filter(|b| b.reachability() == Reachability::Up)
+                .chain(p.backends.iter())
+                .find_map(|b| b.model_card());
+            for id in model_ids(std::iter::once(p)) {
+                cards.push(models::card(id, card.as_deref()));
+            }
+        }
+        // Its LoRA adapters the key may use (its allow-list names adapters as it names
+        // models), with the pool's model as their `parent`.
+        if key.is_none_or(|k| environment_may_use(k, p)) {
+            cards.extend(p.adapter_cards(|name| key.is_none_or(|k| k.allows_model(name))));
         }
     }
     models::list_body(cards)
@@ -301,10 +317,13 @@ fn model_list<'a>(pools: impl Iterator<Item = &'a Pool>) -> String {
 /// The key may use the pool: its model rights, and the pool's environments. (Routing refuses
 /// a request by the same two rules, each with its own message.)
 fn usable_by(key: &crate::key::KeyRecord, p: &Pool) -> bool {
-    key.allows_model(&p.model)
-        && p.environments
-            .as_ref()
-            .is_none_or(|e| e.contains(&key.environment))
+    key.allows_model(&p.model) && environment_may_use(key, p)
+}
+
+fn environment_may_use(key: &crate::key::KeyRecord, p: &Pool) -> bool {
+    p.environments
+        .as_ref()
+        .is_none_or(|e| e.contains(&key.environment))
 }
 
 /// All pools of one configuration generation, by the model name clients send. A reload
@@ -401,15 +420,12 @@ impl Generation {
     /// The `/v1/models` body for a caller who may use every pool (built per call: the cards
     /// change with the probes, and the route is not on any request's path).
     pub(crate) fn models_body(&self) -> Bytes {
-        models_list_body(self.pools.iter())
+        models_list_body(self.pools.iter(), None)
     }
 
-    /// The `/v1/models` body for one key: only the models it may use.
+    /// The `/v1/models` body for one key: only the models and adapters it may use.
     pub(crate) fn models_for(&self, key: &crate::key::KeyRecord) -> Bytes {
-        if self.pools.iter().all(|p| usable_by(key, p)) {
-            return self.models_body();
-        }
-        models_list_body(self.pools.iter().filter(|p| usable_by(key, p)))
+        models_list_body(self.pools.iter(), Some(key))
     }
 
     /// The models a `model_not_found` offers: exactly the ones `/v1/models` shows the key
@@ -454,6 +470,7 @@ impl Generation {
                     prompt_tokens: p.prompt_tokens.clone(),
                     kv_counts: p.kv_counts.clone(),
                     fallback: p.fallback.clone(),
+                    adapters: p.adapters.clone(),
                     config: p.config.clone(),
                 })
             })
@@ -511,6 +528,7 @@ impl Generation {
                         "kv_events": b.engine_cache.load().as_ref().map(|c| c.json()),
                         "prefill_pending_tokens": p.affinity.as_ref().map(|_| b.prefill_pending.load(Ordering::Relaxed)),
                         "others_prefill_pending_tokens": p.prefix.as_ref().map(|_| b.others_prefill.load(Ordering::Relaxed)),
+                        "lora_adapters": b.adapters().names().map(|n| &**n).collect::<Vec<&str>>(),
                     })
                 })
             })
@@ -531,6 +549,14 @@ impl Generation {
 
     pub fn get(&self, model: &str) -> Option<&Pool> {
         self.by_model.get(model).map(|&i| &self.pools[i])
+    }
+
+    /// The pool whose backends serve the LoRA adapter `name`, and which of them do (their
+    /// bits): the first pool in the configuration's order where any does.
+    pub(crate) fn adapter(&self, name: &str) -> Option<(&Pool, u64)> {
+        self.pools
+            .iter()
+            .find_map(|p| p.adapter_holders(name).map(|h| (p, h)))
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = &Pool> {

@@ -136,7 +136,9 @@ async fn phases(
     let mut tried = fallback::Tried::default();
     let mut sent = loop {
         let pool = route.pool;
-        let may_fall_back = pool.fallback.is_some() && continued.is_none();
+        // (Not a continuation, which only its backend can serve, nor a LoRA adapter's request,
+        // which only its holders can.)
+        let may_fall_back = pool.fallback.is_some() && continued.is_none() && route.only == 0;
         // On a failure of this pool's that a fallback may take: the route there, and again.
         macro_rules! fall_back {
             ($cause:expr, $err:expr) => {{
@@ -182,8 +184,8 @@ async fn phases(
         };
         let prepared = request::prepare(state, client_head, asked, &route, &place, &ex.record);
         // exit, queued stream: a stream that must wait answers at once, `: queued` comments
-        // keeping it alive; it resumes at the queue wait from its body. (Not where a fallback
-        // may take the request: its answer must come from the pool that serves it.)
+        // keeping it alive; it resumes at the queue wait from its body. (Not on a pool with
+        // fallbacks, whose answer must come from the pool that serves the request.)
         let place = match place {
             Place::Wait(waiting) if !may_fall_back && queued::keeps_alive(state, &ex.record) => {
                 let queued = queued::Queued {

@@ -97,14 +97,32 @@ fn claim_in(
     record: &RequestRecord,
 ) -> Result<Claim<Balancer>, QueueError> {
     let pool = route.pool;
+    let balancer = &pool.balancer;
+    // A LoRA adapter's request: only the backends holding it (the gray canary's first), in the
+    // pool's queue when they are full.
+    if route.only != 0 {
+        let outside = !route.only;
+        if record.endpoint.is_some_and(|e| !e.needs().takes_slot) {
+            return balancer
+                .pick_uncounted(outside)
+                .map(Claim::Now)
+                .ok_or(QueueError::NoUsableBackend);
+        }
+        let asker = asker(state, pool, record);
+        let first = || {
+            (route.avoid != 0)
+                .then(|| balancer.try_acquire_excluding(outside | route.avoid))
+                .flatten()
+                .or_else(|| balancer.try_acquire_excluding(outside))
+        };
+        return queue::claim_only(balancer, first, &asker, route.only);
+    }
     if record.endpoint.is_some_and(|e| !e.needs().takes_slot) {
-        return pool
-            .balancer
+        return balancer
             .try_acquire_uncounted(route.avoid)
             .map(Claim::Now)
             .ok_or(QueueError::NoUsableBackend);
     }
-    let balancer = &pool.balancer;
     let asker = asker(state, pool, record);
     // With `[pools.priority]`, the environment the backends put first may pass the capacity
     // (up to twice it) when every backend is full: the slots it finds taken are held by
@@ -235,7 +253,7 @@ pub(super) async fn requeue(
     state: &ProxyState,
     pool: &Pool,
     balancer: &Arc<Balancer>,
-    tried: u64,
+    (tried, only): (u64, u64),
     ex: &mut Exchange,
 ) -> Result<InFlight, ApiError> {
     let max_wait = max_wait(state, &ex.record);
@@ -245,7 +263,8 @@ pub(super) async fn requeue(
         ..asker(state, pool, &ex.record)
     };
     let started = Instant::now();
-    let claimed = queue::claim(balancer, || balancer.try_acquire_excluding(tried), &asker)
+    let first = || balancer.try_acquire_excluding(tried);
+    let claimed = queue::claim_only(balancer, first, &asker, only)
         .map_err(|e| ApiError::from_queue(e, pool))?;
     let slot = match claimed {
         Claim::Now(slot) => slot,

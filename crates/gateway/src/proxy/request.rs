@@ -50,6 +50,8 @@ pub(super) struct Prepared {
     pub(super) engine_blocks: Option<Arc<crate::route::EngineBlocks>>,
     /// Where the other replicas learn it (`limits.shared = "redis"`).
     pub(super) prefix_share: Option<Arc<PrefixShare>>,
+    /// The backends it may go to (their bits; 0: any): a LoRA adapter's holders.
+    pub(super) only: u64,
 }
 
 /// What the relay does to the answer, decided with the request and handed unchanged to the
@@ -185,6 +187,7 @@ fn spliced(
         prefix: route.prefix.clone(),
         engine_blocks: route.engine_blocks.clone(),
         prefix_share: None,
+        only: route.only,
     }
 }
 

@@ -57,7 +57,9 @@ pub(super) async fn with_retries(
     balancer.retry_budget.deposit();
     // A retry takes the same kind of slot (tokenization takes no capacity slot).
     let counted = slot.is_counted();
-    let mut tried = 0u64;
+    // A LoRA adapter's request stays on the backends holding it.
+    let only = prepared.only;
+    let mut tried = if only == 0 { 0 } else { !only };
     let mut attempt = 0;
     loop {
         tried |= crate::pool::bit(slot.position());
@@ -87,7 +89,7 @@ pub(super) async fn with_retries(
         let next = match next {
             Some(next) => next,
             // Every other backend is at capacity: the retry waits in the pool's queue.
-            None if counted => queueing::requeue(state, pool, balancer, tried, ex).await?,
+            None if counted => queueing::requeue(state, pool, balancer, (tried, only), ex).await?,
             None => return result,
         };
         tracing::debug!(request_id = ?ex.record.request_id, from = ?ex.record.backend, to = %next.backend().base, "retrying on another backend");
@@ -310,6 +312,7 @@ fn kept_for_resuming(
         request,
         config,
         alone,
+        only: prepared.only,
     }))
 }
 

@@ -240,6 +240,7 @@ pub(super) async fn by_id(
         prefix: None,
         prefix_share: None,
         engine_blocks: None,
+        only: 0,
     };
     send::with_retries(state, pool, slot, prepared, ex).await
 }

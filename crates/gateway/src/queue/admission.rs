@@ -30,6 +30,9 @@ pub(crate) enum JoinRefused {
 struct Waiter<T> {
     id: u64,
     tx: oneshot::Sender<T>,
+    /// The slots it may take, as the bits of the backends whose slots fit (0: any), passed to
+    /// `take` (a request for a LoRA adapter fits only the backends holding it).
+    only: u64,
 }
 
 struct KeyLine<T> {
@@ -109,7 +112,8 @@ impl<T> AdmissionQueue<T> {
         &self,
         key: i64,
         class: Environment,
-        take: impl FnMut() -> Option<T>,
+        only: u64,
+        take: impl FnMut(u64) -> Option<T>,
     ) -> Result<Ticket<'_, T>, JoinRefused> {
         let leftover;
         let ticket;
@@ -134,10 +138,10 @@ impl<T> AdmissionQueue<T> {
             s.next_id += 1;
             let lines = &mut s.classes[class.index()];
             match line_at {
-                Some(i) => lines[i].waiters.push_back(Waiter { id, tx }),
+                Some(i) => lines[i].waiters.push_back(Waiter { id, tx, only }),
                 None => lines.push_back(KeyLine {
                     key,
-                    waiters: VecDeque::from([Waiter { id, tx }]),
+                    waiters: VecDeque::from([Waiter { id, tx, only }]),
                 }),
             }
             s.len += 1;
@@ -154,8 +158,9 @@ impl<T> AdmissionQueue<T> {
     }
 
     /// Hand slots from `take` to waiters in priority order until either runs out. Call after
-    /// freeing a slot when `has_waiters()`.
-    pub(crate) fn dispatch(&self, take: impl FnMut() -> Option<T>) {
+    /// freeing a slot when `has_waiters()`. `take(only)` gives a slot among the backends `only`
+    /// names (0: any).
+    pub(crate) fn dispatch(&self, take: impl FnMut(u64) -> Option<T>) {
         let leftover = {
             let mut s = self.lock();
             let l = self.dispatch_locked(&mut s, take);
@@ -166,28 +171,40 @@ impl<T> AdmissionQueue<T> {
         drop(leftover);
     }
 
-    fn dispatch_locked(&self, s: &mut State<T>, mut take: impl FnMut() -> Option<T>) -> Option<T> {
-        let mut pending: Option<T> = None;
+    /// Each waiter in order gets a slot it fits. A waiter that fits only some backends and
+    /// finds none of theirs free is passed over (its place kept) by the waiters after it, which
+    /// may fit another backend; one that fits any slot and finds none ends the round.
+    fn dispatch_locked(
+        &self,
+        s: &mut State<T>,
+        mut take: impl FnMut(u64) -> Option<T>,
+    ) -> Option<T> {
+        // The masks no slot was free for in this round (a few: adapters are few).
+        let mut spent = [0u64; 8];
+        let mut n_spent = 0;
         while s.len > 0 {
-            let slot = match pending.take() {
-                Some(slot) => slot,
-                None => match take() {
-                    Some(slot) => slot,
-                    None => break,
-                },
-            };
-            let Some(w) = pop_next(s) else {
-                pending = Some(slot);
+            let Some(at) = next_fitting(s, &spent[..n_spent]) else {
                 break;
             };
+            let only = waiter_at(s, at).only;
+            let Some(slot) = take(only) else {
+                if only == 0 || n_spent == spent.len() {
+                    break;
+                }
+                spent[n_spent] = only;
+                n_spent += 1;
+                continue;
+            };
+            let w = remove_at(s, at);
             s.len -= 1;
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             if let Err(slot) = w.tx.send(slot) {
-                // The waiter is gone (its ticket is being dropped): the next one gets it.
-                pending = Some(slot);
+                // The waiter is gone (its ticket is being dropped): the slot is freed outside
+                // the lock, which hands it to the next waiter that fits it.
+                return Some(slot);
             }
         }
-        pending
+        None
     }
 
     /// Leave the queue (a place detached from its ticket is left this way by its owner).
@@ -220,23 +237,51 @@ impl<T> AdmissionQueue<T> {
     }
 }
 
-/// The next waiter: highest class first; within it the key at the front of the ring, which
-/// then moves to the back if it still has waiters.
-fn pop_next<T>(s: &mut State<T>) -> Option<Waiter<T>> {
+/// Where a waiter is: its class, its key's line in the class, its place in the line.
+#[derive(Clone, Copy)]
+struct At {
+    class: usize,
+    line: usize,
+    waiter: usize,
+}
+
+/// The next waiter whose mask is not `spent`: highest class first; within it the keys in ring
+/// order from the front, each key's waiters in order.
+fn next_fitting<T>(s: &State<T>, spent: &[u64]) -> Option<At> {
     for env in PRIORITY {
-        let lines = &mut s.classes[env.index()];
-        let Some(mut line) = lines.pop_front() else {
-            continue;
-        };
-        let w = line.waiters.pop_front();
-        if !line.waiters.is_empty() {
-            lines.push_back(line);
-        }
-        if w.is_some() {
-            return w;
+        let class = env.index();
+        for (line, l) in s.classes[class].iter().enumerate() {
+            if let Some(waiter) = l.waiters.iter().position(|w| !spent.contains(&w.only)) {
+                return Some(At {
+                    class,
+                    line,
+                    waiter,
+                });
+            }
         }
     }
     None
+}
+
+fn waiter_at<T>(s: &State<T>, at: At) -> &Waiter<T> {
+    &s.classes[at.class][at.line].waiters[at.waiter]
+}
+
+/// Take the waiter `at` out. The key at the front of the ring that is served moves to the back
+/// if it still has waiters (keys take turns); a key further back keeps its place.
+fn remove_at<T>(s: &mut State<T>, at: At) -> Waiter<T> {
+    let lines = &mut s.classes[at.class];
+    let Some(w) = lines[at.line].waiters.remove(at.waiter) else {
+        unreachable!("`at` was found in this state, under the same lock");
+    };
+    if lines[at.line].waiters.is_empty() {
+        lines.remove(at.line);
+    } else if at.line == 0
+        && let Some(front) = lines.pop_front()
+    {
+        lines.push_back(front);
+    }
+    w
 }
 
 /// A place in the queue. Dropping it leaves the queue at once.

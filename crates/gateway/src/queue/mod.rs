@@ -29,8 +29,9 @@ pub(crate) trait Slots: Send + Sync + 'static {
     type Slot: Send + 'static;
     /// The admission queue in front of these slots.
     fn queue(&self) -> &AdmissionQueue<Self::Slot>;
-    /// Any free slot, by the pool's balancing (handed to a waiter that reaches the front).
-    fn try_take(self: &Arc<Self>) -> Option<Self::Slot>;
+    /// A free slot, by the pool's balancing, among the backends `only` names (0: any), handed
+    /// to a waiter that reaches the front.
+    fn try_take(self: &Arc<Self>, only: u64) -> Option<Self::Slot>;
     /// Some backend may take requests now or later: waiting is not in vain.
     fn any_usable(&self) -> bool;
 }
@@ -202,6 +203,17 @@ pub(crate) fn claim<S: Slots>(
     first: impl FnOnce() -> Option<S::Slot>,
     asker: &Asker<'_>,
 ) -> Result<Claim<S>, QueueError> {
+    claim_only(slots, first, asker, 0)
+}
+
+/// `claim` for a request that fits only the backends `only` names (their bits; 0: any): it
+/// waits for a slot on one of them.
+pub(crate) fn claim_only<S: Slots>(
+    slots: &Arc<S>,
+    first: impl FnOnce() -> Option<S::Slot>,
+    asker: &Asker<'_>,
+    only: u64,
+) -> Result<Claim<S>, QueueError> {
     let queue = slots.queue();
     let (key_id, env) = match asker.key {
         Some(k) => (k.id, k.environment),
@@ -214,7 +226,7 @@ pub(crate) fn claim<S: Slots>(
     if !slots.any_usable() {
         return Err(QueueError::NoUsableBackend);
     }
-    let mut ticket = match queue.join(key_id, env, || slots.try_take()) {
+    let mut ticket = match queue.join(key_id, env, only, |only| slots.try_take(only)) {
         Ok(t) => t,
         Err(JoinRefused::Full { max_size }) => {
             return Err(asker.refuse(RefusalKind::Full, max_size as u64, Duration::from_secs(1)));
@@ -287,7 +299,7 @@ impl<S: Slots> Waiting<S> {
                     // Hand out whatever can be taken now, in the queue's order.
                     let queue = self.slots.queue();
                     if queue.has_waiters() {
-                        queue.dispatch(|| self.slots.try_take());
+                        queue.dispatch(|only| self.slots.try_take(only));
                     }
                     if let Some(slot) = place.try_now() {
                         return Ok(slot);

@@ -63,6 +63,9 @@ pub(crate) struct Route<'p> {
     /// The pool is a fallback: why the request left the pool before it, and that pool. The
     /// answer names this pool's model (not the one the client asked for).
     pub(crate) fallback: Option<(FallbackCause, &'p Pool)>,
+    /// The backends the request may go to (their bits; 0: any): the holders of the LoRA
+    /// adapter it names.
+    pub(crate) only: u64,
 }
 
 /// A prompt in the engines' blocks: its full blocks (shared, one clone per attempt) and its
@@ -117,12 +120,16 @@ pub(crate) fn resolve<'p>(
         endpoint,
         ..
     } = request;
-    let pool = pools
-        .get(&view.model)
-        .ok_or_else(|| RouteError::ModelNotFound {
-            model: view.model.clone().into_owned(),
-            available: pools.model_list_for(key),
-        })?;
+    let Some(pool) = pools.get(&view.model) else {
+        // A LoRA adapter a backend serves: its pool, only the backends holding it.
+        return match pools.adapter(&view.model) {
+            Some((pool, holders)) => adapter_route(pool, holders, request, key),
+            None => Err(RouteError::ModelNotFound {
+                model: view.model.clone().into_owned(),
+                available: pools.model_list_for(key),
+            }),
+        };
+    };
     if let Some(key) = key
         && let Err(failure) = check_rights(key, pool)
     {
@@ -187,7 +194,45 @@ pub(crate) fn route_in<'p>(
         engine_blocks,
         rename,
         fallback: None,
+        only: 0,
     }
+}
+
+/// A request naming a LoRA adapter of `pool`, held by the backends `holders` names: the key
+/// may use the adapter (its allow-list names adapters as it names models) and the pool; the
+/// body keeps the adapter's name (the backends know it), and no long-prompt pool or fallback
+/// takes it (their backends do not hold the adapter).
+fn adapter_route<'p>(
+    pool: &'p Pool,
+    holders: u64,
+    request: Request<'_>,
+    key: Option<&KeyRecord>,
+) -> Result<Route<'p>, RouteError> {
+    let adapter = &*request.view.model;
+    if let Some(key) = key
+        && let Err(failure) = check_adapter_rights(key, pool, adapter)
+    {
+        return Err(RouteError::Denied {
+            failure,
+            model: pool.model.clone(),
+            pool_metrics_index: pool.metrics_index,
+        });
+    }
+    Ok(Route {
+        rename: None,
+        only: holders,
+        ..route_in(pool, request, key)
+    })
+}
+
+fn check_adapter_rights(key: &KeyRecord, pool: &Pool, adapter: &str) -> Result<(), AuthFailure> {
+    if !key.allows_model(adapter) {
+        return Err(AuthFailure::ModelNotAllowed {
+            model: adapter.to_owned(),
+            allowed: key.allowed_models.clone().unwrap_or_default(),
+        });
+    }
+    check_environment(key, pool)
 }
 
 /// The key may use the model, and its environment the pool.
@@ -198,6 +243,11 @@ pub(crate) fn check_rights(key: &KeyRecord, pool: &Pool) -> Result<(), AuthFailu
             allowed: key.allowed_models.clone().unwrap_or_default(),
         });
     }
+    check_environment(key, pool)
+}
+
+/// The key's environment may use the pool.
+fn check_environment(key: &KeyRecord, pool: &Pool) -> Result<(), AuthFailure> {
     if let Some(envs) = &pool.environments
         && !envs.contains(&key.environment)
     {

@@ -49,6 +49,8 @@ pub(in crate::proxy) struct Kept {
     pub(in crate::proxy) config: ResumeConfig,
     /// The pool has one backend: nowhere to continue.
     pub(in crate::proxy) alone: bool,
+    /// The backends the request may go to (their bits; 0: any): a LoRA adapter's holders.
+    pub(in crate::proxy) only: u64,
 }
 
 /// What the relay reads of its answer while it relays: the text so far, the first chunk (the
@@ -296,7 +298,7 @@ impl RelayBody {
             tokens: tokens - resume.part_start,
         });
         let balancer = this.slot.balancer().clone();
-        let tried = crate::pool::bit(this.slot.position());
+        let tried = crate::pool::bit(this.slot.position()) | outside(resume.kept.only);
         let checked = match checked {
             Some(next) => Ok(next),
             None => resume.check(partial, &balancer, tried),
@@ -346,7 +348,7 @@ impl RelayBody {
         let this = self.as_mut().project();
         let resume = this.resume.as_deref_mut()?;
         let balancer = this.slot.balancer().clone();
-        let tried = crate::pool::bit(this.slot.position());
+        let tried = crate::pool::bit(this.slot.position()) | outside(resume.kept.only);
         let next = match resume.check(false, &balancer, tried) {
             Ok(next) => next,
             Err(refused) => {
@@ -460,6 +462,11 @@ impl RelayBody {
     }
 }
 
+/// The bits of the backends a request may not go to: those outside `only` (0: none).
+fn outside(only: u64) -> u64 {
+    if only == 0 { 0 } else { !only }
+}
+
 impl Resume {
     /// Start resuming: the continuation's body is built now (refused if the answer cannot be
     /// continued exactly), and its slot asked for.
@@ -488,7 +495,7 @@ impl Resume {
             self.state.clone(),
             balancer.clone(),
             who,
-            tried,
+            (tried, self.kept.only),
             until,
         )));
         Ok(())

@@ -19,12 +19,13 @@ use crate::queue::{self, Asker, Claim};
 use fleetgate_protocol::Endpoint;
 
 /// The continuation's slot: on a backend not yet `tried` when one is free, else the next the
-/// queue hands out, within the environment's longest wait and the request's deadline.
+/// queue hands out (among `only`'s backends where it names some), within the environment's
+/// longest wait and the request's deadline.
 pub(super) async fn claim(
     state: Arc<ProxyState>,
     balancer: Arc<Balancer>,
     (key, model): (Option<Arc<KeyRecord>>, Arc<str>),
-    tried: u64,
+    (tried, only): (u64, u64),
     until: Instant,
 ) -> Result<InFlight, Refused> {
     let env = key.as_ref().map_or(Environment::Stress, |k| k.environment);
@@ -34,8 +35,8 @@ pub(super) async fn claim(
         metrics: state.queue_metrics.as_ref(),
         goes_first: false,
     };
-    let claimed = queue::claim(&balancer, || balancer.try_acquire_excluding(tried), &asker)
-        .map_err(|_| Refused::Queue)?;
+    let first = || balancer.try_acquire_excluding(tried);
+    let claimed = queue::claim_only(&balancer, first, &asker, only).map_err(|_| Refused::Queue)?;
     match claimed {
         Claim::Now(slot) => Ok(slot),
         Claim::Wait(waiting) => {
