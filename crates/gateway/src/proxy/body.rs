@@ -23,7 +23,6 @@ use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::endpoint::BodyKind;
 
 /// A request's head once its body has been read: as a backend gets it, with its target.
-#[derive(Clone)]
 pub(super) struct Head {
     pub(super) outgoing: Outgoing,
     pub(super) uri: Uri,

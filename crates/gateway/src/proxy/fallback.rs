@@ -74,11 +74,6 @@ pub(super) fn is_context_error(body: &[u8]) -> bool {
         .any(|m| memchr::memmem::find(&lower, m.as_bytes()).is_some())
 }
 
-/// The pools a request was sent to, so none is tried twice (kept only where a fallback may
-/// follow).
-#[derive(Default)]
-pub(super) struct Tried(Vec<usize>);
-
 /// The request leaves `from` for `cause`: the route in its next fallback, with the record
 /// saying so and the failed attempt's stamps forgotten, or `None` when no fallback is left
 /// (the request ends with `from`'s error).
@@ -87,15 +82,22 @@ pub(super) fn reroute<'p>(
     pools: &'p Generation,
     from: &Pool,
     cause: FallbackCause,
-    tried: &mut Tried,
     ex: &mut Exchange,
 ) -> Option<Route<'p>> {
-    if !tried.0.contains(&from.index) {
-        tried.0.push(from.index);
-    }
     let record = &mut ex.record;
+    let log = record.fallback.get_or_insert_with(Box::default);
+    if !log.tried.contains(&from.index) {
+        log.tried.push(from.index);
+    }
     let key = record.key.as_deref();
-    let to = route::fallback::next(from, cause, pools, key, &tried.0)?;
+    let to = route::fallback::next(from, cause, pools, key, &log.tried);
+    let Some(to) = to else {
+        // Nothing left: the record keeps no fallback that did not happen.
+        if log.hops.is_empty() {
+            record.fallback = None;
+        }
+        return None;
+    };
     let request = route::Request {
         view: asked.view,
         body: asked.body,
@@ -117,11 +119,7 @@ pub(super) fn reroute<'p>(
         scope.attempt_failed(Instant::now(), record.status, record.error);
         scope.response_model = Some(to.served_name.clone());
     }
-    record
-        .fallback
-        .get_or_insert_with(Box::default)
-        .hops
-        .push((from.model.clone(), cause));
+    log.hops.push((from.model.clone(), cause));
     record.model = Some(to.model.clone());
     record.pool_metrics_index = Some(to.metrics_index);
     record.backend = None;

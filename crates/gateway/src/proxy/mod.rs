@@ -86,7 +86,7 @@ async fn phases(
     // family: the key's endpoint families, before anything is read.
     step!(ex, family::check(state, endpoint, &ex.record));
     // body: the head cleaned for the backend and held to its limits, then the body read.
-    let (head, body) = step!(
+    let (mut head, body) = step!(
         ex,
         closing
             .bound(body::receive(state, endpoint, req, &mut ex.record))
@@ -129,11 +129,8 @@ async fn phases(
             .bound(limits::hold(state, endpoint, &view, &ex.record))
             .await
     );
-    // A request that may fall back keeps the client's head to send it to another pool.
-    let mut head = Some(head);
     let mut route = route;
     let mut continued = continued;
-    let mut tried = fallback::Tried::default();
     let mut sent = loop {
         let pool = route.pool;
         // (Not a continuation, which only its backend can serve, nor a LoRA adapter's request,
@@ -143,8 +140,8 @@ async fn phases(
         macro_rules! fall_back {
             ($cause:expr, $err:expr) => {{
                 let next = $cause.filter(|_| may_fall_back).and_then(|cause| {
-                    let asked = (asked, &head.as_ref()?.outgoing.headers);
-                    fallback::reroute(asked, &generation, pool, cause, &mut tried, &mut ex)
+                    let asked = (asked, &head.outgoing.headers);
+                    fallback::reroute(asked, &generation, pool, cause, &mut ex)
                 });
                 match next {
                     Some(next) => {
@@ -157,32 +154,24 @@ async fn phases(
         }
         // queue: a backend slot now, a place in the pool's queue, or the continued response's
         // backend (routed again if a reload retired every backend the route could use).
-        let Some(client_head) = head.as_ref() else {
-            return error::answer(&ApiError::Internal, ex);
-        };
         let mut newer = None;
-        let claimed = queueing::claim(
+        // (Matched without a name, here and below: a named result would keep its room in the
+        // request's future across the awaits that follow.)
+        let (generation, route, place) = match queueing::claim(
             state,
-            (asked, &client_head.outgoing.headers),
+            (asked, &head.outgoing.headers),
             (&generation, &mut newer),
             route,
             continued.take(),
             &mut ex.record,
-        );
-        let (generation, route, place) = match claimed {
+        ) {
             Ok(claimed) => claimed,
             Err(e) => fall_back!(fallback::cause_of(&e), return error::answer(&e, ex)),
         };
         // upstream request: the client's bytes with the route's splices, and the head a backend
-        // gets.
-        let client_head = match may_fall_back {
-            true => head.clone(),
-            false => head.take(),
-        };
-        let Some(client_head) = client_head else {
-            return error::answer(&ApiError::Internal, ex);
-        };
-        let prepared = request::prepare(state, client_head, asked, &route, &place, &ex.record);
+        // gets (the client's head is kept where a fallback may need it again).
+        let head = (&mut head, may_fall_back);
+        let prepared = request::prepare(state, head, asked, &route, &place, &ex.record);
         // exit, queued stream: a stream that must wait answers at once, `: queued` comments
         // keeping it alive; it resumes at the queue wait from its body. (Not on a pool with
         // fallbacks, whose answer must come from the pool that serves the request.)
@@ -200,7 +189,7 @@ async fn phases(
         // queue wait: until the place becomes a slot (the Timeline's queue wait; a fallback's
         // adds to the wait before it).
         let queued_from = ex.record.timeline.admitted().unwrap_or(prepared.body_read);
-        let waited = closing
+        let slot = match closing
             .bound(queueing::wait(
                 state,
                 route.pool,
@@ -208,8 +197,8 @@ async fn phases(
                 queued_from,
                 &mut ex,
             ))
-            .await;
-        let slot = match waited {
+            .await
+        {
             Ok(slot) => slot,
             Err(e) => fall_back!(fallback::cause_of(&e), return error::answer(&e, ex)),
         };

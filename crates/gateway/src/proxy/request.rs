@@ -74,17 +74,21 @@ pub(super) struct AnswerEdits {
 /// (`pin`), and a longest-prefix request tells the other replicas where its prefix went.
 pub(super) fn prepare(
     state: &ProxyState,
-    head: Head,
+    (head, keep): (&mut Head, bool),
     asked: Asked<'_>,
     route: &Route<'_>,
     place: &Place,
     record: &RequestRecord,
 ) -> Prepared {
-    let Head {
-        outgoing,
-        uri,
-        body_read,
-    } = head;
+    // The client's headers are taken, or copied when `keep` (another pool may need them).
+    let outgoing = match keep {
+        true => head.outgoing.clone(),
+        false => Outgoing {
+            headers: std::mem::take(&mut head.outgoing.headers),
+            trailers: head.outgoing.trailers,
+        },
+    };
+    let (uri, body_read) = (&head.uri, head.body_read);
     let Asked {
         view,
         body,

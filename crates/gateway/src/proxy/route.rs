@@ -47,6 +47,7 @@ pub(super) fn route<'p>(
             if let Some((cause, from)) = route.fallback {
                 record.fallback = Some(Box::new(FallbackLog {
                     hops: vec![(from.model.clone(), cause)],
+                    tried: vec![from.index],
                 }));
             }
             record.model = Some(route.pool.model.clone());

@@ -50,6 +50,9 @@ impl FallbackCause {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct FallbackLog {
     pub(crate) hops: Vec<(Arc<str>, FallbackCause)>,
+    /// The pools the request was sent to (their indexes in its generation), so none is tried
+    /// twice.
+    pub(crate) tried: Vec<usize>,
 }
 
 impl FallbackLog {
