@@ -14,13 +14,19 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Two consecutive free ports (publisher, replay).
 pub(crate) async fn two_ports() -> u16 {
-    for _ in 0..100 {
-        let a = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < 65535
-            && tokio::net::TcpListener::bind(("127.0.0.1", p + 1))
-                .await
-                .is_ok()
+    // Drawn below the kernel's ephemeral range (32768–60999 on Linux): between this check and
+    // the publisher's bind, no other test's `127.0.0.1:0` listener and no outgoing connection
+    // can be given them (a port from `:0` could, and did).
+    use std::hash::{BuildHasher, RandomState};
+    let draw = RandomState::new();
+    for i in 0..1000u64 {
+        let p = 20_000 + u16::try_from(draw.hash_one(i) % 12_000).unwrap();
+        let Ok(_a) = tokio::net::TcpListener::bind(("127.0.0.1", p)).await else {
+            continue;
+        };
+        if tokio::net::TcpListener::bind(("127.0.0.1", p + 1))
+            .await
+            .is_ok()
         {
             return p;
         }

@@ -29,16 +29,9 @@ async fn lora_sim(adapters: &[&str], decode_ms: f64) -> fleetgate_sim::SimServer
 
 /// The adapters the gateway's `/v1/models` lists for `key`: (id, parent).
 async fn listed(gw: &Gateway, key: &str) -> Vec<(String, String)> {
-    use http_body_util::BodyExt;
-    let req = http::Request::get(gw.url("/v1/models"))
-        .header("authorization", format!("Bearer {key}"))
-        .body(http_body_util::Full::new(bytes::Bytes::new()))
-        .unwrap();
-    let resp = fleetgate_protocol::client::http_client()
-        .request(req)
-        .await
-        .unwrap();
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let auth = format!("Bearer {key}");
+    let (status, body) = get_body(&gw.url("/v1/models"), &[("authorization", &auth)]).await;
+    assert_eq!(status, 200);
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     v["data"]
         .as_array()

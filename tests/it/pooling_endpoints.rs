@@ -146,16 +146,10 @@ async fn one_key_reaches_a_chat_pool_and_an_embeddings_pool() {
 }
 
 async fn client_get(gw: &Gateway, path: &str) -> Value {
-    use http_body_util::BodyExt;
-    let req = authed(gw, "GET", path)
-        .body(http_body_util::Full::new(bytes::Bytes::new()))
-        .unwrap();
-    let resp = fleetgate_protocol::client::http_client()
-        .request(req)
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap()
+    let auth = format!("Bearer {}", gw.key);
+    let (status, body) = get_body(&gw.url(path), &[("authorization", &auth)]).await;
+    assert_eq!(status, 200);
+    serde_json::from_slice(&body).unwrap()
 }
 
 /// Every pooling route reaches its own path on the backend and comes back in vLLM's shape,

@@ -34,6 +34,19 @@ pub async fn post(uri: &Uri, hdrs: &[(&str, &str)], body: impl Into<Bytes>) -> M
         .expect("request completes")
 }
 
+/// GET `uri` with `hdrs` as they are (no key added): the status and the whole body.
+pub async fn get_body(uri: &Uri, hdrs: &[(&str, &str)]) -> (u16, Bytes) {
+    use http_body_util::BodyExt;
+    let mut req = http::Request::get(uri.clone());
+    for (k, v) in hdrs {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(http_body_util::Full::new(Bytes::new())).unwrap();
+    let resp = client::http_client().request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.into_body().collect().await.unwrap().to_bytes())
+}
+
 /// A request builder with the gateway's key already set.
 pub fn authed(gw: &Gateway, method: &str, path: &str) -> http::request::Builder {
     http::Request::builder()

@@ -98,19 +98,11 @@ async fn prefix_index_is(replicas: &[Replica], want: &str) {
 
 /// The sum over the replicas of one metric's value (an unlabelled series).
 async fn metric_sum(replicas: &[Replica], name: &str) -> f64 {
-    use http_body_util::BodyExt;
     let mut sum = 0.0;
     for r in replicas {
-        let req = http::Request::builder()
-            .uri(format!("http://127.0.0.1:{}/metrics", r.admin_port))
-            .header("authorization", format!("Bearer {}", token(Role::Admin)))
-            .body(http_body_util::Full::new(bytes::Bytes::new()))
-            .unwrap();
-        let resp = fleetgate_protocol::client::http_client()
-            .request(req)
-            .await
-            .unwrap();
-        let text = resp.into_body().collect().await.unwrap().to_bytes();
+        let uri = format!("http://127.0.0.1:{}/metrics", r.admin_port);
+        let auth = format!("Bearer {}", token(Role::Admin));
+        let (_, text) = get_body(&uri.parse().unwrap(), &[("authorization", &auth)]).await;
         sum += String::from_utf8_lossy(&text)
             .lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
