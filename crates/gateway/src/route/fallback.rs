@@ -8,7 +8,7 @@
 //! `environments`) whose environment the pool it leaves lets go (`fallback_environments`).
 
 use crate::key::KeyRecord;
-use crate::pool::{Generation, Pool};
+use crate::pool::{Fallbacks, Generation, Pool};
 use crate::telemetry::fallback::FallbackCause;
 use fleetgate_protocol::Endpoint;
 use fleetgate_protocol::view::RequestView;
@@ -25,11 +25,6 @@ pub(crate) fn next<'p>(
     tried: &[usize],
 ) -> Option<&'p Pool> {
     let f = from.fallback.as_deref()?;
-    if let (Some(envs), Some(k)) = (&f.environments, key)
-        && !envs.contains(&k.environment)
-    {
-        return None;
-    }
     let list = if cause.is_context() {
         &f.context_window
     } else {
@@ -44,10 +39,8 @@ pub(crate) fn next<'p>(
         (Some(mine), Some(theirs)) => theirs > mine,
         _ => true,
     };
-    list.iter()
-        .filter(|i| !tried.contains(i))
-        .filter_map(|&i| pools.at(i))
-        .filter(|p| key.is_none_or(|k| super::check_rights(k, p).is_ok()))
+    usable(f, list, pools, key)
+        .filter(|p| !tried.contains(&p.index))
         .find(|p| !cause.is_context() || longer(p))
 }
 
@@ -69,16 +62,29 @@ pub(crate) fn context_fit<'p>(
     if fits(pool) {
         return None;
     }
-    if let (Some(envs), Some(k)) = (&f.environments, key)
-        && !envs.contains(&k.environment)
-    {
-        return None;
-    }
-    f.context_window
-        .iter()
+    usable(f, &f.context_window, pools, key).find(|p| fits(p))
+}
+
+/// The pools of `list` (one of `f`'s) the key may go to, in order: none when the pool's
+/// `fallback_environments` do not let its environment go; then those whose rights it has (the
+/// model allow-list, the pool's `environments`).
+fn usable<'p, 'a>(
+    f: &'a Fallbacks,
+    list: &'a [usize],
+    pools: &'p Generation,
+    key: Option<&'a KeyRecord>,
+) -> impl Iterator<Item = &'p Pool> + 'a
+where
+    'p: 'a,
+{
+    let may_leave = match (&f.environments, key) {
+        (Some(envs), Some(k)) => envs.contains(&k.environment),
+        _ => true,
+    };
+    list.iter()
+        .filter(move |_| may_leave)
         .filter_map(|&i| pools.at(i))
-        .filter(|p| key.is_none_or(|k| super::check_rights(k, p).is_ok()))
-        .find(|p| fits(p))
+        .filter(move |p| key.is_none_or(|k| super::check_rights(k, p).is_ok()))
 }
 
 /// The tokens a request needs of a context: its prompt, counted with the pool's tokenizer
